@@ -1,0 +1,351 @@
+//! Finding and loading cuDNN at run time.
+//!
+//! Search order (first hit wins):
+//! 1. `$CUDNN_LIB_DIR/libcudnn.so.9` when the variable is set;
+//! 2. the system loader (`libcudnn.so.9` by name: `LD_LIBRARY_PATH`, the ld cache, rpaths);
+//! 3. pip-installed wheels, `…/site-packages/nvidia/cudnn/lib/libcudnn.so.9`, in `$VIRTUAL_ENV`,
+//!    the user's site-packages, the system's site/dist-packages and virtualenvs under `/opt`
+//!    (where a PyTorch install keeps its cuDNN).
+//!
+//! Loading never panics: every failure is a [`LoadError`] that lists each path tried and why
+//! it was rejected.
+
+use crate::bindings::{cudnnStatus_t, CudnnLib};
+use crate::status::c_str_lossy;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+/// Oldest cuDNN the bindings accept (the graph API as bound here is cuDNN 9's).
+pub const MIN_VERSION: usize = 9_00_00;
+/// First cuDNN that builds plans without a GPU (device-properties descriptors).
+pub const DEVICELESS_MIN_VERSION: usize = 9_08_00;
+
+const LIB_NAME: &str = "libcudnn.so.9";
+
+/// One place the loader looked, and why it did not use it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadAttempt {
+    /// A file path, or a bare library name handed to the system loader.
+    pub candidate: String,
+    /// Why it failed (file missing, dlopen error, missing symbol, ...).
+    pub reason: String,
+}
+
+impl fmt::Display for LoadAttempt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.candidate, self.reason)
+    }
+}
+
+/// Why cuDNN could not be loaded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LoadError {
+    /// No candidate could be loaded; each attempt says why.
+    #[error("cuDNN not found (set CUDNN_LIB_DIR to the folder holding {LIB_NAME}); tried:\n{}",
+        attempts.iter().map(|a| format!("  - {a}")).collect::<Vec<_>>().join("\n"))]
+    NotFound {
+        /// Every candidate, in search order.
+        attempts: Vec<LoadAttempt>,
+    },
+    /// A library loaded but reports a version older than [`MIN_VERSION`].
+    #[error("cuDNN at {path} is version {version}; cudnn-cbr needs 9.0 or newer")]
+    TooOld {
+        /// Where it was loaded from.
+        path: String,
+        /// `cudnnGetVersion()`.
+        version: usize,
+    },
+}
+
+/// A loaded cuDNN: the function table plus where it came from and its version.
+pub struct Library {
+    /// The bound functions.
+    pub api: CudnnLib,
+    path: String,
+    version: usize,
+}
+
+impl fmt::Debug for Library {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Library")
+            .field("path", &self.path)
+            .field("version", &self.version)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Library {
+    /// Where the library was loaded from (a path, or the name the system loader resolved).
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// `cudnnGetVersion()`, e.g. 92801 for 9.28.1.
+    pub fn version(&self) -> usize {
+        self.version
+    }
+
+    /// (major, minor, patch) of [`Library::version`].
+    pub fn version_triple(&self) -> (usize, usize, usize) {
+        (
+            self.version / 10_000,
+            (self.version / 100) % 100,
+            self.version % 100,
+        )
+    }
+
+    /// Whether this cuDNN can build plans deviceless (from device-properties JSON, ≥ 9.8).
+    pub fn supports_deviceless(&self) -> bool {
+        self.version >= DEVICELESS_MIN_VERSION
+    }
+
+    /// `cudnnGetErrorString(status)`.
+    pub fn error_string(&self, status: cudnnStatus_t) -> String {
+        // SAFETY: cudnnGetErrorString accepts any status value and returns a static string.
+        unsafe { c_str_lossy((self.api.cudnnGetErrorString)(status)) }
+    }
+
+    /// `cudnnGetLastErrorString()`: cuDNN's explanation of the most recent failure on this thread.
+    pub fn last_error_string(&self) -> String {
+        let mut buf = vec![0 as std::os::raw::c_char; 4096];
+        // SAFETY: buf is writable for buf.len() bytes; cuDNN writes at most max_size bytes
+        // including the terminating NUL.
+        unsafe { (self.api.cudnnGetLastErrorString)(buf.as_mut_ptr(), buf.len()) };
+        *buf.last_mut().expect("buffer is not empty") = 0;
+        // SAFETY: buf is NUL-terminated (last byte forced to 0) and outlives the call.
+        unsafe { c_str_lossy(buf.as_ptr()) }
+    }
+}
+
+/// Where to look for cuDNN. [`SearchPaths::from_env`] is the documented default order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SearchPaths {
+    /// Explicit folder (from `CUDNN_LIB_DIR`), tried first.
+    pub lib_dir: Option<PathBuf>,
+    /// Whether to ask the system loader for `libcudnn.so.9` by name.
+    pub system_loader: bool,
+    /// `site-packages` folders to look in for `nvidia/cudnn/lib/libcudnn.so.9`, in order.
+    pub site_packages: Vec<PathBuf>,
+}
+
+impl SearchPaths {
+    /// The default search order, read from the environment.
+    pub fn from_env() -> Self {
+        SearchPaths {
+            lib_dir: std::env::var_os("CUDNN_LIB_DIR")
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from),
+            system_loader: true,
+            site_packages: site_packages_dirs(),
+        }
+    }
+
+    /// Every candidate, in order: file paths, or the bare name for the system loader.
+    pub fn candidates(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Some(dir) = &self.lib_dir {
+            out.push(dir.join(LIB_NAME).display().to_string());
+        }
+        if self.system_loader {
+            out.push(LIB_NAME.to_string());
+        }
+        for sp in &self.site_packages {
+            let p = sp.join("nvidia/cudnn/lib").join(LIB_NAME);
+            let p = p.display().to_string();
+            if !out.contains(&p) {
+                out.push(p);
+            }
+        }
+        out
+    }
+
+    /// Tries every candidate in order; the first that loads with every symbol and a new
+    /// enough version wins.
+    pub fn load(&self) -> Result<Library, LoadError> {
+        let mut attempts = Vec::new();
+        for candidate in self.candidates() {
+            let is_path = candidate.contains('/');
+            if is_path && !Path::new(&candidate).exists() {
+                attempts.push(LoadAttempt {
+                    candidate,
+                    reason: "no such file".into(),
+                });
+                continue;
+            }
+            match load_from(&candidate) {
+                Ok(lib) => return Ok(lib),
+                Err(LoadError::TooOld { path, version }) => {
+                    return Err(LoadError::TooOld { path, version })
+                }
+                Err(LoadError::NotFound { attempts: mut a }) => attempts.append(&mut a),
+            }
+        }
+        Err(LoadError::NotFound { attempts })
+    }
+}
+
+/// Loads cuDNN from one path (or a bare name for the system loader), checking every bound
+/// symbol and the version. Does not touch the process-wide library of [`library()`].
+pub fn load_from(candidate: impl AsRef<Path>) -> Result<Library, LoadError> {
+    let candidate = candidate.as_ref();
+    let shown = candidate.display().to_string();
+    let fail = |reason: String| LoadError::NotFound {
+        attempts: vec![LoadAttempt {
+            candidate: shown.clone(),
+            reason,
+        }],
+    };
+    // SAFETY: loading a shared library runs its initialisers; cuDNN's are sound to run on any
+    // thread. CudnnLib checks that every bound symbol exists (require_all), so no call can
+    // reach a missing function.
+    let api = unsafe { CudnnLib::new(candidate.as_os_str()) }.map_err(|e| fail(e.to_string()))?;
+    // SAFETY: cudnnGetVersion takes no arguments and has no preconditions.
+    let version = unsafe { (api.cudnnGetVersion)() };
+    if version < MIN_VERSION {
+        return Err(LoadError::TooOld {
+            path: shown,
+            version,
+        });
+    }
+    Ok(Library {
+        api,
+        path: shown,
+        version,
+    })
+}
+
+static LIBRARY: OnceLock<Result<Library, LoadError>> = OnceLock::new();
+
+/// The process-wide cuDNN, loaded on first use with [`SearchPaths::from_env`].
+/// Later calls return the same library (or the same error).
+pub fn library() -> Result<&'static Library, LoadError> {
+    LIBRARY
+        .get_or_init(|| SearchPaths::from_env().load())
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// The process-wide library if it has been loaded successfully.
+pub(crate) fn loaded() -> Option<&'static Library> {
+    LIBRARY.get().and_then(|r| r.as_ref().ok())
+}
+
+/// site-packages folders where pip puts the nvidia wheels: the active virtualenv, the user's,
+/// the system's, and virtualenvs under /opt.
+fn site_packages_dirs() -> Vec<PathBuf> {
+    let mut prefixes: Vec<PathBuf> = Vec::new();
+    if let Some(venv) = std::env::var_os("VIRTUAL_ENV").filter(|v| !v.is_empty()) {
+        prefixes.push(PathBuf::from(venv));
+    }
+    if let Some(home) = std::env::var_os("HOME").filter(|v| !v.is_empty()) {
+        prefixes.push(PathBuf::from(home).join(".local"));
+    }
+    prefixes.push("/usr/local".into());
+    prefixes.push("/usr".into());
+    if let Ok(entries) = std::fs::read_dir("/opt") {
+        let mut opt: Vec<PathBuf> = entries
+            .filter_map(Result::ok)
+            .flat_map(|e| [e.path().join(".venv"), e.path().join("venv"), e.path()])
+            .collect();
+        opt.sort();
+        prefixes.extend(opt);
+    }
+    let mut out = Vec::new();
+    for prefix in prefixes {
+        for lib in ["lib", "lib64"] {
+            let Ok(entries) = std::fs::read_dir(prefix.join(lib)) else {
+                continue;
+            };
+            let mut pythons: Vec<PathBuf> = entries
+                .filter_map(Result::ok)
+                .filter(|e| e.file_name().to_string_lossy().starts_with("python3"))
+                .map(|e| e.path())
+                .collect();
+            pythons.sort();
+            for py in pythons.into_iter().rev() {
+                for sub in ["site-packages", "dist-packages"] {
+                    let sp = py.join(sub);
+                    if sp.is_dir() && !out.contains(&sp) {
+                        out.push(sp);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_everywhere_is_a_typed_error_listing_each_path() {
+        let dir = std::env::temp_dir().join("cudnn-fe-sys-empty-dir");
+        std::fs::create_dir_all(&dir).unwrap();
+        let paths = SearchPaths {
+            lib_dir: Some(dir.clone()),
+            system_loader: false,
+            site_packages: vec![PathBuf::from("/nonexistent/site-packages")],
+        };
+        let err = paths.load().unwrap_err();
+        let LoadError::NotFound { attempts } = &err else {
+            panic!("expected NotFound, got {err:?}");
+        };
+        assert_eq!(attempts.len(), 2);
+        assert!(attempts[0].candidate.starts_with(dir.to_str().unwrap()));
+        assert_eq!(attempts[0].reason, "no such file");
+        assert!(attempts[1]
+            .candidate
+            .contains("nvidia/cudnn/lib/libcudnn.so.9"));
+        let text = err.to_string();
+        assert!(text.contains("CUDNN_LIB_DIR"), "{text}");
+        assert!(text.contains("/nonexistent/site-packages"), "{text}");
+    }
+
+    #[test]
+    fn a_library_without_the_symbols_is_rejected_by_name() {
+        // libm exists on every Linux machine and has none of cuDNN's symbols.
+        let err = load_from("libm.so.6").unwrap_err();
+        let LoadError::NotFound { attempts } = &err else {
+            panic!("expected NotFound, got {err:?}");
+        };
+        assert!(attempts[0].reason.contains("cudnnGetVersion"), "{err}");
+    }
+
+    #[test]
+    fn a_file_that_is_not_a_library_is_rejected() {
+        let dir = std::env::temp_dir().join("cudnn-fe-sys-bogus-lib");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join(LIB_NAME), b"not an ELF file").unwrap();
+        let paths = SearchPaths {
+            lib_dir: Some(dir),
+            system_loader: false,
+            site_packages: vec![],
+        };
+        let err = paths.load().unwrap_err();
+        let LoadError::NotFound { attempts } = &err else {
+            panic!("expected NotFound, got {err:?}");
+        };
+        assert_eq!(attempts.len(), 1);
+        assert_ne!(attempts[0].reason, "no such file");
+    }
+
+    #[test]
+    fn candidates_follow_the_documented_order() {
+        let paths = SearchPaths {
+            lib_dir: Some("/x".into()),
+            system_loader: true,
+            site_packages: vec!["/sp".into(), "/sp".into()],
+        };
+        assert_eq!(
+            paths.candidates(),
+            vec![
+                "/x/libcudnn.so.9".to_string(),
+                "libcudnn.so.9".to_string(),
+                "/sp/nvidia/cudnn/lib/libcudnn.so.9".to_string()
+            ]
+        );
+    }
+}

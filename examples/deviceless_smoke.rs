@@ -1,0 +1,65 @@
+//! Builds and plans the forward conv + GenStats graph for every device-properties fixture,
+//! without a GPU, and prints what cuDNN chose.
+//!
+//! `cargo run --release --example deviceless_smoke [devprops.json ...]`
+
+use cudnn_cbr::fusion::probe::{self, ConvShape};
+use cudnn_cbr::fusion::DeviceProps;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    let mut files: Vec<PathBuf> = std::env::args_os().skip(1).map(PathBuf::from).collect();
+    if files.is_empty() {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/devprops");
+        files = ["h200-sm90.json", "a100-sm80.json", "b200-sm100.json"]
+            .iter()
+            .map(|f| dir.join(f))
+            .collect();
+    }
+    let lib = match cudnn_cbr::sys::library() {
+        Ok(lib) => lib,
+        Err(e) => {
+            eprintln!("error: {e}");
+            eprintln!("hint: run scripts/setup-test-deps.sh and `source .deps/env.sh`");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (ma, mi, pa) = lib.version_triple();
+    println!("cuDNN {ma}.{mi}.{pa} from {}", lib.path());
+    let shape = ConvShape::RESNET_3X3;
+    println!(
+        "graph: conv_fprop + genstats, N={} C={} K={} {}x{} {}x{} pad {} stride {}, FP16 NHWC, FP32 stats",
+        shape.n, shape.c, shape.k, shape.h, shape.w, shape.r, shape.s, shape.pad, shape.stride
+    );
+    println!(
+        "{:<22} {:>8} {:>7} {:>7} {:>7}  {:<32} {:>10} {:>9}",
+        "device", "reported", "usable", "chosen", "engine", "pattern", "workspace", "build ms"
+    );
+    let mut failed = false;
+    for file in &files {
+        let report = DeviceProps::from_file(file).and_then(|p| probe::conv_genstats(&p, shape));
+        match report {
+            Ok(r) => println!(
+                "{:<22} {:>8} {:>7} {:>7} {:>7}  {:<32} {:>10} {:>9.1}",
+                r.device,
+                r.reported,
+                r.usable,
+                r.chosen,
+                r.engine_index,
+                r.pattern.as_deref().unwrap_or("?"),
+                r.workspace,
+                r.build_ms
+            ),
+            Err(e) => {
+                failed = true;
+                println!("{:<22} error: {e}", file.display());
+            }
+        }
+    }
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}

@@ -1,0 +1,174 @@
+//! Device properties, heuristics and execution plans at the descriptor level.
+
+use super::descriptor::Descriptor;
+use crate::error::{Error, Result};
+use crate::target::DeviceProps;
+use cudnn_fe_sys as sys;
+use sys::cudnnBackendAttributeName_t as A;
+use sys::cudnnBackendDescriptorType_t as K;
+
+/// A finalized `CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR` built from a JSON document (cuDNN ≥ 9.8).
+pub fn device_prop_descriptor(props: &DeviceProps) -> Result<Descriptor> {
+    let lib = sys::library()?;
+    if !lib.supports_deviceless() {
+        return Err(Error::DevicelessUnsupported {
+            version: lib.version(),
+        });
+    }
+    let mut d = Descriptor::new(K::CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR)?;
+    d.set(
+        A::CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION,
+        props.json().as_bytes(),
+    )?;
+    d.finalize().map_err(|e| Error::DeviceProps {
+        source_name: props.origin().map(str::to_string),
+        reason: format!("cuDNN rejected the document: {e}"),
+    })?;
+    Ok(d)
+}
+
+/// Heuristics modes cuDNN offers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HeurMode {
+    /// Fast rule-based ranking (`CUDNN_HEUR_MODE_A`).
+    A,
+    /// Slower, model-based ranking (`CUDNN_HEUR_MODE_B`).
+    B,
+    /// Engines that work everywhere, usually slow (`CUDNN_HEUR_MODE_FALLBACK`).
+    Fallback,
+}
+
+impl HeurMode {
+    fn raw(self) -> sys::cudnnBackendHeurMode_t {
+        match self {
+            HeurMode::A => sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
+            HeurMode::B => sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_B,
+            HeurMode::Fallback => sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
+        }
+    }
+}
+
+/// What heuristics returned for one mode.
+#[derive(Debug)]
+pub struct HeuristicsResult {
+    /// The mode asked.
+    pub mode: HeurMode,
+    /// The count cuDNN reported (includes configs that later fail its support checks).
+    pub reported: usize,
+    /// The engine configs cuDNN actually returned, best first.
+    pub configs: Vec<Descriptor>,
+}
+
+/// Runs heuristics `mode` on a finalized operation graph, deviceless when `devprop` is given.
+pub fn heuristics(
+    op_graph: &Descriptor,
+    mode: HeurMode,
+    devprop: Option<&Descriptor>,
+) -> Result<HeuristicsResult> {
+    let mut heur = Descriptor::new(K::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
+    heur.set_descriptors(A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &[op_graph])?;
+    heur.set_one(A::CUDNN_ATTR_ENGINEHEUR_MODE, mode.raw())?;
+    if let Some(dp) = devprop {
+        heur.set_descriptors(A::CUDNN_ATTR_ENGINEHEUR_DEVICEPROP, &[dp])?;
+    }
+    heur.finalize()?;
+    let reported = heur.count(
+        A::CUDNN_ATTR_ENGINEHEUR_RESULTS,
+        sys::cudnnBackendAttributeType_t::CUDNN_TYPE_BACKEND_DESCRIPTOR,
+    )?;
+    // cuDNN returns only the configs that pass its support checks, possibly fewer than
+    // `reported`, with a success status.
+    let configs = heur.get_descriptors(
+        A::CUDNN_ATTR_ENGINEHEUR_RESULTS,
+        K::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR,
+        reported,
+    )?;
+    Ok(HeuristicsResult {
+        mode,
+        reported,
+        configs,
+    })
+}
+
+/// Where a plan is finalized: on a live handle, or deviceless for a device-properties descriptor.
+#[derive(Debug, Clone, Copy)]
+pub enum PlanSite<'a> {
+    /// Deviceless: the plan is built for these device properties.
+    Deviceless(&'a Descriptor),
+    /// On the device behind this cuDNN handle.
+    Handle(sys::cudnnHandle_t),
+}
+
+/// Finalizes an execution plan for one engine config.
+pub fn finalize_plan(engine_config: &Descriptor, site: PlanSite<'_>) -> Result<Descriptor> {
+    let mut plan = Descriptor::new(K::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
+    plan.set_descriptors(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, &[engine_config])?;
+    match site {
+        PlanSite::Deviceless(dp) => {
+            plan.set_descriptors(A::CUDNN_ATTR_EXECUTION_PLAN_DEVICEPROP, &[dp])?;
+        }
+        PlanSite::Handle(h) => {
+            plan.set_one(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, h)?;
+        }
+    }
+    plan.finalize()?;
+    Ok(plan)
+}
+
+/// Re-creates a plan from its JSON representation (skips heuristics and runtime compilation).
+pub fn plan_from_json(json: &str, site: PlanSite<'_>) -> Result<Descriptor> {
+    let mut plan = Descriptor::new(K::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
+    match site {
+        PlanSite::Deviceless(dp) => {
+            plan.set_descriptors(A::CUDNN_ATTR_EXECUTION_PLAN_DEVICEPROP, &[dp])?;
+        }
+        PlanSite::Handle(h) => {
+            plan.set_one(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, h)?;
+        }
+    }
+    plan.set(
+        A::CUDNN_ATTR_EXECUTION_PLAN_JSON_REPRESENTATION,
+        json.as_bytes(),
+    )?;
+    plan.finalize()?;
+    Ok(plan)
+}
+
+/// The workspace bytes a finalized plan needs.
+pub fn plan_workspace_size(plan: &Descriptor) -> Result<usize> {
+    let ws: i64 = plan.get_one(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE)?;
+    Ok(ws.max(0) as usize)
+}
+
+/// The JSON representation of a finalized plan (names the matched pattern and the engine).
+pub fn plan_json(plan: &Descriptor) -> Result<String> {
+    plan.get_string(A::CUDNN_ATTR_EXECUTION_PLAN_JSON_REPRESENTATION)
+}
+
+/// The engine behind an engine config: its global index, behaviour and numerical notes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineInfo {
+    /// `CUDNN_ATTR_ENGINE_GLOBAL_INDEX` (meaningful only within one pattern class).
+    pub global_index: i64,
+    /// Behaviour notes, e.g. runtime compilation.
+    pub behavior_notes: Vec<sys::cudnnBackendBehaviorNote_t>,
+    /// Numerical notes, e.g. tensor cores, reduced precision reduction.
+    pub numerical_notes: Vec<sys::cudnnBackendNumericalNote_t>,
+}
+
+/// Reads the engine of an engine config.
+pub fn engine_info(engine_config: &Descriptor) -> Result<EngineInfo> {
+    let engine = engine_config
+        .get_descriptors(
+            A::CUDNN_ATTR_ENGINECFG_ENGINE,
+            K::CUDNN_BACKEND_ENGINE_DESCRIPTOR,
+            1,
+        )?
+        .pop()
+        .ok_or_else(|| Error::cudnn_msg("engine config has no engine"))?;
+    Ok(EngineInfo {
+        global_index: engine.get_one(A::CUDNN_ATTR_ENGINE_GLOBAL_INDEX)?,
+        behavior_notes: engine.get(A::CUDNN_ATTR_ENGINE_BEHAVIOR_NOTE, 16)?,
+        numerical_notes: engine.get(A::CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, 16)?,
+    })
+}

@@ -1,0 +1,20 @@
+//! The thin `Result` layer over cudnn-fe-sys: the only module of this crate with `unsafe`.
+//!
+//! 1. [`Descriptor::new`] creates a backend descriptor; `Drop` destroys it.
+//! 2. `set`/`set_one`/`set_descriptors` set typed attributes (the Rust type picks the
+//!    `CUDNN_TYPE_*`, the slice carries the count); `finalize` freezes it.
+//! 3. [`heuristics`] ranks engine configs for a finalized operation graph; [`finalize_plan`]
+//!    turns one into an execution plan, deviceless or on a handle.
+//!
+//! Every failing call becomes an [`Error`](crate::Error) that names the descriptor kind and
+//! carries cuDNN's own last-error text.
+#![allow(unsafe_code)]
+
+mod descriptor;
+mod engine;
+
+pub use descriptor::{descriptor_counts, kind_name, AttrValue, Descriptor, DescriptorCounts};
+pub use engine::{
+    device_prop_descriptor, engine_info, finalize_plan, heuristics, plan_from_json, plan_json,
+    plan_workspace_size, EngineInfo, HeurMode, HeuristicsResult, PlanSite,
+};

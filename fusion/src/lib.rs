@@ -1,0 +1,18 @@
+//! A safe Rust frontend over the cuDNN graph API, and the fused Conv+BN+ReLU ops.
+//!
+//! | concept | type | what it is |
+//! |---|---|---|
+//! | device properties | [`DeviceProps`] | the GPU a plan is built for (JSON, deviceless) |
+//! | descriptor | [`backend::Descriptor`] | one owned cuDNN backend object |
+//! | engine config | [`backend::heuristics`] | a ranked way to run an operation graph |
+//! | execution plan | [`backend::finalize_plan`] | a finalized, runnable engine config |
+#![deny(unsafe_code)]
+
+pub mod backend;
+mod error;
+pub mod probe;
+pub mod reference;
+mod target;
+
+pub use error::{Error, Result};
+pub use target::{DeviceProps, REQUIRED_KEYS};

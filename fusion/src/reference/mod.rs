@@ -1,0 +1,1 @@
+//! CPU reference executor (placeholder; being written).

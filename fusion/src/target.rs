@@ -1,0 +1,160 @@
+//! What a plan is built for: a device's properties plus the cuDNN version.
+//!
+//! Deviceless building (cuDNN ≥ 9.8) feeds cuDNN a device-properties JSON document instead of
+//! a live GPU. [`DeviceProps`] holds that document, checked for every key cuDNN requires (cuDNN
+//! itself only names a missing key in its debug log).
+
+use crate::error::{Error, Result};
+use std::path::Path;
+
+/// Keys cuDNN 9.x requires in a device-properties JSON document.
+pub const REQUIRED_KEYS: [&str; 24] = [
+    "maxGridSize",
+    "maxBlockSize",
+    "regsPerBlock",
+    "multiProcessorCount",
+    "warpSize",
+    "maxSharedMemoryPerBlock",
+    "maxSharedMemoryPerBlockOptin",
+    "reservedSharedMemoryPerBlock",
+    "maxRegistersPerSM",
+    "maxCtasPerSM",
+    "maxThreadsPerBlock",
+    "maxThreadsPerSM",
+    "pciDeviceId",
+    "isTccDriver",
+    "supportCoopLaunch",
+    "totalGlobalMem",
+    "smClockRateKHz",
+    "memClockRateKHz",
+    "memoryBusWidth",
+    "l2CacheSize",
+    "cudaDeviceId",
+    "deviceVer",
+    "driverVer",
+    "deviceName",
+];
+
+/// A device-properties document, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceProps {
+    json: String,
+    name: String,
+    device_ver: u32,
+    sm_count: u32,
+    origin: Option<String>,
+}
+
+impl DeviceProps {
+    /// Parses and checks a device-properties JSON document.
+    pub fn from_json(json: &str) -> Result<Self> {
+        Self::parse(json, None)
+    }
+
+    /// Reads and checks a device-properties JSON file.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let origin = path.display().to_string();
+        let json = std::fs::read_to_string(path).map_err(|e| Error::DeviceProps {
+            source_name: Some(origin.clone()),
+            reason: format!("cannot read file: {e}"),
+        })?;
+        Self::parse(&json, Some(origin))
+    }
+
+    fn parse(json: &str, origin: Option<String>) -> Result<Self> {
+        let fail = |reason: String| Error::DeviceProps {
+            source_name: origin.clone(),
+            reason,
+        };
+        let value: serde_json::Value =
+            serde_json::from_str(json).map_err(|e| fail(format!("not valid JSON: {e}")))?;
+        let obj = value
+            .as_object()
+            .ok_or_else(|| fail("the document is not a JSON object".into()))?;
+        if let Some(missing) = REQUIRED_KEYS.iter().find(|k| !obj.contains_key(**k)) {
+            return Err(fail(format!("missing key `{missing}`")));
+        }
+        let uint = |key: &str| {
+            obj[key]
+                .as_u64()
+                .and_then(|v| u32::try_from(v).ok())
+                .ok_or_else(|| fail(format!("`{key}` is not an unsigned integer")))
+        };
+        let name = obj["deviceName"]
+            .as_str()
+            .ok_or_else(|| fail("`deviceName` is not a string".into()))?
+            .to_string();
+        Ok(DeviceProps {
+            json: json.trim().to_string(),
+            name,
+            device_ver: uint("deviceVer")?,
+            sm_count: uint("multiProcessorCount")?,
+            origin,
+        })
+    }
+
+    /// The JSON document as given to cuDNN.
+    pub fn json(&self) -> &str {
+        &self.json
+    }
+
+    /// `deviceName`, e.g. "NVIDIA H200".
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Compute capability as (major, minor), from `deviceVer` (900 → (9, 0)).
+    pub fn compute_capability(&self) -> (u32, u32) {
+        (self.device_ver / 100, (self.device_ver % 100) / 10)
+    }
+
+    /// `multiProcessorCount`.
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+
+    /// Where the document came from (a file path), when known.
+    pub fn origin(&self) -> Option<&str> {
+        self.origin.as_deref()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const H200: &str = include_str!("../../tests/fixtures/devprops/h200-sm90.json");
+
+    #[test]
+    fn fixture_parses() {
+        let p = DeviceProps::from_json(H200).unwrap();
+        assert_eq!(p.name(), "NVIDIA H200");
+        assert_eq!(p.compute_capability(), (9, 0));
+        assert_eq!(p.sm_count(), 132);
+    }
+
+    #[test]
+    fn a_missing_key_is_named() {
+        let mut v: serde_json::Value = serde_json::from_str(H200).unwrap();
+        v.as_object_mut().unwrap().remove("l2CacheSize");
+        let err = DeviceProps::from_json(&v.to_string()).unwrap_err();
+        assert!(
+            err.to_string().contains("missing key `l2CacheSize`"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn bad_documents_are_rejected() {
+        for (doc, needle) in [
+            ("not json", "not valid JSON"),
+            ("[1,2]", "not a JSON object"),
+        ] {
+            let err = DeviceProps::from_json(doc).unwrap_err();
+            assert!(err.to_string().contains(needle), "{doc}: {err}");
+        }
+        let err = DeviceProps::from_file("/nonexistent/props.json").unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/props.json"), "{err}");
+    }
+}

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The project's test command (README: "Run all tests"; .ci/run calls exactly this).
+# Installs the test dependencies, then: formatting, clippy, the bindings check, and every test
+# of the workspace. Works on a machine with no GPU and no CUDA.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+start=$(date +%s)
+step() { echo; echo "== $* ($(( $(date +%s) - start )) s)"; }
+
+step "test dependencies"
+./scripts/setup-test-deps.sh
+# shellcheck source=/dev/null
+source "${CUDNN_CBR_DEPS_DIR:-.deps}/env.sh"
+
+# The bindings check needs libclang. CI installs it from the distribution when it can;
+# elsewhere, and where that fails, the check prints a SKIP line naming why.
+if [ -n "${CI:-}" ] && ! ldconfig -p 2>/dev/null | grep -q 'libclang.*\.so' \
+   && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  step "installing libclang for the bindings check"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      --no-install-recommends libclang1-14 libclang-common-14-dev >/dev/null; } \
+    || echo "could not install libclang; the bindings check will be skipped"
+fi
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "bindings reproduce byte for byte"
+cargo xtask gen-bindings --check
+
+step "cargo test"
+cargo test --workspace --all-targets --locked
+
+step "done in $(( $(date +%s) - start )) s"
