@@ -11,6 +11,9 @@ pub enum Error {
     /// cuDNN could not be loaded (the message lists every path tried).
     #[error(transparent)]
     Load(#[from] LoadError),
+    /// The graph failed validation (before any cuDNN call).
+    #[error(transparent)]
+    Graph(#[from] crate::graph::GraphError),
     /// A cuDNN call failed; `what` says which step (descriptor kind, attribute, graph).
     #[error("{what}: {source}")]
     Cudnn {
@@ -53,6 +56,48 @@ pub enum Error {
         /// Configs actually returned.
         usable: usize,
     },
+    /// No usable CUDA device (no driver, no GPU, or the driver refused).
+    #[error("no CUDA device: {reason}")]
+    NoDevice {
+        /// What is missing.
+        reason: String,
+    },
+    /// A CUDA driver call failed.
+    #[error("{what}: CUDA driver error {message}")]
+    Driver {
+        /// The step.
+        what: String,
+        /// The driver's error.
+        message: String,
+    },
+    /// A tensor binding is unusable; nothing was sent to cuDNN.
+    #[error("plan `{graph}`: tensor `{tensor}`: {problem}")]
+    Binding {
+        /// The plan's graph.
+        graph: String,
+        /// The tensor.
+        tensor: String,
+        /// What is wrong.
+        problem: BindingProblem,
+    },
+    /// The caller's workspace is smaller than the plan needs.
+    #[error("plan `{graph}` needs {needed} bytes of workspace, got {got}")]
+    WorkspaceTooSmall {
+        /// The plan's graph.
+        graph: String,
+        /// Bytes needed.
+        needed: usize,
+        /// Bytes given.
+        got: usize,
+    },
+    /// A plan-cache file could not be read or written.
+    #[error("plan cache {path}: {reason}")]
+    CacheFile {
+        /// The file.
+        path: String,
+        /// What failed.
+        reason: String,
+    },
     /// Engine configs existed but no execution plan finalized.
     #[error("no execution plan finalized for graph `{graph}` on {target}: tried {tried} configs; last error: {last}")]
     NoPlan {
@@ -65,6 +110,65 @@ pub enum Error {
         /// The last failure's text.
         last: String,
     },
+}
+
+/// Why a tensor binding was rejected before calling cuDNN.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BindingProblem {
+    /// No buffer or scalar was bound.
+    Missing,
+    /// The device pointer is null.
+    Null,
+    /// The pointer is not aligned to the bytes cuDNN was promised.
+    Misaligned {
+        /// The pointer value.
+        address: u64,
+        /// Required alignment.
+        alignment: u64,
+    },
+    /// The buffer is smaller than the tensor.
+    TooSmall {
+        /// Bytes the tensor spans.
+        needed: usize,
+        /// Bytes bound.
+        got: usize,
+    },
+    /// The buffer's element type is not the tensor's.
+    WrongType {
+        /// The tensor's type.
+        expected: crate::graph::DataType,
+        /// The bound type.
+        got: crate::graph::DataType,
+    },
+    /// A device buffer bound to a by-value scalar, or a scalar bound to a device tensor.
+    WrongKind,
+    /// The tensor is not a real tensor of this plan.
+    NotInPlan,
+}
+
+impl std::fmt::Display for BindingProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BindingProblem::Missing => write!(f, "nothing is bound to it"),
+            BindingProblem::Null => write!(f, "its device pointer is null"),
+            BindingProblem::Misaligned { address, alignment } => {
+                write!(f, "pointer {address:#x} is not {alignment}-byte aligned")
+            }
+            BindingProblem::TooSmall { needed, got } => {
+                write!(f, "it spans {needed} bytes but the buffer has {got}")
+            }
+            BindingProblem::WrongType { expected, got } => {
+                write!(f, "it is {expected} but a {got} buffer was bound")
+            }
+            BindingProblem::WrongKind => {
+                write!(
+                    f,
+                    "by-value scalars take host values, device tensors take buffers"
+                )
+            }
+            BindingProblem::NotInPlan => write!(f, "it is not a real tensor of this plan"),
+        }
+    }
 }
 
 impl Error {

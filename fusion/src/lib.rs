@@ -9,10 +9,16 @@
 #![deny(unsafe_code)]
 
 pub mod backend;
+pub mod cache;
+pub mod cbr;
 mod error;
+pub mod exec;
+pub mod graph;
+pub mod lower;
+pub mod plan;
 pub mod probe;
 pub mod reference;
 mod target;
 
-pub use error::{Error, Result};
-pub use target::{DeviceProps, REQUIRED_KEYS};
+pub use error::{BindingProblem, Error, Result};
+pub use target::{DeviceProps, Target, REQUIRED_KEYS};

@@ -4,6 +4,7 @@
 //! a live GPU. [`DeviceProps`] holds that document, checked for every key cuDNN requires (cuDNN
 //! itself only names a missing key in its debug log).
 
+use crate::backend::{self, Descriptor, PlanSite};
 use crate::error::{Error, Result};
 use std::path::Path;
 
@@ -117,6 +118,93 @@ impl DeviceProps {
     /// Where the document came from (a file path), when known.
     pub fn origin(&self) -> Option<&str> {
         self.origin.as_deref()
+    }
+}
+
+/// What plans are built for: device properties plus the loaded cuDNN's version. Its
+/// [`identity`](Target::identity) is part of every plan-cache key.
+#[derive(Debug)]
+pub struct Target {
+    props: DeviceProps,
+    site: Site,
+    cudnn_version: usize,
+    identity: String,
+}
+
+#[derive(Debug)]
+enum Site {
+    /// Deviceless: a finalized DEVICEPROP descriptor built from the JSON.
+    Deviceless(Descriptor),
+    /// A live device behind a cuDNN handle (owned by the execution layer).
+    Handle(crate::exec::HandleRef),
+}
+
+impl Target {
+    /// A deviceless target: plans are built for `props` without a GPU (cuDNN ≥ 9.8).
+    pub fn deviceless(props: DeviceProps) -> Result<Self> {
+        let devprop = backend::device_prop_descriptor(&props)?;
+        Ok(Self::with_site(props, Site::Deviceless(devprop)))
+    }
+
+    /// A deviceless target from a device-properties JSON file.
+    pub fn deviceless_from_file(path: impl AsRef<Path>) -> Result<Self> {
+        Self::deviceless(DeviceProps::from_file(path)?)
+    }
+
+    pub(crate) fn live(props: DeviceProps, handle: crate::exec::HandleRef) -> Self {
+        Self::with_site(props, Site::Handle(handle))
+    }
+
+    fn with_site(props: DeviceProps, site: Site) -> Self {
+        let cudnn_version = cudnn_fe_sys::library().map(|l| l.version()).unwrap_or(0);
+        let (major, minor) = props.compute_capability();
+        let identity = format!(
+            "{}|sm{major}{minor}|{}sm|cudnn{cudnn_version}|props{:016x}",
+            props.name(),
+            props.sm_count(),
+            crate::graph::fnv1a(props.json().as_bytes())
+        );
+        Target {
+            props,
+            site,
+            cudnn_version,
+            identity,
+        }
+    }
+
+    /// The device properties.
+    pub fn props(&self) -> &DeviceProps {
+        &self.props
+    }
+
+    /// `cudnnGetVersion()` of the library the plans are built with.
+    pub fn cudnn_version(&self) -> usize {
+        self.cudnn_version
+    }
+
+    /// Device name, compute capability, SM count, cuDNN version and a hash of the full
+    /// properties document: equal identities build interchangeable plans.
+    pub fn identity(&self) -> &str {
+        &self.identity
+    }
+
+    /// Whether plans for this target can execute (it was made from a live device).
+    pub fn is_live(&self) -> bool {
+        matches!(self.site, Site::Handle(_))
+    }
+
+    pub(crate) fn plan_site(&self) -> PlanSite<'_> {
+        match &self.site {
+            Site::Deviceless(d) => PlanSite::Deviceless(d),
+            Site::Handle(h) => PlanSite::Handle(h.raw()),
+        }
+    }
+
+    pub(crate) fn devprop(&self) -> Option<&Descriptor> {
+        match &self.site {
+            Site::Deviceless(d) => Some(d),
+            Site::Handle(_) => None,
+        }
     }
 }
 

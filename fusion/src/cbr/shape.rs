@@ -1,0 +1,104 @@
+//! The geometry of one CBR layer.
+
+/// One conv layer's shape: NHWC activations, KRSC filter, square padding and stride.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ConvShape {
+    /// Batch.
+    pub n: i64,
+    /// Input channels.
+    pub c: i64,
+    /// Input height.
+    pub h: i64,
+    /// Input width.
+    pub w: i64,
+    /// Output channels.
+    pub k: i64,
+    /// Filter height.
+    pub r: i64,
+    /// Filter width.
+    pub s: i64,
+    /// Padding (both sides, both dims).
+    pub pad: i64,
+    /// Stride (both dims).
+    pub stride: i64,
+}
+
+impl ConvShape {
+    /// The project's reference layer: N=32, C=K=64, 56×56, 3×3, pad 1, stride 1.
+    pub const RESNET_3X3: ConvShape = ConvShape {
+        n: 32,
+        c: 64,
+        h: 56,
+        w: 56,
+        k: 64,
+        r: 3,
+        s: 3,
+        pad: 1,
+        stride: 1,
+    };
+
+    /// A square layer: `n`×`c`×`hw`×`hw` in, `k` filters of `rs`×`rs`.
+    pub fn square(n: i64, c: i64, hw: i64, k: i64, rs: i64, pad: i64, stride: i64) -> Self {
+        ConvShape {
+            n,
+            c,
+            h: hw,
+            w: hw,
+            k,
+            r: rs,
+            s: rs,
+            pad,
+            stride,
+        }
+    }
+
+    /// Output height.
+    pub fn p(&self) -> i64 {
+        (self.h + 2 * self.pad - self.r) / self.stride + 1
+    }
+
+    /// Output width.
+    pub fn q(&self) -> i64 {
+        (self.w + 2 * self.pad - self.s) / self.stride + 1
+    }
+
+    /// Input dims `[N, C, H, W]`.
+    pub fn x_dims(&self) -> [i64; 4] {
+        [self.n, self.c, self.h, self.w]
+    }
+
+    /// Filter dims `[K, C, R, S]`.
+    pub fn w_dims(&self) -> [i64; 4] {
+        [self.k, self.c, self.r, self.s]
+    }
+
+    /// Output dims `[N, K, P, Q]`.
+    pub fn y_dims(&self) -> [i64; 4] {
+        [self.n, self.k, self.p(), self.q()]
+    }
+
+    /// Elements per output channel (N·P·Q): BN's count.
+    pub fn count(&self) -> i64 {
+        self.n * self.p() * self.q()
+    }
+
+    /// Forward FLOPs of the convolution (2·N·K·P·Q·C·R·S).
+    pub fn flops(&self) -> f64 {
+        2.0 * (self.n * self.k * self.p() * self.q() * self.c * self.r * self.s) as f64
+    }
+
+    /// The conv attributes for the graph layer.
+    pub fn conv_attrs(&self) -> crate::graph::ConvAttrs {
+        crate::graph::ConvAttrs::default()
+            .padding(self.pad)
+            .stride(self.stride)
+    }
+
+    /// A short label like `n32 c64 56x56 k64 3x3 s1`.
+    pub fn label(&self) -> String {
+        format!(
+            "n{} c{} {}x{} k{} {}x{} s{}",
+            self.n, self.c, self.h, self.w, self.k, self.r, self.s, self.stride
+        )
+    }
+}

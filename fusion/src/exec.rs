@@ -1,0 +1,524 @@
+//! Execution on a GPU: cuDNN handles on cudarc streams, bindings (the variant pack), workspace,
+//! autotuning and CUDA-graph population. The only module besides `backend` with `unsafe`.
+//!
+//! 1. [`cuda_device`] opens a device (a typed error, never a panic, where there is none).
+//! 2. [`Handle::new`] makes a cuDNN handle on a cudarc stream; [`Handle::target`] gives the
+//!    live [`Target`] plans are built for.
+//! 3. [`Bindings::new`] for a plan; bind every real tensor (buffers, or host scalars for by-value
+//!    tensors); [`ExecutionPlan::execute`] checks each pointer (non-null, aligned, large enough,
+//!    right type) before calling cuDNN.
+#![allow(unsafe_code)]
+
+use crate::backend::Descriptor;
+use crate::error::{BindingProblem, Error, Result};
+use crate::graph::{DataType, TensorId};
+use crate::plan::{build_plans, ExecutionPlan, PlanPolicy};
+use crate::target::{DeviceProps, Target};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
+use cudnn_fe_sys as sys;
+use std::os::raw::c_void;
+use std::sync::{Arc, Mutex};
+use sys::cudnnBackendAttributeName_t as A;
+use sys::cudnnBackendDescriptorType_t as K;
+
+/// The alignment every tensor pointer must have (cuDNN is told 16 bytes per tensor).
+pub const TENSOR_ALIGNMENT: u64 = 16;
+
+/// Opens CUDA device `ordinal`, or says why there is none. Checks that a driver library exists
+/// before touching cudarc (which panics without one).
+pub fn cuda_device(ordinal: usize) -> Result<Arc<CudaContext>> {
+    // SAFETY: is_culib_present only tries to dlopen the driver library by name.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(Error::NoDevice {
+            reason: "no CUDA driver library (libcuda) on this machine".into(),
+        });
+    }
+    CudaContext::new(ordinal).map_err(|e| Error::NoDevice {
+        reason: format!("CUDA device {ordinal} cannot be opened: {e}"),
+    })
+}
+
+/// A cuDNN handle bound to one cudarc stream, with a workspace pool for plans that need one.
+pub struct Handle {
+    raw: sys::cudnnHandle_t,
+    stream: Arc<CudaStream>,
+    lib: &'static sys::Library,
+    workspace: Mutex<Option<CudaSlice<u8>>>,
+}
+
+// SAFETY: a cuDNN handle may be used from any thread as long as calls on it do not overlap;
+// every call that uses `raw` happens while the caller holds `&Handle` and enqueues work on the
+// handle's one stream, and the workspace pool is behind a mutex.
+unsafe impl Send for Handle {}
+// SAFETY: see above.
+unsafe impl Sync for Handle {}
+
+impl std::fmt::Debug for Handle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handle")
+            .field("device", &self.stream.context().ordinal())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A shared handle as a [`Target`] holds it.
+#[derive(Debug, Clone)]
+pub(crate) struct HandleRef(pub(crate) Arc<Handle>);
+
+impl HandleRef {
+    pub(crate) fn raw(&self) -> sys::cudnnHandle_t {
+        self.0.raw
+    }
+}
+
+impl Handle {
+    /// Creates a cuDNN handle whose work goes to `stream`.
+    pub fn new(stream: Arc<CudaStream>) -> Result<Arc<Self>> {
+        let lib = sys::library()?;
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| driver("bind the CUDA context", e))?;
+        let mut raw: sys::cudnnHandle_t = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the context is current on this thread.
+        unsafe { (lib.api.cudnnCreate)(&mut raw) }
+            .result()
+            .map_err(|e| Error::cudnn("cudnnCreate", e))?;
+        let handle = Handle {
+            raw,
+            stream,
+            lib,
+            workspace: Mutex::new(None),
+        };
+        // SAFETY: `raw` is a live handle; the stream outlives it (held in `handle`).
+        unsafe { (lib.api.cudnnSetStream)(raw, handle.stream.cu_stream() as sys::cudaStream_t) }
+            .result()
+            .map_err(|e| Error::cudnn("cudnnSetStream", e))?;
+        Ok(Arc::new(handle))
+    }
+
+    /// The stream work is enqueued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The device's properties as cuDNN sees them (serialized to the same JSON the deviceless
+    /// fixtures use).
+    pub fn device_props(&self) -> Result<DeviceProps> {
+        let mut d = Descriptor::new(K::CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR)?;
+        d.set_one(A::CUDNN_ATTR_DEVICEPROP_HANDLE, self.raw)?;
+        d.finalize()?;
+        let json = d.get_string(A::CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION)?;
+        DeviceProps::from_json(&json)
+    }
+
+    /// A live target: plans built for it can execute on this handle.
+    pub fn target(self: &Arc<Self>) -> Result<Target> {
+        Ok(Target::live(self.device_props()?, HandleRef(self.clone())))
+    }
+
+    /// A device pointer to at least `bytes` of pooled workspace (grows, never shrinks).
+    fn pooled_workspace(&self, bytes: usize) -> Result<u64> {
+        let mut pool = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
+        if pool.as_ref().is_none_or(|w| w.len() < bytes) {
+            *pool = Some(
+                self.stream
+                    .alloc_zeros::<u8>(bytes.max(1))
+                    .map_err(|e| driver("allocate workspace", e))?,
+            );
+        }
+        let ws = pool.as_ref().expect("allocated above");
+        let (ptr, _sync) = ws.device_ptr(&self.stream);
+        Ok(ptr)
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // SAFETY: `raw` was created by cudnnCreate and is destroyed once; errors are ignored
+        // because Drop cannot report them.
+        let _ = unsafe { (self.lib.api.cudnnDestroy)(self.raw) };
+    }
+}
+
+fn driver(what: &str, e: cudarc::driver::DriverError) -> Error {
+    Error::Driver {
+        what: what.into(),
+        message: e.to_string(),
+    }
+}
+
+/// Element types a device buffer can have, mapped to graph data types.
+pub trait DeviceElement: DeviceRepr {
+    /// The graph type of this element.
+    const DTYPE: DataType;
+}
+
+impl DeviceElement for half::f16 {
+    const DTYPE: DataType = DataType::Half;
+}
+impl DeviceElement for f32 {
+    const DTYPE: DataType = DataType::Float;
+}
+impl DeviceElement for f64 {
+    const DTYPE: DataType = DataType::Double;
+}
+impl DeviceElement for i32 {
+    const DTYPE: DataType = DataType::Int32;
+}
+impl DeviceElement for i64 {
+    const DTYPE: DataType = DataType::Int64;
+}
+
+/// A host scalar for a by-value tensor.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Scalar {
+    /// FP32.
+    F32(f32),
+    /// FP64.
+    F64(f64),
+    /// INT64.
+    I64(i64),
+}
+
+impl Scalar {
+    fn dtype(self) -> DataType {
+        match self {
+            Scalar::F32(_) => DataType::Float,
+            Scalar::F64(_) => DataType::Double,
+            Scalar::I64(_) => DataType::Int64,
+        }
+    }
+
+    fn bytes(self) -> [u8; 8] {
+        match self {
+            Scalar::F32(v) => {
+                let mut b = [0u8; 8];
+                b[..4].copy_from_slice(&v.to_ne_bytes());
+                b
+            }
+            Scalar::F64(v) => v.to_ne_bytes(),
+            Scalar::I64(v) => v.to_ne_bytes(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Slot {
+    Empty,
+    Device {
+        ptr: u64,
+        bytes: usize,
+        dtype: DataType,
+    },
+    Host(usize),
+}
+
+/// Pointers for every real tensor of one plan, in the plan's uid order (no map lookups at
+/// execute time). Device pointers are raw: the caller keeps the buffers alive and unaliased
+/// until the work finishes on the stream.
+#[derive(Debug)]
+pub struct Bindings<'p> {
+    plan: &'p ExecutionPlan,
+    slots: Vec<Slot>,
+    scalars: Vec<[u8; 8]>,
+}
+
+impl<'p> Bindings<'p> {
+    /// Empty bindings for `plan`.
+    pub fn new(plan: &'p ExecutionPlan) -> Self {
+        Bindings {
+            plan,
+            slots: vec![Slot::Empty; plan.real_tensors().len()],
+            scalars: Vec::new(),
+        }
+    }
+
+    fn position(&self, t: TensorId) -> Result<usize> {
+        self.plan
+            .real_tensors()
+            .iter()
+            .position(|r| r.id == t)
+            .ok_or_else(|| Error::Binding {
+                graph: self.plan.graph_name().into(),
+                tensor: format!("#{}", t.index()),
+                problem: BindingProblem::NotInPlan,
+            })
+    }
+
+    /// Binds a device buffer to a real tensor.
+    pub fn bind<T: DeviceElement>(
+        &mut self,
+        t: TensorId,
+        buffer: &CudaSlice<T>,
+        stream: &CudaStream,
+    ) -> Result<&mut Self> {
+        let (ptr, _sync) = buffer.device_ptr(stream);
+        self.bind_raw(t, ptr, buffer.len() * std::mem::size_of::<T>(), T::DTYPE)
+    }
+
+    /// Binds a raw device pointer spanning `bytes` bytes of `dtype` elements.
+    pub fn bind_raw(
+        &mut self,
+        t: TensorId,
+        ptr: u64,
+        bytes: usize,
+        dtype: DataType,
+    ) -> Result<&mut Self> {
+        let i = self.position(t)?;
+        self.slots[i] = Slot::Device { ptr, bytes, dtype };
+        Ok(self)
+    }
+
+    /// Binds a host value to a by-value scalar tensor.
+    pub fn bind_scalar(&mut self, t: TensorId, value: Scalar) -> Result<&mut Self> {
+        let i = self.position(t)?;
+        let real = &self.plan.real_tensors()[i];
+        if real.dtype != value.dtype() {
+            return Err(self.problem(
+                i,
+                BindingProblem::WrongType {
+                    expected: real.dtype,
+                    got: value.dtype(),
+                },
+            ));
+        }
+        self.scalars.push(value.bytes());
+        self.slots[i] = Slot::Host(self.scalars.len() - 1);
+        Ok(self)
+    }
+
+    fn problem(&self, i: usize, problem: BindingProblem) -> Error {
+        Error::Binding {
+            graph: self.plan.graph_name().into(),
+            tensor: self.plan.real_tensors()[i].name.clone(),
+            problem,
+        }
+    }
+
+    /// Checks every binding and returns (uids, pointers) in uid order.
+    fn checked(&self) -> Result<(Vec<i64>, Vec<*mut c_void>)> {
+        let mut uids = Vec::with_capacity(self.slots.len());
+        let mut ptrs = Vec::with_capacity(self.slots.len());
+        for (i, (slot, real)) in self.slots.iter().zip(self.plan.real_tensors()).enumerate() {
+            let ptr = match (*slot, real.by_value) {
+                (Slot::Empty, _) => return Err(self.problem(i, BindingProblem::Missing)),
+                (Slot::Host(k), true) => self.scalars[k].as_ptr() as *mut c_void,
+                (Slot::Device { ptr, bytes, dtype }, false) => {
+                    if ptr == 0 {
+                        return Err(self.problem(i, BindingProblem::Null));
+                    }
+                    if ptr % TENSOR_ALIGNMENT != 0 {
+                        return Err(self.problem(
+                            i,
+                            BindingProblem::Misaligned {
+                                address: ptr,
+                                alignment: TENSOR_ALIGNMENT,
+                            },
+                        ));
+                    }
+                    if dtype != real.dtype {
+                        return Err(self.problem(
+                            i,
+                            BindingProblem::WrongType {
+                                expected: real.dtype,
+                                got: dtype,
+                            },
+                        ));
+                    }
+                    if bytes < real.bytes {
+                        return Err(self.problem(
+                            i,
+                            BindingProblem::TooSmall {
+                                needed: real.bytes,
+                                got: bytes,
+                            },
+                        ));
+                    }
+                    ptr as *mut c_void
+                }
+                _ => return Err(self.problem(i, BindingProblem::WrongKind)),
+            };
+            uids.push(real.uid);
+            ptrs.push(ptr);
+        }
+        Ok((uids, ptrs))
+    }
+
+    fn variant_pack(&self, workspace: u64) -> Result<Descriptor> {
+        let (uids, ptrs) = self.checked()?;
+        let mut vp = Descriptor::new(K::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR)?;
+        vp.set(A::CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, &uids)?
+            .set(A::CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, &ptrs)?
+            .set_one(
+                A::CUDNN_ATTR_VARIANT_PACK_WORKSPACE,
+                workspace as *mut c_void,
+            )?;
+        vp.finalize()?;
+        Ok(vp)
+    }
+}
+
+/// Workspace for one execution.
+#[derive(Debug)]
+pub enum Workspace<'a> {
+    /// The handle's internal pool (grown on demand).
+    Pooled,
+    /// A caller-provided buffer.
+    Buffer(&'a CudaSlice<u8>),
+}
+
+impl ExecutionPlan {
+    fn workspace_ptr(&self, handle: &Handle, ws: Workspace<'_>) -> Result<u64> {
+        let need = self.workspace_size();
+        match ws {
+            Workspace::Pooled if need == 0 => Ok(0),
+            Workspace::Pooled => handle.pooled_workspace(need),
+            Workspace::Buffer(buf) => {
+                if buf.len() < need {
+                    return Err(Error::WorkspaceTooSmall {
+                        graph: self.graph_name().into(),
+                        needed: need,
+                        got: buf.len(),
+                    });
+                }
+                let (ptr, _sync) = buf.device_ptr(handle.stream());
+                Ok(ptr)
+            }
+        }
+    }
+
+    /// Enqueues the plan on the handle's stream. Every binding is checked first; nothing is
+    /// sent to cuDNN when one is wrong.
+    pub fn execute(
+        &self,
+        handle: &Handle,
+        bindings: &Bindings<'_>,
+        ws: Workspace<'_>,
+    ) -> Result<()> {
+        let workspace = self.workspace_ptr(handle, ws)?;
+        let vp = bindings.variant_pack(workspace)?;
+        handle
+            .stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| driver("bind the CUDA context", e))?;
+        // SAFETY: the plan and variant pack are finalized descriptors; every pointer in the pack
+        // was checked non-null, aligned, of the right type and large enough; the caller keeps the
+        // buffers alive until the stream reaches this work (Bindings' contract).
+        unsafe {
+            (handle.lib.api.cudnnBackendExecute)(handle.raw, self.descriptor().raw(), vp.raw())
+        }
+        .result()
+        .map_err(|e| Error::cudnn(format!("execute plan `{}`", self.graph_name()), e))
+    }
+
+    /// Adds this plan's kernels to a new CUDA graph (cuDNN's native population API; only for
+    /// plans whose engine reports support, see [`ExecutionPlan::supports_cuda_graph_api`]).
+    pub fn populate_cuda_graph(
+        &self,
+        handle: &Handle,
+        bindings: &Bindings<'_>,
+    ) -> Result<CudaGraph> {
+        let workspace = self.workspace_ptr(handle, Workspace::Pooled)?;
+        let vp = bindings.variant_pack(workspace)?;
+        let mut graph: cudarc::driver::sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; flags must be 0.
+        unsafe { cudarc::driver::sys::cuGraphCreate(&mut graph, 0) }
+            .result()
+            .map_err(|e| driver("cuGraphCreate", e))?;
+        let owned = CudaGraph { raw: graph };
+        // SAFETY: handle, plan and pack are live and finalized; `graph` is an empty CUDA graph
+        // owned by `owned`, which destroys it on every path.
+        unsafe {
+            (handle.lib.api.cudnnBackendPopulateCudaGraph)(
+                handle.raw,
+                self.descriptor().raw(),
+                vp.raw(),
+                owned.raw as sys::cudaGraph_t,
+            )
+        }
+        .result()
+        .map_err(|e| {
+            Error::cudnn(
+                format!("populate a CUDA graph from `{}`", self.graph_name()),
+                e,
+            )
+        })?;
+        Ok(owned)
+    }
+}
+
+/// An owned CUDA graph (destroyed on drop).
+#[derive(Debug)]
+pub struct CudaGraph {
+    raw: cudarc::driver::sys::CUgraph,
+}
+
+impl CudaGraph {
+    /// The raw graph, for instantiation by the caller.
+    pub fn raw(&self) -> cudarc::driver::sys::CUgraph {
+        self.raw
+    }
+}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        // SAFETY: `raw` came from cuGraphCreate and is destroyed once.
+        let _ = unsafe { cudarc::driver::sys::cuGraphDestroy(self.raw) };
+    }
+}
+
+/// Times each candidate plan (median of `iters` runs after `warmup`, CUDA events) and returns
+/// the fastest with all timings in milliseconds. `bind` fills the bindings for a plan.
+pub fn autotune(
+    op: &crate::lower::OperationGraph,
+    target: &Target,
+    handle: &Handle,
+    max_candidates: usize,
+    warmup: usize,
+    iters: usize,
+    bind: &dyn Fn(&mut Bindings<'_>) -> Result<()>,
+) -> Result<(ExecutionPlan, Vec<f32>)> {
+    let plans = build_plans(op, target, &PlanPolicy::autotune(max_candidates))?;
+    let ctx = handle.stream.context();
+    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let mut times = Vec::with_capacity(plans.len());
+    for plan in &plans {
+        let mut b = Bindings::new(plan);
+        bind(&mut b)?;
+        for _ in 0..warmup {
+            plan.execute(handle, &b, Workspace::Pooled)?;
+        }
+        let mut runs = Vec::with_capacity(iters.max(1));
+        for _ in 0..iters.max(1) {
+            let start = ctx
+                .new_event(timing)
+                .map_err(|e| driver("create event", e))?;
+            let end = ctx
+                .new_event(timing)
+                .map_err(|e| driver("create event", e))?;
+            start
+                .record(&handle.stream)
+                .map_err(|e| driver("record event", e))?;
+            plan.execute(handle, &b, Workspace::Pooled)?;
+            end.record(&handle.stream)
+                .map_err(|e| driver("record event", e))?;
+            runs.push(
+                start
+                    .elapsed_ms(&end)
+                    .map_err(|e| driver("time events", e))?,
+            );
+        }
+        runs.sort_by(f32::total_cmp);
+        times.push(runs[runs.len() / 2]);
+    }
+    let best = times
+        .iter()
+        .enumerate()
+        .min_by(|a, b| a.1.total_cmp(b.1))
+        .map(|(i, _)| i)
+        .unwrap_or(0);
+    let mut plans = plans;
+    Ok((plans.swap_remove(best), times))
+}

@@ -1,0 +1,243 @@
+//! Execution plans: heuristics, plan finalize, introspection.
+//!
+//! 1. Lower a graph ([`OperationGraph::new`]).
+//! 2. [`build_plans`] asks heuristics (modes in [`PlanPolicy::modes`] order) and finalizes the
+//!    first config that works, or every config when autotuning.
+//! 3. An [`ExecutionPlan`] knows its workspace, engine, notes, JSON and the real tensors (uids)
+//!    its variant pack needs.
+
+use crate::backend::{self, Descriptor, EngineInfo, HeurMode};
+use crate::error::{Error, Result};
+use crate::lower::{OperationGraph, RealTensor};
+use crate::target::Target;
+use cudnn_fe_sys as sys;
+
+/// How plans are chosen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanPolicy {
+    /// Heuristics modes to ask, in order; configs keep that order (duplicates are kept).
+    pub modes: Vec<HeurMode>,
+    /// Finalize every config (for autotuning) instead of stopping at the first that works.
+    pub build_all: bool,
+    /// With `build_all`, stop after this many finalized plans.
+    pub max_plans: Option<usize>,
+}
+
+impl Default for PlanPolicy {
+    /// Mode A, then the fallback list; the first plan that finalizes.
+    fn default() -> Self {
+        PlanPolicy {
+            modes: vec![HeurMode::A, HeurMode::Fallback],
+            build_all: false,
+            max_plans: None,
+        }
+    }
+}
+
+impl PlanPolicy {
+    /// Every config of mode A (for autotuning), at most `max`.
+    pub fn autotune(max: usize) -> Self {
+        PlanPolicy {
+            modes: vec![HeurMode::A],
+            build_all: true,
+            max_plans: Some(max),
+        }
+    }
+}
+
+/// A finalized execution plan and what execution needs to know about it.
+#[derive(Debug)]
+pub struct ExecutionPlan {
+    desc: Descriptor,
+    graph_name: String,
+    real: Vec<RealTensor>,
+    workspace: usize,
+    engine: Option<EngineInfo>,
+    mode: Option<HeurMode>,
+    config_index: usize,
+    configs_reported: usize,
+    configs_usable: usize,
+}
+
+impl ExecutionPlan {
+    pub(crate) fn from_parts(
+        desc: Descriptor,
+        graph_name: String,
+        real: Vec<RealTensor>,
+    ) -> Result<Self> {
+        let workspace = backend::plan_workspace_size(&desc)?;
+        Ok(ExecutionPlan {
+            desc,
+            graph_name,
+            real,
+            workspace,
+            engine: None,
+            mode: None,
+            config_index: 0,
+            configs_reported: 0,
+            configs_usable: 0,
+        })
+    }
+
+    /// The plan descriptor.
+    pub fn descriptor(&self) -> &Descriptor {
+        &self.desc
+    }
+
+    /// The graph it runs.
+    pub fn graph_name(&self) -> &str {
+        &self.graph_name
+    }
+
+    /// Real tensors (uid-sorted): the variant pack must give each one a pointer.
+    pub fn real_tensors(&self) -> &[RealTensor] {
+        &self.real
+    }
+
+    /// Workspace bytes.
+    pub fn workspace_size(&self) -> usize {
+        self.workspace
+    }
+
+    /// The engine (unknown for a plan restored from JSON).
+    pub fn engine(&self) -> Option<&EngineInfo> {
+        self.engine.as_ref()
+    }
+
+    /// The heuristics mode that proposed it (unknown for a restored plan).
+    pub fn heuristics_mode(&self) -> Option<HeurMode> {
+        self.mode
+    }
+
+    /// Its index among the configs heuristics returned.
+    pub fn config_index(&self) -> usize {
+        self.config_index
+    }
+
+    /// (reported, usable) config counts of the heuristics query that produced it.
+    pub fn config_counts(&self) -> (usize, usize) {
+        (self.configs_reported, self.configs_usable)
+    }
+
+    /// Whether cuDNN compiles this engine at run time (NVRTC).
+    pub fn is_runtime_compiled(&self) -> bool {
+        self.has_behavior(sys::cudnnBackendBehaviorNote_t::CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION)
+    }
+
+    /// Whether cuDNN's native CUDA-graph population supports this plan.
+    pub fn supports_cuda_graph_api(&self) -> bool {
+        self.has_behavior(
+            sys::cudnnBackendBehaviorNote_t::CUDNN_BEHAVIOR_NOTE_SUPPORTS_CUDA_GRAPH_NATIVE_API,
+        )
+    }
+
+    fn has_behavior(&self, note: sys::cudnnBackendBehaviorNote_t) -> bool {
+        self.engine
+            .as_ref()
+            .is_some_and(|e| e.behavior_notes.contains(&note))
+    }
+
+    /// The plan's JSON representation (names the matched pattern and the engine; a plan can be
+    /// re-created from it without heuristics or runtime compilation).
+    pub fn json(&self) -> Result<String> {
+        backend::plan_json(&self.desc)
+    }
+
+    /// A short tag: `eng<index>` plus the knob settings cuDNN reports in the JSON, or
+    /// `restored` when the engine is unknown.
+    pub fn engine_tag(&self) -> String {
+        match &self.engine {
+            Some(e) => format!("eng{}", e.global_index),
+            None => "restored".into(),
+        }
+    }
+
+    /// The pattern cuDNN matched (`finalizeMode` in the plan JSON), when present.
+    pub fn pattern(&self) -> Option<String> {
+        let v: serde_json::Value = serde_json::from_str(&self.json().ok()?).ok()?;
+        find_key(&v, "finalizeMode")
+    }
+}
+
+fn find_key(v: &serde_json::Value, key: &str) -> Option<String> {
+    match v {
+        serde_json::Value::Object(m) => m
+            .get(key)
+            .and_then(|x| x.as_str().map(str::to_string))
+            .or_else(|| m.values().find_map(|x| find_key(x, key))),
+        serde_json::Value::Array(a) => a.iter().find_map(|x| find_key(x, key)),
+        _ => None,
+    }
+}
+
+/// Builds plans for a lowered graph on `target` following `policy`.
+/// Returns at least one plan, or a typed error saying how many configs heuristics offered.
+pub fn build_plans(
+    op: &OperationGraph,
+    target: &Target,
+    policy: &PlanPolicy,
+) -> Result<Vec<ExecutionPlan>> {
+    let mut plans = Vec::new();
+    let mut reported_total = 0;
+    let mut usable_total = 0;
+    let mut tried = 0;
+    let mut last = String::from("no engine config to try");
+    'modes: for &mode in &policy.modes {
+        let heur = backend::heuristics(op.descriptor(), mode, target.devprop())?;
+        reported_total += heur.reported;
+        usable_total += heur.configs.len();
+        for (i, cfg) in heur.configs.iter().enumerate() {
+            tried += 1;
+            match backend::finalize_plan(cfg, target.plan_site()) {
+                Ok(desc) => {
+                    let mut plan = ExecutionPlan::from_parts(
+                        desc,
+                        op.name().to_string(),
+                        op.real_tensors().to_vec(),
+                    )?;
+                    plan.engine = backend::engine_info(cfg).ok();
+                    plan.mode = Some(mode);
+                    plan.config_index = i;
+                    plan.configs_reported = heur.reported;
+                    plan.configs_usable = heur.configs.len();
+                    plans.push(plan);
+                    let enough =
+                        !policy.build_all || policy.max_plans.is_some_and(|m| plans.len() >= m);
+                    if enough {
+                        break 'modes;
+                    }
+                }
+                Err(e) => last = e.to_string(),
+            }
+        }
+    }
+    if !plans.is_empty() {
+        return Ok(plans);
+    }
+    let modes = policy
+        .modes
+        .iter()
+        .map(|m| format!("{m:?}"))
+        .collect::<Vec<_>>()
+        .join("+");
+    if usable_total == 0 {
+        return Err(Error::NoEngine {
+            graph: op.name().to_string(),
+            target: target.props().name().to_string(),
+            mode: modes,
+            reported: reported_total,
+            usable: 0,
+        });
+    }
+    Err(Error::NoPlan {
+        graph: op.name().to_string(),
+        target: target.props().name().to_string(),
+        tried,
+        last,
+    })
+}
+
+/// The first plan that finalizes, under the default policy.
+pub fn build_plan(op: &OperationGraph, target: &Target) -> Result<ExecutionPlan> {
+    Ok(build_plans(op, target, &PlanPolicy::default())?.remove(0))
+}
