@@ -296,6 +296,12 @@ impl<'p> Bindings<'p> {
         }
     }
 
+    /// Checks every binding (present, non-null, aligned, right type and kind, large enough)
+    /// without running anything.
+    pub fn check(&self) -> Result<()> {
+        self.checked().map(|_| ())
+    }
+
     /// Checks every binding and returns (uids, pointers) in uid order.
     fn checked(&self) -> Result<(Vec<i64>, Vec<*mut c_void>)> {
         let mut uids = Vec::with_capacity(self.slots.len());
@@ -413,6 +419,17 @@ impl ExecutionPlan {
         .map_err(|e| Error::cudnn(format!("execute plan `{}`", self.graph_name()), e))
     }
 
+    fn require_cuda_graph_api(&self) -> Result<()> {
+        if self.supports_cuda_graph_api() {
+            return Ok(());
+        }
+        Err(Error::CudnnMessage(format!(
+            "plan `{}` ({}) does not support cuDNN's CUDA-graph API; capture its stream instead",
+            self.graph_name(),
+            self.engine_tag()
+        )))
+    }
+
     /// Adds this plan's kernels to a new CUDA graph (cuDNN's native population API; only for
     /// plans whose engine reports support, see [`ExecutionPlan::supports_cuda_graph_api`]).
     pub fn populate_cuda_graph(
@@ -420,6 +437,7 @@ impl ExecutionPlan {
         handle: &Handle,
         bindings: &Bindings<'_>,
     ) -> Result<CudaGraph> {
+        self.require_cuda_graph_api()?;
         let workspace = self.workspace_ptr(handle, Workspace::Pooled)?;
         let vp = bindings.variant_pack(workspace)?;
         let mut graph: cudarc::driver::sys::CUgraph = std::ptr::null_mut();
@@ -446,6 +464,37 @@ impl ExecutionPlan {
             )
         })?;
         Ok(owned)
+    }
+}
+
+impl ExecutionPlan {
+    /// Points a CUDA graph made by [`ExecutionPlan::populate_cuda_graph`] at new buffers.
+    pub fn update_cuda_graph(
+        &self,
+        handle: &Handle,
+        bindings: &Bindings<'_>,
+        graph: &mut CudaGraph,
+    ) -> Result<()> {
+        self.require_cuda_graph_api()?;
+        let workspace = self.workspace_ptr(handle, Workspace::Pooled)?;
+        let vp = bindings.variant_pack(workspace)?;
+        // SAFETY: handle, plan and pack are live and finalized; `graph` was populated from this
+        // plan and is exclusively borrowed.
+        unsafe {
+            (handle.lib.api.cudnnBackendUpdateCudaGraph)(
+                handle.raw,
+                self.descriptor().raw(),
+                vp.raw(),
+                graph.raw as sys::cudaGraph_t,
+            )
+        }
+        .result()
+        .map_err(|e| {
+            Error::cudnn(
+                format!("update the CUDA graph of `{}`", self.graph_name()),
+                e,
+            )
+        })
     }
 }
 
