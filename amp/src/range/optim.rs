@@ -1,0 +1,222 @@
+//! Zeroing, SGD and EMA over a range.
+//!
+//! SGD and EMA read the overflow flag first and return at once when it is set: weights,
+//! momentum, EMA and their FP16 copies are left exactly as they were. On the device every
+//! thread reads the flag itself, so the host never waits for the check.
+//!
+//! The arithmetic is written one rounding at a time, in the same order as the kernels, which
+//! are compiled with `--fmad=false`: no fused multiply-add on either side, so the CPU twin
+//! is bit-exact with the device.
+
+use half::f16;
+
+use crate::error::RangeOpError;
+use crate::range::cast::{check_len, f32_to_f16};
+use crate::range::scalars::Scalars;
+
+/// CPU twin of `amp_zero_bytes`: every byte 0.
+pub fn zero_bytes(dst: &mut [u8]) {
+    dst.fill(0);
+}
+
+/// Zeroes an FP32 range (all bits 0, i.e. +0.0), like `amp_zero_bytes` over its bytes.
+pub fn zero_f32(dst: &mut [f32]) {
+    dst.fill(0.0);
+}
+
+/// Zeroes an FP16 range (all bits 0, i.e. +0.0), like `amp_zero_bytes` over its bytes.
+pub fn zero_f16(dst: &mut [f16]) {
+    dst.fill(f16::ZERO);
+}
+
+/// Whether an optimizer or EMA step ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepOutcome {
+    /// The flag was clear; the update was applied.
+    Applied,
+    /// The flag was set; nothing was written.
+    Skipped,
+}
+
+/// SGD hyper-parameters (PyTorch's SGD without dampening).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SgdConfig {
+    /// Learning rate (finite, ≥ 0). A launch argument, so a schedule costs no sync.
+    pub lr: f32,
+    /// Momentum (finite, in [0, 1)); 0 needs no M region.
+    pub momentum: f32,
+    /// L2 weight decay added to the unscaled gradient (finite, ≥ 0).
+    pub weight_decay: f32,
+    /// Nesterov momentum (needs momentum > 0).
+    pub nesterov: bool,
+}
+
+impl SgdConfig {
+    /// Plain SGD with learning rate `lr`.
+    pub const fn new(lr: f32) -> Self {
+        SgdConfig {
+            lr,
+            momentum: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+        }
+    }
+
+    /// Sets the momentum.
+    pub const fn with_momentum(mut self, momentum: f32) -> Self {
+        self.momentum = momentum;
+        self
+    }
+
+    /// Sets the weight decay.
+    pub const fn with_weight_decay(mut self, weight_decay: f32) -> Self {
+        self.weight_decay = weight_decay;
+        self
+    }
+
+    /// Turns Nesterov momentum on or off.
+    pub const fn with_nesterov(mut self, on: bool) -> Self {
+        self.nesterov = on;
+        self
+    }
+
+    /// Checks the configuration.
+    ///
+    /// # Errors
+    /// [`RangeOpError::InvalidConfig`] naming the bad field.
+    pub fn validate(&self) -> Result<(), RangeOpError> {
+        let bad = |field, value: f32, why| {
+            Err(RangeOpError::InvalidConfig {
+                op: "SgdConfig",
+                field,
+                value: value.to_string(),
+                why,
+            })
+        };
+        if !(self.lr.is_finite() && self.lr >= 0.0) {
+            return bad("lr", self.lr, "must be finite and >= 0");
+        }
+        if !(self.momentum.is_finite() && (0.0..1.0).contains(&self.momentum)) {
+            return bad("momentum", self.momentum, "must be in [0, 1)");
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad("weight_decay", self.weight_decay, "must be finite and >= 0");
+        }
+        if self.nesterov && self.momentum == 0.0 {
+            return bad("momentum", self.momentum, "Nesterov needs momentum > 0");
+        }
+        Ok(())
+    }
+}
+
+/// CPU twin of `amp_sgd_step` over one range.
+///
+/// Flag set: returns [`StepOutcome::Skipped`] with nothing written. Otherwise, per element,
+/// with `inv = 1 / loss_scale`:
+/// ```text
+/// g' = g * inv
+/// g' = g' + wd * w                       (only if wd != 0)
+/// m  = mu * m + g'; d = nesterov ? g' + mu * m : m     (only if mu != 0; else d = g')
+/// w  = w - lr * d
+/// a  = f16(w)                            (round to nearest even, canonical NaN)
+/// ```
+/// `m` may be `None` only when momentum is 0 (as the kernel gets a null M pointer).
+///
+/// # Errors
+/// [`RangeOpError::InvalidConfig`] for a bad config or a missing momentum buffer,
+/// [`RangeOpError::LengthMismatch`] when the slices differ in length.
+pub fn sgd_step(
+    w: &mut [f32],
+    m: Option<&mut [f32]>,
+    g: &[f32],
+    a: &mut [f16],
+    s: &Scalars,
+    cfg: &SgdConfig,
+) -> Result<StepOutcome, RangeOpError> {
+    const OP: &str = "sgd_step";
+    cfg.validate()?;
+    let n = w.len();
+    check_len(OP, "g", n, g.len())?;
+    check_len(OP, "a", n, a.len())?;
+    let mut m = match m {
+        Some(m) => {
+            check_len(OP, "m", n, m.len())?;
+            Some(m)
+        }
+        None if cfg.momentum != 0.0 => {
+            return Err(RangeOpError::InvalidConfig {
+                op: OP,
+                field: "m",
+                value: "None".into(),
+                why: "momentum != 0 needs a momentum buffer (region M)",
+            })
+        }
+        None => None,
+    };
+    if s.overflow != 0 {
+        return Ok(StepOutcome::Skipped);
+    }
+    let inv = 1.0f32 / s.loss_scale;
+    for i in 0..n {
+        let wi = w[i];
+        let mut gi = g[i] * inv;
+        if cfg.weight_decay != 0.0 {
+            gi += cfg.weight_decay * wi;
+        }
+        let d = match m.as_deref_mut() {
+            Some(m) if cfg.momentum != 0.0 => {
+                let mi = cfg.momentum * m[i] + gi;
+                m[i] = mi;
+                if cfg.nesterov {
+                    gi + cfg.momentum * mi
+                } else {
+                    mi
+                }
+            }
+            _ => gi,
+        };
+        let wn = wi - cfg.lr * d;
+        w[i] = wn;
+        a[i] = f32_to_f16(wn);
+    }
+    Ok(StepOutcome::Applied)
+}
+
+/// CPU twin of `amp_ema_update` over one range.
+///
+/// Flag set: [`StepOutcome::Skipped`], nothing written. Otherwise per element:
+/// `e = decay * e + (1 - decay) * w` (the `1 - decay` rounded once to f32), `e16 = f16(e)`.
+///
+/// # Errors
+/// [`RangeOpError::InvalidConfig`] when `decay` is not in [0, 1],
+/// [`RangeOpError::LengthMismatch`] when the slices differ in length.
+pub fn ema_update(
+    e: &mut [f32],
+    e16: &mut [f16],
+    w: &[f32],
+    s: &Scalars,
+    decay: f32,
+) -> Result<StepOutcome, RangeOpError> {
+    const OP: &str = "ema_update";
+    if !(0.0..=1.0).contains(&decay) {
+        return Err(RangeOpError::InvalidConfig {
+            op: OP,
+            field: "decay",
+            value: decay.to_string(),
+            why: "must be in [0, 1]",
+        });
+    }
+    check_len(OP, "e16", e.len(), e16.len())?;
+    check_len(OP, "w", e.len(), w.len())?;
+    if s.overflow != 0 {
+        return Ok(StepOutcome::Skipped);
+    }
+    let keep = decay;
+    let take = 1.0f32 - decay;
+    for ((ei, hi), &wi) in e.iter_mut().zip(e16.iter_mut()).zip(w) {
+        let en = keep * *ei + take * wi;
+        *ei = en;
+        *hi = f32_to_f16(en);
+    }
+    Ok(StepOutcome::Applied)
+}
