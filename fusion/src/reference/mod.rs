@@ -1,1 +1,84 @@
-//! CPU reference executor (placeholder; being written).
+//! CPU reference executor for every CBR op: the numerical oracle for GPU parity tests and the
+//! CPU executor for examples on machines without a GPU.
+//!
+//! Plain Rust over `f16` storage with `f32` arithmetic, rounding to FP16 exactly where the GPU
+//! graphs store FP16 (ARCHITECTURE.md "Two executors"); im2col + GEMM (matrixmultiply, through
+//! ndarray's safe API) for the convolutions, rayon over rows and channels. Every op is generic
+//! over the [`Element`] type, so the same code also runs in `f64` (no rounding anywhere) for
+//! finite-difference checks and exact comparisons.
+//!
+//! Layouts: activations NHWC `[N, H, W, C]`, filters KRSC `[K, R, S, C]`, per-channel vectors
+//! `[C]`, all contiguous. Errors: every public op validates its inputs and returns a
+//! [`ReferenceError`] naming the tensor at fault; none panics on bad input.
+//!
+//! # Recipe: one CBR training step (fused route, CUDNN_PATTERNS §8)
+//! Forward, per conv layer `i` (the first layer's input is the network input `x`):
+//! 1. [`fprop_genstats`]`(p_i, input, w_i)` → `y_i` (FP16), `sum`, `sqsum`; with
+//!    `input = ConvInput::Plain(x)` for the first layer, else
+//!    `ConvInput::Prologue { y_prev: y_{i-1}, scale: eq_scale_{i-1}, bias: eq_bias_{i-1} }`.
+//! 2. [`bn_finalize`]`(stats, γ_i, β_i, running_i, count = N·P·Q, params)` → `eq_scale_i`,
+//!    `eq_bias_i` (FP16), saved mean / inverse std (FP32); running stats updated in place.
+//! 3. Where an activation must be stored: [`bn_apply`]`(y_i, eq_scale_i, eq_bias_i, residual)`.
+//!
+//! Backward, per layer `i` from the last, given `dy_i = ∂L/∂y_i`:
+//! 1. [`dgrad_drelu_dbn`]`(p_i, dy_i, w_i, y_{i-1}, saved BN_{i-1}, join)` → `dz_{i-1}` (FP16),
+//!    `dγ_{i-1}`, `dβ_{i-1}`, coefficients `a`, `b`, `c`.
+//! 2. [`wgrad_with_prologue`]`(p_i, input, dy_i)` → `dw_i` (FP16), with the forward's `input`.
+//! 3. [`dbn_apply`]`(dz_{i-1}, y_{i-1}, a, b, c)` → `dy_{i-1}` (FP16).
+//! 4. The first conv: [`conv_wgrad`], and [`conv_dgrad`] if `∂L/∂x` is needed. A BN whose output
+//!    feeds no conv: [`relu_bwd`] + [`bn_bwd`].
+//!
+//! The unfused route uses [`conv_fprop`], [`bn_fwd_train`], [`relu_fwd`], [`add`] forward and
+//! [`relu_bwd`], [`bn_bwd`], [`conv_dgrad`], [`conv_wgrad`] backward. [`CbrChain`] composes
+//! either route for a chain of layers.
+//!
+//! # Where values are rounded to FP16 (FP16 mode)
+//! | op | rounded to FP16 | stays FP32 (or summed in f64, then FP32) |
+//! |---|---|---|
+//! | conv fprop / dgrad / wgrad | `y`, `dx`, `dw`, once after FP32 accumulation | accumulation |
+//! | prologue | `relu(y_prev·scale + bias)`, before the conv (**assumption**) | the arithmetic |
+//! | GenStats | – | `sum`, `sqsum` (f64 sums of the stored FP16 `y`) |
+//! | BN finalize | `eq_scale`, `eq_bias` | saved mean / inv std, running stats (f64 math) |
+//! | apply, add, ReLU, dBN apply | the output | the arithmetic |
+//! | dgrad_drelu_dbn | `dz` | dgrad output (virtual), recompute, `dγ`, `dβ`, `a`, `b`, `c` |
+//! | unfused BN forward / backward | `out` / `dx` | statistics, `dγ`, `dβ` |
+//!
+//! # Semantics the GPU must confirm (CUDNN_PATTERNS §10)
+//! - BN finalize: biased batch variance for normalization, unbiased for the running variance,
+//!   `momentum` = weight of the new statistic, `eq_bias = β − μ·γ·inv_std` ([`bn`] docs).
+//! - The prologue's output is rounded to FP16 before the conv (see [`fused`] docs).
+//! - GenStats sums the stored FP16 `y`; BN_BWD_WEIGHTS reduces the stored FP16 `dz`.
+//! - `a`, `b`, `c` of BN_BWD_WEIGHTS are the coefficients derived in [`bn`].
+//! - ReLU backward passes no gradient at exactly 0.
+#![warn(missing_docs)]
+
+pub mod bn;
+pub mod chain;
+pub mod conv;
+pub mod element;
+pub mod error;
+pub mod fused;
+mod parallel;
+pub mod params;
+pub mod pointwise;
+
+#[cfg(test)]
+mod tests;
+
+pub use bn::{
+    bn_bwd, bn_finalize, bn_fwd_train, genstats, BnBackward, BnFinalized, BnForward, ChannelStats,
+    RunningStats,
+};
+pub use chain::{
+    weighted_sum_loss, CbrChain, CbrLayer, ChainForward, ChainGrads, LayerForward, LayerGrads,
+    Route,
+};
+pub use conv::{conv_dgrad, conv_fprop, conv_wgrad};
+pub use element::{Element, Real};
+pub use error::{ReferenceError, Result};
+pub use fused::{
+    dgrad_drelu_dbn, fprop_genstats, wgrad_with_prologue, ConvInput, DgradDreluDbn, FpropStats,
+    ReluJoin, SavedBn,
+};
+pub use params::{BnParams, ConvParams, Nhwc};
+pub use pointwise::{add, bn_apply, dbn_apply, relu_bwd, relu_fwd, Activation, Residual};

@@ -1,0 +1,290 @@
+//! The two precision modes: the element types ops are generic over.
+//!
+//! Every op is written once, generic over an [`Element`] (the storage type of activations,
+//! filters and the FP16 per-channel vectors) and its [`Real`] partner `Element::Acc` (the type
+//! of arithmetic and of the FP32 per-channel vectors):
+//!
+//! | mode | `Element` (GPU: FP16 storage) | `Acc` (GPU: FP32 compute) | used for |
+//! |---|---|---|---|
+//! | FP16 | [`half::f16`] | `f32` | the oracle for GPU parity, the CPU executor |
+//! | f64 | `f64` | `f64` | finite-difference checks, exact comparisons |
+//!
+//! In FP16 mode [`Element::from_acc`] is the round-to-nearest-even store the GPU does wherever a
+//! graph writes an FP16 tensor; in f64 mode it is the identity, so the same code computes the
+//! exact (up to f64) function.
+//!
+//! The two traits are sealed: only these two pairs exist.
+
+use std::fmt::Debug;
+use std::ops::{Add, AddAssign, Div, Mul, Neg, Sub};
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+use ndarray::{ArrayView2, ArrayViewMut2, ShapeBuilder};
+
+use super::error::{ReferenceError, Result};
+
+/// The storage type of tensors (FP16 on the GPU): [`half::f16`] or `f64`.
+pub trait Element:
+    Copy + Send + Sync + Debug + PartialEq + Default + 'static + private::Sealed
+{
+    /// The arithmetic type paired with this storage type: `f32` for `f16`, `f64` for `f64`.
+    type Acc: Real<Storage = Self>;
+
+    /// Widens a stored value to the arithmetic type (exact).
+    fn to_acc(self) -> Self::Acc;
+
+    /// Stores an arithmetic value: round to nearest even for `f16`, identity for `f64`.
+    fn from_acc(value: Self::Acc) -> Self;
+
+    /// Widens to `f64` (exact).
+    fn to_f64(self) -> f64 {
+        self.to_acc().to_f64()
+    }
+
+    /// Rounds an `f64` to this type (one rounding, to nearest even).
+    fn from_f64(value: f64) -> Self;
+
+    /// Widens a whole slice to the arithmetic type.
+    fn widen_slice(src: &[Self]) -> Vec<Self::Acc> {
+        src.iter().map(|v| v.to_acc()).collect()
+    }
+
+    /// Stores a whole slice of arithmetic values (see [`Element::from_acc`]).
+    fn store_slice(src: &[Self::Acc]) -> Vec<Self> {
+        src.iter().map(|&v| Self::from_acc(v)).collect()
+    }
+}
+
+/// The arithmetic type (FP32 on the GPU): `f32` or `f64`.
+pub trait Real:
+    Copy
+    + Send
+    + Sync
+    + Debug
+    + Default
+    + PartialOrd
+    + 'static
+    + Add<Output = Self>
+    + Sub<Output = Self>
+    + Mul<Output = Self>
+    + Div<Output = Self>
+    + Neg<Output = Self>
+    + AddAssign
+    + private::Gemm
+{
+    /// The storage type paired with this arithmetic type: `f16` for `f32`, `f64` for `f64`.
+    type Storage: Element<Acc = Self>;
+
+    /// Additive identity.
+    const ZERO: Self;
+
+    /// Multiplicative identity.
+    const ONE: Self;
+
+    /// Rounds an `f64` to this type (to nearest even).
+    fn from_f64(value: f64) -> Self;
+
+    /// Widens to `f64` (exact).
+    fn to_f64(self) -> f64;
+
+    /// `max(self, 0)`; NaN maps to 0.
+    fn relu(self) -> Self {
+        if self > Self::ZERO {
+            self
+        } else {
+            Self::ZERO
+        }
+    }
+}
+
+impl Element for f16 {
+    type Acc = f32;
+
+    fn to_acc(self) -> f32 {
+        self.to_f32()
+    }
+
+    fn from_acc(value: f32) -> Self {
+        f16::from_f32(value)
+    }
+
+    fn from_f64(value: f64) -> Self {
+        f16::from_f64(value)
+    }
+
+    fn widen_slice(src: &[Self]) -> Vec<f32> {
+        src.to_f32_vec()
+    }
+
+    fn store_slice(src: &[f32]) -> Vec<Self> {
+        let mut out = vec![f16::ZERO; src.len()];
+        out.convert_from_f32_slice(src);
+        out
+    }
+}
+
+impl Element for f64 {
+    type Acc = f64;
+
+    fn to_acc(self) -> f64 {
+        self
+    }
+
+    fn from_acc(value: f64) -> Self {
+        value
+    }
+
+    fn from_f64(value: f64) -> Self {
+        value
+    }
+
+    fn widen_slice(src: &[Self]) -> Vec<f64> {
+        src.to_vec()
+    }
+
+    fn store_slice(src: &[f64]) -> Vec<Self> {
+        src.to_vec()
+    }
+}
+
+impl Real for f32 {
+    type Storage = f16;
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+
+    fn from_f64(value: f64) -> Self {
+        value as f32
+    }
+
+    fn to_f64(self) -> f64 {
+        f64::from(self)
+    }
+}
+
+impl Real for f64 {
+    type Storage = f64;
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+
+    fn from_f64(value: f64) -> Self {
+        value
+    }
+
+    fn to_f64(self) -> f64 {
+        self
+    }
+}
+
+pub(crate) use private::Mat;
+
+pub(crate) mod private {
+    use super::Result;
+
+    /// A strided read-only matrix over a slice: element `(i, j)` is `data[i * row_stride + j * col_stride]`.
+    #[derive(Debug, Clone, Copy)]
+    pub struct Mat<'a, A> {
+        pub data: &'a [A],
+        pub row_stride: usize,
+        pub col_stride: usize,
+    }
+
+    impl<'a, A> Mat<'a, A> {
+        /// A row-major matrix with `cols` columns.
+        pub fn row_major(data: &'a [A], cols: usize) -> Self {
+            Mat {
+                data,
+                row_stride: cols,
+                col_stride: 1,
+            }
+        }
+    }
+
+    /// Seals [`super::Element`]: only `f16` and `f64` are storage types.
+    pub trait Sealed {}
+    impl Sealed for half::f16 {}
+    impl Sealed for f64 {}
+
+    /// The GEMM of an arithmetic type; also seals [`super::Real`] (only `f32` and `f64`).
+    ///
+    /// `c (m x n, row-major) = a (m x k) * b (k x n) + beta * c`.
+    pub trait Gemm: Sized {
+        fn gemm(
+            m: usize,
+            k: usize,
+            n: usize,
+            a: Mat<'_, Self>,
+            b: Mat<'_, Self>,
+            beta: Self,
+            c: &mut [Self],
+        ) -> Result<()>;
+    }
+}
+
+/// Implements the GEMM for `f32`/`f64` through ndarray's safe front end to matrixmultiply
+/// (matrixmultiply's own `sgemm`/`dgemm` are `unsafe fn`, which this crate does not call).
+macro_rules! impl_gemm {
+    ($t:ty) => {
+        impl private::Gemm for $t {
+            fn gemm(
+                m: usize,
+                k: usize,
+                n: usize,
+                a: Mat<'_, Self>,
+                b: Mat<'_, Self>,
+                beta: Self,
+                c: &mut [Self],
+            ) -> Result<()> {
+                let bad = |_| ReferenceError::Internal {
+                    what: "GEMM operand does not match its shape",
+                };
+                let a =
+                    ArrayView2::from_shape((m, k).strides((a.row_stride, a.col_stride)), a.data)
+                        .map_err(bad)?;
+                let b =
+                    ArrayView2::from_shape((k, n).strides((b.row_stride, b.col_stride)), b.data)
+                        .map_err(bad)?;
+                let mut c = ArrayViewMut2::from_shape((m, n), c).map_err(bad)?;
+                ndarray::linalg::general_mat_mul(1.0, &a, &b, beta, &mut c);
+                Ok(())
+            }
+        }
+    };
+}
+impl_gemm!(f32);
+impl_gemm!(f64);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_store_rounds_to_nearest_even() {
+        // 1 + 2^-11 lies exactly between 1 and the next FP16 value 1 + 2^-10: ties go to even (1).
+        let tie = 1.0f32 + 2f32.powi(-11);
+        assert_eq!(f16::from_acc(tie), f16::ONE);
+        // Slightly above the tie rounds up.
+        let above = 1.0f32 + 2f32.powi(-11) + 2f32.powi(-20);
+        assert_eq!(f16::from_acc(above).to_f32(), 1.0 + 2f32.powi(-10));
+        // The slice store agrees with the scalar store.
+        assert_eq!(
+            f16::store_slice(&[tie, above]),
+            vec![f16::from_acc(tie), f16::from_acc(above)]
+        );
+    }
+
+    #[test]
+    fn gemm_handles_strided_operands() {
+        // a = [[1, 2], [3, 4]] stored column-major, b = identity; c = a.
+        let a = [1.0f64, 3.0, 2.0, 4.0];
+        let b = [1.0f64, 0.0, 0.0, 1.0];
+        let mut c = [0.0f64; 4];
+        let a = Mat {
+            data: &a,
+            row_stride: 1,
+            col_stride: 2,
+        };
+        <f64 as private::Gemm>::gemm(2, 2, 2, a, Mat::row_major(&b, 2), 0.0, &mut c).unwrap();
+        assert_eq!(c, [1.0, 2.0, 3.0, 4.0]);
+    }
+}

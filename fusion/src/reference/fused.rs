@@ -1,0 +1,236 @@
+//! The fused graphs of one CBR layer (CUDNN_PATTERNS §3, §6.1, §6.2), each as one call with the
+//! same inputs, outputs and rounding points as the cuDNN graph.
+//!
+//! | fn | cuDNN pattern | stored (rounded) outputs |
+//! |---|---|---|
+//! | [`fprop_genstats`] | 1: [scale→bias→relu→] conv_fprop + GenStats | `y` FP16; `sum`, `sqsum` FP32 |
+//! | [`wgrad_with_prologue`] | 4: [scale→bias→relu→] conv_wgrad | `dw` FP16 |
+//! | [`dgrad_drelu_dbn`] | 5: dgrad → BN recompute → relu_bwd + BN_BWD_WEIGHTS | `dz` FP16; `dγ`, `dβ`, `a`, `b`, `c` FP32 |
+//!
+//! Assumption to confirm on the GPU: the prologue's virtual `relu(y_prev·scale + bias)` is
+//! computed in FP32 and rounded to FP16 before the conv, because the tensor-core conv consumes
+//! FP16 operands (CUDNN_PATTERNS §9.4: a virtual feeding a conv must be HALF for the generic
+//! engines; the specialised engine's internal precision is not documented).
+
+use super::bn::{bn_recompute, genstats, BnBwdCoefficients, ChannelStats};
+use super::conv::{dgrad_acc, fprop_acc, wgrad_acc};
+use super::element::{Element, Real};
+use super::error::Result;
+use super::parallel::map_channels;
+use super::params::{check_len, ConvParams};
+use super::pointwise::{bn_apply, Activation, Residual};
+
+/// What a conv consumes.
+#[derive(Debug, Clone, Copy)]
+pub enum ConvInput<'a, T> {
+    /// A materialized activation `x` (the network input, or an applied BN output), NHWC.
+    Plain(&'a [T]),
+    /// The previous layer's raw conv output with its BN-apply as the prologue:
+    /// `x = relu(y_prev·scale + bias)`, never stored in memory.
+    Prologue {
+        /// The previous conv's raw output, NHWC `[n, h, w, c]`.
+        y_prev: &'a [T],
+        /// The previous BN's `eq_scale`, FP16 `[c]`.
+        scale: &'a [T],
+        /// The previous BN's `eq_bias`, FP16 `[c]`.
+        bias: &'a [T],
+    },
+}
+
+impl<T: Element> ConvInput<'_, T> {
+    /// The conv's input `x` widened to `T::Acc`: `x` itself, or the prologue rounded to `T`.
+    fn widen(&self, p: &ConvParams) -> Result<Vec<T::Acc>> {
+        match *self {
+            ConvInput::Plain(x) => {
+                check_len("x", x, p.x_elems())?;
+                Ok(T::widen_slice(x))
+            }
+            ConvInput::Prologue {
+                y_prev,
+                scale,
+                bias,
+            } => {
+                check_len("y_prev", y_prev, p.x_elems())?;
+                check_len("scale", scale, p.c)?;
+                check_len("bias", bias, p.c)?;
+                let shape = p.input_shape();
+                let x = bn_apply(
+                    &shape,
+                    y_prev,
+                    scale,
+                    bias,
+                    Residual::None,
+                    Activation::Relu,
+                )?;
+                Ok(T::widen_slice(&x))
+            }
+        }
+    }
+}
+
+/// The outputs of [`fprop_genstats`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct FpropStats<T: Element> {
+    /// The raw conv output, FP16 NHWC `[n, out_h, out_w, k]`.
+    pub y: Vec<T>,
+    /// Per-channel `Σy`, `Σy²` of the stored `y` (FP32 `[k]`), for [`super::bn_finalize`] with
+    /// `count = n·out_h·out_w`.
+    pub stats: ChannelStats<T::Acc>,
+}
+
+/// Pattern 1 (forward NormConv): `y = conv(input, w)` stored FP16, plus GenStats of `y`.
+///
+/// `ConvInput::Plain` is the first layer's conv + GenStats; `ConvInput::Prologue` fuses the
+/// previous BN's apply. Rounding: the prologue output to FP16 (assumption, see module docs),
+/// `y` to FP16 once after FP32 accumulation; the statistics are of the stored FP16 `y`
+/// (assumption: the GPU may reduce the FP32 accumulator instead, a relative difference of
+/// about 2^-12/sqrt(count) in the mean).
+pub fn fprop_genstats<T: Element>(
+    p: &ConvParams,
+    input: ConvInput<'_, T>,
+    w: &[T],
+) -> Result<FpropStats<T>> {
+    p.validate()?;
+    check_len("w", w, p.w_elems())?;
+    let x = input.widen(p)?;
+    let y = T::store_slice(&fprop_acc(p, &x, &T::widen_slice(w))?);
+    let stats = genstats(&p.output_shape(), &y)?;
+    Ok(FpropStats { y, stats })
+}
+
+/// Pattern 4 (ConvBNwgrad): `dw = wgrad(input, dy)`, FP16 KRSC `[k, r, s, c]`.
+///
+/// `ConvInput::Prologue` recomputes the conv input from `y_prev` and the previous BN's FP16
+/// `eq_scale`/`eq_bias` exactly as [`fprop_genstats`] did; `ConvInput::Plain` is the plain wgrad
+/// of the first layer (or of a conv whose input was materialized). `dy` is NHWC
+/// `[n, out_h, out_w, k]`. Rounding: `dw` to FP16 once after FP32 accumulation (the fused wgrad
+/// writes FP16 `dw`, CUDNN_PATTERNS §6.1).
+pub fn wgrad_with_prologue<T: Element>(
+    p: &ConvParams,
+    input: ConvInput<'_, T>,
+    dy: &[T],
+) -> Result<Vec<T>> {
+    p.validate()?;
+    check_len("dy", dy, p.y_elems())?;
+    let x = input.widen(p)?;
+    Ok(T::store_slice(&wgrad_acc(p, &x, &T::widen_slice(dy))?))
+}
+
+/// The previous BN's saved statistics and learned parameters (FP32 `[c]`), as pattern 5 takes
+/// them: `mean`/`inv_std` from its finalize, `gamma`/`beta` the FP32 parameters (not the FP16
+/// `eq_scale`/`eq_bias`).
+#[derive(Debug, Clone, Copy)]
+pub struct SavedBn<'a, A> {
+    /// Saved batch mean.
+    pub mean: &'a [A],
+    /// Saved inverse std.
+    pub inv_std: &'a [A],
+    /// γ.
+    pub gamma: &'a [A],
+    /// β.
+    pub beta: &'a [A],
+}
+
+/// The residual-join variants of pattern 5 (both may be present at once in a ResNet block; the
+/// GPU measurements cover each alone).
+#[derive(Debug, Clone, Copy)]
+pub struct ReluJoin<'a, T> {
+    /// `shortcut` variant: the forward ReLU was `relu(BN(y_prev) + resid)`; `resid` (FP16 NHWC,
+    /// like `y_prev`) is added to the recomputed BN output before the ReLU mask is taken. The
+    /// output `dz` is then also the gradient w.r.t. `resid`.
+    pub resid: Option<&'a [T]>,
+    /// `fuse_add` variant: the ReLU's output also fed a shortcut whose gradient `dy_branch` (FP16
+    /// NHWC, like `y_prev`) is added to the dgrad output before the ReLU backward.
+    pub dy_branch: Option<&'a [T]>,
+}
+
+impl<T> Default for ReluJoin<'_, T> {
+    /// No join: the plain pattern 5.
+    fn default() -> Self {
+        ReluJoin {
+            resid: None,
+            dy_branch: None,
+        }
+    }
+}
+
+/// The outputs of [`dgrad_drelu_dbn`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct DgradDreluDbn<T: Element> {
+    /// Gradient w.r.t. the previous BN's output (the ReLU input), FP16 NHWC `[n, h, w, c]`.
+    pub dz: Vec<T>,
+    /// `Σ dz·x̂`, FP32 `[c]`.
+    pub dgamma: Vec<T::Acc>,
+    /// `Σ dz`, FP32 `[c]`.
+    pub dbeta: Vec<T::Acc>,
+    /// BN-backward coefficient of `dz` (`γ·inv_std`), FP32 `[c]`.
+    pub a: Vec<T::Acc>,
+    /// BN-backward coefficient of `y_prev`, FP32 `[c]`.
+    pub b: Vec<T::Acc>,
+    /// BN-backward constant, FP32 `[c]`.
+    pub c: Vec<T::Acc>,
+}
+
+/// Pattern 5 (DgradDreluBNBwdWeight), for layer `i` = `p` whose input was
+/// `relu(BN_{i−1}(y_prev) [+ resid])`:
+///
+/// 1. `dxc = dgrad(dy, w)` in FP32 (a virtual tensor, not rounded) `[+ dy_branch]`;
+/// 2. the ReLU input recomputed as `(y_prev − mean)·inv_std·γ + β [+ resid]` in FP32;
+/// 3. `dz = relu_bwd(dxc, recomputed)`, stored FP16;
+/// 4. `dγ = Σ dz·x̂`, `dβ = Σ dz` and the coefficients `a`, `b`, `c` such that
+///    `d_y_prev = a·dz + b·y_prev + c` is the full BN backward (formulas in [`super::bn`]),
+///    applied by [`super::dbn_apply`]. `M = n·h·w` of `y_prev`.
+///
+/// The reductions use the stored FP16 `dz` (assumption: the GPU may reduce its FP32 value), so
+/// that `Σ d_y_prev = 0` and `Σ d_y_prev·x̂ = 0` hold for the `dz` that [`super::dbn_apply`]
+/// reads.
+pub fn dgrad_drelu_dbn<T: Element>(
+    p: &ConvParams,
+    dy: &[T],
+    w: &[T],
+    y_prev: &[T],
+    bn: &SavedBn<'_, T::Acc>,
+    join: &ReluJoin<'_, T>,
+) -> Result<DgradDreluDbn<T>> {
+    p.validate()?;
+    check_len("dy", dy, p.y_elems())?;
+    check_len("w", w, p.w_elems())?;
+    check_len("y_prev", y_prev, p.x_elems())?;
+    for (tensor, v) in [
+        ("mean", bn.mean),
+        ("inv_std", bn.inv_std),
+        ("gamma", bn.gamma),
+        ("beta", bn.beta),
+    ] {
+        check_len(tensor, v, p.c)?;
+    }
+    if let Some(resid) = join.resid {
+        check_len("resid", resid, p.x_elems())?;
+    }
+    if let Some(dy_branch) = join.dy_branch {
+        check_len("dy_branch", dy_branch, p.x_elems())?;
+    }
+    let dxc = dgrad_acc(p, &T::widen_slice(dy), &T::widen_slice(w))?;
+    let zero = T::Acc::ZERO;
+    let dz = map_channels(dxc.len(), p.c, |i, ch| {
+        let grad = dxc[i] + join.dy_branch.map_or(zero, |d| d[i].to_acc());
+        let z = bn_recompute(
+            y_prev[i].to_acc(),
+            bn.mean[ch],
+            bn.inv_std[ch],
+            bn.gamma[ch],
+            bn.beta[ch],
+        ) + join.resid.map_or(zero, |r| r[i].to_acc());
+        T::from_acc(if z > zero { grad } else { zero })
+    });
+    let co =
+        BnBwdCoefficients::compute(&p.input_shape(), y_prev, &dz, bn.mean, bn.inv_std, bn.gamma);
+    Ok(DgradDreluDbn {
+        dz,
+        dgamma: co.dgamma,
+        dbeta: co.dbeta,
+        a: co.a,
+        b: co.b,
+        c: co.c,
+    })
+}

@@ -1,0 +1,153 @@
+//! Element-wise ops: BN apply (which is also the conv prologue), ReLU forward and backward,
+//! add, and the BN-backward apply.
+//!
+//! Each reads FP16 tensors (`T`), computes in the arithmetic type (`T::Acc`, FP32 in FP16 mode)
+//! in the order of the cuDNN pointwise graph it mirrors, and rounds its output to `T` once. Plain
+//! multiply-then-add is used, not fused multiply-add; the difference is below FP32 rounding and
+//! far below the FP16 rounding of the output.
+
+use super::element::{Element, Real};
+use super::error::Result;
+use super::parallel::map_channels;
+use super::params::{check_len, Nhwc};
+
+/// Whether an apply ends with a ReLU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `max(v, 0)` (the usual CBR apply).
+    Relu,
+    /// No activation (cuDNN's `sb_only` / `sb_add_norelu` variants).
+    Identity,
+}
+
+impl Activation {
+    fn apply<A: Real>(self, v: A) -> A {
+        match self {
+            Activation::Relu => v.relu(),
+            Activation::Identity => v,
+        }
+    }
+}
+
+/// What a BN apply adds before its activation (CUDNN_PATTERNS §5 residual variants).
+#[derive(Debug, Clone, Copy)]
+pub enum Residual<'a, T> {
+    /// Nothing: `act(y·s + b)`.
+    None,
+    /// A full tensor, NHWC like `y` (`sbr_add`): `act(y·s + b + r)`.
+    Add(&'a [T]),
+    /// A full tensor with its own per-channel scale and bias, the dual BN of a downsample
+    /// shortcut (`dsbar`): `act(y·s + b + (r·scale + bias))`.
+    ScaleBias {
+        /// The shortcut's raw tensor, NHWC like `y`.
+        r: &'a [T],
+        /// Its per-channel scale `[C]` (FP16, from its BN finalize).
+        scale: &'a [T],
+        /// Its per-channel bias `[C]` (FP16, from its BN finalize).
+        bias: &'a [T],
+    },
+}
+
+/// BN apply: `out = act(y·scale + bias [+ residual])`, per channel of an NHWC tensor.
+///
+/// `y` and the output have `shape`; `scale` and `bias` are `[C]` in storage precision (FP16 on
+/// the GPU: BN finalize emits `eq_scale`/`eq_bias` in FP16). With `Residual::None` and
+/// [`Activation::Relu`] this is also the conv prologue `x = relu(y_prev·scale + bias)`.
+///
+/// Rounding: computed in `T::Acc`, rounded to `T` once.
+pub fn bn_apply<T: Element>(
+    shape: &Nhwc,
+    y: &[T],
+    scale: &[T],
+    bias: &[T],
+    residual: Residual<'_, T>,
+    activation: Activation,
+) -> Result<Vec<T>> {
+    shape.validate("y")?;
+    check_len("y", y, shape.elems())?;
+    check_len("scale", scale, shape.c)?;
+    check_len("bias", bias, shape.c)?;
+    let (s, b) = (T::widen_slice(scale), T::widen_slice(bias));
+    let out = match residual {
+        Residual::None => map_channels(y.len(), shape.c, |i, ch| {
+            T::from_acc(activation.apply(y[i].to_acc() * s[ch] + b[ch]))
+        }),
+        Residual::Add(r) => {
+            check_len("residual", r, shape.elems())?;
+            map_channels(y.len(), shape.c, |i, ch| {
+                T::from_acc(activation.apply(y[i].to_acc() * s[ch] + b[ch] + r[i].to_acc()))
+            })
+        }
+        Residual::ScaleBias { r, scale, bias } => {
+            check_len("residual", r, shape.elems())?;
+            check_len("residual_scale", scale, shape.c)?;
+            check_len("residual_bias", bias, shape.c)?;
+            let (s2, b2) = (T::widen_slice(scale), T::widen_slice(bias));
+            map_channels(y.len(), shape.c, |i, ch| {
+                let main = y[i].to_acc() * s[ch] + b[ch];
+                let shortcut = r[i].to_acc() * s2[ch] + b2[ch];
+                T::from_acc(activation.apply(main + shortcut))
+            })
+        }
+    };
+    Ok(out)
+}
+
+/// ReLU forward: `out = max(x, 0)` (exact in any precision).
+pub fn relu_fwd<T: Element>(shape: &Nhwc, x: &[T]) -> Result<Vec<T>> {
+    shape.validate("x")?;
+    check_len("x", x, shape.elems())?;
+    Ok(map_channels(x.len(), shape.c, |i, _| {
+        T::from_acc(x[i].to_acc().relu())
+    }))
+}
+
+/// ReLU backward: `dx = dy` where `x > 0`, else 0 (cuDNN's `RELU_BWD`; the gradient at exactly
+/// 0 is 0). `x` is the ReLU's input, or equally its output (both are positive at the same
+/// places; the unfused route uses the stored output as cuDNN's boolean mask `A > 0`).
+pub fn relu_bwd<T: Element>(shape: &Nhwc, dy: &[T], x: &[T]) -> Result<Vec<T>> {
+    shape.validate("dy")?;
+    check_len("dy", dy, shape.elems())?;
+    check_len("x", x, shape.elems())?;
+    Ok(map_channels(dy.len(), shape.c, |i, _| {
+        if x[i].to_acc() > T::Acc::ZERO {
+            dy[i]
+        } else {
+            T::default()
+        }
+    }))
+}
+
+/// `out = a + b`, computed in `T::Acc` and rounded to `T` once.
+pub fn add<T: Element>(shape: &Nhwc, a: &[T], b: &[T]) -> Result<Vec<T>> {
+    shape.validate("a")?;
+    check_len("a", a, shape.elems())?;
+    check_len("b", b, shape.elems())?;
+    Ok(map_channels(a.len(), shape.c, |i, _| {
+        T::from_acc(a[i].to_acc() + b[i].to_acc())
+    }))
+}
+
+/// BN-backward apply (CUDNN_PATTERNS §6.3): `d_y_prev = a·dz + b·y_prev + c` per channel, with
+/// the coefficients from [`super::dgrad_drelu_dbn`] (FP32 `[C]`). `dz`, `y_prev` and the output
+/// are NHWC with `shape`.
+///
+/// Rounding: `(a·dz + b·y_prev) + c` in `T::Acc`, in the graph's op order, rounded to `T` once.
+pub fn dbn_apply<T: Element>(
+    shape: &Nhwc,
+    dz: &[T],
+    y_prev: &[T],
+    a: &[T::Acc],
+    b: &[T::Acc],
+    c: &[T::Acc],
+) -> Result<Vec<T>> {
+    shape.validate("dz")?;
+    check_len("dz", dz, shape.elems())?;
+    check_len("y_prev", y_prev, shape.elems())?;
+    check_len("a", a, shape.c)?;
+    check_len("b", b, shape.c)?;
+    check_len("c", c, shape.c)?;
+    Ok(map_channels(dz.len(), shape.c, |i, ch| {
+        T::from_acc(dz[i].to_acc() * a[ch] + y_prev[i].to_acc() * b[ch] + c[ch])
+    }))
+}

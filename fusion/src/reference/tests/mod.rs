@@ -1,0 +1,10 @@
+//! Tests of the CPU reference executor (tier 1): every op against a naive `f64` definition,
+//! finite-difference gradient checks of whole chains, the fused and unfused routes against each
+//! other, FP16 against f64, and the typed errors.
+
+mod chains;
+mod errors;
+mod gradcheck;
+mod naive;
+mod ops;
+mod util;
