@@ -98,6 +98,16 @@ pub enum Error {
         /// What failed.
         reason: String,
     },
+    /// Neither route of a CBR layer has engines on this target.
+    #[error("layer {layer}: no route runs on this target; fused: {fused}; unfused: {unfused}")]
+    NoRoute {
+        /// The layer's shape.
+        layer: String,
+        /// Why the fused route failed.
+        fused: String,
+        /// Why the unfused route failed.
+        unfused: String,
+    },
     /// Engine configs existed but no execution plan finalized.
     #[error("no execution plan finalized for graph `{graph}` on {target}: tried {tried} configs; last error: {last}")]
     NoPlan {

@@ -4,7 +4,11 @@
 //! Each builder returns the graph and the ids of its real tensors, so callers can bind buffers.
 
 use super::ConvShape;
-use crate::graph::{BnFinalizeInputs, BnFinalizeOutputs, DataType, Graph, TensorAttrs, TensorId};
+use crate::graph::{
+    BatchNormBackwardInputs, BatchNormBackwardOutputs, BatchNormInputs, BatchNormOutputs,
+    BnFinalizeInputs, BnFinalizeOutputs, DataType, DbnWeightInputs, DbnWeightOutputs, Graph,
+    PointwiseAttrs, PointwiseMode, TensorAttrs, TensorId,
+};
 
 /// Real tensors of a forward conv graph.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,15 +123,409 @@ pub fn bn_finalize(k: i64) -> (Graph, BnFinalizeInputs, BnFinalizeOutputs) {
     (g, inputs, o)
 }
 
-/// The BN apply: a = relu(y·s + b) over `[N,K,P,Q]`: returns (graph, y, s, b, a).
-pub fn scale_bias_relu(dims: [i64; 4], vec_dtype: DataType) -> (Graph, [TensorId; 4]) {
-    let mut g = Graph::new("scale_bias_relu");
+/// The residual form of the BN apply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ApplyResidual {
+    /// a = relu(y·s + b).
+    None,
+    /// a = relu(y·s + b + r): an identity shortcut.
+    Add,
+    /// a = relu(y·s + b + r·s2 + b2): a shortcut through its own BN (downsample blocks).
+    DualScaleBias,
+}
+
+/// Real tensors of an apply graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ApplyTensors {
+    /// Raw conv output.
+    pub y: TensorId,
+    /// eq_scale.
+    pub scale: TensorId,
+    /// eq_bias.
+    pub bias: TensorId,
+    /// Residual input, when present.
+    pub residual: Option<TensorId>,
+    /// Residual's own scale and bias (dual form).
+    pub residual_scale_bias: Option<(TensorId, TensorId)>,
+    /// The activation.
+    pub a: TensorId,
+}
+
+/// The BN apply over `[N,K,P,Q]`: relu(y·s + b [+ r | + r·s2 + b2]), runtime-compiled by cuDNN.
+pub fn apply(
+    dims: [i64; 4],
+    vec_dtype: DataType,
+    residual: ApplyResidual,
+) -> (Graph, ApplyTensors) {
+    let name = match residual {
+        ApplyResidual::None => "scale_bias_relu",
+        ApplyResidual::Add => "scale_bias_add_relu",
+        ApplyResidual::DualScaleBias => "dual_scale_bias_add_relu",
+    };
+    let mut g = Graph::new(name);
     let y = g.tensor(TensorAttrs::new("Y", dims));
     let s = g.tensor(TensorAttrs::vector("scale", dims[1]).dtype(vec_dtype));
     let b = g.tensor(TensorAttrs::vector("bias", dims[1]).dtype(vec_dtype));
     let v1 = g.mul(y, s);
-    let v2 = g.add(v1, b);
-    let a = g.relu(v2);
+    let mut v = g.add(v1, b);
+    let mut r_id = None;
+    let mut rsb = None;
+    match residual {
+        ApplyResidual::None => {}
+        ApplyResidual::Add => {
+            let r = g.tensor(TensorAttrs::new("R", dims));
+            v = g.add(v, r);
+            r_id = Some(r);
+        }
+        ApplyResidual::DualScaleBias => {
+            let r = g.tensor(TensorAttrs::new("R", dims));
+            let s2 = g.tensor(TensorAttrs::vector("scale2", dims[1]).dtype(vec_dtype));
+            let b2 = g.tensor(TensorAttrs::vector("bias2", dims[1]).dtype(vec_dtype));
+            let r1 = g.mul(r, s2);
+            let r2 = g.add(r1, b2);
+            v = g.add(v, r2);
+            r_id = Some(r);
+            rsb = Some((s2, b2));
+        }
+    }
+    let a = g.relu(v);
     g.set_output(a, None).expect("in graph");
-    (g, [y, s, b, a])
+    (
+        g,
+        ApplyTensors {
+            y,
+            scale: s,
+            bias: b,
+            residual: r_id,
+            residual_scale_bias: rsb,
+            a,
+        },
+    )
+}
+
+/// The BN apply without residual: returns (graph, y, s, b, a).
+pub fn scale_bias_relu(dims: [i64; 4], vec_dtype: DataType) -> (Graph, [TensorId; 4]) {
+    let (g, t) = apply(dims, vec_dtype, ApplyResidual::None);
+    (g, [t.y, t.scale, t.bias, t.a])
+}
+
+/// The residual form of the fused backward (CUDNN_PATTERNS §6.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BackwardResidual {
+    /// The previous BN's relu fed only this conv.
+    None,
+    /// The relu output also fed a shortcut: its gradient `dY_branch` adds to the dgrad output.
+    FuseAdd,
+    /// The forward relu was relu(BN(Yprev) + resid): `resid` joins the recompute.
+    Shortcut,
+}
+
+/// Real tensors of the fused dgrad + dReLU + dBN-weights graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DgradDreluDbnTensors {
+    /// Gradient w.r.t. this conv's output.
+    pub dy: TensorId,
+    /// This conv's filter.
+    pub w: TensorId,
+    /// The previous conv's raw output (the BN input).
+    pub y_prev: TensorId,
+    /// Saved mean of the previous BN.
+    pub mean: TensorId,
+    /// Saved inverse std of the previous BN.
+    pub inv_std: TensorId,
+    /// γ of the previous BN (FP32 parameter).
+    pub gamma: TensorId,
+    /// β of the previous BN.
+    pub beta: TensorId,
+    /// The shortcut gradient (FuseAdd) or the residual input (Shortcut).
+    pub residual: Option<TensorId>,
+    /// Gradient w.r.t. the BN output (after the relu backward), FP16.
+    pub dz: TensorId,
+    /// dγ, dβ and the dBN-apply coefficients.
+    pub dbn: DbnWeightOutputs,
+}
+
+/// dgrad → BN recompute (the literal 4-op form) → relu backward → BN backward weights.
+pub fn dgrad_drelu_dbn(
+    shape: &ConvShape,
+    residual: BackwardResidual,
+) -> (Graph, DgradDreluDbnTensors) {
+    let name = match residual {
+        BackwardResidual::None => "dgrad_drelu_dbn",
+        BackwardResidual::FuseAdd => "dgrad_add_drelu_dbn",
+        BackwardResidual::Shortcut => "dgrad_drelu_dbn_shortcut",
+    };
+    let mut g = Graph::new(name);
+    let dy = g.tensor(TensorAttrs::new("dY", shape.y_dims()));
+    let w = g.tensor(TensorAttrs::new("W", shape.w_dims()));
+    let y_prev = g.tensor(TensorAttrs::new("Yprev", shape.x_dims()));
+    let mut v = |name: &str| g.tensor(TensorAttrs::vector(name, shape.c).dtype(DataType::Float));
+    let (mean, inv_std, gamma, beta) = (v("mean"), v("inv_std"), v("gamma"), v("beta"));
+    let dxc = g.conv_dgrad(dy, w, shape.conv_attrs(), shape.x_dims());
+    // Yprev − mean as ADD with α2 = −1: the form the specialised engine matches.
+    let centered = g.pointwise(
+        &[y_prev, mean],
+        PointwiseAttrs::new(PointwiseMode::Add).alphas(1.0, -1.0),
+    );
+    let normed = g.mul(centered, inv_std);
+    let scaled = g.mul(normed, gamma);
+    let mut bn_out = g.add(scaled, beta);
+    let mut grad = dxc;
+    let mut res = None;
+    match residual {
+        BackwardResidual::None => {}
+        BackwardResidual::FuseAdd => {
+            let branch = g.tensor(TensorAttrs::new("dY_branch", shape.x_dims()));
+            grad = g.add(dxc, branch);
+            res = Some(branch);
+        }
+        BackwardResidual::Shortcut => {
+            let resid = g.tensor(TensorAttrs::new("resid", shape.x_dims()));
+            bn_out = g.add(bn_out, resid);
+            res = Some(resid);
+        }
+    }
+    let dz = g.relu_backward(grad, bn_out);
+    g.set_output(dz, Some(DataType::Half)).expect("in graph");
+    let dbn = g.dbn_weight(DbnWeightInputs {
+        x: y_prev,
+        mean,
+        inv_std,
+        scale: gamma,
+        dy: dz,
+    });
+    for t in [
+        dbn.dscale,
+        dbn.dbias,
+        dbn.eq_dy_scale,
+        dbn.eq_x_scale,
+        dbn.eq_bias,
+    ] {
+        g.set_output(t, Some(DataType::Float)).expect("in graph");
+    }
+    (
+        g,
+        DgradDreluDbnTensors {
+            dy,
+            w,
+            y_prev,
+            mean,
+            inv_std,
+            gamma,
+            beta,
+            residual: res,
+            dz,
+            dbn,
+        },
+    )
+}
+
+/// Real tensors of the wgrad-with-prologue graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WgradTensors {
+    /// This conv's input before the BN apply (previous raw output), or the raw input.
+    pub x: TensorId,
+    /// Prologue scale and bias (FP16), when present.
+    pub prologue: Option<(TensorId, TensorId)>,
+    /// Gradient w.r.t. this conv's output.
+    pub dy: TensorId,
+    /// Filter gradient (FP16).
+    pub dw: TensorId,
+}
+
+/// dW = wgrad(relu(x·s + b), dY) with FP16 dW (CUDNN_PATTERNS §6.1); plain wgrad without the
+/// prologue (first layer).
+pub fn wgrad(shape: &ConvShape, prologue: bool) -> (Graph, WgradTensors) {
+    let mut g = Graph::new(if prologue {
+        "scale_bias_relu_wgrad"
+    } else {
+        "wgrad"
+    });
+    let x = g.tensor(TensorAttrs::new("X", shape.x_dims()));
+    let (input, pro) = if prologue {
+        let s = g.tensor(TensorAttrs::vector("scale", shape.c).dtype(DataType::Half));
+        let b = g.tensor(TensorAttrs::vector("bias", shape.c).dtype(DataType::Half));
+        let v1 = g.mul(x, s);
+        let v2 = g.add(v1, b);
+        (g.relu(v2), Some((s, b)))
+    } else {
+        (x, None)
+    };
+    let dy = g.tensor(TensorAttrs::new("dY", shape.y_dims()));
+    let dw = g.conv_wgrad(input, dy, shape.conv_attrs(), shape.w_dims());
+    g.set_output(dw, Some(DataType::Half)).expect("in graph");
+    (
+        g,
+        WgradTensors {
+            x,
+            prologue: pro,
+            dy,
+            dw,
+        },
+    )
+}
+
+/// Real tensors of the dBN apply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DbnApplyTensors {
+    /// Gradient w.r.t. the BN output.
+    pub dz: TensorId,
+    /// The BN input.
+    pub y_prev: TensorId,
+    /// Coefficients A, B, C (FP32 per channel).
+    pub abc: [TensorId; 3],
+    /// Gradient w.r.t. the BN input (FP16).
+    pub dy_prev: TensorId,
+}
+
+/// dYprev = A·dZ + B·Yprev + C over `[N,C,H,W]` (runtime-compiled by cuDNN).
+pub fn dbn_apply(dims: [i64; 4]) -> (Graph, DbnApplyTensors) {
+    let mut g = Graph::new("dbn_apply");
+    let dz = g.tensor(TensorAttrs::new("dZ", dims));
+    let y_prev = g.tensor(TensorAttrs::new("Yprev", dims));
+    let mut v = |name: &str| g.tensor(TensorAttrs::vector(name, dims[1]).dtype(DataType::Float));
+    let abc = [v("A"), v("B"), v("C")];
+    let v1 = g.mul(dz, abc[0]);
+    let v2 = g.mul(y_prev, abc[1]);
+    let v3 = g.add(v1, v2);
+    let dy_prev = g.add(v3, abc[2]);
+    g.set_output(dy_prev, None).expect("in graph");
+    (
+        g,
+        DbnApplyTensors {
+            dz,
+            y_prev,
+            abc,
+            dy_prev,
+        },
+    )
+}
+
+/// Unfused route: BN forward (training) with running stats, output stored FP16.
+pub fn batchnorm_forward(dims: [i64; 4]) -> (Graph, BatchNormInputs, BatchNormOutputs) {
+    let mut g = Graph::new("batchnorm_forward");
+    let x = g.tensor(TensorAttrs::new("X", dims));
+    let mut v = |name: &str| g.tensor(TensorAttrs::vector(name, dims[1]).dtype(DataType::Float));
+    let (scale, bias, rm, rv) = (v("gamma"), v("beta"), v("running_mean"), v("running_var"));
+    let inputs = BatchNormInputs {
+        x,
+        scale,
+        bias,
+        epsilon: g.tensor(TensorAttrs::scalar("epsilon", DataType::Float)),
+        momentum: g.tensor(TensorAttrs::scalar("momentum", DataType::Float)),
+        prev_running_mean: Some(rm),
+        prev_running_var: Some(rv),
+    };
+    let o = g.batchnorm(inputs);
+    for t in [
+        Some(o.y),
+        Some(o.mean),
+        Some(o.inv_variance),
+        o.next_running_mean,
+        o.next_running_var,
+    ]
+    .into_iter()
+    .flatten()
+    {
+        g.set_output(t, None).expect("in graph");
+    }
+    (g, inputs, o)
+}
+
+/// Unfused route: BN backward (dx, dγ, dβ).
+pub fn batchnorm_backward(
+    dims: [i64; 4],
+) -> (Graph, BatchNormBackwardInputs, BatchNormBackwardOutputs) {
+    let mut g = Graph::new("batchnorm_backward");
+    let dy = g.tensor(TensorAttrs::new("dY", dims));
+    let x = g.tensor(TensorAttrs::new("X", dims));
+    let mut v = |name: &str| g.tensor(TensorAttrs::vector(name, dims[1]).dtype(DataType::Float));
+    let (scale, mean, inv_variance) = (v("gamma"), v("mean"), v("inv_variance"));
+    let inputs = BatchNormBackwardInputs {
+        dy,
+        x,
+        scale,
+        mean,
+        inv_variance,
+    };
+    let o = g.batchnorm_backward(inputs);
+    for t in [o.dx, o.dscale, o.dbias] {
+        g.set_output(t, None).expect("in graph");
+    }
+    (g, inputs, o)
+}
+
+/// Unfused route: a = relu(x), materialized: returns (graph, x, a).
+pub fn relu_forward(dims: [i64; 4]) -> (Graph, [TensorId; 2]) {
+    let mut g = Graph::new("relu_forward");
+    let x = g.tensor(TensorAttrs::new("X", dims));
+    let a = g.relu(x);
+    g.set_output(a, None).expect("in graph");
+    (g, [x, a])
+}
+
+/// Unfused route: dx = relu_bwd(dy, x) with the forward input stored: returns (graph, dy, x, dx).
+pub fn relu_backward(dims: [i64; 4]) -> (Graph, [TensorId; 3]) {
+    let mut g = Graph::new("relu_backward");
+    let dy = g.tensor(TensorAttrs::new("dA", dims));
+    let x = g.tensor(TensorAttrs::new("X", dims));
+    let dx = g.relu_backward(dy, x);
+    g.set_output(dx, None).expect("in graph");
+    (g, [dy, x, dx])
+}
+
+/// Real tensors of the equivalent-coefficient graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EqCoefficientTensors {
+    /// γ.
+    pub gamma: TensorId,
+    /// β.
+    pub beta: TensorId,
+    /// Batch mean.
+    pub mean: TensorId,
+    /// Batch 1/sqrt(var + ε).
+    pub inv_std: TensorId,
+    /// γ·invstd (FP16).
+    pub eq_scale: TensorId,
+    /// β − mean·γ·invstd (FP16).
+    pub eq_bias: TensorId,
+}
+
+/// Unfused route: eq_scale = γ·invstd and eq_bias = β − mean·eq_scale from NormForward's
+/// statistics, so the unfused route hands the next layer the same FP16 coefficients BN finalize
+/// does.
+pub fn eq_coefficients(k: i64) -> (Graph, EqCoefficientTensors) {
+    let mut g = Graph::new("bn_eq_coefficients");
+    let mut v = |name: &str| g.tensor(TensorAttrs::vector(name, k).dtype(DataType::Float));
+    let (gamma, beta, mean, inv_std) = (v("gamma"), v("beta"), v("mean"), v("inv_std"));
+    let scale = g.mul(gamma, inv_std);
+    let shift = g.mul(mean, scale);
+    let bias = g.sub(beta, shift);
+    // eq_scale is both stored and reused: store it, and compute the bias from the FP32 value.
+    let eq_scale = g.identity(scale);
+    g.set_output(eq_scale, Some(DataType::Half))
+        .expect("in graph");
+    g.set_output(bias, Some(DataType::Half)).expect("in graph");
+    (
+        g,
+        EqCoefficientTensors {
+            gamma,
+            beta,
+            mean,
+            inv_std,
+            eq_scale,
+            eq_bias: bias,
+        },
+    )
+}
+
+/// Unfused route: y = x + b elementwise over `[N,C,H,W]` (a residual gradient join): returns
+/// (graph, x, b, y).
+pub fn add(dims: [i64; 4]) -> (Graph, [TensorId; 3]) {
+    let mut g = Graph::new("add");
+    let x = g.tensor(TensorAttrs::new("X", dims));
+    let b = g.tensor(TensorAttrs::new("B", dims));
+    let y = g.add(x, b);
+    g.set_output(y, None).expect("in graph");
+    (g, [x, b, y])
 }

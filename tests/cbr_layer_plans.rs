@@ -1,0 +1,172 @@
+//! Tier 2: every graph of a CBR layer plans deviceless for a table of shapes; a shape without
+//! fused engines falls back to the unfused route and says why.
+
+mod common;
+
+use cudnn_cbr::fusion::cache::PlanCache;
+use cudnn_cbr::fusion::cbr::graphs::{ApplyResidual, BackwardResidual};
+use cudnn_cbr::fusion::cbr::{route_graphs, CbrConfig, CbrLayer, ConvShape, Route};
+use cudnn_cbr::fusion::Target;
+use std::time::Instant;
+
+fn target(i: usize) -> Target {
+    Target::deviceless_from_file(&common::devprops_fixtures()[i].1).unwrap()
+}
+
+/// 3×3 and 1×1, stride 1 and 2, C ≠ K, N 32 and 256, first layer and through-BN layers.
+fn shape_table() -> Vec<(&'static str, CbrConfig)> {
+    vec![
+        (
+            "3x3 s1",
+            CbrConfig::new(ConvShape::square(32, 64, 56, 64, 3, 1, 1)),
+        ),
+        (
+            "1x1 C<K",
+            CbrConfig::new(ConvShape::square(32, 64, 56, 256, 1, 0, 1)),
+        ),
+        (
+            "1x1 C>K",
+            CbrConfig::new(ConvShape::square(32, 256, 56, 64, 1, 0, 1)),
+        ),
+        (
+            "3x3 s2",
+            CbrConfig::new(ConvShape::square(32, 128, 56, 128, 3, 1, 2)),
+        ),
+        (
+            "1x1 N256",
+            CbrConfig::new(ConvShape::square(256, 256, 14, 1024, 1, 0, 1)),
+        ),
+        (
+            "first 3x3",
+            CbrConfig::first(ConvShape::square(32, 64, 56, 64, 3, 1, 1)),
+        ),
+        (
+            "block out",
+            CbrConfig::new(ConvShape::square(32, 64, 56, 256, 1, 0, 1))
+                .with_apply(ApplyResidual::Add),
+        ),
+        (
+            "shortcut s1",
+            CbrConfig::new(ConvShape::square(32, 64, 56, 64, 3, 1, 1))
+                .with_backward_residual(BackwardResidual::FuseAdd),
+        ),
+    ]
+}
+
+#[test]
+fn every_layer_of_the_shape_table_plans_fused_on_the_h200() {
+    let Some(_) = common::cudnn_or_skip("every_layer_of_the_shape_table_plans_fused_on_the_h200")
+    else {
+        return;
+    };
+    let target = target(0);
+    let cache = PlanCache::new();
+    println!(
+        "{:<12} {:<26} {:<8} {:<30} {:>7} {:>9} {:>10}",
+        "layer", "shape", "route", "graph", "engine", "workspace", "cold ms"
+    );
+    for (label, config) in shape_table() {
+        let start = Instant::now();
+        let layer = CbrLayer::plan(config, &target, &cache).unwrap();
+        assert_eq!(layer.route(), &Route::Fused, "{label}");
+        for (role, plan) in layer.plans() {
+            println!(
+                "{label:<12} {:<26} {:<8} {:<30} {:>7} {:>9} {:>10.1}",
+                config.shape.label(),
+                layer.route().name(),
+                format!("{role:?}"),
+                plan.engine_tag(),
+                plan.workspace_size(),
+                start.elapsed().as_secs_f64() * 1e3
+            );
+        }
+        let expected = route_graphs(&config, true).len();
+        assert_eq!(layer.plans().len(), expected, "{label}");
+        assert!(layer.buffers().iter().all(|b| b.elems > 0));
+    }
+    println!("plans built: {:?}", cache.stats());
+}
+
+#[test]
+fn the_unfused_route_plans_too() {
+    let Some(_) = common::cudnn_or_skip("the_unfused_route_plans_too") else {
+        return;
+    };
+    let target = target(0);
+    let cache = PlanCache::new();
+    // Two shapes: every unfused graph is runtime-compiled or a plain conv, so keep CI bounded.
+    for (label, config) in shape_table().into_iter().take(2) {
+        for (role, graph) in route_graphs(&config, false) {
+            let t = Instant::now();
+            let plan = cache
+                .get_or_build(&graph, &target)
+                .unwrap_or_else(|e| panic!("{label} {role:?}: {e}"));
+            println!(
+                "{label:<8} unfused {:<20} {:<20} {:>6} ws {:>9} {:>8.1} ms",
+                format!("{role:?}"),
+                graph.name(),
+                plan.engine_tag(),
+                plan.workspace_size(),
+                t.elapsed().as_secs_f64() * 1e3
+            );
+        }
+    }
+}
+
+#[test]
+fn shapes_without_fused_engines_fall_back_to_unfused() {
+    let Some(_) = common::cudnn_or_skip("shapes_without_fused_engines_fall_back_to_unfused") else {
+        return;
+    };
+    let h200 = target(0);
+    let cache = PlanCache::new();
+    // Measured: the shortcut-gradient form of the fused backward has no engine for a strided
+    // 3×3 on sm_90, while every unfused graph does.
+    let cases = [
+        (
+            "shortcut s2",
+            CbrConfig::new(ConvShape::square(32, 128, 56, 128, 3, 1, 2))
+                .with_backward_residual(BackwardResidual::FuseAdd),
+            "dgrad_add_drelu_dbn",
+        ),
+    ];
+    for (label, config, failing) in cases {
+        let layer = CbrLayer::plan(config, &h200, &cache).unwrap();
+        let Route::Unfused { reason } = layer.route() else {
+            panic!("{label}: expected the unfused route");
+        };
+        println!("{label}: unfused because {reason}");
+        assert!(reason.contains(failing), "{label}: {reason}");
+        assert_eq!(layer.plans().len(), route_graphs(&config, false).len());
+    }
+    // Channel counts that are not a multiple of 8 (3, 12, 63, 100 measured) have no engine for
+    // any BN graph on sm_90, fused or not: a typed error names both routes' failures.
+    let odd = CbrConfig::new(ConvShape::square(32, 63, 28, 63, 3, 1, 1));
+    let err = CbrLayer::plan(odd, &h200, &cache).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(err, cudnn_cbr::fusion::Error::NoRoute { .. }),
+        "{text}"
+    );
+    assert!(
+        text.contains("scale_bias_relu_conv_genstats") && text.contains("unfused"),
+        "{text}"
+    );
+    println!("C=63: {text}");
+}
+
+#[test]
+fn routes_on_the_other_targets() {
+    let Some(_) = common::cudnn_or_skip("routes_on_the_other_targets") else {
+        return;
+    };
+    let config = CbrConfig::new(ConvShape::square(32, 64, 56, 64, 3, 1, 1));
+    let cache = PlanCache::new();
+    // Measured with cuDNN 9.28: the A100 has ConvBNfprop/wgrad engines for this shape; the B200
+    // fixture gets none for the prologue forms, so it runs unfused.
+    let a100 = CbrLayer::plan(config, &target(1), &cache).unwrap();
+    assert_eq!(a100.route(), &Route::Fused);
+    let b200 = CbrLayer::plan(config, &target(2), &cache).unwrap();
+    println!("A100: {}; B200: {:?}", a100.route().name(), b200.route());
+    assert!(matches!(b200.route(), Route::Unfused { .. }));
+}
