@@ -98,6 +98,17 @@ pub enum Error {
         /// What failed.
         reason: String,
     },
+    /// A layer buffer is missing or of the wrong kind.
+    #[error("buffer `{name}` {problem}")]
+    Buffer {
+        /// The buffer.
+        name: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// The CPU reference executor rejected its inputs.
+    #[error(transparent)]
+    Reference(#[from] crate::reference::ReferenceError),
     /// Neither route of a CBR layer has engines on this target.
     #[error("layer {layer}: no route runs on this target; fused: {fused}; unfused: {unfused}")]
     NoRoute {

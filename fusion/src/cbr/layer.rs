@@ -19,7 +19,8 @@ use super::graphs::{self, ApplyResidual, BackwardResidual};
 use super::ConvShape;
 use crate::cache::PlanCache;
 use crate::error::{Error, Result};
-use crate::graph::{DataType, Graph};
+use crate::exec::Scalar;
+use crate::graph::{DataType, Graph, TensorId};
 use crate::plan::ExecutionPlan;
 use crate::target::Target;
 use std::sync::Arc;
@@ -134,10 +135,14 @@ pub enum GraphRole {
     EqCoefficients,
     /// Unfused: residual gradient join.
     AddBranch,
-    /// ReLU backward (unfused route; and the apply's backward).
+    /// Unfused: ReLU backward of the previous BN's activation.
     ReluBackward,
-    /// BN backward (unfused route; and the apply's backward: the NormBackward route).
+    /// Unfused: BN backward of the previous BN.
     BnBackward,
+    /// The materialized activation's ReLU backward (dA → dpre).
+    ApplyReluBackward,
+    /// The materialized activation's BN backward (NormBackward: dpre → dY, dγ, dβ).
+    ApplyBnBackward,
 }
 
 impl GraphRole {
@@ -152,68 +157,296 @@ impl GraphRole {
                 | GraphRole::AddBranch
                 | GraphRole::ReluBackward
                 | GraphRole::BnBackward
+                | GraphRole::ApplyReluBackward
+                | GraphRole::ApplyBnBackward
         )
     }
 }
 
-/// The graphs of one route of a layer, in execution order (forward, then backward).
-pub fn route_graphs(config: &CbrConfig, fused: bool) -> Vec<(GraphRole, Graph)> {
+/// Where a graph tensor's data comes from when the layer runs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Src {
+    /// A buffer of this layer, by name.
+    This(&'static str),
+    /// A buffer of the previous layer (its `y`, BN statistics and parameters, and the
+    /// gradients this layer's backward writes for it), by name.
+    Prev(&'static str),
+    /// A host scalar passed by value.
+    Scalar(Scalar),
+}
+
+/// One graph of a layer with the buffer each of its real tensors binds to.
+#[derive(Debug, Clone)]
+pub struct LayerGraph {
+    /// What the graph does.
+    pub role: GraphRole,
+    /// The graph.
+    pub graph: Graph,
+    /// Real tensor → buffer.
+    pub bindings: Vec<(TensorId, Src)>,
+}
+
+fn lg(role: GraphRole, graph: Graph, bindings: Vec<(TensorId, Src)>) -> LayerGraph {
+    LayerGraph {
+        role,
+        graph,
+        bindings,
+    }
+}
+
+use Src::{Prev, This};
+
+/// The graphs of one route of a layer in execution order (forward, then backward), with the
+/// buffer of every real tensor. Backward order: the apply's backward (when the activation is
+/// materialized) first, since it produces this layer's `dy`.
+pub fn route_graphs(config: &CbrConfig, fused: bool) -> Vec<LayerGraph> {
     let s = &config.shape;
     let through_bn = config.input == InputKind::ThroughBn;
+    let conv_in = if through_bn { Prev("y") } else { This("x") };
     let mut out = Vec::new();
     if fused {
-        out.push((
-            GraphRole::ConvStats,
-            graphs::conv_fprop(s, through_bn, true).0,
+        let (g, t) = graphs::conv_fprop(s, through_bn, true);
+        let mut b = vec![(t.x, conv_in), (t.w, This("w")), (t.y, This("y"))];
+        if let Some((sc, bi)) = t.prologue {
+            b.extend([(sc, Prev("eq_scale")), (bi, Prev("eq_bias"))]);
+        }
+        if let Some((sum, sq)) = t.stats {
+            b.extend([(sum, This("sum")), (sq, This("sq_sum"))]);
+        }
+        out.push(lg(GraphRole::ConvStats, g, b));
+        let (g, i, o) = graphs::bn_finalize(s.k);
+        out.push(lg(
+            GraphRole::Finalize,
+            g,
+            vec![
+                (i.sum, This("sum")),
+                (i.sq_sum, This("sq_sum")),
+                (i.scale, This("gamma")),
+                (i.bias, This("beta")),
+                // Running statistics are updated in place: prev and updated share a buffer.
+                (i.prev_running_mean, This("running_mean")),
+                (i.prev_running_var, This("running_var")),
+                (i.epsilon, Src::Scalar(Scalar::F64(config.epsilon))),
+                (i.momentum, Src::Scalar(Scalar::F64(config.momentum))),
+                (i.accum_count, Src::Scalar(Scalar::I64(s.count()))),
+                (o.eq_scale, This("eq_scale")),
+                (o.eq_bias, This("eq_bias")),
+                (o.saved_mean, This("saved_mean")),
+                (o.saved_inv_std, This("saved_inv_std")),
+                (o.updated_running_mean, This("running_mean")),
+                (o.updated_running_var, This("running_var")),
+            ],
         ));
-        out.push((GraphRole::Finalize, graphs::bn_finalize(s.k).0));
     } else {
         if through_bn {
             let residual = match config.backward_residual {
                 BackwardResidual::Shortcut => ApplyResidual::Add,
                 _ => ApplyResidual::None,
             };
-            out.push((
-                GraphRole::ApplyPrev,
-                graphs::apply(s.x_dims(), DataType::Half, residual).0,
-            ));
+            let (g, t) = graphs::apply(s.x_dims(), DataType::Half, residual);
+            let mut b = vec![
+                (t.y, Prev("y")),
+                (t.scale, Prev("eq_scale")),
+                (t.bias, Prev("eq_bias")),
+                (t.a, This("a_prev")),
+            ];
+            b.extend(t.residual.map(|r| (r, This("shortcut"))));
+            out.push(lg(GraphRole::ApplyPrev, g, b));
         }
-        out.push((GraphRole::Conv, graphs::conv_fprop(s, false, false).0));
-        out.push((
-            GraphRole::BnForward,
-            graphs::batchnorm_forward(s.y_dims()).0,
+        let conv_x = if through_bn {
+            This("a_prev")
+        } else {
+            This("x")
+        };
+        let (g, t) = graphs::conv_fprop(s, false, false);
+        out.push(lg(
+            GraphRole::Conv,
+            g,
+            vec![(t.x, conv_x), (t.w, This("w")), (t.y, This("y"))],
         ));
-        out.push((GraphRole::EqCoefficients, graphs::eq_coefficients(s.k).0));
+        let (g, i, o) = graphs::batchnorm_forward(s.y_dims());
+        let mut b = vec![
+            (i.x, This("y")),
+            (i.scale, This("gamma")),
+            (i.bias, This("beta")),
+            (i.epsilon, Src::Scalar(Scalar::F32(config.epsilon as f32))),
+            (i.momentum, Src::Scalar(Scalar::F32(config.momentum as f32))),
+            (o.y, This("y_bn")),
+            (o.mean, This("saved_mean")),
+            (o.inv_variance, This("saved_inv_std")),
+        ];
+        b.extend(i.prev_running_mean.map(|t| (t, This("running_mean"))));
+        b.extend(i.prev_running_var.map(|t| (t, This("running_var"))));
+        b.extend(o.next_running_mean.map(|t| (t, This("running_mean"))));
+        b.extend(o.next_running_var.map(|t| (t, This("running_var"))));
+        out.push(lg(GraphRole::BnForward, g, b));
+        let (g, t) = graphs::eq_coefficients(s.k);
+        out.push(lg(
+            GraphRole::EqCoefficients,
+            g,
+            vec![
+                (t.gamma, This("gamma")),
+                (t.beta, This("beta")),
+                (t.mean, This("saved_mean")),
+                (t.inv_std, This("saved_inv_std")),
+                (t.eq_scale, This("eq_scale")),
+                (t.eq_bias, This("eq_bias")),
+            ],
+        ));
     }
     if let Some(residual) = config.apply {
-        out.push((
-            GraphRole::Apply,
-            graphs::apply(s.y_dims(), DataType::Half, residual).0,
+        let (g, t) = graphs::apply(s.y_dims(), DataType::Half, residual);
+        let mut b = vec![
+            (t.y, This("y")),
+            (t.scale, This("eq_scale")),
+            (t.bias, This("eq_bias")),
+            (t.a, This("a")),
+        ];
+        b.extend(t.residual.map(|r| (r, This("residual"))));
+        if let Some((s2, b2)) = t.residual_scale_bias {
+            b.extend([(s2, This("residual_scale")), (b2, This("residual_bias"))]);
+        }
+        out.push(lg(GraphRole::Apply, g, b));
+        // The apply's backward: dA → dpre (through the ReLU, using the stored activation as
+        // the mask) → dY, dγ, dβ through NormBackward (CUDNN_PATTERNS §8, step 5).
+        let (g, [dy, x, dx]) = graphs::relu_backward(s.y_dims());
+        out.push(lg(
+            GraphRole::ApplyReluBackward,
+            g,
+            vec![(dy, This("da")), (x, This("a")), (dx, This("dpre"))],
+        ));
+        let (g, i, o) = graphs::batchnorm_backward(s.y_dims());
+        out.push(lg(
+            GraphRole::ApplyBnBackward,
+            g,
+            vec![
+                (i.dy, This("dpre")),
+                (i.x, This("y")),
+                (i.scale, This("gamma")),
+                (i.mean, This("saved_mean")),
+                (i.inv_variance, This("saved_inv_std")),
+                (o.dx, This("dy")),
+                (o.dscale, This("dgamma")),
+                (o.dbias, This("dbeta")),
+            ],
         ));
     }
     match (fused, through_bn) {
         (true, true) => {
-            out.push((
-                GraphRole::DgradDreluDbn,
-                graphs::dgrad_drelu_dbn(s, config.backward_residual).0,
+            let (g, t) = graphs::dgrad_drelu_dbn(s, config.backward_residual);
+            let mut b = vec![
+                (t.dy, This("dy")),
+                (t.w, This("w")),
+                (t.y_prev, Prev("y")),
+                (t.mean, Prev("saved_mean")),
+                (t.inv_std, Prev("saved_inv_std")),
+                (t.gamma, Prev("gamma")),
+                (t.beta, Prev("beta")),
+                (t.dz, This("dz_prev")),
+                (t.dbn.dscale, Prev("dgamma")),
+                (t.dbn.dbias, Prev("dbeta")),
+                (t.dbn.eq_dy_scale, This("dbn_a")),
+                (t.dbn.eq_x_scale, This("dbn_b")),
+                (t.dbn.eq_bias, This("dbn_c")),
+            ];
+            let res_name = match config.backward_residual {
+                BackwardResidual::Shortcut => "shortcut",
+                _ => "dy_branch",
+            };
+            b.extend(t.residual.map(|r| (r, This(res_name))));
+            out.push(lg(GraphRole::DgradDreluDbn, g, b));
+            let (g, t) = graphs::wgrad(s, true);
+            let (sc, bi) = t.prologue.expect("wgrad built with the prologue");
+            out.push(lg(
+                GraphRole::Wgrad,
+                g,
+                vec![
+                    (t.x, Prev("y")),
+                    (sc, Prev("eq_scale")),
+                    (bi, Prev("eq_bias")),
+                    (t.dy, This("dy")),
+                    (t.dw, This("dw")),
+                ],
             ));
-            out.push((GraphRole::Wgrad, graphs::wgrad(s, true).0));
-            out.push((GraphRole::DbnApply, graphs::dbn_apply(s.x_dims()).0));
+            let (g, t) = graphs::dbn_apply(s.x_dims());
+            out.push(lg(
+                GraphRole::DbnApply,
+                g,
+                vec![
+                    (t.dz, This("dz_prev")),
+                    (t.y_prev, Prev("y")),
+                    (t.abc[0], This("dbn_a")),
+                    (t.abc[1], This("dbn_b")),
+                    (t.abc[2], This("dbn_c")),
+                    (t.dy_prev, Prev("dy")),
+                ],
+            ));
         }
-        (true, false) | (false, false) => {
-            out.push((GraphRole::Wgrad, graphs::wgrad(s, false).0));
-            out.push((GraphRole::Dgrad, graphs::conv_dgrad(s).0));
+        (_, false) => {
+            let (g, t) = graphs::wgrad(s, false);
+            out.push(lg(
+                GraphRole::Wgrad,
+                g,
+                vec![(t.x, This("x")), (t.dy, This("dy")), (t.dw, This("dw"))],
+            ));
+            let (g, [dy, w, dx]) = graphs::conv_dgrad(s);
+            out.push(lg(
+                GraphRole::Dgrad,
+                g,
+                vec![(dy, This("dy")), (w, This("w")), (dx, This("dx"))],
+            ));
         }
         (false, true) => {
-            out.push((GraphRole::Wgrad, graphs::wgrad(s, false).0));
-            out.push((GraphRole::Dgrad, graphs::conv_dgrad(s).0));
+            let (g, t) = graphs::wgrad(s, false);
+            out.push(lg(
+                GraphRole::Wgrad,
+                g,
+                vec![
+                    (t.x, This("a_prev")),
+                    (t.dy, This("dy")),
+                    (t.dw, This("dw")),
+                ],
+            ));
+            let (g, [dy, w, dx]) = graphs::conv_dgrad(s);
+            out.push(lg(
+                GraphRole::Dgrad,
+                g,
+                vec![(dy, This("dy")), (w, This("w")), (dx, This("da_prev"))],
+            ));
+            let mut grad = This("da_prev");
             if config.backward_residual == BackwardResidual::FuseAdd {
-                out.push((GraphRole::AddBranch, graphs::add(s.x_dims()).0));
+                let (g, [x, b, y]) = graphs::add(s.x_dims());
+                out.push(lg(
+                    GraphRole::AddBranch,
+                    g,
+                    vec![
+                        (x, This("da_prev")),
+                        (b, This("dy_branch")),
+                        (y, This("da_sum")),
+                    ],
+                ));
+                grad = This("da_sum");
             }
-            out.push((GraphRole::ReluBackward, graphs::relu_backward(s.x_dims()).0));
-            out.push((
+            let (g, [dy, x, dx]) = graphs::relu_backward(s.x_dims());
+            out.push(lg(
+                GraphRole::ReluBackward,
+                g,
+                vec![(dy, grad), (x, This("a_prev")), (dx, This("dz_prev"))],
+            ));
+            let (g, i, o) = graphs::batchnorm_backward(s.x_dims());
+            out.push(lg(
                 GraphRole::BnBackward,
-                graphs::batchnorm_backward(s.x_dims()).0,
+                g,
+                vec![
+                    (i.dy, This("dz_prev")),
+                    (i.x, Prev("y")),
+                    (i.scale, Prev("gamma")),
+                    (i.mean, Prev("saved_mean")),
+                    (i.inv_variance, Prev("saved_inv_std")),
+                    (o.dx, Prev("dy")),
+                    (o.dscale, Prev("dgamma")),
+                    (o.dbias, Prev("dbeta")),
+                ],
             ));
         }
     }
@@ -229,8 +462,6 @@ pub struct BufferSpec {
     pub dtype: DataType,
     /// Element count.
     pub elems: usize,
-    /// Whether the backward pass needs it kept from the forward pass.
-    pub saved: bool,
 }
 
 impl BufferSpec {
@@ -240,42 +471,150 @@ impl BufferSpec {
     }
 }
 
+/// The buffers a route's graphs bind, by owner: this layer's and the previous layer's.
+/// Derived from the graphs themselves, so the list cannot drift from what executes.
+pub fn route_buffers(graphs: &[LayerGraph]) -> (Vec<BufferSpec>, Vec<BufferSpec>) {
+    let mut this: Vec<BufferSpec> = Vec::new();
+    let mut prev: Vec<BufferSpec> = Vec::new();
+    for lg in graphs {
+        for (t, src) in &lg.bindings {
+            let (list, name) = match src {
+                This(n) => (&mut this, *n),
+                Prev(n) => (&mut prev, *n),
+                Src::Scalar(_) => continue,
+            };
+            let Some(attrs) = lg.graph.get(*t) else {
+                continue;
+            };
+            let elems = attrs.dims.iter().product::<i64>().max(0) as usize;
+            let dtype = lg.graph.dtype(*t).unwrap_or(DataType::Half);
+            if !list.iter().any(|b| b.name == name) {
+                list.push(BufferSpec { name, dtype, elems });
+            }
+        }
+    }
+    // The layer's own BN-parameter gradients are written by the next layer's backward (or by
+    // the apply's backward); they belong to this layer's table either way.
+    if let Some(k) = this.iter().find(|b| b.name == "gamma").map(|b| b.elems) {
+        for name in ["dgamma", "dbeta"] {
+            if !this.iter().any(|b| b.name == name) {
+                this.push(BufferSpec {
+                    name,
+                    dtype: DataType::Float,
+                    elems: k,
+                });
+            }
+        }
+    }
+    (this, prev)
+}
+
+/// One step of a planned layer: a plan and its bindings.
+#[derive(Debug, Clone)]
+pub struct LayerStep {
+    /// What the step does.
+    pub role: GraphRole,
+    /// The plan (None for a layer made for the CPU executor only).
+    pub plan: Option<Arc<ExecutionPlan>>,
+    /// Real tensor → buffer.
+    pub bindings: Vec<(TensorId, Src)>,
+}
+
 /// A layer with its plans built for one target.
 #[derive(Debug)]
 pub struct CbrLayer {
     config: CbrConfig,
     route: Route,
-    plans: Vec<(GraphRole, Arc<ExecutionPlan>)>,
+    steps: Vec<LayerStep>,
+    buffers: Vec<BufferSpec>,
+    prev_buffers: Vec<BufferSpec>,
 }
 
 impl CbrLayer {
     /// Builds every plan of the layer for `target` through `cache`: the fused route when each of
     /// its graphs has an engine, else the unfused route (see [`CbrLayer::route`]).
     pub fn plan(config: CbrConfig, target: &Target, cache: &PlanCache) -> Result<Self> {
-        match build_route(&config, target, cache, true) {
-            Ok(plans) => Ok(CbrLayer {
-                config,
-                route: Route::Fused,
-                plans,
-            }),
+        let (route, graphs, steps) = match build_route(&config, target, cache, true) {
+            Ok((graphs, steps)) => (Route::Fused, graphs, steps),
             Err(e @ (Error::NoEngine { .. } | Error::NoPlan { .. })) => {
                 // cuDNN 9.28 on sm_90 has no BN engine at all (fused or not) for channel
                 // counts that are not a multiple of 8: say so with both reasons.
-                let plans =
+                let (graphs, steps) =
                     build_route(&config, target, cache, false).map_err(|u| Error::NoRoute {
                         layer: config.shape.label(),
                         fused: e.to_string(),
                         unfused: u.to_string(),
                     })?;
-                Ok(CbrLayer {
-                    config,
-                    route: Route::Unfused {
+                (
+                    Route::Unfused {
                         reason: e.to_string(),
                     },
-                    plans,
-                })
+                    graphs,
+                    steps,
+                )
             }
-            Err(e) => Err(e),
+            Err(e) => return Err(e),
+        };
+        let (buffers, prev_buffers) = route_buffers(&graphs);
+        Ok(CbrLayer {
+            config,
+            route,
+            steps,
+            buffers,
+            prev_buffers,
+        })
+    }
+
+    /// Builds one chosen route (no fallback): for parity tests and benchmarks that compare the
+    /// routes on one target.
+    pub fn plan_route(
+        config: CbrConfig,
+        target: &Target,
+        cache: &PlanCache,
+        fused: bool,
+    ) -> Result<Self> {
+        let (graphs, steps) = build_route(&config, target, cache, fused)?;
+        let (buffers, prev_buffers) = route_buffers(&graphs);
+        Ok(CbrLayer {
+            config,
+            route: if fused {
+                Route::Fused
+            } else {
+                Route::Unfused {
+                    reason: "requested".into(),
+                }
+            },
+            steps,
+            buffers,
+            prev_buffers,
+        })
+    }
+
+    /// A layer for the CPU reference executor only (no cuDNN needed): the chosen route's steps
+    /// without plans. [`CbrLayer::run_gpu`](CbrLayer::run_gpu) refuses it.
+    pub fn for_cpu(config: CbrConfig, fused: bool) -> Self {
+        let graphs = route_graphs(&config, fused);
+        let (buffers, prev_buffers) = route_buffers(&graphs);
+        let steps = graphs
+            .into_iter()
+            .map(|lg| LayerStep {
+                role: lg.role,
+                plan: None,
+                bindings: lg.bindings,
+            })
+            .collect();
+        CbrLayer {
+            config,
+            route: if fused {
+                Route::Fused
+            } else {
+                Route::Unfused {
+                    reason: "chosen for the CPU executor".into(),
+                }
+            },
+            steps,
+            buffers,
+            prev_buffers,
         }
     }
 
@@ -289,94 +628,68 @@ impl CbrLayer {
         &self.route
     }
 
+    /// Steps (plans with bindings) in execution order.
+    pub fn steps(&self) -> &[LayerStep] {
+        &self.steps
+    }
+
     /// Plans in execution order.
-    pub fn plans(&self) -> &[(GraphRole, Arc<ExecutionPlan>)] {
-        &self.plans
+    pub fn plans(&self) -> impl Iterator<Item = (GraphRole, &Arc<ExecutionPlan>)> {
+        self.steps
+            .iter()
+            .filter_map(|s| s.plan.as_ref().map(|p| (s.role, p)))
     }
 
     /// The plan of one role, if the route has it.
     pub fn plan_for(&self, role: GraphRole) -> Option<&Arc<ExecutionPlan>> {
-        self.plans.iter().find(|(r, _)| *r == role).map(|(_, p)| p)
+        self.steps
+            .iter()
+            .find(|s| s.role == role)
+            .and_then(|s| s.plan.as_ref())
+    }
+
+    /// Whether the route has a step of this role.
+    pub fn has_role(&self, role: GraphRole) -> bool {
+        self.steps.iter().any(|s| s.role == role)
     }
 
     /// The largest workspace any of its plans needs (one buffer serves them all in turn).
     pub fn workspace_size(&self) -> usize {
-        self.plans
-            .iter()
+        self.plans()
             .map(|(_, p)| p.workspace_size())
             .max()
             .unwrap_or(0)
     }
 
-    /// The buffers the layer reads and writes on its route.
-    pub fn buffers(&self) -> Vec<BufferSpec> {
-        layer_buffers(&self.config, matches!(self.route, Route::Fused))
+    /// The buffers of this layer its route reads or writes.
+    pub fn buffers(&self) -> &[BufferSpec] {
+        &self.buffers
+    }
+
+    /// The previous layer's buffers its route reads or writes (empty for a first layer).
+    pub fn prev_buffers(&self) -> &[BufferSpec] {
+        &self.prev_buffers
     }
 }
+
+type Built = (Vec<LayerGraph>, Vec<LayerStep>);
 
 fn build_route(
     config: &CbrConfig,
     target: &Target,
     cache: &PlanCache,
     fused: bool,
-) -> Result<Vec<(GraphRole, Arc<ExecutionPlan>)>> {
-    route_graphs(config, fused)
-        .into_iter()
-        .map(|(role, graph)| Ok((role, cache.get_or_build(&graph, target)?)))
-        .collect()
-}
-
-/// The buffers of a layer on one route.
-pub fn layer_buffers(config: &CbrConfig, fused: bool) -> Vec<BufferSpec> {
-    let s = &config.shape;
-    let x = (s.n * s.c * s.h * s.w) as usize;
-    let y = (s.n * s.k * s.p() * s.q()) as usize;
-    let w = (s.k * s.c * s.r * s.s) as usize;
-    let k = s.k as usize;
-    let c = s.c as usize;
-    let through_bn = config.input == InputKind::ThroughBn;
-    let spec = |name, dtype, elems, saved| BufferSpec {
-        name,
-        dtype,
-        elems,
-        saved,
-    };
-    let mut v = vec![
-        spec("x", DataType::Half, x, true),
-        spec("w", DataType::Half, w, true),
-        spec("y", DataType::Half, y, true),
-        spec("gamma", DataType::Float, k, true),
-        spec("beta", DataType::Float, k, true),
-        spec("running_mean", DataType::Float, k, false),
-        spec("running_var", DataType::Float, k, false),
-        spec("saved_mean", DataType::Float, k, true),
-        spec("saved_inv_std", DataType::Float, k, true),
-        spec("eq_scale", DataType::Half, k, true),
-        spec("eq_bias", DataType::Half, k, true),
-        spec("dy", DataType::Half, y, false),
-        spec("dw", DataType::Half, w, false),
-    ];
-    if fused {
-        v.push(spec("sum", DataType::Float, k, false));
-        v.push(spec("sq_sum", DataType::Float, k, false));
-    } else {
-        v.push(spec("y_bn", DataType::Half, y, false));
-    }
-    if config.apply.is_some() {
-        v.push(spec("a", DataType::Half, y, true));
-    }
-    if through_bn {
-        v.push(spec("dz_prev", DataType::Half, x, false));
-        v.push(spec("dgamma_prev", DataType::Float, c, false));
-        v.push(spec("dbeta_prev", DataType::Float, c, false));
-        v.push(spec("dy_prev", DataType::Half, x, false));
-        if fused {
-            v.push(spec("dbn_coefficients", DataType::Float, 3 * c, false));
-        } else {
-            v.push(spec("a_prev", DataType::Half, x, true));
-        }
-    } else {
-        v.push(spec("dx", DataType::Half, x, false));
-    }
-    v
+) -> Result<Built> {
+    let graphs = route_graphs(config, fused);
+    let steps = graphs
+        .iter()
+        .map(|lg| {
+            Ok(LayerStep {
+                role: lg.role,
+                plan: Some(cache.get_or_build(&lg.graph, target)?),
+                bindings: lg.bindings.clone(),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((graphs, steps))
 }

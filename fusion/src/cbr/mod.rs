@@ -1,10 +1,15 @@
 //! The Conv+BN+ReLU building blocks: layer geometry and the graphs of a training step.
 
+mod buffers;
 pub mod graphs;
 mod layer;
+mod run;
 mod shape;
 
+pub use buffers::{DeviceBuffer, DeviceBuffers, HostBuffer, HostBuffers, OwnedDeviceBuffers};
 pub use layer::{
-    layer_buffers, route_graphs, BufferSpec, CbrConfig, CbrLayer, GraphRole, InputKind, Route,
+    route_buffers, route_graphs, BufferSpec, CbrConfig, CbrLayer, GraphRole, InputKind, LayerGraph,
+    LayerStep, Route, Src,
 };
+pub use run::Pass;
 pub use shape::ConvShape;

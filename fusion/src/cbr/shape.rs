@@ -94,6 +94,21 @@ impl ConvShape {
             .stride(self.stride)
     }
 
+    /// The CPU reference executor's parameters for this geometry.
+    pub fn reference_params(&self) -> crate::reference::ConvParams {
+        crate::reference::ConvParams::new(
+            self.n as usize,
+            self.c as usize,
+            self.h as usize,
+            self.w as usize,
+            self.k as usize,
+            self.r as usize,
+            self.s as usize,
+        )
+        .with_padding(self.pad as usize, self.pad as usize)
+        .with_stride(self.stride as usize, self.stride as usize)
+    }
+
     /// A short label like `n32 c64 56x56 k64 3x3 s1`.
     pub fn label(&self) -> String {
         format!(
