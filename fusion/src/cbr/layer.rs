@@ -49,6 +49,9 @@ pub struct CbrConfig {
     pub apply: Option<ApplyResidual>,
     /// How the previous BN's ReLU output was used (the backward pass must match the forward).
     pub backward_residual: BackwardResidual,
+    /// For a raw input: whether the backward pass computes the input's gradient (a stored
+    /// activation inside a network needs it; the network's own input does not).
+    pub input_grad: bool,
 }
 
 impl CbrConfig {
@@ -62,11 +65,22 @@ impl CbrConfig {
             input: InputKind::ThroughBn,
             apply: None,
             backward_residual: BackwardResidual::None,
+            input_grad: true,
         }
     }
 
-    /// The network's first conv (raw input).
+    /// The network's first conv: a raw input whose gradient nobody needs (no dgrad).
     pub fn first(shape: ConvShape) -> Self {
+        CbrConfig {
+            input: InputKind::Raw,
+            input_grad: false,
+            ..Self::new(shape)
+        }
+    }
+
+    /// A conv reading a stored activation (a block input): raw input, and the backward pass
+    /// computes the activation's gradient `dx`.
+    pub fn after_activation(shape: ConvShape) -> Self {
         CbrConfig {
             input: InputKind::Raw,
             ..Self::new(shape)
@@ -389,12 +403,14 @@ pub fn route_graphs(config: &CbrConfig, fused: bool) -> Vec<LayerGraph> {
                 g,
                 vec![(t.x, This("x")), (t.dy, This("dy")), (t.dw, This("dw"))],
             ));
-            let (g, [dy, w, dx]) = graphs::conv_dgrad(s);
-            out.push(lg(
-                GraphRole::Dgrad,
-                g,
-                vec![(dy, This("dy")), (w, This("w")), (dx, This("dx"))],
-            ));
+            if config.input_grad {
+                let (g, [dy, w, dx]) = graphs::conv_dgrad(s);
+                out.push(lg(
+                    GraphRole::Dgrad,
+                    g,
+                    vec![(dy, This("dy")), (w, This("w")), (dx, This("dx"))],
+                ));
+            }
         }
         (false, true) => {
             let (g, t) = graphs::wgrad(s, false);

@@ -3,6 +3,7 @@
 mod buffers;
 pub mod graphs;
 mod layer;
+pub mod resnet50;
 mod run;
 mod shape;
 
