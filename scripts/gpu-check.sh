@@ -4,9 +4,12 @@
 #
 #   scripts/gpu-check.sh bundle   # here: release-build every test/bench/example binary into
 #                                 # .gpu-bundle/ (git-ignored; carry it to the GPU machine)
-#   scripts/gpu-check.sh run      # there: run tier 4 (GPU tests), the GPU benches and the
+#   scripts/gpu-check.sh run      # there: run tier 4 (GPU tests), the GPU benches, the PyTorch
+#                                 # side-by-side (benches/torch_cbr.py) and the
 #                                 # device-properties dump, writing everything under $OUT
-#                                 # (target/gpu-check/ when OUT is unset)
+#                                 # (target/gpu-check/ when OUT is unset); about 6 minutes on
+#                                 # an H200, most of it cuDNN's runtime compilation and
+#                                 # torch.compile
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bundle=.gpu-bundle
@@ -15,7 +18,7 @@ case "${1:-}" in
 bundle)
   rm -rf "$bundle" && mkdir -p "$bundle"
   # Test and bench binaries: cargo prints their paths as JSON; keep the executables.
-  cargo test --release --workspace --no-run --message-format=json 2>/dev/null \
+  cargo test --release --workspace --all-targets --no-run --message-format=json 2>/dev/null \
     | python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -58,8 +61,11 @@ run)
     [ -e "$b" ] || continue
     name=$(basename "$b")
     echo "== $name"
-    "$b" --bench 2>&1 | tee "$out/$name.txt" || status=1
+    OUT="$out" timeout 240 "$b" --bench 2>&1 | tee "$out/$name.txt" || status=1
   done
+  echo "== torch_cbr (PyTorch side-by-side)"
+  OUT="$out" PYTHONUNBUFFERED=1 timeout 180 python3 benches/torch_cbr.py --out "$out" 2>&1 \
+    | tee "$out/torch_cbr.txt" || status=1
   exit $status
   ;;
 *)

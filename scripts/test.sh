@@ -31,6 +31,11 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "bindings reproduce byte for byte"
 cargo xtask gen-bindings --check
 
+step "GPU-check scripts: syntax, and their no-GPU paths"
+bash -n scripts/gpu-check.sh
+python3 -m py_compile benches/torch_cbr.py
+python3 benches/torch_cbr.py --out target/bench
+
 step "cargo test"
 cargo test --workspace --all-targets --locked
 
