@@ -1,12 +1,19 @@
 //! Typed errors of the AMP layer.
 //!
-//! Two families, wrapped by [`AmpError`]:
+//! Four families, wrapped by [`AmpError`]:
 //! 1. [`PlanError`]: a bad parameter registration or a plan query that cannot be answered.
 //!    Every variant about a parameter carries its `name`, and the message names it too, so
 //!    a failure in a 200-parameter network points at the culprit.
 //! 2. [`RangeOpError`]: a CPU range op called with slices that disagree in length, or with a
 //!    configuration the kernels would not accept (a NaN learning rate, a zero growth
 //!    interval, ...).
+//! 3. [`ExecError`]: a range op or a step that does not fit the regions it is given (a range
+//!    past a region's end, a region the plan lacks, a graph replayed on the wrong executor).
+//! 4. [`CudaError`]: the CUDA side failed (NVRTC compile, a driver call, a foreign context).
+//!
+//! Two conditions are variants of [`AmpError`] itself because callers branch on them:
+//! [`AmpError::NoDevice`] and [`AmpError::NoNvrtc`] mean "this machine cannot run the CUDA
+//! executor" (tests print a SKIP line on them), never "something is broken".
 
 use thiserror::Error;
 
@@ -21,6 +28,32 @@ pub enum AmpError {
     /// A range op (CPU twin) or its configuration was rejected.
     #[error(transparent)]
     RangeOp(#[from] RangeOpError),
+    /// A range op, a step or a graph does not fit the executor it was given.
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+    /// A CUDA driver or NVRTC call failed.
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+    /// No usable CUDA device: no driver library, no device, or the device cannot be opened.
+    #[error("no usable CUDA device: {reason}")]
+    NoDevice {
+        /// Why, in words (the driver's error when there is one).
+        reason: String,
+    },
+    /// The NVRTC library (runtime compiler) is not on the loader path.
+    #[error("NVRTC unavailable: {reason}")]
+    NoNvrtc {
+        /// Why, in words.
+        reason: String,
+    },
+}
+
+impl AmpError {
+    /// Whether this error only says that the machine cannot run the CUDA executor
+    /// ([`AmpError::NoDevice`] or [`AmpError::NoNvrtc`]): the reason to print a SKIP line.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, AmpError::NoDevice { .. } | AmpError::NoNvrtc { .. })
+    }
 }
 
 /// Errors from [`crate::plan::MemoryPlanBuilder`] and [`crate::plan::MemoryPlan`].
@@ -185,5 +218,142 @@ pub enum RangeOpError {
         got: usize,
         /// Bytes needed.
         needed: usize,
+    },
+}
+
+/// A range op, a step or a captured graph that does not fit the executor it runs on.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum ExecError {
+    /// A byte range runs past the end of the buffer or region it addresses, or ends before it
+    /// starts.
+    #[error("{op}: `{what}` range {start}..{end} does not fit in {len} bytes")]
+    OutOfBounds {
+        /// The range op or method.
+        op: &'static str,
+        /// Which argument or region.
+        what: String,
+        /// Range start, bytes.
+        start: usize,
+        /// Range end, bytes.
+        end: usize,
+        /// Bytes available.
+        len: usize,
+    },
+    /// A byte range whose start or length is not a multiple of the element size.
+    #[error("{op}: `{what}` range {start}..{end} is not aligned to {align}-byte elements")]
+    Misaligned {
+        /// The range op or method.
+        op: &'static str,
+        /// Which argument.
+        what: String,
+        /// Range start, bytes.
+        start: usize,
+        /// Range end, bytes.
+        end: usize,
+        /// Required alignment, bytes.
+        align: usize,
+    },
+    /// Two ranges of one op cover different numbers of elements.
+    #[error("{op}: `{what}` covers {got} elements, expected {expected}")]
+    ElemCount {
+        /// The range op.
+        op: &'static str,
+        /// Which argument.
+        what: &'static str,
+        /// Elements required (those of the first range).
+        expected: usize,
+        /// Elements given.
+        got: usize,
+    },
+    /// A range op addresses a region of the wrong element type (e.g. an FP32 cast source in
+    /// an FP16 region, or S as a parameter region).
+    #[error("{op}: region {region} cannot be the {role} (needs {needs})")]
+    WrongRegion {
+        /// The range op.
+        op: &'static str,
+        /// The region given.
+        region: Region,
+        /// Its role in the op, e.g. `"source"`.
+        role: &'static str,
+        /// What the role needs, in words.
+        needs: &'static str,
+    },
+    /// The step configuration needs a region the plan does not allocate.
+    #[error("{what} needs region {region}, which the memory plan does not allocate")]
+    MissingRegion {
+        /// The configuration item, e.g. `"SGD momentum 0.9"`.
+        what: String,
+        /// The region it needs.
+        region: Region,
+    },
+    /// A captured graph was replayed on an executor other than the one that captured it.
+    #[error("graph captured on executor #{captured_on} replayed on executor #{replayed_on}")]
+    ForeignGraph {
+        /// Id of the executor that captured it.
+        captured_on: u64,
+        /// Id of the executor asked to replay it.
+        replayed_on: u64,
+    },
+    /// A captured graph was replayed after the step's configuration changed (its launch
+    /// arguments, e.g. the learning rate, are baked in): capture again.
+    #[error("graph captured at configuration #{captured} replayed at configuration #{current}; capture it again")]
+    StaleGraph {
+        /// Configuration generation when captured.
+        captured: u64,
+        /// Current configuration generation.
+        current: u64,
+    },
+    /// A capture was asked for an empty op list (CUDA would give no graph).
+    #[error("nothing to capture: the op list is empty")]
+    EmptyCapture,
+}
+
+/// A failure on the CUDA side.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum CudaError {
+    /// NVRTC rejected a kernel source.
+    #[error("NVRTC failed on {file} for {arch}: {log}")]
+    Compile {
+        /// The `.cu` file (NVRTC program name).
+        file: &'static str,
+        /// The target, e.g. `"sm_90"`.
+        arch: &'static str,
+        /// NVRTC's error and log.
+        log: String,
+    },
+    /// The device is older than any architecture the kernels are built for.
+    #[error("compute capability {major}.{minor} is not supported (needs 8.0 or newer)")]
+    UnsupportedArch {
+        /// Major compute capability.
+        major: i32,
+        /// Minor compute capability.
+        minor: i32,
+    },
+    /// A CUDA driver call failed.
+    #[error("CUDA driver call failed while trying to {op}: {code}")]
+    Driver {
+        /// What we were doing, e.g. `"launch amp_sgd_step"`.
+        op: String,
+        /// The driver's error, printed.
+        code: String,
+    },
+    /// A launch's argument list does not match the kernel's [`crate::kernels::signature`]
+    /// (a bug in the launch module, caught before the driver sees it).
+    #[error(
+        "arguments for {kernel} do not match its signature: expected {expected:?}, got {got:?}"
+    )]
+    ArgumentMismatch {
+        /// The entry point.
+        kernel: &'static str,
+        /// The signature's parameter types.
+        expected: Vec<crate::kernels::ParamType>,
+        /// The types passed.
+        got: Vec<crate::kernels::ParamType>,
+    },
+    /// A buffer or stream belongs to another CUDA context than the kernels or the stream.
+    #[error("{what} belongs to another CUDA context")]
+    ContextMismatch {
+        /// Which argument.
+        what: String,
     },
 }

@@ -46,6 +46,55 @@ pub mod entry {
     pub const SOFTMAX_XENT_BACKWARD: &str = "amp_softmax_xent_backward";
 }
 
+/// How a kernel parameter is passed: its PTX parameter type. Pointers and `size_t` are
+/// `.u64`, `unsigned int` and `int` are `.u32`, `float` is `.f32`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ParamType {
+    /// A 64-bit pointer or `size_t`.
+    U64,
+    /// A 32-bit integer (`unsigned int` or `int`).
+    U32,
+    /// A `float`.
+    F32,
+}
+
+impl ParamType {
+    /// The PTX declaration, e.g. `".u64"`.
+    pub const fn ptx(self) -> &'static str {
+        match self {
+            ParamType::U64 => ".u64",
+            ParamType::U32 => ".u32",
+            ParamType::F32 => ".f32",
+        }
+    }
+}
+
+/// The parameter list of an entry point, in order: what the launch module passes, checked
+/// before every launch; the NVRTC test checks it against the compiled PTX. `None` for a name
+/// that is not an entry point.
+pub fn signature(entry_point: &str) -> Option<&'static [ParamType]> {
+    use ParamType::{F32, U32, U64};
+    Some(match entry_point {
+        // (src, dst, n)
+        entry::CAST_F32_TO_F16 | entry::CAST_F16_TO_F32 => &[U64, U64, U64],
+        // (g, n, s)
+        entry::CHECK_NONFINITE => &[U64, U64, U64],
+        // (g, n, bound, s)
+        entry::CHECK_CLIP => &[U64, U64, F32, U64],
+        // (s, growth_interval, growth_factor, max_scale)
+        entry::LOSS_SCALE_UPDATE => &[U64, U32, F32, F32],
+        // (dst, nbytes)
+        entry::ZERO_BYTES => &[U64, U64],
+        // (w, m, g, a, s, lr, momentum, weight_decay, nesterov, n)
+        entry::SGD_STEP => &[U64, U64, U64, U64, U64, F32, F32, F32, U32, U64],
+        // (e, e16, w, s, decay, n)
+        entry::EMA_UPDATE => &[U64, U64, U64, U64, F32, U64],
+        // (logits, labels, dlogits, loss, s, batch, classes)
+        entry::SOFTMAX_XENT_BACKWARD => &[U64, U64, U64, U64, U64, U64, U64],
+        _ => return None,
+    })
+}
+
 /// One `.cu` file of `amp/kernels/`: one NVRTC program.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KernelSource {
@@ -212,6 +261,20 @@ mod tests {
             let exported = k.source.matches("extern \"C\" __global__").count();
             assert_eq!(exported, k.entry_points.len(), "{}", k.file);
         }
+    }
+
+    #[test]
+    fn every_entry_point_has_a_signature_with_its_parameter_count() {
+        for k in ALL {
+            for e in k.entry_points {
+                let sig = signature(e).unwrap_or_else(|| panic!("{e} has no signature"));
+                let decl = format!("extern \"C\" __global__ void {e}(");
+                let start = k.source.find(&decl).expect("declared") + decl.len();
+                let params = &k.source[start..start + k.source[start..].find(')').unwrap()];
+                assert_eq!(params.split(',').count(), sig.len(), "{e}");
+            }
+        }
+        assert_eq!(signature("nope"), None);
     }
 
     #[test]

@@ -8,22 +8,29 @@
 //! | plan      | every slot of every parameter, validated     | [`plan::MemoryPlan`]      |
 //! | range op  | one kernel over a byte range + its CPU twin  | [`range`], [`kernels`]    |
 //! | scalars   | loss scale, overflow flag, counters (S)      | [`range::Scalars`]        |
+//! | executor  | a plan's regions on a device + the range ops | [`step::AmpExecutor`]: [`step::CpuRegions`], [`cuda::CudaRegions`] |
+//! | step      | begin (zero grads) … finish (cast, check, SGD, EMA, scale) | [`step::AmpStep`] |
+//! | graph     | a recorded op list, replayed as one launch   | [`step::StepGraph`], [`cuda::CudaStepGraph`] |
 //!
 //! Recipe for a training step without host syncs:
 //! 1. Build a [`plan::MemoryPlan`] from the network's parameters.
-//! 2. Allocate and zero its regions; upload [`range::Scalars`] into S.
-//! 3. Each step, launch the range ops in the order listed in [`range`]; the overflow flag
-//!    and the loss scale never leave the device.
+//! 2. Make its regions on an executor: [`step::CpuRegions::new`] or
+//!    [`cuda::CudaRegions::open`] (a typed [`AmpError::NoDevice`] where there is no GPU).
+//! 3. Write W, then [`step::AmpStep::new`] and [`step::AmpStep::init_weights`].
+//! 4. Each step: [`step::AmpStep::begin`], forward and backward on the executor's stream,
+//!    [`step::AmpStep::finish`] (or a replay of [`step::AmpStep::capture_finish`]); the
+//!    overflow flag and the loss scale never leave the device.
 //!
-//! This crate has no unsafe code yet: the planned kernel-launch module will be its only
-//! home for `unsafe`.
+//! Unsafe code lives only in [`cuda`], the kernel-launch module; everything else denies it.
 
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod cuda;
 pub mod error;
 pub mod kernels;
 pub mod plan;
 pub mod range;
+pub mod step;
 
-pub use error::{AmpError, PlanError, RangeOpError};
+pub use error::{AmpError, CudaError, ExecError, PlanError, RangeOpError};

@@ -1,5 +1,6 @@
 //! Tier 3: every AMP kernel source compiles with NVRTC for sm_80, sm_90 and sm_100, and the
-//! PTX defines every entry point the launch module will look up.
+//! PTX defines every entry point the launch module will look up, with exactly the parameter
+//! types the launch module passes (`kernels::signature`).
 //!
 //! Needs `libnvrtc.so.13` on the loader path and `CUDNN_CBR_CUDA_INCLUDE` pointing at the
 //! CUDA headers (`source .deps/env.sh` sets both). Without them the test prints one
@@ -106,9 +107,32 @@ fn every_kernel_compiles_for_every_arch() {
                 ));
             }
             for e in k.entry_points {
-                if !ptx.contains(&format!(".entry {e}(")) {
+                let Some(at) = ptx.find(&format!(".entry {e}(")) else {
                     failures.push(format!(
                         "{} for {}: PTX lacks entry `{e}`",
+                        k.file,
+                        arch.sm_name()
+                    ));
+                    continue;
+                };
+                // The launch module passes exactly `kernels::signature(e)`: it must be the
+                // PTX's parameter list, type by type.
+                let decl = &ptx[at..];
+                let decl = &decl[..decl.find(')').unwrap_or(decl.len())];
+                let params: Vec<&str> = decl
+                    .lines()
+                    .filter_map(|l| l.trim().strip_prefix(".param "))
+                    .filter_map(|l| l.split_whitespace().next())
+                    .collect();
+                let expected: Vec<&str> = kernels::signature(e)
+                    .unwrap_or(&[])
+                    .iter()
+                    .map(|t| t.ptx())
+                    .collect();
+                if params != expected {
+                    failures.push(format!(
+                        "{} for {}: `{e}` takes {params:?} in PTX, the launch module passes \
+                         {expected:?}",
                         k.file,
                         arch.sm_name()
                     ));
@@ -130,4 +154,21 @@ fn every_kernel_compiles_for_every_arch() {
         "NVRTC failures:\n{}",
         failures.join("\n\n")
     );
+}
+
+#[test]
+fn the_launch_module_compiles_every_source_without_a_device() {
+    if let Err(reason) = environment() {
+        return unavailable(&reason);
+    }
+    let found = cudnn_cbr_amp::cuda::cuda_include_dir().expect("include dir from the env");
+    assert!(found.join("cuda_fp16.h").is_file());
+    let ptx = cudnn_cbr_amp::cuda::compile_ptx(CudaArch::Sm90).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(ptx.len(), kernels::ALL.len());
+    for (source, text) in &ptx {
+        assert!(text.contains(".target sm_90"), "{}", source.file);
+        for e in source.entry_points {
+            assert!(text.contains(&format!(".entry {e}(")), "{e}");
+        }
+    }
 }

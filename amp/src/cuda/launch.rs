@@ -1,0 +1,1060 @@
+//! [`AmpKernels`]: the compiled range kernels of one CUDA context, and one launch per op.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
+};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, Ptx};
+use half::f16;
+
+use crate::cuda::{cuda_include_dir, driver_error, nvrtc_library_present};
+use crate::error::{AmpError, CudaError, ExecError};
+use crate::kernels::{self, entry, CudaArch, KernelSource, ParamType};
+use crate::plan::ByteRange;
+use crate::range::{s_layout, LossScalePolicy, OverflowPolicy, SgdConfig};
+use crate::step::RangeOp;
+
+/// Threads per block of the elementwise kernels.
+const BLOCK: u32 = 256;
+/// Resident blocks per SM the grid-stride launches aim for (8 × 256 = 2048 threads, the
+/// most an SM of sm_80..sm_100 holds).
+const BLOCKS_PER_SM: u32 = 8;
+
+/// One kernel argument, by value.
+#[derive(Debug, Clone, Copy)]
+enum Arg {
+    U64(u64),
+    U32(u32),
+    I32(i32),
+    F32(f32),
+}
+
+impl Arg {
+    /// A `size_t` (the targets are 64-bit).
+    fn size(n: usize) -> Arg {
+        Arg::U64(n as u64)
+    }
+
+    fn param_type(&self) -> ParamType {
+        match self {
+            Arg::U64(_) => ParamType::U64,
+            Arg::U32(_) | Arg::I32(_) => ParamType::U32,
+            Arg::F32(_) => ParamType::F32,
+        }
+    }
+}
+
+/// The kernels of [`crate::kernels::ALL`], compiled for one CUDA context.
+struct Functions {
+    cast_f32_to_f16: CudaFunction,
+    cast_f16_to_f32: CudaFunction,
+    check_nonfinite: CudaFunction,
+    check_clip: CudaFunction,
+    loss_scale_update: CudaFunction,
+    zero_bytes: CudaFunction,
+    sgd_step: CudaFunction,
+    ema_update: CudaFunction,
+    softmax_xent_backward: CudaFunction,
+}
+
+/// The range kernels compiled with NVRTC and loaded into one CUDA context.
+///
+/// Get it with [`AmpKernels::for_context`] (compiled once per context, then shared). Each
+/// launch method checks its arguments (ranges inside their buffers, whole elements, equal
+/// element counts, one CUDA context) and enqueues one kernel on `stream`; nothing waits.
+/// Empty ranges launch nothing.
+pub struct AmpKernels {
+    ctx: Arc<CudaContext>,
+    arch: CudaArch,
+    max_blocks: u32,
+    f: Functions,
+}
+
+impl fmt::Debug for AmpKernels {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AmpKernels")
+            .field("device", &self.ctx.ordinal())
+            .field("arch", &self.arch)
+            .field("max_blocks", &self.max_blocks)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Compiled kernels per CUDA context (keyed by the context handle; each entry holds an `Arc`
+/// to its context, so a handle in the map can never be reused by another context).
+fn cache() -> &'static Mutex<HashMap<usize, Arc<AmpKernels>>> {
+    static CACHE: OnceLock<Mutex<HashMap<usize, Arc<AmpKernels>>>> = OnceLock::new();
+    CACHE.get_or_init(Mutex::default)
+}
+
+fn describe_compile_error(e: &CompileError) -> String {
+    match e {
+        CompileError::CompileError { nvrtc, log, .. } => {
+            format!("{nvrtc:?}\n{}", log.to_string_lossy())
+        }
+        other => format!("{other:?}"),
+    }
+}
+
+/// Compiles every source of [`crate::kernels::ALL`] to PTX for `arch` with NVRTC, with the
+/// include directory of [`crate::cuda::cuda_include_dir`]. Needs no device: this is what
+/// [`AmpKernels::for_context`] loads.
+///
+/// # Errors
+/// [`AmpError::NoNvrtc`] without the NVRTC library, [`CudaError::Compile`] with NVRTC's log
+/// when a source does not compile (e.g. `cuda_fp16.h` not found).
+pub fn compile_ptx(arch: CudaArch) -> Result<Vec<(KernelSource, String)>, AmpError> {
+    if !nvrtc_library_present() {
+        return Err(AmpError::NoNvrtc {
+            reason: "the NVRTC library (libnvrtc) is not on the loader path".into(),
+        });
+    }
+    let include = cuda_include_dir().and_then(|d| d.into_os_string().into_string().ok());
+    kernels::ALL
+        .iter()
+        .map(|source| {
+            let opts = kernels::compile_options(source, arch, include.as_deref());
+            compile_ptx_with_opts(source.program(), opts)
+                .map(|ptx| (*source, ptx.to_src()))
+                .map_err(|e| {
+                    CudaError::Compile {
+                        file: source.file,
+                        arch: arch.sm_name(),
+                        log: describe_compile_error(&e),
+                    }
+                    .into()
+                })
+        })
+        .collect()
+}
+
+/// A read-only byte range of a device buffer ([`CudaSlice`], [`cudarc::driver::CudaView`] or
+/// [`cudarc::driver::CudaViewMut`] of bytes), checked to lie inside it.
+pub struct DevRange<'a> {
+    buf: &'a dyn DevicePtr<u8>,
+    range: ByteRange,
+}
+
+/// A writable byte range of a device buffer, checked to lie inside it.
+pub struct DevRangeMut<'a> {
+    buf: &'a mut dyn DevicePtrMut<u8>,
+    range: ByteRange,
+}
+
+impl fmt::Debug for DevRange<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DevRange")
+            .field("buffer_len", &self.buf.len())
+            .field("range", &self.range)
+            .finish()
+    }
+}
+
+impl fmt::Debug for DevRangeMut<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DevRangeMut")
+            .field("buffer_len", &self.buf.len())
+            .field("range", &self.range)
+            .finish()
+    }
+}
+
+fn check_bounds(range: ByteRange, len: usize) -> Result<(), AmpError> {
+    if range.start > range.end || range.end > len {
+        return Err(ExecError::OutOfBounds {
+            op: "device range",
+            what: "buffer".into(),
+            start: range.start,
+            end: range.end,
+            len,
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// Elements of `dtype` in `range`, which must start and end on element boundaries.
+fn elems_of(
+    op: &'static str,
+    what: &'static str,
+    range: ByteRange,
+    size: usize,
+) -> Result<usize, AmpError> {
+    if range.start % size != 0 || range.end % size != 0 {
+        return Err(ExecError::Misaligned {
+            op,
+            what: what.into(),
+            start: range.start,
+            end: range.end,
+            align: size,
+        }
+        .into());
+    }
+    Ok(range.len() / size)
+}
+
+fn same_count(
+    op: &'static str,
+    what: &'static str,
+    expected: usize,
+    got: usize,
+) -> Result<(), AmpError> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(ExecError::ElemCount {
+            op,
+            what,
+            expected,
+            got,
+        }
+        .into())
+    }
+}
+
+/// The S range of an op: 4-byte aligned start (the struct's alignment), at least the 20 bytes
+/// in use.
+fn check_s(op: &'static str, range: ByteRange) -> Result<(), AmpError> {
+    if range.start % 4 != 0 {
+        return Err(ExecError::Misaligned {
+            op,
+            what: "S".into(),
+            start: range.start,
+            end: range.end,
+            align: 4,
+        }
+        .into());
+    }
+    if range.len() < s_layout::USED {
+        return Err(ExecError::OutOfBounds {
+            op,
+            what: format!("S (needs {} bytes)", s_layout::USED),
+            start: range.start,
+            end: range.end,
+            len: range.len(),
+        }
+        .into());
+    }
+    Ok(())
+}
+
+impl<'a> DevRange<'a> {
+    /// `range` of `buf`.
+    ///
+    /// # Errors
+    /// [`ExecError::OutOfBounds`] when the range does not lie inside the buffer.
+    pub fn new<P: DevicePtr<u8>>(buf: &'a P, range: ByteRange) -> Result<Self, AmpError> {
+        check_bounds(range, buf.len())?;
+        Ok(DevRange { buf, range })
+    }
+
+    /// All of `buf`.
+    pub fn whole<P: DevicePtr<u8>>(buf: &'a P) -> Self {
+        DevRange {
+            range: ByteRange::new(0, buf.len()),
+            buf,
+        }
+    }
+
+    /// The byte range.
+    pub fn range(&self) -> ByteRange {
+        self.range
+    }
+}
+
+impl<'a> DevRangeMut<'a> {
+    /// `range` of `buf`.
+    ///
+    /// # Errors
+    /// [`ExecError::OutOfBounds`] when the range does not lie inside the buffer.
+    pub fn new<P: DevicePtrMut<u8>>(buf: &'a mut P, range: ByteRange) -> Result<Self, AmpError> {
+        check_bounds(range, buf.len())?;
+        Ok(DevRangeMut { buf, range })
+    }
+
+    /// All of `buf`.
+    pub fn whole<P: DevicePtrMut<u8>>(buf: &'a mut P) -> Self {
+        DevRangeMut {
+            range: ByteRange::new(0, buf.len()),
+            buf,
+        }
+    }
+
+    /// The byte range.
+    pub fn range(&self) -> ByteRange {
+        self.range
+    }
+}
+
+impl AmpKernels {
+    /// The kernels for `ctx`: compiled and loaded on the first call for a context, shared
+    /// afterwards. The first call takes about a second (NVRTC).
+    ///
+    /// # Errors
+    /// [`AmpError::NoNvrtc`] without the NVRTC library, [`CudaError::UnsupportedArch`] below
+    /// sm_80, [`CudaError::Compile`] when NVRTC rejects a source (e.g. no `cuda_fp16.h`),
+    /// [`CudaError::Driver`] when the driver cannot load the PTX.
+    pub fn for_context(ctx: &Arc<CudaContext>) -> Result<Arc<AmpKernels>, AmpError> {
+        let key = ctx.cu_ctx() as usize;
+        // Compiling under the lock keeps two threads from compiling the same context twice.
+        let mut map = cache().lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(k) = map.get(&key) {
+            return Ok(k.clone());
+        }
+        let k = Arc::new(Self::compile(ctx)?);
+        map.insert(key, k.clone());
+        Ok(k)
+    }
+
+    fn compile(ctx: &Arc<CudaContext>) -> Result<AmpKernels, AmpError> {
+        if !nvrtc_library_present() {
+            return Err(AmpError::NoNvrtc {
+                reason: "the NVRTC library (libnvrtc) is not on the loader path".into(),
+            });
+        }
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| driver_error("query the compute capability", e))?;
+        let arch = u32::try_from(major)
+            .ok()
+            .zip(u32::try_from(minor).ok())
+            .and_then(|(ma, mi)| CudaArch::for_compute_capability(ma, mi))
+            .ok_or(CudaError::UnsupportedArch { major, minor })?;
+        let sms = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| driver_error("query the SM count", e))?;
+        let mut functions: HashMap<&'static str, CudaFunction> = HashMap::new();
+        for (source, ptx) in compile_ptx(arch)? {
+            let module = ctx
+                .load_module(Ptx::from_src(ptx))
+                .map_err(|e| driver_error(format!("load the PTX of {}", source.file), e))?;
+            for &name in source.entry_points {
+                let f = module
+                    .load_function(name)
+                    .map_err(|e| driver_error(format!("look up kernel {name}"), e))?;
+                functions.insert(name, f);
+            }
+        }
+        let mut take = |name: &'static str| {
+            functions.remove(name).ok_or_else(|| CudaError::Driver {
+                op: format!("look up kernel {name}"),
+                code: "not in the compiled module".into(),
+            })
+        };
+        let f = Functions {
+            cast_f32_to_f16: take(entry::CAST_F32_TO_F16)?,
+            cast_f16_to_f32: take(entry::CAST_F16_TO_F32)?,
+            check_nonfinite: take(entry::CHECK_NONFINITE)?,
+            check_clip: take(entry::CHECK_CLIP)?,
+            loss_scale_update: take(entry::LOSS_SCALE_UPDATE)?,
+            zero_bytes: take(entry::ZERO_BYTES)?,
+            sgd_step: take(entry::SGD_STEP)?,
+            ema_update: take(entry::EMA_UPDATE)?,
+            softmax_xent_backward: take(entry::SOFTMAX_XENT_BACKWARD)?,
+        };
+        Ok(AmpKernels {
+            ctx: ctx.clone(),
+            arch,
+            max_blocks: u32::try_from(sms.max(1))
+                .unwrap_or(1)
+                .saturating_mul(BLOCKS_PER_SM),
+            f,
+        })
+    }
+
+    /// The architecture the PTX was built for.
+    pub fn arch(&self) -> CudaArch {
+        self.arch
+    }
+
+    /// The context the kernels are loaded in.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// A grid-stride configuration for `work` independent items (8-element groups).
+    fn grid(&self, work: usize) -> LaunchConfig {
+        let blocks = work
+            .div_ceil(BLOCK as usize)
+            .clamp(1, self.max_blocks as usize);
+        LaunchConfig {
+            grid_dim: (u32::try_from(blocks).unwrap_or(self.max_blocks), 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    fn grid_elems(&self, n: usize) -> LaunchConfig {
+        self.grid(n.div_ceil(8))
+    }
+
+    /// The stream must belong to the kernels' context.
+    fn check_stream(&self, stream: &CudaStream) -> Result<(), AmpError> {
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
+            return Err(CudaError::ContextMismatch {
+                what: "the stream".into(),
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    fn check_buf(
+        &self,
+        stream: &CudaStream,
+        what: &'static str,
+        buf_stream: &CudaStream,
+    ) -> Result<(), AmpError> {
+        if buf_stream.context().cu_ctx() != stream.context().cu_ctx() {
+            return Err(CudaError::ContextMismatch { what: what.into() }.into());
+        }
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------ raw launches
+    //
+    // Each takes device addresses and element counts that the caller has checked: every
+    // address is inside a live allocation of the stream's context with room for `n`
+    // elements of the kernel's type, and stays alive until the stream has run the launch.
+
+    /// Launches `f` (entry point `name`) with `args`, after checking them against
+    /// [`kernels::signature`].
+    ///
+    /// # Safety
+    /// The pointer arguments satisfy what the kernel `name` reads and writes through them
+    /// (each raw launch below spells that out), and outlive the launch on `stream`.
+    unsafe fn launch_raw(
+        &self,
+        stream: &CudaStream,
+        f: &CudaFunction,
+        name: &'static str,
+        cfg: LaunchConfig,
+        args: &[Arg],
+    ) -> Result<(), AmpError> {
+        let got: Vec<ParamType> = args.iter().map(|a| a.param_type()).collect();
+        let expected = kernels::signature(name).unwrap_or(&[]);
+        if got != expected {
+            return Err(CudaError::ArgumentMismatch {
+                kernel: name,
+                expected: expected.to_vec(),
+                got,
+            }
+            .into());
+        }
+        let mut b = stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::U64(v) => b.arg(v),
+                Arg::U32(v) => b.arg(v),
+                Arg::I32(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+            };
+        }
+        // SAFETY: the argument list has the kernel's parameter types in its order (checked
+        // just above against the signature that the NVRTC test checks against the PTX), each
+        // argument lives in `args` until after the launch call returns, and the caller
+        // guarantees the memory behind the pointers.
+        unsafe { b.launch(cfg) }.map_err(|e| driver_error(format!("launch {name}"), e))?;
+        Ok(())
+    }
+
+    /// # Safety
+    /// `dst .. dst + nbytes` is live device memory of the stream's context until the launch
+    /// has run.
+    pub(crate) unsafe fn raw_zero(
+        &self,
+        stream: &CudaStream,
+        dst: u64,
+        nbytes: usize,
+    ) -> Result<(), AmpError> {
+        if nbytes == 0 {
+            return Ok(());
+        }
+        let cfg = self.grid(nbytes.div_ceil(16));
+        // SAFETY: `amp_zero_bytes` writes only `dst[0..nbytes)`, which the caller guarantees.
+        unsafe {
+            self.launch_raw(
+                stream,
+                &self.f.zero_bytes,
+                entry::ZERO_BYTES,
+                cfg,
+                &[Arg::U64(dst), Arg::size(nbytes)],
+            )
+        }
+    }
+
+    /// # Safety
+    /// `src` holds `n` f32 and `dst` room for `n` f16, live until the launch has run; they
+    /// do not overlap.
+    pub(crate) unsafe fn raw_cast_f32_to_f16(
+        &self,
+        stream: &CudaStream,
+        src: u64,
+        dst: u64,
+        n: usize,
+    ) -> Result<(), AmpError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [Arg::U64(src), Arg::U64(dst), Arg::size(n)];
+        // SAFETY: the kernel touches elements [0, n) of each pointer only, which the caller
+        // guarantees exist.
+        unsafe {
+            self.launch_raw(
+                stream,
+                &self.f.cast_f32_to_f16,
+                entry::CAST_F32_TO_F16,
+                self.grid_elems(n),
+                &args,
+            )
+        }
+    }
+
+    /// # Safety
+    /// `src` holds `n` f16 and `dst` room for `n` f32, live until the launch has run; they
+    /// do not overlap.
+    pub(crate) unsafe fn raw_cast_f16_to_f32(
+        &self,
+        stream: &CudaStream,
+        src: u64,
+        dst: u64,
+        n: usize,
+    ) -> Result<(), AmpError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [Arg::U64(src), Arg::U64(dst), Arg::size(n)];
+        // SAFETY: elements [0, n) of each pointer only, as the caller guarantees.
+        unsafe {
+            self.launch_raw(
+                stream,
+                &self.f.cast_f16_to_f32,
+                entry::CAST_F16_TO_F32,
+                self.grid_elems(n),
+                &args,
+            )
+        }
+    }
+
+    /// # Safety
+    /// `g` holds `n` f32 (written too under `ClipInf`); `s` is a 4-aligned S image of at
+    /// least 20 bytes; both live until the launch has run and do not overlap.
+    pub(crate) unsafe fn raw_check(
+        &self,
+        stream: &CudaStream,
+        policy: OverflowPolicy,
+        g: u64,
+        n: usize,
+        s: u64,
+    ) -> Result<(), AmpError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let cfg = self.grid_elems(n);
+        match policy {
+            // SAFETY: reads g[0..n), atomically sets s->overflow; both guaranteed by the
+            // caller.
+            OverflowPolicy::NanOrInf => unsafe {
+                self.launch_raw(
+                    stream,
+                    &self.f.check_nonfinite,
+                    entry::CHECK_NONFINITE,
+                    cfg,
+                    &[Arg::U64(g), Arg::size(n), Arg::U64(s)],
+                )
+            },
+            // SAFETY: reads and writes g[0..n), atomically sets s->overflow.
+            OverflowPolicy::ClipInf { bound } => unsafe {
+                self.launch_raw(
+                    stream,
+                    &self.f.check_clip,
+                    entry::CHECK_CLIP,
+                    cfg,
+                    &[Arg::U64(g), Arg::size(n), Arg::F32(bound), Arg::U64(s)],
+                )
+            },
+        }
+    }
+
+    /// # Safety
+    /// `s` is a 4-aligned S image of at least 20 bytes, live until the launch has run.
+    pub(crate) unsafe fn raw_loss_scale_update(
+        &self,
+        stream: &CudaStream,
+        s: u64,
+        policy: &LossScalePolicy,
+    ) -> Result<(), AmpError> {
+        let (interval, factor, max_scale) = policy.kernel_args();
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = [
+            Arg::U64(s),
+            Arg::U32(interval),
+            Arg::F32(factor),
+            Arg::F32(max_scale),
+        ];
+        // SAFETY: one thread reads and writes the 20 bytes of S in use.
+        unsafe {
+            self.launch_raw(
+                stream,
+                &self.f.loss_scale_update,
+                entry::LOSS_SCALE_UPDATE,
+                cfg,
+                &args,
+            )
+        }
+    }
+
+    /// # Safety
+    /// `w`, `g` hold `n` f32, `a` room for `n` f16, `m` `n` f32 when `cfg.momentum != 0`
+    /// (else it may be 0); `s` a 4-aligned S image; all live until the launch has run, and
+    /// no two overlap.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn raw_sgd(
+        &self,
+        stream: &CudaStream,
+        w: u64,
+        m: u64,
+        g: u64,
+        a: u64,
+        s: u64,
+        cfg: &SgdConfig,
+        n: usize,
+    ) -> Result<(), AmpError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [
+            Arg::U64(w),
+            Arg::U64(m),
+            Arg::U64(g),
+            Arg::U64(a),
+            Arg::U64(s),
+            Arg::F32(cfg.lr),
+            Arg::F32(cfg.momentum),
+            Arg::F32(cfg.weight_decay),
+            Arg::I32(i32::from(cfg.nesterov)),
+            Arg::size(n),
+        ];
+        // SAFETY: elements [0, n) of each pointer, and M only when momentum != 0 (when the
+        // caller guarantees it is valid).
+        unsafe {
+            self.launch_raw(
+                stream,
+                &self.f.sgd_step,
+                entry::SGD_STEP,
+                self.grid_elems(n),
+                &args,
+            )
+        }
+    }
+
+    /// # Safety
+    /// `e`, `w` hold `n` f32, `e16` room for `n` f16, `s` a 4-aligned S image; all live until
+    /// the launch has run, and no two overlap.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn raw_ema(
+        &self,
+        stream: &CudaStream,
+        e: u64,
+        e16: u64,
+        w: u64,
+        s: u64,
+        decay: f32,
+        n: usize,
+    ) -> Result<(), AmpError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [
+            Arg::U64(e),
+            Arg::U64(e16),
+            Arg::U64(w),
+            Arg::U64(s),
+            Arg::F32(decay),
+            Arg::size(n),
+        ];
+        // SAFETY: elements [0, n) of each pointer only.
+        unsafe {
+            self.launch_raw(
+                stream,
+                &self.f.ema_update,
+                entry::EMA_UPDATE,
+                self.grid_elems(n),
+                &args,
+            )
+        }
+    }
+
+    // ------------------------------------------------------------------ checked launches
+
+    /// Zeroes `dst` (twin: [`crate::range::zero_bytes`]).
+    ///
+    /// # Errors
+    /// [`CudaError::ContextMismatch`]; a driver error.
+    pub fn zero(&self, stream: &CudaStream, dst: DevRangeMut<'_>) -> Result<(), AmpError> {
+        self.check_stream(stream)?;
+        self.check_buf(stream, "dst", dst.buf.stream())?;
+        let (base, _sync) = dst.buf.device_ptr_mut(stream);
+        // SAFETY: `dst.range` was checked to lie inside the buffer, which the borrow keeps
+        // alive for this call; cudarc frees it on its own stream, after this launch when that
+        // is `stream`, and its event tracking orders other streams.
+        unsafe { self.raw_zero(stream, base + dst.range.start as u64, dst.range.len()) }
+    }
+
+    /// `dst = f16(src)` (twin: [`crate::range::cast_f32_to_f16`]); `src` holds FP32, `dst`
+    /// FP16, the same number of elements.
+    ///
+    /// # Errors
+    /// [`ExecError::Misaligned`], [`ExecError::ElemCount`], [`CudaError::ContextMismatch`];
+    /// a driver error.
+    pub fn cast_f32_to_f16(
+        &self,
+        stream: &CudaStream,
+        src: DevRange<'_>,
+        dst: DevRangeMut<'_>,
+    ) -> Result<(), AmpError> {
+        const OP: &str = entry::CAST_F32_TO_F16;
+        self.check_stream(stream)?;
+        self.check_buf(stream, "src", src.buf.stream())?;
+        self.check_buf(stream, "dst", dst.buf.stream())?;
+        let n = elems_of(OP, "src", src.range, 4)?;
+        same_count(OP, "dst", n, elems_of(OP, "dst", dst.range, 2)?)?;
+        let (s, _s) = src.buf.device_ptr(stream);
+        let (d, _d) = dst.buf.device_ptr_mut(stream);
+        // SAFETY: both ranges lie inside their buffers (checked at construction) and hold n
+        // elements of their type; they cannot overlap (one is borrowed mutably); the borrows
+        // keep the buffers alive for this call and cudarc orders their release after it.
+        unsafe {
+            self.raw_cast_f32_to_f16(
+                stream,
+                s + src.range.start as u64,
+                d + dst.range.start as u64,
+                n,
+            )
+        }
+    }
+
+    /// `dst = f32(src)` (twin: [`crate::range::cast_f16_to_f32`]); `src` holds FP16, `dst`
+    /// FP32, the same number of elements.
+    ///
+    /// # Errors
+    /// As [`AmpKernels::cast_f32_to_f16`].
+    pub fn cast_f16_to_f32(
+        &self,
+        stream: &CudaStream,
+        src: DevRange<'_>,
+        dst: DevRangeMut<'_>,
+    ) -> Result<(), AmpError> {
+        const OP: &str = entry::CAST_F16_TO_F32;
+        self.check_stream(stream)?;
+        self.check_buf(stream, "src", src.buf.stream())?;
+        self.check_buf(stream, "dst", dst.buf.stream())?;
+        let n = elems_of(OP, "src", src.range, 2)?;
+        same_count(OP, "dst", n, elems_of(OP, "dst", dst.range, 4)?)?;
+        let (s, _s) = src.buf.device_ptr(stream);
+        let (d, _d) = dst.buf.device_ptr_mut(stream);
+        // SAFETY: as in `cast_f32_to_f16`.
+        unsafe {
+            self.raw_cast_f16_to_f32(
+                stream,
+                s + src.range.start as u64,
+                d + dst.range.start as u64,
+                n,
+            )
+        }
+    }
+
+    /// The gradient check by `policy` over FP32 `g`, setting the flag in `s` (twins:
+    /// [`crate::range::check_nonfinite`], [`crate::range::check_and_clip`]).
+    ///
+    /// # Errors
+    /// [`crate::RangeOpError::InvalidConfig`] for a bad clip bound, [`ExecError::Misaligned`],
+    /// [`ExecError::OutOfBounds`] for an S range under 20 bytes,
+    /// [`CudaError::ContextMismatch`]; a driver error.
+    pub fn check(
+        &self,
+        stream: &CudaStream,
+        policy: OverflowPolicy,
+        g: DevRangeMut<'_>,
+        s: DevRangeMut<'_>,
+    ) -> Result<(), AmpError> {
+        let op = RangeOp::Check {
+            policy,
+            span16: ByteRange::default(),
+        }
+        .name();
+        policy.validate()?;
+        self.check_stream(stream)?;
+        self.check_buf(stream, "g", g.buf.stream())?;
+        self.check_buf(stream, "s", s.buf.stream())?;
+        let n = elems_of(op, "g", g.range, 4)?;
+        check_s(op, s.range)?;
+        let (gp, _g) = g.buf.device_ptr_mut(stream);
+        let (sp, _s) = s.buf.device_ptr_mut(stream);
+        // SAFETY: g holds n f32 inside its buffer, S at least 20 bytes 4-aligned (checked);
+        // two distinct mutable borrows, so no overlap; alive for the call, release ordered by
+        // cudarc.
+        unsafe {
+            self.raw_check(
+                stream,
+                policy,
+                gp + g.range.start as u64,
+                n,
+                sp + s.range.start as u64,
+            )
+        }
+    }
+
+    /// The loss-scale update on `s` (twin: [`crate::range::update_loss_scale`]).
+    ///
+    /// # Errors
+    /// [`crate::RangeOpError::InvalidConfig`] for a bad policy, S-range errors as
+    /// [`AmpKernels::check`]; a driver error.
+    pub fn loss_scale_update(
+        &self,
+        stream: &CudaStream,
+        s: DevRangeMut<'_>,
+        policy: &LossScalePolicy,
+    ) -> Result<(), AmpError> {
+        policy.validate()?;
+        self.check_stream(stream)?;
+        self.check_buf(stream, "s", s.buf.stream())?;
+        check_s(entry::LOSS_SCALE_UPDATE, s.range)?;
+        let (sp, _s) = s.buf.device_ptr_mut(stream);
+        // SAFETY: S is at least 20 bytes, 4-aligned, inside its buffer (checked) and kept
+        // alive by the borrow.
+        unsafe { self.raw_loss_scale_update(stream, sp + s.range.start as u64, policy) }
+    }
+
+    /// SGD over FP32 `w`, `m`, `g`, writing FP16 `a`, reading the flag and the scale from
+    /// `s` (twin: [`crate::range::sgd_step`]). `m` may be `None` only with momentum 0.
+    ///
+    /// # Errors
+    /// [`crate::RangeOpError::InvalidConfig`] for a bad config or a missing `m`,
+    /// [`ExecError::Misaligned`], [`ExecError::ElemCount`], S-range errors,
+    /// [`CudaError::ContextMismatch`]; a driver error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sgd_step(
+        &self,
+        stream: &CudaStream,
+        w: DevRangeMut<'_>,
+        m: Option<DevRangeMut<'_>>,
+        g: DevRange<'_>,
+        a: DevRangeMut<'_>,
+        s: DevRange<'_>,
+        cfg: &SgdConfig,
+    ) -> Result<(), AmpError> {
+        const OP: &str = entry::SGD_STEP;
+        cfg.validate()?;
+        self.check_stream(stream)?;
+        self.check_buf(stream, "w", w.buf.stream())?;
+        self.check_buf(stream, "g", g.buf.stream())?;
+        self.check_buf(stream, "a", a.buf.stream())?;
+        self.check_buf(stream, "s", s.buf.stream())?;
+        let n = elems_of(OP, "w", w.range, 4)?;
+        same_count(OP, "g", n, elems_of(OP, "g", g.range, 4)?)?;
+        same_count(OP, "a", n, elems_of(OP, "a", a.range, 2)?)?;
+        check_s(OP, s.range)?;
+        let mut m = match m {
+            Some(m) => {
+                self.check_buf(stream, "m", m.buf.stream())?;
+                same_count(OP, "m", n, elems_of(OP, "m", m.range, 4)?)?;
+                Some(m)
+            }
+            None if cfg.momentum != 0.0 => {
+                return Err(crate::RangeOpError::InvalidConfig {
+                    op: OP,
+                    field: "m",
+                    value: "None".into(),
+                    why: "momentum != 0 needs a momentum buffer (region M)",
+                }
+                .into())
+            }
+            None => None,
+        };
+        // `s` may alias nothing mutable here (g and s are shared borrows, w/a/m exclusive).
+        let (wp, _w) = w.buf.device_ptr_mut(stream);
+        let (gp, _g) = g.buf.device_ptr(stream);
+        let (ap, _a) = a.buf.device_ptr_mut(stream);
+        let (sp, _s) = s.buf.device_ptr(stream);
+        let (mp, _m) = match m.as_mut() {
+            Some(m) => {
+                let (p, sync) = m.buf.device_ptr_mut(stream);
+                (p + m.range.start as u64, Some(sync))
+            }
+            None => (0, None),
+        };
+        // SAFETY: every range lies inside its buffer and holds n elements of its type
+        // (checked); the exclusive borrows of w, a and m rule out overlaps with each other and
+        // with g and s; M is null only with momentum 0, when the kernel never touches it.
+        unsafe {
+            self.raw_sgd(
+                stream,
+                wp + w.range.start as u64,
+                mp,
+                gp + g.range.start as u64,
+                ap + a.range.start as u64,
+                sp + s.range.start as u64,
+                cfg,
+                n,
+            )
+        }
+    }
+
+    /// EMA of FP32 `w` into FP32 `e` and FP16 `e16`, skipped when the flag in `s` is set
+    /// (twin: [`crate::range::ema_update`]).
+    ///
+    /// # Errors
+    /// [`crate::RangeOpError::InvalidConfig`] for a decay outside [0, 1],
+    /// [`ExecError::Misaligned`], [`ExecError::ElemCount`], S-range errors,
+    /// [`CudaError::ContextMismatch`]; a driver error.
+    pub fn ema_update(
+        &self,
+        stream: &CudaStream,
+        e: DevRangeMut<'_>,
+        e16: DevRangeMut<'_>,
+        w: DevRange<'_>,
+        s: DevRange<'_>,
+        decay: f32,
+    ) -> Result<(), AmpError> {
+        const OP: &str = entry::EMA_UPDATE;
+        crate::step::validate_decay(decay)?;
+        self.check_stream(stream)?;
+        self.check_buf(stream, "e", e.buf.stream())?;
+        self.check_buf(stream, "e16", e16.buf.stream())?;
+        self.check_buf(stream, "w", w.buf.stream())?;
+        self.check_buf(stream, "s", s.buf.stream())?;
+        let n = elems_of(OP, "e", e.range, 4)?;
+        same_count(OP, "e16", n, elems_of(OP, "e16", e16.range, 2)?)?;
+        same_count(OP, "w", n, elems_of(OP, "w", w.range, 4)?)?;
+        check_s(OP, s.range)?;
+        let (ep, _e) = e.buf.device_ptr_mut(stream);
+        let (hp, _h) = e16.buf.device_ptr_mut(stream);
+        let (wp, _w) = w.buf.device_ptr(stream);
+        let (sp, _s) = s.buf.device_ptr(stream);
+        // SAFETY: as in `sgd_step`: checked ranges, exclusive borrows of the outputs.
+        unsafe {
+            self.raw_ema(
+                stream,
+                ep + e.range.start as u64,
+                hp + e16.range.start as u64,
+                wp + w.range.start as u64,
+                sp + s.range.start as u64,
+                decay,
+                n,
+            )
+        }
+    }
+
+    /// The loss-gradient seed (twin: [`crate::range::softmax_xent_backward`]): `logits` and
+    /// `dlogits` are `[batch, classes]` FP16, `labels` has `batch` entries, `loss` (optional)
+    /// `batch` FP32, the scale comes from `s`.
+    ///
+    /// # Errors
+    /// [`crate::RangeOpError::InvalidConfig`] for `classes == 0`,
+    /// [`crate::RangeOpError::LengthMismatch`] for a buffer of the wrong length, S-range
+    /// errors, [`CudaError::ContextMismatch`]; a driver error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn softmax_xent_backward(
+        &self,
+        stream: &CudaStream,
+        logits: &CudaSlice<f16>,
+        labels: &CudaSlice<i32>,
+        classes: usize,
+        s: DevRange<'_>,
+        dlogits: &mut CudaSlice<f16>,
+        loss: Option<&mut CudaSlice<f32>>,
+    ) -> Result<(), AmpError> {
+        const OP: &str = entry::SOFTMAX_XENT_BACKWARD;
+        use crate::RangeOpError as R;
+        if classes == 0 {
+            return Err(R::InvalidConfig {
+                op: OP,
+                field: "classes",
+                value: "0".into(),
+                why: "must be >= 1",
+            }
+            .into());
+        }
+        self.check_stream(stream)?;
+        self.check_buf(stream, "logits", logits.stream())?;
+        self.check_buf(stream, "labels", labels.stream())?;
+        self.check_buf(stream, "dlogits", dlogits.stream())?;
+        self.check_buf(stream, "s", s.buf.stream())?;
+        check_s(OP, s.range)?;
+        let batch = labels.len();
+        let total = batch.checked_mul(classes).ok_or(R::InvalidConfig {
+            op: OP,
+            field: "classes",
+            value: classes.to_string(),
+            why: "batch * classes overflows",
+        })?;
+        let len = |what, expected, got| {
+            if expected == got {
+                Ok(())
+            } else {
+                Err(R::LengthMismatch {
+                    op: OP,
+                    what,
+                    expected,
+                    got,
+                })
+            }
+        };
+        len("logits", total, logits.len())?;
+        len("dlogits", total, dlogits.len())?;
+        if let Some(l) = loss.as_deref() {
+            self.check_buf(stream, "loss", l.stream())?;
+            len("loss", batch, l.len())?;
+        }
+        if batch == 0 {
+            return Ok(());
+        }
+        let threads = classes.next_multiple_of(32).min(BLOCK as usize);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32::try_from(batch.min(self.max_blocks as usize)).unwrap_or(self.max_blocks),
+                1,
+                1,
+            ),
+            // threads <= 256, so the cast is exact.
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (xp, _x) = logits.device_ptr(stream);
+        let (lp, _l) = labels.device_ptr(stream);
+        let (dp, _d) = dlogits.device_ptr_mut(stream);
+        let (sp, _s) = s.buf.device_ptr(stream);
+        let sp = sp + s.range.start as u64;
+        let (op, _o) = match loss {
+            Some(l) => {
+                let (p, sync) = l.device_ptr_mut(stream);
+                (p, Some(sync))
+            }
+            None => (0u64, None),
+        };
+        let args = [
+            Arg::U64(xp),
+            Arg::U64(lp),
+            Arg::U64(dp),
+            Arg::U64(op),
+            Arg::U64(sp),
+            Arg::size(batch),
+            Arg::size(classes),
+        ];
+        // SAFETY: every buffer's length was checked against batch and classes, the loss
+        // pointer is null only when absent (the kernel checks), blockDim is a multiple of 32
+        // and at most 256 as the kernel requires; the borrows keep the buffers alive for the
+        // call and cudarc orders their release after it.
+        unsafe { self.launch_raw(stream, &self.f.softmax_xent_backward, OP, cfg, &args) }
+    }
+}

@@ -1,0 +1,96 @@
+//! The CUDA executor: NVRTC-compiled range kernels launched through cudarc, the regions of a
+//! plan in device memory, and CUDA-graph capture of a step. The only module of this crate
+//! with `unsafe` code; every unsafe block says why it is sound right above it.
+//!
+//! Recipe:
+//! 1. [`open_device`] opens a device, or returns [`AmpError::NoDevice`] (no driver library,
+//!    no device): it never panics, unlike cudarc called without a driver.
+//! 2. [`AmpKernels::for_context`] compiles every source of [`crate::kernels::ALL`] with NVRTC
+//!    for the device's architecture, once per CUDA context (cached for the process), or
+//!    returns [`AmpError::NoNvrtc`] when NVRTC is not on the loader path. Its methods launch
+//!    one range op each over byte ranges of device buffers ([`DevRange`], [`DevRangeMut`]).
+//! 3. [`CudaRegions::new`] allocates a plan's regions (zeroed) on a stream; it is an
+//!    [`crate::step::AmpExecutor`], so [`crate::step::AmpStep`] runs on it exactly as on
+//!    [`crate::step::CpuRegions`], and its graphs ([`CudaStepGraph`]) replay a step's launches.
+//!
+//! Streams and ordering: every launch of [`CudaRegions`] goes to its one stream. Work that
+//! writes the regions (cuDNN wgrad, cuBLAS, copies) must go to the same stream, or be ordered
+//! with it by the caller. The executor passes raw device addresses to its kernels and records
+//! no cudarc events, which is what makes its launches capturable into a CUDA graph.
+//!
+//! NVRTC needs the CUDA headers (`cuda_fp16.h`): the directory named by
+//! [`crate::kernels::CUDA_INCLUDE_ENV`], else `$CUDA_HOME/include`, `$CUDA_PATH/include`, or
+//! `/usr/local/cuda/include`, the first that has the header ([`cuda_include_dir`]).
+
+#![allow(unsafe_code)]
+
+mod launch;
+mod regions;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+pub use cudarc;
+pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+pub use launch::{compile_ptx, AmpKernels, DevRange, DevRangeMut};
+pub use regions::{CudaRegions, CudaStepGraph, DeviceParam};
+
+use cudarc::driver::DriverError;
+
+use crate::error::{AmpError, CudaError};
+
+/// Whether a CUDA driver library can be loaded (never panics).
+pub fn driver_library_present() -> bool {
+    // SAFETY: `is_culib_present` only tries to dlopen the driver library under its known
+    // names and drops the handle again; we call it precisely so that no later cudarc call
+    // panics on a missing library.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Whether the NVRTC library can be loaded (never panics).
+pub fn nvrtc_library_present() -> bool {
+    // SAFETY: as in `driver_library_present`: a dlopen attempt of NVRTC under its known names.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Opens CUDA device `ordinal` (its primary context).
+///
+/// # Errors
+/// [`AmpError::NoDevice`] naming why: no driver library on this machine, or the driver
+/// refused (no device, a stand-in driver, an ordinal past the device count).
+pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>, AmpError> {
+    if !driver_library_present() {
+        return Err(AmpError::NoDevice {
+            reason: "no CUDA driver library (libcuda) on the loader path".into(),
+        });
+    }
+    CudaContext::new(ordinal).map_err(|e| AmpError::NoDevice {
+        reason: format!("CUDA device {ordinal} cannot be opened: {e}"),
+    })
+}
+
+/// The directory NVRTC gets as include path: the first of [`crate::kernels::cuda_include_dir`],
+/// `$CUDA_HOME/include`, `$CUDA_PATH/include` and `/usr/local/cuda/include` that holds
+/// `cuda_fp16.h`; `None` when none does (NVRTC then relies on its built-in headers).
+pub fn cuda_include_dir() -> Option<PathBuf> {
+    let from_env = |var: &str| {
+        std::env::var_os(var)
+            .filter(|v| !v.is_empty())
+            .map(|v| PathBuf::from(v).join("include"))
+    };
+    crate::kernels::cuda_include_dir()
+        .into_iter()
+        .chain(from_env("CUDA_HOME"))
+        .chain(from_env("CUDA_PATH"))
+        .chain(Some(PathBuf::from("/usr/local/cuda/include")))
+        .find(|d| Path::new(d).join("cuda_fp16.h").is_file())
+}
+
+/// A driver error, with what we were doing.
+pub(crate) fn driver_error(op: impl Into<String>, e: DriverError) -> AmpError {
+    CudaError::Driver {
+        op: op.into(),
+        code: e.to_string(),
+    }
+    .into()
+}

@@ -1,0 +1,593 @@
+//! [`CudaRegions`]: a plan's regions in device memory, the CUDA [`AmpExecutor`].
+
+use std::fmt;
+use std::sync::Arc;
+
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{
+    CudaEvent, CudaGraph, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, PinnedHostSlice,
+};
+use half::f16;
+
+use crate::cuda::launch::AmpKernels;
+use crate::cuda::{driver_error, open_device};
+use crate::error::{AmpError, ExecError};
+use crate::plan::{ByteRange, Dtype, MemoryPlan, Region};
+use crate::range::{Scalars, S_REGION_BYTES};
+use crate::step::{next_executor_id, AmpExecutor, RangeOp};
+
+/// One allocated region: the buffer and its device address (taken once, at allocation).
+#[derive(Debug)]
+struct DeviceRegion {
+    buf: CudaSlice<u8>,
+    ptr: u64,
+}
+
+/// Where a parameter's data lives on the device: for binding it to cuDNN or cuBLAS (e.g.
+/// fusion's `Bindings::bind_raw`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceParam {
+    /// Device address of the first element (256-byte aligned).
+    pub ptr: u64,
+    /// Bytes of data (elements × element size; the slot's zero padding follows).
+    pub len_bytes: usize,
+    /// Element type of the region.
+    pub dtype: Dtype,
+}
+
+/// A plan's regions in device memory, on one stream, with the plan's range kernels.
+///
+/// Created zeroed. Every op runs as one kernel launch (or one device-to-device copy) on
+/// [`CudaRegions::stream`], never waiting for the device. Graphs captured from it
+/// ([`CudaStepGraph`]) hold its device addresses and replay only on it.
+pub struct CudaRegions {
+    id: u64,
+    plan: Arc<MemoryPlan>,
+    stream: Arc<CudaStream>,
+    kernels: Arc<AmpKernels>,
+    regions: [Option<DeviceRegion>; 8],
+    readback: PinnedHostSlice<u8>,
+    readback_done: CudaEvent,
+    readback_pending: bool,
+    last_scalars: Option<Scalars>,
+}
+
+impl fmt::Debug for CudaRegions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaRegions")
+            .field("id", &self.id)
+            .field("device", &self.stream.context().ordinal())
+            .field("total_bytes", &self.plan.total_bytes())
+            .field("kernels", &self.kernels)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A CUDA graph of range ops captured on a [`CudaRegions`]; replay it with
+/// [`AmpExecutor::replay`] (or [`crate::step::AmpStep::replay`]) on the same executor.
+pub struct CudaStepGraph {
+    owner: u64,
+    graph: CudaGraph,
+    ops: Vec<RangeOp>,
+}
+
+impl fmt::Debug for CudaStepGraph {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaStepGraph")
+            .field("owner", &self.owner)
+            .field("ops", &self.ops)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaStepGraph {
+    /// The ops it launches, in order.
+    pub fn ops(&self) -> &[RangeOp] {
+        &self.ops
+    }
+}
+
+const fn region_index(region: Region) -> usize {
+    match region {
+        Region::W => 0,
+        Region::A => 1,
+        Region::G => 2,
+        Region::G16 => 3,
+        Region::M => 4,
+        Region::E => 5,
+        Region::E16 => 6,
+        Region::S => 7,
+    }
+}
+
+fn wrong_dtype(op: &'static str, region: Region, want: Dtype) -> AmpError {
+    ExecError::WrongRegion {
+        op,
+        region,
+        role: "typed transfer",
+        needs: match want {
+            Dtype::F32 => "an FP32 region (W, G, M, E)",
+            Dtype::F16 => "an FP16 region (A, G16, E16)",
+        },
+    }
+    .into()
+}
+
+impl CudaRegions {
+    /// Allocates `plan`'s regions, zeroed, on `stream` (S holds zeros until
+    /// [`AmpExecutor::write_scalars`], which [`crate::step::AmpStep::new`] calls), and gets
+    /// the kernels of the stream's context (compiling them on first use).
+    ///
+    /// Use a stream made with `CudaContext::new_stream`: the legacy default stream cannot
+    /// be captured into a graph.
+    ///
+    /// # Errors
+    /// As [`AmpKernels::for_context`]; a driver error when an allocation fails.
+    pub fn new(
+        plan: impl Into<Arc<MemoryPlan>>,
+        stream: Arc<CudaStream>,
+    ) -> Result<Self, AmpError> {
+        let plan = plan.into();
+        let ctx = stream.context().clone();
+        let kernels = AmpKernels::for_context(&ctx)?;
+        let mut regions: [Option<DeviceRegion>; 8] = Default::default();
+        for region in Region::ALL {
+            if !plan.has_region(region) {
+                continue;
+            }
+            let buf = stream
+                .alloc_zeros::<u8>(plan.region_len(region))
+                .map_err(|e| driver_error(format!("allocate region {region}"), e))?;
+            let (ptr, sync) = buf.device_ptr(&stream);
+            drop(sync);
+            regions[region_index(region)] = Some(DeviceRegion { buf, ptr });
+        }
+        // SAFETY: `alloc_pinned_with_flags` hands out uninitialised page-locked memory; we
+        // zero all of it through the raw pointer below before anything reads it. Flags 0:
+        // cached (not write-combined) memory, since the host reads it.
+        let mut readback = unsafe { ctx.alloc_pinned_with_flags::<u8>(S_REGION_BYTES, 0) }
+            .map_err(|e| driver_error("allocate pinned memory for S", e))?;
+        let raw = readback
+            .as_mut_ptr()
+            .map_err(|e| driver_error("map pinned memory for S", e))?;
+        // SAFETY: `raw` points at S_REGION_BYTES bytes of page-locked host memory we own
+        // exclusively (no copy into it has been enqueued yet); writing bytes through a raw
+        // pointer needs no initialised value.
+        unsafe { std::ptr::write_bytes(raw, 0, S_REGION_BYTES) };
+        let readback_done = ctx
+            .new_event(None)
+            .map_err(|e| driver_error("create the S readback event", e))?;
+        Ok(CudaRegions {
+            id: next_executor_id(),
+            plan,
+            stream,
+            kernels,
+            regions,
+            readback,
+            readback_done,
+            readback_pending: false,
+            last_scalars: None,
+        })
+    }
+
+    /// Opens device `ordinal`, makes a new stream on it and allocates `plan`'s regions there.
+    ///
+    /// # Errors
+    /// [`AmpError::NoDevice`], [`AmpError::NoNvrtc`], as [`CudaRegions::new`].
+    pub fn open(plan: impl Into<Arc<MemoryPlan>>, ordinal: usize) -> Result<Self, AmpError> {
+        let ctx = open_device(ordinal)?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| driver_error("create a stream", e))?;
+        Self::new(plan, stream)
+    }
+
+    /// The stream every op of this executor goes to; enqueue forward and backward here.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The compiled kernels.
+    pub fn kernels(&self) -> &Arc<AmpKernels> {
+        &self.kernels
+    }
+
+    /// The plan, shared.
+    pub fn plan_arc(&self) -> &Arc<MemoryPlan> {
+        &self.plan
+    }
+
+    fn get(&self, region: Region) -> Result<&DeviceRegion, AmpError> {
+        self.plan.region_range(region)?;
+        self.regions[region_index(region)]
+            .as_ref()
+            .ok_or_else(|| crate::PlanError::RegionAbsent { region }.into())
+    }
+
+    fn get_mut(&mut self, region: Region) -> Result<&mut DeviceRegion, AmpError> {
+        self.plan.region_range(region)?;
+        self.regions[region_index(region)]
+            .as_mut()
+            .ok_or_else(|| crate::PlanError::RegionAbsent { region }.into())
+    }
+
+    /// A whole region's buffer.
+    ///
+    /// # Errors
+    /// [`crate::PlanError::RegionAbsent`].
+    pub fn region(&self, region: Region) -> Result<&CudaSlice<u8>, AmpError> {
+        Ok(&self.get(region)?.buf)
+    }
+
+    /// A whole region's buffer, to write with cudarc (e.g. `memcpy_htod` on
+    /// [`CudaRegions::stream`]). Keep padding and G16's holes zero.
+    ///
+    /// # Errors
+    /// [`crate::PlanError::RegionAbsent`].
+    pub fn region_mut(&mut self, region: Region) -> Result<&mut CudaSlice<u8>, AmpError> {
+        Ok(&mut self.get_mut(region)?.buf)
+    }
+
+    /// A region's device address.
+    ///
+    /// # Errors
+    /// [`crate::PlanError::RegionAbsent`].
+    pub fn region_ptr(&self, region: Region) -> Result<u64, AmpError> {
+        Ok(self.get(region)?.ptr)
+    }
+
+    /// Where parameter `name` lives in `region` (for cuDNN/cuBLAS bindings).
+    ///
+    /// # Errors
+    /// [`crate::PlanError::UnknownParam`], [`crate::PlanError::NotInRegion`].
+    pub fn param(&self, name: &str, region: Region) -> Result<DeviceParam, AmpError> {
+        let v = self.plan.view(name, region)?;
+        Ok(DeviceParam {
+            ptr: self.get(region)?.ptr + v.offset_bytes as u64,
+            len_bytes: v.len_bytes,
+            dtype: v.dtype,
+        })
+    }
+
+    /// Parameter `name`'s data bytes in `region`, as a cudarc view.
+    ///
+    /// # Errors
+    /// As [`CudaRegions::param`].
+    pub fn param_view(&self, name: &str, region: Region) -> Result<CudaView<'_, u8>, AmpError> {
+        let r = self.plan.view(name, region)?.data_range();
+        Ok(self.get(region)?.buf.slice(r.start..r.end))
+    }
+
+    /// Parameter `name`'s data bytes in `region`, as a writable cudarc view (e.g. a
+    /// gradient's destination).
+    ///
+    /// # Errors
+    /// As [`CudaRegions::param`].
+    pub fn param_view_mut(
+        &mut self,
+        name: &str,
+        region: Region,
+    ) -> Result<CudaViewMut<'_, u8>, AmpError> {
+        let r = self.plan.view(name, region)?.data_range();
+        Ok(self.get_mut(region)?.buf.slice_mut(r.start..r.end))
+    }
+
+    fn upload_bytes(
+        &mut self,
+        region: Region,
+        at: ByteRange,
+        bytes: &[u8],
+    ) -> Result<(), AmpError> {
+        let stream = self.stream.clone();
+        let buf = &mut self.get_mut(region)?.buf;
+        let mut view = buf.slice_mut(at.start..at.end);
+        stream
+            .memcpy_htod(bytes, &mut view)
+            .map_err(|e| driver_error(format!("copy into region {region}"), e))
+    }
+
+    fn download_bytes(&self, region: Region, at: ByteRange) -> Result<Vec<u8>, AmpError> {
+        let view = self.get(region)?.buf.slice(at.start..at.end);
+        self.stream
+            .clone_dtoh(&view)
+            .map_err(|e| driver_error(format!("copy out of region {region}"), e))
+    }
+
+    fn data_range(
+        &self,
+        name: &str,
+        region: Region,
+        want: Dtype,
+        op: &'static str,
+        elems: Option<usize>,
+    ) -> Result<ByteRange, AmpError> {
+        let v = self.plan.view(name, region)?;
+        if v.dtype != want {
+            return Err(wrong_dtype(op, region, want));
+        }
+        if let Some(n) = elems {
+            if n != v.elems {
+                return Err(crate::RangeOpError::LengthMismatch {
+                    op,
+                    what: "data",
+                    expected: v.elems,
+                    got: n,
+                }
+                .into());
+            }
+        }
+        Ok(v.data_range())
+    }
+
+    /// Copies `data` into parameter `name`'s slot of FP32 `region` (asynchronously: the host
+    /// data is staged at once, the copy runs in stream order).
+    ///
+    /// # Errors
+    /// [`crate::RangeOpError::LengthMismatch`] when `data` is not the parameter's element
+    /// count, [`ExecError::WrongRegion`] for an FP16 region, plan lookup errors; a driver
+    /// error.
+    pub fn upload_f32(&mut self, region: Region, name: &str, data: &[f32]) -> Result<(), AmpError> {
+        let r = self.data_range(name, region, Dtype::F32, "upload_f32", Some(data.len()))?;
+        let bytes: Vec<u8> = data.iter().flat_map(|x| x.to_le_bytes()).collect();
+        self.upload_bytes(region, r, &bytes)
+    }
+
+    /// Copies `data` into parameter `name`'s slot of FP16 `region` (e.g. a conv gradient
+    /// into G16).
+    ///
+    /// # Errors
+    /// As [`CudaRegions::upload_f32`].
+    pub fn upload_f16(&mut self, region: Region, name: &str, data: &[f16]) -> Result<(), AmpError> {
+        let r = self.data_range(name, region, Dtype::F16, "upload_f16", Some(data.len()))?;
+        let bytes: Vec<u8> = data.iter().flat_map(|x| x.to_le_bytes()).collect();
+        self.upload_bytes(region, r, &bytes)
+    }
+
+    /// Overwrites a whole region from its byte image (little-endian; S is its 256 bytes).
+    ///
+    /// # Errors
+    /// [`ExecError::OutOfBounds`] when `bytes` is not the region's length; a driver error.
+    pub fn upload_region_bytes(&mut self, region: Region, bytes: &[u8]) -> Result<(), AmpError> {
+        let len = self.plan.region_range(region)?.len();
+        if bytes.len() != len {
+            return Err(ExecError::OutOfBounds {
+                op: "upload_region_bytes",
+                what: region.to_string(),
+                start: 0,
+                end: bytes.len(),
+                len,
+            }
+            .into());
+        }
+        self.upload_bytes(region, ByteRange::new(0, len), bytes)
+    }
+
+    /// Reads parameter `name` out of FP32 `region`. Waits for the stream: for checkpoints
+    /// and tests, not for the training loop.
+    ///
+    /// # Errors
+    /// [`ExecError::WrongRegion`] for an FP16 region, plan lookup errors; a driver error.
+    pub fn download_f32(&self, region: Region, name: &str) -> Result<Vec<f32>, AmpError> {
+        let r = self.data_range(name, region, Dtype::F32, "download_f32", None)?;
+        let bytes = self.download_bytes(region, r)?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
+    /// Reads parameter `name` out of FP16 `region`. Waits for the stream.
+    ///
+    /// # Errors
+    /// As [`CudaRegions::download_f32`].
+    pub fn download_f16(&self, region: Region, name: &str) -> Result<Vec<f16>, AmpError> {
+        let r = self.data_range(name, region, Dtype::F16, "download_f16", None)?;
+        let bytes = self.download_bytes(region, r)?;
+        Ok(bytes
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]))
+            .collect())
+    }
+
+    /// A whole region's bytes (S: its 256-byte image). Waits for the stream.
+    ///
+    /// # Errors
+    /// [`crate::PlanError::RegionAbsent`]; a driver error.
+    pub fn download_region_bytes(&self, region: Region) -> Result<Vec<u8>, AmpError> {
+        let len = self.plan.region_range(region)?.len();
+        self.download_bytes(region, ByteRange::new(0, len))
+    }
+
+    /// Waits for the stream, then reads S. For tests and the end of a run; in the loop use
+    /// [`AmpExecutor::request_scalars`] and [`AmpExecutor::poll_scalars`].
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn read_scalars_blocking(&self) -> Result<Scalars, AmpError> {
+        let bytes = self.download_region_bytes(Region::S)?;
+        Ok(Scalars::from_bytes(&bytes)?)
+    }
+
+    /// Device address of `span16` in `region` (the op was validated against the plan, so
+    /// the region exists and the span lies inside it).
+    fn addr(&self, region: Region, span16: ByteRange) -> Result<u64, AmpError> {
+        let scale = region.scale_from_fp16().unwrap_or(1);
+        Ok(self.get(region)?.ptr + (span16.start * scale) as u64)
+    }
+
+    /// Enqueues one op that [`RangeOp::validate`] accepted for this plan.
+    fn launch(&self, op: &RangeOp) -> Result<(), AmpError> {
+        let k = &self.kernels;
+        let st = &self.stream;
+        let n = op.elems();
+        match *op {
+            RangeOp::Zero { region, span16 } => {
+                let bytes = span16.len() * region.scale_from_fp16().unwrap_or(1);
+                let dst = self.addr(region, span16)?;
+                // SAFETY: validation put span16 inside `region`, whose buffer this executor
+                // owns; the buffer is freed on this same stream, after the launch.
+                unsafe { k.raw_zero(st, dst, bytes) }
+            }
+            RangeOp::CastF16ToF32 { src, dst, span16 } => {
+                let (s, d) = (self.addr(src, span16)?, self.addr(dst, span16)?);
+                // SAFETY: validated: src is an FP16 and dst another (FP32) region, each with
+                // n elements at these addresses; distinct allocations cannot overlap.
+                unsafe { k.raw_cast_f16_to_f32(st, s, d, n) }
+            }
+            RangeOp::CastF32ToF16 { src, dst, span16 } => {
+                let (s, d) = (self.addr(src, span16)?, self.addr(dst, span16)?);
+                // SAFETY: as above with the types swapped.
+                unsafe { k.raw_cast_f32_to_f16(st, s, d, n) }
+            }
+            RangeOp::CopyF32 { src, dst, span16 } => {
+                let (s, d) = (self.addr(src, span16)?, self.addr(dst, span16)?);
+                st.context()
+                    .bind_to_thread()
+                    .map_err(|e| driver_error("bind the CUDA context", e))?;
+                // SAFETY: validated: two distinct FP32 regions (separate allocations) with n
+                // f32 at these addresses, owned by this executor and freed on this stream
+                // after the copy; the context is current on this thread.
+                unsafe { cudarc::driver::result::memcpy_dtod_async(d, s, n * 4, st.cu_stream()) }
+                    .map_err(|e| driver_error("copy between regions", e))
+            }
+            RangeOp::Check { policy, span16 } => {
+                let (g, s) = (self.addr(Region::G, span16)?, self.get(Region::S)?.ptr);
+                // SAFETY: validated: n f32 of G at `g`; S is the plan's 256-byte region
+                // (256-aligned allocation); distinct allocations.
+                unsafe { k.raw_check(st, policy, g, n, s) }
+            }
+            RangeOp::Sgd { cfg, span16 } => {
+                let m = if cfg.momentum != 0.0 {
+                    self.addr(Region::M, span16)?
+                } else {
+                    0
+                };
+                let w = self.addr(Region::W, span16)?;
+                let g = self.addr(Region::G, span16)?;
+                let a = self.addr(Region::A, span16)?;
+                let s = self.get(Region::S)?.ptr;
+                // SAFETY: validated: n elements of W, G, A (and M with momentum, which the
+                // validation required the plan to have) at these addresses, each region its
+                // own allocation; M null only with momentum 0.
+                unsafe { k.raw_sgd(st, w, m, g, a, s, &cfg, n) }
+            }
+            RangeOp::Ema { decay, span16 } => {
+                let e = self.addr(Region::E, span16)?;
+                let h = self.addr(Region::E16, span16)?;
+                let w = self.addr(Region::W, span16)?;
+                let s = self.get(Region::S)?.ptr;
+                // SAFETY: validated: n elements of E, E16 and W, separate allocations.
+                unsafe { k.raw_ema(st, e, h, w, s, decay, n) }
+            }
+            RangeOp::LossScaleUpdate { policy } => {
+                let s = self.get(Region::S)?.ptr;
+                // SAFETY: S is the plan's 256-byte region, 256-aligned.
+                unsafe { k.raw_loss_scale_update(st, s, &policy) }
+            }
+        }
+    }
+}
+
+impl AmpExecutor for CudaRegions {
+    type Graph = CudaStepGraph;
+
+    fn id(&self) -> u64 {
+        self.id
+    }
+
+    fn plan(&self) -> &MemoryPlan {
+        &self.plan
+    }
+
+    fn run(&mut self, op: &RangeOp) -> Result<(), AmpError> {
+        op.validate(&self.plan)?;
+        self.launch(op)
+    }
+
+    fn capture(&mut self, ops: &[RangeOp]) -> Result<CudaStepGraph, AmpError> {
+        if ops.is_empty() {
+            return Err(ExecError::EmptyCapture.into());
+        }
+        for op in ops {
+            op.validate(&self.plan)?;
+        }
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| driver_error("begin stream capture", e))?;
+        // Only raw launches from here to `end_capture`: no cudarc event is recorded or waited
+        // on, so nothing outside the graph is captured into it.
+        let launched = ops.iter().try_for_each(|op| self.launch(op));
+        // Always end the capture, so the stream is usable again whatever happened.
+        let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        launched?;
+        let graph = ended
+            .map_err(|e| driver_error("end stream capture and instantiate the graph", e))?
+            .ok_or_else(|| {
+                driver_error(
+                    "end stream capture",
+                    cudarc::driver::DriverError(
+                        cudarc::driver::sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+                    ),
+                )
+            })?;
+        Ok(CudaStepGraph {
+            owner: self.id,
+            graph,
+            ops: ops.to_vec(),
+        })
+    }
+
+    fn replay(&mut self, graph: &CudaStepGraph) -> Result<(), AmpError> {
+        if graph.owner != self.id {
+            return Err(ExecError::ForeignGraph {
+                captured_on: graph.owner,
+                replayed_on: self.id,
+            }
+            .into());
+        }
+        graph
+            .graph
+            .launch()
+            .map_err(|e| driver_error("launch the captured graph", e))
+    }
+
+    fn write_scalars(&mut self, s: &Scalars) -> Result<(), AmpError> {
+        let bytes = s.to_bytes();
+        self.upload_bytes(Region::S, ByteRange::new(0, S_REGION_BYTES), &bytes)
+    }
+
+    fn request_scalars(&mut self) -> Result<(), AmpError> {
+        let stream = self.stream.clone();
+        self.plan.region_range(Region::S)?;
+        let Some(s) = self.regions[region_index(Region::S)].as_ref() else {
+            return Err(crate::PlanError::RegionAbsent { region: Region::S }.into());
+        };
+        stream
+            .memcpy_dtoh(&s.buf, &mut self.readback)
+            .map_err(|e| driver_error("copy S to pinned host memory", e))?;
+        self.readback_done
+            .record(&stream)
+            .map_err(|e| driver_error("record the S readback event", e))?;
+        self.readback_pending = true;
+        Ok(())
+    }
+
+    fn poll_scalars(&mut self) -> Result<Option<Scalars>, AmpError> {
+        if self.readback_pending {
+            let done = self
+                .readback_done
+                .try_is_complete()
+                .map_err(|e| driver_error("query the S readback event", e))?;
+            if done {
+                // The copy has completed, so this does not wait.
+                let bytes = self
+                    .readback
+                    .as_slice()
+                    .map_err(|e| driver_error("read pinned S", e))?;
+                self.last_scalars = Some(Scalars::from_bytes(bytes)?);
+                self.readback_pending = false;
+            }
+        }
+        Ok(self.last_scalars)
+    }
+}

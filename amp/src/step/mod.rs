@@ -1,0 +1,514 @@
+//! The sync-free training step: one schedule of range ops, two executors.
+//!
+//! Recipe:
+//! 1. Build a [`crate::plan::MemoryPlan`]; make its regions on an executor:
+//!    [`CpuRegions::new`] (host memory, the CPU twins) or `cuda::CudaRegions::new` (device
+//!    memory, the NVRTC kernels). Both start zeroed.
+//! 2. Write the initial master weights into W, then [`AmpStep::new`] with a [`StepConfig`]
+//!    (it writes S: the initial loss scale, flag clear, counters zero) and
+//!    [`AmpStep::init_weights`] (W → A, and W → E → E16 with EMA).
+//! 3. Each step: [`AmpStep::begin`] (zero G and G16), your forward and backward on the same
+//!    stream (conv wgrads FP16 into G16, FC/BN grads FP32 into G, the loss seed multiplied by
+//!    the scale read from S), then [`AmpStep::finish`].
+//! 4. For logging, [`AmpStep::request_scalars`] after a step and [`AmpStep::poll_scalars`]
+//!    whenever convenient: the host never waits for the device.
+//! 5. On CUDA, [`AmpStep::capture_finish`] (and [`AmpStep::capture_begin`]) record the op
+//!    lists into CUDA graphs; [`AmpStep::replay`] launches one. A replay runs exactly the
+//!    launches an eager call would.
+//!
+//! What [`AmpStep::finish`] records, in order (see [`AmpStep::finish_ops`]):
+//!
+//! | # | op | over | notes |
+//! |--:|----|------|-------|
+//! | 1 | cast G16 → G | each of [`crate::plan::MemoryPlan::g16_cast_ranges`] | never the holes of G16 |
+//! | 2 | check (NaN/Inf, or clip) | all of G | sets the flag in S |
+//! | 3 | SGD, A = f16(W) | all of W/M/G/A, split where weight decay applies | skipped on the device when the flag is set |
+//! | 4 | EMA, E16 = f16(E) | all of E/E16 (with EMA) | skipped when the flag is set |
+//! | 5 | loss-scale update | S | backs off / grows, counts, clears the flag |
+//!
+//! The cast W → A is part of the SGD kernel (it writes A from the new W in the same pass),
+//! so there is no separate cast after it: a skipped step leaves W and A both untouched, and
+//! an applied one leaves `A == f16(W)` exactly. The scale update comes last because the SGD
+//! kernel unscales with the scale the gradients were computed with and reads the flag that
+//! the update clears; running the update before SGD would unscale with the next step's
+//! scale and never skip.
+
+#![forbid(unsafe_code)]
+
+mod cpu;
+mod op;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+pub use cpu::{CpuGraph, CpuRegions};
+pub(crate) use op::validate_decay;
+pub use op::RangeOp;
+
+use crate::error::{AmpError, ExecError};
+use crate::plan::{ByteRange, MemoryPlan, Region};
+use crate::range::{LossScalePolicy, OverflowPolicy, Scalars, SgdConfig};
+
+/// A new, process-unique executor id (graphs remember where they were captured).
+pub(crate) fn next_executor_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The regions of one memory plan on one device, and the range ops over them.
+///
+/// Both executors give the same results bit for bit for every op of a step (the CPU twins
+/// are exact for every kernel a step uses). Nothing here waits for the device: on CUDA every
+/// method that touches device memory only enqueues work on the executor's stream.
+pub trait AmpExecutor {
+    /// A recorded op list that [`AmpExecutor::replay`] can run again.
+    type Graph;
+
+    /// Process-unique id of this executor.
+    fn id(&self) -> u64;
+
+    /// The memory plan the regions follow.
+    fn plan(&self) -> &MemoryPlan;
+
+    /// Runs (enqueues) one op after checking it with [`RangeOp::validate`].
+    ///
+    /// # Errors
+    /// As [`RangeOp::validate`]; on CUDA also [`crate::CudaError::Driver`].
+    fn run(&mut self, op: &RangeOp) -> Result<(), AmpError>;
+
+    /// Runs a list of ops in order. Every op is validated before the first one runs, so a
+    /// bad list runs nothing.
+    ///
+    /// # Errors
+    /// As [`AmpExecutor::run`].
+    fn run_all(&mut self, ops: &[RangeOp]) -> Result<(), AmpError> {
+        for op in ops {
+            op.validate(self.plan())?;
+        }
+        ops.iter().try_for_each(|op| self.run(op))
+    }
+
+    /// Records `ops` (validated first) into a graph without running them.
+    ///
+    /// # Errors
+    /// [`ExecError::EmptyCapture`] for an empty list; as [`AmpExecutor::run`].
+    fn capture(&mut self, ops: &[RangeOp]) -> Result<Self::Graph, AmpError>;
+
+    /// Runs a graph captured on this executor.
+    ///
+    /// # Errors
+    /// [`ExecError::ForeignGraph`] for a graph of another executor; on CUDA, a driver error.
+    fn replay(&mut self, graph: &Self::Graph) -> Result<(), AmpError>;
+
+    /// Overwrites S with `s` (e.g. at start, or from a checkpoint).
+    ///
+    /// # Errors
+    /// On CUDA, a driver error.
+    fn write_scalars(&mut self, s: &Scalars) -> Result<(), AmpError>;
+
+    /// Asks for a snapshot of S as it will be once the work enqueued so far has run. Never
+    /// waits: on CUDA it enqueues an asynchronous copy into pinned host memory.
+    ///
+    /// # Errors
+    /// On CUDA, a driver error.
+    fn request_scalars(&mut self) -> Result<(), AmpError>;
+
+    /// The most recent requested snapshot of S that has arrived; `None` until the first one
+    /// has. While a newer request is still in flight this is the previous snapshot (on the
+    /// CPU a snapshot arrives at once). Never waits.
+    ///
+    /// # Errors
+    /// On CUDA, a driver error (including one from earlier asynchronous work).
+    fn poll_scalars(&mut self) -> Result<Option<Scalars>, AmpError>;
+}
+
+/// What an [`AmpStep`] does after backward.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepConfig {
+    /// SGD hyper-parameters. `weight_decay` applies only to each bucket's decayed range
+    /// (conv and FC weights, [`MemoryPlan::decay_range`]); BN affine parameters and biases
+    /// get none.
+    pub sgd: SgdConfig,
+    /// EMA decay (the plan must have E and E16), or `None` for no EMA.
+    pub ema_decay: Option<f32>,
+    /// What the gradient check does with NaN/Inf.
+    pub overflow: OverflowPolicy,
+    /// How the loss scale moves.
+    pub loss_scale: LossScalePolicy,
+}
+
+impl StepConfig {
+    /// `sgd` with no EMA, the default overflow policy (NaN/Inf skip the step) and the default
+    /// loss scale (fixed, 8192).
+    pub fn new(sgd: SgdConfig) -> Self {
+        StepConfig {
+            sgd,
+            ema_decay: None,
+            overflow: OverflowPolicy::default(),
+            loss_scale: LossScalePolicy::default(),
+        }
+    }
+
+    /// Sets the EMA decay.
+    pub fn with_ema(mut self, decay: f32) -> Self {
+        self.ema_decay = Some(decay);
+        self
+    }
+
+    /// Sets the overflow policy.
+    pub fn with_overflow(mut self, policy: OverflowPolicy) -> Self {
+        self.overflow = policy;
+        self
+    }
+
+    /// Sets the loss-scale policy.
+    pub fn with_loss_scale(mut self, policy: LossScalePolicy) -> Self {
+        self.loss_scale = policy;
+        self
+    }
+
+    /// Checks the configuration, and that `plan` has the regions it needs (M for momentum,
+    /// E and E16 for EMA).
+    ///
+    /// # Errors
+    /// [`crate::RangeOpError::InvalidConfig`] naming the field, or
+    /// [`ExecError::MissingRegion`].
+    pub fn validate(&self, plan: &MemoryPlan) -> Result<(), AmpError> {
+        self.sgd.validate()?;
+        self.overflow.validate()?;
+        self.loss_scale.validate()?;
+        if self.sgd.momentum != 0.0 && !plan.has_region(Region::M) {
+            return Err(ExecError::MissingRegion {
+                what: format!("SGD momentum {}", self.sgd.momentum),
+                region: Region::M,
+            }
+            .into());
+        }
+        if let Some(decay) = self.ema_decay {
+            op::validate_decay(decay)?;
+            if !plan.has_region(Region::E) {
+                return Err(ExecError::MissingRegion {
+                    what: format!("EMA with decay {decay}"),
+                    region: Region::E,
+                }
+                .into());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The whole FP16-layout extent of the parameter regions.
+fn whole16(plan: &MemoryPlan) -> ByteRange {
+    ByteRange::new(0, plan.region_len(Region::A))
+}
+
+/// The ops of [`AmpStep::begin`]: zero G and G16 (whole regions: padding and G16's holes
+/// must be zero too).
+pub fn begin_ops(plan: &MemoryPlan) -> Vec<RangeOp> {
+    let mut ops = vec![RangeOp::Zero {
+        region: Region::G,
+        span16: whole16(plan),
+    }];
+    if plan.has_region(Region::G16) {
+        ops.push(RangeOp::Zero {
+            region: Region::G16,
+            span16: ByteRange::new(0, plan.region_len(Region::G16)),
+        });
+    }
+    ops
+}
+
+/// The SGD launches: one over everything without weight decay; with it, each bucket's decayed
+/// range with the decay and the rest of the bucket without, adjacent equal launches merged.
+fn sgd_ops(plan: &MemoryPlan, sgd: SgdConfig) -> Vec<RangeOp> {
+    if sgd.weight_decay == 0.0 {
+        return vec![RangeOp::Sgd {
+            cfg: sgd,
+            span16: whole16(plan),
+        }];
+    }
+    let plain = sgd.with_weight_decay(0.0);
+    let mut ops: Vec<RangeOp> = Vec::new();
+    let mut push = |cfg: SgdConfig, span16: ByteRange| {
+        if span16.is_empty() {
+            return;
+        }
+        if let Some(RangeOp::Sgd {
+            cfg: last,
+            span16: s,
+        }) = ops.last_mut()
+        {
+            if *last == cfg && s.end == span16.start {
+                s.end = span16.end;
+                return;
+            }
+        }
+        ops.push(RangeOp::Sgd { cfg, span16 });
+    };
+    for b in plan.buckets() {
+        let span = b.span16();
+        let decay = b.decay16();
+        push(sgd, decay);
+        push(plain, ByteRange::new(decay.end, span.end));
+    }
+    ops
+}
+
+/// The ops of [`AmpStep::finish`] for `plan` and `cfg` (the table in the module docs).
+pub fn finish_ops(plan: &MemoryPlan, cfg: &StepConfig) -> Vec<RangeOp> {
+    let mut ops: Vec<RangeOp> = plan
+        .g16_cast_ranges()
+        .into_iter()
+        .map(|span16| RangeOp::CastF16ToF32 {
+            src: Region::G16,
+            dst: Region::G,
+            span16,
+        })
+        .collect();
+    ops.push(RangeOp::Check {
+        policy: cfg.overflow,
+        span16: whole16(plan),
+    });
+    ops.extend(sgd_ops(plan, cfg.sgd));
+    if let Some(decay) = cfg.ema_decay {
+        ops.push(RangeOp::Ema {
+            decay,
+            span16: whole16(plan),
+        });
+    }
+    ops.push(RangeOp::LossScaleUpdate {
+        policy: cfg.loss_scale,
+    });
+    ops
+}
+
+/// The ops of [`AmpStep::init_weights`]: W → A, and with EMA W → E, E → E16.
+pub fn init_ops(plan: &MemoryPlan) -> Vec<RangeOp> {
+    let span16 = whole16(plan);
+    let mut ops = vec![RangeOp::CastF32ToF16 {
+        src: Region::W,
+        dst: Region::A,
+        span16,
+    }];
+    if plan.has_region(Region::E) {
+        ops.push(RangeOp::CopyF32 {
+            src: Region::W,
+            dst: Region::E,
+            span16,
+        });
+        ops.push(RangeOp::CastF32ToF16 {
+            src: Region::E,
+            dst: Region::E16,
+            span16,
+        });
+    }
+    ops
+}
+
+/// Which part of a step a [`StepGraph`] holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepPhase {
+    /// [`AmpStep::begin_ops`].
+    Begin,
+    /// [`AmpStep::finish_ops`].
+    Finish,
+}
+
+/// A captured part of a step: replay it with [`AmpStep::replay`].
+#[derive(Debug)]
+pub struct StepGraph<G> {
+    graph: G,
+    phase: StepPhase,
+    generation: u64,
+}
+
+impl<G> StepGraph<G> {
+    /// Which part of the step it holds.
+    pub fn phase(&self) -> StepPhase {
+        self.phase
+    }
+
+    /// The executor's graph.
+    pub fn graph(&self) -> &G {
+        &self.graph
+    }
+}
+
+/// The mixed-precision training step over one executor's regions.
+///
+/// It never waits for the device: on CUDA each method only enqueues launches on the
+/// executor's stream, and the loss scale and overflow flag stay in S, read by the kernels.
+#[derive(Debug)]
+pub struct AmpStep<X: AmpExecutor> {
+    exec: X,
+    config: StepConfig,
+    begin: Vec<RangeOp>,
+    finish: Vec<RangeOp>,
+    /// Bumped by every configuration change; graphs remember the one they were captured at.
+    generation: u64,
+}
+
+impl<X: AmpExecutor> AmpStep<X> {
+    /// A step over `exec` with `config`. Writes S: the policy's initial scale, flag clear,
+    /// counters zero (overwrite it with [`AmpExecutor::write_scalars`] to resume a run).
+    ///
+    /// # Errors
+    /// As [`StepConfig::validate`]; on CUDA, a driver error from writing S.
+    pub fn new(mut exec: X, config: StepConfig) -> Result<Self, AmpError> {
+        config.validate(exec.plan())?;
+        exec.write_scalars(&Scalars::new(&config.loss_scale))?;
+        let begin = begin_ops(exec.plan());
+        let finish = finish_ops(exec.plan(), &config);
+        Ok(AmpStep {
+            exec,
+            config,
+            begin,
+            finish,
+            generation: 0,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &StepConfig {
+        &self.config
+    }
+
+    /// Replaces the configuration (S is left as it is). Graphs captured before become stale:
+    /// [`AmpStep::replay`] refuses them.
+    ///
+    /// # Errors
+    /// As [`StepConfig::validate`]; the step is unchanged on error.
+    pub fn set_config(&mut self, config: StepConfig) -> Result<(), AmpError> {
+        config.validate(self.exec.plan())?;
+        self.finish = finish_ops(self.exec.plan(), &config);
+        self.config = config;
+        self.generation += 1;
+        Ok(())
+    }
+
+    /// Changes the learning rate (a launch argument: no sync, but captured graphs go stale).
+    ///
+    /// # Errors
+    /// As [`StepConfig::validate`] for a negative or non-finite rate.
+    pub fn set_lr(&mut self, lr: f32) -> Result<(), AmpError> {
+        let mut config = self.config;
+        config.sgd.lr = lr;
+        self.set_config(config)
+    }
+
+    /// The ops [`AmpStep::begin`] runs.
+    pub fn begin_ops(&self) -> &[RangeOp] {
+        &self.begin
+    }
+
+    /// The ops [`AmpStep::finish`] runs.
+    pub fn finish_ops(&self) -> &[RangeOp] {
+        &self.finish
+    }
+
+    /// Makes the compute copies from the master weights in W: A = f16(W), and with EMA
+    /// E = W, E16 = f16(E). Run it once after writing W (or after loading a checkpoint).
+    ///
+    /// # Errors
+    /// On CUDA, a driver error.
+    pub fn init_weights(&mut self) -> Result<(), AmpError> {
+        let ops = init_ops(self.exec.plan());
+        self.exec.run_all(&ops)
+    }
+
+    /// Starts a step: zeroes G and G16.
+    ///
+    /// # Errors
+    /// On CUDA, a driver error.
+    pub fn begin(&mut self) -> Result<(), AmpError> {
+        self.exec.run_all(&self.begin)
+    }
+
+    /// Ends a step after backward: cast, check, SGD, EMA, scale update (module docs).
+    ///
+    /// # Errors
+    /// On CUDA, a driver error.
+    pub fn finish(&mut self) -> Result<(), AmpError> {
+        self.exec.run_all(&self.finish)
+    }
+
+    fn capture(&mut self, phase: StepPhase) -> Result<StepGraph<X::Graph>, AmpError> {
+        let ops = match phase {
+            StepPhase::Begin => &self.begin,
+            StepPhase::Finish => &self.finish,
+        };
+        Ok(StepGraph {
+            graph: self.exec.capture(ops)?,
+            phase,
+            generation: self.generation,
+        })
+    }
+
+    /// Records [`AmpStep::begin_ops`] into a graph (nothing runs).
+    ///
+    /// # Errors
+    /// As [`AmpExecutor::capture`].
+    pub fn capture_begin(&mut self) -> Result<StepGraph<X::Graph>, AmpError> {
+        self.capture(StepPhase::Begin)
+    }
+
+    /// Records [`AmpStep::finish_ops`] into a graph (nothing runs).
+    ///
+    /// # Errors
+    /// As [`AmpExecutor::capture`].
+    pub fn capture_finish(&mut self) -> Result<StepGraph<X::Graph>, AmpError> {
+        self.capture(StepPhase::Finish)
+    }
+
+    /// Runs a captured graph: the same launches as the eager call it replaces.
+    ///
+    /// # Errors
+    /// [`ExecError::StaleGraph`] when the configuration changed since the capture,
+    /// [`ExecError::ForeignGraph`] for another executor's graph; on CUDA, a driver error.
+    pub fn replay(&mut self, graph: &StepGraph<X::Graph>) -> Result<(), AmpError> {
+        if graph.phase == StepPhase::Finish && graph.generation != self.generation {
+            return Err(ExecError::StaleGraph {
+                captured: graph.generation,
+                current: self.generation,
+            }
+            .into());
+        }
+        self.exec.replay(&graph.graph)
+    }
+
+    /// See [`AmpExecutor::request_scalars`].
+    ///
+    /// # Errors
+    /// As [`AmpExecutor::request_scalars`].
+    pub fn request_scalars(&mut self) -> Result<(), AmpError> {
+        self.exec.request_scalars()
+    }
+
+    /// See [`AmpExecutor::poll_scalars`].
+    ///
+    /// # Errors
+    /// As [`AmpExecutor::poll_scalars`].
+    pub fn poll_scalars(&mut self) -> Result<Option<Scalars>, AmpError> {
+        self.exec.poll_scalars()
+    }
+
+    /// The memory plan.
+    pub fn plan(&self) -> &MemoryPlan {
+        self.exec.plan()
+    }
+
+    /// The executor (its regions).
+    pub fn executor(&self) -> &X {
+        &self.exec
+    }
+
+    /// The executor, to write gradients and read weights.
+    pub fn executor_mut(&mut self) -> &mut X {
+        &mut self.exec
+    }
+
+    /// Gives the executor back.
+    pub fn into_executor(self) -> X {
+        self.exec
+    }
+}
