@@ -97,12 +97,7 @@ fn fused_and_unfused_routes_agree_on_every_buffer() {
     // The backward really ran: every gradient reached the first layer (which, as the
     // network's input layer, computes no input gradient).
     assert!(f1.get("dx").is_none());
-    for (b, name) in [
-        (&f1, "dw"),
-        (&f1, "dgamma"),
-        (&f1, "dbeta"),
-        (&f2, "dw"),
-    ] {
+    for (b, name) in [(&f1, "dw"), (&f1, "dgamma"), (&f1, "dbeta"), (&f2, "dw")] {
         let norm: f32 = b.get(name).unwrap().to_f32().iter().map(|v| v * v).sum();
         assert!(norm > 0.0, "{name} is all zeros");
     }
