@@ -1,11 +1,14 @@
 //! Tier 2: every graph of a CBR layer plans deviceless for a table of shapes; a shape without
-//! fused engines falls back to the unfused route and says why.
+//! fused engines falls back to the unfused route, and one without BN engines at all (odd channel
+//! counts) to the generic route, and says why.
 
 mod common;
 
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::graphs::{ApplyResidual, BackwardResidual};
-use cudnn_cbr::fusion::cbr::{route_graphs, CbrConfig, CbrLayer, ConvShape, Route};
+use cudnn_cbr::fusion::cbr::{
+    route_graphs, CbrConfig, CbrLayer, ConvShape, GraphRole, Route, RouteKind,
+};
 use cudnn_cbr::fusion::Target;
 use std::time::Instant;
 
@@ -142,20 +145,162 @@ fn shapes_without_fused_engines_fall_back_to_unfused() {
         assert!(reason.contains(failing), "{label}: {reason}");
         assert_eq!(layer.plans().count(), route_graphs(&config, false).len());
     }
-    // Channel counts that are not a multiple of 8 (3, 12, 63, 100 measured) have no engine for
-    // any BN graph on sm_90, fused or not: a typed error names both routes' failures.
-    let odd = CbrConfig::new(ConvShape::square(32, 63, 28, 63, 3, 1, 1));
-    let err = CbrLayer::plan(odd, &h200, &cache).unwrap_err();
-    let text = err.to_string();
-    assert!(
-        matches!(err, cudnn_cbr::fusion::Error::NoRoute { .. }),
-        "{text}"
+}
+
+#[test]
+fn odd_channel_counts_fall_back_to_the_generic_route() {
+    let Some(_) = common::cudnn_or_skip("odd_channel_counts_fall_back_to_the_generic_route") else {
+        return;
+    };
+    let h200 = target(0);
+    let cache = PlanCache::new();
+    // Channel counts that are not a multiple of 8 (3, 12, 63, 100 measured) have no engine on
+    // sm_90 for any fused BN graph nor for NormForward / NormBackward; the generic route needs
+    // only conv + GenStats, BN finalize, convs, pointwise graphs and reductions. Two layers, so
+    // CI stays bounded: every generic graph is runtime compiled (0.4–1.3 s each), and the plan
+    // cache serves the graphs the two routes and the apply's backward share.
+    let cases = [
+        (
+            "C=K=63 apply",
+            CbrConfig::new(ConvShape::square(32, 63, 28, 63, 3, 1, 1))
+                .with_apply(ApplyResidual::None),
+            "scale_bias_relu_conv_genstats",
+            "batchnorm_forward",
+        ),
+        (
+            "C=12 K=24",
+            CbrConfig::new(ConvShape::square(32, 12, 28, 24, 3, 1, 1)),
+            "scale_bias_relu_conv_genstats",
+            "batchnorm_backward",
+        ),
+    ];
+    for (label, config, fused_fail, unfused_fail) in cases {
+        let start = Instant::now();
+        let layer = CbrLayer::plan(config, &h200, &cache)
+            .unwrap_or_else(|e| panic!("{label}: no route: {e}"));
+        let Route::Generic { reason } = layer.route() else {
+            panic!(
+                "{label}: expected the generic route, got {:?}",
+                layer.route()
+            );
+        };
+        println!(
+            "{label}: generic ({:.1} s) because {reason}",
+            start.elapsed().as_secs_f64()
+        );
+        assert_eq!(layer.route().kind(), RouteKind::Generic);
+        assert_eq!(layer.route().name(), "generic");
+        // The reason names the failing fused graph and the failing unfused graph.
+        let (fused, unfused) = reason.split_once("; unfused: ").expect("both reasons");
+        assert!(fused.contains(fused_fail), "{label}: {reason}");
+        assert!(unfused.contains(unfused_fail), "{label}: {reason}");
+        let expected = route_graphs(&config, RouteKind::Generic);
+        assert_eq!(layer.plans().count(), expected.len(), "{label}");
+        for (role, plan) in layer.plans() {
+            println!(
+                "  {:<22} {:<30} {:>6} {:<32} ws {:>8}",
+                format!("{role:?}"),
+                plan.graph_name(),
+                plan.engine_tag(),
+                plan.pattern().unwrap_or_default(),
+                plan.workspace_size()
+            );
+        }
+        for role in [
+            GraphRole::ApplyPrev,
+            GraphRole::ConvStats,
+            GraphRole::Finalize,
+            GraphRole::Wgrad,
+            GraphRole::Dgrad,
+            GraphRole::ReluBackward,
+            GraphRole::DbnReduce,
+            GraphRole::DbnCoefficients,
+            GraphRole::DbnApply,
+        ] {
+            assert!(layer.plan_for(role).is_some(), "{label}: no {role:?} plan");
+        }
+        assert_eq!(
+            layer.has_role(GraphRole::ApplyDbnReduce),
+            config.apply.is_some(),
+            "{label}"
+        );
+        // No BN-specific engine: neither NormForward/Backward nor the fused BN graphs; the
+        // reductions and coefficients run on the generic pointwise-fusion engine.
+        for (role, plan) in layer.plans() {
+            let name = plan.graph_name();
+            assert!(
+                !name.starts_with("batchnorm") && !name.contains("dgrad_drelu"),
+                "{label}: {role:?} uses {name}"
+            );
+            if matches!(role, GraphRole::DbnReduce | GraphRole::DbnCoefficients) {
+                assert!(plan.is_runtime_compiled(), "{label}: {role:?}");
+                assert_eq!(
+                    plan.pattern().as_deref(),
+                    Some("GENERIC_POINTWISE_FUSION"),
+                    "{label}: {role:?}"
+                );
+            }
+        }
+        // The same buffers as the other routes, plus the apply's dBN coefficients.
+        let names: Vec<&str> = layer.buffers().iter().map(|b| b.name).collect();
+        for name in [
+            "y", "sum", "sq_sum", "eq_scale", "dw", "dbn_a", "dz_prev", "a_prev",
+        ] {
+            assert!(
+                names.contains(&name),
+                "{label}: no buffer `{name}` in {names:?}"
+            );
+        }
+        let prev: Vec<&str> = layer.prev_buffers().iter().map(|b| b.name).collect();
+        for name in [
+            "y",
+            "eq_scale",
+            "eq_bias",
+            "saved_mean",
+            "saved_inv_std",
+            "gamma",
+            "dgamma",
+            "dbeta",
+            "dy",
+        ] {
+            assert!(
+                prev.contains(&name),
+                "{label}: no previous buffer `{name}` in {prev:?}"
+            );
+        }
+    }
+    println!("plans: {:?}", cache.stats());
+}
+
+/// What cuDNN accepts for the reduction node beyond the generic route's graphs (which the test
+/// above plans): a bare per-channel sum of a stored FP16 tensor. Measured with cuDNN 9.28:
+/// `GENERIC_POINTWISE_FUSION`, eng 1, runtime compiled, 4 usable configs of 5, workspace 0, for
+/// odd and even channel counts; the same for a MAX reduction, an FP32 input, and a ReLU
+/// backward feeding a reduction.
+#[test]
+fn a_bare_reduction_plans_on_the_h200() {
+    use cudnn_cbr::fusion::graph::{Graph, ReductionAttrs, ReductionMode, TensorAttrs};
+    let Some(_) = common::cudnn_or_skip("a_bare_reduction_plans_on_the_h200") else {
+        return;
+    };
+    let mut g = Graph::new("dz_sum");
+    let dz = g.tensor(TensorAttrs::new("dZ", [32, 63, 28, 28]));
+    let sum = g.reduce(dz, ReductionAttrs::per_channel(ReductionMode::Add, 63));
+    g.set_output(sum, None).unwrap();
+    let t = Instant::now();
+    let plan = PlanCache::new().get_or_build(&g, &target(0)).unwrap();
+    println!(
+        "{:<8} {:>6} {:<26} configs {:?} ws {} {:.0} ms",
+        g.name(),
+        plan.engine_tag(),
+        plan.pattern().unwrap_or_default(),
+        plan.config_counts(),
+        plan.workspace_size(),
+        t.elapsed().as_secs_f64() * 1e3
     );
-    assert!(
-        text.contains("scale_bias_relu_conv_genstats") && text.contains("unfused"),
-        "{text}"
-    );
-    println!("C=63: {text}");
+    assert!(plan.is_runtime_compiled());
+    assert_eq!(plan.pattern().as_deref(), Some("GENERIC_POINTWISE_FUSION"));
+    assert_eq!(plan.workspace_size(), 0);
 }
 
 #[test]

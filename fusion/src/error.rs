@@ -110,7 +110,7 @@ pub enum Error {
     #[error(transparent)]
     Reference(#[from] crate::reference::ReferenceError),
     /// Neither route of a CBR layer has engines on this target.
-    #[error("layer {layer}: no route runs on this target; fused: {fused}; unfused: {unfused}")]
+    #[error("layer {layer}: no route runs on this target; fused: {fused}; unfused: {unfused}; generic: {generic}")]
     NoRoute {
         /// The layer's shape.
         layer: String,
@@ -118,6 +118,8 @@ pub enum Error {
         fused: String,
         /// Why the unfused route failed.
         unfused: String,
+        /// Why the generic (reduction-based) route failed.
+        generic: String,
     },
     /// Engine configs existed but no execution plan finalized.
     #[error("no execution plan finalized for graph `{graph}` on {target}: tried {tried} configs; last error: {last}")]

@@ -117,6 +117,28 @@ impl Handle {
         Ok(Target::live(self.device_props()?, HandleRef(self.clone())))
     }
 
+    /// Enqueues zeroing of `bytes` bytes at device address `ptr` on the handle's stream.
+    ///
+    /// The address must come from a live allocation of at least `bytes` bytes (a binding the
+    /// caller vouches for, as with [`Bindings::bind_raw`]); null is refused.
+    pub fn zero_device_bytes(&self, ptr: u64, bytes: usize) -> Result<()> {
+        if ptr == 0 {
+            return Err(Error::Driver {
+                what: "zero a device buffer".into(),
+                message: "null pointer".into(),
+            });
+        }
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| driver("bind the CUDA context", e))?;
+        // SAFETY: `ptr..ptr+bytes` is a live device allocation the caller bound for this layer
+        // (the same contract as every variant-pack pointer); the memset is ordered on the
+        // handle's stream with the work that reads it.
+        unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }
+            .map_err(|e| driver("zero a device buffer", e))
+    }
+
     /// A device pointer to at least `bytes` of pooled workspace (grows, never shrinks).
     fn pooled_workspace(&self, bytes: usize) -> Result<u64> {
         let mut pool = self.workspace.lock().unwrap_or_else(|p| p.into_inner());

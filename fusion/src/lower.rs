@@ -1,11 +1,14 @@
 //! Lowering: a validated [`Graph`] becomes a finalized cuDNN operation graph.
 //!
-//! Every tensor, convolution, pointwise and operation descriptor is created here and kept alive
-//! by the [`OperationGraph`] that owns them. Uses only the safe [`backend`] API.
+//! Every tensor, convolution, pointwise, reduction and operation descriptor is created here and
+//! kept alive by the [`OperationGraph`] that owns them. Uses only the safe
+//! [`backend`](crate::backend) API.
 
 use crate::backend::Descriptor;
 use crate::error::{Error, Result};
-use crate::graph::{ConvAttrs, DataType, Graph, GraphSignature, Node, PointwiseMode, TensorId};
+use crate::graph::{
+    ConvAttrs, DataType, Graph, GraphSignature, Node, PointwiseMode, ReductionMode, TensorId,
+};
 use cudnn_fe_sys as sys;
 use sys::cudnnBackendAttributeName_t as A;
 use sys::cudnnBackendDescriptorType_t as K;
@@ -96,6 +99,14 @@ fn pointwise_mode(m: PointwiseMode) -> sys::cudnnPointwiseMode_t {
         PointwiseMode::CmpGt => P::CUDNN_POINTWISE_CMP_GT,
         PointwiseMode::BinarySelect => P::CUDNN_POINTWISE_BINARY_SELECT,
         PointwiseMode::Identity => P::CUDNN_POINTWISE_IDENTITY,
+    }
+}
+
+fn reduction_op(m: ReductionMode) -> sys::cudnnReduceTensorOp_t {
+    use sys::cudnnReduceTensorOp_t as R;
+    match m {
+        ReductionMode::Add => R::CUDNN_REDUCE_TENSOR_ADD,
+        ReductionMode::Max => R::CUDNN_REDUCE_TENSOR_MAX,
     }
 }
 
@@ -253,6 +264,18 @@ impl Lowering<'_> {
                     op.set_one(A::CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2, attrs.alpha2)?;
                 }
                 self.parts.push(pw);
+            }
+            N::Reduction { x, y, attrs } => {
+                // The reduced dims are implied by the output tensor's dims (1 = reduced).
+                let mut red = Descriptor::new(K::CUDNN_BACKEND_REDUCTION_DESCRIPTOR)?;
+                red.set_one(A::CUDNN_ATTR_REDUCTION_OPERATOR, reduction_op(attrs.mode))?
+                    .set_one(A::CUDNN_ATTR_REDUCTION_COMP_TYPE, self.compute)?;
+                red.finalize()?;
+                op = self.op(K::CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR)?;
+                op.set_descriptors(A::CUDNN_ATTR_OPERATION_REDUCTION_XDESC, &[self.t(*x)])?
+                    .set_descriptors(A::CUDNN_ATTR_OPERATION_REDUCTION_YDESC, &[self.t(*y)])?
+                    .set_descriptors(A::CUDNN_ATTR_OPERATION_REDUCTION_DESC, &[&red])?;
+                self.parts.push(red);
             }
             N::GenStats { x, sum, sq_sum } => {
                 op = self.op(K::CUDNN_BACKEND_OPERATION_GEN_STATS_DESCRIPTOR)?;

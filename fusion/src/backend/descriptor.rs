@@ -67,6 +67,7 @@ attr_value! {
     sys::cudnnBackendNumericalNote_t => CUDNN_TYPE_NUMERICAL_NOTE, sys::cudnnBackendNumericalNote_t(0);
     sys::cudnnBackendNormMode_t => CUDNN_TYPE_NORM_MODE, sys::cudnnBackendNormMode_t(0);
     sys::cudnnBackendNormFwdPhase_t => CUDNN_TYPE_NORM_FWD_PHASE, sys::cudnnBackendNormFwdPhase_t(0);
+    sys::cudnnReduceTensorOp_t => CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, sys::cudnnReduceTensorOp_t(0);
     sys::cudnnNanPropagation_t => CUDNN_TYPE_NAN_PROPOGATION, sys::cudnnNanPropagation_t(0);
     sys::cudnnBackendOperationGraphMode_t => CUDNN_TYPE_OPERATIONGRAPH_MODE, sys::cudnnBackendOperationGraphMode_t(0);
     sys::cudnnHandle_t => CUDNN_TYPE_HANDLE, std::ptr::null_mut();

@@ -529,3 +529,118 @@ pub fn add(dims: [i64; 4]) -> (Graph, [TensorId; 3]) {
     g.set_output(y, None).expect("in graph");
     (g, [x, b, y])
 }
+
+/// Real tensors of the BN-backward reduction graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DbnReduceTensors {
+    /// The BN's input (a conv's raw output), FP16.
+    pub y: TensorId,
+    /// Gradient w.r.t. the BN output, FP16.
+    pub dz: TensorId,
+    /// Saved batch mean (FP32 per channel).
+    pub mean: TensorId,
+    /// Saved inverse std (FP32 per channel).
+    pub inv_std: TensorId,
+    /// `Σ dz·x̂` per channel (FP32): dγ.
+    pub dgamma: TensorId,
+    /// `Σ dz` per channel (FP32): dβ.
+    pub dbeta: TensorId,
+}
+
+/// Generic route: the BN's weight gradients by reduction over `[N,C,H,W]`:
+/// `x̂ = (y − mean)·inv_std` (SUB, MUL, FP32 virtuals), `dγ = Σ dz·x̂` and `dβ = Σ dz` (two
+/// ADD reductions to `[1,C,1,1]`, FP32). For channel counts where neither the fused
+/// BN_BWD_WEIGHTS nor NormBackward has an engine (measured with cuDNN 9.28 on sm_90:
+/// `GENERIC_POINTWISE_FUSION`, runtime compiled, for C = 12, 24, 63, 64).
+pub fn dbn_reduce(dims: [i64; 4]) -> (Graph, DbnReduceTensors) {
+    let c = dims[1];
+    let mut g = Graph::new("dbn_reduce");
+    let y = g.tensor(TensorAttrs::new("Y", dims));
+    let dz = g.tensor(TensorAttrs::new("dZ", dims));
+    let mut v = |name: &str| g.tensor(TensorAttrs::vector(name, c).dtype(DataType::Float));
+    let (mean, inv_std) = (v("mean"), v("inv_std"));
+    // SUB, not ADD with α2 = −1: the generic engines reject α2 ≠ 1 (CUDNN_PATTERNS §9.5).
+    let centered = g.sub(y, mean);
+    let x_hat = g.mul(centered, inv_std);
+    let prod = g.mul(dz, x_hat);
+    let dgamma = g.reduce_sum_per_channel(prod, c);
+    let dbeta = g.reduce_sum_per_channel(dz, c);
+    for t in [dgamma, dbeta] {
+        g.set_output(t, Some(DataType::Float)).expect("in graph");
+    }
+    (
+        g,
+        DbnReduceTensors {
+            y,
+            dz,
+            mean,
+            inv_std,
+            dgamma,
+            dbeta,
+        },
+    )
+}
+
+/// Real tensors of the dBN-coefficient graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DbnCoefficientTensors {
+    /// γ (FP32 parameter).
+    pub gamma: TensorId,
+    /// Saved inverse std.
+    pub inv_std: TensorId,
+    /// Saved batch mean.
+    pub mean: TensorId,
+    /// dγ from [`dbn_reduce`].
+    pub dgamma: TensorId,
+    /// dβ from [`dbn_reduce`].
+    pub dbeta: TensorId,
+    /// `−1/M` (M = N·H·W of the BN), a by-value FP32 scalar.
+    pub neg_inv_count: TensorId,
+    /// A = γ·inv_std (FP32).
+    pub a: TensorId,
+    /// B = −γ·inv_std²·dγ/M (FP32).
+    pub b: TensorId,
+    /// C = −γ·inv_std·dβ/M − B·mean (FP32).
+    pub c: TensorId,
+}
+
+/// Generic route: the coefficients of `dy = A·dz + B·y + C` (the BN backward, see the CPU
+/// reference's `bn` module) from dγ, dβ and the saved statistics, pointwise over `[1,C,1,1]`
+/// vectors in FP32, in this order (each step one FP32 rounding):
+/// `a = γ·inv_std`; `B = ((a·inv_std)·dγ)·(−1/M)`; `C = ((a·dβ)·(−1/M)) − B·mean`; `A = a`.
+/// A and B are also consumed inside the graph, so they are stored through an identity (as
+/// [`eq_coefficients`] stores eq_scale).
+pub fn dbn_coefficients(c: i64) -> (Graph, DbnCoefficientTensors) {
+    let mut g = Graph::new("dbn_coefficients");
+    let mut v = |name: &str| g.tensor(TensorAttrs::vector(name, c).dtype(DataType::Float));
+    let (gamma, inv_std, mean, dgamma, dbeta) =
+        (v("gamma"), v("inv_std"), v("mean"), v("dgamma"), v("dbeta"));
+    let neg_inv_count = g.tensor(TensorAttrs::scalar("neg_inv_count", DataType::Float));
+    let a = g.mul(gamma, inv_std);
+    let a_is = g.mul(a, inv_std);
+    let a_is_dg = g.mul(a_is, dgamma);
+    let b = g.mul(a_is_dg, neg_inv_count);
+    let a_db = g.mul(a, dbeta);
+    let a_db_m = g.mul(a_db, neg_inv_count);
+    let b_mean = g.mul(b, mean);
+    let c_out = g.sub(a_db_m, b_mean);
+    let a_out = g.identity(a);
+    let b_out = g.identity(b);
+    for t in [a_out, b_out, c_out] {
+        g.set_output(t, Some(DataType::Float)).expect("in graph");
+    }
+    (
+        g,
+        DbnCoefficientTensors {
+            gamma,
+            inv_std,
+            mean,
+            dgamma,
+            dbeta,
+            neg_inv_count,
+            a: a_out,
+            b: b_out,
+            c: c_out,
+        },
+    )
+}

@@ -5,15 +5,22 @@
 //! route applies that BN (and its ReLU) as the conv's prologue, and the backward pass produces
 //! the previous BN's gradients (dγ, dβ) and dY of the previous conv.
 //!
-//! | step | fused route | unfused route |
-//! |---|---|---|
-//! | forward | [prologue] conv + GenStats → BN finalize → [apply] | [apply prev] → conv → BN forward → eq coefficients → [apply] |
-//! | backward | dgrad + dReLU + dBN weights → wgrad with prologue → dBN apply | wgrad → dgrad [→ add] → ReLU backward → BN backward |
+//! | step | fused route | unfused route | generic route |
+//! |---|---|---|---|
+//! | forward | [prologue] conv + GenStats → BN finalize → [apply] | [apply prev] → conv → BN forward → eq coefficients → [apply] | [apply prev] → conv + GenStats → BN finalize → [apply] |
+//! | backward | dgrad + dReLU + dBN weights → wgrad with prologue → dBN apply | wgrad → dgrad [→ add] → ReLU backward → BN backward | wgrad → dgrad [→ add] → ReLU backward → dγ/dβ reductions → dBN coefficients → dBN apply |
 //!
-//! Both routes read and write the same caller buffers (`y_prev`, `w`, `y`, statistics,
-//! eq coefficients, running stats, dY, dW, dγ, dβ, dY_prev); the unfused route needs one more
-//! (the materialized previous activation). When a fused graph has no engine for the shape or
-//! target, [`CbrLayer::plan`] falls back to the unfused route and [`CbrLayer::route`] says why.
+//! A materialized activation's own backward (ReLU backward, then BN backward) uses NormBackward
+//! on the fused and unfused routes, and the reductions → coefficients → dBN apply chain on the
+//! generic route.
+//!
+//! Every route reads and writes the same caller buffers (`y_prev`, `w`, `y`, statistics,
+//! eq coefficients, running stats, dY, dW, dγ, dβ, dY_prev); the unfused and generic routes
+//! need a few more (the materialized previous activation and its gradient). When a fused graph
+//! has no engine for the shape or target, [`CbrLayer::plan`] falls back to the unfused route,
+//! and when an unfused BN graph has none either (on sm_90: channel counts that are not a
+//! multiple of 8), to the generic route, which uses no BN-specific engine at all;
+//! [`CbrLayer::route`] says which and why.
 
 use super::graphs::{self, ApplyResidual, BackwardResidual};
 use super::ConvShape;
@@ -100,7 +107,48 @@ impl CbrConfig {
     }
 }
 
-/// The route a layer runs.
+/// Which set of graphs a layer runs, in [`CbrLayer::plan`]'s fallback order.
+///
+/// `true` and `false` convert to [`RouteKind::Fused`] and [`RouteKind::Unfused`], so callers
+/// written before the generic route existed (`route_graphs(config, fused)`) keep working.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RouteKind {
+    /// cuDNN's fused CBR graphs (ConvBNfprop, DgradDreluBNBwdWeight, ConvBNwgrad).
+    Fused,
+    /// Separate, materialized steps with cuDNN's NormForward / NormBackward.
+    Unfused,
+    /// Separate steps without any BN-specific engine: conv + GenStats, BN finalize, pointwise
+    /// graphs and reductions. For shapes where neither the fused graphs nor Norm* have an engine
+    /// (on sm_90 with cuDNN 9.28: channel counts that are not a multiple of 8).
+    Generic,
+}
+
+impl RouteKind {
+    /// Every kind, in the order [`CbrLayer::plan`] tries them.
+    pub const ALL: [RouteKind; 3] = [RouteKind::Fused, RouteKind::Unfused, RouteKind::Generic];
+
+    /// "fused", "unfused" or "generic".
+    pub fn name(self) -> &'static str {
+        match self {
+            RouteKind::Fused => "fused",
+            RouteKind::Unfused => "unfused",
+            RouteKind::Generic => "generic",
+        }
+    }
+}
+
+impl From<bool> for RouteKind {
+    /// `true` → [`RouteKind::Fused`], `false` → [`RouteKind::Unfused`].
+    fn from(fused: bool) -> Self {
+        if fused {
+            RouteKind::Fused
+        } else {
+            RouteKind::Unfused
+        }
+    }
+}
+
+/// The route a layer runs, and why when it is not the fused one.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Route {
     /// cuDNN's fused CBR graphs.
@@ -110,14 +158,46 @@ pub enum Route {
         /// Which fused graph failed, and cuDNN's account of it.
         reason: String,
     },
+    /// The generic steps (conv + GenStats, finalize, pointwise graphs, reductions), because a
+    /// fused graph and an unfused BN graph have no engine here.
+    Generic {
+        /// Which fused and which unfused graph failed (`fused: …; unfused: …`).
+        reason: String,
+    },
 }
 
 impl Route {
-    /// "fused" or "unfused".
+    /// "fused", "unfused" or "generic".
     pub fn name(&self) -> &'static str {
+        self.kind().name()
+    }
+
+    /// The kind of route.
+    pub fn kind(&self) -> RouteKind {
         match self {
-            Route::Fused => "fused",
-            Route::Unfused { .. } => "unfused",
+            Route::Fused => RouteKind::Fused,
+            Route::Unfused { .. } => RouteKind::Unfused,
+            Route::Generic { .. } => RouteKind::Generic,
+        }
+    }
+
+    /// Why the layer does not run the fused route (None when it does).
+    pub fn reason(&self) -> Option<&str> {
+        match self {
+            Route::Fused => None,
+            Route::Unfused { reason } | Route::Generic { reason } => Some(reason),
+        }
+    }
+
+    fn chosen(kind: RouteKind, reason: &str) -> Self {
+        match kind {
+            RouteKind::Fused => Route::Fused,
+            RouteKind::Unfused => Route::Unfused {
+                reason: reason.into(),
+            },
+            RouteKind::Generic => Route::Generic {
+                reason: reason.into(),
+            },
         }
     }
 }
@@ -125,7 +205,8 @@ impl Route {
 /// What a graph does within the layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum GraphRole {
-    /// [prologue] conv + GenStats.
+    /// Conv + GenStats, with the previous BN as prologue on the fused route (without it on the
+    /// generic route).
     ConvStats,
     /// BN finalize.
     Finalize,
@@ -133,13 +214,13 @@ pub enum GraphRole {
     Apply,
     /// dgrad + dReLU + dBN weights (of the previous BN).
     DgradDreluDbn,
-    /// wgrad (with the prologue when the input comes through a BN).
+    /// wgrad (with the prologue when the input comes through a BN, on the fused route).
     Wgrad,
     /// dBN apply: dY of the previous conv.
     DbnApply,
-    /// Plain dgrad: the input gradient of a first layer, or the unfused route's dgrad.
+    /// Plain dgrad: the input gradient of a first layer, or the unfused/generic route's dgrad.
     Dgrad,
-    /// Unfused: the previous BN's apply + ReLU, materialized.
+    /// Unfused/generic: the previous BN's apply + ReLU, materialized.
     ApplyPrev,
     /// Unfused: plain conv.
     Conv,
@@ -147,9 +228,9 @@ pub enum GraphRole {
     BnForward,
     /// Unfused: eq_scale / eq_bias from the batch statistics.
     EqCoefficients,
-    /// Unfused: residual gradient join.
+    /// Unfused/generic: residual gradient join.
     AddBranch,
-    /// Unfused: ReLU backward of the previous BN's activation.
+    /// Unfused/generic: ReLU backward of the previous BN's activation.
     ReluBackward,
     /// Unfused: BN backward of the previous BN.
     BnBackward,
@@ -157,6 +238,16 @@ pub enum GraphRole {
     ApplyReluBackward,
     /// The materialized activation's BN backward (NormBackward: dpre → dY, dγ, dβ).
     ApplyBnBackward,
+    /// Generic: the previous BN's dγ = Σ dz·x̂ and dβ = Σ dz, by reduction.
+    DbnReduce,
+    /// Generic: the previous BN's dBN-apply coefficients A, B, C from dγ and dβ.
+    DbnCoefficients,
+    /// Generic: the materialized activation's dγ, dβ by reduction (from dpre).
+    ApplyDbnReduce,
+    /// Generic: the materialized activation's dBN-apply coefficients.
+    ApplyDbnCoefficients,
+    /// Generic: the materialized activation's dBN apply (dpre → this layer's dY).
+    ApplyDbnApply,
 }
 
 impl GraphRole {
@@ -173,6 +264,11 @@ impl GraphRole {
                 | GraphRole::BnBackward
                 | GraphRole::ApplyReluBackward
                 | GraphRole::ApplyBnBackward
+                | GraphRole::DbnReduce
+                | GraphRole::DbnCoefficients
+                | GraphRole::ApplyDbnReduce
+                | GraphRole::ApplyDbnCoefficients
+                | GraphRole::ApplyDbnApply
         )
     }
 }
@@ -212,101 +308,77 @@ use Src::{Prev, This};
 
 /// The graphs of one route of a layer in execution order (forward, then backward), with the
 /// buffer of every real tensor. Backward order: the apply's backward (when the activation is
-/// materialized) first, since it produces this layer's `dy`.
-pub fn route_graphs(config: &CbrConfig, fused: bool) -> Vec<LayerGraph> {
+/// materialized) first, since it produces this layer's `dy`. `route` is a [`RouteKind`] (or a
+/// `bool`: `true` = fused, `false` = unfused).
+pub fn route_graphs(config: &CbrConfig, route: impl Into<RouteKind>) -> Vec<LayerGraph> {
+    let kind = route.into();
     let s = &config.shape;
     let through_bn = config.input == InputKind::ThroughBn;
-    let conv_in = if through_bn { Prev("y") } else { This("x") };
     let mut out = Vec::new();
-    if fused {
-        let (g, t) = graphs::conv_fprop(s, through_bn, true);
-        let mut b = vec![(t.x, conv_in), (t.w, This("w")), (t.y, This("y"))];
-        if let Some((sc, bi)) = t.prologue {
-            b.extend([(sc, Prev("eq_scale")), (bi, Prev("eq_bias"))]);
+    // The unfused and generic routes materialize the previous BN's activation; the conv reads it.
+    let plain_in = if through_bn {
+        This("a_prev")
+    } else {
+        This("x")
+    };
+    if kind != RouteKind::Fused {
+        out.extend(apply_prev(config));
+    }
+    match kind {
+        RouteKind::Fused | RouteKind::Generic => {
+            // The fused route applies the previous BN as the conv's prologue; the generic route
+            // convolves the materialized activation (conv + GenStats without the prologue has a
+            // runtime-compiled engine where ConvBNfprop has none). Both then run BN finalize.
+            let prologue = kind == RouteKind::Fused && through_bn;
+            let conv_in = if prologue { Prev("y") } else { plain_in };
+            let (g, t) = graphs::conv_fprop(s, prologue, true);
+            let mut b = vec![(t.x, conv_in), (t.w, This("w")), (t.y, This("y"))];
+            if let Some((sc, bi)) = t.prologue {
+                b.extend([(sc, Prev("eq_scale")), (bi, Prev("eq_bias"))]);
+            }
+            if let Some((sum, sq)) = t.stats {
+                b.extend([(sum, This("sum")), (sq, This("sq_sum"))]);
+            }
+            out.push(lg(GraphRole::ConvStats, g, b));
+            out.push(finalize(config));
         }
-        if let Some((sum, sq)) = t.stats {
-            b.extend([(sum, This("sum")), (sq, This("sq_sum"))]);
-        }
-        out.push(lg(GraphRole::ConvStats, g, b));
-        let (g, i, o) = graphs::bn_finalize(s.k);
-        out.push(lg(
-            GraphRole::Finalize,
-            g,
-            vec![
-                (i.sum, This("sum")),
-                (i.sq_sum, This("sq_sum")),
+        RouteKind::Unfused => {
+            let (g, t) = graphs::conv_fprop(s, false, false);
+            out.push(lg(
+                GraphRole::Conv,
+                g,
+                vec![(t.x, plain_in), (t.w, This("w")), (t.y, This("y"))],
+            ));
+            let (g, i, o) = graphs::batchnorm_forward(s.y_dims());
+            let mut b = vec![
+                (i.x, This("y")),
                 (i.scale, This("gamma")),
                 (i.bias, This("beta")),
-                // Running statistics are updated in place: prev and updated share a buffer.
-                (i.prev_running_mean, This("running_mean")),
-                (i.prev_running_var, This("running_var")),
-                (i.epsilon, Src::Scalar(Scalar::F64(config.epsilon))),
-                (i.momentum, Src::Scalar(Scalar::F64(config.momentum))),
-                (i.accum_count, Src::Scalar(Scalar::I64(s.count()))),
-                (o.eq_scale, This("eq_scale")),
-                (o.eq_bias, This("eq_bias")),
-                (o.saved_mean, This("saved_mean")),
-                (o.saved_inv_std, This("saved_inv_std")),
-                (o.updated_running_mean, This("running_mean")),
-                (o.updated_running_var, This("running_var")),
-            ],
-        ));
-    } else {
-        if through_bn {
-            let residual = match config.backward_residual {
-                BackwardResidual::Shortcut => ApplyResidual::Add,
-                _ => ApplyResidual::None,
-            };
-            let (g, t) = graphs::apply(s.x_dims(), DataType::Half, residual);
-            let mut b = vec![
-                (t.y, Prev("y")),
-                (t.scale, Prev("eq_scale")),
-                (t.bias, Prev("eq_bias")),
-                (t.a, This("a_prev")),
+                (i.epsilon, Src::Scalar(Scalar::F32(config.epsilon as f32))),
+                (i.momentum, Src::Scalar(Scalar::F32(config.momentum as f32))),
+                (o.y, This("y_bn")),
+                (o.mean, This("saved_mean")),
+                (o.inv_variance, This("saved_inv_std")),
             ];
-            b.extend(t.residual.map(|r| (r, This("shortcut"))));
-            out.push(lg(GraphRole::ApplyPrev, g, b));
+            b.extend(i.prev_running_mean.map(|t| (t, This("running_mean"))));
+            b.extend(i.prev_running_var.map(|t| (t, This("running_var"))));
+            b.extend(o.next_running_mean.map(|t| (t, This("running_mean"))));
+            b.extend(o.next_running_var.map(|t| (t, This("running_var"))));
+            out.push(lg(GraphRole::BnForward, g, b));
+            let (g, t) = graphs::eq_coefficients(s.k);
+            out.push(lg(
+                GraphRole::EqCoefficients,
+                g,
+                vec![
+                    (t.gamma, This("gamma")),
+                    (t.beta, This("beta")),
+                    (t.mean, This("saved_mean")),
+                    (t.inv_std, This("saved_inv_std")),
+                    (t.eq_scale, This("eq_scale")),
+                    (t.eq_bias, This("eq_bias")),
+                ],
+            ));
         }
-        let conv_x = if through_bn {
-            This("a_prev")
-        } else {
-            This("x")
-        };
-        let (g, t) = graphs::conv_fprop(s, false, false);
-        out.push(lg(
-            GraphRole::Conv,
-            g,
-            vec![(t.x, conv_x), (t.w, This("w")), (t.y, This("y"))],
-        ));
-        let (g, i, o) = graphs::batchnorm_forward(s.y_dims());
-        let mut b = vec![
-            (i.x, This("y")),
-            (i.scale, This("gamma")),
-            (i.bias, This("beta")),
-            (i.epsilon, Src::Scalar(Scalar::F32(config.epsilon as f32))),
-            (i.momentum, Src::Scalar(Scalar::F32(config.momentum as f32))),
-            (o.y, This("y_bn")),
-            (o.mean, This("saved_mean")),
-            (o.inv_variance, This("saved_inv_std")),
-        ];
-        b.extend(i.prev_running_mean.map(|t| (t, This("running_mean"))));
-        b.extend(i.prev_running_var.map(|t| (t, This("running_var"))));
-        b.extend(o.next_running_mean.map(|t| (t, This("running_mean"))));
-        b.extend(o.next_running_var.map(|t| (t, This("running_var"))));
-        out.push(lg(GraphRole::BnForward, g, b));
-        let (g, t) = graphs::eq_coefficients(s.k);
-        out.push(lg(
-            GraphRole::EqCoefficients,
-            g,
-            vec![
-                (t.gamma, This("gamma")),
-                (t.beta, This("beta")),
-                (t.mean, This("saved_mean")),
-                (t.inv_std, This("saved_inv_std")),
-                (t.eq_scale, This("eq_scale")),
-                (t.eq_bias, This("eq_bias")),
-            ],
-        ));
     }
     if let Some(residual) = config.apply {
         let (g, t) = graphs::apply(s.y_dims(), DataType::Half, residual);
@@ -322,31 +394,58 @@ pub fn route_graphs(config: &CbrConfig, fused: bool) -> Vec<LayerGraph> {
         }
         out.push(lg(GraphRole::Apply, g, b));
         // The apply's backward: dA → dpre (through the ReLU, using the stored activation as
-        // the mask) → dY, dγ, dβ through NormBackward (CUDNN_PATTERNS §8, step 5).
+        // the mask) → dY, dγ, dβ through NormBackward (CUDNN_PATTERNS §8, step 5), or on the
+        // generic route through reductions, coefficients and the dBN apply.
         let (g, [dy, x, dx]) = graphs::relu_backward(s.y_dims());
         out.push(lg(
             GraphRole::ApplyReluBackward,
             g,
             vec![(dy, This("da")), (x, This("a")), (dx, This("dpre"))],
         ));
-        let (g, i, o) = graphs::batchnorm_backward(s.y_dims());
-        out.push(lg(
-            GraphRole::ApplyBnBackward,
-            g,
-            vec![
-                (i.dy, This("dpre")),
-                (i.x, This("y")),
-                (i.scale, This("gamma")),
-                (i.mean, This("saved_mean")),
-                (i.inv_variance, This("saved_inv_std")),
-                (o.dx, This("dy")),
-                (o.dscale, This("dgamma")),
-                (o.dbias, This("dbeta")),
-            ],
-        ));
+        if kind == RouteKind::Generic {
+            out.extend(reduction_bn_backward(
+                s.y_dims(),
+                [
+                    GraphRole::ApplyDbnReduce,
+                    GraphRole::ApplyDbnCoefficients,
+                    GraphRole::ApplyDbnApply,
+                ],
+                &BnBackwardNames {
+                    dz: This("dpre"),
+                    y: This("y"),
+                    mean: This("saved_mean"),
+                    inv_std: This("saved_inv_std"),
+                    gamma: This("gamma"),
+                    dgamma: This("dgamma"),
+                    dbeta: This("dbeta"),
+                    abc: [
+                        This("apply_dbn_a"),
+                        This("apply_dbn_b"),
+                        This("apply_dbn_c"),
+                    ],
+                    dy: This("dy"),
+                },
+            ));
+        } else {
+            let (g, i, o) = graphs::batchnorm_backward(s.y_dims());
+            out.push(lg(
+                GraphRole::ApplyBnBackward,
+                g,
+                vec![
+                    (i.dy, This("dpre")),
+                    (i.x, This("y")),
+                    (i.scale, This("gamma")),
+                    (i.mean, This("saved_mean")),
+                    (i.inv_variance, This("saved_inv_std")),
+                    (o.dx, This("dy")),
+                    (o.dscale, This("dgamma")),
+                    (o.dbias, This("dbeta")),
+                ],
+            ));
+        }
     }
-    match (fused, through_bn) {
-        (true, true) => {
+    match (kind, through_bn) {
+        (RouteKind::Fused, true) => {
             let (g, t) = graphs::dgrad_drelu_dbn(s, config.backward_residual);
             let mut b = vec![
                 (t.dy, This("dy")),
@@ -412,43 +511,8 @@ pub fn route_graphs(config: &CbrConfig, fused: bool) -> Vec<LayerGraph> {
                 ));
             }
         }
-        (false, true) => {
-            let (g, t) = graphs::wgrad(s, false);
-            out.push(lg(
-                GraphRole::Wgrad,
-                g,
-                vec![
-                    (t.x, This("a_prev")),
-                    (t.dy, This("dy")),
-                    (t.dw, This("dw")),
-                ],
-            ));
-            let (g, [dy, w, dx]) = graphs::conv_dgrad(s);
-            out.push(lg(
-                GraphRole::Dgrad,
-                g,
-                vec![(dy, This("dy")), (w, This("w")), (dx, This("da_prev"))],
-            ));
-            let mut grad = This("da_prev");
-            if config.backward_residual == BackwardResidual::FuseAdd {
-                let (g, [x, b, y]) = graphs::add(s.x_dims());
-                out.push(lg(
-                    GraphRole::AddBranch,
-                    g,
-                    vec![
-                        (x, This("da_prev")),
-                        (b, This("dy_branch")),
-                        (y, This("da_sum")),
-                    ],
-                ));
-                grad = This("da_sum");
-            }
-            let (g, [dy, x, dx]) = graphs::relu_backward(s.x_dims());
-            out.push(lg(
-                GraphRole::ReluBackward,
-                g,
-                vec![(dy, grad), (x, This("a_prev")), (dx, This("dz_prev"))],
-            ));
+        (RouteKind::Unfused, true) => {
+            out.extend(materialized_backward(config));
             let (g, i, o) = graphs::batchnorm_backward(s.x_dims());
             out.push(lg(
                 GraphRole::BnBackward,
@@ -465,8 +529,201 @@ pub fn route_graphs(config: &CbrConfig, fused: bool) -> Vec<LayerGraph> {
                 ],
             ));
         }
+        (RouteKind::Generic, true) => {
+            out.extend(materialized_backward(config));
+            out.extend(reduction_bn_backward(
+                s.x_dims(),
+                [
+                    GraphRole::DbnReduce,
+                    GraphRole::DbnCoefficients,
+                    GraphRole::DbnApply,
+                ],
+                &BnBackwardNames {
+                    dz: This("dz_prev"),
+                    y: Prev("y"),
+                    mean: Prev("saved_mean"),
+                    inv_std: Prev("saved_inv_std"),
+                    gamma: Prev("gamma"),
+                    dgamma: Prev("dgamma"),
+                    dbeta: Prev("dbeta"),
+                    abc: [This("dbn_a"), This("dbn_b"), This("dbn_c")],
+                    dy: Prev("dy"),
+                },
+            ));
+        }
     }
     out
+}
+
+/// BN finalize with the layer's buffers (fused and generic routes).
+fn finalize(config: &CbrConfig) -> LayerGraph {
+    let s = &config.shape;
+    let (g, i, o) = graphs::bn_finalize(s.k);
+    lg(
+        GraphRole::Finalize,
+        g,
+        vec![
+            (i.sum, This("sum")),
+            (i.sq_sum, This("sq_sum")),
+            (i.scale, This("gamma")),
+            (i.bias, This("beta")),
+            // Running statistics are updated in place: prev and updated share a buffer.
+            (i.prev_running_mean, This("running_mean")),
+            (i.prev_running_var, This("running_var")),
+            (i.epsilon, Src::Scalar(Scalar::F64(config.epsilon))),
+            (i.momentum, Src::Scalar(Scalar::F64(config.momentum))),
+            (i.accum_count, Src::Scalar(Scalar::I64(s.count()))),
+            (o.eq_scale, This("eq_scale")),
+            (o.eq_bias, This("eq_bias")),
+            (o.saved_mean, This("saved_mean")),
+            (o.saved_inv_std, This("saved_inv_std")),
+            (o.updated_running_mean, This("running_mean")),
+            (o.updated_running_var, This("running_var")),
+        ],
+    )
+}
+
+/// Unfused and generic routes, input through the previous BN: the previous BN's apply + ReLU
+/// materialized as `a_prev` (with the shortcut added when the forward ReLU had it).
+fn apply_prev(config: &CbrConfig) -> Option<LayerGraph> {
+    if config.input != InputKind::ThroughBn {
+        return None;
+    }
+    let residual = match config.backward_residual {
+        BackwardResidual::Shortcut => ApplyResidual::Add,
+        _ => ApplyResidual::None,
+    };
+    let (g, t) = graphs::apply(config.shape.x_dims(), DataType::Half, residual);
+    let mut b = vec![
+        (t.y, Prev("y")),
+        (t.scale, Prev("eq_scale")),
+        (t.bias, Prev("eq_bias")),
+        (t.a, This("a_prev")),
+    ];
+    b.extend(t.residual.map(|r| (r, This("shortcut"))));
+    Some(lg(GraphRole::ApplyPrev, g, b))
+}
+
+/// Unfused and generic routes, input through the previous BN: wgrad and dgrad on the
+/// materialized `a_prev`, the shortcut gradient join, and the ReLU backward → `dz_prev`.
+fn materialized_backward(config: &CbrConfig) -> Vec<LayerGraph> {
+    let s = &config.shape;
+    let mut out = Vec::new();
+    let (g, t) = graphs::wgrad(s, false);
+    out.push(lg(
+        GraphRole::Wgrad,
+        g,
+        vec![
+            (t.x, This("a_prev")),
+            (t.dy, This("dy")),
+            (t.dw, This("dw")),
+        ],
+    ));
+    let (g, [dy, w, dx]) = graphs::conv_dgrad(s);
+    out.push(lg(
+        GraphRole::Dgrad,
+        g,
+        vec![(dy, This("dy")), (w, This("w")), (dx, This("da_prev"))],
+    ));
+    let mut grad = This("da_prev");
+    if config.backward_residual == BackwardResidual::FuseAdd {
+        let (g, [x, b, y]) = graphs::add(s.x_dims());
+        out.push(lg(
+            GraphRole::AddBranch,
+            g,
+            vec![
+                (x, This("da_prev")),
+                (b, This("dy_branch")),
+                (y, This("da_sum")),
+            ],
+        ));
+        grad = This("da_sum");
+    }
+    let (g, [dy, x, dx]) = graphs::relu_backward(s.x_dims());
+    out.push(lg(
+        GraphRole::ReluBackward,
+        g,
+        vec![(dy, grad), (x, This("a_prev")), (dx, This("dz_prev"))],
+    ));
+    out
+}
+
+/// The buffers a reduction-based BN backward reads and writes.
+struct BnBackwardNames {
+    /// Gradient w.r.t. the BN output.
+    dz: Src,
+    /// The BN input.
+    y: Src,
+    mean: Src,
+    inv_std: Src,
+    gamma: Src,
+    dgamma: Src,
+    dbeta: Src,
+    /// The dBN-apply coefficients A, B, C.
+    abc: [Src; 3],
+    /// Gradient w.r.t. the BN input.
+    dy: Src,
+}
+
+/// Generic route: a BN's backward over `dims` without BN-specific engines: reductions (dγ, dβ) →
+/// coefficients A, B, C → dBN apply `dy = A·dz + B·y + C`, with `roles` for the three graphs.
+fn reduction_bn_backward(
+    dims: [i64; 4],
+    roles: [GraphRole; 3],
+    n: &BnBackwardNames,
+) -> Vec<LayerGraph> {
+    let count = dims[0] * dims[2] * dims[3];
+    let (g, t) = graphs::dbn_reduce(dims);
+    let reduce = lg(
+        roles[0],
+        g,
+        vec![
+            (t.y, n.y),
+            (t.dz, n.dz),
+            (t.mean, n.mean),
+            (t.inv_std, n.inv_std),
+            (t.dgamma, n.dgamma),
+            (t.dbeta, n.dbeta),
+        ],
+    );
+    let (g, t) = graphs::dbn_coefficients(dims[1]);
+    let coefficients = lg(
+        roles[1],
+        g,
+        vec![
+            (t.gamma, n.gamma),
+            (t.inv_std, n.inv_std),
+            (t.mean, n.mean),
+            (t.dgamma, n.dgamma),
+            (t.dbeta, n.dbeta),
+            (
+                t.neg_inv_count,
+                Src::Scalar(Scalar::F32(neg_inv_count(count))),
+            ),
+            (t.a, n.abc[0]),
+            (t.b, n.abc[1]),
+            (t.c, n.abc[2]),
+        ],
+    );
+    let (g, t) = graphs::dbn_apply(dims);
+    let apply = lg(
+        roles[2],
+        g,
+        vec![
+            (t.dz, n.dz),
+            (t.y_prev, n.y),
+            (t.abc[0], n.abc[0]),
+            (t.abc[1], n.abc[1]),
+            (t.abc[2], n.abc[2]),
+            (t.dy_prev, n.dy),
+        ],
+    );
+    vec![reduce, coefficients, apply]
+}
+
+/// `−1/M` rounded to FP32 (the by-value scalar of the dBN-coefficient graph).
+pub(crate) fn neg_inv_count(count: i64) -> f32 {
+    (-1.0 / count as f64) as f32
 }
 
 /// One buffer a layer reads or writes; the caller (or amp's memory plan) allocates it.
@@ -548,86 +805,83 @@ pub struct CbrLayer {
 
 impl CbrLayer {
     /// Builds every plan of the layer for `target` through `cache`: the fused route when each of
-    /// its graphs has an engine, else the unfused route (see [`CbrLayer::route`]).
+    /// its graphs has an engine, else the unfused route, else the generic route (see
+    /// [`CbrLayer::route`]). Only when all three fail is it an error ([`Error::NoRoute`], with
+    /// each route's failure).
     pub fn plan(config: CbrConfig, target: &Target, cache: &PlanCache) -> Result<Self> {
-        let (route, graphs, steps) = match build_route(&config, target, cache, true) {
-            Ok((graphs, steps)) => (Route::Fused, graphs, steps),
-            Err(e @ (Error::NoEngine { .. } | Error::NoPlan { .. })) => {
-                // cuDNN 9.28 on sm_90 has no BN engine at all (fused or not) for channel
-                // counts that are not a multiple of 8: say so with both reasons.
-                let (graphs, steps) =
-                    build_route(&config, target, cache, false).map_err(|u| Error::NoRoute {
-                        layer: config.shape.label(),
-                        fused: e.to_string(),
-                        unfused: u.to_string(),
-                    })?;
-                (
-                    Route::Unfused {
-                        reason: e.to_string(),
-                    },
-                    graphs,
-                    steps,
-                )
-            }
+        let fused = match build_route(&config, target, cache, RouteKind::Fused) {
+            Ok(built) => return Ok(Self::from_built(config, Route::Fused, built)),
+            Err(e @ (Error::NoEngine { .. } | Error::NoPlan { .. })) => e.to_string(),
             Err(e) => return Err(e),
         };
-        let (buffers, prev_buffers) = route_buffers(&graphs);
-        Ok(CbrLayer {
-            config,
-            route,
-            steps,
-            buffers,
-            prev_buffers,
-        })
+        // cuDNN 9.28 on sm_90 has no engine for NormForward / NormBackward either when the
+        // channel count is not a multiple of 8; the generic route needs none of them.
+        let unfused = match build_route(&config, target, cache, RouteKind::Unfused) {
+            Ok(built) => {
+                let route = Route::Unfused { reason: fused };
+                return Ok(Self::from_built(config, route, built));
+            }
+            Err(e) => e.to_string(),
+        };
+        match build_route(&config, target, cache, RouteKind::Generic) {
+            Ok(built) => {
+                let route = Route::Generic {
+                    reason: format!("fused: {fused}; unfused: {unfused}"),
+                };
+                Ok(Self::from_built(config, route, built))
+            }
+            Err(generic) => Err(Error::NoRoute {
+                layer: config.shape.label(),
+                fused,
+                unfused,
+                generic: generic.to_string(),
+            }),
+        }
     }
 
     /// Builds one chosen route (no fallback): for parity tests and benchmarks that compare the
-    /// routes on one target.
+    /// routes on one target. `route` is a [`RouteKind`] or a `bool` (`true` = fused).
     pub fn plan_route(
         config: CbrConfig,
         target: &Target,
         cache: &PlanCache,
-        fused: bool,
+        route: impl Into<RouteKind>,
     ) -> Result<Self> {
-        let (graphs, steps) = build_route(&config, target, cache, fused)?;
-        let (buffers, prev_buffers) = route_buffers(&graphs);
-        Ok(CbrLayer {
+        let kind = route.into();
+        let built = build_route(&config, target, cache, kind)?;
+        Ok(Self::from_built(
             config,
-            route: if fused {
-                Route::Fused
-            } else {
-                Route::Unfused {
-                    reason: "requested".into(),
-                }
-            },
-            steps,
-            buffers,
-            prev_buffers,
-        })
+            Route::chosen(kind, "requested"),
+            built,
+        ))
     }
 
     /// A layer for the CPU reference executor only (no cuDNN needed): the chosen route's steps
-    /// without plans. [`CbrLayer::run_gpu`](CbrLayer::run_gpu) refuses it.
-    pub fn for_cpu(config: CbrConfig, fused: bool) -> Self {
-        let graphs = route_graphs(&config, fused);
-        let (buffers, prev_buffers) = route_buffers(&graphs);
+    /// without plans. [`CbrLayer::run_gpu`](CbrLayer::run_gpu) refuses it. `route` is a
+    /// [`RouteKind`] or a `bool` (`true` = fused).
+    pub fn for_cpu(config: CbrConfig, route: impl Into<RouteKind>) -> Self {
+        let kind = route.into();
+        let graphs = route_graphs(&config, kind);
         let steps = graphs
-            .into_iter()
+            .iter()
             .map(|lg| LayerStep {
                 role: lg.role,
                 plan: None,
-                bindings: lg.bindings,
+                bindings: lg.bindings.clone(),
             })
             .collect();
+        Self::from_built(
+            config,
+            Route::chosen(kind, "chosen for the CPU executor"),
+            (graphs, steps),
+        )
+    }
+
+    fn from_built(config: CbrConfig, route: Route, (graphs, steps): Built) -> Self {
+        let (buffers, prev_buffers) = route_buffers(&graphs);
         CbrLayer {
             config,
-            route: if fused {
-                Route::Fused
-            } else {
-                Route::Unfused {
-                    reason: "chosen for the CPU executor".into(),
-                }
-            },
+            route,
             steps,
             buffers,
             prev_buffers,
@@ -694,9 +948,9 @@ fn build_route(
     config: &CbrConfig,
     target: &Target,
     cache: &PlanCache,
-    fused: bool,
+    kind: RouteKind,
 ) -> Result<Built> {
-    let graphs = route_graphs(config, fused);
+    let graphs = route_graphs(config, kind);
     let steps = graphs
         .iter()
         .map(|lg| {

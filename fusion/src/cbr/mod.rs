@@ -10,7 +10,7 @@ mod shape;
 pub use buffers::{DeviceBuffer, DeviceBuffers, HostBuffer, HostBuffers, OwnedDeviceBuffers};
 pub use layer::{
     route_buffers, route_graphs, BufferSpec, CbrConfig, CbrLayer, GraphRole, InputKind, LayerGraph,
-    LayerStep, Route, Src,
+    LayerStep, Route, RouteKind, Src,
 };
 pub use run::Pass;
 pub use shape::ConvShape;

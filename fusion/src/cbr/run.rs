@@ -3,9 +3,10 @@
 
 use super::buffers::{DeviceBuffers, HostBuffer, HostBuffers};
 use super::graphs::{ApplyResidual, BackwardResidual};
-use super::layer::{CbrLayer, GraphRole, InputKind, LayerStep, Src};
+use super::layer::{neg_inv_count, CbrLayer, GraphRole, InputKind, LayerStep, RouteKind, Src};
 use crate::error::{Error, Result};
 use crate::exec::{Bindings, Handle, Workspace};
+use crate::reference::params::check_len;
 use crate::reference::{
     self as r, Activation, BnParams, ChannelStats, ConvInput, Nhwc, ReluJoin, Residual,
     RunningStats, SavedBn,
@@ -59,6 +60,21 @@ impl CbrLayer {
                     self.config().shape.label()
                 ))
             })?;
+            // Runtime-compiled reductions may accumulate into their outputs with atomics; zero
+            // them first so a step never adds to the previous step's dγ/dβ (harmless if cuDNN
+            // clears them itself).
+            if matches!(step.role, GraphRole::DbnReduce | GraphRole::ApplyDbnReduce) {
+                for (_, src) in &step.bindings {
+                    let buf = match src {
+                        Src::This(n @ ("dgamma" | "dbeta")) => this.get(n)?,
+                        Src::Prev(n @ ("dgamma" | "dbeta")) => {
+                            prev.expect("checked above").get(n)?
+                        }
+                        _ => continue,
+                    };
+                    handle.zero_device_bytes(buf.ptr, buf.bytes)?;
+                }
+            }
             let mut b = Bindings::new(plan);
             for (t, src) in &step.bindings {
                 match src {
@@ -129,9 +145,14 @@ fn cpu_step(
         momentum: cfg.momentum,
     };
     let through_bn = cfg.input == InputKind::ThroughBn;
+    let kind = layer.route().kind();
     match role {
         GraphRole::ConvStats => {
-            let out = if through_bn {
+            let out = if kind == RouteKind::Generic {
+                // The generic route convolves the materialized activation (no prologue).
+                let x = if through_bn { "a_prev" } else { "x" };
+                r::fprop_genstats(&p, ConvInput::Plain(this.f16(x)?), this.f16("w")?)?
+            } else if through_bn {
                 let pv = prev_of(prev)?;
                 let input = ConvInput::Prologue {
                     y_prev: pv.f16("y")?,
@@ -243,7 +264,7 @@ fn cpu_step(
             this.set("dbn_c", f32v(out.c));
         }
         GraphRole::Wgrad => {
-            let fused = layer.has_role(GraphRole::ConvStats);
+            let fused = kind == RouteKind::Fused;
             let dw = match (through_bn, fused) {
                 (true, true) => {
                     let pv = prev_of(prev)?;
@@ -358,6 +379,138 @@ fn cpu_step(
             pv.set("dgamma", f32v(out.dgamma));
             pv.set("dbeta", f32v(out.dbeta));
         }
+        GraphRole::DbnReduce => {
+            let pv = prev_of(prev)?;
+            let (dgamma, dbeta) = dbn_reduce(
+                &xs,
+                pv.f16("y")?,
+                this.f16("dz_prev")?,
+                pv.f32("saved_mean")?,
+                pv.f32("saved_inv_std")?,
+            )?;
+            pv.set("dgamma", f32v(dgamma));
+            pv.set("dbeta", f32v(dbeta));
+        }
+        GraphRole::DbnCoefficients => {
+            let pv = prev_of(prev)?;
+            let [a, b, c] = dbn_coefficients(
+                xs.pixels(),
+                pv.f32("gamma")?,
+                pv.f32("saved_inv_std")?,
+                pv.f32("saved_mean")?,
+                pv.f32("dgamma")?,
+                pv.f32("dbeta")?,
+            )?;
+            this.set("dbn_a", f32v(a));
+            this.set("dbn_b", f32v(b));
+            this.set("dbn_c", f32v(c));
+        }
+        GraphRole::ApplyDbnReduce => {
+            let (dgamma, dbeta) = dbn_reduce(
+                &ys,
+                this.f16("y")?,
+                this.f16("dpre")?,
+                this.f32("saved_mean")?,
+                this.f32("saved_inv_std")?,
+            )?;
+            this.set("dgamma", f32v(dgamma));
+            this.set("dbeta", f32v(dbeta));
+        }
+        GraphRole::ApplyDbnCoefficients => {
+            let [a, b, c] = dbn_coefficients(
+                ys.pixels(),
+                this.f32("gamma")?,
+                this.f32("saved_inv_std")?,
+                this.f32("saved_mean")?,
+                this.f32("dgamma")?,
+                this.f32("dbeta")?,
+            )?;
+            this.set("apply_dbn_a", f32v(a));
+            this.set("apply_dbn_b", f32v(b));
+            this.set("apply_dbn_c", f32v(c));
+        }
+        GraphRole::ApplyDbnApply => {
+            let d = r::dbn_apply(
+                &ys,
+                this.f16("dpre")?,
+                this.f16("y")?,
+                this.f32("apply_dbn_a")?,
+                this.f32("apply_dbn_b")?,
+                this.f32("apply_dbn_c")?,
+            )?;
+            this.set("dy", f16v(d));
+        }
     }
     Ok(())
+}
+
+/// The generic route's `dbn_reduce` graph on the CPU: per channel, `dγ = Σ dz·x̂` and
+/// `dβ = Σ dz` with `x̂ = (y − mean)·inv_std`.
+///
+/// Rounding points mirror the graph: `y − mean`, `·inv_std` and `dz·x̂` are each rounded to
+/// FP32 (the graph's FP32 virtual tensors); the sums run in `f64` and are rounded to FP32 once
+/// (the GPU's reduction sums FP32 values in an unspecified order, so it may differ in the last
+/// bits). The reductions read the stored FP16 `dz`, as the graph does.
+fn dbn_reduce(
+    shape: &Nhwc,
+    y: &[f16],
+    dz: &[f16],
+    mean: &[f32],
+    inv_std: &[f32],
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    shape.validate("y")?;
+    check_len("y", y, shape.elems())?;
+    check_len("dz", dz, shape.elems())?;
+    check_len("saved_mean", mean, shape.c)?;
+    check_len("saved_inv_std", inv_std, shape.c)?;
+    let c = shape.c;
+    let mut dgamma = vec![0f64; c];
+    let mut dbeta = vec![0f64; c];
+    for (yp, dp) in y.chunks_exact(c).zip(dz.chunks_exact(c)) {
+        for k in 0..c {
+            let x_hat = (yp[k].to_f32() - mean[k]) * inv_std[k];
+            let d = dp[k].to_f32();
+            dgamma[k] += f64::from(d * x_hat);
+            dbeta[k] += f64::from(d);
+        }
+    }
+    Ok((
+        dgamma.into_iter().map(|v| v as f32).collect(),
+        dbeta.into_iter().map(|v| v as f32).collect(),
+    ))
+}
+
+/// The generic route's `dbn_coefficients` graph on the CPU: the coefficients of
+/// `dy = A·dz + B·y + C` over `count` elements per channel, every step in FP32 in the graph's
+/// order (`a = γ·inv_std`, `B = ((a·inv_std)·dγ)·(−1/M)`, `C = ((a·dβ)·(−1/M)) − B·mean`,
+/// `A = a`, with `−1/M` rounded to FP32 as the graph's by-value scalar). The GPU may contract a
+/// multiply and the final subtraction into one FMA: at most one FP32 rounding apart.
+fn dbn_coefficients(
+    count: usize,
+    gamma: &[f32],
+    inv_std: &[f32],
+    mean: &[f32],
+    dgamma: &[f32],
+    dbeta: &[f32],
+) -> Result<[Vec<f32>; 3]> {
+    let c = gamma.len();
+    check_len("saved_inv_std", inv_std, c)?;
+    check_len("saved_mean", mean, c)?;
+    check_len("dgamma", dgamma, c)?;
+    check_len("dbeta", dbeta, c)?;
+    let nm = neg_inv_count(count as i64);
+    let mut out = [
+        Vec::with_capacity(c),
+        Vec::with_capacity(c),
+        Vec::with_capacity(c),
+    ];
+    for k in 0..c {
+        let a = gamma[k] * inv_std[k];
+        let b = a * inv_std[k] * dgamma[k] * nm;
+        let cc = a * dbeta[k] * nm - b * mean[k];
+        out[0].push(a);
+        out[1].push(b);
+        out[2].push(cc);
+    }
+    Ok(out)
 }

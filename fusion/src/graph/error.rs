@@ -273,6 +273,18 @@ pub enum GraphError {
         /// α2.
         alpha2: f32,
     },
+    /// A reduction's output dims are not the input's with some dims collapsed to 1.
+    #[error("{node}: reduction output `{tensor}` has dims {output:?}; each must equal the input's ({input:?}) or be 1")]
+    ReductionDims {
+        /// Node.
+        node: String,
+        /// The output tensor.
+        tensor: String,
+        /// The input's dims.
+        input: Vec<i64>,
+        /// The requested output dims.
+        output: Vec<i64>,
+    },
     /// A node reads a tensor that it also writes.
     #[error("{node}: `{tensor}` is both an input and an output")]
     InPlace {

@@ -1,6 +1,6 @@
 //! Shape inference: the dims each node's outputs get from its inputs.
 
-use super::{ConvAttrs, Graph, GraphError, Node, TensorId};
+use super::{ConvAttrs, Graph, GraphError, Node, ReductionAttrs, TensorId};
 
 type Shapes = Vec<(TensorId, Vec<i64>)>;
 
@@ -138,6 +138,36 @@ pub(crate) fn broadcast(
     Ok(out)
 }
 
+/// The output dims of a reduction of `x` into `y`: `attrs.output_dims`, which must have the
+/// input's rank and each dim equal to the input's (kept) or 1 (reduced).
+pub(crate) fn reduction_output(
+    graph: &Graph,
+    node: &str,
+    x: TensorId,
+    y: TensorId,
+    attrs: &ReductionAttrs,
+) -> Result<Vec<i64>, GraphError> {
+    let input = dims(graph, node, x)?;
+    let out = &attrs.output_dims;
+    if out.len() != input.len() {
+        return Err(GraphError::Rank {
+            node: node.to_string(),
+            tensor: graph.tname(y),
+            expected: input.len(),
+            got: out.len(),
+        });
+    }
+    if out.iter().zip(input).any(|(&o, &i)| o != i && o != 1) {
+        return Err(GraphError::ReductionDims {
+            node: node.to_string(),
+            tensor: graph.tname(y),
+            input: input.to_vec(),
+            output: out.clone(),
+        });
+    }
+    Ok(out.clone())
+}
+
 fn channels(graph: &Graph, node: &str, t: TensorId) -> Result<i64, GraphError> {
     Ok(rank4(graph, node, t)?[1])
 }
@@ -154,6 +184,9 @@ pub(crate) fn output_dims(graph: &Graph, node: &Node) -> Result<Shapes, GraphErr
         // dgrad/wgrad outputs are given by the caller (see Graph::conv_dgrad / conv_wgrad).
         Node::ConvDgrad { .. } | Node::ConvWgrad { .. } => Vec::new(),
         Node::Pointwise { inputs, y, .. } => vec![(*y, broadcast(graph, name, inputs)?)],
+        Node::Reduction { x, y, attrs } => {
+            vec![(*y, reduction_output(graph, name, *x, *y, attrs)?)]
+        }
         Node::GenStats { x, sum, sq_sum } => vec_of(channels(graph, name, *x)?, &[*sum, *sq_sum]),
         Node::BnFinalize { inputs, outputs } => {
             let c = channels(graph, name, inputs.sum)?;

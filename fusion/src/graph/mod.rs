@@ -20,7 +20,7 @@ pub use error::GraphError;
 pub use node::{
     BatchNormBackwardInputs, BatchNormBackwardOutputs, BatchNormInputs, BatchNormOutputs,
     BnFinalizeInputs, BnFinalizeOutputs, ConvAttrs, DbnWeightInputs, DbnWeightOutputs, Node,
-    PointwiseAttrs, PointwiseMode,
+    PointwiseAttrs, PointwiseMode, ReductionAttrs, ReductionMode,
 };
 pub use signature::{fnv1a, GraphSignature};
 pub use tensor::{
@@ -273,6 +273,22 @@ impl Graph {
     /// y = x with another element type (set the output's dtype).
     pub fn identity(&mut self, x: TensorId) -> TensorId {
         self.pointwise(&[x], PointwiseAttrs::new(PointwiseMode::Identity))
+    }
+
+    /// y = reduce(x) to `attrs.output_dims` (each dim kept or collapsed to 1), e.g. the
+    /// per-channel sum `[1, C, 1, 1]` of an `[N, C, H, W]` tensor. A stored output defaults to
+    /// the compute type (FP32), like other statistics.
+    pub fn reduce(&mut self, x: TensorId, attrs: ReductionAttrs) -> TensorId {
+        let y = self.output("reduction", "y", DtypeClass::Stat);
+        // The output's dims are the requested ones; validate() checks them against the input.
+        self.tensors[y.index()].dims = attrs.output_dims.clone();
+        self.add_node(Node::Reduction { x, y, attrs });
+        y
+    }
+
+    /// Σ x per channel of a 4-D tensor with `c` channels: `[1, C, 1, 1]`.
+    pub fn reduce_sum_per_channel(&mut self, x: TensorId, c: i64) -> TensorId {
+        self.reduce(x, ReductionAttrs::per_channel(ReductionMode::Add, c))
     }
 
     /// Per-channel Σx and Σx² of a 4-D tensor; returns (sum, sq_sum).

@@ -132,6 +132,50 @@ impl PointwiseAttrs {
     }
 }
 
+/// Reduction operators the graph supports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReductionMode {
+    /// y = Σ x over the reduced dims.
+    Add,
+    /// y = max x over the reduced dims.
+    Max,
+}
+
+impl ReductionMode {
+    /// Short name for signatures and messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReductionMode::Add => "add",
+            ReductionMode::Max => "max",
+        }
+    }
+}
+
+/// Attributes of a reduction node: the operator and the output's dims, each equal to the
+/// input's (kept) or 1 (reduced), e.g. `[1, C, 1, 1]` for a per-channel sum of `[N, C, H, W]`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ReductionAttrs {
+    /// The operator.
+    pub mode: ReductionMode,
+    /// The output's dims (same rank as the input).
+    pub output_dims: Vec<i64>,
+}
+
+impl ReductionAttrs {
+    /// A reduction of `mode` to `output_dims`.
+    pub fn new(mode: ReductionMode, output_dims: impl Into<Vec<i64>>) -> Self {
+        ReductionAttrs {
+            mode,
+            output_dims: output_dims.into(),
+        }
+    }
+
+    /// A per-channel reduction of a 4-D tensor with `c` channels: output `[1, C, 1, 1]`.
+    pub fn per_channel(mode: ReductionMode, c: i64) -> Self {
+        Self::new(mode, [1, c, 1, 1])
+    }
+}
+
 /// Inputs of BN finalize (all per-channel FP32 except the by-value scalars).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct BnFinalizeInputs {
@@ -307,6 +351,15 @@ pub enum Node {
         /// Output.
         y: TensorId,
     },
+    /// A reduction of `x` to the dims in `attrs` (each kept or collapsed to 1).
+    Reduction {
+        /// Input.
+        x: TensorId,
+        /// Output, with `attrs.output_dims`.
+        y: TensorId,
+        /// Operator and output dims.
+        attrs: ReductionAttrs,
+    },
     /// Per-channel Σx and Σx².
     GenStats {
         /// Input.
@@ -354,6 +407,7 @@ impl Node {
             Node::ConvDgrad { .. } => "conv_dgrad",
             Node::ConvWgrad { .. } => "conv_wgrad",
             Node::Pointwise { .. } => "pointwise",
+            Node::Reduction { .. } => "reduction",
             Node::GenStats { .. } => "genstats",
             Node::BnFinalize { .. } => "bn_finalize",
             Node::DbnWeight { .. } => "dbn_weight",
@@ -369,6 +423,7 @@ impl Node {
             Node::ConvDgrad { dy, w, .. } => vec![*dy, *w],
             Node::ConvWgrad { x, dy, .. } => vec![*x, *dy],
             Node::Pointwise { inputs, .. } => inputs.clone(),
+            Node::Reduction { x, .. } => vec![*x],
             Node::GenStats { x, .. } => vec![*x],
             Node::BnFinalize { inputs: i, .. } => vec![
                 i.sum,
@@ -401,6 +456,7 @@ impl Node {
             Node::ConvDgrad { dx, .. } => vec![*dx],
             Node::ConvWgrad { dw, .. } => vec![*dw],
             Node::Pointwise { y, .. } => vec![*y],
+            Node::Reduction { y, .. } => vec![*y],
             Node::GenStats { sum, sq_sum, .. } => vec![*sum, *sq_sum],
             Node::BnFinalize { outputs: o, .. } => vec![
                 o.eq_scale,
@@ -438,6 +494,8 @@ impl Node {
                 attrs.alpha1.to_bits(),
                 attrs.alpha2.to_bits()
             ),
+            // The output dims are in the output tensor's signature already.
+            Node::Reduction { attrs, .. } => attrs.mode.name().to_string(),
             _ => String::new(),
         }
     }

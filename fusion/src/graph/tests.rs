@@ -573,6 +573,64 @@ fn bad_graphs() -> Vec<(&'static str, Mutator, fn(&GraphError) -> bool)> {
             },
             |e| matches!(e, GraphError::ShapeMismatch { tensor, .. } if tensor == "dY"),
         ),
+        (
+            "reduction to a dim that is neither kept nor 1",
+            || {
+                let mut g = Graph::new("reduce");
+                let x = g.tensor(TensorAttrs::new("dZ", [2, 8, 4, 4]));
+                let y = g.reduce(x, ReductionAttrs::new(ReductionMode::Add, [1, 4, 1, 1]));
+                g.set_output(y, None).unwrap();
+                g
+            },
+            |e| {
+                matches!(e, GraphError::ReductionDims { node, tensor, input, output }
+                    if node == "reduction#0" && tensor == "reduction#0.y"
+                        && input == &vec![2, 8, 4, 4] && output == &vec![1, 4, 1, 1])
+            },
+        ),
+        (
+            "reduction to another rank",
+            || {
+                let mut g = Graph::new("reduce");
+                let x = g.tensor(TensorAttrs::new("dZ", [2, 8, 4, 4]));
+                let y = g.reduce(x, ReductionAttrs::new(ReductionMode::Add, [1, 8]));
+                g.set_output(y, None).unwrap();
+                g
+            },
+            |e| {
+                matches!(e, GraphError::Rank { node, tensor, expected: 4, got: 2 }
+                    if node == "reduction#0" && tensor == "reduction#0.y")
+            },
+        ),
+        (
+            "reduction output edited to other dims",
+            || {
+                let mut g = Graph::new("reduce");
+                let x = g.tensor(TensorAttrs::new("dZ", [2, 8, 4, 4]));
+                let y = g.reduce_sum_per_channel(x, 8);
+                g.set_output(y, None).unwrap();
+                g.get_mut(y).unwrap().dims = vec![1, 8, 4, 1];
+                g
+            },
+            |e| {
+                matches!(e, GraphError::ShapeMismatch { node, tensor, expected, .. }
+                    if node == "reduction#0" && tensor == "reduction#0.y" && expected == &vec![1, 8, 1, 1])
+            },
+        ),
+        (
+            "reduction of a boolean mask",
+            || {
+                let mut g = Graph::new("reduce");
+                let x = g.tensor(TensorAttrs::new("mask", [2, 8, 4, 4]).dtype(DataType::Boolean));
+                let y = g.reduce_sum_per_channel(x, 8);
+                g.set_output(y, None).unwrap();
+                g
+            },
+            |e| {
+                matches!(e, GraphError::WrongDtype { node, tensor, got, .. }
+                    if node == "reduction#0" && tensor == "mask" && got == "bool")
+            },
+        ),
     ]
 }
 
@@ -597,6 +655,50 @@ fn every_bad_graph_gets_its_own_error() {
         // Messages are for people: they must not be empty.
         assert!(!err.to_string().is_empty());
     }
+}
+
+/// The generic route's BN-backward reduction: x̂ = (y − mean)·inv_std; Σ dz·x̂ and Σ dz.
+#[test]
+fn a_pointwise_chain_into_per_channel_reductions_validates() {
+    let mut g = Graph::new("dbn_reduce");
+    let y = g.tensor(TensorAttrs::new("Y", [4, 6, 5, 5]));
+    let dz = g.tensor(TensorAttrs::new("dZ", [4, 6, 5, 5]));
+    let mean = g.tensor(TensorAttrs::vector("mean", 6).dtype(DataType::Float));
+    let inv_std = g.tensor(TensorAttrs::vector("inv_std", 6).dtype(DataType::Float));
+    let centered = g.sub(y, mean);
+    let x_hat = g.mul(centered, inv_std);
+    let prod = g.mul(dz, x_hat);
+    let dgamma = g.reduce_sum_per_channel(prod, 6);
+    let dbeta = g.reduce(dz, ReductionAttrs::new(ReductionMode::Max, [1, 6, 1, 1]));
+    g.set_output(dgamma, None).unwrap();
+    g.set_output(dbeta, None).unwrap();
+    g.validate().unwrap();
+    assert_eq!(g.get(dgamma).unwrap().dims, vec![1, 6, 1, 1]);
+    assert_eq!(
+        g.dtype(dgamma),
+        Some(DataType::Float),
+        "stored sums are FP32"
+    );
+    assert_eq!(g.dtype(prod), Some(DataType::Float));
+    // Reducing every dim, or none, is a valid shape too.
+    let mut g = Graph::new("total");
+    let x = g.tensor(TensorAttrs::new("X", [2, 3, 4, 5]));
+    let t = g.reduce(x, ReductionAttrs::new(ReductionMode::Add, [1, 1, 1, 1]));
+    g.set_output(t, None).unwrap();
+    g.validate().unwrap();
+    // The operator and the output dims enter the signature.
+    let sig = |mode: ReductionMode, dims: [i64; 4]| {
+        let mut g = Graph::new("r");
+        let x = g.tensor(TensorAttrs::new("X", [2, 8, 4, 4]));
+        let y = g.reduce(x, ReductionAttrs::new(mode, dims));
+        g.set_output(y, None).unwrap();
+        g.signature().unwrap()
+    };
+    let add = sig(ReductionMode::Add, [1, 8, 1, 1]);
+    assert_eq!(add, sig(ReductionMode::Add, [1, 8, 1, 1]));
+    assert_ne!(add, sig(ReductionMode::Max, [1, 8, 1, 1]));
+    assert_ne!(add, sig(ReductionMode::Add, [2, 8, 1, 1]));
+    assert!(add.text().contains("reduction[add]"), "{}", add.text());
 }
 
 #[test]

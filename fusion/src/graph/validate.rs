@@ -271,6 +271,7 @@ impl Check<'_> {
 
 const STATS: &[DataType] = &[DataType::Float];
 const HOST_REAL: &[DataType] = &[DataType::Float, DataType::Double];
+const REDUCIBLE: &[DataType] = &[DataType::Half, DataType::BFloat16, DataType::Float];
 
 fn check_node(g: &Graph, node: &Node) -> Result<(), GraphError> {
     let c = Check {
@@ -332,6 +333,12 @@ fn check_node(g: &Graph, node: &Node) -> Result<(), GraphError> {
             }
             if mode == PointwiseMode::ReluBwd {
                 c.shape(inputs[0], &out)?;
+            }
+        }
+        Node::Reduction { x, y, .. } => {
+            // Dims were checked with the outputs above; the values must be numbers.
+            for t in [*x, *y] {
+                c.dtype_in(t, REDUCIBLE)?;
             }
         }
         Node::GenStats { x, sum, sq_sum } => {
