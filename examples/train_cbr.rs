@@ -3,18 +3,24 @@
 //! from 8192, SGD with momentum). Loss falls and accuracy rises well above chance.
 //!
 //! `cargo run --release --example train_cbr -- [--device auto|cuda|cpu] [--steps N]
-//!  [--batch N] [--width N] [--seed N] [--lr X] [--unfused]`
+//!  [--batch N] [--width N] [--seed N] [--lr X] [--unfused] [--cuda-graph off|finish|step]`
+//!
+//! `--device auto` (the default) trains on CUDA when a device, cuDNN and NVRTC are usable and
+//! every layer has a cuDNN route, else on the CPU reference executor; the first line says
+//! which and why. `--device cuda` fails with the reason instead of falling back.
 
-use cudnn_cbr::train::{train, Progress, TrainConfig};
+use cudnn_cbr::train::{CudaGraphMode, Device, ExecutorKind, Progress, TrainConfig, Trainer};
 use std::io::Write;
 use std::process::ExitCode;
 
 const USAGE: &str = "usage: train_cbr [--device auto|cuda|cpu] [--steps N] [--batch N] \
-                     [--width N] [--seed N] [--lr X] [--unfused]";
+                     [--width N] [--seed N] [--lr X] [--unfused] [--cuda-graph off|finish|step]";
 
-fn parse() -> Result<(String, TrainConfig), String> {
-    let mut cfg = TrainConfig::default();
-    let mut device = "auto".to_string();
+fn parse() -> Result<TrainConfig, String> {
+    let mut cfg = TrainConfig {
+        device: Device::Auto,
+        ..TrainConfig::default()
+    };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = |name: &str| args.next().ok_or(format!("{name} needs a value"));
@@ -23,7 +29,23 @@ fn parse() -> Result<(String, TrainConfig), String> {
                 .map_err(|_| format!("{name}: `{v}` is not a whole number"))
         };
         match a.as_str() {
-            "--device" => device = value("--device")?,
+            "--device" => {
+                cfg.device = value("--device")?
+                    .parse()
+                    .map_err(|e| format!("--device: {e}"))?
+            }
+            "--cuda-graph" => {
+                cfg.cuda_graph = match value("--cuda-graph")?.as_str() {
+                    "off" => CudaGraphMode::Off,
+                    "finish" => CudaGraphMode::Finish,
+                    "step" => CudaGraphMode::Step,
+                    other => {
+                        return Err(format!(
+                            "--cuda-graph must be off, finish or step, got `{other}`"
+                        ))
+                    }
+                }
+            }
             "--steps" => cfg.steps = num(value("--steps")?, "--steps")? as usize,
             "--batch" => cfg.batch = num(value("--batch")?, "--batch")? as usize,
             "--width" => cfg.width = num(value("--width")?, "--width")? as usize,
@@ -39,54 +61,32 @@ fn parse() -> Result<(String, TrainConfig), String> {
             other => return Err(format!("unknown argument `{other}`\n{USAGE}")),
         }
     }
-    if !["auto", "cuda", "cpu"].contains(&device.as_str()) {
-        return Err(format!(
-            "--device must be auto, cuda or cpu, got `{device}`"
-        ));
-    }
-    Ok((device, cfg))
-}
-
-/// Why the CUDA executor is not used, or None when it could be.
-fn cuda_unavailable() -> Option<String> {
-    if let Err(e) = cudnn_cbr::fusion::exec::cuda_device(0) {
-        return Some(e.to_string());
-    }
-    if let Err(e) = cudnn_cbr::sys::library() {
-        return Some(format!(
-            "cuDNN not loadable: {}",
-            e.to_string().lines().next().unwrap_or("")
-        ));
-    }
-    None
+    Ok(cfg)
 }
 
 fn main() -> ExitCode {
-    let (device, cfg) = match parse() {
+    let cfg = match parse() {
         Ok(x) => x,
         Err(e) => {
             eprintln!("{e}");
             return ExitCode::from(2);
         }
     };
-    let why_cpu = match (device.as_str(), cuda_unavailable()) {
-        ("cpu", _) => "requested with --device cpu".to_string(),
-        ("cuda", Some(why)) => {
-            eprintln!("train_cbr: --device cuda, but {why}");
+    let trainer = match Trainer::new(&cfg) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("train_cbr: --device {}: {e}", cfg.device.name());
             return ExitCode::FAILURE;
         }
-        (_, Some(why)) => why,
-        // A GPU is there, but the network-level CUDA executor (GPU pooling/FC and the CUDA
-        // amp step wired together) is not built yet: say so rather than pretend.
-        ("cuda", None) => {
-            eprintln!("train_cbr: the CUDA training path is not available yet; use --device cpu");
-            return ExitCode::FAILURE;
-        }
-        (_, None) => "a GPU is present, but the CUDA training path is not available yet".into(),
+    };
+    let info = trainer.executor().clone();
+    let kind = match info.kind {
+        ExecutorKind::Cpu => "cpu",
+        ExecutorKind::Cuda => "cuda",
     };
     println!(
-        "train_cbr: device cpu (CPU reference executor; {why_cpu}); {} route ops",
-        if cfg.fused { "fused" } else { "unfused" }
+        "train_cbr: device {kind} ({}); {}",
+        info.reason, info.detail
     );
     println!(
         "network: stem + 2 residual CBR stages (width {}, {}), {}x{}x{} synthetic images, {} classes, batch {}, {} steps, lr {}",
@@ -101,7 +101,7 @@ fn main() -> ExitCode {
         cfg.lr
     );
     let every = (cfg.steps / 20).clamp(1, 25);
-    let result = train(&cfg, every, |p: &Progress| {
+    let result = trainer.run(every, |p: &Progress| {
         let done = p.step * 30 / cfg.steps;
         println!(
             "[{}{}] step {:>5}/{} | loss {:.4} | acc {:5.1}% | scale {:>6} | skipped {} | {:.0} img/s",
@@ -120,7 +120,7 @@ fn main() -> ExitCode {
     match result {
         Ok(r) => {
             println!(
-                "train_cbr summary: loss {:.4} -> {:.4}, train accuracy {:.1}% (last 10 steps), held-out accuracy {:.1}% (chance {:.1}%), skipped {} steps, loss scale {}, {:.0} img/s on cpu",
+                "train_cbr summary: loss {:.4} -> {:.4}, train accuracy {:.1}% (last 10 steps), held-out accuracy {:.1}% (chance {:.1}%), skipped {} steps, loss scale {}, {:.0} img/s on {kind}",
                 r.first_loss,
                 r.last_loss,
                 r.last_accuracy * 100.0,
@@ -130,6 +130,9 @@ fn main() -> ExitCode {
                 r.loss_scale,
                 r.images_per_sec
             );
+            if r.executor.kind == ExecutorKind::Cuda {
+                println!("train_cbr: {}", r.executor.detail);
+            }
             ExitCode::SUCCESS
         }
         Err(e) => {

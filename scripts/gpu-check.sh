@@ -30,7 +30,9 @@ for line in sys.stdin:
       case "$kind" in test|bench) cp "$exe" "$bundle/$kind-$name" ;; esac
     done
   cargo build --release --examples
-  for ex in device_props deviceless_smoke; do cp "target/release/examples/$ex" "$bundle/example-$ex"; done
+  for ex in device_props deviceless_smoke train_cbr deviceless_plans; do
+    cp "target/release/examples/$ex" "$bundle/example-$ex"
+  done
   strip "$bundle"/* 2>/dev/null || true
   cp -r tests/fixtures "$bundle/fixtures"
   du -sh "$bundle"
@@ -57,6 +59,14 @@ run)
   done | tee "$out/summary.txt"
   "$bundle/example-device_props" "$out/device-props.json" "$bundle/fixtures/devprops/h200-sm90.json" \
     2>&1 | tee "$out/device-props.txt" || status=1
+  echo "== train_cbr on the GPU (the main job; whole-step CUDA graph after warm-up)"
+  timeout 300 "$bundle/example-train_cbr" --device cuda 2>&1 | tee "$out/train_cbr_cuda.txt" || status=1
+  echo "== deviceless_plans against the real device's properties"
+  if [ -s "$out/device-props.json" ]; then
+    timeout 300 "$bundle/example-deviceless_plans" --props "$out/device-props.json" --batch 256 \
+      --cache "$out/plan-cache" > "$out/deviceless_plans_live_props.txt" 2>&1 || status=1
+    tail -1 "$out/deviceless_plans_live_props.txt"
+  fi
   for b in "$bundle"/bench-*; do
     [ -e "$b" ] || continue
     name=$(basename "$b")

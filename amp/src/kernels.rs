@@ -44,6 +44,19 @@ pub mod entry {
     pub const EMA_UPDATE: &str = "amp_ema_update";
     /// Softmax cross-entropy backward seed. Twin: `range::softmax_xent_backward`.
     pub const SOFTMAX_XENT_BACKWARD: &str = "amp_softmax_xent_backward";
+    /// Global average pooling over NHWC FP16, FP32 out. Twin: `range::gap_forward`.
+    pub const GAP_FORWARD: &str = "amp_gap_forward";
+    /// Global average pooling backward, FP32 in, FP16 out. Twin: `range::gap_backward`.
+    pub const GAP_BACKWARD: &str = "amp_gap_backward";
+    /// FC forward, FP32 features and weights, FP16 logits. Twin: `range::fc_forward`.
+    pub const FC_FORWARD: &str = "amp_fc_forward";
+    /// FC backward: FP32 dW, db, dx from FP16 dlogits. Twin: `range::fc_backward`.
+    pub const FC_BACKWARD: &str = "amp_fc_backward";
+    /// FP16 + FP16 (the residual gradient join). Twin: `range::add_f16`.
+    pub const ADD_F16: &str = "amp_add_f16";
+    /// One step's loss and accuracy appended to a device log. Twin: `range::head_metrics`
+    /// and `range::metrics_log_append`.
+    pub const HEAD_METRICS: &str = "amp_head_metrics";
 }
 
 /// How a kernel parameter is passed: its PTX parameter type. Pointers and `size_t` are
@@ -91,6 +104,16 @@ pub fn signature(entry_point: &str) -> Option<&'static [ParamType]> {
         entry::EMA_UPDATE => &[U64, U64, U64, U64, F32, U64],
         // (logits, labels, dlogits, loss, s, batch, classes)
         entry::SOFTMAX_XENT_BACKWARD => &[U64, U64, U64, U64, U64, U64, U64],
+        // (a, pooled, batch, pixels, features) and (dpooled, da, batch, pixels, features)
+        entry::GAP_FORWARD | entry::GAP_BACKWARD => &[U64, U64, U64, U64, U64],
+        // (x, w, b, logits, batch, features, classes)
+        entry::FC_FORWARD => &[U64, U64, U64, U64, U64, U64, U64],
+        // (dlogits, x, w, dw, db, dx, batch, features, classes)
+        entry::FC_BACKWARD => &[U64, U64, U64, U64, U64, U64, U64, U64, U64],
+        // (a, b, out, n)
+        entry::ADD_F16 => &[U64, U64, U64, U64],
+        // (logits, labels, loss, log, batch, classes, capacity)
+        entry::HEAD_METRICS => &[U64, U64, U64, U64, U64, U64, U64],
         _ => return None,
     })
 }
@@ -159,8 +182,23 @@ pub const SEED: KernelSource = KernelSource {
     entry_points: &[entry::SOFTMAX_XENT_BACKWARD],
 };
 
+/// The network head (pooling, FC, metrics) and the FP16 gradient join.
+pub const HEAD: KernelSource = KernelSource {
+    name: "head",
+    file: "amp_head.cu",
+    source: include_str!("../kernels/amp_head.cu"),
+    entry_points: &[
+        entry::GAP_FORWARD,
+        entry::GAP_BACKWARD,
+        entry::FC_FORWARD,
+        entry::FC_BACKWARD,
+        entry::ADD_F16,
+        entry::HEAD_METRICS,
+    ],
+};
+
 /// Every kernel source of the AMP layer.
-pub const ALL: [KernelSource; 5] = [CAST, CHECK, SCALE, OPTIM, SEED];
+pub const ALL: [KernelSource; 6] = [CAST, CHECK, SCALE, OPTIM, SEED, HEAD];
 
 /// GPU architectures we build PTX for (tier 3 compiles all of them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -11,6 +11,7 @@
 //! | executor  | a plan's regions on a device + the range ops | [`step::AmpExecutor`]: [`step::CpuRegions`], [`cuda::CudaRegions`] |
 //! | step      | begin (zero grads) … finish (cast, check, SGD, EMA, scale) | [`step::AmpStep`] |
 //! | graph     | a recorded op list, replayed as one launch   | [`step::StepGraph`], [`cuda::CudaStepGraph`] |
+//! | head      | pooling, FC, residual join, metrics log around a step | [`range::HeadShape`], [`kernels::HEAD`] |
 //!
 //! Recipe for a training step without host syncs:
 //! 1. Build a [`plan::MemoryPlan`] from the network's parameters.

@@ -1,26 +1,92 @@
 //! The main job's training loop: a small ResNet-style CBR network on a synthetic dataset,
 //! trained with the amp step (FP32 master weights, FP16 compute weights, fixed loss scaling,
-//! SGD with momentum), on the CPU reference executor.
+//! SGD with momentum), on the CPU reference executor or on CUDA.
 //!
 //! `examples/train_cbr.rs` drives it from the command line; tests run it with fewer steps.
 //! Every parameter lives in an [`amp`](crate::amp) memory plan: conv weights are read from
 //! region A (FP16) and their FP16 wgrads written to G16; BN and FC parameters are read from W
 //! and their FP32 gradients written to G. The step then casts, checks, applies SGD (skipping
 //! on overflow) and updates the loss scale.
+//!
+//! Recipe:
+//! 1. A [`TrainConfig`]; its [`Device`] picks the executor: [`Device::Cpu`] (the default),
+//!    [`Device::Cuda`] (a typed error when it cannot run: [`TrainError::is_unavailable`]) or
+//!    [`Device::Auto`] (CUDA when it can run, else the CPU, saying why).
+//! 2. [`Trainer::new`] makes that choice and sets the executor up (on CUDA: plans every
+//!    layer, allocates, uploads the initial weights); [`Trainer::executor`] says which and
+//!    why. [`train`] is `Trainer::new` followed by [`Trainer::run`].
+//! 3. [`Trainer::run`] trains and reports progress every few steps.
+//!
+//! Both executors run the same network ([`net::layer_configs`]), from the same initial
+//! weights and data, with the same head (the [`crate::amp::range`] twins of
+//! `amp/kernels/amp_head.cu`); [`cuda`] explains what the CUDA executor runs, captures and
+//! reads back.
 
+mod cpu;
+pub mod cuda;
 mod data;
-mod net;
+pub mod net;
 
 pub use data::Synthetic;
 pub use net::{Net, NetLayer};
 
-use crate::amp::plan::{MemoryPlanBuilder, ParamKind, Region};
-use crate::amp::range::{softmax_xent_backward, SgdConfig};
-use crate::amp::step::{AmpStep, CpuRegions, StepConfig};
+use crate::amp::plan::{MemoryPlan, MemoryPlanBuilder, ParamKind};
+use crate::amp::range::{HeadMetrics, SgdConfig};
 use crate::amp::AmpError;
-use cudnn_cbr_fusion::cbr::HostBuffer;
-use half::f16;
-use std::time::Instant;
+use cudnn_cbr_fusion::cbr::ConvShape;
+use std::fmt;
+use std::str::FromStr;
+
+/// Which executor trains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Device {
+    /// CUDA when a device, cuDNN and NVRTC are usable and every layer has a route; the CPU
+    /// reference executor otherwise, with the reason in [`ExecutorInfo::reason`].
+    Auto,
+    /// The CUDA executor, or a typed error saying why it cannot run.
+    Cuda,
+    /// The CPU reference executor.
+    #[default]
+    Cpu,
+}
+
+impl Device {
+    /// The lower-case name (`auto`, `cuda`, `cpu`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Device::Auto => "auto",
+            Device::Cuda => "cuda",
+            Device::Cpu => "cpu",
+        }
+    }
+}
+
+impl FromStr for Device {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(Device::Auto),
+            "cuda" => Ok(Device::Cuda),
+            "cpu" => Ok(Device::Cpu),
+            other => Err(format!("device must be auto, cuda or cpu, got `{other}`")),
+        }
+    }
+}
+
+/// What the CUDA executor replays from CUDA graphs after [`cuda::WARMUP_STEPS`] eager steps
+/// (the CPU executor ignores it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CudaGraphMode {
+    /// Every step eager.
+    Off,
+    /// The amp step's `finish` op list (cast, check, SGD, loss-scale update) as one graph.
+    Finish,
+    /// The whole step (zero grads, forward, head, backward, finish) as one graph; when that
+    /// capture fails, the `finish` graph, and [`ExecutorInfo::detail`] says why.
+    #[default]
+    Step,
+}
 
 /// What to train.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -41,8 +107,13 @@ pub struct TrainConfig {
     pub channels: usize,
     /// Classes.
     pub classes: usize,
-    /// Run the fused route's ops (else the unfused route's).
+    /// Run the fused route's ops (else the unfused route's). On CUDA, `true` plans the fused
+    /// route with cuDNN's fallback to the unfused one per layer; `false` plans the unfused one.
     pub fused: bool,
+    /// The executor.
+    pub device: Device,
+    /// CUDA-graph use on the CUDA executor.
+    pub cuda_graph: CudaGraphMode,
 }
 
 impl Default for TrainConfig {
@@ -57,6 +128,41 @@ impl Default for TrainConfig {
             channels: 8,
             classes: 8,
             fused: true,
+            device: Device::Cpu,
+            cuda_graph: CudaGraphMode::Step,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Checks what both executors need.
+    ///
+    /// # Errors
+    /// [`TrainError::Config`] naming the requirement.
+    pub fn validate(&self) -> Result<(), TrainError> {
+        if self.steps == 0
+            || self.batch < 2
+            || self.width == 0
+            || self.hw < 4
+            || self.hw % 2 != 0
+            || self.channels == 0
+            || self.classes == 0
+        {
+            return Err(TrainError::Config(format!(
+                "steps ≥ 1, batch ≥ 2, width ≥ 1, channels ≥ 1, classes ≥ 1 and an even image \
+                 size ≥ 4 are needed, got {self:?}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The SGD hyper-parameters of the run.
+    pub fn sgd(&self) -> SgdConfig {
+        SgdConfig {
+            lr: self.lr,
+            momentum: 0.9,
+            weight_decay: 5e-4,
+            nesterov: false,
         }
     }
 }
@@ -78,6 +184,26 @@ pub struct Progress {
     pub images_per_sec: f64,
 }
 
+/// The executor kind that ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExecutorKind {
+    /// The CPU reference executor.
+    Cpu,
+    /// The CUDA executor (cuDNN plans, NVRTC kernels).
+    Cuda,
+}
+
+/// Which executor a [`Trainer`] runs, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecutorInfo {
+    /// The executor.
+    pub kind: ExecutorKind,
+    /// Why this one: requested, or what `auto` found.
+    pub reason: String,
+    /// What it runs (on CUDA: the device, each layer's route, what is replayed as a graph).
+    pub detail: String,
+}
+
 /// The outcome of a run.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainReport {
@@ -95,6 +221,64 @@ pub struct TrainReport {
     pub loss_scale: f32,
     /// Training throughput.
     pub images_per_sec: f64,
+    /// Each step's mean loss, in order.
+    pub step_losses: Vec<f32>,
+    /// The final FP32 master weights (region W).
+    pub weights: MasterWeights,
+    /// The executor that ran.
+    pub executor: ExecutorInfo,
+}
+
+/// FP32 master weights by parameter name (`stem.w`, `stem.gamma`, …, `fc.b`), in memory-plan
+/// order. Its `Debug` output is a summary, not the values.
+#[derive(Clone, Default, PartialEq)]
+pub struct MasterWeights(pub Vec<(String, Vec<f32>)>);
+
+impl MasterWeights {
+    /// One parameter's values.
+    pub fn get(&self, name: &str) -> Option<&[f32]> {
+        self.0
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_slice())
+    }
+}
+
+impl fmt::Debug for MasterWeights {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MasterWeights")
+            .field("params", &self.0.len())
+            .field("elems", &self.0.iter().map(|(_, v)| v.len()).sum::<usize>())
+            .finish()
+    }
+}
+
+/// The master weights both executors start from for `cfg` (its seed and shapes).
+///
+/// # Errors
+/// [`TrainError::Config`] for a bad configuration.
+pub fn initial_master_weights(cfg: &TrainConfig) -> Result<MasterWeights, TrainError> {
+    cfg.validate()?;
+    let layers: Vec<_> = net::layer_configs(cfg.batch, cfg.hw, cfg.channels, cfg.width)
+        .iter()
+        .map(|(name, c)| (*name, c.shape))
+        .collect();
+    let features = 2 * cfg.width;
+    let plan = memory_plan(&layers, features, cfg.classes)?;
+    let init = initial_weights(&layers, features, cfg.classes, cfg.seed);
+    Ok(MasterWeights(
+        plan.params()
+            .iter()
+            .map(|p| {
+                let v = init
+                    .iter()
+                    .find(|(n, _)| n == p.name())
+                    .map(|(_, v)| v.clone())
+                    .unwrap_or_else(|| vec![0.0; p.elems()]);
+                (p.name().to_owned(), v)
+            })
+            .collect(),
+    ))
 }
 
 /// Errors of the training loop.
@@ -112,270 +296,227 @@ pub enum TrainError {
     /// The configuration cannot work.
     #[error("bad training configuration: {0}")]
     Config(String),
+    /// No usable CUDA device (no driver library, no device, or it cannot be opened).
+    #[error("no usable CUDA device: {reason}")]
+    NoDevice {
+        /// Why.
+        reason: String,
+    },
+    /// cuDNN cannot be loaded.
+    #[error("cuDNN not loadable: {reason}")]
+    NoCudnn {
+        /// The loader's account (the paths tried).
+        reason: String,
+    },
+    /// NVRTC (needed for the amp kernels) cannot be loaded or compile them.
+    #[error("NVRTC unusable: {reason}")]
+    NoNvrtc {
+        /// Why.
+        reason: String,
+    },
+    /// A CUDA driver call of the training loop failed (a copy, a capture, a graph launch).
+    #[error("CUDA driver call failed while trying to {what}: {message}")]
+    Driver {
+        /// What the loop was doing.
+        what: String,
+        /// The driver's error.
+        message: String,
+    },
+    /// A layer has no route (fused, unfused or generic) on this device.
+    #[error("layer `{layer}` has no cuDNN route on this device: {reason}")]
+    NoRoute {
+        /// The layer (its parameter prefix and shape).
+        layer: String,
+        /// cuDNN's account for both routes.
+        reason: String,
+    },
 }
 
-/// Trains and reports; `progress` is called every `every` steps.
+impl TrainError {
+    /// Whether the error says that the CUDA executor cannot run on this machine (no device,
+    /// no cuDNN, no NVRTC, a layer without a route), as opposed to a failure while running.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(
+            self,
+            TrainError::NoDevice { .. }
+                | TrainError::NoCudnn { .. }
+                | TrainError::NoNvrtc { .. }
+                | TrainError::NoRoute { .. }
+        )
+    }
+}
+
+/// A configured training run on one executor.
+#[derive(Debug)]
+pub struct Trainer {
+    cfg: TrainConfig,
+    info: ExecutorInfo,
+    exec: Exec,
+}
+
+#[derive(Debug)]
+enum Exec {
+    Cpu(Box<cpu::CpuTrainer>),
+    Cuda(Box<cuda::CudaTrainer>),
+}
+
+impl Trainer {
+    /// Chooses the executor by `cfg.device` and sets it up.
+    ///
+    /// # Errors
+    /// [`TrainError::Config`] for a bad configuration; with [`Device::Cuda`], the
+    /// [`TrainError::is_unavailable`] errors when the CUDA executor cannot run here; any
+    /// error of the setup itself.
+    pub fn new(cfg: &TrainConfig) -> Result<Self, TrainError> {
+        cfg.validate()?;
+        let cpu = |reason: String| -> Result<Trainer, TrainError> {
+            Ok(Trainer {
+                cfg: *cfg,
+                info: ExecutorInfo {
+                    kind: ExecutorKind::Cpu,
+                    reason,
+                    detail: format!(
+                        "CPU reference executor, {} route ops",
+                        if cfg.fused { "fused" } else { "unfused" }
+                    ),
+                },
+                exec: Exec::Cpu(Box::new(cpu::CpuTrainer::new(cfg)?)),
+            })
+        };
+        let cuda = |reason: &str| -> Result<Trainer, TrainError> {
+            let t = cuda::CudaTrainer::new(cfg)?;
+            Ok(Trainer {
+                cfg: *cfg,
+                info: ExecutorInfo {
+                    kind: ExecutorKind::Cuda,
+                    reason: reason.to_string(),
+                    detail: t.describe(),
+                },
+                exec: Exec::Cuda(Box::new(t)),
+            })
+        };
+        match cfg.device {
+            Device::Cpu => cpu("requested (device cpu)".into()),
+            Device::Cuda => cuda("requested (device cuda)"),
+            Device::Auto => match cuda("auto: a CUDA device, cuDNN and NVRTC are usable") {
+                Err(e) if e.is_unavailable() => cpu(format!("auto: {e}")),
+                other => other,
+            },
+        }
+    }
+
+    /// The executor it runs, and why.
+    pub fn executor(&self) -> &ExecutorInfo {
+        &self.info
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TrainConfig {
+        &self.cfg
+    }
+
+    /// Trains and reports. `progress` is called every `every` steps on the CPU; on CUDA it
+    /// is called whenever an asynchronous readback of the device's metrics log arrives after
+    /// such a request (so a report may cover more than `every` steps, and reports may be
+    /// fewer), and always for the final steps.
+    ///
+    /// # Errors
+    /// Any failure of the executor.
+    pub fn run(
+        self,
+        every: usize,
+        progress: impl FnMut(&Progress),
+    ) -> Result<TrainReport, TrainError> {
+        match self.exec {
+            Exec::Cpu(t) => t.run(every, progress, self.info),
+            Exec::Cuda(t) => t.run(every, progress, self.info),
+        }
+    }
+}
+
+/// Trains and reports; `progress` is called every `every` steps (see [`Trainer::run`]).
+///
+/// # Errors
+/// As [`Trainer::new`] and [`Trainer::run`].
 pub fn train(
     cfg: &TrainConfig,
     every: usize,
-    mut progress: impl FnMut(&Progress),
+    progress: impl FnMut(&Progress),
 ) -> Result<TrainReport, TrainError> {
-    if cfg.steps == 0 || cfg.batch < 2 || cfg.width == 0 || cfg.hw < 4 || cfg.hw % 2 != 0 {
-        return Err(TrainError::Config(format!(
-            "steps ≥ 1, batch ≥ 2, width ≥ 1 and an even image size ≥ 4 are needed, got {cfg:?}"
-        )));
-    }
-    let data = Synthetic::new(cfg.hw, cfg.channels, cfg.classes, cfg.seed);
-    let mut net = Net::new(cfg.batch, cfg.hw, cfg.channels, cfg.width, cfg.fused);
+    Trainer::new(cfg)?.run(every, progress)
+}
 
-    // The memory plan: every parameter in every region it lives in.
+/// Held-out batches evaluated after training.
+pub(crate) const HELD_OUT_BATCHES: u64 = 8;
+
+/// The memory plan of the network: every conv's weight, γ and β (the first three layers in
+/// bucket `first`, the rest in `deep`), then the FC weight and bias.
+pub(crate) fn memory_plan(
+    layers: &[(&'static str, ConvShape)],
+    features: usize,
+    classes: usize,
+) -> Result<MemoryPlan, TrainError> {
     let mut b = MemoryPlanBuilder::new();
     let first = b.bucket("first")?;
     let deep = b.bucket("deep")?;
-    let names: Vec<&'static str> = net.layers.iter().map(|l| l.name).collect();
-    let mut param = |name: String, kind, shape: &[usize], bucket| b.add(&name, kind, shape, bucket);
-    for (i, l) in net.layers.iter().enumerate() {
-        let s = l.layer.config().shape;
+    for (i, (name, s)) in layers.iter().enumerate() {
         let bucket = if i < 3 { first } else { deep };
         let (k, c, r) = (s.k as usize, s.c as usize, s.r as usize);
-        param(
-            format!("{}.w", l.name),
+        b.add(
+            &format!("{name}.w"),
             ParamKind::ConvWeight,
             &[k, r, r, c],
             bucket,
         )?;
-        param(
-            format!("{}.gamma", l.name),
-            ParamKind::BnGamma,
-            &[k],
-            bucket,
-        )?;
-        param(format!("{}.beta", l.name), ParamKind::BnBeta, &[k], bucket)?;
+        b.add(&format!("{name}.gamma"), ParamKind::BnGamma, &[k], bucket)?;
+        b.add(&format!("{name}.beta"), ParamKind::BnBeta, &[k], bucket)?;
     }
-    param(
-        "fc.w".into(),
-        ParamKind::FcWeight,
-        &[cfg.classes, net.features],
-        deep,
-    )?;
-    param("fc.b".into(), ParamKind::FcBias, &[cfg.classes], deep)?;
-    let plan = b.finalize()?;
+    b.add("fc.w", ParamKind::FcWeight, &[classes, features], deep)?;
+    b.add("fc.b", ParamKind::FcBias, &[classes], deep)?;
+    Ok(b.finalize()?)
+}
 
-    // Initial master weights in W: He-uniform convs, γ = 1, β = 0, small FC.
-    let mut regions = CpuRegions::new(plan);
-    let mut rng = cfg.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    for (i, name) in names.iter().enumerate() {
-        let s = net.layers[i].layer.config().shape;
+/// Initial master weights, as (parameter, values) for region W: He-uniform convs, γ = 1
+/// (β = 0 and the FC bias 0 are the zeroed regions), a small uniform FC weight. One random
+/// stream from the seed, in this order, so both executors start from the same weights.
+pub(crate) fn initial_weights(
+    layers: &[(&'static str, ConvShape)],
+    features: usize,
+    classes: usize,
+    seed: u64,
+) -> Vec<(String, Vec<f32>)> {
+    let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut out = Vec::with_capacity(2 * layers.len() + 1);
+    for (name, s) in layers {
         let bound = (6.0 / (s.c * s.r * s.s) as f32).sqrt();
-        for v in regions.param_f32_mut(&format!("{name}.w"), Region::W)? {
-            *v = bound * data::uniform(&mut rng);
-        }
-        regions
-            .param_f32_mut(&format!("{name}.gamma"), Region::W)?
-            .fill(1.0);
-        // Running variance starts at 1, as in every framework.
-        net.layers[i]
-            .bufs
-            .set("running_var", HostBuffer::F32(vec![1.0; s.k as usize]));
+        let n = (s.k * s.c * s.r * s.s) as usize;
+        out.push((
+            format!("{name}.w"),
+            (0..n).map(|_| bound * data::uniform(&mut rng)).collect(),
+        ));
+        out.push((format!("{name}.gamma"), vec![1.0; s.k as usize]));
     }
-    let fc_bound = 1.0 / (net.features as f32).sqrt();
-    for v in regions.param_f32_mut("fc.w", Region::W)? {
-        *v = fc_bound * data::uniform(&mut rng);
-    }
-    let sgd = SgdConfig {
-        lr: cfg.lr,
-        momentum: 0.9,
-        weight_decay: 5e-4,
-        nesterov: false,
-    };
-    let mut step = AmpStep::new(regions, StepConfig::new(sgd))?;
-    step.init_weights()?;
+    let fc_bound = 1.0 / (features as f32).sqrt();
+    out.push((
+        "fc.w".into(),
+        (0..classes * features)
+            .map(|_| fc_bound * data::uniform(&mut rng))
+            .collect(),
+    ));
+    out
+}
 
-    let start = Instant::now();
-    let (mut losses, mut accs) = (Vec::new(), Vec::new());
-    let (mut window_loss, mut window_acc, mut window_n) = (0f32, 0f32, 0usize);
-    for i in 0..cfg.steps {
-        let (images, labels) = data.batch(cfg.batch, i as u64, 0);
-        step.begin()?;
-        let (loss, acc) = train_step(&mut net, &mut step, &names, cfg, &images, &labels)?;
-        step.finish()?;
-        losses.push(loss);
-        accs.push(acc);
-        window_loss += loss;
-        window_acc += acc;
-        window_n += 1;
-        if (i + 1) % every.max(1) == 0 || i + 1 == cfg.steps {
-            step.request_scalars()?;
-            let s = step.poll_scalars()?.unwrap_or_default();
-            progress(&Progress {
-                step: i + 1,
-                loss: window_loss / window_n as f32,
-                accuracy: window_acc / window_n as f32,
-                loss_scale: s.loss_scale,
-                skipped: s.skipped,
-                images_per_sec: ((i + 1) * cfg.batch) as f64 / start.elapsed().as_secs_f64(),
-            });
-            (window_loss, window_acc, window_n) = (0.0, 0.0, 0);
-        }
-    }
-    let images_per_sec = (cfg.steps * cfg.batch) as f64 / start.elapsed().as_secs_f64();
-    // Held-out batches, forward only (the weights are not touched).
-    let mut correct = 0usize;
-    let held = 8;
-    for i in 0..held {
-        let (images, labels) = data.batch(cfg.batch, i, 1);
-        load_weights(&mut net, &step, &names)?;
-        let logits = logits(&mut net, &step, cfg, &images)?;
-        correct += count_correct(&logits, &labels, cfg.classes);
-    }
-    step.request_scalars()?;
-    let s = step.poll_scalars()?.unwrap_or_default();
+/// The report's loss and accuracy fields from the per-step metrics.
+pub(crate) fn summarize(steps: &[HeadMetrics]) -> (f32, f32, f32, Vec<f32>) {
     let mean = |v: &[f32]| v.iter().sum::<f32>() / v.len().max(1) as f32;
+    let losses: Vec<f32> = steps.iter().map(|m| m.loss).collect();
+    let accs: Vec<f32> = steps.iter().map(|m| m.accuracy).collect();
     let head = &losses[..losses.len().min(10)];
     let tail = &losses[losses.len().saturating_sub(10)..];
-    Ok(TrainReport {
-        first_loss: mean(head),
-        last_loss: mean(tail),
-        last_accuracy: mean(&accs[accs.len().saturating_sub(10)..]),
-        held_out_accuracy: correct as f32 / (held as usize * cfg.batch) as f32,
-        skipped: s.skipped,
-        loss_scale: s.loss_scale,
-        images_per_sec,
-    })
-}
-
-/// Conv weights from A (FP16), BN parameters from W (FP32) into the layers' buffers.
-fn load_weights(
-    net: &mut Net,
-    step: &AmpStep<CpuRegions>,
-    names: &[&'static str],
-) -> Result<(), TrainError> {
-    let regions = step.executor();
-    for (l, name) in net.layers.iter_mut().zip(names) {
-        let w = regions.param_f16(&format!("{name}.w"), Region::A)?.to_vec();
-        l.bufs.set("w", HostBuffer::F16(w));
-        for p in ["gamma", "beta"] {
-            let v = regions
-                .param_f32(&format!("{name}.{p}"), Region::W)?
-                .to_vec();
-            l.bufs.set(
-                if p == "gamma" { "gamma" } else { "beta" },
-                HostBuffer::F32(v),
-            );
-        }
-    }
-    Ok(())
-}
-
-/// Forward through the net and the FC layer: FP16 logits `[N, classes]`.
-fn logits(
-    net: &mut Net,
-    step: &AmpStep<CpuRegions>,
-    cfg: &TrainConfig,
-    images: &[f16],
-) -> Result<Vec<f16>, TrainError> {
-    let pooled = net.forward(images)?;
-    let (w, b) = (
-        step.executor().param_f32("fc.w", Region::W)?,
-        step.executor().param_f32("fc.b", Region::W)?,
-    );
-    let f = net.features;
-    Ok(pooled
-        .chunks_exact(f)
-        .flat_map(|x| {
-            (0..cfg.classes).map(move |k| {
-                let dot: f32 = w[k * f..(k + 1) * f]
-                    .iter()
-                    .zip(x)
-                    .map(|(a, b)| a * b)
-                    .sum();
-                f16::from_f32(dot + b[k])
-            })
-        })
-        .collect())
-}
-
-fn count_correct(logits: &[f16], labels: &[i32], classes: usize) -> usize {
-    logits
-        .chunks_exact(classes)
-        .zip(labels)
-        .filter(|(row, &label)| {
-            let best = row
-                .iter()
-                .enumerate()
-                .max_by(|a, b| a.1.to_f32().total_cmp(&b.1.to_f32()))
-                .map(|(k, _)| k as i32);
-            best == Some(label)
-        })
-        .count()
-}
-
-/// One forward + backward; gradients land in G16 (conv) and G (BN, FC). Returns (loss, acc).
-fn train_step(
-    net: &mut Net,
-    step: &mut AmpStep<CpuRegions>,
-    names: &[&'static str],
-    cfg: &TrainConfig,
-    images: &[f16],
-    labels: &[i32],
-) -> Result<(f32, f32), TrainError> {
-    load_weights(net, step, names)?;
-    let logits = logits(net, step, cfg, images)?;
-    let acc = count_correct(&logits, labels, cfg.classes) as f32 / labels.len() as f32;
-    // The scaled loss gradient: scale / batch · (softmax − onehot), FP16.
-    let scalars = step.executor().scalars();
-    let mut dlogits = vec![f16::ZERO; logits.len()];
-    let mut loss_rows = vec![0f32; labels.len()];
-    softmax_xent_backward(
-        &logits,
-        labels,
-        cfg.classes,
-        &scalars,
-        &mut dlogits,
-        Some(&mut loss_rows),
+    (
+        mean(head),
+        mean(tail),
+        mean(&accs[accs.len().saturating_sub(10)..]),
+        losses,
     )
-    .map_err(AmpError::from)?;
-    let loss = loss_rows.iter().sum::<f32>() / labels.len() as f32;
-    // FC backward in FP32: dW = dlogitsᵀ·x, db = Σ dlogits, dx = dlogits·W.
-    let pooled = net.pooled().to_vec();
-    let f = net.features;
-    let w = step.executor().param_f32("fc.w", Region::W)?.to_vec();
-    let mut dw = vec![0f32; cfg.classes * f];
-    let mut db = vec![0f32; cfg.classes];
-    let mut dpooled = vec![0f32; pooled.len()];
-    for ((g, x), dx) in dlogits
-        .chunks_exact(cfg.classes)
-        .zip(pooled.chunks_exact(f))
-        .zip(dpooled.chunks_exact_mut(f))
-    {
-        for k in 0..cfg.classes {
-            let gk = g[k].to_f32();
-            db[k] += gk;
-            for j in 0..f {
-                dw[k * f + j] += gk * x[j];
-                dx[j] += gk * w[k * f + j];
-            }
-        }
-    }
-    let regions = step.executor_mut();
-    regions
-        .param_f32_mut("fc.w", Region::G)?
-        .copy_from_slice(&dw);
-    regions
-        .param_f32_mut("fc.b", Region::G)?
-        .copy_from_slice(&db);
-    net.backward(&dpooled)?;
-    for (l, name) in net.layers.iter().zip(names) {
-        let dw = l.bufs.f16("dw")?;
-        regions
-            .param_f16_mut(&format!("{name}.w"), Region::G16)?
-            .copy_from_slice(dw);
-        for p in ["gamma", "beta"] {
-            let g = l.bufs.f32(&format!("d{p}"))?;
-            regions
-                .param_f32_mut(&format!("{name}.{p}"), Region::G)?
-                .copy_from_slice(g);
-        }
-    }
-    Ok((loss, acc))
 }

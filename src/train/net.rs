@@ -11,8 +11,17 @@
 use cudnn_cbr_fusion::cbr::graphs::ApplyResidual;
 use cudnn_cbr_fusion::cbr::{CbrConfig, CbrLayer, ConvShape, HostBuffer, HostBuffers, Pass};
 use cudnn_cbr_fusion::reference::{self, Nhwc};
-use cudnn_cbr_fusion::Result;
+use cudnn_cbr_fusion::{Error, Result};
 use half::f16;
+
+use crate::amp::range::{self, HeadShape};
+
+fn head_error(name: &str, e: crate::amp::RangeOpError) -> Error {
+    Error::Buffer {
+        name: name.into(),
+        problem: e.to_string(),
+    }
+}
 
 /// One conv layer of the network with its host buffers.
 #[derive(Debug)]
@@ -37,48 +46,68 @@ pub struct Net {
     pooled: Vec<f32>,
 }
 
-const STEM: usize = 0;
-const B1A: usize = 1;
-const B1B: usize = 2;
-const TRANS: usize = 3;
-const B2A: usize = 4;
-const B2B: usize = 5;
+pub(crate) const STEM: usize = 0;
+pub(crate) const B1A: usize = 1;
+pub(crate) const B1B: usize = 2;
+pub(crate) const TRANS: usize = 3;
+pub(crate) const B2A: usize = 4;
+pub(crate) const B2B: usize = 5;
+
+/// The six conv layers of the network, in order, with their parameter-name prefixes: the
+/// one definition both executors plan or build.
+pub fn layer_configs(
+    batch: usize,
+    hw: usize,
+    channels: usize,
+    width: usize,
+) -> [(&'static str, CbrConfig); 6] {
+    let (n, hw, c, w) = (batch as i64, hw as i64, channels as i64, width as i64);
+    let half = hw / 2;
+    [
+        (
+            "stem",
+            CbrConfig::first(ConvShape::square(n, c, hw, w, 3, 1, 1))
+                .with_apply(ApplyResidual::None),
+        ),
+        (
+            "b1a",
+            CbrConfig::after_activation(ConvShape::square(n, w, hw, w, 3, 1, 1)),
+        ),
+        (
+            "b1b",
+            CbrConfig::new(ConvShape::square(n, w, hw, w, 3, 1, 1)).with_apply(ApplyResidual::Add),
+        ),
+        (
+            "trans",
+            CbrConfig::after_activation(ConvShape::square(n, w, hw, 2 * w, 3, 1, 2))
+                .with_apply(ApplyResidual::None),
+        ),
+        (
+            "b2a",
+            CbrConfig::after_activation(ConvShape::square(n, 2 * w, half, 2 * w, 3, 1, 1)),
+        ),
+        (
+            "b2b",
+            CbrConfig::new(ConvShape::square(n, 2 * w, half, 2 * w, 3, 1, 1))
+                .with_apply(ApplyResidual::Add),
+        ),
+    ]
+}
+
+/// The layer whose buffers a layer's prologue reads (`prev` of [`CbrLayer::run_cpu`] and
+/// `run_gpu`): b1b reads b1a, b2b reads b2a; the others read none.
+pub const fn prev_of(layer: usize) -> Option<usize> {
+    match layer {
+        B1B => Some(B1A),
+        B2B => Some(B2A),
+        _ => None,
+    }
+}
 
 impl Net {
     /// The network for `batch` images of `hw`×`hw`×`channels`, base width `width`.
     pub fn new(batch: usize, hw: usize, channels: usize, width: usize, fused: bool) -> Self {
-        let (n, hw, c, w) = (batch as i64, hw as i64, channels as i64, width as i64);
-        let half = hw / 2;
-        let configs: [(&'static str, CbrConfig); 6] = [
-            (
-                "stem",
-                CbrConfig::first(ConvShape::square(n, c, hw, w, 3, 1, 1))
-                    .with_apply(ApplyResidual::None),
-            ),
-            (
-                "b1a",
-                CbrConfig::after_activation(ConvShape::square(n, w, hw, w, 3, 1, 1)),
-            ),
-            (
-                "b1b",
-                CbrConfig::new(ConvShape::square(n, w, hw, w, 3, 1, 1))
-                    .with_apply(ApplyResidual::Add),
-            ),
-            (
-                "trans",
-                CbrConfig::after_activation(ConvShape::square(n, w, hw, 2 * w, 3, 1, 2))
-                    .with_apply(ApplyResidual::None),
-            ),
-            (
-                "b2a",
-                CbrConfig::after_activation(ConvShape::square(n, 2 * w, half, 2 * w, 3, 1, 1)),
-            ),
-            (
-                "b2b",
-                CbrConfig::new(ConvShape::square(n, 2 * w, half, 2 * w, 3, 1, 1))
-                    .with_apply(ApplyResidual::Add),
-            ),
-        ];
+        let configs = layer_configs(batch, hw, channels, width);
         let layers = configs
             .into_iter()
             .map(|(name, cfg)| {
@@ -90,7 +119,7 @@ impl Net {
         Net {
             layers,
             features: 2 * width,
-            last_hw: half as usize,
+            last_hw: hw / 2,
             pooled: Vec::new(),
         }
     }
@@ -138,21 +167,22 @@ impl Net {
         self.run(B2A, Pass::Forward, None)?;
         self.copy_f16(TRANS, "a", B2B, "residual")?;
         self.run(B2B, Pass::Forward, Some(B2A))?;
-        // Global average pool in FP32.
+        // Global average pool in FP32 (the CUDA executor runs the kernel of the same twin).
         let a = self.layers[B2B].bufs.f16("a")?;
-        let (f, pix) = (self.features, self.last_hw * self.last_hw);
-        let n = a.len() / (f * pix);
-        let mut pooled = vec![0f32; n * f];
-        for (img, out) in a.chunks_exact(f * pix).zip(pooled.chunks_exact_mut(f)) {
-            for px in img.chunks_exact(f) {
-                for (o, v) in out.iter_mut().zip(px) {
-                    *o += v.to_f32();
-                }
-            }
-            out.iter_mut().for_each(|o| *o /= pix as f32);
-        }
+        let shape = self.head_shape(a.len() / (self.features * self.pixels()));
+        let mut pooled = vec![0f32; shape.pooled_elems()];
+        range::gap_forward(&shape, a, &mut pooled).map_err(|e| head_error("pooled", e))?;
         self.pooled.clone_from(&pooled);
         Ok(pooled)
+    }
+
+    fn pixels(&self) -> usize {
+        self.last_hw * self.last_hw
+    }
+
+    /// The pooling's shape for `batch` images (classes unused here: 1).
+    fn head_shape(&self, batch: usize) -> HeadShape {
+        HeadShape::new(batch, self.pixels(), self.features, 1)
     }
 
     /// The pooled features of the last forward pass.
@@ -163,13 +193,9 @@ impl Net {
     /// Backward pass from the gradient of the pooled features `[N, features]` (already scaled
     /// by the loss scale). Leaves dW, dγ, dβ in each layer's buffers.
     pub fn backward(&mut self, dpooled: &[f32]) -> Result<()> {
-        let (f, pix) = (self.features, self.last_hw * self.last_hw);
-        let da3: Vec<f16> = dpooled
-            .chunks_exact(f)
-            .flat_map(|g| {
-                (0..pix).flat_map(move |_| g.iter().map(move |v| f16::from_f32(v / pix as f32)))
-            })
-            .collect();
+        let shape = self.head_shape(dpooled.len() / self.features);
+        let mut da3 = vec![f16::ZERO; shape.activation_elems()];
+        range::gap_backward(&shape, dpooled, &mut da3).map_err(|e| head_error("da", e))?;
         self.layers[B2B].bufs.set("da", HostBuffer::F16(da3));
         self.run(B2B, Pass::Backward, Some(B2A))?;
         self.run(B2A, Pass::Backward, None)?;

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
-    PushKernelArg,
+    PushKernelArg, SyncOnDrop,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, Ptx};
 use half::f16;
@@ -16,7 +16,10 @@ use crate::cuda::{cuda_include_dir, driver_error, nvrtc_library_present};
 use crate::error::{AmpError, CudaError, ExecError};
 use crate::kernels::{self, entry, CudaArch, KernelSource, ParamType};
 use crate::plan::ByteRange;
-use crate::range::{s_layout, LossScalePolicy, OverflowPolicy, SgdConfig};
+use crate::range::{
+    metrics_log_capacity, s_layout, HeadShape, LossScalePolicy, OverflowPolicy, SgdConfig,
+    METRICS_LOG_HEADER,
+};
 use crate::step::RangeOp;
 
 /// Threads per block of the elementwise kernels.
@@ -60,6 +63,12 @@ struct Functions {
     sgd_step: CudaFunction,
     ema_update: CudaFunction,
     softmax_xent_backward: CudaFunction,
+    gap_forward: CudaFunction,
+    gap_backward: CudaFunction,
+    fc_forward: CudaFunction,
+    fc_backward: CudaFunction,
+    add_f16: CudaFunction,
+    head_metrics: CudaFunction,
 }
 
 /// The range kernels compiled with NVRTC and loaded into one CUDA context.
@@ -265,6 +274,18 @@ impl<'a> DevRange<'a> {
     pub fn range(&self) -> ByteRange {
         self.range
     }
+
+    /// The stream the buffer was allocated on (for the context check).
+    pub(crate) fn buf_stream(&self) -> &CudaStream {
+        self.buf.stream()
+    }
+
+    /// The device address of the range's first byte, with cudarc's read guard (a no-op
+    /// unless the context tracks events across several streams).
+    pub(crate) fn addr<'s>(&'s self, stream: &'s CudaStream) -> (u64, SyncOnDrop<'s>) {
+        let (base, sync) = self.buf.device_ptr(stream);
+        (base + self.range.start as u64, sync)
+    }
 }
 
 impl<'a> DevRangeMut<'a> {
@@ -288,6 +309,17 @@ impl<'a> DevRangeMut<'a> {
     /// The byte range.
     pub fn range(&self) -> ByteRange {
         self.range
+    }
+
+    /// The stream the buffer was allocated on (for the context check).
+    pub(crate) fn buf_stream(&self) -> &CudaStream {
+        self.buf.stream()
+    }
+
+    /// The device address of the range's first byte, with cudarc's write guard.
+    pub(crate) fn addr_mut<'s>(&'s mut self, stream: &'s CudaStream) -> (u64, SyncOnDrop<'s>) {
+        let (base, sync) = self.buf.device_ptr_mut(stream);
+        (base + self.range.start as u64, sync)
     }
 }
 
@@ -356,6 +388,12 @@ impl AmpKernels {
             sgd_step: take(entry::SGD_STEP)?,
             ema_update: take(entry::EMA_UPDATE)?,
             softmax_xent_backward: take(entry::SOFTMAX_XENT_BACKWARD)?,
+            gap_forward: take(entry::GAP_FORWARD)?,
+            gap_backward: take(entry::GAP_BACKWARD)?,
+            fc_forward: take(entry::FC_FORWARD)?,
+            fc_backward: take(entry::FC_BACKWARD)?,
+            add_f16: take(entry::ADD_F16)?,
+            head_metrics: take(entry::HEAD_METRICS)?,
         };
         Ok(AmpKernels {
             ctx: ctx.clone(),
@@ -1057,4 +1095,576 @@ impl AmpKernels {
         // call and cudarc orders their release after it.
         unsafe { self.launch_raw(stream, &self.f.softmax_xent_backward, OP, cfg, &args) }
     }
+
+    // ------------------------------------------------------------------ the network head
+    //
+    // Each raw launch takes device addresses the caller has checked: every address is inside
+    // a live allocation of the stream's context with room for the stated element counts of
+    // the kernel's types, outputs do not overlap inputs or each other, and all stay alive
+    // until the stream has run the launch.
+
+    /// # Safety
+    /// `a` holds `shape.activation_elems()` f16, `pooled` room for `shape.pooled_elems()`
+    /// f32; no overlap; alive until the launch has run.
+    pub(crate) unsafe fn raw_gap_forward(
+        &self,
+        stream: &CudaStream,
+        a: u64,
+        pooled: u64,
+        shape: &HeadShape,
+    ) -> Result<(), AmpError> {
+        let args = [
+            Arg::U64(a),
+            Arg::U64(pooled),
+            Arg::size(shape.batch),
+            Arg::size(shape.pixels),
+            Arg::size(shape.features),
+        ];
+        let cfg = self.grid(shape.pooled_elems());
+        // SAFETY: the kernel reads a[0..batch*pixels*features) and writes
+        // pooled[0..batch*features), as the caller guarantees.
+        unsafe { self.launch_raw(stream, &self.f.gap_forward, entry::GAP_FORWARD, cfg, &args) }
+    }
+
+    /// # Safety
+    /// `dpooled` holds `shape.pooled_elems()` f32, `da` room for `shape.activation_elems()`
+    /// f16; no overlap; alive until the launch has run.
+    pub(crate) unsafe fn raw_gap_backward(
+        &self,
+        stream: &CudaStream,
+        dpooled: u64,
+        da: u64,
+        shape: &HeadShape,
+    ) -> Result<(), AmpError> {
+        let args = [
+            Arg::U64(dpooled),
+            Arg::U64(da),
+            Arg::size(shape.batch),
+            Arg::size(shape.pixels),
+            Arg::size(shape.features),
+        ];
+        let cfg = self.grid(shape.activation_elems());
+        // SAFETY: reads dpooled[0..batch*features), writes da[0..batch*pixels*features).
+        unsafe {
+            self.launch_raw(
+                stream,
+                &self.f.gap_backward,
+                entry::GAP_BACKWARD,
+                cfg,
+                &args,
+            )
+        }
+    }
+
+    /// # Safety
+    /// `x` holds `shape.pooled_elems()` f32, `w` `shape.weight_elems()` f32, `b`
+    /// `shape.classes` f32, `logits` room for `shape.logits_elems()` f16; `logits` overlaps
+    /// none of them; alive until the launch has run.
+    pub(crate) unsafe fn raw_fc_forward(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        w: u64,
+        b: u64,
+        logits: u64,
+        shape: &HeadShape,
+    ) -> Result<(), AmpError> {
+        let args = [
+            Arg::U64(x),
+            Arg::U64(w),
+            Arg::U64(b),
+            Arg::U64(logits),
+            Arg::size(shape.batch),
+            Arg::size(shape.features),
+            Arg::size(shape.classes),
+        ];
+        let cfg = self.grid(shape.logits_elems());
+        // SAFETY: the kernel reads x, w, b and writes logits within the counts above.
+        unsafe { self.launch_raw(stream, &self.f.fc_forward, entry::FC_FORWARD, cfg, &args) }
+    }
+
+    /// # Safety
+    /// `dlogits` holds `shape.logits_elems()` f16, `x` `shape.pooled_elems()` f32, `w`
+    /// `shape.weight_elems()` f32; `dw` has room for `shape.weight_elems()` f32, `db` for
+    /// `shape.classes` f32, `dx` for `shape.pooled_elems()` f32; the three outputs overlap
+    /// nothing; all alive until the launch has run.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn raw_fc_backward(
+        &self,
+        stream: &CudaStream,
+        dlogits: u64,
+        x: u64,
+        w: u64,
+        dw: u64,
+        db: u64,
+        dx: u64,
+        shape: &HeadShape,
+    ) -> Result<(), AmpError> {
+        let args = [
+            Arg::U64(dlogits),
+            Arg::U64(x),
+            Arg::U64(w),
+            Arg::U64(dw),
+            Arg::U64(db),
+            Arg::U64(dx),
+            Arg::size(shape.batch),
+            Arg::size(shape.features),
+            Arg::size(shape.classes),
+        ];
+        let cfg = self.grid(shape.classes + shape.weight_elems() + shape.pooled_elems());
+        // SAFETY: the kernel reads dlogits, x, w and writes dw, db, dx within the counts
+        // above, as the caller guarantees.
+        unsafe { self.launch_raw(stream, &self.f.fc_backward, entry::FC_BACKWARD, cfg, &args) }
+    }
+
+    /// # Safety
+    /// `a`, `b` hold `n` f16, `out` room for `n` f16 overlapping neither; alive until the
+    /// launch has run.
+    pub(crate) unsafe fn raw_add_f16(
+        &self,
+        stream: &CudaStream,
+        a: u64,
+        b: u64,
+        out: u64,
+        n: usize,
+    ) -> Result<(), AmpError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [Arg::U64(a), Arg::U64(b), Arg::U64(out), Arg::size(n)];
+        // SAFETY: elements [0, n) of each pointer only.
+        unsafe {
+            self.launch_raw(
+                stream,
+                &self.f.add_f16,
+                entry::ADD_F16,
+                self.grid_elems(n),
+                &args,
+            )
+        }
+    }
+
+    /// # Safety
+    /// `logits` holds `batch * classes` f16, `labels` `batch` i32, `loss` `batch` f32 or is
+    /// 0; `log` is a 4-aligned metrics log of `metrics_log_bytes(capacity)` bytes with
+    /// `capacity >= 1`, overlapping none of the inputs; all alive until the launch has run.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn raw_head_metrics(
+        &self,
+        stream: &CudaStream,
+        logits: u64,
+        labels: u64,
+        loss: u64,
+        log: u64,
+        batch: usize,
+        classes: usize,
+        capacity: usize,
+    ) -> Result<(), AmpError> {
+        let args = [
+            Arg::U64(logits),
+            Arg::U64(labels),
+            Arg::U64(loss),
+            Arg::U64(log),
+            Arg::size(batch),
+            Arg::size(classes),
+            Arg::size(capacity),
+        ];
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: one thread reads the inputs within the counts above (loss only when
+        // non-null) and writes the log's count and entry `count % capacity`.
+        unsafe {
+            self.launch_raw(
+                stream,
+                &self.f.head_metrics,
+                entry::HEAD_METRICS,
+                cfg,
+                &args,
+            )
+        }
+    }
+
+    /// # Safety
+    /// `logits` holds `batch * classes` f16, `labels` `batch` i32, `s` is a 4-aligned S
+    /// image; `dlogits` has room for `batch * classes` f16 and `loss` for `batch` f32 (or is
+    /// 0); outputs overlap nothing; `classes >= 1`; all alive until the launch has run.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn raw_softmax_xent_backward(
+        &self,
+        stream: &CudaStream,
+        logits: u64,
+        labels: u64,
+        dlogits: u64,
+        loss: u64,
+        s: u64,
+        batch: usize,
+        classes: usize,
+    ) -> Result<(), AmpError> {
+        if batch == 0 {
+            return Ok(());
+        }
+        let threads = classes.next_multiple_of(32).min(BLOCK as usize);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32::try_from(batch.min(self.max_blocks as usize)).unwrap_or(self.max_blocks),
+                1,
+                1,
+            ),
+            // threads <= 256, so the cast is exact.
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = [
+            Arg::U64(logits),
+            Arg::U64(labels),
+            Arg::U64(dlogits),
+            Arg::U64(loss),
+            Arg::U64(s),
+            Arg::size(batch),
+            Arg::size(classes),
+        ];
+        // SAFETY: the caller guarantees the buffers for these counts; blockDim is a multiple
+        // of 32 and at most 256, as the kernel requires; a null loss is checked by the kernel.
+        unsafe {
+            self.launch_raw(
+                stream,
+                &self.f.softmax_xent_backward,
+                entry::SOFTMAX_XENT_BACKWARD,
+                cfg,
+                &args,
+            )
+        }
+    }
+
+    /// Global average pooling (twin: [`crate::range::gap_forward`]): `a` holds the last
+    /// stage's FP16 activation `[batch, pixels, features]`, `pooled` receives FP32
+    /// `[batch, features]`.
+    ///
+    /// # Errors
+    /// [`crate::RangeOpError::InvalidConfig`] for a bad shape, [`ExecError::Misaligned`],
+    /// [`ExecError::ElemCount`] for a range of the wrong size,
+    /// [`CudaError::ContextMismatch`]; a driver error.
+    pub fn gap_forward(
+        &self,
+        stream: &CudaStream,
+        shape: &HeadShape,
+        a: DevRange<'_>,
+        mut pooled: DevRangeMut<'_>,
+    ) -> Result<(), AmpError> {
+        const OP: &str = entry::GAP_FORWARD;
+        shape.validate(OP)?;
+        self.check_stream(stream)?;
+        self.check_buf(stream, "a", a.buf_stream())?;
+        self.check_buf(stream, "pooled", pooled.buf_stream())?;
+        expect_elems(OP, "a", a.range, 2, shape.activation_elems())?;
+        expect_elems(OP, "pooled", pooled.range, 4, shape.pooled_elems())?;
+        let (ap, _a) = a.addr(stream);
+        let (pp, _p) = pooled.addr_mut(stream);
+        // SAFETY: both ranges lie inside their buffers (checked at construction) and hold
+        // exactly the shape's element counts (checked above); `pooled` is borrowed mutably,
+        // so it cannot overlap `a`; the borrows keep both alive for the call and cudarc frees
+        // a buffer on its own stream, after work enqueued on it.
+        unsafe { self.raw_gap_forward(stream, ap, pp, shape) }
+    }
+
+    /// The pooling's backward (twin: [`crate::range::gap_backward`]): FP32 `dpooled`
+    /// `[batch, features]` → FP16 `da` `[batch, pixels, features]`.
+    ///
+    /// # Errors
+    /// As [`AmpKernels::gap_forward`].
+    pub fn gap_backward(
+        &self,
+        stream: &CudaStream,
+        shape: &HeadShape,
+        dpooled: DevRange<'_>,
+        mut da: DevRangeMut<'_>,
+    ) -> Result<(), AmpError> {
+        const OP: &str = entry::GAP_BACKWARD;
+        shape.validate(OP)?;
+        self.check_stream(stream)?;
+        self.check_buf(stream, "dpooled", dpooled.buf_stream())?;
+        self.check_buf(stream, "da", da.buf_stream())?;
+        expect_elems(OP, "dpooled", dpooled.range, 4, shape.pooled_elems())?;
+        expect_elems(OP, "da", da.range, 2, shape.activation_elems())?;
+        let (gp, _g) = dpooled.addr(stream);
+        let (dp, _d) = da.addr_mut(stream);
+        // SAFETY: as in `gap_forward`: checked ranges with the shape's counts, the output
+        // exclusively borrowed.
+        unsafe { self.raw_gap_backward(stream, gp, dp, shape) }
+    }
+
+    /// The FC layer's forward (twin: [`crate::range::fc_forward`]): FP32 `x`
+    /// `[batch, features]`, FP32 `w` `[classes, features]` and `b` `[classes]` (e.g. slots of
+    /// region W) → FP16 `logits` `[batch, classes]`.
+    ///
+    /// # Errors
+    /// As [`AmpKernels::gap_forward`].
+    pub fn fc_forward(
+        &self,
+        stream: &CudaStream,
+        shape: &HeadShape,
+        x: DevRange<'_>,
+        w: DevRange<'_>,
+        b: DevRange<'_>,
+        mut logits: DevRangeMut<'_>,
+    ) -> Result<(), AmpError> {
+        const OP: &str = entry::FC_FORWARD;
+        shape.validate(OP)?;
+        self.check_stream(stream)?;
+        self.check_buf(stream, "x", x.buf_stream())?;
+        self.check_buf(stream, "w", w.buf_stream())?;
+        self.check_buf(stream, "b", b.buf_stream())?;
+        self.check_buf(stream, "logits", logits.buf_stream())?;
+        expect_elems(OP, "x", x.range, 4, shape.pooled_elems())?;
+        expect_elems(OP, "w", w.range, 4, shape.weight_elems())?;
+        expect_elems(OP, "b", b.range, 4, shape.classes)?;
+        expect_elems(OP, "logits", logits.range, 2, shape.logits_elems())?;
+        let (xp, _x) = x.addr(stream);
+        let (wp, _w) = w.addr(stream);
+        let (bp, _b) = b.addr(stream);
+        let (lp, _l) = logits.addr_mut(stream);
+        // SAFETY: every range lies inside its buffer with the shape's element count
+        // (checked); `logits` is borrowed mutably, so it overlaps none of the inputs; the
+        // borrows keep the buffers alive for the call.
+        unsafe { self.raw_fc_forward(stream, xp, wp, bp, lp, shape) }
+    }
+
+    /// The FC layer's backward (twin: [`crate::range::fc_backward`]): FP16 `dlogits`, FP32
+    /// `x` and `w` → FP32 `dw` `[classes, features]`, `db` `[classes]` and `dx`
+    /// `[batch, features]`, all overwritten. To write `dw`/`db` into region G, use
+    /// [`crate::cuda::CudaRegions::fc_backward`].
+    ///
+    /// # Errors
+    /// As [`AmpKernels::gap_forward`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn fc_backward(
+        &self,
+        stream: &CudaStream,
+        shape: &HeadShape,
+        dlogits: DevRange<'_>,
+        x: DevRange<'_>,
+        w: DevRange<'_>,
+        mut dw: DevRangeMut<'_>,
+        mut db: DevRangeMut<'_>,
+        dx: DevRangeMut<'_>,
+    ) -> Result<(), AmpError> {
+        const OP: &str = entry::FC_BACKWARD;
+        shape.validate(OP)?;
+        self.check_stream(stream)?;
+        self.check_buf(stream, "w", w.buf_stream())?;
+        self.check_buf(stream, "dw", dw.buf_stream())?;
+        self.check_buf(stream, "db", db.buf_stream())?;
+        expect_elems(OP, "w", w.range, 4, shape.weight_elems())?;
+        expect_elems(OP, "dw", dw.range, 4, shape.weight_elems())?;
+        expect_elems(OP, "db", db.range, 4, shape.classes)?;
+        let (wp, _w) = w.addr(stream);
+        let (dwp, _dw) = dw.addr_mut(stream);
+        let (dbp, _db) = db.addr_mut(stream);
+        let params = FcParams {
+            w: wp,
+            dw: dwp,
+            db: dbp,
+        };
+        // SAFETY: `w`, `dw` and `db` lie inside their buffers with the shape's counts
+        // (checked); `dw` and `db` are exclusive borrows, so they overlap each other, `w`
+        // and the activation ranges not at all; the borrows keep them alive for the call.
+        unsafe { self.fc_backward_with(stream, shape, dlogits, x, dx, params) }
+    }
+
+    /// [`AmpKernels::fc_backward`] with the weight and its gradients given as addresses
+    /// (slots of a region the caller owns).
+    ///
+    /// # Safety
+    /// `params.w` holds `shape.weight_elems()` f32; `params.dw` has room for as many f32 and
+    /// `params.db` for `shape.classes` f32; `dw` and `db` overlap nothing else of the launch;
+    /// all three stay alive until the launch has run.
+    pub(crate) unsafe fn fc_backward_with(
+        &self,
+        stream: &CudaStream,
+        shape: &HeadShape,
+        dlogits: DevRange<'_>,
+        x: DevRange<'_>,
+        mut dx: DevRangeMut<'_>,
+        params: FcParams,
+    ) -> Result<(), AmpError> {
+        const OP: &str = entry::FC_BACKWARD;
+        shape.validate(OP)?;
+        self.check_stream(stream)?;
+        self.check_buf(stream, "dlogits", dlogits.buf_stream())?;
+        self.check_buf(stream, "x", x.buf_stream())?;
+        self.check_buf(stream, "dx", dx.buf_stream())?;
+        expect_elems(OP, "dlogits", dlogits.range, 2, shape.logits_elems())?;
+        expect_elems(OP, "x", x.range, 4, shape.pooled_elems())?;
+        expect_elems(OP, "dx", dx.range, 4, shape.pooled_elems())?;
+        let (gp, _g) = dlogits.addr(stream);
+        let (xp, _x) = x.addr(stream);
+        let (dxp, _dx) = dx.addr_mut(stream);
+        // SAFETY: the activation ranges were checked here (inside their buffers, the shape's
+        // counts, `dx` exclusive), the parameter addresses by the caller's contract.
+        unsafe { self.raw_fc_backward(stream, gp, xp, params.w, params.dw, params.db, dxp, shape) }
+    }
+
+    /// `out = f16(f32(a) + f32(b))` (twin: [`crate::range::add_f16`]), all FP16 with the
+    /// same element count: the gradient of an activation that feeds two branches.
+    ///
+    /// # Errors
+    /// [`ExecError::Misaligned`], [`ExecError::ElemCount`], [`CudaError::ContextMismatch`];
+    /// a driver error.
+    pub fn add_f16(
+        &self,
+        stream: &CudaStream,
+        a: DevRange<'_>,
+        b: DevRange<'_>,
+        mut out: DevRangeMut<'_>,
+    ) -> Result<(), AmpError> {
+        const OP: &str = entry::ADD_F16;
+        self.check_stream(stream)?;
+        self.check_buf(stream, "a", a.buf_stream())?;
+        self.check_buf(stream, "b", b.buf_stream())?;
+        self.check_buf(stream, "out", out.buf_stream())?;
+        let n = elems_of(OP, "a", a.range, 2)?;
+        same_count(OP, "b", n, elems_of(OP, "b", b.range, 2)?)?;
+        same_count(OP, "out", n, elems_of(OP, "out", out.range, 2)?)?;
+        let (ap, _a) = a.addr(stream);
+        let (bp, _b) = b.addr(stream);
+        let (op, _o) = out.addr_mut(stream);
+        // SAFETY: the three ranges lie inside their buffers with n f16 each (checked);
+        // `out` is an exclusive borrow, so it overlaps neither input; alive for the call.
+        unsafe { self.raw_add_f16(stream, ap, bp, op, n) }
+    }
+
+    /// Appends one batch's loss and accuracy to a metrics log (twin:
+    /// [`crate::range::head_metrics`] then [`crate::range::metrics_log_append`]): `logits`
+    /// FP16 `[batch, classes]`, `labels` i32 `[batch]`, `loss` (optional) the per-row FP32
+    /// losses of the loss seed, `log` a log of [`crate::range::metrics_log_bytes`] bytes
+    /// (zeroed once before the first append).
+    ///
+    /// # Errors
+    /// [`crate::RangeOpError::InvalidConfig`] for `classes == 0`,
+    /// [`crate::RangeOpError::LengthMismatch`] for a log with no room for one entry,
+    /// [`ExecError::Misaligned`], [`ExecError::ElemCount`], [`CudaError::ContextMismatch`];
+    /// a driver error.
+    pub fn head_metrics(
+        &self,
+        stream: &CudaStream,
+        classes: usize,
+        logits: DevRange<'_>,
+        labels: DevRange<'_>,
+        loss: Option<DevRange<'_>>,
+        mut log: DevRangeMut<'_>,
+    ) -> Result<(), AmpError> {
+        const OP: &str = entry::HEAD_METRICS;
+        self.check_stream(stream)?;
+        self.check_buf(stream, "logits", logits.buf_stream())?;
+        self.check_buf(stream, "labels", labels.buf_stream())?;
+        self.check_buf(stream, "log", log.buf_stream())?;
+        let batch = elems_of(OP, "labels", labels.range, 4)?;
+        HeadShape::new(batch, 1, 1, classes).validate(OP)?;
+        expect_elems(OP, "logits", logits.range, 2, batch * classes)?;
+        if let Some(l) = &loss {
+            self.check_buf(stream, "loss", l.buf_stream())?;
+            expect_elems(OP, "loss", l.range, 4, batch)?;
+        }
+        let capacity = metrics_log_capacity(log.range.len());
+        if capacity == 0 || log.range.start % 4 != 0 {
+            return Err(crate::RangeOpError::LengthMismatch {
+                op: OP,
+                what: "log (bytes, 4-aligned)",
+                expected: METRICS_LOG_HEADER + 8,
+                got: log.range.len(),
+            }
+            .into());
+        }
+        let (xp, _x) = logits.addr(stream);
+        let (yp, _y) = labels.addr(stream);
+        let (lp, _l) = match &loss {
+            Some(l) => {
+                let (p, sync) = l.addr(stream);
+                (p, Some(sync))
+            }
+            None => (0, None),
+        };
+        let (gp, _g) = log.addr_mut(stream);
+        // SAFETY: every range lies inside its buffer with the counts checked above, the log
+        // 4-aligned with room for `capacity >= 1` entries; the log is an exclusive borrow,
+        // so it overlaps no input; a null loss is what the kernel checks for.
+        unsafe { self.raw_head_metrics(stream, xp, yp, lp, gp, batch, classes, capacity) }
+    }
+
+    /// [`AmpKernels::softmax_xent_backward`] over byte ranges (e.g. buffers shared with
+    /// cuDNN): `logits` FP16 `[batch, classes]`, `labels` i32 `[batch]`, `s` the S region,
+    /// `dlogits` FP16 like `logits`, `loss` (optional) FP32 `[batch]`.
+    ///
+    /// # Errors
+    /// [`crate::RangeOpError::InvalidConfig`] for `classes == 0`, S-range errors,
+    /// [`ExecError::Misaligned`], [`ExecError::ElemCount`], [`CudaError::ContextMismatch`];
+    /// a driver error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn softmax_xent_backward_range(
+        &self,
+        stream: &CudaStream,
+        classes: usize,
+        logits: DevRange<'_>,
+        labels: DevRange<'_>,
+        s: DevRange<'_>,
+        mut dlogits: DevRangeMut<'_>,
+        loss: Option<DevRangeMut<'_>>,
+    ) -> Result<(), AmpError> {
+        const OP: &str = entry::SOFTMAX_XENT_BACKWARD;
+        self.check_stream(stream)?;
+        self.check_buf(stream, "logits", logits.buf_stream())?;
+        self.check_buf(stream, "labels", labels.buf_stream())?;
+        self.check_buf(stream, "s", s.buf_stream())?;
+        self.check_buf(stream, "dlogits", dlogits.buf_stream())?;
+        check_s(OP, s.range)?;
+        let batch = elems_of(OP, "labels", labels.range, 4)?;
+        HeadShape::new(batch.max(1), 1, 1, classes).validate(OP)?;
+        expect_elems(OP, "logits", logits.range, 2, batch * classes)?;
+        expect_elems(OP, "dlogits", dlogits.range, 2, batch * classes)?;
+        let mut loss = loss;
+        if let Some(l) = &loss {
+            self.check_buf(stream, "loss", l.buf_stream())?;
+            expect_elems(OP, "loss", l.range, 4, batch)?;
+        }
+        let (xp, _x) = logits.addr(stream);
+        let (yp, _y) = labels.addr(stream);
+        let (sp, _s) = s.addr(stream);
+        let (dp, _d) = dlogits.addr_mut(stream);
+        let (lp, _l) = match loss.as_mut() {
+            Some(l) => {
+                let (p, sync) = l.addr_mut(stream);
+                (p, Some(sync))
+            }
+            None => (0, None),
+        };
+        // SAFETY: every range lies inside its buffer with the counts checked above, S at
+        // least 20 bytes 4-aligned; `dlogits` and `loss` are exclusive borrows, so they
+        // overlap nothing; `classes >= 1` (validated).
+        unsafe { self.raw_softmax_xent_backward(stream, xp, yp, dp, lp, sp, batch, classes) }
+    }
+}
+
+/// The FC parameter addresses of [`AmpKernels::fc_backward_with`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FcParams {
+    /// FP32 weight `[classes, features]`.
+    pub(crate) w: u64,
+    /// FP32 weight gradient, same shape.
+    pub(crate) dw: u64,
+    /// FP32 bias gradient `[classes]`.
+    pub(crate) db: u64,
+}
+
+/// The range holds exactly `expected` elements of `size` bytes, on element boundaries.
+fn expect_elems(
+    op: &'static str,
+    what: &'static str,
+    range: ByteRange,
+    size: usize,
+    expected: usize,
+) -> Result<(), AmpError> {
+    same_count(op, what, expected, elems_of(op, what, range, size)?)
 }

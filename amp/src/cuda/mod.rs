@@ -12,11 +12,19 @@
 //! 3. [`CudaRegions::new`] allocates a plan's regions (zeroed) on a stream; it is an
 //!    [`crate::step::AmpExecutor`], so [`crate::step::AmpStep`] runs on it exactly as on
 //!    [`crate::step::CpuRegions`], and its graphs ([`CudaStepGraph`]) replay a step's launches.
+//! 4. The network head around a step ([`AmpKernels::gap_forward`], [`CudaRegions::fc_forward`],
+//!    [`AmpKernels::softmax_xent_backward_range`], [`AmpKernels::head_metrics`],
+//!    [`CudaRegions::fc_backward`], [`AmpKernels::gap_backward`], [`AmpKernels::add_f16`])
+//!    runs over checked byte ranges ([`DevRange`]) of buffers shared with cuDNN; a
+//!    [`Readback`] brings a device buffer (e.g. the metrics log) to the host without waiting.
 //!
 //! Streams and ordering: every launch of [`CudaRegions`] goes to its one stream. Work that
 //! writes the regions (cuDNN wgrad, cuBLAS, copies) must go to the same stream, or be ordered
 //! with it by the caller. The executor passes raw device addresses to its kernels and records
-//! no cudarc events, which is what makes its launches capturable into a CUDA graph.
+//! no cudarc events, which is what makes its launches capturable into a CUDA graph. The head
+//! launches take cudarc buffers ([`DevRange`]) and so go through cudarc's event tracking,
+//! which records nothing while the context has a single stream (no `new_stream` on that
+//! [`CudaContext`]): only then can they be captured too.
 //!
 //! NVRTC needs the CUDA headers (`cuda_fp16.h`): the directory named by
 //! [`crate::kernels::CUDA_INCLUDE_ENV`], else `$CUDA_HOME/include`, `$CUDA_PATH/include`, or
@@ -25,6 +33,7 @@
 #![allow(unsafe_code)]
 
 mod launch;
+mod readback;
 mod regions;
 
 use std::path::{Path, PathBuf};
@@ -33,6 +42,7 @@ use std::sync::Arc;
 pub use cudarc;
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 pub use launch::{compile_ptx, AmpKernels, DevRange, DevRangeMut};
+pub use readback::Readback;
 pub use regions::{CudaRegions, CudaStepGraph, DeviceParam};
 
 use cudarc::driver::DriverError;

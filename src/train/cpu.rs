@@ -1,0 +1,260 @@
+//! The CPU reference executor of the training loop: the network's CBR layers on the reference
+//! ops, the head on the [`crate::amp::range`] twins of the CUDA head kernels, the amp step on
+//! [`CpuRegions`].
+
+use super::{
+    data, initial_weights, memory_plan, net, summarize, ExecutorInfo, MasterWeights, Net, Progress,
+    TrainConfig, TrainError, TrainReport, HELD_OUT_BATCHES,
+};
+use crate::amp::plan::Region;
+use crate::amp::range::{self, softmax_xent_backward, HeadMetrics, HeadShape};
+use crate::amp::step::{AmpStep, CpuRegions, StepConfig};
+use crate::amp::AmpError;
+use cudnn_cbr_fusion::cbr::HostBuffer;
+use half::f16;
+use std::time::Instant;
+
+/// The CPU executor, set up and ready to run.
+#[derive(Debug)]
+pub(crate) struct CpuTrainer {
+    cfg: TrainConfig,
+    data: data::Synthetic,
+    net: Net,
+    step: AmpStep<CpuRegions>,
+    names: Vec<&'static str>,
+}
+
+impl CpuTrainer {
+    pub(crate) fn new(cfg: &TrainConfig) -> Result<Self, TrainError> {
+        cfg.validate()?;
+        let data = data::Synthetic::new(cfg.hw, cfg.channels, cfg.classes, cfg.seed);
+        let mut net = Net::new(cfg.batch, cfg.hw, cfg.channels, cfg.width, cfg.fused);
+        let layers: Vec<_> = net::layer_configs(cfg.batch, cfg.hw, cfg.channels, cfg.width)
+            .iter()
+            .map(|(name, c)| (*name, c.shape))
+            .collect();
+        let plan = memory_plan(&layers, net.features, cfg.classes)?;
+        let mut regions = CpuRegions::new(plan);
+        for (name, values) in initial_weights(&layers, net.features, cfg.classes, cfg.seed) {
+            regions
+                .param_f32_mut(&name, Region::W)?
+                .copy_from_slice(&values);
+        }
+        // Running variance starts at 1, as in every framework.
+        for l in &mut net.layers {
+            let k = l.layer.config().shape.k as usize;
+            l.bufs.set("running_var", HostBuffer::F32(vec![1.0; k]));
+        }
+        let mut step = AmpStep::new(regions, StepConfig::new(cfg.sgd()))?;
+        step.init_weights()?;
+        let names = net.layers.iter().map(|l| l.name).collect();
+        Ok(CpuTrainer {
+            cfg: *cfg,
+            data,
+            net,
+            step,
+            names,
+        })
+    }
+
+    pub(crate) fn run(
+        mut self,
+        every: usize,
+        mut progress: impl FnMut(&Progress),
+        executor: ExecutorInfo,
+    ) -> Result<TrainReport, TrainError> {
+        let cfg = self.cfg;
+        let start = Instant::now();
+        let mut metrics = Vec::with_capacity(cfg.steps);
+        let (mut window_loss, mut window_acc, mut window_n) = (0f32, 0f32, 0usize);
+        for i in 0..cfg.steps {
+            let (images, labels) = self.data.batch(cfg.batch, i as u64, 0);
+            self.step.begin()?;
+            let m = train_step(
+                &mut self.net,
+                &mut self.step,
+                &self.names,
+                &cfg,
+                &images,
+                &labels,
+            )?;
+            self.step.finish()?;
+            metrics.push(m);
+            window_loss += m.loss;
+            window_acc += m.accuracy;
+            window_n += 1;
+            if (i + 1) % every.max(1) == 0 || i + 1 == cfg.steps {
+                self.step.request_scalars()?;
+                let s = self.step.poll_scalars()?.unwrap_or_default();
+                progress(&Progress {
+                    step: i + 1,
+                    loss: window_loss / window_n as f32,
+                    accuracy: window_acc / window_n as f32,
+                    loss_scale: s.loss_scale,
+                    skipped: s.skipped,
+                    images_per_sec: ((i + 1) * cfg.batch) as f64 / start.elapsed().as_secs_f64(),
+                });
+                (window_loss, window_acc, window_n) = (0.0, 0.0, 0);
+            }
+        }
+        let images_per_sec = (cfg.steps * cfg.batch) as f64 / start.elapsed().as_secs_f64();
+        // Held-out batches, forward only (the weights are not touched).
+        let mut correct = 0usize;
+        for i in 0..HELD_OUT_BATCHES {
+            let (images, labels) = self.data.batch(cfg.batch, i, 1);
+            load_weights(&mut self.net, &self.step, &self.names)?;
+            let logits = logits(&mut self.net, &self.step, &cfg, &images)?;
+            let m =
+                range::head_metrics(&logits, &labels, None, cfg.classes).map_err(AmpError::from)?;
+            // accuracy = correct / batch exactly (batch < 2^24), so this recovers the count.
+            correct += (m.accuracy * cfg.batch as f32).round() as usize;
+        }
+        self.step.request_scalars()?;
+        let s = self.step.poll_scalars()?.unwrap_or_default();
+        let (first_loss, last_loss, last_accuracy, step_losses) = summarize(&metrics);
+        let regions = self.step.executor();
+        let weights = MasterWeights(
+            regions
+                .plan_arc()
+                .params()
+                .iter()
+                .map(|p| {
+                    let v = regions.param_f32(p.name(), Region::W)?.to_vec();
+                    Ok((p.name().to_owned(), v))
+                })
+                .collect::<Result<_, AmpError>>()?,
+        );
+        Ok(TrainReport {
+            first_loss,
+            last_loss,
+            last_accuracy,
+            held_out_accuracy: correct as f32 / (HELD_OUT_BATCHES as usize * cfg.batch) as f32,
+            skipped: s.skipped,
+            loss_scale: s.loss_scale,
+            images_per_sec,
+            step_losses,
+            weights,
+            executor,
+        })
+    }
+}
+
+/// Conv weights from A (FP16), BN parameters from W (FP32) into the layers' buffers.
+fn load_weights(
+    net: &mut Net,
+    step: &AmpStep<CpuRegions>,
+    names: &[&'static str],
+) -> Result<(), TrainError> {
+    let regions = step.executor();
+    for (l, name) in net.layers.iter_mut().zip(names) {
+        let w = regions.param_f16(&format!("{name}.w"), Region::A)?.to_vec();
+        l.bufs.set("w", HostBuffer::F16(w));
+        for p in ["gamma", "beta"] {
+            let v = regions
+                .param_f32(&format!("{name}.{p}"), Region::W)?
+                .to_vec();
+            l.bufs.set(
+                if p == "gamma" { "gamma" } else { "beta" },
+                HostBuffer::F32(v),
+            );
+        }
+    }
+    Ok(())
+}
+
+fn head_shape(net: &Net, cfg: &TrainConfig) -> HeadShape {
+    HeadShape::new(
+        cfg.batch,
+        net.last_hw * net.last_hw,
+        net.features,
+        cfg.classes,
+    )
+}
+
+/// Forward through the net and the FC layer (FP32 weights from W): FP16 logits
+/// `[N, classes]`.
+fn logits(
+    net: &mut Net,
+    step: &AmpStep<CpuRegions>,
+    cfg: &TrainConfig,
+    images: &[f16],
+) -> Result<Vec<f16>, TrainError> {
+    let pooled = net.forward(images)?;
+    let shape = head_shape(net, cfg);
+    let mut logits = vec![f16::ZERO; shape.logits_elems()];
+    range::fc_forward(
+        &shape,
+        &pooled,
+        step.executor().param_f32("fc.w", Region::W)?,
+        step.executor().param_f32("fc.b", Region::W)?,
+        &mut logits,
+    )
+    .map_err(AmpError::from)?;
+    Ok(logits)
+}
+
+/// One forward + backward; gradients land in G16 (conv) and G (BN, FC). Returns the step's
+/// loss and accuracy.
+fn train_step(
+    net: &mut Net,
+    step: &mut AmpStep<CpuRegions>,
+    names: &[&'static str],
+    cfg: &TrainConfig,
+    images: &[f16],
+    labels: &[i32],
+) -> Result<HeadMetrics, TrainError> {
+    load_weights(net, step, names)?;
+    let logits = logits(net, step, cfg, images)?;
+    // The scaled loss gradient: scale / batch · (softmax − onehot), FP16.
+    let scalars = step.executor().scalars();
+    let mut dlogits = vec![f16::ZERO; logits.len()];
+    let mut loss_rows = vec![0f32; labels.len()];
+    softmax_xent_backward(
+        &logits,
+        labels,
+        cfg.classes,
+        &scalars,
+        &mut dlogits,
+        Some(&mut loss_rows),
+    )
+    .map_err(AmpError::from)?;
+    let metrics = range::head_metrics(&logits, labels, Some(&loss_rows), cfg.classes)
+        .map_err(AmpError::from)?;
+    // FC backward in FP32: dW = dlogitsᵀ·x, db = Σ dlogits, dx = dlogits·W.
+    let shape = head_shape(net, cfg);
+    let pooled = net.pooled().to_vec();
+    let mut dw = vec![0f32; shape.weight_elems()];
+    let mut db = vec![0f32; cfg.classes];
+    let mut dpooled = vec![0f32; pooled.len()];
+    range::fc_backward(
+        &shape,
+        &dlogits,
+        &pooled,
+        step.executor().param_f32("fc.w", Region::W)?,
+        &mut dw,
+        &mut db,
+        &mut dpooled,
+    )
+    .map_err(AmpError::from)?;
+    let regions = step.executor_mut();
+    regions
+        .param_f32_mut("fc.w", Region::G)?
+        .copy_from_slice(&dw);
+    regions
+        .param_f32_mut("fc.b", Region::G)?
+        .copy_from_slice(&db);
+    net.backward(&dpooled)?;
+    for (l, name) in net.layers.iter().zip(names) {
+        let dw = l.bufs.f16("dw")?;
+        regions
+            .param_f16_mut(&format!("{name}.w"), Region::G16)?
+            .copy_from_slice(dw);
+        for p in ["gamma", "beta"] {
+            let g = l.bufs.f32(&format!("d{p}"))?;
+            regions
+                .param_f32_mut(&format!("{name}.{p}"), Region::G)?
+                .copy_from_slice(g);
+        }
+    }
+    Ok(metrics)
+}

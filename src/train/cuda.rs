@@ -1,0 +1,1047 @@
+//! The CUDA executor of the training loop: the same network, step and head as the CPU
+//! executor, as cuDNN plans and amp's NVRTC kernels on one stream.
+//!
+//! What one step enqueues, in order, with no host synchronization:
+//!
+//! | # | work | how |
+//! |--:|------|-----|
+//! | 1 | zero G and G16 | amp `begin` (range kernels) |
+//! | 2 | forward: stem, b1a, b1b, trans, b2a, b2b | each layer's cuDNN plans ([`CbrLayer::run_gpu`]) |
+//! | 3 | global average pool, FC forward | `amp_gap_forward`, `amp_fc_forward` (FP32 FC weights read from W) |
+//! | 4 | loss seed, metrics | `amp_softmax_xent_backward` (loss scale read from S), `amp_head_metrics` (appends loss and accuracy to a device log) |
+//! | 5 | FC backward, pool backward | `amp_fc_backward` (FP32 dW, db straight into G), `amp_gap_backward` (into b2b's `da`) |
+//! | 6 | backward: b2b, b2a, join, trans, b1b, b1a, join, stem | cuDNN plans; the residual joins with `amp_add_f16` |
+//! | 7 | cast G16→G, check, SGD, loss-scale update | amp `finish` |
+//!
+//! Before a step the batch is copied in (images into stem's `x`, labels into the head's
+//! buffer) with asynchronous copies from host memory, which stage pageable memory at once and
+//! never wait for the device.
+//!
+//! **Buffers.** Each layer's buffers are allocated with [`OwnedDeviceBuffers::alloc`], except
+//! its parameters, which are slots of the amp regions: `w` → the conv weight's slot in A,
+//! `dw` → its slot in G16, `gamma`/`beta` → W, `dgamma`/`dbeta` → G. A block's input is the
+//! buffer that produced it, not a copy: b1a's `x` and b1b's `residual` are stem's `a`,
+//! trans's `x` is b1b's `a`, b2a's `x` and b2b's `residual` are trans's `a`, and b1b's `da` is
+//! trans's `dx`. The joins write trans's and stem's `da`.
+//!
+//! **Graphs.** After [`WARMUP_STEPS`] eager steps the step is captured by
+//! [`CudaTrainer::capture`], by [`CudaGraphMode`]:
+//! - `Finish`: steps 7 as amp's op-list graph ([`AmpStep::capture_finish`]), replayed in
+//!   place of the eager `finish`; 1–6 stay eager.
+//! - `Step` (default): steps 1–7 with stream capture into one CUDA graph, launched once per
+//!   step after the batch copies. If that capture fails, the executor falls back to `Finish`
+//!   and says why ([`CudaTrainer::graph_state`]).
+//!
+//! Capturing cuDNN plans and cudarc buffers is sound here because the executor's CUDA context
+//! object has exactly one stream, the per-thread default stream, and never creates another:
+//! cudarc's event tracking records and waits on events only for a context in multi-stream
+//! mode, so nothing inside the capture touches an event recorded outside it. The cuDNN
+//! handle's workspace pool reaches its final size during the warm-up steps, so nothing is
+//! allocated inside the capture either. The per-thread stream belongs to the thread that made
+//! the executor, so [`CudaTrainer`] is not `Send`.
+//!
+//! **Logging without syncs.** Loss and accuracy never leave the device during a step: the
+//! metrics kernel appends them to a log (one entry per step). Every few steps the loop asks
+//! for an asynchronous copy of the log and of S into page-locked memory and polls for it
+//! ([`crate::amp::cuda::Readback`], [`AmpStep::request_scalars`]); a progress report goes out
+//! when a copy has arrived. The loop synchronizes only after the last step (for the report,
+//! the held-out evaluation and the throughput).
+
+use super::net::{self, prev_of, B1A, B1B, B2A, B2B, STEM, TRANS};
+use super::{
+    data, initial_weights, memory_plan, summarize, CudaGraphMode, ExecutorInfo, MasterWeights,
+    Progress, TrainConfig, TrainError, TrainReport, HELD_OUT_BATCHES,
+};
+use crate::amp::cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use crate::amp::cuda::cudarc::driver::{CudaGraph, DriverError};
+use crate::amp::cuda::{
+    AmpKernels, CudaContext, CudaRegions, CudaSlice, CudaStepGraph, CudaStream, DevRange,
+    DevRangeMut, Readback,
+};
+use crate::amp::plan::{Dtype, Region};
+use crate::amp::range::{metrics_log_bytes, metrics_log_read, HeadShape, MetricsLog};
+use crate::amp::step::{AmpStep, StepConfig, StepGraph};
+use crate::amp::AmpError;
+use cudnn_cbr_fusion::cache::PlanCache;
+use cudnn_cbr_fusion::cbr::{
+    BufferSpec, CbrConfig, CbrLayer, DeviceBuffer, DeviceBuffers, HostBuffer, OwnedDeviceBuffers,
+    Pass,
+};
+use cudnn_cbr_fusion::exec::{cuda_device, Handle};
+use cudnn_cbr_fusion::graph::DataType;
+use half::f16;
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Eager steps before the capture (cuDNN's lazy loading, the workspace pool and the first
+/// launches of every kernel happen in them).
+pub const WARMUP_STEPS: usize = 3;
+
+/// Where built cuDNN plans are persisted (relative to the working directory), so that a rerun
+/// restores them in about a millisecond each instead of running cuDNN's runtime compilation.
+pub const PLAN_CACHE_DIR: &str = "target/plan-cache";
+
+/// Buffers that are another layer's buffer: (layer, name, owner, owner's name).
+const ALIASES: [(usize, &str, usize, &str); 6] = [
+    (B1A, "x", STEM, "a"),
+    (B1B, "residual", STEM, "a"),
+    (TRANS, "x", B1B, "a"),
+    (B2A, "x", TRANS, "a"),
+    (B2B, "residual", TRANS, "a"),
+    (B1B, "da", TRANS, "dx"),
+];
+
+/// The amp parameter (suffix of `<layer>.<suffix>`) and region a layer buffer is bound to.
+fn param_slot(buffer: &str) -> Option<(&'static str, Region)> {
+    Some(match buffer {
+        "w" => ("w", Region::A),
+        "dw" => ("w", Region::G16),
+        "gamma" => ("gamma", Region::W),
+        "beta" => ("beta", Region::W),
+        "dgamma" => ("gamma", Region::G),
+        "dbeta" => ("beta", Region::G),
+        _ => return None,
+    })
+}
+
+fn driver(what: &str, e: DriverError) -> TrainError {
+    TrainError::Driver {
+        what: what.into(),
+        message: e.to_string(),
+    }
+}
+
+fn amp_error(e: AmpError) -> TrainError {
+    match e {
+        AmpError::NoDevice { reason } => TrainError::NoDevice { reason },
+        AmpError::NoNvrtc { reason } => TrainError::NoNvrtc { reason },
+        AmpError::Cuda(c @ crate::amp::CudaError::Compile { .. }) => TrainError::NoNvrtc {
+            reason: c.to_string(),
+        },
+        other => TrainError::Amp(other),
+    }
+}
+
+/// One conv layer on the device.
+struct GpuLayer {
+    name: &'static str,
+    layer: CbrLayer,
+    /// The buffers this layer allocated (not its parameters, not its aliases).
+    owned: OwnedDeviceBuffers,
+    /// Every buffer its graphs (and the next layer's) bind, by name.
+    table: DeviceBuffers,
+    /// The specs of `table`.
+    specs: Vec<BufferSpec>,
+}
+
+impl GpuLayer {
+    fn slice(&self, name: &str) -> Result<&CudaSlice<u8>, TrainError> {
+        self.owned
+            .slice(name)
+            .ok_or_else(|| missing(self.name, name))
+    }
+
+    fn slice_mut(&mut self, name: &str) -> Result<&mut CudaSlice<u8>, TrainError> {
+        let layer = self.name;
+        self.owned
+            .slice_mut(name)
+            .ok_or_else(|| missing(layer, name))
+    }
+}
+
+fn missing(layer: &str, name: &str) -> TrainError {
+    TrainError::Config(format!(
+        "layer {layer} has no buffer `{name}` of its own on the device"
+    ))
+}
+
+/// The head's buffers (bytes, typed by the kernels' checks).
+struct Head {
+    shape: HeadShape,
+    /// FP32 `[batch, features]`.
+    pooled: CudaSlice<u8>,
+    /// FP16 `[batch, classes]`.
+    logits: CudaSlice<u8>,
+    /// FP16 `[batch, classes]`, scaled by the loss scale.
+    dlogits: CudaSlice<u8>,
+    /// FP32 `[batch]` per-row losses.
+    loss: CudaSlice<u8>,
+    /// FP32 `[batch, features]`.
+    dpooled: CudaSlice<u8>,
+    /// i32 `[batch]`.
+    labels: CudaSlice<u8>,
+    /// The training metrics log, one entry per step.
+    log: CudaSlice<u8>,
+    /// The held-out metrics log.
+    eval_log: CudaSlice<u8>,
+}
+
+/// Which graph a [`CudaTrainer`] replays.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GraphState {
+    /// None: every step eager.
+    Eager,
+    /// The `finish` op list; the rest of the step eager. `why` says why not the whole step
+    /// (`None` when only this was asked for).
+    Finish {
+        /// Why the whole-step capture was not used.
+        why: Option<String>,
+    },
+    /// The whole step.
+    Step,
+}
+
+impl fmt::Display for GraphState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GraphState::Eager => write!(f, "every step eager"),
+            GraphState::Finish { why: None } => {
+                write!(f, "amp finish op list replayed as a CUDA graph")
+            }
+            GraphState::Finish { why: Some(why) } => write!(
+                f,
+                "amp finish op list replayed as a CUDA graph (whole-step capture failed: {why})"
+            ),
+            GraphState::Step => write!(f, "whole step replayed as one CUDA graph"),
+        }
+    }
+}
+
+/// Device state that a step reads and writes, downloaded (blocking) for tests and
+/// checkpoints: every amp region, each layer's running statistics, the metrics logs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Snapshot {
+    /// Each region's bytes.
+    pub regions: Vec<(Region, Vec<u8>)>,
+    /// (layer, buffer, values) for `running_mean` and `running_var`.
+    pub running: Vec<(&'static str, &'static str, Vec<f32>)>,
+    /// The training metrics log image.
+    pub log: Vec<u8>,
+}
+
+impl Snapshot {
+    /// The largest absolute difference between two snapshots' FP32/FP16 values, region by
+    /// region (W, M, G, E, S as FP32; A, G16, E16 as FP16), running statistics and log, and
+    /// whether they are identical bit for bit.
+    pub fn max_abs_diff(&self, other: &Snapshot) -> (f64, bool) {
+        let mut worst = 0f64;
+        let mut same = self == other;
+        let mut see = |a: f64, b: f64| {
+            let d = if a.is_nan() && b.is_nan() {
+                0.0
+            } else {
+                (a - b).abs()
+            };
+            worst = worst.max(if d.is_nan() { f64::INFINITY } else { d });
+        };
+        for ((ra, a), (rb, b)) in self.regions.iter().zip(&other.regions) {
+            if ra != rb || a.len() != b.len() {
+                same = false;
+                see(0.0, f64::INFINITY);
+                continue;
+            }
+            if ra.dtype() == Some(Dtype::F16) {
+                for (x, y) in a.chunks_exact(2).zip(b.chunks_exact(2)) {
+                    see(
+                        f16::from_le_bytes([x[0], x[1]]).to_f64(),
+                        f16::from_le_bytes([y[0], y[1]]).to_f64(),
+                    );
+                }
+            } else {
+                for (x, y) in a.chunks_exact(4).zip(b.chunks_exact(4)) {
+                    see(
+                        f64::from(f32::from_le_bytes([x[0], x[1], x[2], x[3]])),
+                        f64::from(f32::from_le_bytes([y[0], y[1], y[2], y[3]])),
+                    );
+                }
+            }
+        }
+        for ((_, _, a), (_, _, b)) in self.running.iter().zip(&other.running) {
+            for (x, y) in a.iter().zip(b) {
+                see(f64::from(*x), f64::from(*y));
+            }
+        }
+        for (x, y) in self.log[4..]
+            .chunks_exact(4)
+            .zip(other.log[4..].chunks_exact(4))
+        {
+            see(
+                f64::from(f32::from_le_bytes([x[0], x[1], x[2], x[3]])),
+                f64::from(f32::from_le_bytes([y[0], y[1], y[2], y[3]])),
+            );
+        }
+        (worst, same)
+    }
+}
+
+/// The CUDA executor: the network's layers planned for the device, the amp regions, the head.
+///
+/// Made by [`CudaTrainer::new`]; [`super::Trainer::run`] runs the training loop. The step-level
+/// methods ([`CudaTrainer::upload_batch`], [`CudaTrainer::step`], [`CudaTrainer::capture`],
+/// [`CudaTrainer::snapshot`], …) are what the loop and the tier-4 tests use.
+pub struct CudaTrainer {
+    cfg: TrainConfig,
+    data: data::Synthetic,
+    head: Head,
+    layers: Vec<GpuLayer>,
+    step: AmpStep<CudaRegions>,
+    kernels: Arc<AmpKernels>,
+    finish_graph: Option<StepGraph<CudaStepGraph>>,
+    step_graph: Option<CudaGraph>,
+    state: GraphState,
+    log_readback: Readback,
+    handle: Arc<Handle>,
+    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+    device_name: String,
+    /// The per-thread stream is this thread's: keep the executor on it.
+    _not_send: PhantomData<*const ()>,
+}
+
+impl fmt::Debug for CudaTrainer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaTrainer")
+            .field("device", &self.device_name)
+            .field(
+                "routes",
+                &self
+                    .layers
+                    .iter()
+                    .map(|l| (l.name, l.layer.route().name()))
+                    .collect::<Vec<_>>(),
+            )
+            .field("graphs", &self.state)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaTrainer {
+    /// Opens device 0, plans every layer (through the persistent plan cache in
+    /// [`PLAN_CACHE_DIR`]), allocates the regions and buffers, uploads the initial weights
+    /// (the same as the CPU executor's for the same seed).
+    ///
+    /// # Errors
+    /// [`TrainError::NoDevice`], [`TrainError::NoCudnn`], [`TrainError::NoNvrtc`],
+    /// [`TrainError::NoRoute`] when the executor cannot run here; [`TrainError::Config`] for
+    /// a bad configuration; any failure of the setup.
+    pub fn new(cfg: &TrainConfig) -> Result<Self, TrainError> {
+        cfg.validate()?;
+        let ctx = cuda_device(0).map_err(|e| match e {
+            cudnn_cbr_fusion::Error::NoDevice { reason } => TrainError::NoDevice { reason },
+            other => TrainError::Fusion(other),
+        })?;
+        crate::sys::library().map_err(|e| TrainError::NoCudnn {
+            reason: e.to_string().lines().next().unwrap_or_default().to_string(),
+        })?;
+        if !crate::amp::cuda::nvrtc_library_present() {
+            return Err(TrainError::NoNvrtc {
+                reason: "the NVRTC library (libnvrtc) is not on the loader path".into(),
+            });
+        }
+        let device_name = ctx.name().unwrap_or_else(|_| "unknown device".into());
+        // The only stream of this context object (module docs: why capture is sound).
+        let stream = ctx.per_thread_stream();
+        let handle = Handle::new(stream.clone())?;
+        let target = handle.target()?;
+        // A working directory where the folder cannot be made: plan in memory only.
+        let cache = PlanCache::persistent(PLAN_CACHE_DIR).unwrap_or_else(|_| PlanCache::new());
+        let configs = net::layer_configs(cfg.batch, cfg.hw, cfg.channels, cfg.width);
+        let mut planned = Vec::with_capacity(configs.len());
+        for (name, config) in configs {
+            planned.push((name, plan_layer(name, config, cfg.fused, &target, &cache)?));
+        }
+
+        // The memory plan and its regions, with the CPU executor's initial weights.
+        let features = 2 * cfg.width;
+        let shapes: Vec<_> = configs.iter().map(|(n, c)| (*n, c.shape)).collect();
+        let plan = memory_plan(&shapes, features, cfg.classes)?;
+        let mut regions = CudaRegions::new(plan, stream.clone()).map_err(amp_error)?;
+        for (name, values) in initial_weights(&shapes, features, cfg.classes, cfg.seed) {
+            regions
+                .upload_f32(Region::W, &name, &values)
+                .map_err(amp_error)?;
+        }
+        let kernels = regions.kernels().clone();
+        let mut step = AmpStep::new(regions, StepConfig::new(cfg.sgd())).map_err(amp_error)?;
+        step.init_weights().map_err(amp_error)?;
+
+        let layers = bind_layers(planned, step.executor(), &stream)?;
+        let half = cfg.hw / 2;
+        let shape = HeadShape::new(cfg.batch, half * half, features, cfg.classes);
+        let alloc = |bytes: usize, what: &str| {
+            stream
+                .alloc_zeros::<u8>(bytes.max(1))
+                .map_err(|e| driver(&format!("allocate the head's {what}"), e))
+        };
+        let head = Head {
+            pooled: alloc(4 * shape.pooled_elems(), "pooled features")?,
+            logits: alloc(2 * shape.logits_elems(), "logits")?,
+            dlogits: alloc(2 * shape.logits_elems(), "logit gradients")?,
+            loss: alloc(4 * shape.batch, "per-row losses")?,
+            dpooled: alloc(4 * shape.pooled_elems(), "pooled gradients")?,
+            labels: alloc(4 * shape.batch, "labels")?,
+            log: alloc(metrics_log_bytes(cfg.steps), "metrics log")?,
+            eval_log: alloc(metrics_log_bytes(HELD_OUT_BATCHES as usize), "held-out log")?,
+            shape,
+        };
+        let log_readback = Readback::new(&ctx, head.log.len()).map_err(amp_error)?;
+        Ok(CudaTrainer {
+            cfg: *cfg,
+            data: data::Synthetic::new(cfg.hw, cfg.channels, cfg.classes, cfg.seed),
+            head,
+            layers,
+            step,
+            kernels,
+            finish_graph: None,
+            step_graph: None,
+            state: GraphState::Eager,
+            log_readback,
+            handle,
+            stream,
+            ctx,
+            device_name,
+            _not_send: PhantomData,
+        })
+    }
+
+    /// One line: the device, each layer's route, the graph plan.
+    pub fn describe(&self) -> String {
+        let routes: Vec<String> = self
+            .layers
+            .iter()
+            .map(|l| match l.layer.route().reason() {
+                None => format!("{} {}", l.name, l.layer.route().name()),
+                Some(why) => {
+                    // cuDNN's account can be long: its first line, shortened.
+                    let why: String = why.lines().next().unwrap_or("").chars().take(160).collect();
+                    format!("{} {} ({why})", l.name, l.layer.route().name())
+                }
+            })
+            .collect();
+        let graphs = match self.cfg.cuda_graph {
+            CudaGraphMode::Off => "no CUDA graphs".to_string(),
+            CudaGraphMode::Finish => {
+                format!("amp finish op list as a CUDA graph after {WARMUP_STEPS} warm-up steps")
+            }
+            CudaGraphMode::Step => {
+                format!("whole step as one CUDA graph after {WARMUP_STEPS} warm-up steps")
+            }
+        };
+        format!(
+            "cuda:{} {}; routes: {}; {graphs}",
+            self.ctx.ordinal(),
+            self.device_name,
+            routes.join(", ")
+        )
+    }
+
+    /// The graph the steps replay now.
+    pub fn graph_state(&self) -> &GraphState {
+        &self.state
+    }
+
+    /// The stream everything goes to.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The amp step (regions, scalars).
+    pub fn amp_step(&self) -> &AmpStep<CudaRegions> {
+        &self.step
+    }
+
+    /// Each layer's name and route name.
+    pub fn routes(&self) -> Vec<(&'static str, &'static str)> {
+        self.layers
+            .iter()
+            .map(|l| (l.name, l.layer.route().name()))
+            .collect()
+    }
+
+    /// Copies one batch in: NHWC FP16 images into stem's `x`, labels into the head.
+    /// Asynchronous (pageable memory is staged at once; nothing waits for the device).
+    ///
+    /// # Errors
+    /// [`TrainError::Config`] for a batch of the wrong size; a driver error.
+    pub fn upload_batch(&mut self, images: &[f16], labels: &[i32]) -> Result<(), TrainError> {
+        let c = &self.cfg;
+        let pixels = c.batch * c.hw * c.hw * c.channels;
+        if labels.len() != c.batch || images.len() != pixels {
+            return Err(TrainError::Config(format!(
+                "a batch of {} needs {} labels and {pixels} image values, got {} and {}",
+                c.batch,
+                c.batch,
+                labels.len(),
+                images.len()
+            )));
+        }
+        let stream = self.stream.clone();
+        self.layers[STEM]
+            .owned
+            .upload("x", &HostBuffer::F16(images.to_vec()), &stream)?;
+        let bytes: Vec<u8> = labels.iter().flat_map(|l| l.to_le_bytes()).collect();
+        stream
+            .memcpy_htod(&bytes, &mut self.head.labels)
+            .map_err(|e| driver("copy the labels", e))
+    }
+
+    fn run_layer(&self, i: usize, pass: Pass) -> Result<(), TrainError> {
+        let l = &self.layers[i];
+        let prev = prev_of(i).map(|p| &self.layers[p].table);
+        l.layer.run_gpu(pass, &self.handle, &l.table, prev)?;
+        Ok(())
+    }
+
+    /// Forward through the six layers, the pooling and the FC layer.
+    fn forward(&mut self) -> Result<(), TrainError> {
+        for i in [STEM, B1A, B1B, TRANS, B2A, B2B] {
+            self.run_layer(i, Pass::Forward)?;
+        }
+        let shape = self.head.shape;
+        self.kernels
+            .gap_forward(
+                &self.stream,
+                &shape,
+                DevRange::whole(self.layers[B2B].slice("a")?),
+                DevRangeMut::whole(&mut self.head.pooled),
+            )
+            .map_err(amp_error)?;
+        self.step
+            .executor()
+            .fc_forward(
+                "fc.w",
+                "fc.b",
+                &shape,
+                DevRange::whole(&self.head.pooled),
+                DevRangeMut::whole(&mut self.head.logits),
+            )
+            .map_err(amp_error)
+    }
+
+    /// Loss seed, metrics, FC and pooling backward (into b2b's `da`).
+    fn head_backward(&mut self) -> Result<(), TrainError> {
+        let shape = self.head.shape;
+        let h = &mut self.head;
+        self.kernels
+            .softmax_xent_backward_range(
+                &self.stream,
+                shape.classes,
+                DevRange::whole(&h.logits),
+                DevRange::whole(&h.labels),
+                DevRange::whole(self.step.executor().region(Region::S).map_err(amp_error)?),
+                DevRangeMut::whole(&mut h.dlogits),
+                Some(DevRangeMut::whole(&mut h.loss)),
+            )
+            .map_err(amp_error)?;
+        self.kernels
+            .head_metrics(
+                &self.stream,
+                shape.classes,
+                DevRange::whole(&h.logits),
+                DevRange::whole(&h.labels),
+                Some(DevRange::whole(&h.loss)),
+                DevRangeMut::whole(&mut h.log),
+            )
+            .map_err(amp_error)?;
+        self.step
+            .executor_mut()
+            .fc_backward(
+                "fc.w",
+                "fc.b",
+                &shape,
+                DevRange::whole(&h.dlogits),
+                DevRange::whole(&h.pooled),
+                DevRangeMut::whole(&mut h.dpooled),
+            )
+            .map_err(amp_error)?;
+        self.kernels
+            .gap_backward(
+                &self.stream,
+                &shape,
+                DevRange::whole(&h.dpooled),
+                DevRangeMut::whole(self.layers[B2B].slice_mut("da")?),
+            )
+            .map_err(amp_error)
+    }
+
+    /// `layers[out].da = layers[a].dx + layers[b].dpre`.
+    fn join(&mut self, out: usize, a: usize, b: usize) -> Result<(), TrainError> {
+        let (o, x, y) = one_mut_two(&mut self.layers, out, a, b);
+        self.kernels
+            .add_f16(
+                &self.stream,
+                DevRange::whole(x.slice("dx")?),
+                DevRange::whole(y.slice("dpre")?),
+                DevRangeMut::whole(o.slice_mut("da")?),
+            )
+            .map_err(amp_error)
+    }
+
+    /// Backward through the six layers with the residual joins (as `Net::backward`).
+    fn backward(&mut self) -> Result<(), TrainError> {
+        self.run_layer(B2B, Pass::Backward)?;
+        self.run_layer(B2A, Pass::Backward)?;
+        // trans's output feeds b2a's conv and b2b's shortcut: its gradient is the sum.
+        self.join(TRANS, B2A, B2B)?;
+        self.run_layer(TRANS, Pass::Backward)?;
+        // b1b's `da` is trans's `dx` (aliased).
+        self.run_layer(B1B, Pass::Backward)?;
+        self.run_layer(B1A, Pass::Backward)?;
+        self.join(STEM, B1A, B1B)?;
+        self.run_layer(STEM, Pass::Backward)
+    }
+
+    /// Steps 1–6 of the module table: zero the gradients, forward, head, backward.
+    pub fn forward_backward(&mut self) -> Result<(), TrainError> {
+        self.step.begin().map_err(amp_error)?;
+        self.forward()?;
+        self.head_backward()?;
+        self.backward()
+    }
+
+    /// Step 7: the amp finish, from its graph when one was captured (`graph`), else eager.
+    ///
+    /// # Errors
+    /// [`TrainError::Config`] when `graph` is asked without a captured finish graph.
+    pub fn finish(&mut self, graph: bool) -> Result<(), TrainError> {
+        if graph {
+            let g = self
+                .finish_graph
+                .as_ref()
+                .ok_or_else(|| TrainError::Config("no finish graph has been captured".into()))?;
+            self.step.replay(g).map_err(amp_error)
+        } else {
+            self.step.finish().map_err(amp_error)
+        }
+    }
+
+    /// One training step on the uploaded batch, as [`CudaTrainer::graph_state`] says: the
+    /// whole-step graph, or eager steps 1–6 then the finish graph or eager finish.
+    ///
+    /// # Errors
+    /// A driver, cuDNN or amp error.
+    pub fn step(&mut self) -> Result<(), TrainError> {
+        match self.state {
+            GraphState::Step => match &self.step_graph {
+                Some(g) => g.launch().map_err(|e| driver("launch the step graph", e)),
+                None => Err(TrainError::Config("no step graph".into())),
+            },
+            GraphState::Finish { .. } => {
+                self.forward_backward()?;
+                self.finish(true)
+            }
+            GraphState::Eager => {
+                self.forward_backward()?;
+                self.finish(false)
+            }
+        }
+    }
+
+    /// One eager step, whatever graphs exist (the reference a replay is compared with).
+    ///
+    /// # Errors
+    /// As [`CudaTrainer::step`].
+    pub fn step_eager(&mut self) -> Result<(), TrainError> {
+        self.forward_backward()?;
+        self.finish(false)
+    }
+
+    /// Captures the step by `mode` (module docs), without running anything; afterwards
+    /// [`CudaTrainer::step`] replays. Run a few eager steps first ([`WARMUP_STEPS`]).
+    ///
+    /// # Errors
+    /// A failure to capture the finish op list; a failed whole-step capture is not an error
+    /// (the state falls back to the finish graph and records why).
+    pub fn capture(&mut self, mode: CudaGraphMode) -> Result<(), TrainError> {
+        if mode == CudaGraphMode::Off {
+            self.state = GraphState::Eager;
+            return Ok(());
+        }
+        if self.finish_graph.is_none() {
+            self.finish_graph = Some(self.step.capture_finish().map_err(amp_error)?);
+        }
+        self.state = GraphState::Finish { why: None };
+        if mode == CudaGraphMode::Step {
+            match self.capture_step() {
+                Ok(g) => {
+                    self.step_graph = Some(g);
+                    self.state = GraphState::Step;
+                }
+                Err(e) => self.state = GraphState::Finish { why: Some(e) },
+            }
+        }
+        Ok(())
+    }
+
+    /// Stream capture of steps 1–7 (eager finish launches inside: a graph launch inside a
+    /// capture is avoided). Always ends the capture; the error says what failed.
+    fn capture_step(&mut self) -> Result<CudaGraph, String> {
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| format!("begin stream capture: {e}"))?;
+        let body = self.step_eager();
+        // Always end the capture, so the stream is usable again whatever happened.
+        let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        body.map_err(|e| format!("while capturing: {e}"))?;
+        let graph = ended
+            .map_err(|e| format!("end capture and instantiate: {e}"))?
+            .ok_or_else(|| "the capture produced no graph".to_string())?;
+        graph
+            .upload()
+            .map_err(|e| format!("upload the graph: {e}"))?;
+        Ok(graph)
+    }
+
+    /// Downloads everything a step reads and writes that outlives it (blocking: tests and
+    /// checkpoints only).
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn snapshot(&self) -> Result<Snapshot, TrainError> {
+        let regions = self.step.executor();
+        let mut out = Snapshot {
+            regions: Vec::new(),
+            running: Vec::new(),
+            log: Vec::new(),
+        };
+        for r in Region::ALL {
+            if regions.plan_arc().has_region(r) {
+                out.regions
+                    .push((r, regions.download_region_bytes(r).map_err(amp_error)?));
+            }
+        }
+        for l in &self.layers {
+            for name in ["running_mean", "running_var"] {
+                if let Some(spec) = l.specs.iter().find(|s| s.name == name) {
+                    let v = l.owned.download(spec, &self.stream)?.to_f32();
+                    out.running.push((l.name, spec.name, v));
+                }
+            }
+        }
+        out.log = self
+            .stream
+            .clone_dtoh(&self.head.log)
+            .map_err(|e| driver("download the metrics log", e))?;
+        Ok(out)
+    }
+
+    /// Writes a [`Snapshot`] back (asynchronously, in stream order).
+    ///
+    /// # Errors
+    /// A snapshot of another configuration; a driver error.
+    pub fn restore(&mut self, s: &Snapshot) -> Result<(), TrainError> {
+        let stream = self.stream.clone();
+        for (r, bytes) in &s.regions {
+            self.step
+                .executor_mut()
+                .upload_region_bytes(*r, bytes)
+                .map_err(amp_error)?;
+        }
+        for (layer, name, v) in &s.running {
+            let l = self
+                .layers
+                .iter_mut()
+                .find(|l| l.name == *layer)
+                .ok_or_else(|| missing(layer, name))?;
+            l.owned.upload(name, &HostBuffer::F32(v.clone()), &stream)?;
+        }
+        stream
+            .memcpy_htod(&s.log, &mut self.head.log)
+            .map_err(|e| driver("restore the metrics log", e))
+    }
+
+    /// The training metrics log, downloaded (blocking).
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn metrics_log(&self) -> Result<MetricsLog, TrainError> {
+        let bytes = self
+            .stream
+            .clone_dtoh(&self.head.log)
+            .map_err(|e| driver("download the metrics log", e))?;
+        Ok(metrics_log_read(&bytes).map_err(AmpError::from)?)
+    }
+
+    /// The FP32 master weights, downloaded (blocking).
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn master_weights(&self) -> Result<MasterWeights, TrainError> {
+        let regions = self.step.executor();
+        Ok(MasterWeights(
+            regions
+                .plan_arc()
+                .params()
+                .iter()
+                .map(|p| {
+                    let v = regions.download_f32(Region::W, p.name())?;
+                    Ok((p.name().to_owned(), v))
+                })
+                .collect::<Result<_, AmpError>>()
+                .map_err(amp_error)?,
+        ))
+    }
+
+    /// Requests asynchronous copies of S and the metrics log (never waits).
+    fn request_readback(&mut self) -> Result<(), TrainError> {
+        self.step.request_scalars().map_err(amp_error)?;
+        self.log_readback
+            .request(&self.stream, &self.head.log)
+            .map_err(amp_error)
+    }
+
+    /// The training loop (see [`super::Trainer::run`] for the reporting rules).
+    pub(crate) fn run(
+        mut self,
+        every: usize,
+        mut progress: impl FnMut(&Progress),
+        mut executor: ExecutorInfo,
+    ) -> Result<TrainReport, TrainError> {
+        let cfg = self.cfg;
+        let every = every.max(1);
+        let start = Instant::now();
+        let mut reported = 0usize;
+        let emit = |log: &MetricsLog,
+                    scale: f32,
+                    skipped: u32,
+                    reported: &mut usize,
+                    progress: &mut dyn FnMut(&Progress)| {
+            let done = log.count as usize;
+            if done <= *reported {
+                return;
+            }
+            let window = &log.entries[(*reported).min(log.entries.len())..];
+            let n = window.len().max(1) as f32;
+            progress(&Progress {
+                step: done,
+                loss: window.iter().map(|m| m.loss).sum::<f32>() / n,
+                accuracy: window.iter().map(|m| m.accuracy).sum::<f32>() / n,
+                loss_scale: scale,
+                skipped,
+                images_per_sec: (done * cfg.batch) as f64 / start.elapsed().as_secs_f64(),
+            });
+            *reported = done;
+        };
+        for i in 0..cfg.steps {
+            let (images, labels) = self.data.batch(cfg.batch, i as u64, 0);
+            self.upload_batch(&images, &labels)?;
+            self.step()?;
+            if i + 1 == WARMUP_STEPS {
+                self.capture(cfg.cuda_graph)?;
+            }
+            // Logging without syncs: poll what has arrived, request more every `every` steps.
+            if let Some(bytes) = self.log_readback.poll().map_err(amp_error)? {
+                let log = metrics_log_read(bytes).map_err(AmpError::from)?;
+                let s = self
+                    .step
+                    .poll_scalars()
+                    .map_err(amp_error)?
+                    .unwrap_or_default();
+                emit(&log, s.loss_scale, s.skipped, &mut reported, &mut progress);
+            }
+            if (i + 1) % every == 0 && i + 1 < cfg.steps {
+                self.request_readback()?;
+            }
+        }
+        // The end of the run: the one place the loop waits for the device.
+        self.stream
+            .synchronize()
+            .map_err(|e| driver("synchronize after the last step", e))?;
+        let images_per_sec = (cfg.steps * cfg.batch) as f64 / start.elapsed().as_secs_f64();
+        self.request_readback()?;
+        let bytes = self
+            .log_readback
+            .wait()
+            .map_err(amp_error)?
+            .map(<[u8]>::to_vec)
+            .unwrap_or_default();
+        let log = metrics_log_read(&bytes).map_err(AmpError::from)?;
+        let s = self
+            .step
+            .executor()
+            .read_scalars_blocking()
+            .map_err(amp_error)?;
+        emit(&log, s.loss_scale, s.skipped, &mut reported, &mut progress);
+
+        // Held-out batches, forward only (BN in training mode, like the CPU executor).
+        for i in 0..HELD_OUT_BATCHES {
+            let (images, labels) = self.data.batch(cfg.batch, i, 1);
+            self.upload_batch(&images, &labels)?;
+            self.forward()?;
+            let h = &mut self.head;
+            self.kernels
+                .head_metrics(
+                    &self.stream,
+                    cfg.classes,
+                    DevRange::whole(&h.logits),
+                    DevRange::whole(&h.labels),
+                    None,
+                    DevRangeMut::whole(&mut h.eval_log),
+                )
+                .map_err(amp_error)?;
+        }
+        let eval = self
+            .stream
+            .clone_dtoh(&self.head.eval_log)
+            .map_err(|e| driver("download the held-out log", e))?;
+        let eval = metrics_log_read(&eval).map_err(AmpError::from)?;
+        let correct: usize = eval
+            .entries
+            .iter()
+            .map(|m| (m.accuracy * cfg.batch as f32).round() as usize)
+            .sum();
+        let (first_loss, last_loss, last_accuracy, step_losses) = summarize(&log.entries);
+        let weights = self.master_weights()?;
+        executor.detail = format!("{}; ran: {}", executor.detail, self.state);
+        Ok(TrainReport {
+            first_loss,
+            last_loss,
+            last_accuracy,
+            held_out_accuracy: correct as f32 / (HELD_OUT_BATCHES as usize * cfg.batch) as f32,
+            skipped: s.skipped,
+            loss_scale: s.loss_scale,
+            images_per_sec,
+            step_losses,
+            weights,
+            executor,
+        })
+    }
+}
+
+/// Plans one layer: the fused route with cuDNN's fallbacks, or the unfused route.
+fn plan_layer(
+    name: &'static str,
+    config: CbrConfig,
+    fused: bool,
+    target: &cudnn_cbr_fusion::Target,
+    cache: &PlanCache,
+) -> Result<CbrLayer, TrainError> {
+    let planned = if fused {
+        CbrLayer::plan(config, target, cache)
+    } else {
+        CbrLayer::plan_route(config, target, cache, false)
+    };
+    planned.map_err(|e| match e {
+        e @ (cudnn_cbr_fusion::Error::NoRoute { .. }
+        | cudnn_cbr_fusion::Error::NoEngine { .. }
+        | cudnn_cbr_fusion::Error::NoPlan { .. }) => TrainError::NoRoute {
+            layer: format!("{name} ({})", config.shape.label()),
+            reason: e.to_string(),
+        },
+        other => TrainError::Fusion(other),
+    })
+}
+
+/// A device buffer's element type as the graphs see it.
+fn data_type(d: Dtype) -> DataType {
+    match d {
+        Dtype::F16 => DataType::Half,
+        Dtype::F32 => DataType::Float,
+    }
+}
+
+/// Allocates each layer's own buffers and builds its binding table: own buffers, aliases to
+/// other layers' buffers, parameters in the regions.
+fn bind_layers(
+    planned: Vec<(&'static str, CbrLayer)>,
+    regions: &CudaRegions,
+    stream: &Arc<CudaStream>,
+) -> Result<Vec<GpuLayer>, TrainError> {
+    // Every buffer each layer's table needs: its own, and what the next layer's prologue
+    // binds in it.
+    let specs: Vec<Vec<BufferSpec>> = (0..planned.len())
+        .map(|i| {
+            let mut s: Vec<BufferSpec> = planned[i].1.buffers().to_vec();
+            for (j, (_, next)) in planned.iter().enumerate() {
+                if prev_of(j) == Some(i) {
+                    for p in next.prev_buffers() {
+                        match s.iter_mut().find(|b| b.name == p.name) {
+                            Some(b) => b.elems = b.elems.max(p.elems),
+                            None => s.push(p.clone()),
+                        }
+                    }
+                }
+            }
+            s
+        })
+        .collect();
+    let aliased = |i: usize, name: &str| {
+        ALIASES
+            .iter()
+            .find(|(l, n, _, _)| *l == i && *n == name)
+            .map(|(_, _, owner, owner_name)| (*owner, *owner_name))
+    };
+    let mut owned = Vec::with_capacity(planned.len());
+    for (i, s) in specs.iter().enumerate() {
+        let own: Vec<BufferSpec> = s
+            .iter()
+            .filter(|b| param_slot(b.name).is_none() && aliased(i, b.name).is_none())
+            .cloned()
+            .collect();
+        let mut bufs = OwnedDeviceBuffers::alloc(&own, stream)?;
+        if let Some(spec) = own.iter().find(|b| b.name == "running_var") {
+            // Running variance starts at 1, as in every framework (and the CPU executor).
+            bufs.upload(
+                "running_var",
+                &HostBuffer::F32(vec![1.0; spec.elems]),
+                stream,
+            )?;
+        }
+        owned.push(bufs);
+    }
+    let mut layers = Vec::with_capacity(planned.len());
+    for (i, ((name, layer), specs)) in planned.into_iter().zip(specs).enumerate() {
+        let mut table = DeviceBuffers::new();
+        for spec in &specs {
+            let buf = if let Some((suffix, region)) = param_slot(spec.name) {
+                let p = regions
+                    .param(&format!("{name}.{suffix}"), region)
+                    .map_err(amp_error)?;
+                DeviceBuffer {
+                    ptr: p.ptr,
+                    bytes: p.len_bytes,
+                    dtype: data_type(p.dtype),
+                }
+            } else if let Some((owner, owner_name)) = aliased(i, spec.name) {
+                owned[owner].table().get(owner_name)?
+            } else {
+                owned[i].table().get(spec.name)?
+            };
+            if buf.dtype != spec.dtype || buf.bytes < spec.bytes() {
+                return Err(TrainError::Config(format!(
+                    "layer {name}: buffer `{}` needs {} bytes of {:?}, its binding has {} of {:?}",
+                    spec.name,
+                    spec.bytes(),
+                    spec.dtype,
+                    buf.bytes,
+                    buf.dtype
+                )));
+            }
+            table.insert_raw(spec.name, buf);
+        }
+        layers.push((name, layer, table, specs));
+    }
+    Ok(layers
+        .into_iter()
+        .zip(owned)
+        .map(|((name, layer, table, specs), owned)| GpuLayer {
+            name,
+            layer,
+            owned,
+            table,
+            specs,
+        })
+        .collect())
+}
+
+/// `&mut v[i]` with `&v[j]` and `&v[k]` (`i` differs from both).
+fn one_mut_two<T>(v: &mut [T], i: usize, j: usize, k: usize) -> (&mut T, &T, &T) {
+    assert!(i != j && i != k, "one_mut_two: {i} aliases {j} or {k}");
+    let (lo, hi) = v.split_at_mut(i);
+    let (mid, rest) = hi.split_first_mut().expect("index in bounds");
+    let (lo, rest): (&[T], &[T]) = (lo, rest);
+    let get = move |x: usize| if x < i { &lo[x] } else { &rest[x - i - 1] };
+    (mid, get(j), get(k))
+}
