@@ -502,12 +502,12 @@ impl CudaRegions {
             dw: self.f32_param_addr(OP, weight, Region::G, shape.weight_elems())?,
             db: self.f32_param_addr(OP, bias, Region::G, shape.classes)?,
         };
-        // SAFETY: the three addresses are slots of regions W and G, which this executor owns
-        // and frees on its stream after enqueued work; each holds the shape's element count
-        // of f32 (checked just above); the dw and db slots belong to two different
-        // parameters, so they do not overlap each other, nor W (another allocation); `dlogits`,
-        // `x` and `dx` cannot be views of this executor's regions because `self` is borrowed
-        // mutably for the call.
+        // The three addresses are slots of regions W and G, which this executor owns and frees
+        // on its stream after enqueued work; each holds the shape's element count of f32
+        // (checked just above); the dw and db slots belong to two different parameters, so
+        // they overlap neither each other nor W (another allocation).
+        // SAFETY: as above; `dlogits`, `x` and `dx` cannot be views of this executor's regions
+        // because `self` is borrowed mutably for the call.
         unsafe {
             self.kernels
                 .fc_backward_with(&self.stream, shape, dlogits, x, dx, params)
