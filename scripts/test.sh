@@ -36,6 +36,13 @@ bash -n scripts/gpu-check.sh
 python3 -m py_compile benches/torch_cbr.py
 python3 benches/torch_cbr.py --out target/bench
 
+if [ -n "${CI:-}" ]; then
+  # The CPU half of the GPU check: release-build and bundle every binary a GPU machine runs
+  # (about 4 minutes on 2 cores; skipped outside CI to keep local runs quick).
+  step "gpu-check bundle (release build of every test, bench and example)"
+  ./scripts/gpu-check.sh bundle
+fi
+
 step "cargo test"
 cargo test --workspace --all-targets --locked
 
