@@ -6,6 +6,7 @@
 //! - [`fusion`]: the safe graph frontend and the CBR ops;
 //! - [`amp`]: the mixed-precision layer (memory plan, range ops, loss scaling, the step);
 //! - [`train`]: the main job's training loop (a small CBR ResNet on synthetic data).
+#![forbid(unsafe_code)]
 
 pub use cudnn_cbr_amp as amp;
 pub use cudnn_cbr_fusion as fusion;
