@@ -6,6 +6,44 @@
 //! - [`fusion`]: the safe graph frontend and the CBR ops;
 //! - [`amp`]: the mixed-precision layer (memory plan, range ops, loss scaling, the step);
 //! - [`train`]: the main job's training loop (a small CBR ResNet on synthetic data).
+//!
+//! # A tour (the README's, compiled here)
+//! ```no_run
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use cudnn_cbr::fusion::cbr::{CbrConfig, CbrLayer, ConvShape, HostBuffers, Pass};
+//! use cudnn_cbr::fusion::{cache::PlanCache, Target};
+//!
+//! // Plan a layer for an H200 without a GPU (or `Handle::new(stream)?.target()?` on a device).
+//! let target = Target::deviceless_from_file("tests/fixtures/devprops/h200-sm90.json")?;
+//! let cache = PlanCache::persistent("target/plan-cache")?; // plan JSON survives restarts
+//! let config = CbrConfig::new(ConvShape::square(32, 64, 56, 64, 3, 1, 1));
+//! let layer = CbrLayer::plan(config, &target, &cache)?;
+//! println!("{} route, {} B workspace", layer.route().name(), layer.workspace_size());
+//! for b in layer.buffers() {
+//!     println!("{} {} x{}", b.name, b.dtype, b.elems);
+//! }
+//!
+//! // Run it on the CPU over host buffers named as on the GPU (`run_gpu` takes device tables).
+//! let mut this = HostBuffers::zeros(layer.buffers());
+//! let mut prev = HostBuffers::zeros(layer.prev_buffers());
+//! layer.run_cpu(Pass::Forward, &mut this, Some(&mut prev))?;
+//! layer.run_cpu(Pass::Backward, &mut this, Some(&mut prev))?;
+//!
+//! // The amp step: a memory plan, regions on an executor, begin/finish around fwd+bwd.
+//! use cudnn_cbr::amp::plan::{MemoryPlanBuilder, ParamKind};
+//! use cudnn_cbr::amp::range::SgdConfig;
+//! use cudnn_cbr::amp::step::{AmpStep, CpuRegions, StepConfig};
+//! let mut b = MemoryPlanBuilder::new();
+//! let bucket = b.bucket("all")?;
+//! b.add("conv.w", ParamKind::ConvWeight, &[64, 3, 3, 64], bucket)?;
+//! let regions = CpuRegions::new(b.finalize()?);
+//! let mut step = AmpStep::new(regions, StepConfig::new(SgdConfig::new(0.05)))?;
+//! step.init_weights()?;
+//! step.begin()?; // forward and backward go here: wgrads FP16 into G16
+//! step.finish()?;
+//! # Ok(())
+//! # }
+//! ```
 #![forbid(unsafe_code)]
 
 pub use cudnn_cbr_amp as amp;
