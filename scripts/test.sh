@@ -46,4 +46,7 @@ fi
 step "cargo test"
 cargo test --workspace --all-targets --locked
 
+step "doc examples (the README tour among them)"
+cargo test --workspace --doc --locked
+
 step "done in $(( $(date +%s) - start )) s"
