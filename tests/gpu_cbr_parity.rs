@@ -7,19 +7,14 @@ use cudnn_cbr::fusion::cbr::graphs::ApplyResidual;
 use cudnn_cbr::fusion::cbr::{
     CbrConfig, CbrLayer, ConvShape, HostBuffer, HostBuffers, OwnedDeviceBuffers, Pass,
 };
-use cudnn_cbr::fusion::exec::{cuda_device, Handle};
+mod common;
+
+use cudnn_cbr::fusion::exec::Handle;
 use half::f16;
 
 fn fill(n: usize, seed: &mut u64, scale: f32, base: f32) -> Vec<f32> {
     (0..n)
-        .map(|_| {
-            *seed = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = *seed;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 31;
-            base + (((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * scale
-        })
+        .map(|_| base + common::uniform(seed) * scale)
         .collect()
 }
 
@@ -63,17 +58,9 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
 
 #[test]
 fn two_layer_chain_matches_the_cpu_reference_on_both_routes() {
-    let ctx = match cuda_device(0) {
-        Ok(c) => c,
-        Err(e) => {
-            println!("SKIP two_layer_chain_matches_the_cpu_reference: {e}");
-            return;
-        }
-    };
-    if let Err(e) = cudnn_cbr::sys::library() {
-        println!("SKIP two_layer_chain_matches_the_cpu_reference: cuDNN not loadable: {e}");
+    let Some(ctx) = common::gpu_or_skip("two_layer_chain_matches_the_cpu_reference") else {
         return;
-    }
+    };
     let stream = ctx.default_stream();
     let handle = Handle::new(stream.clone()).unwrap();
     let target = handle.target().unwrap();

@@ -2,40 +2,27 @@
 //! reference. Prints one SKIP line where there is no usable CUDA device or cuDNN.
 
 use cudnn_cbr::fusion::cbr::{graphs, ConvShape};
-use cudnn_cbr::fusion::exec::{cuda_device, Bindings, Handle, Workspace};
+mod common;
+
+use cudnn_cbr::fusion::exec::{Bindings, Handle, Workspace};
 use cudnn_cbr::fusion::lower::OperationGraph;
 use cudnn_cbr::fusion::plan::build_plan;
 use cudnn_cbr::fusion::reference::{self, ConvParams};
 use half::f16;
 
-/// Deterministic values in [-1, 1) (splitmix64), rounded to FP16.
+/// Deterministic values in [-1, 1), rounded to FP16.
 fn random_f16(len: usize, seed: u64) -> Vec<f16> {
     let mut s = seed;
     (0..len)
-        .map(|_| {
-            s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 31;
-            f16::from_f64((z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0)
-        })
+        .map(|_| f16::from_f32(common::uniform(&mut s)))
         .collect()
 }
 
 #[test]
 fn conv_fprop_matches_the_cpu_reference() {
-    let ctx = match cuda_device(0) {
-        Ok(ctx) => ctx,
-        Err(e) => {
-            println!("SKIP conv_fprop_matches_the_cpu_reference: {e}");
-            return;
-        }
-    };
-    if let Err(e) = cudnn_cbr::sys::library() {
-        println!("SKIP conv_fprop_matches_the_cpu_reference: cuDNN not loadable: {e}");
+    let Some(ctx) = common::gpu_or_skip("conv_fprop_matches_the_cpu_reference") else {
         return;
-    }
+    };
     let stream = ctx.default_stream();
     let handle = Handle::new(stream.clone()).unwrap();
     let target = handle.target().unwrap();

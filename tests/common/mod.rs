@@ -28,3 +28,30 @@ pub fn cudnn_or_skip(test: &str) -> Option<&'static cudnn_cbr::sys::Library> {
         }
     }
 }
+
+/// A CUDA device with a loadable cuDNN for a tier-4 test, or `None` after printing the test's
+/// one SKIP line (GPU tests never fail for lack of a GPU, in CI or elsewhere).
+pub fn gpu_or_skip(test: &str) -> Option<std::sync::Arc<cudarc::driver::CudaContext>> {
+    let ctx = match cudnn_cbr::fusion::exec::cuda_device(0) {
+        Ok(ctx) => ctx,
+        Err(e) => {
+            println!("SKIP {test}: {e}");
+            return None;
+        }
+    };
+    if let Err(e) = cudnn_cbr::sys::library() {
+        println!("SKIP {test}: cuDNN not loadable: {e}");
+        return None;
+    }
+    Some(ctx)
+}
+
+/// Deterministic test data: splitmix64 mapped to `[-1, 1)`.
+pub fn uniform(state: &mut u64) -> f32 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}

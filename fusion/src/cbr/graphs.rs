@@ -455,15 +455,6 @@ pub fn batchnorm_backward(
     (g, inputs, o)
 }
 
-/// Unfused route: a = relu(x), materialized: returns (graph, x, a).
-pub fn relu_forward(dims: [i64; 4]) -> (Graph, [TensorId; 2]) {
-    let mut g = Graph::new("relu_forward");
-    let x = g.tensor(TensorAttrs::new("X", dims));
-    let a = g.relu(x);
-    g.set_output(a, None).expect("in graph");
-    (g, [x, a])
-}
-
 /// Unfused route: dx = relu_bwd(dy, x) with the forward input stored: returns (graph, dy, x, dx).
 pub fn relu_backward(dims: [i64; 4]) -> (Graph, [TensorId; 3]) {
     let mut g = Graph::new("relu_backward");
