@@ -204,21 +204,13 @@ fn run(stream: Arc<CudaStream>, full: bool) -> Res<()> {
                 ),
             }
         }
+        // Rewritten after every layer, so a run cut short still leaves its rows.
+        write_outputs(&rows, &speedups(&rows), false)?;
     }
-    let mut speedups = Vec::new();
+    let speedups = speedups(&rows);
     println!("\n{:<12} {:>16}", "layer", "fused speedup");
-    for (label, _) in &layers {
-        let f = rows
-            .iter()
-            .find(|r| r.label == *label && r.route == "fused");
-        let u = rows
-            .iter()
-            .find(|r| r.label == *label && r.route == "unfused");
-        if let (Some(f), Some(u)) = (f, u) {
-            let s = (u.fwd_ms + u.bwd_ms) / (f.fwd_ms + f.bwd_ms);
-            println!("{label:<12} {s:>15.2}x");
-            speedups.push((*label, s));
-        }
+    for (label, s) in &speedups {
+        println!("{label:<12} {s:>15.2}x");
     }
     if !speedups.is_empty() {
         let geo = (speedups.iter().map(|(_, s)| s.ln()).sum::<f64>() / speedups.len() as f64).exp();
@@ -228,8 +220,22 @@ fn run(stream: Arc<CudaStream>, full: bool) -> Res<()> {
             speedups.len()
         );
     }
-    write_outputs(&rows, &speedups)?;
+    write_outputs(&rows, &speedups, true)?;
     Ok(())
+}
+
+/// (layer, unfused time / fused time, forward + backward) for each layer with both rows.
+fn speedups(rows: &[Row]) -> Vec<(&'static str, f64)> {
+    let time = |r: &Row| r.fwd_ms + r.bwd_ms;
+    rows.iter()
+        .filter(|f| f.route == "fused")
+        .filter_map(|f| {
+            let u = rows
+                .iter()
+                .find(|u| u.label == f.label && u.route == "unfused")?;
+            Some((f.label, time(u) / time(f)))
+        })
+        .collect()
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -274,7 +280,7 @@ fn bench_layer(
     })
 }
 
-fn write_outputs(rows: &[Row], speedups: &[(&str, f64)]) -> Res<()> {
+fn write_outputs(rows: &[Row], speedups: &[(&str, f64)], last: bool) -> Res<()> {
     let dir = std::env::var_os("OUT")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| "target/bench".into());
@@ -298,6 +304,8 @@ fn write_outputs(rows: &[Row], speedups: &[(&str, f64)]) -> Res<()> {
     }
     svg += "</svg>\n";
     std::fs::write(dir.join("cbr_layers.svg"), svg)?;
-    println!("wrote {}/cbr_layers.csv and cbr_layers.svg", dir.display());
+    if last {
+        println!("wrote {}/cbr_layers.csv and cbr_layers.svg", dir.display());
+    }
     Ok(())
 }

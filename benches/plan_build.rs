@@ -22,11 +22,17 @@ fn main() {
         );
         return;
     }
-    let fixture = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/devprops/h200-sm90.json"
-    );
-    let target = Target::deviceless_from_file(fixture).expect("H200 fixture");
+    // Where it was built, else from the working directory (a bundled copy run elsewhere).
+    let rel = "tests/fixtures/devprops/h200-sm90.json";
+    let built = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(rel);
+    let fixture = if built.is_file() { built } else { rel.into() };
+    let target = match Target::deviceless_from_file(&fixture) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("plan_build: cannot use {}: {e}", fixture.display());
+            std::process::exit(1);
+        }
+    };
     let shape = if full {
         ConvShape::RESNET_3X3
     } else {

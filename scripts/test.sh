@@ -41,6 +41,8 @@ if [ -n "${CI:-}" ]; then
   # (about 4 minutes on 2 cores; skipped outside CI to keep local runs quick).
   step "gpu-check bundle (release build of every test, bench and example)"
   ./scripts/gpu-check.sh bundle
+  step "gpu-check rehearsal (its run half without a GPU, from a copy elsewhere)"
+  ./scripts/gpu-check.sh rehearse
 fi
 
 step "cargo test"

@@ -3,9 +3,21 @@
 
 use std::path::PathBuf;
 
+/// The repository root: where the test was built, or else the working directory. The second
+/// case is a bundled binary run on another machine (scripts/gpu-check.sh runs there from a
+/// copy of the repository, at another path).
+pub fn repo_root() -> PathBuf {
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    if built.join("tests/fixtures").is_dir() {
+        built
+    } else {
+        PathBuf::from(".")
+    }
+}
+
 /// The device-properties fixtures shipped in tests/fixtures/devprops, as (label, path).
 pub fn devprops_fixtures() -> Vec<(&'static str, PathBuf)> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/devprops");
+    let dir = repo_root().join("tests/fixtures/devprops");
     vec![
         ("H200 sm_90", dir.join("h200-sm90.json")),
         ("A100 sm_80", dir.join("a100-sm80.json")),
