@@ -2,8 +2,15 @@
 //! them with a fixture, key by key.
 //!
 //! `cargo run --example device_props -- [out.json] [fixture.json]`
+//!
+//! The raw document is written first, before any check, so that a document with unexpected
+//! keys is still there to read; keys the deviceless planner needs but the device's document
+//! lacks make the run fail after the comparison.
 
 use cudnn_cbr::fusion::exec::{cuda_device, Handle};
+use cudnn_cbr::fusion::{DeviceProps, Error, REQUIRED_KEYS};
+use serde_json::Value;
+use std::collections::BTreeSet;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
@@ -16,44 +23,57 @@ fn main() -> ExitCode {
         )
         .into()
     });
-    let run = || -> cudnn_cbr::fusion::Result<()> {
+    let run = || -> cudnn_cbr::fusion::Result<bool> {
         let ctx = cuda_device(0)?;
         let handle = Handle::new(ctx.default_stream())?;
-        let props = handle.device_props()?;
-        std::fs::write(&out, props.json()).map_err(|e| cudnn_cbr::fusion::Error::CacheFile {
+        let json = handle.device_props_json()?;
+        std::fs::write(&out, &json).map_err(|e| Error::CacheFile {
             path: out.clone(),
             reason: e.to_string(),
         })?;
+        let props = DeviceProps::from_live_json(&json)?;
         println!(
-            "{} (sm_{}{}) properties written to {out}",
+            "{} (sm_{}{}, {} SMs) properties written to {out}",
             props.name(),
             props.compute_capability().0,
-            props.compute_capability().1
+            props.compute_capability().1,
+            props.sm_count()
         );
-        let live: serde_json::Value = serde_json::from_str(props.json()).unwrap_or_default();
-        let want: serde_json::Value = std::fs::read_to_string(&fixture)
+        let live: Value = serde_json::from_str(&json).unwrap_or_default();
+        let want: Value = std::fs::read_to_string(&fixture)
             .ok()
             .and_then(|t| serde_json::from_str(&t).ok())
             .unwrap_or_default();
+        let keys: BTreeSet<&str> = [&live, &want]
+            .iter()
+            .filter_map(|v| v.as_object())
+            .flat_map(|o| o.keys().map(String::as_str))
+            .chain(REQUIRED_KEYS)
+            .collect();
         let mut differ = 0;
-        for key in cudnn_cbr::fusion::REQUIRED_KEYS {
+        for key in &keys {
             if live.get(key) != want.get(key) {
                 differ += 1;
                 println!(
                     "  {key}: device {} vs fixture {}",
-                    live.get(key).unwrap_or(&serde_json::Value::Null),
-                    want.get(key).unwrap_or(&serde_json::Value::Null)
+                    live.get(key).unwrap_or(&Value::Null),
+                    want.get(key).unwrap_or(&Value::Null)
                 );
             }
         }
-        println!(
-            "{differ} of {} keys differ from {fixture}",
-            cudnn_cbr::fusion::REQUIRED_KEYS.len()
-        );
-        Ok(())
+        println!("{differ} of {} keys differ from {fixture}", keys.len());
+        let missing = props.missing_keys();
+        if !missing.is_empty() {
+            eprintln!(
+                "device_props: the device's document lacks keys deviceless planning needs: {}",
+                missing.join(", ")
+            );
+        }
+        Ok(missing.is_empty())
     };
     match run() {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
         Err(e) => {
             eprintln!("device_props: {e}");
             ExitCode::FAILURE

@@ -50,6 +50,9 @@ fn inputs(layer: &CbrLayer, seed: u64, first: bool) -> HostBuffers {
     b
 }
 
+/// Forward + backward passes per side before comparing.
+const PASSES: usize = 2;
+
 fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
     let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
     let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
@@ -105,10 +108,14 @@ fn two_layer_chain_matches_the_cpu_reference_on_both_routes() {
                 ),
             );
             let (g1_in, g2_in) = (h1.clone(), h2.clone());
-            l1.run_cpu(Pass::Forward, &mut h1, None).unwrap();
-            l2.run_cpu(Pass::Forward, &mut h2, Some(&mut h1)).unwrap();
-            l2.run_cpu(Pass::Backward, &mut h2, Some(&mut h1)).unwrap();
-            l1.run_cpu(Pass::Backward, &mut h1, None).unwrap();
+            // Two training passes on each side: an engine that accumulated into an output
+            // (statistics, dγ/dβ) instead of overwriting it would differ on the second.
+            for _ in 0..PASSES {
+                l1.run_cpu(Pass::Forward, &mut h1, None).unwrap();
+                l2.run_cpu(Pass::Forward, &mut h2, Some(&mut h1)).unwrap();
+                l2.run_cpu(Pass::Backward, &mut h2, Some(&mut h1)).unwrap();
+                l1.run_cpu(Pass::Backward, &mut h1, None).unwrap();
+            }
             // GPU run on the same inputs.
             let mut d1 = OwnedDeviceBuffers::alloc(l1.buffers(), &stream).unwrap();
             let mut d2 = OwnedDeviceBuffers::alloc(l2.buffers(), &stream).unwrap();
@@ -118,14 +125,16 @@ fn two_layer_chain_matches_the_cpu_reference_on_both_routes() {
             for (name, buf) in g2_in.iter() {
                 d2.upload(name, buf, &stream).unwrap();
             }
-            l1.run_gpu(Pass::Forward, &handle, d1.table(), None)
-                .unwrap();
-            l2.run_gpu(Pass::Forward, &handle, d2.table(), Some(d1.table()))
-                .unwrap();
-            l2.run_gpu(Pass::Backward, &handle, d2.table(), Some(d1.table()))
-                .unwrap();
-            l1.run_gpu(Pass::Backward, &handle, d1.table(), None)
-                .unwrap();
+            for _ in 0..PASSES {
+                l1.run_gpu(Pass::Forward, &handle, d1.table(), None)
+                    .unwrap();
+                l2.run_gpu(Pass::Forward, &handle, d2.table(), Some(d1.table()))
+                    .unwrap();
+                l2.run_gpu(Pass::Backward, &handle, d2.table(), Some(d1.table()))
+                    .unwrap();
+                l1.run_gpu(Pass::Backward, &handle, d1.table(), None)
+                    .unwrap();
+            }
             stream.synchronize().unwrap();
             for (layer, specs, dev, host) in [
                 ("l1", l1.buffers(), &d1, &h1),

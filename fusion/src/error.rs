@@ -90,6 +90,19 @@ pub enum Error {
         /// Bytes given.
         got: usize,
     },
+    /// The handle's pooled workspace would have to grow while its stream captures a CUDA
+    /// graph (an allocation inside a capture would be owned by the graph).
+    #[error("the pooled workspace must grow from {pooled} to {needed} bytes while its stream is capturing a CUDA graph; call Handle::reserve_workspace({needed}) before capturing")]
+    WorkspaceGrowthInCapture {
+        /// Bytes needed.
+        needed: usize,
+        /// Bytes the pool holds.
+        pooled: usize,
+    },
+    /// cudarc tracks buffer uses across several streams of this context with events, which
+    /// cuDNN work (ordered by its stream alone, through raw pointers) would silently bypass.
+    #[error("the CUDA context has several streams with cudarc's event tracking on: cuDNN work is ordered by the handle's stream alone and cudarc cannot see it; keep one stream per context, or call CudaContext::disable_event_tracking() before allocating the buffers bound to cuDNN and order streams yourself")]
+    EventTracking,
     /// A plan-cache file could not be read or written.
     #[error("plan cache {path}: {reason}")]
     CacheFile {

@@ -39,11 +39,27 @@ pub fn cuda_device(ordinal: usize) -> Result<Arc<CudaContext>> {
 }
 
 /// A cuDNN handle bound to one cudarc stream, with a workspace pool for plans that need one.
+///
+/// Work is ordered by that stream alone: device pointers reach cuDNN raw, so cudarc's
+/// cross-stream event tracking cannot see them. A context in cudarc's multi-stream mode with
+/// tracking on is refused ([`Error::EventTracking`]). With `ctx.per_thread_stream()` the
+/// stream is the calling thread's: use such a handle from the thread that made it.
 pub struct Handle {
     raw: sys::cudnnHandle_t,
     stream: Arc<CudaStream>,
     lib: &'static sys::Library,
-    workspace: Mutex<Option<CudaSlice<u8>>>,
+    workspace: Mutex<WorkspacePool>,
+}
+
+/// The pooled workspace. A buffer whose address a CUDA graph may hold (captured, or given to
+/// cuDNN's graph population) is kept until the handle drops instead of freed when the pool
+/// grows, so replaying that graph never touches freed memory.
+#[derive(Default)]
+struct WorkspacePool {
+    current: Option<CudaSlice<u8>>,
+    /// Whether `current`'s address may be inside a CUDA graph.
+    pinned: bool,
+    retired: Vec<CudaSlice<u8>>,
 }
 
 // SAFETY: a cuDNN handle may be used from any thread as long as calls on it do not overlap;
@@ -69,6 +85,14 @@ impl HandleRef {
     pub(crate) fn raw(&self) -> sys::cudnnHandle_t {
         self.0.raw
     }
+
+    pub(crate) fn make_current(&self) -> Result<()> {
+        self.0
+            .stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| driver("bind the CUDA context", e))
+    }
 }
 
 impl Handle {
@@ -79,6 +103,7 @@ impl Handle {
             .context()
             .bind_to_thread()
             .map_err(|e| driver("bind the CUDA context", e))?;
+        check_event_tracking(&stream)?;
         let mut raw: sys::cudnnHandle_t = std::ptr::null_mut();
         // SAFETY: valid out-pointer; the context is current on this thread.
         unsafe { (lib.api.cudnnCreate)(&mut raw) }
@@ -88,7 +113,7 @@ impl Handle {
             raw,
             stream,
             lib,
-            workspace: Mutex::new(None),
+            workspace: Mutex::new(WorkspacePool::default()),
         };
         // SAFETY: `raw` is a live handle; the stream outlives it (held in `handle`).
         unsafe { (lib.api.cudnnSetStream)(raw, handle.stream.cu_stream() as sys::cudaStream_t) }
@@ -103,13 +128,18 @@ impl Handle {
     }
 
     /// The device's properties as cuDNN sees them (serialized to the same JSON the deviceless
-    /// fixtures use).
+    /// fixtures use). Keys cuDNN leaves out are tolerated ([`DeviceProps::from_live_json`];
+    /// [`DeviceProps::missing_keys`] names them).
     pub fn device_props(&self) -> Result<DeviceProps> {
+        DeviceProps::from_live_json(&self.device_props_json()?)
+    }
+
+    /// The device-properties JSON document exactly as cuDNN serializes it for this device.
+    pub fn device_props_json(&self) -> Result<String> {
         let mut d = Descriptor::new(K::CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR)?;
         d.set_one(A::CUDNN_ATTR_DEVICEPROP_HANDLE, self.raw)?;
         d.finalize()?;
-        let json = d.get_string(A::CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION)?;
-        DeviceProps::from_json(&json)
+        d.get_string(A::CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION)
     }
 
     /// A live target: plans built for it can execute on this handle.
@@ -139,20 +169,74 @@ impl Handle {
             .map_err(|e| driver("zero a device buffer", e))
     }
 
+    /// Grows the pooled workspace to at least `bytes` now. Call it with the largest
+    /// workspace any plan will need before capturing this handle's stream into a CUDA graph:
+    /// the pool cannot grow during a capture.
+    pub fn reserve_workspace(&self, bytes: usize) -> Result<()> {
+        self.pooled_workspace(bytes, false).map(|_| ())
+    }
+
+    /// Bytes the pooled workspace holds now.
+    pub fn pooled_workspace_bytes(&self) -> usize {
+        self.pool().current.as_ref().map_or(0, |w| w.len())
+    }
+
+    fn pool(&self) -> std::sync::MutexGuard<'_, WorkspacePool> {
+        self.workspace.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether the handle's stream is capturing a CUDA graph now.
+    fn capturing(&self) -> Result<bool> {
+        use cudarc::driver::sys::CUstreamCaptureStatus as S;
+        let status = self
+            .stream
+            .capture_status()
+            .map_err(|e| driver("query the stream's capture status", e))?;
+        Ok(status != S::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
     /// A device pointer to at least `bytes` of pooled workspace (grows, never shrinks).
-    fn pooled_workspace(&self, bytes: usize) -> Result<u64> {
-        let mut pool = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
-        if pool.as_ref().is_none_or(|w| w.len() < bytes) {
-            *pool = Some(
-                self.stream
-                    .alloc_zeros::<u8>(bytes.max(1))
-                    .map_err(|e| driver("allocate workspace", e))?,
-            );
+    /// `for_graph`: the address goes into a CUDA graph (pinned until the handle drops).
+    fn pooled_workspace(&self, bytes: usize, for_graph: bool) -> Result<u64> {
+        let mut pool = self.pool();
+        let have = pool.current.as_ref().map_or(0, |w| w.len());
+        if have < bytes.max(1) {
+            if self.capturing()? {
+                return Err(Error::WorkspaceGrowthInCapture {
+                    needed: bytes,
+                    pooled: have,
+                });
+            }
+            let grown = self
+                .stream
+                .alloc_zeros::<u8>(bytes.max(1))
+                .map_err(|e| driver("allocate workspace", e))?;
+            if let Some(old) = pool.current.replace(grown) {
+                if pool.pinned {
+                    pool.retired.push(old);
+                }
+            }
+            pool.pinned = false;
         }
-        let ws = pool.as_ref().expect("allocated above");
+        if !pool.pinned && (for_graph || self.capturing()?) {
+            pool.pinned = true;
+        }
+        let ws = pool.current.as_ref().expect("allocated above");
         let (ptr, _sync) = ws.device_ptr(&self.stream);
         Ok(ptr)
     }
+
+    /// Refuses work while cudarc tracks this context's buffers across streams.
+    fn ready(&self) -> Result<()> {
+        check_event_tracking(&self.stream)
+    }
+}
+
+fn check_event_tracking(stream: &CudaStream) -> Result<()> {
+    if stream.context().is_managing_stream_synchronization() {
+        return Err(Error::EventTracking);
+    }
+    Ok(())
 }
 
 impl Drop for Handle {
@@ -397,11 +481,12 @@ pub enum Workspace<'a> {
 }
 
 impl ExecutionPlan {
-    fn workspace_ptr(&self, handle: &Handle, ws: Workspace<'_>) -> Result<u64> {
+    fn workspace_ptr(&self, handle: &Handle, ws: Workspace<'_>, for_graph: bool) -> Result<u64> {
+        handle.ready()?;
         let need = self.workspace_size();
         match ws {
             Workspace::Pooled if need == 0 => Ok(0),
-            Workspace::Pooled => handle.pooled_workspace(need),
+            Workspace::Pooled => handle.pooled_workspace(need, for_graph),
             Workspace::Buffer(buf) => {
                 if buf.len() < need {
                     return Err(Error::WorkspaceTooSmall {
@@ -424,7 +509,7 @@ impl ExecutionPlan {
         bindings: &Bindings<'_>,
         ws: Workspace<'_>,
     ) -> Result<()> {
-        let workspace = self.workspace_ptr(handle, ws)?;
+        let workspace = self.workspace_ptr(handle, ws, false)?;
         let vp = bindings.variant_pack(workspace)?;
         handle
             .stream
@@ -460,7 +545,7 @@ impl ExecutionPlan {
         bindings: &Bindings<'_>,
     ) -> Result<CudaGraph> {
         self.require_cuda_graph_api()?;
-        let workspace = self.workspace_ptr(handle, Workspace::Pooled)?;
+        let workspace = self.workspace_ptr(handle, Workspace::Pooled, true)?;
         let vp = bindings.variant_pack(workspace)?;
         let mut graph: cudarc::driver::sys::CUgraph = std::ptr::null_mut();
         // SAFETY: valid out-pointer; flags must be 0.
@@ -498,7 +583,7 @@ impl ExecutionPlan {
         graph: &mut CudaGraph,
     ) -> Result<()> {
         self.require_cuda_graph_api()?;
-        let workspace = self.workspace_ptr(handle, Workspace::Pooled)?;
+        let workspace = self.workspace_ptr(handle, Workspace::Pooled, true)?;
         let vp = bindings.variant_pack(workspace)?;
         // SAFETY: handle, plan and pack are live and finalized; `graph` was populated from this
         // plan and is exclusively borrowed.

@@ -182,6 +182,7 @@ pub fn build_plans(
     let mut usable_total = 0;
     let mut tried = 0;
     let mut last = String::from("no engine config to try");
+    target.make_current()?;
     'modes: for &mode in &policy.modes {
         let heur = backend::heuristics(op.descriptor(), mode, target.devprop())?;
         reported_total += heur.reported;

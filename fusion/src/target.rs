@@ -63,7 +63,32 @@ impl DeviceProps {
         Self::parse(&json, Some(origin))
     }
 
+    /// Reads the document a live device's cuDNN handle serialized. Unlike [`from_json`]
+    /// (documents for deviceless planning, where cuDNN needs every key), missing keys are
+    /// tolerated: a live target plans through the handle, and the document only names the
+    /// device and keys the plan cache (absent values read as "unknown" and 0).
+    ///
+    /// [`from_json`]: DeviceProps::from_json
+    pub fn from_live_json(json: &str) -> Result<Self> {
+        Self::parse_with(json, Some("the live device".into()), false)
+    }
+
+    /// The keys of [`REQUIRED_KEYS`] this document lacks (empty for any document that
+    /// [`from_json`](DeviceProps::from_json) accepted).
+    pub fn missing_keys(&self) -> Vec<&'static str> {
+        let value: serde_json::Value = serde_json::from_str(&self.json).unwrap_or_default();
+        REQUIRED_KEYS
+            .iter()
+            .copied()
+            .filter(|k| value.get(k).is_none())
+            .collect()
+    }
+
     fn parse(json: &str, origin: Option<String>) -> Result<Self> {
+        Self::parse_with(json, origin, true)
+    }
+
+    fn parse_with(json: &str, origin: Option<String>, strict: bool) -> Result<Self> {
         let fail = |reason: String| Error::DeviceProps {
             source_name: origin.clone(),
             reason,
@@ -73,22 +98,27 @@ impl DeviceProps {
         let obj = value
             .as_object()
             .ok_or_else(|| fail("the document is not a JSON object".into()))?;
-        if let Some(missing) = REQUIRED_KEYS.iter().find(|k| !obj.contains_key(**k)) {
-            return Err(fail(format!("missing key `{missing}`")));
+        if strict {
+            if let Some(missing) = REQUIRED_KEYS.iter().find(|k| !obj.contains_key(**k)) {
+                return Err(fail(format!("missing key `{missing}`")));
+            }
         }
-        let uint = |key: &str| {
-            obj[key]
-                .as_u64()
+        let uint = |key: &str| match obj.get(key) {
+            None if !strict => Ok(0),
+            v => v
+                .and_then(|v| v.as_u64())
                 .and_then(|v| u32::try_from(v).ok())
-                .ok_or_else(|| fail(format!("`{key}` is not an unsigned integer")))
+                .ok_or_else(|| fail(format!("`{key}` is not an unsigned integer"))),
         };
-        let name = obj["deviceName"]
-            .as_str()
-            .ok_or_else(|| fail("`deviceName` is not a string".into()))?
-            .to_string();
+        let name = match obj.get("deviceName") {
+            None if !strict => "unknown device",
+            v => v
+                .and_then(|v| v.as_str())
+                .ok_or_else(|| fail("`deviceName` is not a string".into()))?,
+        };
         Ok(DeviceProps {
             json: json.trim().to_string(),
-            name,
+            name: name.to_string(),
             device_ver: uint("deviceVer")?,
             sm_count: uint("multiProcessorCount")?,
             origin,
@@ -149,6 +179,15 @@ impl Target {
     /// A deviceless target from a device-properties JSON file.
     pub fn deviceless_from_file(path: impl AsRef<Path>) -> Result<Self> {
         Self::deviceless(DeviceProps::from_file(path)?)
+    }
+
+    /// Makes a live target's CUDA context current on this thread: heuristics on a live
+    /// target query the current device (no-op for a deviceless target).
+    pub(crate) fn make_current(&self) -> Result<()> {
+        match &self.site {
+            Site::Deviceless(_) => Ok(()),
+            Site::Handle(h) => h.make_current(),
+        }
     }
 
     pub(crate) fn live(props: DeviceProps, handle: crate::exec::HandleRef) -> Self {
@@ -220,6 +259,24 @@ mod tests {
         assert_eq!(p.name(), "NVIDIA H200");
         assert_eq!(p.compute_capability(), (9, 0));
         assert_eq!(p.sm_count(), 132);
+    }
+
+    #[test]
+    fn a_live_document_may_lack_keys_but_says_which() {
+        let mut v: serde_json::Value = serde_json::from_str(H200).unwrap();
+        v.as_object_mut().unwrap().remove("l2CacheSize");
+        v.as_object_mut().unwrap().remove("deviceName");
+        let p = DeviceProps::from_live_json(&v.to_string()).unwrap();
+        assert_eq!(p.name(), "unknown device");
+        assert_eq!(p.sm_count(), 132);
+        assert_eq!(p.missing_keys(), vec!["l2CacheSize", "deviceName"]);
+        assert!(DeviceProps::from_json(H200)
+            .unwrap()
+            .missing_keys()
+            .is_empty());
+        // A value of the wrong type is still an error: it is not "unknown", it is wrong.
+        v["multiProcessorCount"] = serde_json::json!("many");
+        assert!(DeviceProps::from_live_json(&v.to_string()).is_err());
     }
 
     #[test]

@@ -36,8 +36,8 @@
 //! object has exactly one stream, the per-thread default stream, and never creates another:
 //! cudarc's event tracking records and waits on events only for a context in multi-stream
 //! mode, so nothing inside the capture touches an event recorded outside it. The cuDNN
-//! handle's workspace pool reaches its final size during the warm-up steps, so nothing is
-//! allocated inside the capture either. The per-thread stream belongs to the thread that made
+//! handle's workspace pool is reserved at its final size before the first step, so nothing
+//! is allocated inside the capture either. The per-thread stream belongs to the thread that made
 //! the executor, so [`CudaTrainer`] is not `Send`.
 //!
 //! **Logging without syncs.** Loss and accuracy never leave the device during a step: the
@@ -352,6 +352,9 @@ impl CudaTrainer {
         for (name, config) in configs {
             planned.push((name, plan_layer(name, config, cfg.fused, &target, &cache)?));
         }
+        // The largest workspace now, so that the pool never grows inside the step's capture.
+        let workspace = planned.iter().map(|(_, l)| l.workspace_size()).max();
+        handle.reserve_workspace(workspace.unwrap_or(0))?;
 
         // The memory plan and its regions, with the CPU executor's initial weights.
         let features = 2 * cfg.width;

@@ -60,20 +60,34 @@ impl CbrLayer {
                     self.config().shape.label()
                 ))
             })?;
-            // Runtime-compiled reductions may accumulate into their outputs with atomics; zero
-            // them first so a step never adds to the previous step's dγ/dβ (harmless if cuDNN
-            // clears them itself).
-            if matches!(step.role, GraphRole::DbnReduce | GraphRole::ApplyDbnReduce) {
-                for (_, src) in &step.bindings {
-                    let buf = match src {
-                        Src::This(n @ ("dgamma" | "dbeta")) => this.get(n)?,
-                        Src::Prev(n @ ("dgamma" | "dbeta")) => {
-                            prev.expect("checked above").get(n)?
-                        }
-                        _ => continue,
-                    };
-                    handle.zero_device_bytes(buf.ptr, buf.bytes)?;
+            let prev_buf = |n: &str| {
+                prev.ok_or_else(|| Error::Buffer {
+                    name: format!("prev.{n}"),
+                    problem: format!(
+                        "is needed by step {:?} but no prev buffers were given",
+                        step.role
+                    ),
+                })?
+                .get(n)
+            };
+            // Per-channel reductions (GenStats' sums, BN_BWD_WEIGHTS' and the reductions' dγ/dβ)
+            // may be split across CTAs that accumulate into their outputs; zero those first so
+            // a step never adds to the previous step's values (a cheap memset, and harmless
+            // where cuDNN overwrites them).
+            let accumulated: &[&str] = match step.role {
+                GraphRole::ConvStats => &["sum", "sq_sum"],
+                GraphRole::DgradDreluDbn | GraphRole::DbnReduce | GraphRole::ApplyDbnReduce => {
+                    &["dgamma", "dbeta"]
                 }
+                _ => &[],
+            };
+            for (_, src) in &step.bindings {
+                let buf = match src {
+                    Src::This(n) if accumulated.contains(n) => this.get(n)?,
+                    Src::Prev(n) if accumulated.contains(n) => prev_buf(n)?,
+                    _ => continue,
+                };
+                handle.zero_device_bytes(buf.ptr, buf.bytes)?;
             }
             let mut b = Bindings::new(plan);
             for (t, src) in &step.bindings {
@@ -83,7 +97,7 @@ impl CbrLayer {
                         b.bind_raw(*t, buf.ptr, buf.bytes, buf.dtype)?;
                     }
                     Src::Prev(name) => {
-                        let buf = prev.expect("checked above").get(name)?;
+                        let buf = prev_buf(name)?;
                         b.bind_raw(*t, buf.ptr, buf.bytes, buf.dtype)?;
                     }
                     Src::Scalar(v) => {
