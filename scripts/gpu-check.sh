@@ -83,6 +83,9 @@ run)
     echo "CUDNN_LIB_DIR=${CUDNN_LIB_DIR:-}"
     echo "CUDNN_CBR_CUDA_INCLUDE=${CUDNN_CBR_CUDA_INCLUDE:-}"
     ls "${CUDNN_LIB_DIR:-/nonexistent}"/libcudnn.so.* 2>/dev/null || true
+    "$py" -m pip show nvidia-cudnn-cu13 nvidia-cuda-nvrtc nvidia-cublas 2>/dev/null \
+      | grep -E '^(Name|Version)' || true
+    ls -l /usr/local/cuda/lib64/libnvrtc.so* 2>/dev/null || true
   } > "$out/machine.txt" 2>&1
   cat "$out/machine.txt"
   status=0

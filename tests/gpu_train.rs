@@ -227,10 +227,26 @@ fn graph_replay_equals_eager_for_the_captured_parts() {
     if eager_same {
         assert!(same, "whole-step graph differs from eager: max |Δ| {d:e}");
     } else {
+        // cuDNN reduced in a different order between two eager runs (atomics), so the graph
+        // can match eager only as closely as eager matches itself. Judged part by part with
+        // a relative L2: FP32 reorderings move values by ~1e-7 relative and an FP16 rounding
+        // flip by at most 2^-11 ≈ 4.9e-4 per element, so a part whose relative L2 exceeds
+        // 2e-3 differs for a reason other than order. The counters (S, log header) must be
+        // identical: no overflow either way, so the same steps were applied.
+        let (eager_parts, eager_counters) = e2.rel_l2_by_part(&e1);
+        let (parts, counters) = g.rel_l2_by_part(&e1);
         assert!(
-            d <= 4.0 * eager_spread,
-            "graph vs eager {d:e} is beyond eager's own spread {eager_spread:e}"
+            eager_counters,
+            "two eager runs disagree on S or the log header"
         );
+        assert!(counters, "graph vs eager: S or the log header differ");
+        for ((name, r), (_, er)) in parts.iter().zip(&eager_parts) {
+            println!("{TEST}: {name:<20} graph vs eager {r:.2e}, eager vs eager {er:.2e}");
+            assert!(
+                *r <= 2e-3,
+                "graph vs eager: {name} differs by {r:e} relative L2"
+            );
+        }
     }
     let log = t.metrics_log().unwrap();
     assert_eq!(log.count as usize, WARMUP_STEPS + 1);

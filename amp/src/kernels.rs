@@ -277,6 +277,41 @@ pub fn compile_options(
     }
 }
 
+/// The real architecture `sm_XY` of a device of compute capability `major.minor`, for which
+/// NVRTC can emit machine code (a cubin), or `None` for one this list does not know (the
+/// kernels then go to the driver as PTX).
+///
+/// Machine code is preferred because the driver JIT-compiles PTX only up to its own PTX
+/// version: PTX from an NVRTC newer than the driver does not load, while a cubin for the
+/// device's architecture from any NVRTC of the same major version does.
+pub const fn real_arch(major: u32, minor: u32) -> Option<&'static str> {
+    Some(match (major, minor) {
+        (8, 0) => "sm_80",
+        (8, 6) => "sm_86",
+        (8, 7) => "sm_87",
+        (8, 9) => "sm_89",
+        (9, 0) => "sm_90",
+        (10, 0) => "sm_100",
+        (10, 3) => "sm_103",
+        (12, 0) => "sm_120",
+        _ => return None,
+    })
+}
+
+/// NVRTC's command-line flags for machine code for `real_arch` (see [`real_arch`]): the same
+/// arithmetic flags as [`compile_options`], with the include directory when given.
+pub fn cubin_flags(real_arch: &str, cuda_include: Option<&str>) -> Vec<String> {
+    let mut flags = vec![
+        "--ftz=false".to_owned(),
+        "--prec-sqrt=true".to_owned(),
+        "--prec-div=true".to_owned(),
+        "--fmad=false".to_owned(),
+    ];
+    flags.extend(cuda_include.map(|d| format!("--include-path={d}")));
+    flags.push(format!("--gpu-architecture={real_arch}"));
+    flags
+}
+
 /// The CUDA include directory from [`CUDA_INCLUDE_ENV`], if set and non-empty.
 pub fn cuda_include_dir() -> Option<PathBuf> {
     std::env::var_os(CUDA_INCLUDE_ENV)
@@ -287,6 +322,28 @@ pub fn cuda_include_dir() -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cubin_flags_keep_the_ptx_arithmetic() {
+        let opts = compile_options(&ALL[0], CudaArch::Sm90, None);
+        assert_eq!(
+            (opts.ftz, opts.prec_sqrt, opts.prec_div, opts.fmad),
+            (Some(false), Some(true), Some(true), Some(false))
+        );
+        let flags = cubin_flags("sm_90", Some("/inc"));
+        for f in [
+            "--ftz=false",
+            "--prec-sqrt=true",
+            "--prec-div=true",
+            "--fmad=false",
+            "--include-path=/inc",
+            "--gpu-architecture=sm_90",
+        ] {
+            assert!(flags.iter().any(|x| x == f), "{f} missing from {flags:?}");
+        }
+        assert_eq!(real_arch(9, 0), Some("sm_90"));
+        assert_eq!(real_arch(7, 5), None);
+    }
 
     #[test]
     fn every_entry_point_is_defined_in_its_source() {

@@ -6,6 +6,8 @@
 //! CUDA headers (`source .deps/env.sh` sets both). Without them the test prints one
 //! `SKIP nvrtc_compile: <reason>` line, or fails when `CI` is set: in CI tier 3 must run.
 //!
+//! Also the machine-code path (cubins for sm_90 and sm_80) the device loads first.
+//!
 //! Set `AMP_PTX_DUMP_DIR` to keep the PTX (`<file>.<sm>.ptx`) for inspection.
 
 use std::path::Path;
@@ -170,5 +172,32 @@ fn the_launch_module_compiles_every_source_without_a_device() {
         for e in source.entry_points {
             assert!(text.contains(&format!(".entry {e}(")), "{e}");
         }
+    }
+}
+
+/// The machine-code path the device loads first: an ELF cubin per source for the H200's
+/// sm_90 (and A100's sm_80), naming every entry point, with the same flags as the PTX.
+#[test]
+fn every_source_compiles_to_machine_code_without_a_device() {
+    if let Err(reason) = environment() {
+        return unavailable(&reason);
+    }
+    for (major, minor) in [(9, 0), (8, 0)] {
+        let sm = kernels::real_arch(major, minor).expect("a listed architecture");
+        let cubins = cudnn_cbr_amp::cuda::compile_cubin(sm).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(cubins.len(), kernels::ALL.len());
+        for (source, cubin) in &cubins {
+            assert_eq!(
+                &cubin[..4],
+                b"\x7fELF",
+                "{} for {sm}: not an ELF image",
+                source.file
+            );
+            for e in source.entry_points {
+                let named = cubin.windows(e.len()).any(|w| w == e.as_bytes());
+                assert!(named, "{} for {sm}: no symbol `{e}`", source.file);
+            }
+        }
+        println!("nvrtc_compile: {} cubins for {sm}", cubins.len());
     }
 }

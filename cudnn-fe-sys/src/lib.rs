@@ -15,6 +15,7 @@
 
 mod loader;
 mod status;
+pub mod wheels;
 
 #[rustfmt::skip]
 #[allow(

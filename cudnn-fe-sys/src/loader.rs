@@ -137,7 +137,7 @@ impl SearchPaths {
                 .filter(|v| !v.is_empty())
                 .map(PathBuf::from),
             system_loader: true,
-            site_packages: site_packages_dirs(),
+            site_packages: crate::wheels::site_packages_dirs(),
         }
     }
 
@@ -219,9 +219,20 @@ static LIBRARY: OnceLock<Result<Library, LoadError>> = OnceLock::new();
 
 /// The process-wide cuDNN, loaded on first use with [`SearchPaths::from_env`].
 /// Later calls return the same library (or the same error).
+///
+/// cuDNN opens NVRTC (runtime-compiled engines) and cuBLASLt (heuristics) by name later on;
+/// where the loader's path lacks them but pip's CUDA wheels have them, they are loaded from
+/// there first ([`crate::wheels::ensure_loadable`]), as a PyTorch install arranges for itself.
 pub fn library() -> Result<&'static Library, LoadError> {
     LIBRARY
-        .get_or_init(|| SearchPaths::from_env().load())
+        .get_or_init(|| {
+            let lib = SearchPaths::from_env().load()?;
+            for soname in crate::wheels::CUDNN_COMPANIONS {
+                // A failure here is cuDNN's to report when it needs the library.
+                let _ = crate::wheels::ensure_loadable(soname);
+            }
+            Ok(lib)
+        })
         .as_ref()
         .map_err(Clone::clone)
 }
@@ -229,51 +240,6 @@ pub fn library() -> Result<&'static Library, LoadError> {
 /// The process-wide library if it has been loaded successfully.
 pub(crate) fn loaded() -> Option<&'static Library> {
     LIBRARY.get().and_then(|r| r.as_ref().ok())
-}
-
-/// site-packages folders where pip puts the nvidia wheels: the active virtualenv, the user's,
-/// the system's, and virtualenvs under /opt.
-fn site_packages_dirs() -> Vec<PathBuf> {
-    let mut prefixes: Vec<PathBuf> = Vec::new();
-    if let Some(venv) = std::env::var_os("VIRTUAL_ENV").filter(|v| !v.is_empty()) {
-        prefixes.push(PathBuf::from(venv));
-    }
-    if let Some(home) = std::env::var_os("HOME").filter(|v| !v.is_empty()) {
-        prefixes.push(PathBuf::from(home).join(".local"));
-    }
-    prefixes.push("/usr/local".into());
-    prefixes.push("/usr".into());
-    if let Ok(entries) = std::fs::read_dir("/opt") {
-        let mut opt: Vec<PathBuf> = entries
-            .filter_map(Result::ok)
-            .flat_map(|e| [e.path().join(".venv"), e.path().join("venv"), e.path()])
-            .collect();
-        opt.sort();
-        prefixes.extend(opt);
-    }
-    let mut out = Vec::new();
-    for prefix in prefixes {
-        for lib in ["lib", "lib64"] {
-            let Ok(entries) = std::fs::read_dir(prefix.join(lib)) else {
-                continue;
-            };
-            let mut pythons: Vec<PathBuf> = entries
-                .filter_map(Result::ok)
-                .filter(|e| e.file_name().to_string_lossy().starts_with("python3"))
-                .map(|e| e.path())
-                .collect();
-            pythons.sort();
-            for py in pythons.into_iter().rev() {
-                for sub in ["site-packages", "dist-packages"] {
-                    let sp = py.join(sub);
-                    if sp.is_dir() && !out.contains(&sp) {
-                        out.push(sp);
-                    }
-                }
-            }
-        }
-    }
-    out
 }
 
 #[cfg(test)]

@@ -637,6 +637,8 @@ pub fn autotune(
     bind: &dyn Fn(&mut Bindings<'_>) -> Result<()>,
 ) -> Result<(ExecutionPlan, Vec<f32>)> {
     let plans = build_plans(op, target, &PlanPolicy::autotune(max_candidates))?;
+    // The largest workspace first, so that no timed run includes an allocation.
+    handle.reserve_workspace(plans.iter().map(|p| p.workspace_size()).max().unwrap_or(0))?;
     let ctx = handle.stream.context();
     let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
     let mut times = Vec::with_capacity(plans.len());

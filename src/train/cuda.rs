@@ -14,8 +14,8 @@
 //! | 7 | cast G16→G, check, SGD, loss-scale update | amp `finish` |
 //!
 //! Before a step the batch is copied in (images into stem's `x`, labels into the head's
-//! buffer) with asynchronous copies from host memory, which stage pageable memory at once and
-//! never wait for the device.
+//! buffer) through two page-locked staging slots ([`crate::amp::cuda::Upload`]): the copies
+//! are asynchronous, and the host waits only when the device is two batches behind.
 //!
 //! **Buffers.** Each layer's buffers are allocated with [`OwnedDeviceBuffers::alloc`], except
 //! its parameters, which are slots of the amp regions: `w` → the conv weight's slot in A,
@@ -56,10 +56,12 @@ use crate::amp::cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCa
 use crate::amp::cuda::cudarc::driver::{CudaGraph, DriverError};
 use crate::amp::cuda::{
     AmpKernels, CudaContext, CudaRegions, CudaSlice, CudaStepGraph, CudaStream, DevRange,
-    DevRangeMut, Readback,
+    DevRangeMut, Readback, Upload,
 };
-use crate::amp::plan::{Dtype, Region};
-use crate::amp::range::{metrics_log_bytes, metrics_log_read, HeadShape, MetricsLog};
+use crate::amp::plan::{ByteRange, Dtype, Region};
+use crate::amp::range::{
+    metrics_log_bytes, metrics_log_read, HeadShape, MetricsLog, METRICS_LOG_HEADER,
+};
 use crate::amp::step::{AmpStep, StepConfig, StepGraph};
 use crate::amp::AmpError;
 use cudnn_cbr_fusion::cache::PlanCache;
@@ -274,6 +276,63 @@ impl Snapshot {
         }
         (worst, same)
     }
+
+    /// Per part, the relative L2 difference ‖a − b‖ / ‖b‖ of the values (`other` is `b`):
+    /// each region but S (decoded as FP16 or FP32), each running statistic and the metrics
+    /// log's entries; and whether S and the log's header (the counters) are identical bit
+    /// for bit. For comparing runs that may differ by reduction order: one FP16 rounding
+    /// flip moves a part's relative L2 a little, not by orders of magnitude as a maximum
+    /// does.
+    pub fn rel_l2_by_part(&self, other: &Snapshot) -> (Vec<(String, f64)>, bool) {
+        fn rel(a: &[f64], b: &[f64]) -> f64 {
+            let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
+            let den: f64 = b.iter().map(|y| y * y).sum();
+            if a.len() != b.len() || num.is_nan() {
+                f64::INFINITY
+            } else if num == 0.0 {
+                0.0
+            } else {
+                (num / den.max(f64::MIN_POSITIVE)).sqrt()
+            }
+        }
+        let f32s = |b: &[u8]| -> Vec<f64> {
+            b.chunks_exact(4)
+                .map(|x| f64::from(f32::from_le_bytes([x[0], x[1], x[2], x[3]])))
+                .collect()
+        };
+        let f16s = |b: &[u8]| -> Vec<f64> {
+            b.chunks_exact(2)
+                .map(|x| f16::from_le_bytes([x[0], x[1]]).to_f64())
+                .collect()
+        };
+        let mut parts = Vec::new();
+        let mut counters_same =
+            self.log.get(..METRICS_LOG_HEADER) == other.log.get(..METRICS_LOG_HEADER);
+        for ((ra, a), (rb, b)) in self.regions.iter().zip(&other.regions) {
+            if ra != rb {
+                parts.push((format!("{ra} vs {rb}"), f64::INFINITY));
+            } else if *ra == Region::S {
+                counters_same &= a == b;
+            } else if ra.dtype() == Some(Dtype::F16) {
+                parts.push((ra.to_string(), rel(&f16s(a), &f16s(b))));
+            } else {
+                parts.push((ra.to_string(), rel(&f32s(a), &f32s(b))));
+            }
+        }
+        for ((layer, name, a), (_, _, b)) in self.running.iter().zip(&other.running) {
+            let (a, b): (Vec<f64>, Vec<f64>) = (
+                a.iter().map(|&v| f64::from(v)).collect(),
+                b.iter().map(|&v| f64::from(v)).collect(),
+            );
+            parts.push((format!("{layer}.{name}"), rel(&a, &b)));
+        }
+        let body = |l: &[u8]| f32s(l.get(METRICS_LOG_HEADER..).unwrap_or(&[]));
+        parts.push((
+            "metrics log".into(),
+            rel(&body(&self.log), &body(&other.log)),
+        ));
+        (parts, counters_same)
+    }
 }
 
 /// The CUDA executor: the network's layers planned for the device, the amp regions, the head.
@@ -292,6 +351,8 @@ pub struct CudaTrainer {
     step_graph: Option<CudaGraph>,
     state: GraphState,
     log_readback: Readback,
+    /// Page-locked, double-buffered staging for each step's batch.
+    staging: Upload,
     handle: Arc<Handle>,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
@@ -390,6 +451,8 @@ impl CudaTrainer {
             shape,
         };
         let log_readback = Readback::new(&ctx, head.log.len()).map_err(amp_error)?;
+        let batch_bytes = 2 * cfg.batch * cfg.hw * cfg.hw * cfg.channels + 4 * cfg.batch;
+        let staging = Upload::new(&ctx, batch_bytes).map_err(amp_error)?;
         Ok(CudaTrainer {
             cfg: *cfg,
             data: data::Synthetic::new(cfg.hw, cfg.channels, cfg.classes, cfg.seed),
@@ -401,6 +464,7 @@ impl CudaTrainer {
             step_graph: None,
             state: GraphState::Eager,
             log_readback,
+            staging,
             handle,
             stream,
             ctx,
@@ -433,10 +497,11 @@ impl CudaTrainer {
             }
         };
         format!(
-            "cuda:{} {}; routes: {}; {graphs}",
+            "cuda:{} {}; routes: {}; {graphs}; amp kernels as {}",
             self.ctx.ordinal(),
             self.device_name,
-            routes.join(", ")
+            routes.join(", "),
+            self.kernels.code()
         )
     }
 
@@ -480,14 +545,21 @@ impl CudaTrainer {
                 images.len()
             )));
         }
-        let stream = self.stream.clone();
-        self.layers[STEM]
+        let image_bytes: Vec<u8> = images.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let label_bytes: Vec<u8> = labels.iter().flat_map(|l| l.to_le_bytes()).collect();
+        let x = self.layers[STEM]
             .owned
-            .upload("x", &HostBuffer::F16(images.to_vec()), &stream)?;
-        let bytes: Vec<u8> = labels.iter().flat_map(|l| l.to_le_bytes()).collect();
-        stream
-            .memcpy_htod(&bytes, &mut self.head.labels)
-            .map_err(|e| driver("copy the labels", e))
+            .slice_mut("x")
+            .ok_or_else(|| TrainError::Config("the stem layer has no `x` buffer".into()))?;
+        let x = DevRangeMut::new(x, ByteRange::new(0, image_bytes.len())).map_err(amp_error)?;
+        let labels = DevRangeMut::new(&mut self.head.labels, ByteRange::new(0, label_bytes.len()))
+            .map_err(amp_error)?;
+        self.staging
+            .upload(
+                &self.stream,
+                &mut [(&image_bytes, x), (&label_bytes, labels)],
+            )
+            .map_err(amp_error)
     }
 
     fn run_layer(&self, i: usize, pass: Pass) -> Result<(), TrainError> {
@@ -1047,4 +1119,54 @@ fn one_mut_two<T>(v: &mut [T], i: usize, j: usize, k: usize) -> (&mut T, &T, &T)
     let (lo, rest): (&[T], &[T]) = (lo, rest);
     let get = move |x: usize| if x < i { &lo[x] } else { &rest[x - i - 1] };
     (mid, get(j), get(k))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snapshot(w: &[f32], a: &[f32], s: [u8; 20]) -> Snapshot {
+        let bytes32 = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let bytes16 = |v: &[f32]| {
+            v.iter()
+                .flat_map(|x| f16::from_f32(*x).to_le_bytes())
+                .collect()
+        };
+        let mut log = vec![0u8; METRICS_LOG_HEADER];
+        log[0] = 1;
+        log.extend(1.5f32.to_le_bytes());
+        Snapshot {
+            regions: vec![
+                (Region::W, bytes32(w)),
+                (Region::A, bytes16(a)),
+                (Region::S, s.to_vec()),
+            ],
+            running: vec![("stem", "running_mean", vec![0.5, 0.25])],
+            log,
+        }
+    }
+
+    #[test]
+    fn parts_are_compared_by_relative_l2_and_counters_bit_for_bit() {
+        let s = [0u8; 20];
+        let base = snapshot(&[1.0, 2.0, 2.0], &[0.5, 0.25], s);
+        let (parts, counters) = base.rel_l2_by_part(&base);
+        assert!(counters);
+        assert!(parts.iter().all(|(_, r)| *r == 0.0), "{parts:?}");
+        let names: Vec<&str> = parts.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["W", "A", "stem.running_mean", "metrics log"]);
+
+        // W off by 0.03 in one element: ‖Δ‖ / ‖W‖ = 0.03 / 3 = 1e-2; A untouched.
+        let moved = snapshot(&[1.0, 2.03, 2.0], &[0.5, 0.25], s);
+        let (parts, counters) = moved.rel_l2_by_part(&base);
+        assert!(counters);
+        assert!((parts[0].1 - 1e-2).abs() < 1e-6, "{parts:?}");
+        assert_eq!(parts[1].1, 0.0);
+
+        // One counter in S differs: not a matter of tolerance.
+        let mut s2 = s;
+        s2[12] = 1;
+        let (_, counters) = snapshot(&[1.0, 2.0, 2.0], &[0.5, 0.25], s2).rel_l2_by_part(&base);
+        assert!(!counters);
+    }
 }

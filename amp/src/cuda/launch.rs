@@ -80,6 +80,8 @@ struct Functions {
 pub struct AmpKernels {
     ctx: Arc<CudaContext>,
     arch: CudaArch,
+    /// What was loaded, e.g. "sm_90 machine code".
+    code: String,
     max_blocks: u32,
     f: Functions,
 }
@@ -89,6 +91,7 @@ impl fmt::Debug for AmpKernels {
         f.debug_struct("AmpKernels")
             .field("device", &self.ctx.ordinal())
             .field("arch", &self.arch)
+            .field("code", &self.code)
             .field("max_blocks", &self.max_blocks)
             .finish_non_exhaustive()
     }
@@ -138,6 +141,81 @@ pub fn compile_ptx(arch: CudaArch) -> Result<Vec<(KernelSource, String)>, AmpErr
                     }
                     .into()
                 })
+        })
+        .collect()
+}
+
+/// Compiles every source of [`crate::kernels::ALL`] to machine code (a cubin) for the real
+/// architecture `real_arch` (e.g. `"sm_90"`, see [`kernels::real_arch`]) with NVRTC. Needs
+/// no device. This is what [`AmpKernels::for_context`] loads where it can: unlike PTX, a
+/// cubin does not depend on the driver accepting the NVRTC's PTX version.
+///
+/// # Errors
+/// As [`compile_ptx`].
+pub fn compile_cubin(real_arch: &'static str) -> Result<Vec<(KernelSource, Vec<u8>)>, AmpError> {
+    use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+    use std::ffi::CString;
+    if !nvrtc_library_present() {
+        return Err(AmpError::NoNvrtc {
+            reason: "the NVRTC library (libnvrtc) is not on the loader path".into(),
+        });
+    }
+    let include = cuda_include_dir().and_then(|d| d.into_os_string().into_string().ok());
+    let flags = kernels::cubin_flags(real_arch, include.as_deref());
+    let fail = |file: &'static str, log: String| -> AmpError {
+        CudaError::Compile {
+            file,
+            arch: real_arch,
+            log,
+        }
+        .into()
+    };
+    /// Destroys the NVRTC program on every path.
+    struct Program(nvrtc_sys::nvrtcProgram);
+    impl Drop for Program {
+        fn drop(&mut self) {
+            // SAFETY: the program was created by nvrtcCreateProgram and is destroyed once.
+            let _ = unsafe { nvrtc::destroy_program(self.0) };
+        }
+    }
+    kernels::ALL
+        .iter()
+        .map(|source| {
+            // The sources are ours and hold no NUL byte.
+            let text =
+                CString::new(source.program()).map_err(|e| fail(source.file, e.to_string()))?;
+            let name = CString::new(source.file).map_err(|e| fail(source.file, e.to_string()))?;
+            let prog = Program(
+                nvrtc::create_program(&text, Some(&name))
+                    .map_err(|e| fail(source.file, format!("{e:?}")))?,
+            );
+            // SAFETY: `prog.0` is a live program (dropped only after this block).
+            if let Err(e) = unsafe { nvrtc::compile_program(prog.0, &flags) } {
+                // SAFETY: as above; the log exists after a failed compile.
+                let log = unsafe { nvrtc::get_program_log(prog.0) }
+                    .map(|l| {
+                        let bytes: Vec<u8> = l.iter().map(|&c| c as u8).collect();
+                        String::from_utf8_lossy(&bytes)
+                            .trim_end_matches('\0')
+                            .to_owned()
+                    })
+                    .unwrap_or_default();
+                return Err(fail(source.file, format!("{e:?}\n{log}")));
+            }
+            let mut size = 0usize;
+            // SAFETY: `prog.0` compiled successfully; `size` is a valid out-pointer.
+            unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog.0, &mut size) }
+                .result()
+                .map_err(|e| fail(source.file, format!("nvrtcGetCUBINSize: {e:?}")))?;
+            let mut cubin = vec![0u8; size];
+            // SAFETY: `cubin` has exactly the `size` bytes NVRTC asked for.
+            unsafe { nvrtc_sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr().cast()) }
+                .result()
+                .map_err(|e| fail(source.file, format!("nvrtcGetCUBIN: {e:?}")))?;
+            if size == 0 {
+                return Err(fail(source.file, "NVRTC produced an empty cubin".into()));
+            }
+            Ok((*source, cubin))
         })
         .collect()
 }
@@ -360,11 +438,33 @@ impl AmpKernels {
         let sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| driver_error("query the SM count", e))?;
+        // Machine code for the device's own architecture where NVRTC knows it, else PTX for
+        // the driver to JIT (see `kernels::real_arch` for why machine code comes first).
+        let real = u32::try_from(major)
+            .ok()
+            .zip(u32::try_from(minor).ok())
+            .and_then(|(ma, mi)| kernels::real_arch(ma, mi));
+        let (images, code): (Vec<(KernelSource, Ptx)>, String) = match real {
+            Some(sm) => (
+                compile_cubin(sm)?
+                    .into_iter()
+                    .map(|(s, c)| (s, Ptx::from_binary(c)))
+                    .collect(),
+                format!("{sm} machine code"),
+            ),
+            None => (
+                compile_ptx(arch)?
+                    .into_iter()
+                    .map(|(s, p)| (s, Ptx::from_src(p)))
+                    .collect(),
+                format!("{} PTX, JIT-compiled by the driver", arch.compute_name()),
+            ),
+        };
         let mut functions: HashMap<&'static str, CudaFunction> = HashMap::new();
-        for (source, ptx) in compile_ptx(arch)? {
+        for (source, image) in images {
             let module = ctx
-                .load_module(Ptx::from_src(ptx))
-                .map_err(|e| driver_error(format!("load the PTX of {}", source.file), e))?;
+                .load_module(image)
+                .map_err(|e| driver_error(format!("load the {code} of {}", source.file), e))?;
             for &name in source.entry_points {
                 let f = module
                     .load_function(name)
@@ -398,6 +498,7 @@ impl AmpKernels {
         Ok(AmpKernels {
             ctx: ctx.clone(),
             arch,
+            code,
             max_blocks: u32::try_from(sms.max(1))
                 .unwrap_or(1)
                 .saturating_mul(BLOCKS_PER_SM),
@@ -408,6 +509,12 @@ impl AmpKernels {
     /// The architecture the PTX was built for.
     pub fn arch(&self) -> CudaArch {
         self.arch
+    }
+
+    /// What was loaded: `"sm_90 machine code"`, or `"compute_90 PTX, JIT-compiled by the
+    /// driver"` on an architecture [`kernels::real_arch`] does not list.
+    pub fn code(&self) -> &str {
+        &self.code
     }
 
     /// The context the kernels are loaded in.

@@ -27,23 +27,26 @@
 //! [`CudaContext`]): only then can they be captured too.
 //!
 //! NVRTC needs the CUDA headers (`cuda_fp16.h`): the directory named by
-//! [`crate::kernels::CUDA_INCLUDE_ENV`], else `$CUDA_HOME/include`, `$CUDA_PATH/include`, or
-//! `/usr/local/cuda/include`, the first that has the header ([`cuda_include_dir`]).
+//! [`crate::kernels::CUDA_INCLUDE_ENV`], else `$CUDA_HOME/include`, `$CUDA_PATH/include`,
+//! `/usr/local/cuda/include`, or a CUDA wheel's, the first that has the header
+//! ([`cuda_include_dir`]). NVRTC itself comes from the loader's path or a CUDA wheel.
 
 #![allow(unsafe_code)]
 
 mod launch;
 mod readback;
 mod regions;
+mod upload;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use cudarc;
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-pub use launch::{compile_ptx, AmpKernels, DevRange, DevRangeMut};
+pub use launch::{compile_cubin, compile_ptx, AmpKernels, DevRange, DevRangeMut};
 pub use readback::Readback;
 pub use regions::{CudaRegions, CudaStepGraph, DeviceParam};
+pub use upload::Upload;
 
 use cudarc::driver::DriverError;
 
@@ -57,10 +60,13 @@ pub fn driver_library_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
-/// Whether the NVRTC library can be loaded (never panics).
+/// Whether the NVRTC library can be loaded (never panics). Where the loader's path lacks it
+/// but a CUDA wheel (a PyTorch virtualenv's) has it, it is loaded from there first
+/// ([`cudnn_fe_sys::wheels::ensure_loadable`]).
 pub fn nvrtc_library_present() -> bool {
     // SAFETY: as in `driver_library_present`: a dlopen attempt of NVRTC under its known names.
-    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+    let present = || unsafe { cudarc::nvrtc::sys::is_culib_present() };
+    present() || (cudnn_fe_sys::wheels::ensure_loadable("libnvrtc.so.13").is_ok() && present())
 }
 
 /// Opens CUDA device `ordinal` (its primary context).
@@ -80,7 +86,8 @@ pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>, AmpError> {
 }
 
 /// The directory NVRTC gets as include path: the first of [`crate::kernels::cuda_include_dir`],
-/// `$CUDA_HOME/include`, `$CUDA_PATH/include` and `/usr/local/cuda/include` that holds
+/// `$CUDA_HOME/include`, `$CUDA_PATH/include`, `/usr/local/cuda/include` (and its
+/// `targets/x86_64-linux/include`) and the CUDA wheels' `include` folders that holds
 /// `cuda_fp16.h`; `None` when none does (NVRTC then relies on its built-in headers).
 pub fn cuda_include_dir() -> Option<PathBuf> {
     let from_env = |var: &str| {
@@ -93,6 +100,10 @@ pub fn cuda_include_dir() -> Option<PathBuf> {
         .chain(from_env("CUDA_HOME"))
         .chain(from_env("CUDA_PATH"))
         .chain(Some(PathBuf::from("/usr/local/cuda/include")))
+        .chain(Some(PathBuf::from(
+            "/usr/local/cuda/targets/x86_64-linux/include",
+        )))
+        .chain(cudnn_fe_sys::wheels::cuda_wheel_include_dirs("cuda_fp16.h"))
         .find(|d| Path::new(d).join("cuda_fp16.h").is_file())
 }
 

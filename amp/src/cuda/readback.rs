@@ -148,3 +148,13 @@ impl Readback {
         Ok(self.last.as_deref())
     }
 }
+
+impl Drop for Readback {
+    fn drop(&mut self) {
+        // The pinned memory must outlive a copy still in flight into it. Drop cannot report
+        // errors.
+        if self.pending {
+            let _ = self.done.synchronize();
+        }
+    }
+}

@@ -697,3 +697,13 @@ impl AmpExecutor for CudaRegions {
         Ok(self.last_scalars)
     }
 }
+
+impl Drop for CudaRegions {
+    fn drop(&mut self) {
+        // The pinned S readback must outlive a copy still in flight into it. Drop cannot
+        // report errors.
+        if self.readback_pending {
+            let _ = self.readback_done.synchronize();
+        }
+    }
+}
