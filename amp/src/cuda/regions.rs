@@ -118,8 +118,10 @@ impl CudaRegions {
     /// [`AmpExecutor::write_scalars`], which [`crate::step::AmpStep::new`] calls), and gets
     /// the kernels of the stream's context (compiling them on first use).
     ///
-    /// Use a stream made with `CudaContext::new_stream`: the legacy default stream cannot
-    /// be captured into a graph.
+    /// For capture into a CUDA graph, use any stream but the legacy default one
+    /// (`ctx.default_stream()`): `ctx.per_thread_stream()` keeps cudarc's event tracking off
+    /// (so head launches through [`DevRange`](crate::cuda::DevRange) capture too), while
+    /// `ctx.new_stream()` turns it on, after which only the regions' own launches capture.
     ///
     /// # Errors
     /// As [`AmpKernels::for_context`]; a driver error when an allocation fails.
