@@ -107,6 +107,27 @@ pub fn cuda_include_dir() -> Option<PathBuf> {
         .find(|d| Path::new(d).join("cuda_fp16.h").is_file())
 }
 
+/// `len` bytes of page-locked host memory in `ctx`, zeroed (cached memory: the host reads
+/// and writes it). `what` names its use in errors.
+pub(crate) fn zeroed_pinned(
+    ctx: &Arc<CudaContext>,
+    len: usize,
+    what: &str,
+) -> Result<cudarc::driver::PinnedHostSlice<u8>, AmpError> {
+    // SAFETY: `alloc_pinned_with_flags` hands out uninitialised page-locked memory; all of it
+    // is zeroed through the raw pointer below before any slice of it is made. Flags 0: cached
+    // (not write-combined) memory.
+    let mut pinned = unsafe { ctx.alloc_pinned_with_flags::<u8>(len, 0) }
+        .map_err(|e| driver_error(format!("allocate pinned memory for {what}"), e))?;
+    let raw = pinned
+        .as_mut_ptr()
+        .map_err(|e| driver_error(format!("map pinned memory for {what}"), e))?;
+    // SAFETY: `raw` points at `len` bytes of page-locked memory owned exclusively by `pinned`,
+    // with no copy into it enqueued yet; writing bytes needs no initialised value.
+    unsafe { std::ptr::write_bytes(raw, 0, len) };
+    Ok(pinned)
+}
+
 /// A driver error, with what we were doing.
 pub(crate) fn driver_error(op: impl Into<String>, e: DriverError) -> AmpError {
     CudaError::Driver {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
 
-use crate::cuda::driver_error;
+use crate::cuda::{driver_error, zeroed_pinned};
 use crate::error::{AmpError, ExecError};
 
 /// A page-locked host buffer that receives copies of one device buffer.
@@ -43,18 +43,7 @@ impl Readback {
     /// A driver error when the pinned allocation or the event cannot be made.
     pub fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Self, AmpError> {
         let len = len.max(1);
-        // SAFETY: `alloc_pinned_with_flags` hands out uninitialised page-locked memory; all
-        // of it is zeroed through the raw pointer below before anything reads it. Flags 0:
-        // cached (not write-combined) memory, since the host reads it.
-        let mut pinned = unsafe { ctx.alloc_pinned_with_flags::<u8>(len, 0) }
-            .map_err(|e| driver_error("allocate pinned memory for a readback", e))?;
-        let raw = pinned
-            .as_mut_ptr()
-            .map_err(|e| driver_error("map pinned readback memory", e))?;
-        // SAFETY: `raw` points at `len` bytes of page-locked memory owned exclusively by
-        // `pinned`, with no copy into it enqueued yet; writing bytes needs no initialised
-        // value.
-        unsafe { std::ptr::write_bytes(raw, 0, len) };
+        let pinned = zeroed_pinned(ctx, len, "a readback")?;
         let done = ctx
             .new_event(None)
             .map_err(|e| driver_error("create a readback event", e))?;

@@ -10,7 +10,7 @@ use cudarc::driver::{
 use half::f16;
 
 use crate::cuda::launch::{AmpKernels, DevRange, DevRangeMut, FcParams};
-use crate::cuda::{driver_error, open_device};
+use crate::cuda::{driver_error, open_device, zeroed_pinned};
 use crate::error::{AmpError, ExecError};
 use crate::plan::{ByteRange, Dtype, MemoryPlan, Region};
 use crate::range::{HeadShape, Scalars, S_REGION_BYTES};
@@ -144,18 +144,7 @@ impl CudaRegions {
             drop(sync);
             regions[region_index(region)] = Some(DeviceRegion { buf, ptr });
         }
-        // SAFETY: `alloc_pinned_with_flags` hands out uninitialised page-locked memory; we
-        // zero all of it through the raw pointer below before anything reads it. Flags 0:
-        // cached (not write-combined) memory, since the host reads it.
-        let mut readback = unsafe { ctx.alloc_pinned_with_flags::<u8>(S_REGION_BYTES, 0) }
-            .map_err(|e| driver_error("allocate pinned memory for S", e))?;
-        let raw = readback
-            .as_mut_ptr()
-            .map_err(|e| driver_error("map pinned memory for S", e))?;
-        // SAFETY: `raw` points at S_REGION_BYTES bytes of page-locked host memory we own
-        // exclusively (no copy into it has been enqueued yet); writing bytes through a raw
-        // pointer needs no initialised value.
-        unsafe { std::ptr::write_bytes(raw, 0, S_REGION_BYTES) };
+        let readback = zeroed_pinned(&ctx, S_REGION_BYTES, "the S readback")?;
         let readback_done = ctx
             .new_event(None)
             .map_err(|e| driver_error("create the S readback event", e))?;

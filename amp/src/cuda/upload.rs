@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, PinnedHostSlice};
 
-use crate::cuda::driver_error;
 use crate::cuda::launch::DevRangeMut;
+use crate::cuda::{driver_error, zeroed_pinned};
 use crate::error::{AmpError, CudaError, ExecError};
 
 struct Slot {
@@ -48,17 +48,7 @@ impl Upload {
     pub fn new(ctx: &Arc<CudaContext>, capacity: usize) -> Result<Self, AmpError> {
         let capacity = capacity.max(1);
         let slot = || -> Result<Slot, AmpError> {
-            // SAFETY: `alloc_pinned_with_flags` hands out uninitialised page-locked memory;
-            // all of it is zeroed through the raw pointer below before any slice of it is
-            // made. Flags 0: ordinary page-locked memory.
-            let mut pinned = unsafe { ctx.alloc_pinned_with_flags::<u8>(capacity, 0) }
-                .map_err(|e| driver_error("allocate pinned staging memory", e))?;
-            let raw = pinned
-                .as_mut_ptr()
-                .map_err(|e| driver_error("map pinned staging memory", e))?;
-            // SAFETY: `raw` points at `capacity` bytes owned exclusively by `pinned`, with no
-            // copy enqueued yet; writing bytes needs no initialised value.
-            unsafe { std::ptr::write_bytes(raw, 0, capacity) };
+            let pinned = zeroed_pinned(ctx, capacity, "upload staging")?;
             let done = ctx
                 .new_event(None)
                 .map_err(|e| driver_error("create a staging event", e))?;
