@@ -49,7 +49,13 @@ pub struct Handle {
     stream: Arc<CudaStream>,
     lib: &'static sys::Library,
     workspace: Mutex<WorkspacePool>,
+    /// The thread that made a handle on the per-thread default stream (that stream is the
+    /// calling thread's, so only that thread may use the handle).
+    owner: Option<std::thread::ThreadId>,
 }
+
+/// `CU_STREAM_PER_THREAD`: the handle value of the calling thread's default stream.
+const PER_THREAD_STREAM: usize = 0x2;
 
 /// The pooled workspace. A buffer whose address a CUDA graph may hold (captured, or given to
 /// cuDNN's graph population) is kept until the handle drops instead of freed when the pool
@@ -64,7 +70,8 @@ struct WorkspacePool {
 
 // SAFETY: a cuDNN handle may be used from any thread as long as calls on it do not overlap;
 // every call that uses `raw` happens while the caller holds `&Handle` and enqueues work on the
-// handle's one stream, and the workspace pool is behind a mutex.
+// handle's one stream (a handle on the per-thread default stream refuses other threads, whose
+// per-thread stream differs), and the workspace pool is behind a mutex.
 unsafe impl Send for Handle {}
 // SAFETY: see above.
 unsafe impl Sync for Handle {}
@@ -111,9 +118,10 @@ impl Handle {
             .map_err(|e| Error::cudnn("cudnnCreate", e))?;
         let handle = Handle {
             raw,
-            stream,
+            stream: stream.clone(),
             lib,
             workspace: Mutex::new(WorkspacePool::default()),
+            owner: (stream_is_per_thread(&stream)).then(|| std::thread::current().id()),
         };
         // SAFETY: `raw` is a live handle; the stream outlives it (held in `handle`).
         unsafe { (lib.api.cudnnSetStream)(raw, handle.stream.cu_stream() as sys::cudaStream_t) }
@@ -158,6 +166,7 @@ impl Handle {
                 message: "null pointer".into(),
             });
         }
+        self.ready()?;
         self.stream
             .context()
             .bind_to_thread()
@@ -173,6 +182,7 @@ impl Handle {
     /// workspace any plan will need before capturing this handle's stream into a CUDA graph:
     /// the pool cannot grow during a capture.
     pub fn reserve_workspace(&self, bytes: usize) -> Result<()> {
+        self.ready()?;
         self.pooled_workspace(bytes, false).map(|_| ())
     }
 
@@ -226,10 +236,18 @@ impl Handle {
         Ok(ptr)
     }
 
-    /// Refuses work while cudarc tracks this context's buffers across streams.
+    /// Refuses work while cudarc tracks this context's buffers across streams, or from a
+    /// thread whose per-thread stream is not the handle's.
     fn ready(&self) -> Result<()> {
+        if self.owner.is_some_and(|t| t != std::thread::current().id()) {
+            return Err(Error::WrongThread);
+        }
         check_event_tracking(&self.stream)
     }
+}
+
+fn stream_is_per_thread(stream: &CudaStream) -> bool {
+    stream.cu_stream() as usize == PER_THREAD_STREAM
 }
 
 fn check_event_tracking(stream: &CudaStream) -> Result<()> {
