@@ -314,16 +314,16 @@ impl Scalar {
         }
     }
 
-    fn bytes(self) -> [u8; 8] {
+    /// The value's bytes in an 8-byte-aligned word (an FP32 value in its first four bytes),
+    /// so cuDNN may read any scalar type through the pointer.
+    fn word(self) -> u64 {
+        let mut b = [0u8; 8];
         match self {
-            Scalar::F32(v) => {
-                let mut b = [0u8; 8];
-                b[..4].copy_from_slice(&v.to_ne_bytes());
-                b
-            }
-            Scalar::F64(v) => v.to_ne_bytes(),
-            Scalar::I64(v) => v.to_ne_bytes(),
+            Scalar::F32(v) => b[..4].copy_from_slice(&v.to_ne_bytes()),
+            Scalar::F64(v) => b = v.to_ne_bytes(),
+            Scalar::I64(v) => b = v.to_ne_bytes(),
         }
+        u64::from_ne_bytes(b)
     }
 }
 
@@ -345,7 +345,8 @@ enum Slot {
 pub struct Bindings<'p> {
     plan: &'p ExecutionPlan,
     slots: Vec<Slot>,
-    scalars: Vec<[u8; 8]>,
+    /// By-value scalars, one aligned word each.
+    scalars: Vec<u64>,
 }
 
 impl<'p> Bindings<'p> {
@@ -407,7 +408,7 @@ impl<'p> Bindings<'p> {
                 },
             ));
         }
-        self.scalars.push(value.bytes());
+        self.scalars.push(value.word());
         self.slots[i] = Slot::Host(self.scalars.len() - 1);
         Ok(self)
     }
@@ -433,7 +434,7 @@ impl<'p> Bindings<'p> {
         for (i, (slot, real)) in self.slots.iter().zip(self.plan.real_tensors()).enumerate() {
             let ptr = match (*slot, real.by_value) {
                 (Slot::Empty, _) => return Err(self.problem(i, BindingProblem::Missing)),
-                (Slot::Host(k), true) => self.scalars[k].as_ptr() as *mut c_void,
+                (Slot::Host(k), true) => &self.scalars[k] as *const u64 as *mut c_void,
                 (Slot::Device { ptr, bytes, dtype }, false) => {
                     if ptr == 0 {
                         return Err(self.problem(i, BindingProblem::Null));
