@@ -22,10 +22,13 @@ fn main() {
         );
         return;
     }
-    // Where it was built, else from the working directory (a bundled copy run elsewhere).
-    let rel = "tests/fixtures/devprops/h200-sm90.json";
-    let built = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(rel);
-    let fixture = if built.is_file() { built } else { rel.into() };
+    // From the working directory (cargo's, or a bundled copy's elsewhere), else where built.
+    let rel = std::path::Path::new("tests/fixtures/devprops/h200-sm90.json");
+    let fixture = if rel.is_file() {
+        rel.to_path_buf()
+    } else {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
+    };
     let target = match Target::deviceless_from_file(&fixture) {
         Ok(t) => t,
         Err(e) => {

@@ -30,7 +30,10 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable"):
         print(m["target"]["kind"][0], m["target"]["name"], m["executable"])
 ' | while read -r kind name exe; do
-      case "$kind" in test|bench) cp "$exe" "$bundle/$kind-$name" ;; esac
+      # The CPU benches (plan_build, reference) are measured here, not there.
+      case "$kind-$name" in
+        test-*|bench-cbr_layers|bench-range_ops) cp "$exe" "$bundle/$kind-$name" ;;
+      esac
     done
   cargo build --release --examples
   for ex in device_props deviceless_smoke train_cbr deviceless_plans; do
@@ -105,8 +108,8 @@ run)
     say "== $1 ($(( $(date +%s) - t0 )) s)"
   }
   # On the GPU machine a SKIP is a failure (tier 4 is what this run is for), except the few
-  # that skip *because* there is a GPU, or for lack of libclang or PyTorch. In a rehearsal
-  # (no GPU) the GPU stages may only fail or skip for want of a device.
+  # that skip *because* there is a GPU, or for lack of libclang. In a rehearsal (no GPU) the
+  # GPU stages may only fail or skip for want of a device (or of PyTorch).
   expected_skip='this machine has CUDA device|CUDA is usable here|libclang'
   no_gpu='(no|no usable) CUDA device|PyTorch is not installed|no CUDA GPU'
   check() { # exit code, log, name
@@ -125,7 +128,7 @@ run)
       [ -e "$t" ] || continue
       name=$(basename "$t")
       stage "$name" 20 || continue
-      rc=0; timeout "$(cap 240)" "$t" --nocapture --test-threads=1 > "$out/$name.log" 2>&1 || rc=$?
+      rc=0; timeout -k 10 "$(cap 240)" "$t" --nocapture --test-threads=1 > "$out/$name.log" 2>&1 || rc=$?
       grep -E "SKIP|test result|FAILED|panicked" "$out/$name.log" | tee -a "$out/summary.txt" || true
       check "$rc" "$out/$name.log" "$name"
     done
@@ -133,7 +136,7 @@ run)
   step() { # name, log name, timeout, command... (output to the terminal and to $out/log)
     local name=$1 log=$out/$2 limit=$3 rc; shift 3
     set +e
-    timeout "$(cap "$limit")" "$@" 2>&1 | tee "$log"
+    timeout -k 10 "$(cap "$limit")" "$@" 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
     set -e
     check "$rc" "$log" "$name"
@@ -158,10 +161,13 @@ run)
   fi
   # Then what also runs without a GPU, here against this machine's cuDNN: planning with the
   # real device's properties, and every other test binary.
-  if [ -s "$out/device-props.json" ] && stage "deviceless_plans with the real properties" 60; then
+  props=$out/device-props.json
+  # A rehearsal has no device to read: the H200 fixture stands in.
+  [ -n "$rehearsal" ] && [ ! -s "$props" ] && props=$bundle/fixtures/devprops/h200-sm90.json
+  if [ -s "$props" ] && stage "deviceless_plans with the real properties" 60; then
     step deviceless_plans deviceless_plans_live_props.txt 120 "$bundle/example-deviceless_plans" \
-      --props "$out/device-props.json" --batch 256 --cache "$out/plan-cache" > /dev/null
-    tail -1 "$out/deviceless_plans_live_props.txt" | tee -a "$out/summary.txt"
+      --props "$props" --batch 256 --cache "$out/plan-cache" > /dev/null
+    grep -E "^supported" "$out/deviceless_plans_live_props.txt" | tee -a "$out/summary.txt" || true
   fi
   others=()
   for t in "$bundle"/test-*; do
@@ -178,7 +184,14 @@ rehearse)
   [ -d "$bundle" ] || { echo "no $bundle: run 'scripts/gpu-check.sh bundle' first" >&2; exit 1; }
   copy=$(mktemp -d)
   trap 'rm -rf "$copy"' EXIT
-  git ls-files -z | xargs -0 cp --parents -t "$copy"
+  # What the device tool carries: tracked files and untracked ones git does not ignore.
+  if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    git ls-files -z --cached --others --exclude-standard \
+      | while IFS= read -r -d '' f; do if [ -e "$f" ]; then printf '%s\0' "$f"; fi; done \
+      | xargs -0 cp --parents --no-dereference -t "$copy"
+  else
+    tar --exclude=./target --exclude=./.deps --exclude="./$bundle" -cf - . | tar -xf - -C "$copy"
+  fi
   cp -r "$bundle" "$copy/"
   out=$(pwd)/target/gpu-check-rehearsal
   rm -rf "$out"

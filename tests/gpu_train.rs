@@ -230,9 +230,10 @@ fn graph_replay_equals_eager_for_the_captured_parts() {
         // cuDNN reduced in a different order between two eager runs (atomics), so the graph
         // can match eager only as closely as eager matches itself. Judged part by part with
         // a relative L2: FP32 reorderings move values by ~1e-7 relative and an FP16 rounding
-        // flip by at most 2^-11 ≈ 4.9e-4 per element, so a part whose relative L2 exceeds
-        // 2e-3 differs for a reason other than order. The counters (S, log header) must be
-        // identical: no overflow either way, so the same steps were applied.
+        // flip by at most one ulp, 2^-10 ≈ 9.8e-4 of the value, so a part beyond 2e-3 (or
+        // four times what two eager runs differ by there) differs for another reason. Logged
+        // accuracies move in steps of 1/batch: a near-tie argmax may flip, two may not. The
+        // counters (S, log header) must be identical: no overflow either way.
         let (eager_parts, eager_counters) = e2.rel_l2_by_part(&e1);
         let (parts, counters) = g.rel_l2_by_part(&e1);
         assert!(
@@ -242,11 +243,17 @@ fn graph_replay_equals_eager_for_the_captured_parts() {
         assert!(counters, "graph vs eager: S or the log header differ");
         for ((name, r), (_, er)) in parts.iter().zip(&eager_parts) {
             println!("{TEST}: {name:<20} graph vs eager {r:.2e}, eager vs eager {er:.2e}");
+            let bound = 2e-3f64.max(4.0 * er);
             assert!(
-                *r <= 2e-3,
+                *r <= bound,
                 "graph vs eager: {name} differs by {r:e} relative L2"
             );
         }
+        let acc = g.accuracy_diff(&e1);
+        assert!(
+            acc <= 1.0 / c.batch as f64 + 1e-6,
+            "graph vs eager: logged accuracy differs by {acc}"
+        );
     }
     let log = t.metrics_log().unwrap();
     assert_eq!(log.count as usize, WARMUP_STEPS + 1);

@@ -224,6 +224,13 @@ pub enum RangeOpError {
 /// A range op, a step or a captured graph that does not fit the executor it runs on.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum ExecError {
+    /// A host-side operation was asked of a stream that is being captured into a CUDA graph,
+    /// where it would be recorded with stale host data.
+    #[error("{op}: the stream is being captured into a CUDA graph; call it outside the capture")]
+    Capturing {
+        /// The method.
+        op: &'static str,
+    },
     /// A byte range runs past the end of the buffer or region it addresses, or ends before it
     /// starts.
     #[error("{op}: `{what}` range {start}..{end} does not fit in {len} bytes")]

@@ -279,8 +279,8 @@ impl Snapshot {
 
     /// Per part, the relative L2 difference ‖a − b‖ / ‖b‖ of the values (`other` is `b`):
     /// each region but S (decoded as FP16 or FP32), each running statistic and the metrics
-    /// log's entries; and whether S and the log's header (the counters) are identical bit
-    /// for bit. For comparing runs that may differ by reduction order: one FP16 rounding
+    /// log's losses (its accuracies: [`Snapshot::accuracy_diff`]); and whether S and the
+    /// log's header (the counters) are identical bit for bit. For comparing runs that may differ by reduction order: one FP16 rounding
     /// flip moves a part's relative L2 a little, not by orders of magnitude as a maximum
     /// does.
     pub fn rel_l2_by_part(&self, other: &Snapshot) -> (Vec<(String, f64)>, bool) {
@@ -326,12 +326,26 @@ impl Snapshot {
             );
             parts.push((format!("{layer}.{name}"), rel(&a, &b)));
         }
-        let body = |l: &[u8]| f32s(l.get(METRICS_LOG_HEADER..).unwrap_or(&[]));
-        parts.push((
-            "metrics log".into(),
-            rel(&body(&self.log), &body(&other.log)),
-        ));
+        // Entries are (loss, accuracy) pairs: losses compare by relative L2 like the regions;
+        // accuracies move in steps of 1/batch (one argmax), so they come separately.
+        let (losses_a, _) = log_entries(&self.log);
+        let (losses_b, _) = log_entries(&other.log);
+        parts.push(("metrics log loss".into(), rel(&losses_a, &losses_b)));
         (parts, counters_same)
+    }
+
+    /// The largest absolute difference between the two metrics logs' accuracy entries (a
+    /// fraction of the batch; infinite when the logs differ in length).
+    pub fn accuracy_diff(&self, other: &Snapshot) -> f64 {
+        let (_, a) = log_entries(&self.log);
+        let (_, b) = log_entries(&other.log);
+        if a.len() != b.len() {
+            return f64::INFINITY;
+        }
+        a.iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max)
     }
 }
 
@@ -528,8 +542,9 @@ impl CudaTrainer {
             .collect()
     }
 
-    /// Copies one batch in: NHWC FP16 images into stem's `x`, labels into the head.
-    /// Asynchronous (pageable memory is staged at once; nothing waits for the device).
+    /// Copies one batch in: NHWC FP16 images into stem's `x`, labels into the head, through
+    /// the double-buffered page-locked staging ([`crate::amp::cuda::Upload`]): asynchronous,
+    /// waiting only while the device is two batches behind. Not during a stream capture.
     ///
     /// # Errors
     /// [`TrainError::Config`] for a batch of the wrong size; a driver error.
@@ -1121,6 +1136,17 @@ fn one_mut_two<T>(v: &mut [T], i: usize, j: usize, k: usize) -> (&mut T, &T, &T)
     (mid, get(j), get(k))
 }
 
+/// A metrics-log image's (losses, accuracies), in entry order.
+fn log_entries(log: &[u8]) -> (Vec<f64>, Vec<f64>) {
+    let body = log.get(METRICS_LOG_HEADER..).unwrap_or(&[]);
+    body.chunks_exact(8)
+        .map(|e| {
+            let f = |b: &[u8]| f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            (f(&e[..4]), f(&e[4..]))
+        })
+        .unzip()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1135,6 +1161,7 @@ mod tests {
         let mut log = vec![0u8; METRICS_LOG_HEADER];
         log[0] = 1;
         log.extend(1.5f32.to_le_bytes());
+        log.extend(a[0].to_le_bytes()); // stands in for an accuracy
         Snapshot {
             regions: vec![
                 (Region::W, bytes32(w)),
@@ -1154,7 +1181,8 @@ mod tests {
         assert!(counters);
         assert!(parts.iter().all(|(_, r)| *r == 0.0), "{parts:?}");
         let names: Vec<&str> = parts.iter().map(|(n, _)| n.as_str()).collect();
-        assert_eq!(names, ["W", "A", "stem.running_mean", "metrics log"]);
+        assert_eq!(names, ["W", "A", "stem.running_mean", "metrics log loss"]);
+        assert_eq!(base.accuracy_diff(&base), 0.0);
 
         // W off by 0.03 in one element: ‖Δ‖ / ‖W‖ = 0.03 / 3 = 1e-2; A untouched.
         let moved = snapshot(&[1.0, 2.03, 2.0], &[0.5, 0.25], s);
@@ -1162,6 +1190,12 @@ mod tests {
         assert!(counters);
         assert!((parts[0].1 - 1e-2).abs() < 1e-6, "{parts:?}");
         assert_eq!(parts[1].1, 0.0);
+        // The accuracy slot 0.5 → 0.5625 (one more of 16 right) shows in accuracy_diff only.
+        let flipped = snapshot(&[1.0, 2.0, 2.0], &[0.5625, 0.25], s);
+        assert!((flipped.accuracy_diff(&base) - 0.0625).abs() < 1e-9);
+        assert!(flipped.rel_l2_by_part(&base).0[2..]
+            .iter()
+            .all(|(_, r)| *r == 0.0));
 
         // One counter in S differs: not a matter of tolerance.
         let mut s2 = s;

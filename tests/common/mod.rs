@@ -3,15 +3,14 @@
 
 use std::path::PathBuf;
 
-/// The repository root: where the test was built, or else the working directory. The second
-/// case is a bundled binary run on another machine (scripts/gpu-check.sh runs there from a
-/// copy of the repository, at another path).
+/// The repository root: the working directory when it is one (cargo runs tests there; a
+/// bundled binary on the GPU machine runs from a copy of the repository at another path,
+/// scripts/gpu-check.sh), else where the test was built.
 pub fn repo_root() -> PathBuf {
-    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    if built.join("tests/fixtures").is_dir() {
-        built
-    } else {
+    if std::path::Path::new("tests/fixtures").is_dir() {
         PathBuf::from(".")
+    } else {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
     }
 }
 

@@ -207,14 +207,14 @@ pub fn compile_cubin(real_arch: &'static str) -> Result<Vec<(KernelSource, Vec<u
             unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog.0, &mut size) }
                 .result()
                 .map_err(|e| fail(source.file, format!("nvrtcGetCUBINSize: {e:?}")))?;
+            if size == 0 {
+                return Err(fail(source.file, "NVRTC produced an empty cubin".into()));
+            }
             let mut cubin = vec![0u8; size];
             // SAFETY: `cubin` has exactly the `size` bytes NVRTC asked for.
             unsafe { nvrtc_sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr().cast()) }
                 .result()
                 .map_err(|e| fail(source.file, format!("nvrtcGetCUBIN: {e:?}")))?;
-            if size == 0 {
-                return Err(fail(source.file, "NVRTC produced an empty cubin".into()));
-            }
             Ok((*source, cubin))
         })
         .collect()

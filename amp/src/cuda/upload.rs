@@ -9,6 +9,7 @@
 use std::fmt;
 use std::sync::Arc;
 
+use cudarc::driver::sys::CUstreamCaptureStatus;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, PinnedHostSlice};
 
 use crate::cuda::launch::DevRangeMut;
@@ -76,12 +77,24 @@ impl Upload {
     /// # Errors
     /// [`ExecError::OutOfBounds`] when a source's length differs from its destination
     /// range's or all sources together exceed [`Upload::capacity`];
-    /// [`CudaError::ContextMismatch`] for a destination in another context; a driver error.
+    /// [`CudaError::ContextMismatch`] for a destination in another context;
+    /// [`ExecError::Capturing`] while `stream` is being captured; a driver error.
     pub fn upload(
         &mut self,
         stream: &Arc<CudaStream>,
         parts: &mut [(&[u8], DevRangeMut<'_>)],
     ) -> Result<(), AmpError> {
+        // In a capture the copies would become graph nodes reading the slot at replay time,
+        // long after the host refilled it: refuse rather than replay stale batches.
+        let status = stream
+            .capture_status()
+            .map_err(|e| driver_error("query the stream's capture status", e))?;
+        if status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            return Err(ExecError::Capturing {
+                op: "Upload::upload",
+            }
+            .into());
+        }
         let mut total = 0usize;
         for (src, dst) in parts.iter() {
             let range = dst.range();
