@@ -241,7 +241,7 @@ fn run(full: bool) -> Result<(), AmpError> {
 
     println!(
         "range ops on device 0 ({}), {:.1} M parameters, median of {} samples x {} launches",
-        step.executor().kernels().arch().sm_name(),
+        step.executor().kernels().code(),
         n as f64 / 1e6,
         effort.samples,
         effort.reps

@@ -220,6 +220,19 @@ pub fn compile_cubin(real_arch: &'static str) -> Result<Vec<(KernelSource, Vec<u
         .collect()
 }
 
+/// The loaded NVRTC's version, e.g. `"13.0"` (`"unknown"` if it does not say). Call only
+/// after [`nvrtc_library_present`] returned true.
+fn nvrtc_version() -> String {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: NVRTC is loaded (the caller checked); both out-pointers are valid.
+    let rc = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    if rc == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        format!("{major}.{minor}")
+    } else {
+        "unknown".into()
+    }
+}
+
 /// A read-only byte range of a device buffer ([`CudaSlice`], [`cudarc::driver::CudaView`] or
 /// [`cudarc::driver::CudaViewMut`] of bytes), checked to lie inside it.
 pub struct DevRange<'a> {
@@ -460,6 +473,7 @@ impl AmpKernels {
                 format!("{} PTX, JIT-compiled by the driver", arch.compute_name()),
             ),
         };
+        let code = format!("{code}, NVRTC {}", nvrtc_version());
         let mut functions: HashMap<&'static str, CudaFunction> = HashMap::new();
         for (source, image) in images {
             let module = ctx
@@ -511,8 +525,9 @@ impl AmpKernels {
         self.arch
     }
 
-    /// What was loaded: `"sm_90 machine code"`, or `"compute_90 PTX, JIT-compiled by the
-    /// driver"` on an architecture [`kernels::real_arch`] does not list.
+    /// What was loaded and by which NVRTC: `"sm_90 machine code, NVRTC 13.0"`, or
+    /// `"compute_90 PTX, JIT-compiled by the driver, NVRTC 13.0"` on an architecture
+    /// [`kernels::real_arch`] does not list.
     pub fn code(&self) -> &str {
         &self.code
     }
