@@ -1032,46 +1032,107 @@ fn data_type(d: Dtype) -> DataType {
     }
 }
 
-/// Allocates each layer's own buffers and builds its binding table: own buffers, aliases to
-/// other layers' buffers, parameters in the regions.
+/// Where one buffer of a layer's binding table comes from.
+#[derive(Debug, Clone, PartialEq)]
+enum Source {
+    /// A parameter's slot in an amp region (`<layer>.<suffix>`).
+    Param { key: String, region: Region },
+    /// Another layer's own buffer (a block input, a residual, a joined gradient).
+    Alias { owner: usize, name: &'static str },
+    /// The layer's own buffer of the same name.
+    Own,
+}
+
+/// One layer's binding plan: every buffer its table needs (its graphs' and what the next
+/// layer's prologue binds in it), where each comes from, and the buffers it allocates.
+#[derive(Debug)]
+struct LayerBinding {
+    specs: Vec<BufferSpec>,
+    sources: Vec<Source>,
+    own: Vec<BufferSpec>,
+}
+
+/// The binding plan of the network's layers (no device involved).
+fn binding_plan(planned: &[(&'static str, CbrLayer)]) -> Vec<LayerBinding> {
+    (0..planned.len())
+        .map(|i| {
+            let mut specs: Vec<BufferSpec> = planned[i].1.buffers().to_vec();
+            for (j, (_, next)) in planned.iter().enumerate() {
+                if prev_of(j) == Some(i) {
+                    for p in next.prev_buffers() {
+                        match specs.iter_mut().find(|b| b.name == p.name) {
+                            Some(b) => b.elems = b.elems.max(p.elems),
+                            None => specs.push(p.clone()),
+                        }
+                    }
+                }
+            }
+            let sources: Vec<Source> = specs
+                .iter()
+                .map(|spec| {
+                    if let Some((suffix, region)) = param_slot(spec.name) {
+                        Source::Param {
+                            key: format!("{}.{suffix}", planned[i].0),
+                            region,
+                        }
+                    } else if let Some((_, _, owner, name)) = ALIASES
+                        .iter()
+                        .find(|(l, n, _, _)| *l == i && *n == spec.name)
+                    {
+                        Source::Alias {
+                            owner: *owner,
+                            name,
+                        }
+                    } else {
+                        Source::Own
+                    }
+                })
+                .collect();
+            let own = specs
+                .iter()
+                .zip(&sources)
+                .filter(|(_, src)| **src == Source::Own)
+                .map(|(spec, _)| spec.clone())
+                .collect();
+            LayerBinding {
+                specs,
+                sources,
+                own,
+            }
+        })
+        .collect()
+}
+
+/// A binding's (bytes, type) must cover the spec's.
+fn check_binding(
+    layer: &str,
+    spec: &BufferSpec,
+    bytes: usize,
+    dtype: DataType,
+) -> Result<(), TrainError> {
+    if dtype != spec.dtype || bytes < spec.bytes() {
+        return Err(TrainError::Config(format!(
+            "layer {layer}: buffer `{}` needs {} bytes of {:?}, its binding has {bytes} of {dtype:?}",
+            spec.name,
+            spec.bytes(),
+            spec.dtype,
+        )));
+    }
+    Ok(())
+}
+
+/// Allocates each layer's own buffers and builds its binding table from [`binding_plan`]: own
+/// buffers, aliases to other layers' buffers, parameters in the regions.
 fn bind_layers(
     planned: Vec<(&'static str, CbrLayer)>,
     regions: &CudaRegions,
     stream: &Arc<CudaStream>,
 ) -> Result<Vec<GpuLayer>, TrainError> {
-    // Every buffer each layer's table needs: its own, and what the next layer's prologue
-    // binds in it.
-    let specs: Vec<Vec<BufferSpec>> = (0..planned.len())
-        .map(|i| {
-            let mut s: Vec<BufferSpec> = planned[i].1.buffers().to_vec();
-            for (j, (_, next)) in planned.iter().enumerate() {
-                if prev_of(j) == Some(i) {
-                    for p in next.prev_buffers() {
-                        match s.iter_mut().find(|b| b.name == p.name) {
-                            Some(b) => b.elems = b.elems.max(p.elems),
-                            None => s.push(p.clone()),
-                        }
-                    }
-                }
-            }
-            s
-        })
-        .collect();
-    let aliased = |i: usize, name: &str| {
-        ALIASES
-            .iter()
-            .find(|(l, n, _, _)| *l == i && *n == name)
-            .map(|(_, _, owner, owner_name)| (*owner, *owner_name))
-    };
+    let plan = binding_plan(&planned);
     let mut owned = Vec::with_capacity(planned.len());
-    for (i, s) in specs.iter().enumerate() {
-        let own: Vec<BufferSpec> = s
-            .iter()
-            .filter(|b| param_slot(b.name).is_none() && aliased(i, b.name).is_none())
-            .cloned()
-            .collect();
-        let mut bufs = OwnedDeviceBuffers::alloc(&own, stream)?;
-        if let Some(spec) = own.iter().find(|b| b.name == "running_var") {
+    for b in &plan {
+        let mut bufs = OwnedDeviceBuffers::alloc(&b.own, stream)?;
+        if let Some(spec) = b.own.iter().find(|s| s.name == "running_var") {
             // Running variance starts at 1, as in every framework (and the CPU executor).
             bufs.upload(
                 "running_var",
@@ -1082,36 +1143,25 @@ fn bind_layers(
         owned.push(bufs);
     }
     let mut layers = Vec::with_capacity(planned.len());
-    for (i, ((name, layer), specs)) in planned.into_iter().zip(specs).enumerate() {
+    for (i, ((name, layer), b)) in planned.into_iter().zip(plan).enumerate() {
         let mut table = DeviceBuffers::new();
-        for spec in &specs {
-            let buf = if let Some((suffix, region)) = param_slot(spec.name) {
-                let p = regions
-                    .param(&format!("{name}.{suffix}"), region)
-                    .map_err(amp_error)?;
-                DeviceBuffer {
-                    ptr: p.ptr,
-                    bytes: p.len_bytes,
-                    dtype: data_type(p.dtype),
+        for (spec, source) in b.specs.iter().zip(&b.sources) {
+            let buf = match source {
+                Source::Param { key, region } => {
+                    let p = regions.param(key, *region).map_err(amp_error)?;
+                    DeviceBuffer {
+                        ptr: p.ptr,
+                        bytes: p.len_bytes,
+                        dtype: data_type(p.dtype),
+                    }
                 }
-            } else if let Some((owner, owner_name)) = aliased(i, spec.name) {
-                owned[owner].table().get(owner_name)?
-            } else {
-                owned[i].table().get(spec.name)?
+                Source::Alias { owner, name } => owned[*owner].table().get(name)?,
+                Source::Own => owned[i].table().get(spec.name)?,
             };
-            if buf.dtype != spec.dtype || buf.bytes < spec.bytes() {
-                return Err(TrainError::Config(format!(
-                    "layer {name}: buffer `{}` needs {} bytes of {:?}, its binding has {} of {:?}",
-                    spec.name,
-                    spec.bytes(),
-                    spec.dtype,
-                    buf.bytes,
-                    buf.dtype
-                )));
-            }
+            check_binding(name, spec, buf.bytes, buf.dtype)?;
             table.insert_raw(spec.name, buf);
         }
-        layers.push((name, layer, table, specs));
+        layers.push((name, layer, table, b.specs));
     }
     Ok(layers
         .into_iter()
@@ -1150,6 +1200,82 @@ fn log_entries(log: &[u8]) -> (Vec<f64>, Vec<f64>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cudnn_cbr_fusion::cbr::RouteKind;
+
+    /// The binding plan of every route mix (each layer fused, unfused or generic; the two
+    /// layers that take their input through a BN varied apart from the rest) against the
+    /// real memory plan: every parameter slot exists with the buffer's type and room, every
+    /// alias names an own buffer of its owner that fits, and the buffers the executor slices
+    /// by name (the stem's input, the pooling's input and gradient, the joins' operands) are
+    /// own buffers of equal size where they are added together. No device involved.
+    #[test]
+    fn every_route_mix_binds_every_buffer() {
+        let (batch, hw, channels, width, classes) = (16, 16, 8, 16, 8);
+        let configs = net::layer_configs(batch, hw, channels, width);
+        let shapes: Vec<_> = configs.iter().map(|(n, c)| (*n, c.shape)).collect();
+        let plan = crate::train::memory_plan(&shapes, 2 * width, classes).unwrap();
+        let kinds = [RouteKind::Fused, RouteKind::Unfused, RouteKind::Generic];
+        let mut mixes = 0;
+        for rest in kinds {
+            for through_bn in kinds {
+                let planned: Vec<(&'static str, CbrLayer)> = configs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (n, c))| {
+                        let kind = if [B1B, B2B].contains(&i) {
+                            through_bn
+                        } else {
+                            rest
+                        };
+                        (*n, CbrLayer::for_cpu(*c, kind))
+                    })
+                    .collect();
+                let bindings = binding_plan(&planned);
+                let own = |i: usize, name: &str| -> Option<&BufferSpec> {
+                    bindings[i].own.iter().find(|s| s.name == name)
+                };
+                for (i, b) in bindings.iter().enumerate() {
+                    let layer = planned[i].0;
+                    for (spec, source) in b.specs.iter().zip(&b.sources) {
+                        let (bytes, dtype) = match source {
+                            Source::Param { key, region } => {
+                                let v = plan.view(key, *region).unwrap_or_else(|e| {
+                                    panic!("{rest:?}/{through_bn:?} {layer}.{}: {e}", spec.name)
+                                });
+                                (v.len_bytes, data_type(v.dtype))
+                            }
+                            Source::Alias { owner, name } => {
+                                let o = own(*owner, name).unwrap_or_else(|| {
+                                    panic!("{layer}.{} aliases a missing {name}", spec.name)
+                                });
+                                (o.bytes(), o.dtype)
+                            }
+                            Source::Own => (spec.bytes(), spec.dtype),
+                        };
+                        check_binding(layer, spec, bytes, dtype)
+                            .unwrap_or_else(|e| panic!("{rest:?}/{through_bn:?}: {e}"));
+                    }
+                }
+                let bytes = |i: usize, name: &str| {
+                    own(i, name)
+                        .unwrap_or_else(|| panic!("{} has no own `{name}`", planned[i].0))
+                        .bytes()
+                };
+                bytes(STEM, "x");
+                let pooled = batch * (hw / 2) * (hw / 2) * 2 * width * 2;
+                assert_eq!((bytes(B2B, "a"), bytes(B2B, "da")), (pooled, pooled));
+                for (out, a, b) in [(TRANS, B2A, B2B), (STEM, B1A, B1B)] {
+                    let sizes = (bytes(out, "da"), bytes(a, "dx"), bytes(b, "dpre"));
+                    assert!(
+                        sizes.0 == sizes.1 && sizes.1 == sizes.2,
+                        "join {out}: {sizes:?}"
+                    );
+                }
+                mixes += 1;
+            }
+        }
+        assert_eq!(mixes, 9);
+    }
 
     fn snapshot(w: &[f32], a: &[f32], s: [u8; 20]) -> Snapshot {
         let bytes32 = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect();
