@@ -4,12 +4,10 @@
 
 use std::path::{Path, PathBuf};
 
-/// The libraries cuDNN opens by name after it is loaded: NVRTC (runtime-compiled engines)
-/// and cuBLASLt (heuristics).
+/// The libraries cuDNN opens by name after it is loaded: NVRTC (runtime-compiled engines,
+/// and amp's kernels) and cuBLASLt (heuristics). These are the ones [`ensure_loadable`]
+/// accepts.
 pub const CUDNN_COMPANIONS: [&str; 2] = ["libnvrtc.so.13", "libcublasLt.so.13"];
-
-/// The libraries [`ensure_loadable`] accepts: the companions and NVRTC (for amp's kernels).
-const LOADABLE: [&str; 2] = CUDNN_COMPANIONS;
 
 /// Where the CUDA 13 wheels put their files, under a site-packages folder.
 const CUDA_WHEEL_DIR: &str = "nvidia/cu13";
@@ -88,10 +86,10 @@ fn find_in(soname: &str, wheel_dirs: &[PathBuf]) -> Option<PathBuf> {
 /// # Errors
 /// Why neither worked, naming the wheel folders looked in; any other name is refused.
 pub fn ensure_loadable(soname: &str) -> Result<Option<PathBuf>, String> {
-    if !LOADABLE.contains(&soname) {
+    if !CUDNN_COMPANIONS.contains(&soname) {
         return Err(format!(
             "{soname} is not one of the CUDA libraries loaded from wheels ({})",
-            LOADABLE.join(", ")
+            CUDNN_COMPANIONS.join(", ")
         ));
     }
     // SAFETY: `soname` is one of NVIDIA's CUDA libraries (checked above), whose initialisers

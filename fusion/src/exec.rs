@@ -94,11 +94,7 @@ impl HandleRef {
     }
 
     pub(crate) fn make_current(&self) -> Result<()> {
-        self.0
-            .stream
-            .context()
-            .bind_to_thread()
-            .map_err(|e| driver("bind the CUDA context", e))
+        bind_context(&self.0.stream)
     }
 }
 
@@ -106,22 +102,20 @@ impl Handle {
     /// Creates a cuDNN handle whose work goes to `stream`.
     pub fn new(stream: Arc<CudaStream>) -> Result<Arc<Self>> {
         let lib = sys::library()?;
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(|e| driver("bind the CUDA context", e))?;
+        bind_context(&stream)?;
         check_event_tracking(&stream)?;
         let mut raw: sys::cudnnHandle_t = std::ptr::null_mut();
         // SAFETY: valid out-pointer; the context is current on this thread.
         unsafe { (lib.api.cudnnCreate)(&mut raw) }
             .result()
             .map_err(|e| Error::cudnn("cudnnCreate", e))?;
+        let owner = stream_is_per_thread(&stream).then(|| std::thread::current().id());
         let handle = Handle {
             raw,
-            stream: stream.clone(),
+            stream,
             lib,
             workspace: Mutex::new(WorkspacePool::default()),
-            owner: (stream_is_per_thread(&stream)).then(|| std::thread::current().id()),
+            owner,
         };
         // SAFETY: `raw` is a live handle; the stream outlives it (held in `handle`).
         unsafe { (lib.api.cudnnSetStream)(raw, handle.stream.cu_stream() as sys::cudaStream_t) }
@@ -167,10 +161,7 @@ impl Handle {
             });
         }
         self.ready()?;
-        self.stream
-            .context()
-            .bind_to_thread()
-            .map_err(|e| driver("bind the CUDA context", e))?;
+        bind_context(&self.stream)?;
         // SAFETY: `ptr..ptr+bytes` is a live device allocation the caller bound for this layer
         // (the same contract as every variant-pack pointer); the memset is ordered on the
         // handle's stream with the work that reads it.
@@ -186,15 +177,6 @@ impl Handle {
         self.pooled_workspace(bytes, false).map(|_| ())
     }
 
-    /// Bytes the pooled workspace holds now.
-    pub fn pooled_workspace_bytes(&self) -> usize {
-        self.pool().current.as_ref().map_or(0, |w| w.len())
-    }
-
-    fn pool(&self) -> std::sync::MutexGuard<'_, WorkspacePool> {
-        self.workspace.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// Whether the handle's stream is capturing a CUDA graph now.
     fn capturing(&self) -> Result<bool> {
         use cudarc::driver::sys::CUstreamCaptureStatus as S;
@@ -208,7 +190,7 @@ impl Handle {
     /// A device pointer to at least `bytes` of pooled workspace (grows, never shrinks).
     /// `for_graph`: the address goes into a CUDA graph (pinned until the handle drops).
     fn pooled_workspace(&self, bytes: usize, for_graph: bool) -> Result<u64> {
-        let mut pool = self.pool();
+        let mut pool = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
         let have = pool.current.as_ref().map_or(0, |w| w.len());
         if have < bytes.max(1) {
             if self.capturing()? {
@@ -263,6 +245,14 @@ impl Drop for Handle {
         // because Drop cannot report them.
         let _ = unsafe { (self.lib.api.cudnnDestroy)(self.raw) };
     }
+}
+
+/// Makes the stream's CUDA context current on this thread.
+fn bind_context(stream: &CudaStream) -> Result<()> {
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| driver("bind the CUDA context", e))
 }
 
 fn driver(what: &str, e: cudarc::driver::DriverError) -> Error {
@@ -530,11 +520,7 @@ impl ExecutionPlan {
     ) -> Result<()> {
         let workspace = self.workspace_ptr(handle, ws, false)?;
         let vp = bindings.variant_pack(workspace)?;
-        handle
-            .stream
-            .context()
-            .bind_to_thread()
-            .map_err(|e| driver("bind the CUDA context", e))?;
+        bind_context(&handle.stream)?;
         // SAFETY: the plan and variant pack are finalized descriptors; every pointer in the pack
         // was checked non-null, aligned, of the right type and large enough; the caller keeps the
         // buffers alive until the stream reaches this work (Bindings' contract).

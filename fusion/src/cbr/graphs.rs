@@ -37,11 +37,8 @@ pub fn conv_fprop(shape: &ConvShape, prologue: bool, genstats: bool) -> (Graph, 
     let x = g.tensor(TensorAttrs::new("X", shape.x_dims()));
     let w = g.tensor(TensorAttrs::new("W", shape.w_dims()));
     let (input, pro) = if prologue {
-        let s = g.tensor(TensorAttrs::vector("scale", shape.c).dtype(DataType::Half));
-        let b = g.tensor(TensorAttrs::vector("bias", shape.c).dtype(DataType::Half));
-        let v1 = g.mul(x, s);
-        let v2 = g.add(v1, b);
-        (g.relu(v2), Some((s, b)))
+        let (a, scale_bias) = bn_prologue(&mut g, x, shape.c);
+        (a, Some(scale_bias))
     } else {
         (x, None)
     };
@@ -63,6 +60,25 @@ pub fn conv_fprop(shape: &ConvShape, prologue: bool, genstats: bool) -> (Graph, 
             stats,
         },
     )
+}
+
+/// The BN-apply prologue `relu(x·s + b)` on `x`, with FP16 scale and bias over `c` channels:
+/// returns the prologue's output and its (scale, bias) tensors.
+fn bn_prologue(g: &mut Graph, x: TensorId, c: i64) -> (TensorId, (TensorId, TensorId)) {
+    let s = g.tensor(TensorAttrs::vector("scale", c).dtype(DataType::Half));
+    let b = g.tensor(TensorAttrs::vector("bias", c).dtype(DataType::Half));
+    let v1 = g.mul(x, s);
+    let v2 = g.add(v1, b);
+    (g.relu(v2), (s, b))
+}
+
+/// Stores every output of the node added last (as [`Node::outputs`](crate::graph::Node::outputs)
+/// lists them), with `dtype` when given.
+fn store_last_outputs(g: &mut Graph, dtype: Option<DataType>) {
+    let outputs = g.nodes().last().expect("a node was added").outputs();
+    for t in outputs {
+        g.set_output(t, dtype).expect("in graph");
+    }
 }
 
 /// dx = conv_dgrad(dy, w): returns (graph, dy, w, dx).
@@ -110,16 +126,7 @@ pub fn bn_finalize(k: i64) -> (Graph, BnFinalizeInputs, BnFinalizeOutputs) {
         accum_count: g.tensor(TensorAttrs::scalar("count", DataType::Int64)),
     };
     let o = g.bn_finalize(inputs);
-    for t in [
-        o.eq_scale,
-        o.eq_bias,
-        o.saved_mean,
-        o.saved_inv_std,
-        o.updated_running_mean,
-        o.updated_running_var,
-    ] {
-        g.set_output(t, None).expect("in graph");
-    }
+    store_last_outputs(&mut g, None);
     (g, inputs, o)
 }
 
@@ -294,15 +301,7 @@ pub fn dgrad_drelu_dbn(
         scale: gamma,
         dy: dz,
     });
-    for t in [
-        dbn.dscale,
-        dbn.dbias,
-        dbn.eq_dy_scale,
-        dbn.eq_x_scale,
-        dbn.eq_bias,
-    ] {
-        g.set_output(t, Some(DataType::Float)).expect("in graph");
-    }
+    store_last_outputs(&mut g, Some(DataType::Float));
     (
         g,
         DgradDreluDbnTensors {
@@ -343,11 +342,8 @@ pub fn wgrad(shape: &ConvShape, prologue: bool) -> (Graph, WgradTensors) {
     });
     let x = g.tensor(TensorAttrs::new("X", shape.x_dims()));
     let (input, pro) = if prologue {
-        let s = g.tensor(TensorAttrs::vector("scale", shape.c).dtype(DataType::Half));
-        let b = g.tensor(TensorAttrs::vector("bias", shape.c).dtype(DataType::Half));
-        let v1 = g.mul(x, s);
-        let v2 = g.add(v1, b);
-        (g.relu(v2), Some((s, b)))
+        let (a, scale_bias) = bn_prologue(&mut g, x, shape.c);
+        (a, Some(scale_bias))
     } else {
         (x, None)
     };
@@ -417,18 +413,7 @@ pub fn batchnorm_forward(dims: [i64; 4]) -> (Graph, BatchNormInputs, BatchNormOu
         prev_running_var: Some(rv),
     };
     let o = g.batchnorm(inputs);
-    for t in [
-        Some(o.y),
-        Some(o.mean),
-        Some(o.inv_variance),
-        o.next_running_mean,
-        o.next_running_var,
-    ]
-    .into_iter()
-    .flatten()
-    {
-        g.set_output(t, None).expect("in graph");
-    }
+    store_last_outputs(&mut g, None);
     (g, inputs, o)
 }
 
@@ -449,9 +434,7 @@ pub fn batchnorm_backward(
         inv_variance,
     };
     let o = g.batchnorm_backward(inputs);
-    for t in [o.dx, o.dscale, o.dbias] {
-        g.set_output(t, None).expect("in graph");
-    }
+    store_last_outputs(&mut g, None);
     (g, inputs, o)
 }
 

@@ -402,47 +402,31 @@ pub fn route_graphs(config: &CbrConfig, route: impl Into<RouteKind>) -> Vec<Laye
             g,
             vec![(dy, This("da")), (x, This("a")), (dx, This("dpre"))],
         ));
-        if kind == RouteKind::Generic {
-            out.extend(reduction_bn_backward(
-                s.y_dims(),
-                [
-                    GraphRole::ApplyDbnReduce,
-                    GraphRole::ApplyDbnCoefficients,
-                    GraphRole::ApplyDbnApply,
+        out.extend(bn_backward(
+            kind,
+            s.y_dims(),
+            GraphRole::ApplyBnBackward,
+            [
+                GraphRole::ApplyDbnReduce,
+                GraphRole::ApplyDbnCoefficients,
+                GraphRole::ApplyDbnApply,
+            ],
+            &BnBackwardNames {
+                dz: This("dpre"),
+                y: This("y"),
+                mean: This("saved_mean"),
+                inv_std: This("saved_inv_std"),
+                gamma: This("gamma"),
+                dgamma: This("dgamma"),
+                dbeta: This("dbeta"),
+                abc: [
+                    This("apply_dbn_a"),
+                    This("apply_dbn_b"),
+                    This("apply_dbn_c"),
                 ],
-                &BnBackwardNames {
-                    dz: This("dpre"),
-                    y: This("y"),
-                    mean: This("saved_mean"),
-                    inv_std: This("saved_inv_std"),
-                    gamma: This("gamma"),
-                    dgamma: This("dgamma"),
-                    dbeta: This("dbeta"),
-                    abc: [
-                        This("apply_dbn_a"),
-                        This("apply_dbn_b"),
-                        This("apply_dbn_c"),
-                    ],
-                    dy: This("dy"),
-                },
-            ));
-        } else {
-            let (g, i, o) = graphs::batchnorm_backward(s.y_dims());
-            out.push(lg(
-                GraphRole::ApplyBnBackward,
-                g,
-                vec![
-                    (i.dy, This("dpre")),
-                    (i.x, This("y")),
-                    (i.scale, This("gamma")),
-                    (i.mean, This("saved_mean")),
-                    (i.inv_variance, This("saved_inv_std")),
-                    (o.dx, This("dy")),
-                    (o.dscale, This("dgamma")),
-                    (o.dbias, This("dbeta")),
-                ],
-            ));
-        }
+                dy: This("dy"),
+            },
+        ));
     }
     match (kind, through_bn) {
         (RouteKind::Fused, true) => {
@@ -511,28 +495,12 @@ pub fn route_graphs(config: &CbrConfig, route: impl Into<RouteKind>) -> Vec<Laye
                 ));
             }
         }
-        (RouteKind::Unfused, true) => {
+        (RouteKind::Unfused | RouteKind::Generic, true) => {
             out.extend(materialized_backward(config));
-            let (g, i, o) = graphs::batchnorm_backward(s.x_dims());
-            out.push(lg(
-                GraphRole::BnBackward,
-                g,
-                vec![
-                    (i.dy, This("dz_prev")),
-                    (i.x, Prev("y")),
-                    (i.scale, Prev("gamma")),
-                    (i.mean, Prev("saved_mean")),
-                    (i.inv_variance, Prev("saved_inv_std")),
-                    (o.dx, Prev("dy")),
-                    (o.dscale, Prev("dgamma")),
-                    (o.dbias, Prev("dbeta")),
-                ],
-            ));
-        }
-        (RouteKind::Generic, true) => {
-            out.extend(materialized_backward(config));
-            out.extend(reduction_bn_backward(
+            out.extend(bn_backward(
+                kind,
                 s.x_dims(),
+                GraphRole::BnBackward,
                 [
                     GraphRole::DbnReduce,
                     GraphRole::DbnCoefficients,
@@ -648,7 +616,7 @@ fn materialized_backward(config: &CbrConfig) -> Vec<LayerGraph> {
     out
 }
 
-/// The buffers a reduction-based BN backward reads and writes.
+/// The buffers a BN backward reads and writes (`abc` only on the generic route).
 struct BnBackwardNames {
     /// Gradient w.r.t. the BN output.
     dz: Src,
@@ -659,10 +627,40 @@ struct BnBackwardNames {
     gamma: Src,
     dgamma: Src,
     dbeta: Src,
-    /// The dBN-apply coefficients A, B, C.
+    /// The dBN-apply coefficients A, B, C (generic route).
     abc: [Src; 3],
     /// Gradient w.r.t. the BN input.
     dy: Src,
+}
+
+/// A BN's backward over `dims` with the buffers `n` names: NormBackward (`norm_role`) on the
+/// fused and unfused routes, the reduction chain of [`reduction_bn_backward`] (`generic_roles`)
+/// on the generic route.
+fn bn_backward(
+    kind: RouteKind,
+    dims: [i64; 4],
+    norm_role: GraphRole,
+    generic_roles: [GraphRole; 3],
+    n: &BnBackwardNames,
+) -> Vec<LayerGraph> {
+    if kind == RouteKind::Generic {
+        return reduction_bn_backward(dims, generic_roles, n);
+    }
+    let (g, i, o) = graphs::batchnorm_backward(dims);
+    vec![lg(
+        norm_role,
+        g,
+        vec![
+            (i.dy, n.dz),
+            (i.x, n.y),
+            (i.scale, n.gamma),
+            (i.mean, n.mean),
+            (i.inv_variance, n.inv_std),
+            (o.dx, n.dy),
+            (o.dscale, n.dgamma),
+            (o.dbias, n.dbeta),
+        ],
+    )]
 }
 
 /// Generic route: a BN's backward over `dims` without BN-specific engines: reductions (dγ, dβ) →

@@ -142,6 +142,15 @@ fn prev_of(prev: Option<&mut HostBuffers>) -> Result<&mut HostBuffers> {
     })
 }
 
+/// The previous BN's apply as the conv's prologue, read from the previous layer's buffers.
+fn prologue_input(pv: &HostBuffers) -> Result<ConvInput<'_, f16>> {
+    Ok(ConvInput::Prologue {
+        y_prev: pv.f16("y")?,
+        scale: pv.f16("eq_scale")?,
+        bias: pv.f16("eq_bias")?,
+    })
+}
+
 /// One role on the CPU. Mirrors the graphs in `route_graphs` buffer for buffer.
 fn cpu_step(
     layer: &CbrLayer,
@@ -160,23 +169,18 @@ fn cpu_step(
     };
     let through_bn = cfg.input == InputKind::ThroughBn;
     let kind = layer.route().kind();
+    // The conv's input where it is not read through the prologue, as `route_graphs` binds it:
+    // the materialized previous activation, or the raw input.
+    let plain_in = if through_bn { "a_prev" } else { "x" };
     match role {
         GraphRole::ConvStats => {
-            let out = if kind == RouteKind::Generic {
-                // The generic route convolves the materialized activation (no prologue).
-                let x = if through_bn { "a_prev" } else { "x" };
-                r::fprop_genstats(&p, ConvInput::Plain(this.f16(x)?), this.f16("w")?)?
-            } else if through_bn {
-                let pv = prev_of(prev)?;
-                let input = ConvInput::Prologue {
-                    y_prev: pv.f16("y")?,
-                    scale: pv.f16("eq_scale")?,
-                    bias: pv.f16("eq_bias")?,
-                };
-                r::fprop_genstats(&p, input, this.f16("w")?)?
+            // The generic route convolves the materialized activation (no prologue).
+            let input = if through_bn && kind != RouteKind::Generic {
+                prologue_input(prev_of(prev)?)?
             } else {
-                r::fprop_genstats(&p, ConvInput::Plain(this.f16("x")?), this.f16("w")?)?
+                ConvInput::Plain(this.f16(plain_in)?)
             };
+            let out = r::fprop_genstats(&p, input, this.f16("w")?)?;
             this.set("y", f16v(out.y));
             this.set("sum", f32v(out.stats.sum));
             this.set("sq_sum", f32v(out.stats.sqsum));
@@ -278,19 +282,10 @@ fn cpu_step(
             this.set("dbn_c", f32v(out.c));
         }
         GraphRole::Wgrad => {
-            let fused = kind == RouteKind::Fused;
-            let dw = match (through_bn, fused) {
-                (true, true) => {
-                    let pv = prev_of(prev)?;
-                    let input = ConvInput::Prologue {
-                        y_prev: pv.f16("y")?,
-                        scale: pv.f16("eq_scale")?,
-                        bias: pv.f16("eq_bias")?,
-                    };
-                    r::wgrad_with_prologue(&p, input, this.f16("dy")?)?
-                }
-                (true, false) => r::conv_wgrad(&p, this.f16("a_prev")?, this.f16("dy")?)?,
-                (false, _) => r::conv_wgrad(&p, this.f16("x")?, this.f16("dy")?)?,
+            let dw = if through_bn && kind == RouteKind::Fused {
+                r::wgrad_with_prologue(&p, prologue_input(prev_of(prev)?)?, this.f16("dy")?)?
+            } else {
+                r::conv_wgrad(&p, this.f16(plain_in)?, this.f16("dy")?)?
             };
             this.set("dw", f16v(dw));
         }
@@ -327,8 +322,7 @@ fn cpu_step(
             this.set("a_prev", f16v(a));
         }
         GraphRole::Conv => {
-            let x = if through_bn { "a_prev" } else { "x" };
-            let y = r::conv_fprop(&p, this.f16(x)?, this.f16("w")?)?;
+            let y = r::conv_fprop(&p, this.f16(plain_in)?, this.f16("w")?)?;
             this.set("y", f16v(y));
         }
         GraphRole::BnForward => {

@@ -187,34 +187,12 @@ pub(crate) fn output_dims(graph: &Graph, node: &Node) -> Result<Shapes, GraphErr
         Node::Reduction { x, y, attrs } => {
             vec![(*y, reduction_output(graph, name, *x, *y, attrs)?)]
         }
-        Node::GenStats { x, sum, sq_sum } => vec_of(channels(graph, name, *x)?, &[*sum, *sq_sum]),
-        Node::BnFinalize { inputs, outputs } => {
-            let c = channels(graph, name, inputs.sum)?;
-            vec_of(
-                c,
-                &[
-                    outputs.eq_scale,
-                    outputs.eq_bias,
-                    outputs.saved_mean,
-                    outputs.saved_inv_std,
-                    outputs.updated_running_mean,
-                    outputs.updated_running_var,
-                ],
-            )
+        // Every output of these three is per channel: `Node::outputs` lists them.
+        Node::GenStats { x, .. } => vec_of(channels(graph, name, *x)?, &node.outputs()),
+        Node::BnFinalize { inputs, .. } => {
+            vec_of(channels(graph, name, inputs.sum)?, &node.outputs())
         }
-        Node::DbnWeight { inputs, outputs } => {
-            let c = channels(graph, name, inputs.x)?;
-            vec_of(
-                c,
-                &[
-                    outputs.dscale,
-                    outputs.dbias,
-                    outputs.eq_dy_scale,
-                    outputs.eq_x_scale,
-                    outputs.eq_bias,
-                ],
-            )
-        }
+        Node::DbnWeight { inputs, .. } => vec_of(channels(graph, name, inputs.x)?, &node.outputs()),
         Node::BatchNorm { inputs, outputs } => {
             let x = rank4(graph, name, inputs.x)?;
             let mut v: Shapes = vec_of(x[1], &[outputs.mean, outputs.inv_variance]);
