@@ -7,65 +7,16 @@
 
 use std::sync::Arc;
 
-use cudnn_cbr_amp::cuda::{
-    self, AmpKernels, CudaRegions, CudaSlice, CudaStream, DevRange, DevRangeMut,
-};
+use cudnn_cbr_amp::cuda::{CudaRegions, CudaSlice, CudaStream, DevRange, DevRangeMut};
 use cudnn_cbr_amp::plan::{ByteRange, MemoryPlanBuilder, ParamKind, Region};
 use cudnn_cbr_amp::range::{self, metrics_log_bytes, HeadShape, Scalars};
 use half::f16;
 
-fn device(test: &str) -> Option<(Arc<CudaStream>, Arc<AmpKernels>)> {
-    let ctx = match cuda::open_device(0) {
-        Ok(ctx) => ctx,
-        Err(e) => {
-            println!("SKIP {test}: {e}");
-            return None;
-        }
-    };
-    let kernels = match AmpKernels::for_context(&ctx) {
-        Ok(k) => k,
-        Err(e) if e.is_unavailable() => {
-            println!("SKIP {test}: {e}");
-            return None;
-        }
-        Err(e) => panic!("{test}: the kernels do not build: {e}"),
-    };
-    Some((ctx.new_stream().expect("a new stream"), kernels))
-}
+mod common;
+use common::{device, download, f16_bytes, f32_bytes, upload, Rng};
 
-struct Rng(u64);
-
-impl Rng {
-    fn unit(&mut self) -> f32 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    fn f32s(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| scale * self.unit()).collect()
-    }
-    fn f16s(&mut self, n: usize, scale: f32) -> Vec<f16> {
-        (0..n).map(|_| f16::from_f32(scale * self.unit())).collect()
-    }
-}
-
-fn b32(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-fn b16(v: &[f16]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
 fn bi32(v: &[i32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-fn up(stream: &Arc<CudaStream>, bytes: &[u8]) -> CudaSlice<u8> {
-    stream.clone_htod(bytes).expect("upload")
-}
-fn down(stream: &Arc<CudaStream>, buf: &CudaSlice<u8>) -> Vec<u8> {
-    stream.clone_dtoh(buf).expect("download")
 }
 fn zeros(stream: &Arc<CudaStream>, n: usize) -> CudaSlice<u8> {
     stream.alloc_zeros::<u8>(n).expect("alloc")
@@ -112,10 +63,10 @@ fn gpu_pooling_and_fc_match_their_twins_bit_for_bit() {
         let mut da = vec![f16::ZERO; s.activation_elems()];
         range::gap_backward(&s, &dx, &mut da).unwrap();
         // Device.
-        let a_d = up(&st, &b16(&a));
-        let w_d = up(&st, &b32(&w));
-        let b_d = up(&st, &b32(&bias));
-        let g_d = up(&st, &b16(&g));
+        let a_d = upload(&st, &f16_bytes(&a));
+        let w_d = upload(&st, &f32_bytes(&w));
+        let b_d = upload(&st, &f32_bytes(&bias));
+        let g_d = upload(&st, &f16_bytes(&g));
         let mut pooled_d = zeros(&st, 4 * s.pooled_elems());
         let mut logits_d = zeros(&st, 2 * s.logits_elems());
         let (mut dw_d, mut db_d, mut dx_d) = (
@@ -159,19 +110,35 @@ fn gpu_pooling_and_fc_match_their_twins_bit_for_bit() {
         )
         .unwrap();
         assert_eq!(
-            bits32(&down(&st, &pooled_d)),
-            bits32(&b32(&pooled)),
+            bits32(&download(&st, &pooled_d)),
+            bits32(&f32_bytes(&pooled)),
             "pooled {s:?}"
         );
         assert_eq!(
-            bits16(&down(&st, &logits_d)),
-            bits16(&b16(&logits)),
+            bits16(&download(&st, &logits_d)),
+            bits16(&f16_bytes(&logits)),
             "logits {s:?}"
         );
-        assert_eq!(bits32(&down(&st, &dw_d)), bits32(&b32(&dw)), "dw {s:?}");
-        assert_eq!(bits32(&down(&st, &db_d)), bits32(&b32(&db)), "db {s:?}");
-        assert_eq!(bits32(&down(&st, &dx_d)), bits32(&b32(&dx)), "dx {s:?}");
-        assert_eq!(bits16(&down(&st, &da_d)), bits16(&b16(&da)), "da {s:?}");
+        assert_eq!(
+            bits32(&download(&st, &dw_d)),
+            bits32(&f32_bytes(&dw)),
+            "dw {s:?}"
+        );
+        assert_eq!(
+            bits32(&download(&st, &db_d)),
+            bits32(&f32_bytes(&db)),
+            "db {s:?}"
+        );
+        assert_eq!(
+            bits32(&download(&st, &dx_d)),
+            bits32(&f32_bytes(&dx)),
+            "dx {s:?}"
+        );
+        assert_eq!(
+            bits16(&download(&st, &da_d)),
+            bits16(&f16_bytes(&da)),
+            "da {s:?}"
+        );
     }
 }
 
@@ -190,11 +157,11 @@ fn gpu_add_matches_its_twin_on_both_paths() {
             range::add_f16(&a, &b, &mut want).unwrap();
             let pad = |v: &[f16]| {
                 let mut bytes = vec![0u8; off];
-                bytes.extend(b16(v));
+                bytes.extend(f16_bytes(v));
                 bytes
             };
-            let a_d = up(&st, &pad(&a));
-            let b_d = up(&st, &pad(&b));
+            let a_d = upload(&st, &pad(&a));
+            let b_d = upload(&st, &pad(&b));
             let mut o_d = zeros(&st, off + 2 * n);
             let r = ByteRange::new(off, off + 2 * n);
             k.add_f16(
@@ -205,8 +172,8 @@ fn gpu_add_matches_its_twin_on_both_paths() {
             )
             .unwrap();
             assert_eq!(
-                bits16(&down(&st, &o_d)[off..]),
-                bits16(&b16(&want)),
+                bits16(&download(&st, &o_d)[off..]),
+                bits16(&f16_bytes(&want)),
                 "n {n} offset {off}"
             );
         }
@@ -221,7 +188,7 @@ fn gpu_seed_and_metrics_log_match_their_twins() {
     let mut rng = Rng(13);
     let (batch, classes, capacity) = (32usize, 8usize, 3usize);
     let scalars = Scalars::default();
-    let s_d = up(&st, &scalars.to_bytes());
+    let s_d = upload(&st, &scalars.to_bytes());
     let mut log_d = zeros(&st, metrics_log_bytes(capacity));
     let mut log = vec![0u8; metrics_log_bytes(capacity)];
     for step in 0..5 {
@@ -237,8 +204,8 @@ fn gpu_seed_and_metrics_log_match_their_twins() {
                 }
             })
             .collect();
-        let x_d = up(&st, &b16(&logits));
-        let y_d = up(&st, &bi32(&labels));
+        let x_d = upload(&st, &f16_bytes(&logits));
+        let y_d = upload(&st, &bi32(&labels));
         let mut d_d = zeros(&st, 2 * batch * classes);
         let mut l_d = zeros(&st, 4 * batch);
         k.softmax_xent_backward_range(
@@ -251,7 +218,7 @@ fn gpu_seed_and_metrics_log_match_their_twins() {
             Some(DevRangeMut::whole(&mut l_d)),
         )
         .unwrap();
-        let loss_rows: Vec<f32> = down(&st, &l_d)
+        let loss_rows: Vec<f32> = download(&st, &l_d)
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
@@ -272,12 +239,12 @@ fn gpu_seed_and_metrics_log_match_their_twins() {
         )
         .unwrap();
         assert_eq!(
-            bits16(&down(&st, &d_d)),
-            bits16(&b16(&st.clone_dtoh(&d_t).unwrap()))
+            bits16(&download(&st, &d_d)),
+            bits16(&f16_bytes(&st.clone_dtoh(&d_t).unwrap()))
         );
         assert_eq!(
-            bits32(&b32(&loss_rows)),
-            bits32(&b32(&st.clone_dtoh(&l_t).unwrap()))
+            bits32(&f32_bytes(&loss_rows)),
+            bits32(&f32_bytes(&st.clone_dtoh(&l_t).unwrap()))
         );
         // Metrics from the device's loss rows, appended on both sides.
         k.head_metrics(
@@ -291,11 +258,11 @@ fn gpu_seed_and_metrics_log_match_their_twins() {
         .unwrap();
         let m = range::head_metrics(&logits, &labels, Some(&loss_rows), classes).unwrap();
         range::metrics_log_append(&mut log, m).unwrap();
-        assert_eq!(down(&st, &log_d), log, "step {step}");
+        assert_eq!(download(&st, &log_d), log, "step {step}");
         // Without losses, and with a NaN logit (the largest value in the total order).
         let mut nan = logits.clone();
         nan[2 * classes + 1] = f16::NAN;
-        let n_d = up(&st, &b16(&nan));
+        let n_d = upload(&st, &f16_bytes(&nan));
         k.head_metrics(
             &st,
             classes,
@@ -307,7 +274,7 @@ fn gpu_seed_and_metrics_log_match_their_twins() {
         .unwrap();
         let m = range::head_metrics(&nan, &labels, None, classes).unwrap();
         range::metrics_log_append(&mut log, m).unwrap();
-        assert_eq!(down(&st, &log_d), log, "step {step}, NaN logit");
+        assert_eq!(download(&st, &log_d), log, "step {step}, NaN logit");
     }
     let read = range::metrics_log_read(&log).unwrap();
     assert_eq!((read.count, read.entries.len()), (10, capacity));
@@ -340,8 +307,8 @@ fn gpu_fc_in_the_regions_writes_g_and_reads_w() {
     regions.upload_f32(Region::W, "fc.b", &bias).unwrap();
     let x = rng.f32s(s.pooled_elems(), 1.0);
     let g = rng.f16s(s.logits_elems(), 100.0);
-    let x_d = up(&st, &b32(&x));
-    let g_d = up(&st, &b16(&g));
+    let x_d = upload(&st, &f32_bytes(&x));
+    let g_d = upload(&st, &f16_bytes(&g));
     let mut logits_d = zeros(&st, 2 * s.logits_elems());
     let mut dx_d = zeros(&st, 4 * s.pooled_elems());
     regions
@@ -371,15 +338,22 @@ fn gpu_fc_in_the_regions_writes_g_and_reads_w() {
         vec![0.0; s.pooled_elems()],
     );
     range::fc_backward(&s, &g, &x, &w, &mut dw, &mut db, &mut dx).unwrap();
-    assert_eq!(bits16(&down(&st, &logits_d)), bits16(&b16(&logits)));
-    assert_eq!(bits32(&down(&st, &dx_d)), bits32(&b32(&dx)));
     assert_eq!(
-        bits32(&b32(&regions.download_f32(Region::G, "fc.w").unwrap())),
-        bits32(&b32(&dw))
+        bits16(&download(&st, &logits_d)),
+        bits16(&f16_bytes(&logits))
+    );
+    assert_eq!(bits32(&download(&st, &dx_d)), bits32(&f32_bytes(&dx)));
+    assert_eq!(
+        bits32(&f32_bytes(
+            &regions.download_f32(Region::G, "fc.w").unwrap()
+        )),
+        bits32(&f32_bytes(&dw))
     );
     assert_eq!(
-        bits32(&b32(&regions.download_f32(Region::G, "fc.b").unwrap())),
-        bits32(&b32(&db))
+        bits32(&f32_bytes(
+            &regions.download_f32(Region::G, "fc.b").unwrap()
+        )),
+        bits32(&f32_bytes(&db))
     );
     // Nothing else of G was touched.
     assert!(regions

@@ -7,9 +7,7 @@
 
 use std::sync::Arc;
 
-use cudnn_cbr_amp::cuda::{
-    self, AmpKernels, CudaRegions, CudaSlice, CudaStream, DevRange, DevRangeMut,
-};
+use cudnn_cbr_amp::cuda::{CudaRegions, CudaSlice, CudaStream, DevRange, DevRangeMut};
 use cudnn_cbr_amp::plan::{ByteRange, MemoryPlan, MemoryPlanBuilder, ParamKind, Region};
 use cudnn_cbr_amp::range::{
     self, f32_to_f16, LossScalePolicy, OverflowPolicy, Scalars, ScaleGrowth, SgdConfig,
@@ -17,49 +15,13 @@ use cudnn_cbr_amp::range::{
 use cudnn_cbr_amp::step::{AmpExecutor, AmpStep, CpuRegions, StepConfig};
 use half::f16;
 
+mod common;
+use common::{device, download, f16_bytes, f32_bytes, upload, Rng};
+
 // ---------------------------------------------------------------- device and data
 
-/// Device 0's stream and kernels, or `None` after printing the one SKIP line.
-fn device(test: &str) -> Option<(Arc<CudaStream>, Arc<AmpKernels>)> {
-    let ctx = match cuda::open_device(0) {
-        Ok(ctx) => ctx,
-        Err(e) => {
-            println!("SKIP {test}: {e}");
-            return None;
-        }
-    };
-    let kernels = match AmpKernels::for_context(&ctx) {
-        Ok(k) => k,
-        Err(e) if e.is_unavailable() => {
-            println!("SKIP {test}: {e}");
-            return None;
-        }
-        Err(e) => panic!("{test}: the kernels do not build: {e}"),
-    };
-    let stream = ctx.new_stream().expect("a new stream");
-    Some((stream, kernels))
-}
-
-/// splitmix64.
-struct Rng(u64);
-
+/// Test data beyond [`Rng`]'s uniform values (an inherent impl: `Rng` is this crate's).
 impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn unit(&mut self) -> f32 {
-        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-
     /// Mixed magnitudes plus the values that break conversions: NaNs with payloads, ±Inf,
     /// FP32 subnormals, FP16 subnormals, the FP16 overflow boundary, signed zeros.
     fn nasty_f32(&mut self) -> f32 {
@@ -85,14 +47,6 @@ impl Rng {
     }
 }
 
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-fn f16_bytes(v: &[f16]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
 fn to_f32(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -111,14 +65,6 @@ fn bits32(v: &[f32]) -> Vec<u32> {
 
 fn bits16(v: &[f16]) -> Vec<u16> {
     v.iter().map(|x| x.to_bits()).collect()
-}
-
-fn upload(stream: &Arc<CudaStream>, bytes: &[u8]) -> CudaSlice<u8> {
-    stream.clone_htod(bytes).expect("upload")
-}
-
-fn download(stream: &Arc<CudaStream>, buf: &CudaSlice<u8>) -> Vec<u8> {
-    stream.clone_dtoh(buf).expect("download")
 }
 
 /// Element counts: tiny, one vector group ± 1, odd, many blocks.

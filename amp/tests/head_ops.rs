@@ -12,27 +12,8 @@ use cudnn_cbr_amp::range::{
 use cudnn_cbr_amp::RangeOpError;
 use half::f16;
 
-/// splitmix64 → uniform in [-1, 1).
-struct Rng(u64);
-
-impl Rng {
-    fn unit(&mut self) -> f32 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-
-    fn f32s(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| scale * self.unit()).collect()
-    }
-
-    fn f16s(&mut self, n: usize, scale: f32) -> Vec<f16> {
-        (0..n).map(|_| f16::from_f32(scale * self.unit())).collect()
-    }
-}
+mod common;
+use common::Rng;
 
 fn bits32(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()

@@ -20,25 +20,10 @@ use cudnn_cbr_amp::step::{AmpExecutor, AmpStep, CpuRegions, RangeOp, StepConfig}
 use cudnn_cbr_amp::{AmpError, ExecError, PlanError, RangeOpError};
 use half::f16;
 
+mod common;
+use common::Rng;
+
 // ---------------------------------------------------------------- helpers
-
-/// splitmix64: a fixed, dependency-free source of test data.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [-1, 1).
-    fn unit(&mut self) -> f32 {
-        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
 
 /// Two buckets, conv/BN/FC parameters, momentum and EMA regions.
 fn small_plan(ema: bool) -> MemoryPlan {

@@ -28,6 +28,13 @@ const BLOCK: u32 = 256;
 /// most an SM of sm_80..sm_100 holds).
 const BLOCKS_PER_SM: u32 = 8;
 
+/// One block of one thread (the scalar kernels).
+const ONE_THREAD: LaunchConfig = LaunchConfig {
+    grid_dim: (1, 1, 1),
+    block_dim: (1, 1, 1),
+    shared_mem_bytes: 0,
+};
+
 /// One kernel argument, by value.
 #[derive(Debug, Clone, Copy)]
 enum Arg {
@@ -104,6 +111,17 @@ fn cache() -> &'static Mutex<HashMap<usize, Arc<AmpKernels>>> {
     CACHE.get_or_init(Mutex::default)
 }
 
+/// [`AmpError::NoNvrtc`] unless the NVRTC library can be loaded.
+fn require_nvrtc() -> Result<(), AmpError> {
+    if nvrtc_library_present() {
+        Ok(())
+    } else {
+        Err(AmpError::NoNvrtc {
+            reason: "the NVRTC library (libnvrtc) is not on the loader path".into(),
+        })
+    }
+}
+
 fn describe_compile_error(e: &CompileError) -> String {
     match e {
         CompileError::CompileError { nvrtc, log, .. } => {
@@ -121,11 +139,7 @@ fn describe_compile_error(e: &CompileError) -> String {
 /// [`AmpError::NoNvrtc`] without the NVRTC library, [`CudaError::Compile`] with NVRTC's log
 /// when a source does not compile (e.g. `cuda_fp16.h` not found).
 pub fn compile_ptx(arch: CudaArch) -> Result<Vec<(KernelSource, String)>, AmpError> {
-    if !nvrtc_library_present() {
-        return Err(AmpError::NoNvrtc {
-            reason: "the NVRTC library (libnvrtc) is not on the loader path".into(),
-        });
-    }
+    require_nvrtc()?;
     let include = cuda_include_dir().and_then(|d| d.into_os_string().into_string().ok());
     kernels::ALL
         .iter()
@@ -155,11 +169,7 @@ pub fn compile_ptx(arch: CudaArch) -> Result<Vec<(KernelSource, String)>, AmpErr
 pub fn compile_cubin(real_arch: &'static str) -> Result<Vec<(KernelSource, Vec<u8>)>, AmpError> {
     use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
     use std::ffi::CString;
-    if !nvrtc_library_present() {
-        return Err(AmpError::NoNvrtc {
-            reason: "the NVRTC library (libnvrtc) is not on the loader path".into(),
-        });
-    }
+    require_nvrtc()?;
     let include = cuda_include_dir().and_then(|d| d.into_os_string().into_string().ok());
     let flags = kernels::cubin_flags(real_arch, include.as_deref());
     let fail = |file: &'static str, log: String| -> AmpError {
@@ -435,17 +445,12 @@ impl AmpKernels {
     }
 
     fn compile(ctx: &Arc<CudaContext>) -> Result<AmpKernels, AmpError> {
-        if !nvrtc_library_present() {
-            return Err(AmpError::NoNvrtc {
-                reason: "the NVRTC library (libnvrtc) is not on the loader path".into(),
-            });
-        }
+        require_nvrtc()?;
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| driver_error("query the compute capability", e))?;
-        let arch = u32::try_from(major)
-            .ok()
-            .zip(u32::try_from(minor).ok())
+        let cc = u32::try_from(major).ok().zip(u32::try_from(minor).ok());
+        let arch = cc
             .and_then(|(ma, mi)| CudaArch::for_compute_capability(ma, mi))
             .ok_or(CudaError::UnsupportedArch { major, minor })?;
         let sms = ctx
@@ -453,10 +458,7 @@ impl AmpKernels {
             .map_err(|e| driver_error("query the SM count", e))?;
         // Machine code for the device's own architecture where NVRTC knows it, else PTX for
         // the driver to JIT (see `kernels::real_arch` for why machine code comes first).
-        let real = u32::try_from(major)
-            .ok()
-            .zip(u32::try_from(minor).ok())
-            .and_then(|(ma, mi)| kernels::real_arch(ma, mi));
+        let real = cc.and_then(|(ma, mi)| kernels::real_arch(ma, mi));
         let (images, code): (Vec<(KernelSource, Ptx)>, String) = match real {
             Some(sm) => (
                 compile_cubin(sm)?
@@ -574,6 +576,18 @@ impl AmpKernels {
             return Err(CudaError::ContextMismatch { what: what.into() }.into());
         }
         Ok(())
+    }
+
+    /// [`AmpKernels::check_stream`], then [`AmpKernels::check_buf`] for each `(what, buffer
+    /// stream)` in order: the preamble of every checked launch.
+    fn check_streams(
+        &self,
+        stream: &CudaStream,
+        bufs: &[(&'static str, &CudaStream)],
+    ) -> Result<(), AmpError> {
+        self.check_stream(stream)?;
+        bufs.iter()
+            .try_for_each(|&(what, buf_stream)| self.check_buf(stream, what, buf_stream))
     }
 
     // ------------------------------------------------------------------ raw launches
@@ -750,11 +764,7 @@ impl AmpKernels {
         policy: &LossScalePolicy,
     ) -> Result<(), AmpError> {
         let (interval, factor, max_scale) = policy.kernel_args();
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (1, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = ONE_THREAD;
         let args = [
             Arg::U64(s),
             Arg::U32(interval),
@@ -860,14 +870,14 @@ impl AmpKernels {
     ///
     /// # Errors
     /// [`CudaError::ContextMismatch`]; a driver error.
-    pub fn zero(&self, stream: &CudaStream, dst: DevRangeMut<'_>) -> Result<(), AmpError> {
-        self.check_stream(stream)?;
-        self.check_buf(stream, "dst", dst.buf.stream())?;
-        let (base, _sync) = dst.buf.device_ptr_mut(stream);
+    pub fn zero(&self, stream: &CudaStream, mut dst: DevRangeMut<'_>) -> Result<(), AmpError> {
+        self.check_streams(stream, &[("dst", dst.buf_stream())])?;
+        let len = dst.range.len();
+        let (dp, _d) = dst.addr_mut(stream);
         // SAFETY: `dst.range` was checked to lie inside the buffer, which the borrow keeps
         // alive for this call; cudarc frees it on its own stream, after this launch when that
         // is `stream`, and its event tracking orders other streams.
-        unsafe { self.raw_zero(stream, base + dst.range.start as u64, dst.range.len()) }
+        unsafe { self.raw_zero(stream, dp, len) }
     }
 
     /// `dst = f16(src)` (twin: [`crate::range::cast_f32_to_f16`]); `src` holds FP32, `dst`
@@ -880,27 +890,21 @@ impl AmpKernels {
         &self,
         stream: &CudaStream,
         src: DevRange<'_>,
-        dst: DevRangeMut<'_>,
+        mut dst: DevRangeMut<'_>,
     ) -> Result<(), AmpError> {
         const OP: &str = entry::CAST_F32_TO_F16;
-        self.check_stream(stream)?;
-        self.check_buf(stream, "src", src.buf.stream())?;
-        self.check_buf(stream, "dst", dst.buf.stream())?;
+        self.check_streams(
+            stream,
+            &[("src", src.buf_stream()), ("dst", dst.buf_stream())],
+        )?;
         let n = elems_of(OP, "src", src.range, 4)?;
         same_count(OP, "dst", n, elems_of(OP, "dst", dst.range, 2)?)?;
-        let (s, _s) = src.buf.device_ptr(stream);
-        let (d, _d) = dst.buf.device_ptr_mut(stream);
+        let (sp, _s) = src.addr(stream);
+        let (dp, _d) = dst.addr_mut(stream);
         // SAFETY: both ranges lie inside their buffers (checked at construction) and hold n
         // elements of their type; they cannot overlap (one is borrowed mutably); the borrows
         // keep the buffers alive for this call and cudarc orders their release after it.
-        unsafe {
-            self.raw_cast_f32_to_f16(
-                stream,
-                s + src.range.start as u64,
-                d + dst.range.start as u64,
-                n,
-            )
-        }
+        unsafe { self.raw_cast_f32_to_f16(stream, sp, dp, n) }
     }
 
     /// `dst = f32(src)` (twin: [`crate::range::cast_f16_to_f32`]); `src` holds FP16, `dst`
@@ -912,25 +916,19 @@ impl AmpKernels {
         &self,
         stream: &CudaStream,
         src: DevRange<'_>,
-        dst: DevRangeMut<'_>,
+        mut dst: DevRangeMut<'_>,
     ) -> Result<(), AmpError> {
         const OP: &str = entry::CAST_F16_TO_F32;
-        self.check_stream(stream)?;
-        self.check_buf(stream, "src", src.buf.stream())?;
-        self.check_buf(stream, "dst", dst.buf.stream())?;
+        self.check_streams(
+            stream,
+            &[("src", src.buf_stream()), ("dst", dst.buf_stream())],
+        )?;
         let n = elems_of(OP, "src", src.range, 2)?;
         same_count(OP, "dst", n, elems_of(OP, "dst", dst.range, 4)?)?;
-        let (s, _s) = src.buf.device_ptr(stream);
-        let (d, _d) = dst.buf.device_ptr_mut(stream);
+        let (sp, _s) = src.addr(stream);
+        let (dp, _d) = dst.addr_mut(stream);
         // SAFETY: as in `cast_f32_to_f16`.
-        unsafe {
-            self.raw_cast_f16_to_f32(
-                stream,
-                s + src.range.start as u64,
-                d + dst.range.start as u64,
-                n,
-            )
-        }
+        unsafe { self.raw_cast_f16_to_f32(stream, sp, dp, n) }
     }
 
     /// The gradient check by `policy` over FP32 `g`, setting the flag in `s` (twins:
@@ -944,8 +942,8 @@ impl AmpKernels {
         &self,
         stream: &CudaStream,
         policy: OverflowPolicy,
-        g: DevRangeMut<'_>,
-        s: DevRangeMut<'_>,
+        mut g: DevRangeMut<'_>,
+        mut s: DevRangeMut<'_>,
     ) -> Result<(), AmpError> {
         let op = RangeOp::Check {
             policy,
@@ -953,25 +951,15 @@ impl AmpKernels {
         }
         .name();
         policy.validate()?;
-        self.check_stream(stream)?;
-        self.check_buf(stream, "g", g.buf.stream())?;
-        self.check_buf(stream, "s", s.buf.stream())?;
+        self.check_streams(stream, &[("g", g.buf_stream()), ("s", s.buf_stream())])?;
         let n = elems_of(op, "g", g.range, 4)?;
         check_s(op, s.range)?;
-        let (gp, _g) = g.buf.device_ptr_mut(stream);
-        let (sp, _s) = s.buf.device_ptr_mut(stream);
+        let (gp, _g) = g.addr_mut(stream);
+        let (sp, _s) = s.addr_mut(stream);
         // SAFETY: g holds n f32 inside its buffer, S at least 20 bytes 4-aligned (checked);
         // two distinct mutable borrows, so no overlap; alive for the call, release ordered by
         // cudarc.
-        unsafe {
-            self.raw_check(
-                stream,
-                policy,
-                gp + g.range.start as u64,
-                n,
-                sp + s.range.start as u64,
-            )
-        }
+        unsafe { self.raw_check(stream, policy, gp, n, sp) }
     }
 
     /// The loss-scale update on `s` (twin: [`crate::range::update_loss_scale`]).
@@ -982,17 +970,16 @@ impl AmpKernels {
     pub fn loss_scale_update(
         &self,
         stream: &CudaStream,
-        s: DevRangeMut<'_>,
+        mut s: DevRangeMut<'_>,
         policy: &LossScalePolicy,
     ) -> Result<(), AmpError> {
         policy.validate()?;
-        self.check_stream(stream)?;
-        self.check_buf(stream, "s", s.buf.stream())?;
+        self.check_streams(stream, &[("s", s.buf_stream())])?;
         check_s(entry::LOSS_SCALE_UPDATE, s.range)?;
-        let (sp, _s) = s.buf.device_ptr_mut(stream);
+        let (sp, _s) = s.addr_mut(stream);
         // SAFETY: S is at least 20 bytes, 4-aligned, inside its buffer (checked) and kept
         // alive by the borrow.
-        unsafe { self.raw_loss_scale_update(stream, sp + s.range.start as u64, policy) }
+        unsafe { self.raw_loss_scale_update(stream, sp, policy) }
     }
 
     /// SGD over FP32 `w`, `m`, `g`, writing FP16 `a`, reading the flag and the scale from
@@ -1006,27 +993,31 @@ impl AmpKernels {
     pub fn sgd_step(
         &self,
         stream: &CudaStream,
-        w: DevRangeMut<'_>,
+        mut w: DevRangeMut<'_>,
         m: Option<DevRangeMut<'_>>,
         g: DevRange<'_>,
-        a: DevRangeMut<'_>,
+        mut a: DevRangeMut<'_>,
         s: DevRange<'_>,
         cfg: &SgdConfig,
     ) -> Result<(), AmpError> {
         const OP: &str = entry::SGD_STEP;
         cfg.validate()?;
-        self.check_stream(stream)?;
-        self.check_buf(stream, "w", w.buf.stream())?;
-        self.check_buf(stream, "g", g.buf.stream())?;
-        self.check_buf(stream, "a", a.buf.stream())?;
-        self.check_buf(stream, "s", s.buf.stream())?;
+        self.check_streams(
+            stream,
+            &[
+                ("w", w.buf_stream()),
+                ("g", g.buf_stream()),
+                ("a", a.buf_stream()),
+                ("s", s.buf_stream()),
+            ],
+        )?;
         let n = elems_of(OP, "w", w.range, 4)?;
         same_count(OP, "g", n, elems_of(OP, "g", g.range, 4)?)?;
         same_count(OP, "a", n, elems_of(OP, "a", a.range, 2)?)?;
         check_s(OP, s.range)?;
         let mut m = match m {
             Some(m) => {
-                self.check_buf(stream, "m", m.buf.stream())?;
+                self.check_buf(stream, "m", m.buf_stream())?;
                 same_count(OP, "m", n, elems_of(OP, "m", m.range, 4)?)?;
                 Some(m)
             }
@@ -1042,32 +1033,21 @@ impl AmpKernels {
             None => None,
         };
         // `s` may alias nothing mutable here (g and s are shared borrows, w/a/m exclusive).
-        let (wp, _w) = w.buf.device_ptr_mut(stream);
-        let (gp, _g) = g.buf.device_ptr(stream);
-        let (ap, _a) = a.buf.device_ptr_mut(stream);
-        let (sp, _s) = s.buf.device_ptr(stream);
+        let (wp, _w) = w.addr_mut(stream);
+        let (gp, _g) = g.addr(stream);
+        let (ap, _a) = a.addr_mut(stream);
+        let (sp, _s) = s.addr(stream);
         let (mp, _m) = match m.as_mut() {
             Some(m) => {
-                let (p, sync) = m.buf.device_ptr_mut(stream);
-                (p + m.range.start as u64, Some(sync))
+                let (p, sync) = m.addr_mut(stream);
+                (p, Some(sync))
             }
             None => (0, None),
         };
         // SAFETY: every range lies inside its buffer and holds n elements of its type
         // (checked); the exclusive borrows of w, a and m rule out overlaps with each other and
         // with g and s; M is null only with momentum 0, when the kernel never touches it.
-        unsafe {
-            self.raw_sgd(
-                stream,
-                wp + w.range.start as u64,
-                mp,
-                gp + g.range.start as u64,
-                ap + a.range.start as u64,
-                sp + s.range.start as u64,
-                cfg,
-                n,
-            )
-        }
+        unsafe { self.raw_sgd(stream, wp, mp, gp, ap, sp, cfg, n) }
     }
 
     /// EMA of FP32 `w` into FP32 `e` and FP16 `e16`, skipped when the flag in `s` is set
@@ -1080,39 +1060,33 @@ impl AmpKernels {
     pub fn ema_update(
         &self,
         stream: &CudaStream,
-        e: DevRangeMut<'_>,
-        e16: DevRangeMut<'_>,
+        mut e: DevRangeMut<'_>,
+        mut e16: DevRangeMut<'_>,
         w: DevRange<'_>,
         s: DevRange<'_>,
         decay: f32,
     ) -> Result<(), AmpError> {
         const OP: &str = entry::EMA_UPDATE;
         crate::step::validate_decay(decay)?;
-        self.check_stream(stream)?;
-        self.check_buf(stream, "e", e.buf.stream())?;
-        self.check_buf(stream, "e16", e16.buf.stream())?;
-        self.check_buf(stream, "w", w.buf.stream())?;
-        self.check_buf(stream, "s", s.buf.stream())?;
+        self.check_streams(
+            stream,
+            &[
+                ("e", e.buf_stream()),
+                ("e16", e16.buf_stream()),
+                ("w", w.buf_stream()),
+                ("s", s.buf_stream()),
+            ],
+        )?;
         let n = elems_of(OP, "e", e.range, 4)?;
         same_count(OP, "e16", n, elems_of(OP, "e16", e16.range, 2)?)?;
         same_count(OP, "w", n, elems_of(OP, "w", w.range, 4)?)?;
         check_s(OP, s.range)?;
-        let (ep, _e) = e.buf.device_ptr_mut(stream);
-        let (hp, _h) = e16.buf.device_ptr_mut(stream);
-        let (wp, _w) = w.buf.device_ptr(stream);
-        let (sp, _s) = s.buf.device_ptr(stream);
+        let (ep, _e) = e.addr_mut(stream);
+        let (hp, _h) = e16.addr_mut(stream);
+        let (wp, _w) = w.addr(stream);
+        let (sp, _s) = s.addr(stream);
         // SAFETY: as in `sgd_step`: checked ranges, exclusive borrows of the outputs.
-        unsafe {
-            self.raw_ema(
-                stream,
-                ep + e.range.start as u64,
-                hp + e16.range.start as u64,
-                wp + w.range.start as u64,
-                sp + s.range.start as u64,
-                decay,
-                n,
-            )
-        }
+        unsafe { self.raw_ema(stream, ep, hp, wp, sp, decay, n) }
     }
 
     /// The loss-gradient seed (twin: [`crate::range::softmax_xent_backward`]): `logits` and
@@ -1145,11 +1119,15 @@ impl AmpKernels {
             }
             .into());
         }
-        self.check_stream(stream)?;
-        self.check_buf(stream, "logits", logits.stream())?;
-        self.check_buf(stream, "labels", labels.stream())?;
-        self.check_buf(stream, "dlogits", dlogits.stream())?;
-        self.check_buf(stream, "s", s.buf.stream())?;
+        self.check_streams(
+            stream,
+            &[
+                ("logits", logits.stream()),
+                ("labels", labels.stream()),
+                ("dlogits", dlogits.stream()),
+                ("s", s.buf_stream()),
+            ],
+        )?;
         check_s(OP, s.range)?;
         let batch = labels.len();
         let total = batch.checked_mul(classes).ok_or(R::InvalidConfig {
@@ -1179,22 +1157,10 @@ impl AmpKernels {
         if batch == 0 {
             return Ok(());
         }
-        let threads = classes.next_multiple_of(32).min(BLOCK as usize);
-        let cfg = LaunchConfig {
-            grid_dim: (
-                u32::try_from(batch.min(self.max_blocks as usize)).unwrap_or(self.max_blocks),
-                1,
-                1,
-            ),
-            // threads <= 256, so the cast is exact.
-            block_dim: (threads as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
         let (xp, _x) = logits.device_ptr(stream);
         let (lp, _l) = labels.device_ptr(stream);
         let (dp, _d) = dlogits.device_ptr_mut(stream);
-        let (sp, _s) = s.buf.device_ptr(stream);
-        let sp = sp + s.range.start as u64;
+        let (sp, _s) = s.addr(stream);
         let (op, _o) = match loss {
             Some(l) => {
                 let (p, sync) = l.device_ptr_mut(stream);
@@ -1202,20 +1168,11 @@ impl AmpKernels {
             }
             None => (0u64, None),
         };
-        let args = [
-            Arg::U64(xp),
-            Arg::U64(lp),
-            Arg::U64(dp),
-            Arg::U64(op),
-            Arg::U64(sp),
-            Arg::size(batch),
-            Arg::size(classes),
-        ];
-        // SAFETY: every buffer's length was checked against batch and classes, the loss
-        // pointer is null only when absent (the kernel checks), blockDim is a multiple of 32
-        // and at most 256 as the kernel requires; the borrows keep the buffers alive for the
-        // call and cudarc orders their release after it.
-        unsafe { self.launch_raw(stream, &self.f.softmax_xent_backward, OP, cfg, &args) }
+        // SAFETY: every buffer's length was checked against batch and classes, S is at least
+        // 20 bytes 4-aligned, `classes >= 1`; `dlogits` and `loss` are exclusive borrows, so
+        // they overlap nothing, and the loss pointer is null only when absent; the borrows
+        // keep the buffers alive for the call and cudarc orders their release after it.
+        unsafe { self.raw_softmax_xent_backward(stream, xp, lp, dp, op, sp, batch, classes) }
     }
 
     // ------------------------------------------------------------------ the network head
@@ -1391,11 +1348,7 @@ impl AmpKernels {
             Arg::size(classes),
             Arg::size(capacity),
         ];
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (1, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = ONE_THREAD;
         // SAFETY: one thread reads the inputs within the counts above (loss only when
         // non-null) and writes the log's count and entry `count % capacity`.
         unsafe {
@@ -1478,9 +1431,10 @@ impl AmpKernels {
     ) -> Result<(), AmpError> {
         const OP: &str = entry::GAP_FORWARD;
         shape.validate(OP)?;
-        self.check_stream(stream)?;
-        self.check_buf(stream, "a", a.buf_stream())?;
-        self.check_buf(stream, "pooled", pooled.buf_stream())?;
+        self.check_streams(
+            stream,
+            &[("a", a.buf_stream()), ("pooled", pooled.buf_stream())],
+        )?;
         expect_elems(OP, "a", a.range, 2, shape.activation_elems())?;
         expect_elems(OP, "pooled", pooled.range, 4, shape.pooled_elems())?;
         let (ap, _a) = a.addr(stream);
@@ -1506,9 +1460,10 @@ impl AmpKernels {
     ) -> Result<(), AmpError> {
         const OP: &str = entry::GAP_BACKWARD;
         shape.validate(OP)?;
-        self.check_stream(stream)?;
-        self.check_buf(stream, "dpooled", dpooled.buf_stream())?;
-        self.check_buf(stream, "da", da.buf_stream())?;
+        self.check_streams(
+            stream,
+            &[("dpooled", dpooled.buf_stream()), ("da", da.buf_stream())],
+        )?;
         expect_elems(OP, "dpooled", dpooled.range, 4, shape.pooled_elems())?;
         expect_elems(OP, "da", da.range, 2, shape.activation_elems())?;
         let (gp, _g) = dpooled.addr(stream);
@@ -1535,11 +1490,15 @@ impl AmpKernels {
     ) -> Result<(), AmpError> {
         const OP: &str = entry::FC_FORWARD;
         shape.validate(OP)?;
-        self.check_stream(stream)?;
-        self.check_buf(stream, "x", x.buf_stream())?;
-        self.check_buf(stream, "w", w.buf_stream())?;
-        self.check_buf(stream, "b", b.buf_stream())?;
-        self.check_buf(stream, "logits", logits.buf_stream())?;
+        self.check_streams(
+            stream,
+            &[
+                ("x", x.buf_stream()),
+                ("w", w.buf_stream()),
+                ("b", b.buf_stream()),
+                ("logits", logits.buf_stream()),
+            ],
+        )?;
         expect_elems(OP, "x", x.range, 4, shape.pooled_elems())?;
         expect_elems(OP, "w", w.range, 4, shape.weight_elems())?;
         expect_elems(OP, "b", b.range, 4, shape.classes)?;
@@ -1575,10 +1534,14 @@ impl AmpKernels {
     ) -> Result<(), AmpError> {
         const OP: &str = entry::FC_BACKWARD;
         shape.validate(OP)?;
-        self.check_stream(stream)?;
-        self.check_buf(stream, "w", w.buf_stream())?;
-        self.check_buf(stream, "dw", dw.buf_stream())?;
-        self.check_buf(stream, "db", db.buf_stream())?;
+        self.check_streams(
+            stream,
+            &[
+                ("w", w.buf_stream()),
+                ("dw", dw.buf_stream()),
+                ("db", db.buf_stream()),
+            ],
+        )?;
         expect_elems(OP, "w", w.range, 4, shape.weight_elems())?;
         expect_elems(OP, "dw", dw.range, 4, shape.weight_elems())?;
         expect_elems(OP, "db", db.range, 4, shape.classes)?;
@@ -1614,10 +1577,14 @@ impl AmpKernels {
     ) -> Result<(), AmpError> {
         const OP: &str = entry::FC_BACKWARD;
         shape.validate(OP)?;
-        self.check_stream(stream)?;
-        self.check_buf(stream, "dlogits", dlogits.buf_stream())?;
-        self.check_buf(stream, "x", x.buf_stream())?;
-        self.check_buf(stream, "dx", dx.buf_stream())?;
+        self.check_streams(
+            stream,
+            &[
+                ("dlogits", dlogits.buf_stream()),
+                ("x", x.buf_stream()),
+                ("dx", dx.buf_stream()),
+            ],
+        )?;
         expect_elems(OP, "dlogits", dlogits.range, 2, shape.logits_elems())?;
         expect_elems(OP, "x", x.range, 4, shape.pooled_elems())?;
         expect_elems(OP, "dx", dx.range, 4, shape.pooled_elems())?;
@@ -1643,10 +1610,14 @@ impl AmpKernels {
         mut out: DevRangeMut<'_>,
     ) -> Result<(), AmpError> {
         const OP: &str = entry::ADD_F16;
-        self.check_stream(stream)?;
-        self.check_buf(stream, "a", a.buf_stream())?;
-        self.check_buf(stream, "b", b.buf_stream())?;
-        self.check_buf(stream, "out", out.buf_stream())?;
+        self.check_streams(
+            stream,
+            &[
+                ("a", a.buf_stream()),
+                ("b", b.buf_stream()),
+                ("out", out.buf_stream()),
+            ],
+        )?;
         let n = elems_of(OP, "a", a.range, 2)?;
         same_count(OP, "b", n, elems_of(OP, "b", b.range, 2)?)?;
         same_count(OP, "out", n, elems_of(OP, "out", out.range, 2)?)?;
@@ -1679,10 +1650,14 @@ impl AmpKernels {
         mut log: DevRangeMut<'_>,
     ) -> Result<(), AmpError> {
         const OP: &str = entry::HEAD_METRICS;
-        self.check_stream(stream)?;
-        self.check_buf(stream, "logits", logits.buf_stream())?;
-        self.check_buf(stream, "labels", labels.buf_stream())?;
-        self.check_buf(stream, "log", log.buf_stream())?;
+        self.check_streams(
+            stream,
+            &[
+                ("logits", logits.buf_stream()),
+                ("labels", labels.buf_stream()),
+                ("log", log.buf_stream()),
+            ],
+        )?;
         let batch = elems_of(OP, "labels", labels.range, 4)?;
         HeadShape::new(batch, 1, 1, classes).validate(OP)?;
         expect_elems(OP, "logits", logits.range, 2, batch * classes)?;
@@ -1736,11 +1711,15 @@ impl AmpKernels {
         loss: Option<DevRangeMut<'_>>,
     ) -> Result<(), AmpError> {
         const OP: &str = entry::SOFTMAX_XENT_BACKWARD;
-        self.check_stream(stream)?;
-        self.check_buf(stream, "logits", logits.buf_stream())?;
-        self.check_buf(stream, "labels", labels.buf_stream())?;
-        self.check_buf(stream, "s", s.buf_stream())?;
-        self.check_buf(stream, "dlogits", dlogits.buf_stream())?;
+        self.check_streams(
+            stream,
+            &[
+                ("logits", logits.buf_stream()),
+                ("labels", labels.buf_stream()),
+                ("s", s.buf_stream()),
+                ("dlogits", dlogits.buf_stream()),
+            ],
+        )?;
         check_s(OP, s.range)?;
         let batch = elems_of(OP, "labels", labels.range, 4)?;
         HeadShape::new(batch.max(1), 1, 1, classes).validate(OP)?;

@@ -4,17 +4,16 @@ use std::fmt;
 use std::sync::Arc;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{
-    CudaEvent, CudaGraph, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, PinnedHostSlice,
-};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr};
 use half::f16;
 
 use crate::cuda::launch::{AmpKernels, DevRange, DevRangeMut, FcParams};
-use crate::cuda::{driver_error, open_device, zeroed_pinned};
+use crate::cuda::readback::Readback;
+use crate::cuda::{driver_error, open_device};
 use crate::error::{AmpError, ExecError};
 use crate::plan::{ByteRange, Dtype, MemoryPlan, Region};
 use crate::range::{HeadShape, Scalars, S_REGION_BYTES};
-use crate::step::{next_executor_id, AmpExecutor, RangeOp};
+use crate::step::{check_graph_owner, next_executor_id, validate_capture, AmpExecutor, RangeOp};
 
 /// One allocated region: the buffer and its device address (taken once, at allocation).
 #[derive(Debug)]
@@ -45,11 +44,10 @@ pub struct CudaRegions {
     plan: Arc<MemoryPlan>,
     stream: Arc<CudaStream>,
     kernels: Arc<AmpKernels>,
+    /// The asynchronous copies of S behind [`AmpExecutor::request_scalars`]. Declared
+    /// before `regions` so that it drops first: its drop waits for a copy still in flight.
+    s_readback: Readback,
     regions: [Option<DeviceRegion>; 8],
-    readback: PinnedHostSlice<u8>,
-    readback_done: CudaEvent,
-    readback_pending: bool,
-    last_scalars: Option<Scalars>,
 }
 
 impl fmt::Debug for CudaRegions {
@@ -144,20 +142,14 @@ impl CudaRegions {
             drop(sync);
             regions[region_index(region)] = Some(DeviceRegion { buf, ptr });
         }
-        let readback = zeroed_pinned(&ctx, S_REGION_BYTES, "the S readback")?;
-        let readback_done = ctx
-            .new_event(None)
-            .map_err(|e| driver_error("create the S readback event", e))?;
+        let s_readback = Readback::new(&ctx, S_REGION_BYTES)?;
         Ok(CudaRegions {
             id: next_executor_id(),
             plan,
             stream,
             kernels,
             regions,
-            readback,
-            readback_done,
-            readback_pending: false,
-            last_scalars: None,
+            s_readback,
         })
     }
 
@@ -602,12 +594,7 @@ impl AmpExecutor for CudaRegions {
     }
 
     fn capture(&mut self, ops: &[RangeOp]) -> Result<CudaStepGraph, AmpError> {
-        if ops.is_empty() {
-            return Err(ExecError::EmptyCapture.into());
-        }
-        for op in ops {
-            op.validate(&self.plan)?;
-        }
+        validate_capture(&self.plan, ops)?;
         self.stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| driver_error("begin stream capture", e))?;
@@ -635,13 +622,7 @@ impl AmpExecutor for CudaRegions {
     }
 
     fn replay(&mut self, graph: &CudaStepGraph) -> Result<(), AmpError> {
-        if graph.owner != self.id {
-            return Err(ExecError::ForeignGraph {
-                captured_on: graph.owner,
-                replayed_on: self.id,
-            }
-            .into());
-        }
+        check_graph_owner(graph.owner, self.id)?;
         graph
             .graph
             .launch()
@@ -654,47 +635,18 @@ impl AmpExecutor for CudaRegions {
     }
 
     fn request_scalars(&mut self) -> Result<(), AmpError> {
-        let stream = self.stream.clone();
         self.plan.region_range(Region::S)?;
         let Some(s) = self.regions[region_index(Region::S)].as_ref() else {
             return Err(crate::PlanError::RegionAbsent { region: Region::S }.into());
         };
-        stream
-            .memcpy_dtoh(&s.buf, &mut self.readback)
-            .map_err(|e| driver_error("copy S to pinned host memory", e))?;
-        self.readback_done
-            .record(&stream)
-            .map_err(|e| driver_error("record the S readback event", e))?;
-        self.readback_pending = true;
-        Ok(())
+        // S is exactly `S_REGION_BYTES` long (the plan's S region), so it fits the readback.
+        self.s_readback.request(&self.stream, &s.buf)
     }
 
     fn poll_scalars(&mut self) -> Result<Option<Scalars>, AmpError> {
-        if self.readback_pending {
-            let done = self
-                .readback_done
-                .try_is_complete()
-                .map_err(|e| driver_error("query the S readback event", e))?;
-            if done {
-                // The copy has completed, so this does not wait.
-                let bytes = self
-                    .readback
-                    .as_slice()
-                    .map_err(|e| driver_error("read pinned S", e))?;
-                self.last_scalars = Some(Scalars::from_bytes(bytes)?);
-                self.readback_pending = false;
-            }
-        }
-        Ok(self.last_scalars)
-    }
-}
-
-impl Drop for CudaRegions {
-    fn drop(&mut self) {
-        // The pinned S readback must outlive a copy still in flight into it. Drop cannot
-        // report errors.
-        if self.readback_pending {
-            let _ = self.readback_done.synchronize();
+        match self.s_readback.poll()? {
+            Some(bytes) => Ok(Some(Scalars::from_bytes(bytes)?)),
+            None => Ok(None),
         }
     }
 }

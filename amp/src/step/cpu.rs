@@ -8,7 +8,7 @@ use crate::error::{AmpError, ExecError};
 use crate::plan::{Dtype, MemoryPlan, Region};
 use crate::range::{self, Scalars};
 use crate::step::op::RangeOp;
-use crate::step::{next_executor_id, AmpExecutor};
+use crate::step::{check_graph_owner, next_executor_id, validate_capture, AmpExecutor};
 
 /// The regions of a memory plan in host memory: typed vectors, zeroed at creation, and S as
 /// [`Scalars`]. Absent regions are empty.
@@ -406,12 +406,7 @@ impl AmpExecutor for CpuRegions {
     }
 
     fn capture(&mut self, ops: &[RangeOp]) -> Result<CpuGraph, AmpError> {
-        if ops.is_empty() {
-            return Err(ExecError::EmptyCapture.into());
-        }
-        for op in ops {
-            op.validate(&self.plan)?;
-        }
+        validate_capture(&self.plan, ops)?;
         Ok(CpuGraph {
             owner: self.id,
             ops: ops.to_vec(),
@@ -419,13 +414,7 @@ impl AmpExecutor for CpuRegions {
     }
 
     fn replay(&mut self, graph: &CpuGraph) -> Result<(), AmpError> {
-        if graph.owner != self.id {
-            return Err(ExecError::ForeignGraph {
-                captured_on: graph.owner,
-                replayed_on: self.id,
-            }
-            .into());
-        }
+        check_graph_owner(graph.owner, self.id)?;
         graph.ops.iter().try_for_each(|op| self.exec(op))
     }
 

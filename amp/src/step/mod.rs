@@ -54,6 +54,31 @@ pub(crate) fn next_executor_id() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
+/// Every op of `ops` checked with [`RangeOp::validate`] against `plan`, in order.
+fn validate_all(plan: &MemoryPlan, ops: &[RangeOp]) -> Result<(), AmpError> {
+    ops.iter().try_for_each(|op| op.validate(plan))
+}
+
+/// What every [`AmpExecutor::capture`] checks first: a non-empty list of valid ops.
+pub(crate) fn validate_capture(plan: &MemoryPlan, ops: &[RangeOp]) -> Result<(), AmpError> {
+    if ops.is_empty() {
+        return Err(ExecError::EmptyCapture.into());
+    }
+    validate_all(plan, ops)
+}
+
+/// What every [`AmpExecutor::replay`] checks first: the graph was captured on executor `id`.
+pub(crate) fn check_graph_owner(owner: u64, id: u64) -> Result<(), AmpError> {
+    if owner != id {
+        return Err(ExecError::ForeignGraph {
+            captured_on: owner,
+            replayed_on: id,
+        }
+        .into());
+    }
+    Ok(())
+}
+
 /// The regions of one memory plan on one device, and the range ops over them.
 ///
 /// Both executors give the same results bit for bit for every op of a step (the CPU twins
@@ -81,9 +106,7 @@ pub trait AmpExecutor {
     /// # Errors
     /// As [`AmpExecutor::run`].
     fn run_all(&mut self, ops: &[RangeOp]) -> Result<(), AmpError> {
-        for op in ops {
-            op.validate(self.plan())?;
-        }
+        validate_all(self.plan(), ops)?;
         ops.iter().try_for_each(|op| self.run(op))
     }
 
