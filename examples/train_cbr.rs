@@ -9,7 +9,7 @@
 //! every layer has a cuDNN route, else on the CPU reference executor; the first line says
 //! which and why. `--device cuda` fails with the reason instead of falling back.
 
-use cudnn_cbr::train::{CudaGraphMode, Device, ExecutorKind, Progress, TrainConfig, Trainer};
+use cudnn_cbr::train::{Device, ExecutorKind, Progress, TrainConfig, Trainer};
 use std::io::Write;
 use std::process::ExitCode;
 
@@ -35,16 +35,9 @@ fn parse() -> Result<TrainConfig, String> {
                     .map_err(|e| format!("--device: {e}"))?
             }
             "--cuda-graph" => {
-                cfg.cuda_graph = match value("--cuda-graph")?.as_str() {
-                    "off" => CudaGraphMode::Off,
-                    "finish" => CudaGraphMode::Finish,
-                    "step" => CudaGraphMode::Step,
-                    other => {
-                        return Err(format!(
-                            "--cuda-graph must be off, finish or step, got `{other}`"
-                        ))
-                    }
-                }
+                cfg.cuda_graph = value("--cuda-graph")?
+                    .parse()
+                    .map_err(|e| format!("--cuda-graph: {e}"))?
             }
             "--steps" => cfg.steps = num(value("--steps")?, "--steps")? as usize,
             "--batch" => cfg.batch = num(value("--batch")?, "--batch")? as usize,

@@ -9,17 +9,13 @@ use cudnn_cbr::fusion::cbr::{
 use cudnn_cbr::fusion::lower::real_tensor_layout;
 use half::f16;
 use std::collections::HashMap;
+mod common;
 
 struct Rng(u64);
 
 impl Rng {
     fn next(&mut self) -> f32 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^= z >> 31;
-        ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        common::uniform(&mut self.0)
     }
     fn f16s(&mut self, n: usize, scale: f32) -> HostBuffer {
         HostBuffer::F16((0..n).map(|_| f16::from_f32(self.next() * scale)).collect())

@@ -15,7 +15,7 @@
 use cudnn_cbr::train::cuda::{CudaTrainer, GraphState, WARMUP_STEPS};
 use cudnn_cbr::train::{
     initial_master_weights, train, CudaGraphMode, Device, ExecutorKind, MasterWeights, Synthetic,
-    TrainConfig, TrainError, Trainer,
+    TrainConfig, TrainError, TrainReport, Trainer,
 };
 use std::sync::{Mutex, MutexGuard};
 
@@ -46,6 +46,29 @@ fn cuda_or_skip(test: &str, cfg: &TrainConfig) -> Option<CudaTrainer> {
         }
         Err(e) => panic!("{test}: the CUDA executor failed to set up: {e}"),
     }
+}
+
+/// `c` trained on CUDA, then on the CPU (same data and initial weights), or `None` after the
+/// one SKIP line.
+fn cuda_then_cpu(test: &str, c: &TrainConfig) -> Option<(TrainReport, TrainReport)> {
+    let cuda = match train(c, 1, |_| {}) {
+        Ok(r) => r,
+        Err(e) if e.is_unavailable() => {
+            println!("SKIP {test}: {e}");
+            return None;
+        }
+        Err(e) => panic!("{test}: CUDA run failed: {e}"),
+    };
+    let cpu = train(
+        &TrainConfig {
+            device: Device::Cpu,
+            ..*c
+        },
+        1,
+        |_| {},
+    )
+    .unwrap();
+    Some((cuda, cpu))
 }
 
 fn rel(a: f32, b: f32) -> f32 {
@@ -119,20 +142,9 @@ fn cuda_training_steps_match_the_cpu_executor() {
     let _lock = serial();
     // One step from the same weights: the gradients, parameter by parameter.
     let one = cfg(1, Device::Cuda, CudaGraphMode::Off);
-    let cuda1 = match train(&one, 1, |_| {}) {
-        Ok(r) => r,
-        Err(e) if e.is_unavailable() => return println!("SKIP {TEST}: {e}"),
-        Err(e) => panic!("{TEST}: CUDA run failed: {e}"),
+    let Some((cuda1, cpu1)) = cuda_then_cpu(TEST, &one) else {
+        return;
     };
-    let cpu1 = train(
-        &TrainConfig {
-            device: Device::Cpu,
-            ..one
-        },
-        1,
-        |_| {},
-    )
-    .unwrap();
     let w0 = initial_master_weights(&one).unwrap();
     let (worst, name) = update_difference(&w0, &cuda1.weights, &cpu1.weights);
     assert!(
@@ -140,21 +152,9 @@ fn cuda_training_steps_match_the_cpu_executor() {
         "first update of {name} differs by {worst:e} (relative L2)"
     );
     for graph in [CudaGraphMode::Off, CudaGraphMode::Step] {
-        let c = cfg(6, Device::Cuda, graph);
-        let cuda = match train(&c, 1, |_| {}) {
-            Ok(r) => r,
-            Err(e) if e.is_unavailable() => return println!("SKIP {TEST}: {e}"),
-            Err(e) => panic!("{TEST}: CUDA run failed: {e}"),
+        let Some((cuda, cpu)) = cuda_then_cpu(TEST, &cfg(6, Device::Cuda, graph)) else {
+            return;
         };
-        let cpu = train(
-            &TrainConfig {
-                device: Device::Cpu,
-                ..c
-            },
-            1,
-            |_| {},
-        )
-        .unwrap();
         println!(
             "{TEST} ({graph:?}): {}\n  cuda {:?}\n  cpu  {:?}",
             cuda.executor.detail, cuda.step_losses, cpu.step_losses

@@ -3,7 +3,7 @@
 //! [`CpuRegions`].
 
 use super::{
-    data, initial_weights, memory_plan, net, summarize, ExecutorInfo, MasterWeights, Net, Progress,
+    data, plan_and_initial_weights, summarize, ExecutorInfo, MasterWeights, Net, Progress,
     TrainConfig, TrainError, TrainReport, HELD_OUT_BATCHES,
 };
 use crate::amp::plan::Region;
@@ -21,7 +21,6 @@ pub(crate) struct CpuTrainer {
     data: data::Synthetic,
     net: Net,
     step: AmpStep<CpuRegions>,
-    names: Vec<&'static str>,
 }
 
 impl CpuTrainer {
@@ -29,13 +28,9 @@ impl CpuTrainer {
         cfg.validate()?;
         let data = data::Synthetic::new(cfg.hw, cfg.channels, cfg.classes, cfg.seed);
         let mut net = Net::new(cfg.batch, cfg.hw, cfg.channels, cfg.width, cfg.fused);
-        let layers: Vec<_> = net::layer_configs(cfg.batch, cfg.hw, cfg.channels, cfg.width)
-            .iter()
-            .map(|(name, c)| (*name, c.shape))
-            .collect();
-        let plan = memory_plan(&layers, net.features, cfg.classes)?;
+        let (plan, init) = plan_and_initial_weights(cfg)?;
         let mut regions = CpuRegions::new(plan);
-        for (name, values) in initial_weights(&layers, net.features, cfg.classes, cfg.seed) {
+        for (name, values) in init {
             regions
                 .param_f32_mut(&name, Region::W)?
                 .copy_from_slice(&values);
@@ -47,13 +42,11 @@ impl CpuTrainer {
         }
         let mut step = AmpStep::new(regions, StepConfig::new(cfg.sgd()))?;
         step.init_weights()?;
-        let names = net.layers.iter().map(|l| l.name).collect();
         Ok(CpuTrainer {
             cfg: *cfg,
             data,
             net,
             step,
-            names,
         })
     }
 
@@ -70,14 +63,7 @@ impl CpuTrainer {
         for i in 0..cfg.steps {
             let (images, labels) = self.data.batch(cfg.batch, i as u64, 0);
             self.step.begin()?;
-            let m = train_step(
-                &mut self.net,
-                &mut self.step,
-                &self.names,
-                &cfg,
-                &images,
-                &labels,
-            )?;
+            let m = train_step(&mut self.net, &mut self.step, &cfg, &images, &labels)?;
             self.step.finish()?;
             metrics.push(m);
             window_loss += m.loss;
@@ -98,11 +84,11 @@ impl CpuTrainer {
             }
         }
         let images_per_sec = (cfg.steps * cfg.batch) as f64 / start.elapsed().as_secs_f64();
-        // Held-out batches, forward only (the weights are not touched).
+        // Held-out batches, forward only (the weights are not touched: loaded once).
+        load_weights(&mut self.net, &self.step)?;
         let mut correct = 0usize;
         for i in 0..HELD_OUT_BATCHES {
             let (images, labels) = self.data.batch(cfg.batch, i, 1);
-            load_weights(&mut self.net, &self.step, &self.names)?;
             let logits = logits(&mut self.net, &self.step, &cfg, &images)?;
             let m =
                 range::head_metrics(&logits, &labels, None, cfg.classes).map_err(AmpError::from)?;
@@ -113,17 +99,9 @@ impl CpuTrainer {
         let s = self.step.poll_scalars()?.unwrap_or_default();
         let (first_loss, last_loss, last_accuracy, step_losses) = summarize(&metrics);
         let regions = self.step.executor();
-        let weights = MasterWeights(
-            regions
-                .plan_arc()
-                .params()
-                .iter()
-                .map(|p| {
-                    let v = regions.param_f32(p.name(), Region::W)?.to_vec();
-                    Ok((p.name().to_owned(), v))
-                })
-                .collect::<Result<_, AmpError>>()?,
-        );
+        let weights = MasterWeights::read(regions.plan_arc(), |p| {
+            regions.param_f32(p.name(), Region::W).map(<[f32]>::to_vec)
+        })?;
         Ok(TrainReport {
             first_loss,
             last_loss,
@@ -140,23 +118,17 @@ impl CpuTrainer {
 }
 
 /// Conv weights from A (FP16), BN parameters from W (FP32) into the layers' buffers.
-fn load_weights(
-    net: &mut Net,
-    step: &AmpStep<CpuRegions>,
-    names: &[&'static str],
-) -> Result<(), TrainError> {
+fn load_weights(net: &mut Net, step: &AmpStep<CpuRegions>) -> Result<(), TrainError> {
     let regions = step.executor();
-    for (l, name) in net.layers.iter_mut().zip(names) {
+    for l in &mut net.layers {
+        let name = l.name;
         let w = regions.param_f16(&format!("{name}.w"), Region::A)?.to_vec();
         l.bufs.set("w", HostBuffer::F16(w));
         for p in ["gamma", "beta"] {
             let v = regions
                 .param_f32(&format!("{name}.{p}"), Region::W)?
                 .to_vec();
-            l.bufs.set(
-                if p == "gamma" { "gamma" } else { "beta" },
-                HostBuffer::F32(v),
-            );
+            l.bufs.set(p, HostBuffer::F32(v));
         }
     }
     Ok(())
@@ -198,12 +170,11 @@ fn logits(
 fn train_step(
     net: &mut Net,
     step: &mut AmpStep<CpuRegions>,
-    names: &[&'static str],
     cfg: &TrainConfig,
     images: &[f16],
     labels: &[i32],
 ) -> Result<HeadMetrics, TrainError> {
-    load_weights(net, step, names)?;
+    load_weights(net, step)?;
     let logits = logits(net, step, cfg, images)?;
     // The scaled loss gradient: scale / batch · (softmax − onehot), FP16.
     let scalars = step.executor().scalars();
@@ -222,14 +193,14 @@ fn train_step(
         .map_err(AmpError::from)?;
     // FC backward in FP32: dW = dlogitsᵀ·x, db = Σ dlogits, dx = dlogits·W.
     let shape = head_shape(net, cfg);
-    let pooled = net.pooled().to_vec();
+    let pooled = net.pooled();
     let mut dw = vec![0f32; shape.weight_elems()];
     let mut db = vec![0f32; cfg.classes];
     let mut dpooled = vec![0f32; pooled.len()];
     range::fc_backward(
         &shape,
         &dlogits,
-        &pooled,
+        pooled,
         step.executor().param_f32("fc.w", Region::W)?,
         &mut dw,
         &mut db,
@@ -244,7 +215,8 @@ fn train_step(
         .param_f32_mut("fc.b", Region::G)?
         .copy_from_slice(&db);
     net.backward(&dpooled)?;
-    for (l, name) in net.layers.iter().zip(names) {
+    for l in &net.layers {
+        let name = l.name;
         let dw = l.bufs.f16("dw")?;
         regions
             .param_f16_mut(&format!("{name}.w"), Region::G16)?

@@ -49,7 +49,7 @@
 
 use super::net::{self, prev_of, B1A, B1B, B2A, B2B, STEM, TRANS};
 use super::{
-    data, initial_weights, memory_plan, summarize, CudaGraphMode, ExecutorInfo, MasterWeights,
+    data, plan_and_initial_weights, summarize, CudaGraphMode, ExecutorInfo, MasterWeights,
     Progress, TrainConfig, TrainError, TrainReport, HELD_OUT_BATCHES,
 };
 use crate::amp::cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -433,10 +433,9 @@ impl CudaTrainer {
 
         // The memory plan and its regions, with the CPU executor's initial weights.
         let features = 2 * cfg.width;
-        let shapes: Vec<_> = configs.iter().map(|(n, c)| (*n, c.shape)).collect();
-        let plan = memory_plan(&shapes, features, cfg.classes)?;
+        let (plan, init) = plan_and_initial_weights(cfg)?;
         let mut regions = CudaRegions::new(plan, stream.clone()).map_err(amp_error)?;
-        for (name, values) in initial_weights(&shapes, features, cfg.classes, cfg.seed) {
+        for (name, values) in init {
             regions
                 .upload_f32(Region::W, &name, &values)
                 .map_err(amp_error)?;
@@ -860,18 +859,10 @@ impl CudaTrainer {
     /// A driver error.
     pub fn master_weights(&self) -> Result<MasterWeights, TrainError> {
         let regions = self.step.executor();
-        Ok(MasterWeights(
-            regions
-                .plan_arc()
-                .params()
-                .iter()
-                .map(|p| {
-                    let v = regions.download_f32(Region::W, p.name())?;
-                    Ok((p.name().to_owned(), v))
-                })
-                .collect::<Result<_, AmpError>>()
-                .map_err(amp_error)?,
-        ))
+        MasterWeights::read(regions.plan_arc(), |p| {
+            regions.download_f32(Region::W, p.name())
+        })
+        .map_err(amp_error)
     }
 
     /// Requests asynchronous copies of S and the metrics log (never waits).

@@ -30,7 +30,7 @@ pub mod net;
 pub use data::Synthetic;
 pub use net::{Net, NetLayer};
 
-use crate::amp::plan::{MemoryPlan, MemoryPlanBuilder, ParamKind};
+use crate::amp::plan::{MemoryPlan, MemoryPlanBuilder, ParamInfo, ParamKind};
 use crate::amp::range::{HeadMetrics, SgdConfig};
 use crate::amp::AmpError;
 use cudnn_cbr_fusion::cbr::ConvShape;
@@ -86,6 +86,21 @@ pub enum CudaGraphMode {
     /// capture fails, the `finish` graph, and [`ExecutorInfo::detail`] says why.
     #[default]
     Step,
+}
+
+impl FromStr for CudaGraphMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "off" => Ok(CudaGraphMode::Off),
+            "finish" => Ok(CudaGraphMode::Finish),
+            "step" => Ok(CudaGraphMode::Step),
+            other => Err(format!(
+                "CUDA graph mode must be off, finish or step, got `{other}`"
+            )),
+        }
+    }
 }
 
 /// What to train.
@@ -235,6 +250,18 @@ pub struct TrainReport {
 pub struct MasterWeights(pub Vec<(String, Vec<f32>)>);
 
 impl MasterWeights {
+    /// Every parameter of `plan`, in plan order, with the values `read` gives for it.
+    pub(crate) fn read<E>(
+        plan: &MemoryPlan,
+        mut read: impl FnMut(&ParamInfo) -> Result<Vec<f32>, E>,
+    ) -> Result<Self, E> {
+        plan.params()
+            .iter()
+            .map(|p| Ok((p.name().to_owned(), read(p)?)))
+            .collect::<Result<_, E>>()
+            .map(MasterWeights)
+    }
+
     /// One parameter's values.
     pub fn get(&self, name: &str) -> Option<&[f32]> {
         self.0
@@ -259,26 +286,14 @@ impl fmt::Debug for MasterWeights {
 /// [`TrainError::Config`] for a bad configuration.
 pub fn initial_master_weights(cfg: &TrainConfig) -> Result<MasterWeights, TrainError> {
     cfg.validate()?;
-    let layers: Vec<_> = net::layer_configs(cfg.batch, cfg.hw, cfg.channels, cfg.width)
-        .iter()
-        .map(|(name, c)| (*name, c.shape))
-        .collect();
-    let features = 2 * cfg.width;
-    let plan = memory_plan(&layers, features, cfg.classes)?;
-    let init = initial_weights(&layers, features, cfg.classes, cfg.seed);
-    Ok(MasterWeights(
-        plan.params()
+    let (plan, init) = plan_and_initial_weights(cfg)?;
+    MasterWeights::read(&plan, |p| {
+        Ok(init
             .iter()
-            .map(|p| {
-                let v = init
-                    .iter()
-                    .find(|(n, _)| n == p.name())
-                    .map(|(_, v)| v.clone())
-                    .unwrap_or_else(|| vec![0.0; p.elems()]);
-                (p.name().to_owned(), v)
-            })
-            .collect(),
-    ))
+            .find(|(n, _)| n == p.name())
+            .map(|(_, v)| v.clone())
+            .unwrap_or_else(|| vec![0.0; p.elems()]))
+    })
 }
 
 /// Errors of the training loop.
@@ -476,6 +491,24 @@ pub(crate) fn memory_plan(
     Ok(b.finalize()?)
 }
 
+/// The network's memory plan ([`memory_plan`]) and initial master weights
+/// ([`initial_weights`]) for `cfg`'s shapes and seed: what both executors start from.
+pub(crate) fn plan_and_initial_weights(
+    cfg: &TrainConfig,
+) -> Result<(MemoryPlan, NamedValues), TrainError> {
+    let layers: Vec<_> = net::layer_configs(cfg.batch, cfg.hw, cfg.channels, cfg.width)
+        .iter()
+        .map(|(name, c)| (*name, c.shape))
+        .collect();
+    let features = 2 * cfg.width;
+    let plan = memory_plan(&layers, features, cfg.classes)?;
+    let init = initial_weights(&layers, features, cfg.classes, cfg.seed);
+    Ok((plan, init))
+}
+
+/// (parameter, values) pairs.
+pub(crate) type NamedValues = Vec<(String, Vec<f32>)>;
+
 /// Initial master weights, as (parameter, values) for region W: He-uniform convs, γ = 1
 /// (β = 0 and the FC bias 0 are the zeroed regions), a small uniform FC weight. One random
 /// stream from the seed, in this order, so both executors start from the same weights.
@@ -484,7 +517,7 @@ pub(crate) fn initial_weights(
     features: usize,
     classes: usize,
     seed: u64,
-) -> Vec<(String, Vec<f32>)> {
+) -> NamedValues {
     let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     let mut out = Vec::with_capacity(2 * layers.len() + 1);
     for (name, s) in layers {
