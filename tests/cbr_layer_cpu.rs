@@ -163,12 +163,11 @@ fn the_generic_route_agrees_with_the_fused_and_unfused_routes() {
 
 #[test]
 fn the_generic_route_runs_the_residual_forms_like_the_unfused_route() {
-    // The shortcut-gradient join (FuseAdd) and the residual in the forward ReLU (Shortcut):
-    // the generic route shares the materialized backward with the unfused route and replaces
-    // only the BN backward.
+    // The shortcut-gradient join (FuseAdd): the generic route shares the materialized backward
+    // with the unfused route and replaces only the BN backward.
     let s1 = ConvShape::square(2, 8, 6, 12, 3, 1, 1);
     let s2 = ConvShape::square(2, 12, 6, 8, 1, 0, 1);
-    for residual in [BackwardResidual::FuseAdd, BackwardResidual::Shortcut] {
+    for residual in [BackwardResidual::None, BackwardResidual::FuseAdd] {
         let mut results = Vec::new();
         for route in [RouteKind::Unfused, RouteKind::Generic] {
             let l1 = CbrLayer::for_cpu(CbrConfig::first(s1), route);
@@ -188,11 +187,7 @@ fn the_generic_route_runs_the_residual_forms_like_the_unfused_route() {
                 b.set("beta", rng.f32s(k, 0.0, 0.2));
                 b.set("running_var", HostBuffer::F32(vec![1.0; k]));
             }
-            let name = match residual {
-                BackwardResidual::FuseAdd => "dy_branch",
-                _ => "shortcut",
-            };
-            b2.set(name, rng.f16s(2 * 12 * 36, 0.5));
+            b2.set("dy_branch", rng.f16s(2 * 12 * 36, 0.5));
             l1.run_cpu(Pass::Forward, &mut b1, None).unwrap();
             l2.run_cpu(Pass::Forward, &mut b2, Some(&mut b1)).unwrap();
             b2.set("dy", rng.f16s(2 * 8 * 36, 1.0));
@@ -219,7 +214,8 @@ fn every_route_binds_every_real_tensor_consistently() {
         CbrConfig::after_activation(s).with_apply(ApplyResidual::Add),
         CbrConfig::new(s).with_apply(ApplyResidual::DualScaleBias),
         CbrConfig::new(s).with_backward_residual(BackwardResidual::FuseAdd),
-        CbrConfig::new(s).with_backward_residual(BackwardResidual::Shortcut),
+        CbrConfig::after_activation(s).with_shortcut_bn(),
+        CbrConfig::new(s).with_apply(ApplyResidual::None),
     ];
     for config in configs {
         for kind in RouteKind::ALL {

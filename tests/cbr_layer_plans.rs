@@ -165,7 +165,7 @@ fn odd_channel_counts_fall_back_to_the_generic_route() {
             CbrConfig::new(ConvShape::square(32, 63, 28, 63, 3, 1, 1))
                 .with_apply(ApplyResidual::None),
             "scale_bias_relu_conv_genstats",
-            "batchnorm_forward",
+            "batchnorm_relu",
         ),
         (
             "C=12 K=24",

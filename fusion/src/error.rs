@@ -115,6 +115,16 @@ pub enum Error {
         /// What failed.
         reason: String,
     },
+    /// A layer or network configuration is invalid (checked before any arithmetic on it).
+    #[error("{layer}: `{field}` {problem}")]
+    InvalidConfig {
+        /// The layer (its shape label) or network element at fault.
+        layer: String,
+        /// The field.
+        field: String,
+        /// What is wrong with its value.
+        problem: String,
+    },
     /// A layer buffer is missing or of the wrong kind.
     #[error("buffer `{name}` {problem}")]
     Buffer {

@@ -169,6 +169,30 @@ impl Handle {
             .map_err(|e| driver("zero a device buffer", e))
     }
 
+    /// Enqueues a copy of `bytes` bytes from device address `src` to `dst` on the handle's
+    /// stream (the running-statistics copy after a BN forward; capturable in a CUDA graph).
+    ///
+    /// Both addresses must come from live allocations of at least `bytes` bytes that do not
+    /// overlap (bindings the caller vouches for, as with [`Bindings::bind_raw`]); null is
+    /// refused.
+    pub fn copy_device_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if dst == 0 || src == 0 {
+            return Err(Error::Driver {
+                what: "copy a device buffer".into(),
+                message: "null pointer".into(),
+            });
+        }
+        self.ready()?;
+        bind_context(&self.stream)?;
+        // SAFETY: both ranges are live, non-overlapping device allocations of at least `bytes`
+        // bytes that the caller bound for this layer; the copy is ordered on the handle's
+        // stream with the work that writes `src` and reads `dst`.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream())
+        }
+        .map_err(|e| driver("copy a device buffer", e))
+    }
+
     /// Grows the pooled workspace to at least `bytes` now. Call it with the largest
     /// workspace any plan will need before capturing this handle's stream into a CUDA graph:
     /// the pool cannot grow during a capture.

@@ -174,27 +174,8 @@ pub fn apply(
     let s = g.tensor(TensorAttrs::vector("scale", dims[1]).dtype(vec_dtype));
     let b = g.tensor(TensorAttrs::vector("bias", dims[1]).dtype(vec_dtype));
     let v1 = g.mul(y, s);
-    let mut v = g.add(v1, b);
-    let mut r_id = None;
-    let mut rsb = None;
-    match residual {
-        ApplyResidual::None => {}
-        ApplyResidual::Add => {
-            let r = g.tensor(TensorAttrs::new("R", dims));
-            v = g.add(v, r);
-            r_id = Some(r);
-        }
-        ApplyResidual::DualScaleBias => {
-            let r = g.tensor(TensorAttrs::new("R", dims));
-            let s2 = g.tensor(TensorAttrs::vector("scale2", dims[1]).dtype(vec_dtype));
-            let b2 = g.tensor(TensorAttrs::vector("bias2", dims[1]).dtype(vec_dtype));
-            let r1 = g.mul(r, s2);
-            let r2 = g.add(r1, b2);
-            v = g.add(v, r2);
-            r_id = Some(r);
-            rsb = Some((s2, b2));
-        }
-    }
+    let v = g.add(v1, b);
+    let (v, r_id, rsb) = residual_add(&mut g, v, dims, residual, vec_dtype);
     let a = g.relu(v);
     g.set_output(a, None).expect("in graph");
     (
@@ -210,21 +191,52 @@ pub fn apply(
     )
 }
 
+/// `v [+ r | + r·s2 + b2]` with the residual tensors (FP16 `r` over `dims`, `s2`, `b2` in
+/// `vec_dtype`):
+/// returns the sum and the residual's tensors.
+fn residual_add(
+    g: &mut Graph,
+    v: TensorId,
+    dims: [i64; 4],
+    residual: ApplyResidual,
+    vec_dtype: DataType,
+) -> (TensorId, Option<TensorId>, Option<(TensorId, TensorId)>) {
+    match residual {
+        ApplyResidual::None => (v, None, None),
+        ApplyResidual::Add => {
+            let r = g.tensor(TensorAttrs::new("R", dims));
+            (g.add(v, r), Some(r), None)
+        }
+        ApplyResidual::DualScaleBias => {
+            let r = g.tensor(TensorAttrs::new("R", dims));
+            let s2 = g.tensor(TensorAttrs::vector("scale2", dims[1]).dtype(vec_dtype));
+            let b2 = g.tensor(TensorAttrs::vector("bias2", dims[1]).dtype(vec_dtype));
+            let r1 = g.mul(r, s2);
+            let r2 = g.add(r1, b2);
+            (g.add(v, r2), Some(r), Some((s2, b2)))
+        }
+    }
+}
+
 /// The BN apply without residual: returns (graph, y, s, b, a).
 pub fn scale_bias_relu(dims: [i64; 4], vec_dtype: DataType) -> (Graph, [TensorId; 4]) {
     let (g, t) = apply(dims, vec_dtype, ApplyResidual::None);
     (g, [t.y, t.scale, t.bias, t.a])
 }
 
-/// The residual form of the fused backward (CUDNN_PATTERNS §6.2).
+/// The residual form of the fused backward (docs/cudnn-graphs.md, "dgrad + dReLU + dBN
+/// weights").
+///
+/// A form where the prologue's ReLU also had a residual added before it (`relu(BN(y) + r)`)
+/// is deliberately absent: no network needs it (a block's input is stored and read raw by its
+/// first conv and its shortcut), and the fused forward prologue has no add, so such a layer
+/// would compute different functions on the fused and unfused routes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BackwardResidual {
     /// The previous BN's relu fed only this conv.
     None,
     /// The relu output also fed a shortcut: its gradient `dY_branch` adds to the dgrad output.
     FuseAdd,
-    /// The forward relu was relu(BN(Yprev) + resid): `resid` joins the recompute.
-    Shortcut,
 }
 
 /// Real tensors of the fused dgrad + dReLU + dBN-weights graph.
@@ -244,7 +256,7 @@ pub struct DgradDreluDbnTensors {
     pub gamma: TensorId,
     /// β of the previous BN.
     pub beta: TensorId,
-    /// The shortcut gradient (FuseAdd) or the residual input (Shortcut).
+    /// The shortcut gradient (FuseAdd).
     pub residual: Option<TensorId>,
     /// Gradient w.r.t. the BN output (after the relu backward), FP16.
     pub dz: TensorId,
@@ -260,7 +272,6 @@ pub fn dgrad_drelu_dbn(
     let name = match residual {
         BackwardResidual::None => "dgrad_drelu_dbn",
         BackwardResidual::FuseAdd => "dgrad_add_drelu_dbn",
-        BackwardResidual::Shortcut => "dgrad_drelu_dbn_shortcut",
     };
     let mut g = Graph::new(name);
     let dy = g.tensor(TensorAttrs::new("dY", shape.y_dims()));
@@ -276,7 +287,7 @@ pub fn dgrad_drelu_dbn(
     );
     let normed = g.mul(centered, inv_std);
     let scaled = g.mul(normed, gamma);
-    let mut bn_out = g.add(scaled, beta);
+    let bn_out = g.add(scaled, beta);
     let mut grad = dxc;
     let mut res = None;
     match residual {
@@ -285,11 +296,6 @@ pub fn dgrad_drelu_dbn(
             let branch = g.tensor(TensorAttrs::new("dY_branch", shape.x_dims()));
             grad = g.add(dxc, branch);
             res = Some(branch);
-        }
-        BackwardResidual::Shortcut => {
-            let resid = g.tensor(TensorAttrs::new("resid", shape.x_dims()));
-            bn_out = g.add(bn_out, resid);
-            res = Some(resid);
         }
     }
     let dz = g.relu_backward(grad, bn_out);
@@ -397,9 +403,63 @@ pub fn dbn_apply(dims: [i64; 4]) -> (Graph, DbnApplyTensors) {
     )
 }
 
-/// Unfused route: BN forward (training) with running stats, output stored FP16.
+/// Unfused route: BN forward (training) with running stats, output `y_bn` stored FP16.
+/// The previous and the updated running statistics are distinct tensors (bind them to distinct
+/// buffers: cuDNN does not document in-place updates).
 pub fn batchnorm_forward(dims: [i64; 4]) -> (Graph, BatchNormInputs, BatchNormOutputs) {
-    let mut g = Graph::new("batchnorm_forward");
+    let (mut g, inputs, o) = batchnorm_graph("batchnorm_forward", dims);
+    g.set_output(o.y, None).expect("in graph");
+    (g, inputs, o)
+}
+
+/// Real tensors of a BN forward fused with its activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchNormActivationTensors {
+    /// Residual input, when present.
+    pub residual: Option<TensorId>,
+    /// The residual's own scale and bias (dual form).
+    pub residual_scale_bias: Option<(TensorId, TensorId)>,
+    /// The activation `relu(BN(x) [+ r | + r·s2 + b2])`, FP16.
+    pub a: TensorId,
+}
+
+/// Unfused route, activation materialized: BN forward (training) whose normalized output stays
+/// virtual and goes through the residual add and the ReLU in the same graph, storing only the
+/// activation (what an unfused framework stores: its BN+add+ReLU kernel's output).
+pub fn batchnorm_activation(
+    dims: [i64; 4],
+    residual: ApplyResidual,
+) -> (
+    Graph,
+    BatchNormInputs,
+    BatchNormOutputs,
+    BatchNormActivationTensors,
+) {
+    let name = match residual {
+        ApplyResidual::None => "batchnorm_relu",
+        ApplyResidual::Add => "batchnorm_add_relu",
+        ApplyResidual::DualScaleBias => "batchnorm_dual_scale_bias_add_relu",
+    };
+    let (mut g, inputs, o) = batchnorm_graph(name, dims);
+    let (v, r, rsb) = residual_add(&mut g, o.y, dims, residual, DataType::Half);
+    let a = g.relu(v);
+    g.set_output(a, Some(DataType::Half)).expect("in graph");
+    (
+        g,
+        inputs,
+        o,
+        BatchNormActivationTensors {
+            residual: r,
+            residual_scale_bias: rsb,
+            a,
+        },
+    )
+}
+
+/// A NormForward (training) node with running statistics; its statistics are stored, its
+/// normalized output `y` is left virtual for the caller to store or consume.
+fn batchnorm_graph(name: &str, dims: [i64; 4]) -> (Graph, BatchNormInputs, BatchNormOutputs) {
+    let mut g = Graph::new(name);
     let x = g.tensor(TensorAttrs::new("X", dims));
     let mut v = |name: &str| g.tensor(TensorAttrs::vector(name, dims[1]).dtype(DataType::Float));
     let (scale, bias, rm, rv) = (v("gamma"), v("beta"), v("running_mean"), v("running_var"));
@@ -413,8 +473,24 @@ pub fn batchnorm_forward(dims: [i64; 4]) -> (Graph, BatchNormInputs, BatchNormOu
         prev_running_var: Some(rv),
     };
     let o = g.batchnorm(inputs);
-    store_last_outputs(&mut g, None);
+    for t in [o.mean, o.inv_variance]
+        .into_iter()
+        .chain(o.next_running_mean)
+        .chain(o.next_running_var)
+    {
+        g.set_output(t, None).expect("in graph");
+    }
     (g, inputs, o)
+}
+
+/// ReLU forward, stored: returns (graph, x, a). The unfused route's activation of a BN output
+/// stored by [`batchnorm_forward`].
+pub fn relu_forward(dims: [i64; 4]) -> (Graph, [TensorId; 2]) {
+    let mut g = Graph::new("relu_forward");
+    let x = g.tensor(TensorAttrs::new("X", dims));
+    let a = g.relu(x);
+    g.set_output(a, None).expect("in graph");
+    (g, [x, a])
 }
 
 /// Unfused route: BN backward (dx, dγ, dβ).
@@ -446,51 +522,6 @@ pub fn relu_backward(dims: [i64; 4]) -> (Graph, [TensorId; 3]) {
     let dx = g.relu_backward(dy, x);
     g.set_output(dx, None).expect("in graph");
     (g, [dy, x, dx])
-}
-
-/// Real tensors of the equivalent-coefficient graph.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct EqCoefficientTensors {
-    /// γ.
-    pub gamma: TensorId,
-    /// β.
-    pub beta: TensorId,
-    /// Batch mean.
-    pub mean: TensorId,
-    /// Batch 1/sqrt(var + ε).
-    pub inv_std: TensorId,
-    /// γ·invstd (FP16).
-    pub eq_scale: TensorId,
-    /// β − mean·γ·invstd (FP16).
-    pub eq_bias: TensorId,
-}
-
-/// Unfused route: eq_scale = γ·invstd and eq_bias = β − mean·eq_scale from NormForward's
-/// statistics, so the unfused route hands the next layer the same FP16 coefficients BN finalize
-/// does.
-pub fn eq_coefficients(k: i64) -> (Graph, EqCoefficientTensors) {
-    let mut g = Graph::new("bn_eq_coefficients");
-    let mut v = |name: &str| g.tensor(TensorAttrs::vector(name, k).dtype(DataType::Float));
-    let (gamma, beta, mean, inv_std) = (v("gamma"), v("beta"), v("mean"), v("inv_std"));
-    let scale = g.mul(gamma, inv_std);
-    let shift = g.mul(mean, scale);
-    let bias = g.sub(beta, shift);
-    // eq_scale is both stored and reused: store it, and compute the bias from the FP32 value.
-    let eq_scale = g.identity(scale);
-    g.set_output(eq_scale, Some(DataType::Half))
-        .expect("in graph");
-    g.set_output(bias, Some(DataType::Half)).expect("in graph");
-    (
-        g,
-        EqCoefficientTensors {
-            gamma,
-            beta,
-            mean,
-            inv_std,
-            eq_scale,
-            eq_bias: bias,
-        },
-    )
 }
 
 /// Unfused route: y = x + b elementwise over `[N,C,H,W]` (a residual gradient join): returns
@@ -582,8 +613,7 @@ pub struct DbnCoefficientTensors {
 /// reference's `bn` module) from dγ, dβ and the saved statistics, pointwise over `[1,C,1,1]`
 /// vectors in FP32, in this order (each step one FP32 rounding):
 /// `a = γ·inv_std`; `B = ((a·inv_std)·dγ)·(−1/M)`; `C = ((a·dβ)·(−1/M)) − B·mean`; `A = a`.
-/// A and B are also consumed inside the graph, so they are stored through an identity (as
-/// [`eq_coefficients`] stores eq_scale).
+/// A and B are also consumed inside the graph, so they are stored through an identity.
 pub fn dbn_coefficients(c: i64) -> (Graph, DbnCoefficientTensors) {
     let mut g = Graph::new("dbn_coefficients");
     let mut v = |name: &str| g.tensor(TensorAttrs::vector(name, c).dtype(DataType::Float));

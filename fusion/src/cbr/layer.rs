@@ -59,6 +59,13 @@ pub struct CbrConfig {
     /// For a raw input: whether the backward pass computes the input's gradient (a stored
     /// activation inside a network needs it; the network's own input does not).
     pub input_grad: bool,
+    /// This layer's BN output (no ReLU) is the residual of another layer's activation: a
+    /// projection shortcut `bn_d(conv_d(x))` joining a block output. Its forward stops after
+    /// the BN statistics (the other layer's apply reads `y` with `eq_scale`/`eq_bias`, or the
+    /// unfused route's stored `y_bn`), and its backward starts with the BN backward from
+    /// `dpre`, the gradient the block output's ReLU backward wrote (bind both layers' `dpre`
+    /// to one buffer). Excludes [`CbrConfig::apply`].
+    pub shortcut_bn: bool,
 }
 
 impl CbrConfig {
@@ -73,6 +80,7 @@ impl CbrConfig {
             apply: None,
             backward_residual: BackwardResidual::None,
             input_grad: true,
+            shortcut_bn: false,
         }
     }
 
@@ -104,6 +112,52 @@ impl CbrConfig {
     pub fn with_backward_residual(mut self, residual: BackwardResidual) -> Self {
         self.backward_residual = residual;
         self
+    }
+
+    /// Make this layer a projection shortcut's conv + BN (see [`CbrConfig::shortcut_bn`]).
+    pub fn with_shortcut_bn(mut self) -> Self {
+        self.shortcut_bn = true;
+        self
+    }
+
+    /// Checks what the shape arithmetic and the graphs cannot: the shape itself, ε finite and
+    /// positive, momentum in [0, 1], and that the output roles do not conflict.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &str, problem: String| {
+            Err(Error::InvalidConfig {
+                layer: self.shape.label(),
+                field: field.into(),
+                problem,
+            })
+        };
+        self.shape.validate()?;
+        if !(self.epsilon.is_finite() && self.epsilon > 0.0) {
+            return bad(
+                "epsilon",
+                format!("must be finite and > 0, got {}", self.epsilon),
+            );
+        }
+        if !(0.0..=1.0).contains(&self.momentum) {
+            return bad(
+                "momentum",
+                format!("must lie in [0, 1], got {}", self.momentum),
+            );
+        }
+        if self.shortcut_bn && self.apply.is_some() {
+            return bad(
+                "shortcut_bn",
+                "a shortcut BN's output joins another layer's activation; it cannot also \
+                 materialize its own (apply)"
+                    .into(),
+            );
+        }
+        if self.input == InputKind::Raw && self.backward_residual != BackwardResidual::None {
+            return bad(
+                "backward_residual",
+                "applies only to an input through the previous BN".into(),
+            );
+        }
+        Ok(())
     }
 }
 
@@ -220,14 +274,13 @@ pub enum GraphRole {
     DbnApply,
     /// Plain dgrad: the input gradient of a first layer, or the unfused/generic route's dgrad.
     Dgrad,
-    /// Unfused/generic: the previous BN's apply + ReLU, materialized.
+    /// Unfused/generic: the previous BN's activation, materialized (unfused: ReLU of its stored
+    /// BN output; generic: its apply).
     ApplyPrev,
     /// Unfused: plain conv.
     Conv,
-    /// Unfused: BN forward (training).
+    /// Unfused: BN forward (training), with the activation fused in when materialized.
     BnForward,
-    /// Unfused: eq_scale / eq_bias from the batch statistics.
-    EqCoefficients,
     /// Unfused/generic: residual gradient join.
     AddBranch,
     /// Unfused/generic: ReLU backward of the previous BN's activation.
@@ -322,7 +375,7 @@ pub fn route_graphs(config: &CbrConfig, route: impl Into<RouteKind>) -> Vec<Laye
         This("x")
     };
     if kind != RouteKind::Fused {
-        out.extend(apply_prev(config));
+        out.extend(apply_prev(config, kind));
     }
     match kind {
         RouteKind::Fused | RouteKind::Generic => {
@@ -349,38 +402,12 @@ pub fn route_graphs(config: &CbrConfig, route: impl Into<RouteKind>) -> Vec<Laye
                 g,
                 vec![(t.x, plain_in), (t.w, This("w")), (t.y, This("y"))],
             ));
-            let (g, i, o) = graphs::batchnorm_forward(s.y_dims());
-            let mut b = vec![
-                (i.x, This("y")),
-                (i.scale, This("gamma")),
-                (i.bias, This("beta")),
-                (i.epsilon, Src::Scalar(Scalar::F32(config.epsilon as f32))),
-                (i.momentum, Src::Scalar(Scalar::F32(config.momentum as f32))),
-                (o.y, This("y_bn")),
-                (o.mean, This("saved_mean")),
-                (o.inv_variance, This("saved_inv_std")),
-            ];
-            b.extend(i.prev_running_mean.map(|t| (t, This("running_mean"))));
-            b.extend(i.prev_running_var.map(|t| (t, This("running_var"))));
-            b.extend(o.next_running_mean.map(|t| (t, This("running_mean"))));
-            b.extend(o.next_running_var.map(|t| (t, This("running_var"))));
-            out.push(lg(GraphRole::BnForward, g, b));
-            let (g, t) = graphs::eq_coefficients(s.k);
-            out.push(lg(
-                GraphRole::EqCoefficients,
-                g,
-                vec![
-                    (t.gamma, This("gamma")),
-                    (t.beta, This("beta")),
-                    (t.mean, This("saved_mean")),
-                    (t.inv_std, This("saved_inv_std")),
-                    (t.eq_scale, This("eq_scale")),
-                    (t.eq_bias, This("eq_bias")),
-                ],
-            ));
+            out.push(unfused_bn_forward(config));
         }
     }
-    if let Some(residual) = config.apply {
+    // The unfused route's BN forward already stored the activation; the others apply the BN
+    // from its eq coefficients.
+    if let (Some(residual), true) = (config.apply, kind != RouteKind::Unfused) {
         let (g, t) = graphs::apply(s.y_dims(), DataType::Half, residual);
         let mut b = vec![
             (t.y, This("y")),
@@ -393,15 +420,19 @@ pub fn route_graphs(config: &CbrConfig, route: impl Into<RouteKind>) -> Vec<Laye
             b.extend([(s2, This("residual_scale")), (b2, This("residual_bias"))]);
         }
         out.push(lg(GraphRole::Apply, g, b));
-        // The apply's backward: dA → dpre (through the ReLU, using the stored activation as
-        // the mask) → dY, dγ, dβ through NormBackward (CUDNN_PATTERNS §8, step 5), or on the
-        // generic route through reductions, coefficients and the dBN apply.
+    }
+    if config.apply.is_some() {
+        // The activation's backward: dA → dpre (through the ReLU, using the stored activation
+        // as the mask), then dpre → dY, dγ, dβ through the BN backward.
         let (g, [dy, x, dx]) = graphs::relu_backward(s.y_dims());
         out.push(lg(
             GraphRole::ApplyReluBackward,
             g,
             vec![(dy, This("da")), (x, This("a")), (dx, This("dpre"))],
         ));
+    }
+    if config.apply.is_some() || config.shortcut_bn {
+        // A shortcut BN's `dpre` is the block output's: the same ReLU backward fed both BNs.
         out.extend(bn_backward(
             kind,
             s.y_dims(),
@@ -446,11 +477,7 @@ pub fn route_graphs(config: &CbrConfig, route: impl Into<RouteKind>) -> Vec<Laye
                 (t.dbn.eq_x_scale, This("dbn_b")),
                 (t.dbn.eq_bias, This("dbn_c")),
             ];
-            let res_name = match config.backward_residual {
-                BackwardResidual::Shortcut => "shortcut",
-                _ => "dy_branch",
-            };
-            b.extend(t.residual.map(|r| (r, This(res_name))));
+            b.extend(t.residual.map(|r| (r, This("dy_branch"))));
             out.push(lg(GraphRole::DgradDreluDbn, g, b));
             let (g, t) = graphs::wgrad(s, true);
             let (sc, bi) = t.prologue.expect("wgrad built with the prologue");
@@ -535,7 +562,8 @@ fn finalize(config: &CbrConfig) -> LayerGraph {
             (i.sq_sum, This("sq_sum")),
             (i.scale, This("gamma")),
             (i.bias, This("beta")),
-            // Running statistics are updated in place: prev and updated share a buffer.
+            // The updated running statistics get their own buffers (`*_next`, copied back
+            // after the forward pass): cuDNN documents no in-place form.
             (i.prev_running_mean, This("running_mean")),
             (i.prev_running_var, This("running_var")),
             (i.epsilon, Src::Scalar(Scalar::F64(config.epsilon))),
@@ -545,31 +573,79 @@ fn finalize(config: &CbrConfig) -> LayerGraph {
             (o.eq_bias, This("eq_bias")),
             (o.saved_mean, This("saved_mean")),
             (o.saved_inv_std, This("saved_inv_std")),
-            (o.updated_running_mean, This("running_mean")),
-            (o.updated_running_var, This("running_var")),
+            (o.updated_running_mean, This("running_mean_next")),
+            (o.updated_running_var, This("running_var_next")),
         ],
     )
 }
 
-/// Unfused and generic routes, input through the previous BN: the previous BN's apply + ReLU
-/// materialized as `a_prev` (with the shortcut added when the forward ReLU had it).
-fn apply_prev(config: &CbrConfig) -> Option<LayerGraph> {
+/// Unfused and generic routes, input through the previous BN: the previous BN's activation
+/// materialized as `a_prev`: the ReLU of its stored BN output `y_bn` on the unfused route (what
+/// an unfused framework runs), its apply from the eq coefficients on the generic route.
+fn apply_prev(config: &CbrConfig, kind: RouteKind) -> Option<LayerGraph> {
     if config.input != InputKind::ThroughBn {
         return None;
     }
-    let residual = match config.backward_residual {
-        BackwardResidual::Shortcut => ApplyResidual::Add,
-        _ => ApplyResidual::None,
+    if kind == RouteKind::Unfused {
+        let (g, [x, a]) = graphs::relu_forward(config.shape.x_dims());
+        return Some(lg(
+            GraphRole::ApplyPrev,
+            g,
+            vec![(x, Prev("y_bn")), (a, This("a_prev"))],
+        ));
+    }
+    let (g, t) = graphs::apply(config.shape.x_dims(), DataType::Half, ApplyResidual::None);
+    Some(lg(
+        GraphRole::ApplyPrev,
+        g,
+        vec![
+            (t.y, Prev("y")),
+            (t.scale, Prev("eq_scale")),
+            (t.bias, Prev("eq_bias")),
+            (t.a, This("a_prev")),
+        ],
+    ))
+}
+
+/// The unfused route's BN forward (NormForward, training): with the activation fused in and
+/// stored as `a` when the layer materializes it, else the BN output stored as `y_bn` (read by
+/// the next layer's ReLU, or by a block output's residual add for a shortcut BN).
+fn unfused_bn_forward(config: &CbrConfig) -> LayerGraph {
+    let dims = config.shape.y_dims();
+    let (g, i, o, act) = match config.apply {
+        Some(residual) => {
+            let (g, i, o, t) = graphs::batchnorm_activation(dims, residual);
+            (g, i, o, Some(t))
+        }
+        None => {
+            let (g, i, o) = graphs::batchnorm_forward(dims);
+            (g, i, o, None)
+        }
     };
-    let (g, t) = graphs::apply(config.shape.x_dims(), DataType::Half, residual);
     let mut b = vec![
-        (t.y, Prev("y")),
-        (t.scale, Prev("eq_scale")),
-        (t.bias, Prev("eq_bias")),
-        (t.a, This("a_prev")),
+        (i.x, This("y")),
+        (i.scale, This("gamma")),
+        (i.bias, This("beta")),
+        (i.epsilon, Src::Scalar(Scalar::F32(config.epsilon as f32))),
+        (i.momentum, Src::Scalar(Scalar::F32(config.momentum as f32))),
+        (o.mean, This("saved_mean")),
+        (o.inv_variance, This("saved_inv_std")),
     ];
-    b.extend(t.residual.map(|r| (r, This("shortcut"))));
-    Some(lg(GraphRole::ApplyPrev, g, b))
+    b.extend(i.prev_running_mean.map(|t| (t, This("running_mean"))));
+    b.extend(i.prev_running_var.map(|t| (t, This("running_var"))));
+    b.extend(o.next_running_mean.map(|t| (t, This("running_mean_next"))));
+    b.extend(o.next_running_var.map(|t| (t, This("running_var_next"))));
+    match act {
+        Some(t) => {
+            b.push((t.a, This("a")));
+            b.extend(t.residual.map(|r| (r, This("residual"))));
+            if let Some((s2, b2)) = t.residual_scale_bias {
+                b.extend([(s2, This("residual_scale")), (b2, This("residual_bias"))]);
+            }
+        }
+        None => b.push((o.y, This("y_bn"))),
+    }
+    lg(GraphRole::BnForward, g, b)
 }
 
 /// Unfused and generic routes, input through the previous BN: wgrad and dgrad on the
@@ -807,6 +883,7 @@ impl CbrLayer {
     /// [`CbrLayer::route`]). Only when all three fail is it an error ([`Error::NoRoute`], with
     /// each route's failure).
     pub fn plan(config: CbrConfig, target: &Target, cache: &PlanCache) -> Result<Self> {
+        config.validate()?;
         let fused = match build_route(&config, target, cache, RouteKind::Fused) {
             Ok(built) => return Ok(Self::from_built(config, Route::Fused, built)),
             Err(e @ (Error::NoEngine { .. } | Error::NoPlan { .. })) => e.to_string(),
@@ -846,6 +923,7 @@ impl CbrLayer {
         route: impl Into<RouteKind>,
     ) -> Result<Self> {
         let kind = route.into();
+        config.validate()?;
         let built = build_route(&config, target, cache, kind)?;
         Ok(Self::from_built(
             config,

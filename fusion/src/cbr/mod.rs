@@ -12,5 +12,5 @@ pub use layer::{
     route_buffers, route_graphs, BufferSpec, CbrConfig, CbrLayer, GraphRole, InputKind, LayerGraph,
     LayerStep, Route, RouteKind, Src,
 };
-pub use run::Pass;
+pub use run::{LayerIo, PairIo, Pass, RUNNING_COPIES};
 pub use shape::ConvShape;

@@ -3,15 +3,18 @@
 
 use super::buffers::{DeviceBuffers, HostBuffer, HostBuffers};
 use super::graphs::{ApplyResidual, BackwardResidual};
-use super::layer::{neg_inv_count, CbrLayer, GraphRole, InputKind, LayerStep, RouteKind, Src};
+use super::layer::{CbrLayer, GraphRole, InputKind, LayerStep, RouteKind, Src};
 use crate::error::{Error, Result};
 use crate::exec::{Bindings, Handle, Workspace};
+use crate::reference::bn::bn_recompute;
 use crate::reference::params::check_len;
 use crate::reference::{
     self as r, Activation, BnParams, ChannelStats, ConvInput, Nhwc, ReluJoin, Residual,
     RunningStats, SavedBn,
 };
+use crate::reference::{Element, Real};
 use half::f16;
+use Src::{Prev, This};
 
 /// Which half of a training step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,6 +110,12 @@ impl CbrLayer {
             }
             plan.execute(handle, &b, Workspace::Pooled)?;
         }
+        if pass == Pass::Forward {
+            for (next, cur) in RUNNING_COPIES {
+                let (src, dst) = (this.get(next)?, this.get(cur)?);
+                handle.copy_device_bytes(dst.ptr, src.ptr, dst.bytes.min(src.bytes))?;
+            }
+        }
         Ok(())
     }
 
@@ -116,47 +125,153 @@ impl CbrLayer {
         &self,
         pass: Pass,
         this: &mut HostBuffers,
-        mut prev: Option<&mut HostBuffers>,
+        prev: Option<&mut HostBuffers>,
     ) -> Result<()> {
         self.check_prev(&prev)?;
+        self.run_cpu_io(pass, &mut PairIo { this, prev })
+    }
+
+    /// Runs one pass on the CPU over any buffer table ([`LayerIo`]): FP16 storage with FP32
+    /// arithmetic for `T = f16`, exact `f64` throughout for `T = f64`. The steps and the
+    /// buffers they read and write are those of [`CbrLayer::steps`], in order; after the
+    /// forward pass the updated running statistics are copied over the current ones.
+    pub fn run_cpu_io<T: Element, I: LayerIo<T> + ?Sized>(
+        &self,
+        pass: Pass,
+        io: &mut I,
+    ) -> Result<()> {
         let roles: Vec<GraphRole> = self.pass_steps(pass).map(|s| s.role).collect();
         for role in roles {
-            cpu_step(self, role, this, prev.as_deref_mut())?;
+            cpu_step(self, role, io)?;
+        }
+        if pass == Pass::Forward {
+            for (next, cur) in RUNNING_COPIES {
+                let v = io.float(This(next))?.to_vec();
+                io.set_float(This(cur), v)?;
+            }
         }
         Ok(())
     }
 }
 
-fn f16v(v: Vec<f16>) -> HostBuffer {
-    HostBuffer::F16(v)
+/// (updated, current) running statistics: every route writes the BN forward's updated running
+/// statistics to their own buffers and copies them over the current ones after the forward
+/// pass (cuDNN documents no in-place update).
+pub const RUNNING_COPIES: [(&str, &str); 2] = [
+    ("running_mean_next", "running_mean"),
+    ("running_var_next", "running_var"),
+];
+
+/// The buffers a layer's CPU steps read and write, by [`Src`] (this layer's or the previous
+/// layer's buffer, by name), in one precision mode: `Half` buffers as `T`, `Float` buffers as
+/// `T::Acc` (f16/f32 in FP16 mode, f64/f64 in f64 mode).
+///
+/// [`HostBuffers`] pairs implement it for FP16 mode; a network executor implements it over
+/// its own buffer table, resolving each layer's names to the network's buffers.
+pub trait LayerIo<T: Element> {
+    /// A `Half` buffer.
+    fn half(&self, src: Src) -> Result<&[T]>;
+    /// A `Float` buffer.
+    fn float(&self, src: Src) -> Result<&[T::Acc]>;
+    /// Replaces a `Half` buffer's contents.
+    fn set_half(&mut self, src: Src, v: Vec<T>) -> Result<()>;
+    /// Replaces a `Float` buffer's contents.
+    fn set_float(&mut self, src: Src, v: Vec<T::Acc>) -> Result<()>;
 }
 
-fn f32v(v: Vec<f32>) -> HostBuffer {
-    HostBuffer::F32(v)
+/// A layer's own host buffers and, when its input comes through the previous BN, the
+/// previous layer's: the FP16-mode [`LayerIo`] of [`CbrLayer::run_cpu`].
+#[derive(Debug)]
+pub struct PairIo<'a> {
+    /// This layer's buffers.
+    pub this: &'a mut HostBuffers,
+    /// The previous layer's buffers.
+    pub prev: Option<&'a mut HostBuffers>,
 }
 
-fn prev_of(prev: Option<&mut HostBuffers>) -> Result<&mut HostBuffers> {
-    prev.ok_or_else(|| Error::Buffer {
-        name: "prev".into(),
-        problem: "is required by this step".into(),
-    })
+impl PairIo<'_> {
+    fn table(&self, src: Src) -> Result<(&HostBuffers, &'static str)> {
+        match src {
+            This(n) => Ok((&*self.this, n)),
+            Prev(n) => Ok((self.prev.as_deref().ok_or_else(|| no_prev(n))?, n)),
+            Src::Scalar(_) => Err(scalar_src()),
+        }
+    }
+
+    fn table_mut(&mut self, src: Src) -> Result<(&mut HostBuffers, &'static str)> {
+        match src {
+            This(n) => Ok((&mut *self.this, n)),
+            Prev(n) => Ok((self.prev.as_deref_mut().ok_or_else(|| no_prev(n))?, n)),
+            Src::Scalar(_) => Err(scalar_src()),
+        }
+    }
+}
+
+fn no_prev(name: &str) -> Error {
+    Error::Buffer {
+        name: format!("prev.{name}"),
+        problem: "is needed but no previous layer's buffers were given".into(),
+    }
+}
+
+fn scalar_src() -> Error {
+    Error::Buffer {
+        name: "<scalar>".into(),
+        problem: "is a by-value scalar, not a buffer".into(),
+    }
+}
+
+impl LayerIo<f16> for PairIo<'_> {
+    fn half(&self, src: Src) -> Result<&[f16]> {
+        let (t, n) = self.table(src)?;
+        t.f16(n)
+    }
+    fn float(&self, src: Src) -> Result<&[f32]> {
+        let (t, n) = self.table(src)?;
+        t.f32(n)
+    }
+    fn set_half(&mut self, src: Src, v: Vec<f16>) -> Result<()> {
+        let (t, n) = self.table_mut(src)?;
+        t.set(n, HostBuffer::F16(v));
+        Ok(())
+    }
+    fn set_float(&mut self, src: Src, v: Vec<f32>) -> Result<()> {
+        let (t, n) = self.table_mut(src)?;
+        t.set(n, HostBuffer::F32(v));
+        Ok(())
+    }
 }
 
 /// The previous BN's apply as the conv's prologue, read from the previous layer's buffers.
-fn prologue_input(pv: &HostBuffers) -> Result<ConvInput<'_, f16>> {
+fn prologue_input<T: Element, I: LayerIo<T> + ?Sized>(io: &I) -> Result<ConvInput<'_, T>> {
     Ok(ConvInput::Prologue {
-        y_prev: pv.f16("y")?,
-        scale: pv.f16("eq_scale")?,
-        bias: pv.f16("eq_bias")?,
+        y_prev: io.half(Prev("y"))?,
+        scale: io.half(Prev("eq_scale"))?,
+        bias: io.half(Prev("eq_bias"))?,
+    })
+}
+
+/// The residual of a layer's activation, as its config names it.
+fn residual_of<'a, T: Element, I: LayerIo<T> + ?Sized>(
+    io: &'a I,
+    residual: Option<ApplyResidual>,
+) -> Result<Residual<'a, T>> {
+    Ok(match residual {
+        Some(ApplyResidual::Add) => Residual::Add(io.half(This("residual"))?),
+        Some(ApplyResidual::DualScaleBias) => Residual::ScaleBias {
+            r: io.half(This("residual"))?,
+            scale: io.half(This("residual_scale"))?,
+            bias: io.half(This("residual_bias"))?,
+        },
+        _ => Residual::None,
     })
 }
 
 /// One role on the CPU. Mirrors the graphs in `route_graphs` buffer for buffer.
-fn cpu_step(
+fn cpu_step<T: Element, I: LayerIo<T> + ?Sized>(
     layer: &CbrLayer,
     role: GraphRole,
-    this: &mut HostBuffers,
-    prev: Option<&mut HostBuffers>,
+    io: &mut I,
 ) -> Result<()> {
     let cfg = layer.config();
     let s = &cfg.shape;
@@ -171,32 +286,35 @@ fn cpu_step(
     let kind = layer.route().kind();
     // The conv's input where it is not read through the prologue, as `route_graphs` binds it:
     // the materialized previous activation, or the raw input.
-    let plain_in = if through_bn { "a_prev" } else { "x" };
+    let plain_in = if through_bn {
+        This("a_prev")
+    } else {
+        This("x")
+    };
     match role {
         GraphRole::ConvStats => {
             // The generic route convolves the materialized activation (no prologue).
             let input = if through_bn && kind != RouteKind::Generic {
-                prologue_input(prev_of(prev)?)?
+                prologue_input(io)?
             } else {
-                ConvInput::Plain(this.f16(plain_in)?)
+                ConvInput::Plain(io.half(plain_in)?)
             };
-            let out = r::fprop_genstats(&p, input, this.f16("w")?)?;
-            this.set("y", f16v(out.y));
-            this.set("sum", f32v(out.stats.sum));
-            this.set("sq_sum", f32v(out.stats.sqsum));
+            let out = r::fprop_genstats(&p, input, io.half(This("w"))?)?;
+            io.set_half(This("y"), out.y)?;
+            io.set_float(This("sum"), out.stats.sum)?;
+            io.set_float(This("sq_sum"), out.stats.sqsum)?;
         }
         GraphRole::Finalize => {
             let stats = ChannelStats {
-                sum: this.f32("sum")?.to_vec(),
-                sqsum: this.f32("sq_sum")?.to_vec(),
+                sum: io.float(This("sum"))?.to_vec(),
+                sqsum: io.float(This("sq_sum"))?.to_vec(),
             };
-            let (gamma, beta) = (this.f32("gamma")?.to_vec(), this.f32("beta")?.to_vec());
-            let mut mean = this.f32("running_mean")?.to_vec();
-            let mut var = this.f32("running_var")?.to_vec();
-            let out = r::bn_finalize(
+            let mut mean = io.float(This("running_mean"))?.to_vec();
+            let mut var = io.float(This("running_var"))?.to_vec();
+            let out: r::BnFinalized<T> = r::bn_finalize(
                 &stats,
-                &gamma,
-                &beta,
+                io.float(This("gamma"))?,
+                io.float(This("beta"))?,
                 RunningStats {
                     mean: &mut mean,
                     var: &mut var,
@@ -204,252 +322,283 @@ fn cpu_step(
                 s.count() as usize,
                 &bn,
             )?;
-            this.set("running_mean", f32v(mean));
-            this.set("running_var", f32v(var));
-            this.set("eq_scale", f16v(out.eq_scale));
-            this.set("eq_bias", f16v(out.eq_bias));
-            this.set("saved_mean", f32v(out.saved_mean));
-            this.set("saved_inv_std", f32v(out.saved_inv_std));
+            io.set_float(This("running_mean_next"), mean)?;
+            io.set_float(This("running_var_next"), var)?;
+            io.set_half(This("eq_scale"), out.eq_scale)?;
+            io.set_half(This("eq_bias"), out.eq_bias)?;
+            io.set_float(This("saved_mean"), out.saved_mean)?;
+            io.set_float(This("saved_inv_std"), out.saved_inv_std)?;
         }
         GraphRole::Apply => {
-            let residual = match cfg.apply {
-                Some(ApplyResidual::Add) => Residual::Add(this.f16("residual")?),
-                Some(ApplyResidual::DualScaleBias) => Residual::ScaleBias {
-                    r: this.f16("residual")?,
-                    scale: this.f16("residual_scale")?,
-                    bias: this.f16("residual_bias")?,
-                },
-                _ => Residual::None,
-            };
             let a = r::bn_apply(
                 &ys,
-                this.f16("y")?,
-                this.f16("eq_scale")?,
-                this.f16("eq_bias")?,
-                residual,
+                io.half(This("y"))?,
+                io.half(This("eq_scale"))?,
+                io.half(This("eq_bias"))?,
+                residual_of(io, cfg.apply)?,
                 Activation::Relu,
             )?;
-            this.set("a", f16v(a));
+            io.set_half(This("a"), a)?;
         }
         GraphRole::ApplyReluBackward => {
-            let d = r::relu_bwd(&ys, this.f16("da")?, this.f16("a")?)?;
-            this.set("dpre", f16v(d));
+            let d = r::relu_bwd(&ys, io.half(This("da"))?, io.half(This("a"))?)?;
+            io.set_half(This("dpre"), d)?;
         }
         GraphRole::ApplyBnBackward => {
             let out = r::bn_bwd(
                 &ys,
-                this.f16("y")?,
-                this.f16("dpre")?,
-                this.f32("saved_mean")?,
-                this.f32("saved_inv_std")?,
-                this.f32("gamma")?,
+                io.half(This("y"))?,
+                io.half(This("dpre"))?,
+                io.float(This("saved_mean"))?,
+                io.float(This("saved_inv_std"))?,
+                io.float(This("gamma"))?,
             )?;
-            this.set("dy", f16v(out.dx));
-            this.set("dgamma", f32v(out.dgamma));
-            this.set("dbeta", f32v(out.dbeta));
+            io.set_half(This("dy"), out.dx)?;
+            io.set_float(This("dgamma"), out.dgamma)?;
+            io.set_float(This("dbeta"), out.dbeta)?;
         }
         GraphRole::DgradDreluDbn => {
-            let pv = prev_of(prev)?;
             let join = match cfg.backward_residual {
                 BackwardResidual::None => ReluJoin::default(),
                 BackwardResidual::FuseAdd => ReluJoin {
                     resid: None,
-                    dy_branch: Some(this.f16("dy_branch")?),
-                },
-                BackwardResidual::Shortcut => ReluJoin {
-                    resid: Some(this.f16("shortcut")?),
-                    dy_branch: None,
+                    dy_branch: Some(io.half(This("dy_branch"))?),
                 },
             };
             let out = r::dgrad_drelu_dbn(
                 &p,
-                this.f16("dy")?,
-                this.f16("w")?,
-                pv.f16("y")?,
+                io.half(This("dy"))?,
+                io.half(This("w"))?,
+                io.half(Prev("y"))?,
                 &SavedBn {
-                    mean: pv.f32("saved_mean")?,
-                    inv_std: pv.f32("saved_inv_std")?,
-                    gamma: pv.f32("gamma")?,
-                    beta: pv.f32("beta")?,
+                    mean: io.float(Prev("saved_mean"))?,
+                    inv_std: io.float(Prev("saved_inv_std"))?,
+                    gamma: io.float(Prev("gamma"))?,
+                    beta: io.float(Prev("beta"))?,
                 },
                 &join,
             )?;
-            pv.set("dgamma", f32v(out.dgamma));
-            pv.set("dbeta", f32v(out.dbeta));
-            this.set("dz_prev", f16v(out.dz));
-            this.set("dbn_a", f32v(out.a));
-            this.set("dbn_b", f32v(out.b));
-            this.set("dbn_c", f32v(out.c));
+            io.set_float(Prev("dgamma"), out.dgamma)?;
+            io.set_float(Prev("dbeta"), out.dbeta)?;
+            io.set_half(This("dz_prev"), out.dz)?;
+            io.set_float(This("dbn_a"), out.a)?;
+            io.set_float(This("dbn_b"), out.b)?;
+            io.set_float(This("dbn_c"), out.c)?;
         }
         GraphRole::Wgrad => {
             let dw = if through_bn && kind == RouteKind::Fused {
-                r::wgrad_with_prologue(&p, prologue_input(prev_of(prev)?)?, this.f16("dy")?)?
+                r::wgrad_with_prologue(&p, prologue_input(io)?, io.half(This("dy"))?)?
             } else {
-                r::conv_wgrad(&p, this.f16(plain_in)?, this.f16("dy")?)?
+                r::conv_wgrad(&p, io.half(plain_in)?, io.half(This("dy"))?)?
             };
-            this.set("dw", f16v(dw));
+            io.set_half(This("dw"), dw)?;
         }
         GraphRole::DbnApply => {
-            let pv = prev_of(prev)?;
             let d = r::dbn_apply(
                 &xs,
-                this.f16("dz_prev")?,
-                pv.f16("y")?,
-                this.f32("dbn_a")?,
-                this.f32("dbn_b")?,
-                this.f32("dbn_c")?,
+                io.half(This("dz_prev"))?,
+                io.half(Prev("y"))?,
+                io.float(This("dbn_a"))?,
+                io.float(This("dbn_b"))?,
+                io.float(This("dbn_c"))?,
             )?;
-            pv.set("dy", f16v(d));
+            io.set_half(Prev("dy"), d)?;
         }
         GraphRole::Dgrad => {
-            let d = r::conv_dgrad(&p, this.f16("dy")?, this.f16("w")?)?;
-            this.set(if through_bn { "da_prev" } else { "dx" }, f16v(d));
+            let d = r::conv_dgrad(&p, io.half(This("dy"))?, io.half(This("w"))?)?;
+            io.set_half(
+                if through_bn {
+                    This("da_prev")
+                } else {
+                    This("dx")
+                },
+                d,
+            )?;
         }
         GraphRole::ApplyPrev => {
-            let pv = prev_of(prev)?;
-            let residual = match cfg.backward_residual {
-                BackwardResidual::Shortcut => Residual::Add(this.f16("shortcut")?),
-                _ => Residual::None,
+            let a = if kind == RouteKind::Unfused {
+                r::relu_fwd(&xs, io.half(Prev("y_bn"))?)?
+            } else {
+                r::bn_apply(
+                    &xs,
+                    io.half(Prev("y"))?,
+                    io.half(Prev("eq_scale"))?,
+                    io.half(Prev("eq_bias"))?,
+                    Residual::None,
+                    Activation::Relu,
+                )?
             };
-            let a = r::bn_apply(
-                &xs,
-                pv.f16("y")?,
-                pv.f16("eq_scale")?,
-                pv.f16("eq_bias")?,
-                residual,
-                Activation::Relu,
-            )?;
-            this.set("a_prev", f16v(a));
+            io.set_half(This("a_prev"), a)?;
         }
         GraphRole::Conv => {
-            let y = r::conv_fprop(&p, this.f16(plain_in)?, this.f16("w")?)?;
-            this.set("y", f16v(y));
+            let y = r::conv_fprop(&p, io.half(plain_in)?, io.half(This("w"))?)?;
+            io.set_half(This("y"), y)?;
         }
         GraphRole::BnForward => {
-            let (gamma, beta) = (this.f32("gamma")?.to_vec(), this.f32("beta")?.to_vec());
-            let mut mean = this.f32("running_mean")?.to_vec();
-            let mut var = this.f32("running_var")?.to_vec();
+            let mut mean = io.float(This("running_mean"))?.to_vec();
+            let mut var = io.float(This("running_var"))?.to_vec();
+            let y = io.half(This("y"))?;
+            let (gamma, beta) = (io.float(This("gamma"))?, io.float(This("beta"))?);
             let out = r::bn_fwd_train(
                 &ys,
-                this.f16("y")?,
-                &gamma,
-                &beta,
+                y,
+                gamma,
+                beta,
                 RunningStats {
                     mean: &mut mean,
                     var: &mut var,
                 },
                 &bn,
             )?;
-            this.set("running_mean", f32v(mean));
-            this.set("running_var", f32v(var));
-            this.set("y_bn", f16v(out.out));
-            this.set("saved_mean", f32v(out.saved_mean));
-            this.set("saved_inv_std", f32v(out.saved_inv_std));
-        }
-        GraphRole::EqCoefficients => {
-            let (gamma, beta) = (this.f32("gamma")?, this.f32("beta")?);
-            let (mean, inv) = (this.f32("saved_mean")?, this.f32("saved_inv_std")?);
-            let scale: Vec<f32> = gamma.iter().zip(inv).map(|(g, i)| g * i).collect();
-            let bias: Vec<f16> = beta
-                .iter()
-                .zip(mean)
-                .zip(&scale)
-                .map(|((b, m), s)| f16::from_f32(b - m * s))
-                .collect();
-            let scale: Vec<f16> = scale.into_iter().map(f16::from_f32).collect();
-            this.set("eq_scale", f16v(scale));
-            this.set("eq_bias", f16v(bias));
+            let activation = match cfg.apply {
+                // The graph keeps the normalized value virtual (FP32) through the residual
+                // add and the ReLU, and stores only the activation: round once, at the end.
+                Some(_) => Some(bn_activation(
+                    &ys,
+                    y,
+                    &out.saved_mean,
+                    &out.saved_inv_std,
+                    gamma,
+                    beta,
+                    residual_of(io, cfg.apply)?,
+                )?),
+                None => None,
+            };
+            io.set_float(This("running_mean_next"), mean)?;
+            io.set_float(This("running_var_next"), var)?;
+            io.set_float(This("saved_mean"), out.saved_mean)?;
+            io.set_float(This("saved_inv_std"), out.saved_inv_std)?;
+            match activation {
+                Some(a) => io.set_half(This("a"), a)?,
+                None => io.set_half(This("y_bn"), out.out)?,
+            }
         }
         GraphRole::AddBranch => {
-            let d = r::add(&xs, this.f16("da_prev")?, this.f16("dy_branch")?)?;
-            this.set("da_sum", f16v(d));
+            let d = r::add(&xs, io.half(This("da_prev"))?, io.half(This("dy_branch"))?)?;
+            io.set_half(This("da_sum"), d)?;
         }
         GraphRole::ReluBackward => {
             let grad = if cfg.backward_residual == BackwardResidual::FuseAdd {
-                "da_sum"
+                This("da_sum")
             } else {
-                "da_prev"
+                This("da_prev")
             };
-            let d = r::relu_bwd(&xs, this.f16(grad)?, this.f16("a_prev")?)?;
-            this.set("dz_prev", f16v(d));
+            let d = r::relu_bwd(&xs, io.half(grad)?, io.half(This("a_prev"))?)?;
+            io.set_half(This("dz_prev"), d)?;
         }
         GraphRole::BnBackward => {
-            let pv = prev_of(prev)?;
             let out = r::bn_bwd(
                 &xs,
-                pv.f16("y")?,
-                this.f16("dz_prev")?,
-                pv.f32("saved_mean")?,
-                pv.f32("saved_inv_std")?,
-                pv.f32("gamma")?,
+                io.half(Prev("y"))?,
+                io.half(This("dz_prev"))?,
+                io.float(Prev("saved_mean"))?,
+                io.float(Prev("saved_inv_std"))?,
+                io.float(Prev("gamma"))?,
             )?;
-            pv.set("dy", f16v(out.dx));
-            pv.set("dgamma", f32v(out.dgamma));
-            pv.set("dbeta", f32v(out.dbeta));
+            io.set_half(Prev("dy"), out.dx)?;
+            io.set_float(Prev("dgamma"), out.dgamma)?;
+            io.set_float(Prev("dbeta"), out.dbeta)?;
         }
         GraphRole::DbnReduce => {
-            let pv = prev_of(prev)?;
-            let (dgamma, dbeta) = dbn_reduce(
+            let [dgamma, dbeta] = dbn_reduce(
                 &xs,
-                pv.f16("y")?,
-                this.f16("dz_prev")?,
-                pv.f32("saved_mean")?,
-                pv.f32("saved_inv_std")?,
+                io.half(Prev("y"))?,
+                io.half(This("dz_prev"))?,
+                io.float(Prev("saved_mean"))?,
+                io.float(Prev("saved_inv_std"))?,
             )?;
-            pv.set("dgamma", f32v(dgamma));
-            pv.set("dbeta", f32v(dbeta));
+            io.set_float(Prev("dgamma"), dgamma)?;
+            io.set_float(Prev("dbeta"), dbeta)?;
         }
         GraphRole::DbnCoefficients => {
-            let pv = prev_of(prev)?;
             let [a, b, c] = dbn_coefficients(
                 xs.pixels(),
-                pv.f32("gamma")?,
-                pv.f32("saved_inv_std")?,
-                pv.f32("saved_mean")?,
-                pv.f32("dgamma")?,
-                pv.f32("dbeta")?,
+                io.float(Prev("gamma"))?,
+                io.float(Prev("saved_inv_std"))?,
+                io.float(Prev("saved_mean"))?,
+                io.float(Prev("dgamma"))?,
+                io.float(Prev("dbeta"))?,
             )?;
-            this.set("dbn_a", f32v(a));
-            this.set("dbn_b", f32v(b));
-            this.set("dbn_c", f32v(c));
+            io.set_float(This("dbn_a"), a)?;
+            io.set_float(This("dbn_b"), b)?;
+            io.set_float(This("dbn_c"), c)?;
         }
         GraphRole::ApplyDbnReduce => {
-            let (dgamma, dbeta) = dbn_reduce(
+            let [dgamma, dbeta] = dbn_reduce(
                 &ys,
-                this.f16("y")?,
-                this.f16("dpre")?,
-                this.f32("saved_mean")?,
-                this.f32("saved_inv_std")?,
+                io.half(This("y"))?,
+                io.half(This("dpre"))?,
+                io.float(This("saved_mean"))?,
+                io.float(This("saved_inv_std"))?,
             )?;
-            this.set("dgamma", f32v(dgamma));
-            this.set("dbeta", f32v(dbeta));
+            io.set_float(This("dgamma"), dgamma)?;
+            io.set_float(This("dbeta"), dbeta)?;
         }
         GraphRole::ApplyDbnCoefficients => {
             let [a, b, c] = dbn_coefficients(
                 ys.pixels(),
-                this.f32("gamma")?,
-                this.f32("saved_inv_std")?,
-                this.f32("saved_mean")?,
-                this.f32("dgamma")?,
-                this.f32("dbeta")?,
+                io.float(This("gamma"))?,
+                io.float(This("saved_inv_std"))?,
+                io.float(This("saved_mean"))?,
+                io.float(This("dgamma"))?,
+                io.float(This("dbeta"))?,
             )?;
-            this.set("apply_dbn_a", f32v(a));
-            this.set("apply_dbn_b", f32v(b));
-            this.set("apply_dbn_c", f32v(c));
+            io.set_float(This("apply_dbn_a"), a)?;
+            io.set_float(This("apply_dbn_b"), b)?;
+            io.set_float(This("apply_dbn_c"), c)?;
         }
         GraphRole::ApplyDbnApply => {
             let d = r::dbn_apply(
                 &ys,
-                this.f16("dpre")?,
-                this.f16("y")?,
-                this.f32("apply_dbn_a")?,
-                this.f32("apply_dbn_b")?,
-                this.f32("apply_dbn_c")?,
+                io.half(This("dpre"))?,
+                io.half(This("y"))?,
+                io.float(This("apply_dbn_a"))?,
+                io.float(This("apply_dbn_b"))?,
+                io.float(This("apply_dbn_c"))?,
             )?;
-            this.set("dy", f16v(d));
+            io.set_half(This("dy"), d)?;
         }
     }
     Ok(())
+}
+
+/// The unfused route's BN forward with the activation fused in:
+/// `relu(BN(y) [+ r | + r·s2 + b2])` with the normalized value, the residual sum and the ReLU
+/// in `T::Acc` (the graph's FP32 virtuals), rounded to `T` once.
+fn bn_activation<T: Element>(
+    shape: &Nhwc,
+    y: &[T],
+    mean: &[T::Acc],
+    inv_std: &[T::Acc],
+    gamma: &[T::Acc],
+    beta: &[T::Acc],
+    residual: Residual<'_, T>,
+) -> Result<Vec<T>> {
+    let c = shape.c;
+    let n = y.len();
+    match residual {
+        Residual::Add(r) => check_len("residual", r, n)?,
+        Residual::ScaleBias { r, scale, bias } => {
+            check_len("residual", r, n)?;
+            check_len("residual_scale", scale, c)?;
+            check_len("residual_bias", bias, c)?;
+        }
+        Residual::None => {}
+    }
+    Ok((0..n)
+        .map(|i| {
+            let ch = i % c;
+            let v = bn_recompute(y[i].to_acc(), mean[ch], inv_std[ch], gamma[ch], beta[ch]);
+            let v = match residual {
+                Residual::None => v,
+                Residual::Add(r) => v + r[i].to_acc(),
+                Residual::ScaleBias { r, scale, bias } => {
+                    v + (r[i].to_acc() * scale[ch].to_acc() + bias[ch].to_acc())
+                }
+            };
+            T::from_acc(v.relu())
+        })
+        .collect())
 }
 
 /// The generic route's `dbn_reduce` graph on the CPU: per channel, `dγ = Σ dz·x̂` and
@@ -459,13 +608,13 @@ fn cpu_step(
 /// FP32 (the graph's FP32 virtual tensors); the sums run in `f64` and are rounded to FP32 once
 /// (the GPU's reduction sums FP32 values in an unspecified order, so it may differ in the last
 /// bits). The reductions read the stored FP16 `dz`, as the graph does.
-fn dbn_reduce(
+fn dbn_reduce<T: Element>(
     shape: &Nhwc,
-    y: &[f16],
-    dz: &[f16],
-    mean: &[f32],
-    inv_std: &[f32],
-) -> Result<(Vec<f32>, Vec<f32>)> {
+    y: &[T],
+    dz: &[T],
+    mean: &[T::Acc],
+    inv_std: &[T::Acc],
+) -> Result<[Vec<T::Acc>; 2]> {
     shape.validate("y")?;
     check_len("y", y, shape.elems())?;
     check_len("dz", dz, shape.elems())?;
@@ -476,16 +625,16 @@ fn dbn_reduce(
     let mut dbeta = vec![0f64; c];
     for (yp, dp) in y.chunks_exact(c).zip(dz.chunks_exact(c)) {
         for k in 0..c {
-            let x_hat = (yp[k].to_f32() - mean[k]) * inv_std[k];
-            let d = dp[k].to_f32();
-            dgamma[k] += f64::from(d * x_hat);
-            dbeta[k] += f64::from(d);
+            let x_hat = (yp[k].to_acc() - mean[k]) * inv_std[k];
+            let d = dp[k].to_acc();
+            dgamma[k] += (d * x_hat).to_f64();
+            dbeta[k] += d.to_f64();
         }
     }
-    Ok((
-        dgamma.into_iter().map(|v| v as f32).collect(),
-        dbeta.into_iter().map(|v| v as f32).collect(),
-    ))
+    Ok([
+        dgamma.into_iter().map(T::Acc::from_f64).collect(),
+        dbeta.into_iter().map(T::Acc::from_f64).collect(),
+    ])
 }
 
 /// The generic route's `dbn_coefficients` graph on the CPU: the coefficients of
@@ -493,20 +642,21 @@ fn dbn_reduce(
 /// order (`a = γ·inv_std`, `B = ((a·inv_std)·dγ)·(−1/M)`, `C = ((a·dβ)·(−1/M)) − B·mean`,
 /// `A = a`, with `−1/M` rounded to FP32 as the graph's by-value scalar). The GPU may contract a
 /// multiply and the final subtraction into one FMA: at most one FP32 rounding apart.
-fn dbn_coefficients(
+fn dbn_coefficients<A: Real>(
     count: usize,
-    gamma: &[f32],
-    inv_std: &[f32],
-    mean: &[f32],
-    dgamma: &[f32],
-    dbeta: &[f32],
-) -> Result<[Vec<f32>; 3]> {
+    gamma: &[A],
+    inv_std: &[A],
+    mean: &[A],
+    dgamma: &[A],
+    dbeta: &[A],
+) -> Result<[Vec<A>; 3]> {
     let c = gamma.len();
     check_len("saved_inv_std", inv_std, c)?;
     check_len("saved_mean", mean, c)?;
     check_len("dgamma", dgamma, c)?;
     check_len("dbeta", dbeta, c)?;
-    let nm = neg_inv_count(count as i64);
+    // −1/M rounded once to the arithmetic type, as the graph's by-value FP32 scalar.
+    let nm = A::from_f64(-1.0 / count as f64);
     let mut out = [
         Vec::with_capacity(c),
         Vec::with_capacity(c),

@@ -52,6 +52,67 @@ impl ConvShape {
         }
     }
 
+    /// Checks the shape before any arithmetic on it: every extent ≥ 1, padding ≥ 0, stride ≥ 1,
+    /// the filter fits the padded input, and every tensor's element count fits in memory
+    /// arithmetic (checked, no wrap-around). The error names the field and its value.
+    pub fn validate(&self) -> crate::error::Result<()> {
+        let bad = |field: &str, problem: String| {
+            Err(crate::error::Error::InvalidConfig {
+                layer: "conv shape".into(),
+                field: field.into(),
+                problem,
+            })
+        };
+        for (field, v) in [
+            ("n", self.n),
+            ("c", self.c),
+            ("h", self.h),
+            ("w", self.w),
+            ("k", self.k),
+            ("r", self.r),
+            ("s", self.s),
+            ("stride", self.stride),
+        ] {
+            if v < 1 {
+                return bad(field, format!("must be >= 1, got {v}"));
+            }
+        }
+        if self.pad < 0 {
+            return bad("pad", format!("must be >= 0, got {}", self.pad));
+        }
+        let padded = |x: i64| x.checked_add(self.pad.checked_mul(2)?);
+        match (padded(self.h), padded(self.w)) {
+            (Some(h), Some(w)) if h >= self.r && w >= self.s => {}
+            (Some(_), Some(_)) => {
+                return bad(
+                    "r/s",
+                    format!(
+                        "filter {}x{} is larger than the padded input {}x{} (pad {})",
+                        self.r, self.s, self.h, self.w, self.pad
+                    ),
+                )
+            }
+            _ => return bad("pad", format!("{} overflows the input size", self.pad)),
+        }
+        // Element counts of x, w and y (and their byte sizes) must not wrap.
+        let max = i64::MAX / 8;
+        let product = |dims: [i64; 4]| {
+            dims.iter()
+                .try_fold(1i64, |acc, &d| acc.checked_mul(d))
+                .filter(|&e| e <= max)
+        };
+        for (field, dims) in [
+            ("x", self.x_dims()),
+            ("w", self.w_dims()),
+            ("y", self.y_dims()),
+        ] {
+            if product(dims).is_none() {
+                return bad(field, format!("has {dims:?} elements: too many to address"));
+            }
+        }
+        Ok(())
+    }
+
     /// Output height.
     pub fn p(&self) -> i64 {
         (self.h + 2 * self.pad - self.r) / self.stride + 1
