@@ -50,4 +50,5 @@ pub use cudnn_cbr_amp as amp;
 pub use cudnn_cbr_fusion as fusion;
 pub use cudnn_fe_sys as sys;
 
+pub mod net;
 pub mod train;

@@ -1,0 +1,357 @@
+//! The CPU executor of a compiled network: every buffer in host memory, every step on the
+//! reference ops, in FP16 storage (`T = f16`, the GPU's rounding points) or exact `f64`.
+
+use super::compile::{BufId, CompiledNet, Step};
+use super::spec::PoolSpec;
+use cudnn_cbr_fusion::cbr::{LayerIo, Src};
+use cudnn_cbr_fusion::graph::DataType;
+use cudnn_cbr_fusion::reference::{Element, Nhwc, Real};
+use cudnn_cbr_fusion::{Error, Result};
+use std::collections::BTreeMap;
+
+/// One host buffer: `Half` buffers in the storage type, `Float` ones in the arithmetic type.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Buf<T: Element> {
+    /// FP16 on the GPU.
+    Half(Vec<T>),
+    /// FP32 on the GPU.
+    Float(Vec<T::Acc>),
+}
+
+/// A compiled network with its buffers in host memory.
+#[derive(Debug)]
+pub struct CpuNet<T: Element> {
+    net: CompiledNet,
+    bufs: Vec<Buf<T>>,
+}
+
+fn no_buffer(name: &str) -> Error {
+    Error::Buffer {
+        name: name.into(),
+        problem: "is not a buffer of this network".into(),
+    }
+}
+
+fn wrong_kind(name: &str, want: &str) -> Error {
+    Error::Buffer {
+        name: name.into(),
+        problem: format!("is not {want}"),
+    }
+}
+
+fn wrong_len(name: &str, got: usize, want: usize) -> Error {
+    Error::Buffer {
+        name: name.into(),
+        problem: format!("takes {want} elements, got {got}"),
+    }
+}
+
+impl<T: Element> CpuNet<T> {
+    /// Zeroed buffers for `net`, with running variances at 1 (as every framework starts).
+    pub fn new(net: CompiledNet) -> Self {
+        let bufs = net
+            .buffers
+            .iter()
+            .map(|b| {
+                let init = if b.name.ends_with("running_var") {
+                    T::Acc::ONE
+                } else {
+                    T::Acc::ZERO
+                };
+                match b.dtype {
+                    DataType::Half => Buf::Half(vec![T::default(); b.elems]),
+                    _ => Buf::Float(vec![init; b.elems]),
+                }
+            })
+            .collect();
+        CpuNet { net, bufs }
+    }
+
+    /// The compiled network.
+    pub fn net(&self) -> &CompiledNet {
+        &self.net
+    }
+
+    fn id(&self, name: &str) -> Result<BufId> {
+        self.net.buffer_id(name).ok_or_else(|| no_buffer(name))
+    }
+
+    /// A `Half` buffer by name (`s0.b0.conv1.w`, `stem.out`, …).
+    pub fn half(&self, name: &str) -> Result<&[T]> {
+        match &self.bufs[self.id(name)?] {
+            Buf::Half(v) => Ok(v),
+            Buf::Float(_) => Err(wrong_kind(name, "FP16")),
+        }
+    }
+
+    /// A `Float` buffer by name (`stem.gamma`, `stem.dgamma`, …).
+    pub fn float(&self, name: &str) -> Result<&[T::Acc]> {
+        match &self.bufs[self.id(name)?] {
+            Buf::Float(v) => Ok(v),
+            Buf::Half(_) => Err(wrong_kind(name, "FP32")),
+        }
+    }
+
+    /// Sets a `Half` buffer (its length must match).
+    pub fn set_half(&mut self, name: &str, v: Vec<T>) -> Result<()> {
+        let id = self.id(name)?;
+        set(&mut self.bufs[id], name, Buf::Half(v))
+    }
+
+    /// Sets a `Float` buffer (its length must match).
+    pub fn set_float(&mut self, name: &str, v: Vec<T::Acc>) -> Result<()> {
+        let id = self.id(name)?;
+        set(&mut self.bufs[id], name, Buf::Float(v))
+    }
+
+    /// A buffer widened to `f64`, whatever its kind.
+    pub fn values(&self, name: &str) -> Result<Vec<f64>> {
+        Ok(match &self.bufs[self.id(name)?] {
+            Buf::Half(v) => v.iter().map(|x| x.to_f64()).collect(),
+            Buf::Float(v) => v.iter().map(|x| x.to_f64()).collect(),
+        })
+    }
+
+    /// The last block's output after [`CpuNet::forward`].
+    pub fn output(&self) -> &[T] {
+        match &self.bufs[self.net.output] {
+            Buf::Half(v) => v,
+            Buf::Float(_) => &[],
+        }
+    }
+
+    /// The forward pass on `images` (NHWC). The output is in [`CpuNet::output`].
+    pub fn forward(&mut self, images: &[T]) -> Result<()> {
+        let input = self.net.input;
+        let name = self.net.buffers[input].name.clone();
+        set(&mut self.bufs[input], &name, Buf::Half(images.to_vec()))?;
+        let steps = self.net.forward.clone();
+        self.run(&steps)
+    }
+
+    /// The backward pass from the gradient of the output (the head's backward). Leaves every
+    /// layer's `dw`, `dgamma`, `dbeta` in its buffers.
+    pub fn backward(&mut self, d_output: Vec<T>) -> Result<()> {
+        let id = self.net.output_grad;
+        let name = self.net.buffers[id].name.clone();
+        set(&mut self.bufs[id], &name, Buf::Half(d_output))?;
+        let steps = self.net.backward.clone();
+        self.run(&steps)
+    }
+
+    fn run(&mut self, steps: &[Step]) -> Result<()> {
+        for step in steps {
+            match *step {
+                Step::Layer { layer, pass } => {
+                    let l = &self.net.layers[layer];
+                    let mut io = NetIo {
+                        bufs: &mut self.bufs,
+                        buffers: &self.net.buffers,
+                        this: &l.table,
+                        prev: l.prev.map(|p| &self.net.layers[p].table),
+                        layer: &l.name,
+                    };
+                    l.layer
+                        .run_cpu_io(pass, &mut io)
+                        .map_err(|e| at_layer(&l.name, e))?;
+                }
+                Step::MaxPool {
+                    pool,
+                    shape,
+                    input,
+                    output,
+                } => {
+                    let out = max_pool(&pool, &shape, self.half_id(input)?)?;
+                    self.put(output, Buf::Half(out))?;
+                }
+                Step::MaxPoolBackward {
+                    pool,
+                    shape,
+                    input,
+                    grad_output,
+                    grad_input,
+                } => {
+                    let d = max_pool_backward(
+                        &pool,
+                        &shape,
+                        self.half_id(input)?,
+                        self.half_id(grad_output)?,
+                    )?;
+                    self.put(grad_input, Buf::Half(d))?;
+                }
+                Step::Add { a, b, out } => {
+                    let (x, y) = (self.half_id(a)?, self.half_id(b)?);
+                    if x.len() != y.len() {
+                        return Err(wrong_len(&self.net.buffers[b].name, y.len(), x.len()));
+                    }
+                    let sum = x
+                        .iter()
+                        .zip(y)
+                        .map(|(p, q)| T::from_acc(p.to_acc() + q.to_acc()))
+                        .collect();
+                    self.put(out, Buf::Half(sum))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn half_id(&self, id: BufId) -> Result<&[T]> {
+        match &self.bufs[id] {
+            Buf::Half(v) => Ok(v),
+            Buf::Float(_) => Err(wrong_kind(&self.net.buffers[id].name, "FP16")),
+        }
+    }
+
+    fn put(&mut self, id: BufId, v: Buf<T>) -> Result<()> {
+        let name = self.net.buffers[id].name.clone();
+        set(&mut self.bufs[id], &name, v)
+    }
+}
+
+fn at_layer(layer: &str, e: Error) -> Error {
+    match e {
+        Error::Buffer { name, problem } => Error::Buffer {
+            name: format!("{layer}: {name}"),
+            problem,
+        },
+        other => other,
+    }
+}
+
+fn set<T: Element>(slot: &mut Buf<T>, name: &str, v: Buf<T>) -> Result<()> {
+    match (&*slot, &v) {
+        (Buf::Half(old), Buf::Half(new)) if old.len() != new.len() => {
+            Err(wrong_len(name, new.len(), old.len()))
+        }
+        (Buf::Float(old), Buf::Float(new)) if old.len() != new.len() => {
+            Err(wrong_len(name, new.len(), old.len()))
+        }
+        (Buf::Half(_), Buf::Half(_)) | (Buf::Float(_), Buf::Float(_)) => {
+            *slot = v;
+            Ok(())
+        }
+        (Buf::Half(_), Buf::Float(_)) => Err(wrong_kind(name, "FP32")),
+        (Buf::Float(_), Buf::Half(_)) => Err(wrong_kind(name, "FP16")),
+    }
+}
+
+/// One layer's view of the network's buffers: its own names and its prologue layer's.
+struct NetIo<'a, T: Element> {
+    bufs: &'a mut Vec<Buf<T>>,
+    buffers: &'a [super::compile::NetBuffer],
+    this: &'a BTreeMap<&'static str, BufId>,
+    prev: Option<&'a BTreeMap<&'static str, BufId>>,
+    layer: &'a str,
+}
+
+impl<T: Element> NetIo<'_, T> {
+    fn resolve(&self, src: Src) -> Result<BufId> {
+        let (table, name, side) = match src {
+            Src::This(n) => (Some(self.this), n, ""),
+            Src::Prev(n) => (self.prev, n, "prev."),
+            Src::Scalar(_) => {
+                return Err(Error::Buffer {
+                    name: format!("{}: <scalar>", self.layer),
+                    problem: "is a by-value scalar, not a buffer".into(),
+                })
+            }
+        };
+        table
+            .and_then(|t| t.get(name).copied())
+            .ok_or_else(|| Error::Buffer {
+                name: format!("{side}{name}"),
+                problem: format!("is not bound for layer {}", self.layer),
+            })
+    }
+}
+
+impl<T: Element> LayerIo<T> for NetIo<'_, T> {
+    fn half(&self, src: Src) -> Result<&[T]> {
+        let id = self.resolve(src)?;
+        match &self.bufs[id] {
+            Buf::Half(v) => Ok(v),
+            Buf::Float(_) => Err(wrong_kind(&self.buffers[id].name, "FP16")),
+        }
+    }
+    fn float(&self, src: Src) -> Result<&[T::Acc]> {
+        let id = self.resolve(src)?;
+        match &self.bufs[id] {
+            Buf::Float(v) => Ok(v),
+            Buf::Half(_) => Err(wrong_kind(&self.buffers[id].name, "FP32")),
+        }
+    }
+    fn set_half(&mut self, src: Src, v: Vec<T>) -> Result<()> {
+        let id = self.resolve(src)?;
+        set(&mut self.bufs[id], &self.buffers[id].name, Buf::Half(v))
+    }
+    fn set_float(&mut self, src: Src, v: Vec<T::Acc>) -> Result<()> {
+        let id = self.resolve(src)?;
+        set(&mut self.bufs[id], &self.buffers[id].name, Buf::Float(v))
+    }
+}
+
+/// Output size of the pool over `input` pixels.
+fn pooled(input: usize, p: &PoolSpec) -> usize {
+    (input + 2 * p.pad - p.kernel) / p.stride + 1
+}
+
+/// For each output element, the flat input index of its window's first maximum (window order:
+/// rows, then columns; padding never wins).
+fn argmax<T: Element>(p: &PoolSpec, s: &Nhwc, x: &[T]) -> Result<Vec<usize>> {
+    s.validate("maxpool input")?;
+    if x.len() != s.elems() {
+        return Err(wrong_len("maxpool input", x.len(), s.elems()));
+    }
+    let (oh, ow) = (pooled(s.h, p), pooled(s.w, p));
+    let mut out = Vec::with_capacity(s.n * oh * ow * s.c);
+    for n in 0..s.n {
+        for i in 0..oh {
+            for j in 0..ow {
+                for c in 0..s.c {
+                    let mut best: Option<(usize, T::Acc)> = None;
+                    for di in 0..p.kernel {
+                        let Some(h) = (i * p.stride + di).checked_sub(p.pad).filter(|&h| h < s.h)
+                        else {
+                            continue;
+                        };
+                        for dj in 0..p.kernel {
+                            let Some(w) =
+                                (j * p.stride + dj).checked_sub(p.pad).filter(|&w| w < s.w)
+                            else {
+                                continue;
+                            };
+                            let at = ((n * s.h + h) * s.w + w) * s.c + c;
+                            let v = x[at].to_acc();
+                            if best.is_none_or(|(_, b)| v > b) {
+                                best = Some((at, v));
+                            }
+                        }
+                    }
+                    // pad < kernel (validated) puts at least one real pixel in every window.
+                    out.push(best.map_or(0, |(at, _)| at));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Max-pool forward over NHWC `x`.
+pub fn max_pool<T: Element>(p: &PoolSpec, s: &Nhwc, x: &[T]) -> Result<Vec<T>> {
+    Ok(argmax(p, s, x)?.into_iter().map(|at| x[at]).collect())
+}
+
+/// Max-pool backward: each output gradient goes to its window's first maximum; overlapping
+/// windows add up (in the arithmetic type, rounded once).
+pub fn max_pool_backward<T: Element>(p: &PoolSpec, s: &Nhwc, x: &[T], dy: &[T]) -> Result<Vec<T>> {
+    let idx = argmax(p, s, x)?;
+    if dy.len() != idx.len() {
+        return Err(wrong_len("maxpool gradient", dy.len(), idx.len()));
+    }
+    let mut acc = vec![T::Acc::ZERO; x.len()];
+    for (&at, g) in idx.iter().zip(dy) {
+        acc[at] += g.to_acc();
+    }
+    Ok(T::store_slice(&acc))
+}
