@@ -3,7 +3,6 @@
 //! storage, for basic and bottleneck blocks, identity and projection shortcuts, strides 1 and
 //! 2, odd channel counts, every route and random route mixes.
 
-mod common;
 mod independent;
 
 use cudnn_cbr::fusion::cbr::RouteKind;
