@@ -96,17 +96,20 @@ const STAGES: [Stage; 4] = [
 ///
 /// - `stem`: the 7×7 stride-2 conv, C=3 → 64, 224 → 112 ([`CbrConfig::first`]); its activation
 ///   is materialized (`with_apply(ApplyResidual::None)`) because the max-pool reads it.
-/// - Per stage `lN` (N = 1..4; output 56, 28, 14, 7): block 0's `lN.conv1` (1×1), `lN.conv2`
-///   (3×3, carries the stage's stride), `lN.conv3` (1×1, the block output:
-///   `with_apply(ApplyResidual::Add)`) and `lN.down` (the 1×1 shortcut conv, strided like
-///   `conv2`); then the convs of blocks 1 and up that differ from block 0's: `lN.b1.conv1`
-///   (1×1 from 4·width channels) and `lN.b1.conv2` (the 3×3 at stride 1). A layer identical to
-///   an earlier one (`l1.b1.conv2` = `l1.conv2`; every later `conv3`) is listed once.
+/// - Per stage `lN` (N = 1..4; output 56, 28, 14, 7): block 0's `lN.conv1` (1×1 from the
+///   stored block input, [`CbrConfig::after_activation`]), `lN.conv2` (3×3 with conv1's BN as
+///   its prologue, carries the stage's stride), `lN.conv3` (1×1 with conv2's BN as prologue,
+///   the block output joining the projection's BN:
+///   `with_apply(ApplyResidual::DualScaleBias)`) and `lN.down` (the 1×1 projection conv from
+///   the stored block input, strided like `conv2`, `with_shortcut_bn()`); then the convs of
+///   blocks 1 and up that differ from block 0's: `lN.b1.conv1` (1×1 from 4·width channels)
+///   and `lN.b1.conv2` (the 3×3 at stride 1). A layer identical to an earlier one is listed
+///   once. Later blocks' conv3 (identity shortcut, `ApplyResidual::Add`) differ from block 0's
+///   only in the residual form; the network compiler (`cudnn_cbr::net`) plans every layer of
+///   the whole network.
 ///
-/// Every layer other than the stem uses [`CbrConfig::new`] (input through the previous BN).
-/// `l1.down` has the same conv shape as `l1.conv3` but no materialized output, so it is its own
-/// layer: 24 layers, 23 distinct conv shapes. A non-positive `batch` gives shapes that every
-/// graph build rejects with a validation error.
+/// A non-positive `batch` gives shapes that every graph build rejects with a validation
+/// error.
 pub fn resnet50_layers(batch: i64) -> Vec<(&'static str, CbrConfig)> {
     let stem_hw = INPUT_HW;
     let mut layers = vec![(
@@ -117,13 +120,17 @@ pub fn resnet50_layers(batch: i64) -> Vec<(&'static str, CbrConfig)> {
     for stage in &STAGES {
         let (w, cin, hw, st) = (stage.width, stage.in_channels, stage.in_hw, stage.stride);
         let out_hw = hw / st;
+        // conv1 and the projection read the stored block input; conv2 and conv3 take the
+        // previous BN+ReLU as their prologue; block 0's output joins the projection's BN
+        // (dual scale-bias), later blocks' the identity.
         let candidates = [
-            CbrConfig::new(ConvShape::square(batch, cin, hw, w, 1, 0, 1)),
+            CbrConfig::after_activation(ConvShape::square(batch, cin, hw, w, 1, 0, 1)),
             CbrConfig::new(ConvShape::square(batch, w, hw, w, 3, 1, st)),
             CbrConfig::new(ConvShape::square(batch, w, out_hw, 4 * w, 1, 0, 1))
-                .with_apply(ApplyResidual::Add),
-            CbrConfig::new(ConvShape::square(batch, cin, hw, 4 * w, 1, 0, st)),
-            CbrConfig::new(ConvShape::square(batch, 4 * w, out_hw, w, 1, 0, 1)),
+                .with_apply(ApplyResidual::DualScaleBias),
+            CbrConfig::after_activation(ConvShape::square(batch, cin, hw, 4 * w, 1, 0, st))
+                .with_shortcut_bn(),
+            CbrConfig::after_activation(ConvShape::square(batch, 4 * w, out_hw, w, 1, 0, 1)),
             CbrConfig::new(ConvShape::square(batch, w, out_hw, w, 3, 1, 1)),
         ];
         for (label, config) in stage.labels.into_iter().zip(candidates) {
@@ -484,10 +491,23 @@ mod tests {
             (stem.shape.c, stem.shape.h, stem.shape.r, stem.shape.pad),
             (3, 224, 7, 3)
         );
+        // The bottleneck's dataflow: conv1 and the projection read the stored block input,
+        // conv2 and conv3 take the previous BN as their prologue, the block output joins the
+        // projection's BN.
         for (label, config) in &layers[1..] {
-            assert_eq!(config.input, InputKind::ThroughBn, "{label}");
-            let expected = label.ends_with(".conv3").then_some(ApplyResidual::Add);
-            assert_eq!(config.apply, expected, "{label}");
+            let reads_input = label.ends_with(".conv1") || label.ends_with(".down");
+            let expected = if reads_input {
+                InputKind::Raw
+            } else {
+                InputKind::ThroughBn
+            };
+            assert_eq!(config.input, expected, "{label}");
+            let apply = label
+                .ends_with(".conv3")
+                .then_some(ApplyResidual::DualScaleBias);
+            assert_eq!(config.apply, apply, "{label}");
+            assert_eq!(config.shortcut_bn, label.ends_with(".down"), "{label}");
+            assert!(config.input_grad, "{label}");
         }
         // Strided convs: the stem, and the first 3×3 and the downsample of stages 2-4.
         let strided: Vec<&str> = layers
