@@ -5,6 +5,9 @@
 //! - [`sys`]: raw bindings to the cuDNN graph (backend) API, loaded at run time;
 //! - [`fusion`]: the safe graph frontend and the CBR ops;
 //! - [`amp`]: the mixed-precision layer (memory plan, range ops, loss scaling, the step);
+//! - [`net`]: network descriptions (presets: a small net, ResNet-18/34/50/101), their compiler
+//!   (layers, prologue pairings with per-pair fallback, buffers, forward/backward steps) and
+//!   the CPU executor of a compiled network (FP16 storage or exact `f64`);
 //! - [`train`]: the main job's training loop (a small CBR ResNet on synthetic data).
 //!
 //! # A tour (the README's, compiled here)
