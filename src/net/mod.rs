@@ -1,9 +1,9 @@
-//! Networks: a description ([`NetSpec`], with presets), its compiler ([`compile`]) and the
+//! Networks: a description ([`NetSpec`], with presets), its compiler ([`compile()`]) and the
 //! executors that run a compiled network ([`cpu`]).
 //!
 //! # Recipe
 //! 1. A [`NetSpec`]: [`Preset::spec`] (`mini`, ResNet-18/34/50/101) or your own stages.
-//! 2. [`compile`]`(&spec, batch, hw, &policy)` → a [`CompiledNet`]: its conv layers with
+//! 2. [`compile()`]`(&spec, batch, hw, &policy)` → a [`CompiledNet`]: its conv layers with
 //!    their configs and routes, every buffer, and the forward/backward [`Step`]s.
 //! 3. Run it: [`cpu::CpuNet`] on the CPU reference executor (FP16 storage, or exact `f64`).
 

@@ -1,7 +1,7 @@
 //! A network description: stem, stages of basic or bottleneck blocks, head; and the presets.
 //!
 //! The description says *what* the network is (torchvision's ResNet v1.5 family: the stride of
-//! a bottleneck stage sits on its 3×3 conv); [`super::compile`] derives every layer, buffer and
+//! a bottleneck stage sits on its 3×3 conv); [`super::compile()`] derives every layer, buffer and
 //! step from it.
 
 use std::fmt;
