@@ -253,36 +253,16 @@ impl Act {
 }
 
 fn conv_loop(x: &Act, wt: &[f64], k: usize, r: usize, stride: usize, pad: usize) -> Act {
-    let oh = (x.h + 2 * pad - r) / stride + 1;
-    let ow = (x.w + 2 * pad - r) / stride + 1;
-    let mut v = vec![0.0; x.n * oh * ow * k];
-    for n in 0..x.n {
-        for oy in 0..oh {
-            for ox in 0..ow {
-                for ko in 0..k {
-                    let mut acc = 0.0;
-                    for ry in 0..r {
-                        for sx in 0..r {
-                            let iy = (oy * stride + ry) as isize - pad as isize;
-                            let ix = (ox * stride + sx) as isize - pad as isize;
-                            if iy < 0 || ix < 0 || iy >= x.h as isize || ix >= x.w as isize {
-                                continue;
-                            }
-                            for ci in 0..x.c {
-                                acc += wt[((ko * r + ry) * r + sx) * x.c + ci]
-                                    * x.at(n, iy as usize, ix as usize, ci);
-                            }
-                        }
-                    }
-                    v[((n * oh + oy) * ow + ox) * k + ko] = acc;
-                }
-            }
-        }
-    }
+    // Square inputs only (as every test net here), like `for_each_tap`.
+    let o = (x.h + 2 * pad - r) / stride + 1;
+    let mut v = vec![0.0; x.n * o * o * k];
+    for_each_tap(x, o, k, r, stride, pad, |xi, yi, wi| {
+        v[yi] += wt[wi] * x.v[xi]
+    });
     Act {
         n: x.n,
-        h: oh,
-        w: ow,
+        h: o,
+        w: o,
         c: k,
         v,
     }

@@ -453,7 +453,7 @@ pub fn compile(
             })?;
             let (out, d_out) = act(&mut c, &format!("{prefix}.out"), out_hw, b.out);
             let mut bwd = Vec::new();
-            c.block(&prefix, b, x_hw, (x, dx), (out, d_out), &mut bwd)?;
+            c.block(&prefix, b, (x_hw, out_hw), (x, dx), (out, d_out), &mut bwd)?;
             block_bwd.push(bwd);
             (x, dx, x_hw) = (out, d_out, out_hw);
         }
@@ -564,7 +564,7 @@ impl Compiler<'_, '_> {
                     &format!("{name}.{}", spec.name),
                     spec.dtype,
                     spec.elems,
-                    own_role(spec.name),
+                    own_role(spec.name, spec.dtype),
                 ),
             };
             table.insert(spec.name, id);
@@ -600,59 +600,62 @@ impl Compiler<'_, '_> {
         &mut self,
         prefix: &str,
         b: &BlockSpec,
-        x_hw: usize,
+        (x_hw, out_hw): (usize, usize),
         (x, dx): (BufId, BufId),
         (out, d_out): (BufId, BufId),
         bwd: &mut Vec<Step>,
     ) -> Result<()> {
-        let (n, hw) = (self.n, x_hw as i64);
+        // The block's output size (its stride sits on a 3×3 pad-1 conv; the 1×1 projection at
+        // that stride gives the same).
+        let (n, hw, out_hw) = (self.n, x_hw as i64, out_hw as i64);
         let (cin, width, cout, stride) = (
             b.in_ch as i64,
             b.width as i64,
             b.out as i64,
             b.stride as i64,
         );
+        let draft = |conv: &str, role, shape| Draft {
+            name: format!("{prefix}.{conv}"),
+            role,
+            shape,
+        };
         let drafts: Vec<Draft> = match b.kind {
             BlockKind::Basic => vec![
-                Draft {
-                    name: format!("{prefix}.conv1"),
-                    role: LayerRole::First,
-                    shape: ConvShape::square(n, cin, hw, width, 3, 1, stride),
-                },
-                Draft {
-                    name: format!("{prefix}.conv2"),
-                    role: LayerRole::Last,
-                    shape: ConvShape::square(n, width, (hw + 2 - 3) / stride + 1, cout, 3, 1, 1),
-                },
+                draft(
+                    "conv1",
+                    LayerRole::First,
+                    ConvShape::square(n, cin, hw, width, 3, 1, stride),
+                ),
+                draft(
+                    "conv2",
+                    LayerRole::Last,
+                    ConvShape::square(n, width, out_hw, cout, 3, 1, 1),
+                ),
             ],
-            BlockKind::Bottleneck => {
-                let mid = (hw + 2 - 3) / stride + 1;
-                vec![
-                    Draft {
-                        name: format!("{prefix}.conv1"),
-                        role: LayerRole::First,
-                        shape: ConvShape::square(n, cin, hw, width, 1, 0, 1),
-                    },
-                    Draft {
-                        name: format!("{prefix}.conv2"),
-                        role: LayerRole::Inner,
-                        shape: ConvShape::square(n, width, hw, width, 3, 1, stride),
-                    },
-                    Draft {
-                        name: format!("{prefix}.conv3"),
-                        role: LayerRole::Last,
-                        shape: ConvShape::square(n, width, mid, cout, 1, 0, 1),
-                    },
-                ]
-            }
+            BlockKind::Bottleneck => vec![
+                draft(
+                    "conv1",
+                    LayerRole::First,
+                    ConvShape::square(n, cin, hw, width, 1, 0, 1),
+                ),
+                draft(
+                    "conv2",
+                    LayerRole::Inner,
+                    ConvShape::square(n, width, hw, width, 3, 1, stride),
+                ),
+                draft(
+                    "conv3",
+                    LayerRole::Last,
+                    ConvShape::square(n, width, out_hw, cout, 1, 0, 1),
+                ),
+            ],
         };
         for d in &drafts {
             d.shape.validate().map_err(|e| in_layer(&d.name, e))?;
         }
         // The block output's joined gradient (after its ReLU backward): the last conv's and
         // the projection BN's `dpre`.
-        let last = drafts.last().expect("a block has convs");
-        let out_elems = (last.shape.n * last.shape.p() * last.shape.q() * last.shape.k) as usize;
+        let out_elems = self.buffers[out].elems;
         let dpre = self.alloc(
             &format!("{prefix}.dpre"),
             DataType::Half,
@@ -784,8 +787,8 @@ impl Compiler<'_, '_> {
     }
 }
 
-/// The role of a layer's own buffer, by its name.
-fn own_role(name: &str) -> BufferRole {
+/// The role of a layer's own buffer, by its name and type.
+fn own_role(name: &str, dtype: DataType) -> BufferRole {
     match name {
         "w" | "gamma" | "beta" => BufferRole::Param,
         "dw" | "dgamma" | "dbeta" => BufferRole::ParamGrad,
@@ -793,7 +796,9 @@ fn own_role(name: &str) -> BufferRole {
             BufferRole::Running
         }
         "y" | "a" | "y_bn" | "a_prev" => BufferRole::Activation,
-        n if n.starts_with('d') => BufferRole::Gradient,
+        // Full-tensor gradients (dy, dz_prev, dpre, …) are FP16; the per-channel `d…` vectors
+        // (the dBN coefficients) are scratch.
+        n if n.starts_with('d') && dtype == DataType::Half => BufferRole::Gradient,
         _ => BufferRole::Scratch,
     }
 }

@@ -78,10 +78,7 @@ impl<T: Element> CpuNet<T> {
 
     /// A `Half` buffer by name (`s0.b0.conv1.w`, `stem.out`, …).
     pub fn half(&self, name: &str) -> Result<&[T]> {
-        match &self.bufs[self.id(name)?] {
-            Buf::Half(v) => Ok(v),
-            Buf::Float(_) => Err(wrong_kind(name, "FP16")),
-        }
+        self.half_id(self.id(name)?)
     }
 
     /// A `Float` buffer by name (`stem.gamma`, `stem.dgamma`, …).

@@ -407,7 +407,7 @@ pub fn route_graphs(config: &CbrConfig, route: impl Into<RouteKind>) -> Vec<Laye
     }
     // The unfused route's BN forward already stored the activation; the others apply the BN
     // from its eq coefficients.
-    if let (Some(residual), true) = (config.apply, kind != RouteKind::Unfused) {
+    if let Some(residual) = config.apply.filter(|_| kind != RouteKind::Unfused) {
         let (g, t) = graphs::apply(s.y_dims(), DataType::Half, residual);
         let mut b = vec![
             (t.y, This("y")),
@@ -415,10 +415,7 @@ pub fn route_graphs(config: &CbrConfig, route: impl Into<RouteKind>) -> Vec<Laye
             (t.bias, This("eq_bias")),
             (t.a, This("a")),
         ];
-        b.extend(t.residual.map(|r| (r, This("residual"))));
-        if let Some((s2, b2)) = t.residual_scale_bias {
-            b.extend([(s2, This("residual_scale")), (b2, This("residual_bias"))]);
-        }
+        b.extend(residual_bindings(t.residual, t.residual_scale_bias));
         out.push(lg(GraphRole::Apply, g, b));
     }
     if config.apply.is_some() {
@@ -607,6 +604,22 @@ fn apply_prev(config: &CbrConfig, kind: RouteKind) -> Option<LayerGraph> {
     ))
 }
 
+/// The bindings of an activation's residual tensors (the residual, and its own scale and bias
+/// in the dual form), as both the apply and the unfused BN forward name them.
+fn residual_bindings(
+    residual: Option<TensorId>,
+    scale_bias: Option<(TensorId, TensorId)>,
+) -> Vec<(TensorId, Src)> {
+    let mut b: Vec<_> = residual
+        .map(|r| (r, This("residual")))
+        .into_iter()
+        .collect();
+    if let Some((s2, b2)) = scale_bias {
+        b.extend([(s2, This("residual_scale")), (b2, This("residual_bias"))]);
+    }
+    b
+}
+
 /// The unfused route's BN forward (NormForward, training): with the activation fused in and
 /// stored as `a` when the layer materializes it, else the BN output stored as `y_bn` (read by
 /// the next layer's ReLU, or by a block output's residual add for a shortcut BN).
@@ -638,10 +651,7 @@ fn unfused_bn_forward(config: &CbrConfig) -> LayerGraph {
     match act {
         Some(t) => {
             b.push((t.a, This("a")));
-            b.extend(t.residual.map(|r| (r, This("residual"))));
-            if let Some((s2, b2)) = t.residual_scale_bias {
-                b.extend([(s2, This("residual_scale")), (b2, This("residual_bias"))]);
-            }
+            b.extend(residual_bindings(t.residual, t.residual_scale_bias));
         }
         None => b.push((o.y, This("y_bn"))),
     }
