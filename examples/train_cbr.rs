@@ -2,21 +2,34 @@
 //! learnable dataset with the amp step (FP32 master weights, FP16 compute, fixed loss scaling
 //! from 8192, SGD with momentum). Loss falls and accuracy rises well above chance.
 //!
-//! `cargo run --release --example train_cbr -- [--device auto|cuda|cpu] [--steps N]
-//!  [--batch N] [--width N] [--seed N] [--lr X] [--unfused] [--cuda-graph off|finish|step]`
+//! `cargo run --release --example train_cbr -- [--net mini|resnet18|resnet34|resnet50|resnet101]
+//!  [--device auto|cuda|cpu] [--steps N] [--batch N] [--hw N] [--width N] [--seed N] [--lr X]
+//!  [--unfused] [--cuda-graph off|finish|step]`
+//!
+//! `--net` picks the network (default `mini`, the small net that learns in seconds on a CPU);
+//! `--hw` sets the image size, so `--net resnet50 --hw 32 --batch 2 --steps 1` runs a real
+//! ResNet-50 step on the CPU.
 //!
 //! `--device auto` (the default) trains on CUDA when a device, cuDNN and NVRTC are usable and
 //! every layer has a cuDNN route, else on the CPU reference executor; the first line says
 //! which and why. `--device cuda` fails with the reason instead of falling back.
 
+use cudnn_cbr::net::BlockKind;
 use cudnn_cbr::train::{Device, ExecutorKind, Progress, TrainConfig, Trainer};
 use std::io::Write;
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: train_cbr [--device auto|cuda|cpu] [--steps N] [--batch N] \
-                     [--width N] [--seed N] [--lr X] [--unfused] [--cuda-graph off|finish|step]";
+const USAGE: &str = "usage: train_cbr [--net mini|resnet18|resnet34|resnet50|resnet101] \
+                     [--device auto|cuda|cpu] [--steps N] [--batch N] [--hw N] [--width N] \
+                     [--seed N] [--lr X] [--unfused] [--cuda-graph off|finish|step]";
 
-fn parse() -> Result<TrainConfig, String> {
+/// What the command line asks for: a run, or the usage text.
+enum Parsed {
+    Run(TrainConfig),
+    Help,
+}
+
+fn parse() -> Result<Parsed, String> {
     let mut cfg = TrainConfig {
         device: Device::Auto,
         ..TrainConfig::default()
@@ -39,6 +52,8 @@ fn parse() -> Result<TrainConfig, String> {
                     .parse()
                     .map_err(|e| format!("--cuda-graph: {e}"))?
             }
+            "--net" => cfg.net = value("--net")?.parse().map_err(|e| format!("--net: {e}"))?,
+            "--hw" => cfg.hw = num(value("--hw")?, "--hw")? as usize,
             "--steps" => cfg.steps = num(value("--steps")?, "--steps")? as usize,
             "--batch" => cfg.batch = num(value("--batch")?, "--batch")? as usize,
             "--width" => cfg.width = num(value("--width")?, "--width")? as usize,
@@ -50,16 +65,20 @@ fn parse() -> Result<TrainConfig, String> {
                     .map_err(|_| format!("--lr: `{v}` is not a number"))?;
             }
             "--unfused" => cfg.fused = false,
-            "-h" | "--help" => return Err(USAGE.into()),
+            "-h" | "--help" => return Ok(Parsed::Help),
             other => return Err(format!("unknown argument `{other}`\n{USAGE}")),
         }
     }
-    Ok(cfg)
+    Ok(Parsed::Run(cfg))
 }
 
 fn main() -> ExitCode {
     let cfg = match parse() {
-        Ok(x) => x,
+        Ok(Parsed::Run(x)) => x,
+        Ok(Parsed::Help) => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
         Err(e) => {
             eprintln!("{e}");
             return ExitCode::from(2);
@@ -81,10 +100,20 @@ fn main() -> ExitCode {
         "train_cbr: device {kind} ({}); {}",
         info.reason, info.detail
     );
+    let spec = cfg.net.spec(cfg.channels, cfg.classes, cfg.width);
+    let blocks: Vec<usize> = spec.stages.iter().map(Vec::len).collect();
+    let block_kind = match spec.stages.iter().flatten().next().map(|b| b.kind) {
+        Some(BlockKind::Bottleneck) => "bottleneck",
+        _ => "basic",
+    };
     println!(
-        "network: stem + 2 residual CBR stages (width {}, {}), {}x{}x{} synthetic images, {} classes, batch {}, {} steps, lr {}",
-        cfg.width,
-        2 * cfg.width,
+        "network: {} (stem {}x{}/{} to {} channels{}, {block_kind} blocks per stage {blocks:?}), {}x{}x{} synthetic images, {} classes, batch {}, {} steps, lr {}",
+        cfg.net,
+        spec.stem.kernel,
+        spec.stem.kernel,
+        spec.stem.stride,
+        spec.stem.out,
+        if spec.stem.max_pool.is_some() { " + max-pool" } else { "" },
         cfg.hw,
         cfg.hw,
         cfg.channels,

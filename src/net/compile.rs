@@ -176,12 +176,23 @@ pub enum RoutePolicy<'a> {
         /// Where plans are looked up and filed.
         cache: &'a PlanCache,
     },
+    /// Plan one route for every layer on `target` (no fallback): for comparing routes.
+    PlannedRoute {
+        /// The GPU (live or deviceless).
+        target: &'a Target,
+        /// Where plans are looked up and filed.
+        cache: &'a PlanCache,
+        /// The route.
+        route: RouteKind,
+    },
 }
 
 impl RoutePolicy<'_> {
+    /// The layer `name` with `config`, on the route this policy gives it. Planning errors
+    /// pass through unchanged (they name the layer's shape and each route's failure).
     fn layer(&self, name: &str, config: CbrConfig) -> Result<CbrLayer> {
         let cpu = |kind| {
-            config.validate()?;
+            config.validate().map_err(|e| in_layer(name, e))?;
             Ok(CbrLayer::for_cpu(config, kind))
         };
         match self {
@@ -189,12 +200,12 @@ impl RoutePolicy<'_> {
             RoutePolicy::PerLayer { routes, default } => {
                 cpu(routes.get(name).copied().unwrap_or(*default))
             }
-            RoutePolicy::Planned { target, cache } => CbrLayer::plan(config, target, cache)
-                .map_err(|e| Error::InvalidConfig {
-                    layer: name.into(),
-                    field: "route".into(),
-                    problem: format!("cannot be planned: {e}"),
-                }),
+            RoutePolicy::Planned { target, cache } => CbrLayer::plan(config, target, cache),
+            RoutePolicy::PlannedRoute {
+                target,
+                cache,
+                route,
+            } => CbrLayer::plan_route(config, target, cache, *route),
         }
     }
 }

@@ -7,10 +7,9 @@ use super::{
     TrainConfig, TrainError, TrainReport, HELD_OUT_BATCHES,
 };
 use crate::amp::plan::Region;
-use crate::amp::range::{self, softmax_xent_backward, HeadMetrics, HeadShape};
+use crate::amp::range::{self, softmax_xent_backward, HeadMetrics};
 use crate::amp::step::{AmpStep, CpuRegions, StepConfig};
 use crate::amp::AmpError;
-use cudnn_cbr_fusion::cbr::HostBuffer;
 use half::f16;
 use std::time::Instant;
 
@@ -27,7 +26,7 @@ impl CpuTrainer {
     pub(crate) fn new(cfg: &TrainConfig) -> Result<Self, TrainError> {
         cfg.validate()?;
         let data = data::Synthetic::new(cfg.hw, cfg.channels, cfg.classes, cfg.seed);
-        let mut net = Net::new(cfg.batch, cfg.hw, cfg.channels, cfg.width, cfg.fused);
+        let net = Net::new(cfg)?;
         let (plan, init) = plan_and_initial_weights(cfg)?;
         let mut regions = CpuRegions::new(plan);
         for (name, values) in init {
@@ -35,11 +34,7 @@ impl CpuTrainer {
                 .param_f32_mut(&name, Region::W)?
                 .copy_from_slice(&values);
         }
-        // Running variance starts at 1, as in every framework.
-        for l in &mut net.layers {
-            let k = l.layer.config().shape.k as usize;
-            l.bufs.set("running_var", HostBuffer::F32(vec![1.0; k]));
-        }
+        // (Running variances start at 1, as in every framework: `CpuNet::new`.)
         let mut step = AmpStep::new(regions, StepConfig::new(cfg.sgd()))?;
         step.init_weights()?;
         Ok(CpuTrainer {
@@ -89,7 +84,7 @@ impl CpuTrainer {
         let mut correct = 0usize;
         for i in 0..HELD_OUT_BATCHES {
             let (images, labels) = self.data.batch(cfg.batch, i, 1);
-            let logits = logits(&mut self.net, &self.step, &cfg, &images)?;
+            let logits = logits(&mut self.net, &self.step, &images)?;
             let m =
                 range::head_metrics(&logits, &labels, None, cfg.classes).map_err(AmpError::from)?;
             // accuracy = correct / batch exactly (batch < 2^24), so this recovers the count.
@@ -117,30 +112,29 @@ impl CpuTrainer {
     }
 }
 
+/// The conv layers' names.
+fn layer_names(net: &Net) -> Vec<String> {
+    net.compiled()
+        .layers
+        .iter()
+        .map(|l| l.name.clone())
+        .collect()
+}
+
 /// Conv weights from A (FP16), BN parameters from W (FP32) into the layers' buffers.
 fn load_weights(net: &mut Net, step: &AmpStep<CpuRegions>) -> Result<(), TrainError> {
     let regions = step.executor();
-    for l in &mut net.layers {
-        let name = l.name;
-        let w = regions.param_f16(&format!("{name}.w"), Region::A)?.to_vec();
-        l.bufs.set("w", HostBuffer::F16(w));
+    for name in layer_names(net) {
+        let key = format!("{name}.w");
+        let w = regions.param_f16(&key, Region::A)?.to_vec();
+        net.buffers().set_half(&key, w)?;
         for p in ["gamma", "beta"] {
-            let v = regions
-                .param_f32(&format!("{name}.{p}"), Region::W)?
-                .to_vec();
-            l.bufs.set(p, HostBuffer::F32(v));
+            let key = format!("{name}.{p}");
+            let v = regions.param_f32(&key, Region::W)?.to_vec();
+            net.buffers().set_float(&key, v)?;
         }
     }
     Ok(())
-}
-
-fn head_shape(net: &Net, cfg: &TrainConfig) -> HeadShape {
-    HeadShape::new(
-        cfg.batch,
-        net.last_hw * net.last_hw,
-        net.features,
-        cfg.classes,
-    )
 }
 
 /// Forward through the net and the FC layer (FP32 weights from W): FP16 logits
@@ -148,11 +142,10 @@ fn head_shape(net: &Net, cfg: &TrainConfig) -> HeadShape {
 fn logits(
     net: &mut Net,
     step: &AmpStep<CpuRegions>,
-    cfg: &TrainConfig,
     images: &[f16],
 ) -> Result<Vec<f16>, TrainError> {
     let pooled = net.forward(images)?;
-    let shape = head_shape(net, cfg);
+    let shape = net.head_shape();
     let mut logits = vec![f16::ZERO; shape.logits_elems()];
     range::fc_forward(
         &shape,
@@ -175,7 +168,7 @@ fn train_step(
     labels: &[i32],
 ) -> Result<HeadMetrics, TrainError> {
     load_weights(net, step)?;
-    let logits = logits(net, step, cfg, images)?;
+    let logits = logits(net, step, images)?;
     // The scaled loss gradient: scale / batch · (softmax − onehot), FP16.
     let scalars = step.executor().scalars();
     let mut dlogits = vec![f16::ZERO; logits.len()];
@@ -192,7 +185,7 @@ fn train_step(
     let metrics = range::head_metrics(&logits, labels, Some(&loss_rows), cfg.classes)
         .map_err(AmpError::from)?;
     // FC backward in FP32: dW = dlogitsᵀ·x, db = Σ dlogits, dx = dlogits·W.
-    let shape = head_shape(net, cfg);
+    let shape = net.head_shape();
     let pooled = net.pooled();
     let mut dw = vec![0f32; shape.weight_elems()];
     let mut db = vec![0f32; cfg.classes];
@@ -215,14 +208,13 @@ fn train_step(
         .param_f32_mut("fc.b", Region::G)?
         .copy_from_slice(&db);
     net.backward(&dpooled)?;
-    for l in &net.layers {
-        let name = l.name;
-        let dw = l.bufs.f16("dw")?;
+    for name in layer_names(net) {
+        let dw = net.buffers().half(&format!("{name}.dw"))?;
         regions
             .param_f16_mut(&format!("{name}.w"), Region::G16)?
             .copy_from_slice(dw);
         for p in ["gamma", "beta"] {
-            let g = l.bufs.f32(&format!("d{p}"))?;
+            let g = net.buffers().float(&format!("{name}.d{p}"))?;
             regions
                 .param_f32_mut(&format!("{name}.{p}"), Region::G)?
                 .copy_from_slice(g);

@@ -6,23 +6,25 @@
 //! | # | work | how |
 //! |--:|------|-----|
 //! | 1 | zero G and G16 | amp `begin` (range kernels) |
-//! | 2 | forward: stem, b1a, b1b, trans, b2a, b2b | each layer's cuDNN plans ([`CbrLayer::run_gpu`]) |
+//! | 2 | forward: the compiled network's forward steps | each layer's cuDNN plans ([`cudnn_cbr_fusion::cbr::CbrLayer::run_gpu`]) |
 //! | 3 | global average pool, FC forward | `amp_gap_forward`, `amp_fc_forward` (FP32 FC weights read from W) |
 //! | 4 | loss seed, metrics | `amp_softmax_xent_backward` (loss scale read from S), `amp_head_metrics` (appends loss and accuracy to a device log) |
-//! | 5 | FC backward, pool backward | `amp_fc_backward` (FP32 dW, db straight into G), `amp_gap_backward` (into b2b's `da`) |
-//! | 6 | backward: b2b, b2a, join, trans, b1b, b1a, join, stem | cuDNN plans; the residual joins with `amp_add_f16` |
+//! | 5 | FC backward, pool backward | `amp_fc_backward` (FP32 dW, db straight into G), `amp_gap_backward` (into the network output's gradient) |
+//! | 6 | backward: the compiled network's backward steps | cuDNN plans; the gradient joins at block inputs with `amp_add_f16` |
 //! | 7 | cast G16→G, check, SGD, loss-scale update | amp `finish` |
 //!
-//! Before a step the batch is copied in (images into stem's `x`, labels into the head's
+//! Before a step the batch is copied in (images into the network's input, labels into the head's
 //! buffer) through two page-locked staging slots ([`crate::amp::cuda::Upload`]): the copies
 //! are asynchronous, and the host waits only when the device is two batches behind.
 //!
-//! **Buffers.** Each layer's buffers are allocated with [`OwnedDeviceBuffers::alloc`], except
-//! its parameters, which are slots of the amp regions: `w` → the conv weight's slot in A,
-//! `dw` → its slot in G16, `gamma`/`beta` → W, `dgamma`/`dbeta` → G. A block's input is the
-//! buffer that produced it, not a copy: b1a's `x` and b1b's `residual` are stem's `a`,
-//! trans's `x` is b1b's `a`, b2a's `x` and b2b's `residual` are trans's `a`, and b1b's `da` is
-//! trans's `dx`. The joins write trans's and stem's `da`.
+//! **Buffers.** The network compiler ([`crate::net::compile()`]) lists every buffer once,
+//! shared ones included (a block input is one buffer that the block's first conv, its shortcut
+//! and the previous block's output bind). Parameters and their gradients are slots of the amp
+//! regions: `{layer}.w` → the weight's slot in A, `{layer}.dw` → its slot in G16,
+//! `gamma`/`beta` → W, `dgamma`/`dbeta` → G; every other buffer is one allocation
+//! (`binding_plan`). Each layer's binding table maps its buffer names to those. The CUDA
+//! executor has no max-pool kernel yet: a network with the stem's max-pool (the ResNet
+//! presets) is refused with [`TrainError::NoRoute`], so `--device auto` runs it on the CPU.
 //!
 //! **Graphs.** After [`WARMUP_STEPS`] eager steps the step is captured by
 //! [`CudaTrainer::capture`], by [`CudaGraphMode`]:
@@ -47,12 +49,13 @@
 //! when a copy has arrived. The loop synchronizes only after the last step (for the report,
 //! the held-out evaluation and the throughput).
 
-use super::net::{self, prev_of, B1A, B1B, B2A, B2B, STEM, TRANS};
+use super::net::compile_net;
 use super::{
     data, plan_and_initial_weights, summarize, CudaGraphMode, ExecutorInfo, MasterWeights,
     Progress, TrainConfig, TrainError, TrainReport, HELD_OUT_BATCHES,
 };
 use crate::amp::cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use crate::amp::cuda::cudarc::driver::DevicePtr;
 use crate::amp::cuda::cudarc::driver::{CudaGraph, DriverError};
 use crate::amp::cuda::{
     AmpKernels, CudaContext, CudaRegions, CudaSlice, CudaStepGraph, CudaStream, DevRange,
@@ -64,11 +67,9 @@ use crate::amp::range::{
 };
 use crate::amp::step::{AmpStep, StepConfig, StepGraph};
 use crate::amp::AmpError;
+use crate::net::{BufId, BufferRole, CompiledNet, RoutePolicy, Step};
 use cudnn_cbr_fusion::cache::PlanCache;
-use cudnn_cbr_fusion::cbr::{
-    BufferSpec, CbrConfig, CbrLayer, DeviceBuffer, DeviceBuffers, HostBuffer, OwnedDeviceBuffers,
-    Pass,
-};
+use cudnn_cbr_fusion::cbr::{DeviceBuffer, DeviceBuffers, RouteKind};
 use cudnn_cbr_fusion::exec::{cuda_device, Handle};
 use cudnn_cbr_fusion::graph::DataType;
 use half::f16;
@@ -85,19 +86,12 @@ pub const WARMUP_STEPS: usize = 3;
 /// restores them in about a millisecond each instead of running cuDNN's runtime compilation.
 pub const PLAN_CACHE_DIR: &str = "target/plan-cache";
 
-/// Buffers that are another layer's buffer: (layer, name, owner, owner's name).
-const ALIASES: [(usize, &str, usize, &str); 6] = [
-    (B1A, "x", STEM, "a"),
-    (B1B, "residual", STEM, "a"),
-    (TRANS, "x", B1B, "a"),
-    (B2A, "x", TRANS, "a"),
-    (B2B, "residual", TRANS, "a"),
-    (B1B, "da", TRANS, "dx"),
-];
-
-/// The amp parameter (suffix of `<layer>.<suffix>`) and region a layer buffer is bound to.
-fn param_slot(buffer: &str) -> Option<(&'static str, Region)> {
-    Some(match buffer {
+/// The amp parameter (`{layer}.{suffix}`) and region a network parameter buffer is bound to:
+/// `{layer}.w` → the weight in A, `{layer}.dw` → its slot in G16, `{layer}.gamma`/`beta` → W,
+/// `{layer}.dgamma`/`dbeta` → G.
+fn param_slot(buffer: &str) -> Option<(String, Region)> {
+    let (layer, name) = buffer.rsplit_once('.')?;
+    let (suffix, region) = match name {
         "w" => ("w", Region::A),
         "dw" => ("w", Region::G16),
         "gamma" => ("gamma", Region::W),
@@ -105,7 +99,8 @@ fn param_slot(buffer: &str) -> Option<(&'static str, Region)> {
         "dgamma" => ("gamma", Region::G),
         "dbeta" => ("beta", Region::G),
         _ => return None,
-    })
+    };
+    Some((format!("{layer}.{suffix}"), region))
 }
 
 fn driver(what: &str, e: DriverError) -> TrainError {
@@ -124,39 +119,6 @@ fn amp_error(e: AmpError) -> TrainError {
         },
         other => TrainError::Amp(other),
     }
-}
-
-/// One conv layer on the device.
-struct GpuLayer {
-    name: &'static str,
-    layer: CbrLayer,
-    /// The buffers this layer allocated (not its parameters, not its aliases).
-    owned: OwnedDeviceBuffers,
-    /// Every buffer its graphs (and the next layer's) bind, by name.
-    table: DeviceBuffers,
-    /// The specs of `table`.
-    specs: Vec<BufferSpec>,
-}
-
-impl GpuLayer {
-    fn slice(&self, name: &str) -> Result<&CudaSlice<u8>, TrainError> {
-        self.owned
-            .slice(name)
-            .ok_or_else(|| missing(self.name, name))
-    }
-
-    fn slice_mut(&mut self, name: &str) -> Result<&mut CudaSlice<u8>, TrainError> {
-        let layer = self.name;
-        self.owned
-            .slice_mut(name)
-            .ok_or_else(|| missing(layer, name))
-    }
-}
-
-fn missing(layer: &str, name: &str) -> TrainError {
-    TrainError::Config(format!(
-        "layer {layer} has no buffer `{name}` of its own on the device"
-    ))
 }
 
 /// The head's buffers (bytes, typed by the kernels' checks).
@@ -217,8 +179,9 @@ impl fmt::Display for GraphState {
 pub struct Snapshot {
     /// Each region's bytes.
     pub regions: Vec<(Region, Vec<u8>)>,
-    /// (layer, buffer, values) for `running_mean` and `running_var`.
-    pub running: Vec<(&'static str, &'static str, Vec<f32>)>,
+    /// (buffer, values) for every layer's `running_mean` and `running_var`
+    /// (`stem.running_mean`, …).
+    pub running: Vec<(String, Vec<f32>)>,
     /// The training metrics log image.
     pub log: Vec<u8>,
 }
@@ -260,7 +223,7 @@ impl Snapshot {
                 }
             }
         }
-        for ((_, _, a), (_, _, b)) in self.running.iter().zip(&other.running) {
+        for ((_, a), (_, b)) in self.running.iter().zip(&other.running) {
             for (x, y) in a.iter().zip(b) {
                 see(f64::from(*x), f64::from(*y));
             }
@@ -319,12 +282,12 @@ impl Snapshot {
                 parts.push((ra.to_string(), rel(&f32s(a), &f32s(b))));
             }
         }
-        for ((layer, name, a), (_, _, b)) in self.running.iter().zip(&other.running) {
+        for ((name, a), (_, b)) in self.running.iter().zip(&other.running) {
             let (a, b): (Vec<f64>, Vec<f64>) = (
                 a.iter().map(|&v| f64::from(v)).collect(),
                 b.iter().map(|&v| f64::from(v)).collect(),
             );
-            parts.push((format!("{layer}.{name}"), rel(&a, &b)));
+            parts.push((name.clone(), rel(&a, &b)));
         }
         // Entries are (loss, accuracy) pairs: losses compare by relative L2 like the regions;
         // accuracies move in steps of 1/batch (one argmax), so they come separately.
@@ -358,7 +321,12 @@ pub struct CudaTrainer {
     cfg: TrainConfig,
     data: data::Synthetic,
     head: Head,
-    layers: Vec<GpuLayer>,
+    /// The compiled network (its layers planned for this device).
+    net: CompiledNet,
+    /// Each network buffer's own allocation (`None`: a parameter slot in the amp regions).
+    bufs: DeviceAllocations,
+    /// Each layer's binding table, by its buffer names.
+    tables: Vec<DeviceBuffers>,
     step: AmpStep<CudaRegions>,
     kernels: Arc<AmpKernels>,
     finish_graph: Option<StepGraph<CudaStepGraph>>,
@@ -379,14 +347,7 @@ impl fmt::Debug for CudaTrainer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CudaTrainer")
             .field("device", &self.device_name)
-            .field(
-                "routes",
-                &self
-                    .layers
-                    .iter()
-                    .map(|l| (l.name, l.layer.route().name()))
-                    .collect::<Vec<_>>(),
-            )
+            .field("routes", &self.routes())
             .field("graphs", &self.state)
             .finish_non_exhaustive()
     }
@@ -422,17 +383,12 @@ impl CudaTrainer {
         let target = handle.target()?;
         // A working directory where the folder cannot be made: plan in memory only.
         let cache = PlanCache::persistent(PLAN_CACHE_DIR).unwrap_or_else(|_| PlanCache::new());
-        let configs = net::layer_configs(cfg.batch, cfg.hw, cfg.channels, cfg.width);
-        let mut planned = Vec::with_capacity(configs.len());
-        for (name, config) in configs {
-            planned.push((name, plan_layer(name, config, cfg.fused, &target, &cache)?));
-        }
+        let net = plan_net(cfg, &target, &cache)?;
         // The largest workspace now, so that the pool never grows inside the step's capture.
-        let workspace = planned.iter().map(|(_, l)| l.workspace_size()).max();
+        let workspace = net.layers.iter().map(|l| l.layer.workspace_size()).max();
         handle.reserve_workspace(workspace.unwrap_or(0))?;
 
         // The memory plan and its regions, with the CPU executor's initial weights.
-        let features = 2 * cfg.width;
         let (plan, init) = plan_and_initial_weights(cfg)?;
         let mut regions = CudaRegions::new(plan, stream.clone()).map_err(amp_error)?;
         for (name, values) in init {
@@ -444,9 +400,13 @@ impl CudaTrainer {
         let mut step = AmpStep::new(regions, StepConfig::new(cfg.sgd())).map_err(amp_error)?;
         step.init_weights().map_err(amp_error)?;
 
-        let layers = bind_layers(planned, step.executor(), &stream)?;
-        let half = cfg.hw / 2;
-        let shape = HeadShape::new(cfg.batch, half * half, features, cfg.classes);
+        let (bufs, tables) = bind_net(&net, step.executor(), &stream)?;
+        let shape = HeadShape::new(
+            cfg.batch,
+            net.out_hw * net.out_hw,
+            net.features,
+            cfg.classes,
+        );
         let alloc = |bytes: usize, what: &str| {
             stream
                 .alloc_zeros::<u8>(bytes.max(1))
@@ -470,7 +430,9 @@ impl CudaTrainer {
             cfg: *cfg,
             data: data::Synthetic::new(cfg.hw, cfg.channels, cfg.classes, cfg.seed),
             head,
-            layers,
+            net,
+            bufs,
+            tables,
             step,
             kernels,
             finish_graph: None,
@@ -489,6 +451,7 @@ impl CudaTrainer {
     /// One line: the device, each layer's route, the graph plan.
     pub fn describe(&self) -> String {
         let routes: Vec<String> = self
+            .net
             .layers
             .iter()
             .map(|l| match l.layer.route().reason() {
@@ -534,14 +497,26 @@ impl CudaTrainer {
     }
 
     /// Each layer's name and route name.
-    pub fn routes(&self) -> Vec<(&'static str, &'static str)> {
-        self.layers
+    pub fn routes(&self) -> Vec<(String, &'static str)> {
+        self.net
+            .layers
             .iter()
-            .map(|l| (l.name, l.layer.route().name()))
+            .map(|l| (l.name.clone(), l.layer.route().name()))
             .collect()
     }
 
-    /// Copies one batch in: NHWC FP16 images into stem's `x`, labels into the head, through
+    /// A buffer's own allocation.
+    fn buf(&self, id: BufId) -> Result<&CudaSlice<u8>, TrainError> {
+        self.bufs[id].as_ref().ok_or_else(|| not_own(&self.net, id))
+    }
+
+    /// A buffer's own allocation, for writing.
+    fn buf_mut(&mut self, id: BufId) -> Result<&mut CudaSlice<u8>, TrainError> {
+        let net = &self.net;
+        self.bufs[id].as_mut().ok_or_else(|| not_own(net, id))
+    }
+
+    /// Copies one batch in: NHWC FP16 images into the network's input, labels into the head, through
     /// the double-buffered page-locked staging ([`crate::amp::cuda::Upload`]): asynchronous,
     /// waiting only while the device is two batches behind. Not during a stream capture.
     ///
@@ -561,10 +536,10 @@ impl CudaTrainer {
         }
         let image_bytes: Vec<u8> = images.iter().flat_map(|v| v.to_le_bytes()).collect();
         let label_bytes: Vec<u8> = labels.iter().flat_map(|l| l.to_le_bytes()).collect();
-        let x = self.layers[STEM]
-            .owned
-            .slice_mut("x")
-            .ok_or_else(|| TrainError::Config("the stem layer has no `x` buffer".into()))?;
+        let input = self.net.input;
+        let x = self.bufs[input]
+            .as_mut()
+            .ok_or_else(|| not_own(&self.net, input))?;
         let x = DevRangeMut::new(x, ByteRange::new(0, image_bytes.len())).map_err(amp_error)?;
         let labels = DevRangeMut::new(&mut self.head.labels, ByteRange::new(0, label_bytes.len()))
             .map_err(amp_error)?;
@@ -576,24 +551,62 @@ impl CudaTrainer {
             .map_err(amp_error)
     }
 
-    fn run_layer(&self, i: usize, pass: Pass) -> Result<(), TrainError> {
-        let l = &self.layers[i];
-        let prev = prev_of(i).map(|p| &self.layers[p].table);
-        l.layer.run_gpu(pass, &self.handle, &l.table, prev)?;
+    /// Runs one pass's steps of the compiled network (layers on their cuDNN plans, gradient
+    /// joins on `amp_add_f16`).
+    fn run_steps(&mut self, forward: bool) -> Result<(), TrainError> {
+        let count = if forward {
+            self.net.forward.len()
+        } else {
+            self.net.backward.len()
+        };
+        for i in 0..count {
+            let step = if forward {
+                self.net.forward[i]
+            } else {
+                self.net.backward[i]
+            };
+            match step {
+                Step::Layer { layer, pass } => {
+                    let l = &self.net.layers[layer];
+                    let prev = l.prev.map(|p| &self.tables[p]);
+                    l.layer
+                        .run_gpu(pass, &self.handle, &self.tables[layer], prev)?;
+                }
+                Step::Add { a, b, out } => {
+                    let (o, x, y) = one_mut_two(&mut self.bufs, out, a, b);
+                    let x = x.as_ref().ok_or_else(|| not_own(&self.net, a))?;
+                    let y = y.as_ref().ok_or_else(|| not_own(&self.net, b))?;
+                    let o = o.as_mut().ok_or_else(|| not_own(&self.net, out))?;
+                    self.kernels
+                        .add_f16(
+                            &self.stream,
+                            DevRange::whole(x),
+                            DevRange::whole(y),
+                            DevRangeMut::whole(o),
+                        )
+                        .map_err(amp_error)?;
+                }
+                Step::MaxPool { .. } | Step::MaxPoolBackward { .. } => {
+                    return Err(no_max_pool());
+                }
+            }
+        }
         Ok(())
     }
 
-    /// Forward through the six layers, the pooling and the FC layer.
+    /// Forward through the network, the pooling and the FC layer.
     fn forward(&mut self) -> Result<(), TrainError> {
-        for i in [STEM, B1A, B1B, TRANS, B2A, B2B] {
-            self.run_layer(i, Pass::Forward)?;
-        }
+        self.run_steps(true)?;
         let shape = self.head.shape;
+        let out = self.net.output;
+        let a = self.bufs[out]
+            .as_ref()
+            .ok_or_else(|| not_own(&self.net, out))?;
         self.kernels
             .gap_forward(
                 &self.stream,
                 &shape,
-                DevRange::whole(self.layers[B2B].slice("a")?),
+                DevRange::whole(a),
                 DevRangeMut::whole(&mut self.head.pooled),
             )
             .map_err(amp_error)?;
@@ -609,7 +622,7 @@ impl CudaTrainer {
             .map_err(amp_error)
     }
 
-    /// Loss seed, metrics, FC and pooling backward (into b2b's `da`).
+    /// Loss seed, metrics, FC and pooling backward (into the network output's gradient).
     fn head_backward(&mut self) -> Result<(), TrainError> {
         let shape = self.head.shape;
         let h = &mut self.head;
@@ -645,41 +658,23 @@ impl CudaTrainer {
                 DevRangeMut::whole(&mut h.dpooled),
             )
             .map_err(amp_error)?;
+        let d_out = self.net.output_grad;
+        let d_out = self.bufs[d_out]
+            .as_mut()
+            .ok_or_else(|| not_own(&self.net, d_out))?;
         self.kernels
             .gap_backward(
                 &self.stream,
                 &shape,
                 DevRange::whole(&h.dpooled),
-                DevRangeMut::whole(self.layers[B2B].slice_mut("da")?),
+                DevRangeMut::whole(d_out),
             )
             .map_err(amp_error)
     }
 
-    /// `layers[out].da = layers[a].dx + layers[b].dpre`.
-    fn join(&mut self, out: usize, a: usize, b: usize) -> Result<(), TrainError> {
-        let (o, x, y) = one_mut_two(&mut self.layers, out, a, b);
-        self.kernels
-            .add_f16(
-                &self.stream,
-                DevRange::whole(x.slice("dx")?),
-                DevRange::whole(y.slice("dpre")?),
-                DevRangeMut::whole(o.slice_mut("da")?),
-            )
-            .map_err(amp_error)
-    }
-
-    /// Backward through the six layers with the residual joins (as `Net::backward`).
+    /// Backward through the network, with the gradient joins at block inputs.
     fn backward(&mut self) -> Result<(), TrainError> {
-        self.run_layer(B2B, Pass::Backward)?;
-        self.run_layer(B2A, Pass::Backward)?;
-        // trans's output feeds b2a's conv and b2b's shortcut: its gradient is the sum.
-        self.join(TRANS, B2A, B2B)?;
-        self.run_layer(TRANS, Pass::Backward)?;
-        // b1b's `da` is trans's `dx` (aliased).
-        self.run_layer(B1B, Pass::Backward)?;
-        self.run_layer(B1A, Pass::Backward)?;
-        self.join(STEM, B1A, B1B)?;
-        self.run_layer(STEM, Pass::Backward)
+        self.run_steps(false)
     }
 
     /// Steps 1–6 of the module table: zero the gradients, forward, head, backward.
@@ -801,13 +796,16 @@ impl CudaTrainer {
                     .push((r, regions.download_region_bytes(r).map_err(amp_error)?));
             }
         }
-        for l in &self.layers {
-            for name in ["running_mean", "running_var"] {
-                if let Some(spec) = l.specs.iter().find(|s| s.name == name) {
-                    let v = l.owned.download(spec, &self.stream)?.to_f32();
-                    out.running.push((l.name, spec.name, v));
-                }
-            }
+        for id in running_stats(&self.net) {
+            let bytes = self
+                .stream
+                .clone_dtoh(self.buf(id)?)
+                .map_err(|e| driver("download the running statistics", e))?;
+            let v = bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            out.running.push((self.net.buffers[id].name.clone(), v));
         }
         out.log = self
             .stream
@@ -828,13 +826,22 @@ impl CudaTrainer {
                 .upload_region_bytes(*r, bytes)
                 .map_err(amp_error)?;
         }
-        for (layer, name, v) in &s.running {
-            let l = self
-                .layers
-                .iter_mut()
-                .find(|l| l.name == *layer)
-                .ok_or_else(|| missing(layer, name))?;
-            l.owned.upload(name, &HostBuffer::F32(v.clone()), &stream)?;
+        for (name, v) in &s.running {
+            let id = self.net.buffer_id(name).ok_or_else(|| {
+                TrainError::Config(format!("the snapshot's `{name}` is not a buffer here"))
+            })?;
+            let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let slice = self.buf_mut(id)?;
+            if slice.len() != bytes.len() {
+                return Err(TrainError::Config(format!(
+                    "the snapshot's `{name}` has {} bytes, the buffer {}",
+                    bytes.len(),
+                    slice.len()
+                )));
+            }
+            stream
+                .memcpy_htod(&bytes, slice)
+                .map_err(|e| driver("restore the running statistics", e))?;
         }
         stream
             .memcpy_htod(&s.log, &mut self.head.log)
@@ -991,27 +998,66 @@ impl CudaTrainer {
     }
 }
 
-/// Plans one layer: the fused route with cuDNN's fallbacks, or the unfused route.
-fn plan_layer(
-    name: &'static str,
-    config: CbrConfig,
-    fused: bool,
+/// The network of `cfg` planned for `target`: each layer on the fused route with cuDNN's
+/// fallbacks (pairs that cannot be fused are materialized), or every layer unfused.
+///
+/// # Errors
+/// [`TrainError::NoRoute`] when a layer has no route here or the network needs an op the
+/// CUDA executor lacks (the stem's max-pool); a configuration error otherwise.
+fn plan_net(
+    cfg: &TrainConfig,
     target: &cudnn_cbr_fusion::Target,
     cache: &PlanCache,
-) -> Result<CbrLayer, TrainError> {
-    let planned = if fused {
-        CbrLayer::plan(config, target, cache)
+) -> Result<CompiledNet, TrainError> {
+    let policy = if cfg.fused {
+        RoutePolicy::Planned { target, cache }
     } else {
-        CbrLayer::plan_route(config, target, cache, false)
+        RoutePolicy::PlannedRoute {
+            target,
+            cache,
+            route: RouteKind::Unfused,
+        }
     };
-    planned.map_err(|e| match e {
-        e @ (cudnn_cbr_fusion::Error::NoRoute { .. }
-        | cudnn_cbr_fusion::Error::NoEngine { .. }
-        | cudnn_cbr_fusion::Error::NoPlan { .. }) => TrainError::NoRoute {
-            layer: format!("{name} ({})", config.shape.label()),
+    let net = compile_net(cfg, &policy).map_err(|e| match e {
+        TrainError::Fusion(
+            e @ (cudnn_cbr_fusion::Error::NoRoute { .. }
+            | cudnn_cbr_fusion::Error::NoEngine { .. }
+            | cudnn_cbr_fusion::Error::NoPlan { .. }),
+        ) => TrainError::NoRoute {
+            layer: format!("a layer of {}", cfg.net),
             reason: e.to_string(),
         },
-        other => TrainError::Fusion(other),
+        other => other,
+    })?;
+    let pools = net.forward.iter().chain(&net.backward);
+    if pools
+        .into_iter()
+        .any(|s| matches!(s, Step::MaxPool { .. } | Step::MaxPoolBackward { .. }))
+    {
+        return Err(no_max_pool());
+    }
+    Ok(net)
+}
+
+fn no_max_pool() -> TrainError {
+    TrainError::NoRoute {
+        layer: "stem max-pool".into(),
+        reason: "the CUDA executor has no max-pool kernel yet (the CPU executor runs it)".into(),
+    }
+}
+
+fn not_own(net: &CompiledNet, id: BufId) -> TrainError {
+    TrainError::Config(format!(
+        "network buffer `{}` is a parameter slot, not an allocation of its own",
+        net.buffers[id].name
+    ))
+}
+
+/// The current running statistics (`{layer}.running_mean`, `{layer}.running_var`).
+fn running_stats(net: &CompiledNet) -> impl Iterator<Item = BufId> + '_ {
+    net.buffers.iter().enumerate().filter_map(|(id, b)| {
+        let current = b.name.ends_with(".running_mean") || b.name.ends_with(".running_var");
+        (b.role == BufferRole::Running && current).then_some(id)
     })
 }
 
@@ -1023,148 +1069,114 @@ fn data_type(d: Dtype) -> DataType {
     }
 }
 
-/// Where one buffer of a layer's binding table comes from.
+/// Where a network buffer lives on the device.
 #[derive(Debug, Clone, PartialEq)]
 enum Source {
     /// A parameter's slot in an amp region (`<layer>.<suffix>`).
     Param { key: String, region: Region },
-    /// Another layer's own buffer (a block input, a residual, a joined gradient).
-    Alias { owner: usize, name: &'static str },
-    /// The layer's own buffer of the same name.
+    /// An allocation of its own.
     Own,
 }
 
-/// One layer's binding plan: every buffer its table needs (its graphs' and what the next
-/// layer's prologue binds in it), where each comes from, and the buffers it allocates.
-#[derive(Debug)]
-struct LayerBinding {
-    specs: Vec<BufferSpec>,
-    sources: Vec<Source>,
-    own: Vec<BufferSpec>,
-}
-
-/// The binding plan of the network's layers (no device involved).
-fn binding_plan(planned: &[(&'static str, CbrLayer)]) -> Vec<LayerBinding> {
-    (0..planned.len())
-        .map(|i| {
-            let mut specs: Vec<BufferSpec> = planned[i].1.buffers().to_vec();
-            for (j, (_, next)) in planned.iter().enumerate() {
-                if prev_of(j) == Some(i) {
-                    for p in next.prev_buffers() {
-                        match specs.iter_mut().find(|b| b.name == p.name) {
-                            Some(b) => b.elems = b.elems.max(p.elems),
-                            None => specs.push(p.clone()),
-                        }
-                    }
-                }
-            }
-            let sources: Vec<Source> = specs
-                .iter()
-                .map(|spec| {
-                    if let Some((suffix, region)) = param_slot(spec.name) {
-                        Source::Param {
-                            key: format!("{}.{suffix}", planned[i].0),
-                            region,
-                        }
-                    } else if let Some((_, _, owner, name)) = ALIASES
-                        .iter()
-                        .find(|(l, n, _, _)| *l == i && *n == spec.name)
-                    {
-                        Source::Alias {
-                            owner: *owner,
-                            name,
-                        }
-                    } else {
-                        Source::Own
-                    }
-                })
-                .collect();
-            let own = specs
-                .iter()
-                .zip(&sources)
-                .filter(|(_, src)| **src == Source::Own)
-                .map(|(spec, _)| spec.clone())
-                .collect();
-            LayerBinding {
-                specs,
-                sources,
-                own,
-            }
+/// Where each network buffer lives (no device involved): parameters and their gradients in
+/// the amp regions, everything else allocated.
+///
+/// # Errors
+/// A parameter buffer whose name maps to no amp parameter.
+fn binding_plan(net: &CompiledNet) -> Result<Vec<Source>, TrainError> {
+    net.buffers
+        .iter()
+        .map(|b| match b.role {
+            BufferRole::Param | BufferRole::ParamGrad => param_slot(&b.name)
+                .map(|(key, region)| Source::Param { key, region })
+                .ok_or_else(|| {
+                    TrainError::Config(format!("parameter buffer `{}` has no amp slot", b.name))
+                }),
+            _ => Ok(Source::Own),
         })
         .collect()
 }
 
-/// A binding's (bytes, type) must cover the spec's.
+/// A binding's (bytes, type) must cover the buffer's.
 fn check_binding(
-    layer: &str,
-    spec: &BufferSpec,
+    buffer: &crate::net::NetBuffer,
     bytes: usize,
     dtype: DataType,
 ) -> Result<(), TrainError> {
-    if dtype != spec.dtype || bytes < spec.bytes() {
+    let need = buffer.elems * buffer.dtype.size();
+    if dtype != buffer.dtype || bytes < need {
         return Err(TrainError::Config(format!(
-            "layer {layer}: buffer `{}` needs {} bytes of {:?}, its binding has {bytes} of {dtype:?}",
-            spec.name,
-            spec.bytes(),
-            spec.dtype,
+            "buffer `{}` needs {need} bytes of {:?}, its binding has {bytes} of {dtype:?}",
+            buffer.name, buffer.dtype,
         )));
     }
     Ok(())
 }
 
-/// Allocates each layer's own buffers and builds its binding table from [`binding_plan`]: own
-/// buffers, aliases to other layers' buffers, parameters in the regions.
-fn bind_layers(
-    planned: Vec<(&'static str, CbrLayer)>,
+/// Each network buffer's own allocation (`None`: a parameter slot in the amp regions).
+type DeviceAllocations = Vec<Option<CudaSlice<u8>>>;
+
+/// Allocates every buffer of [`binding_plan`] that is not a parameter slot (zeroed; running
+/// variances at 1) and builds each layer's binding table.
+fn bind_net(
+    net: &CompiledNet,
     regions: &CudaRegions,
     stream: &Arc<CudaStream>,
-) -> Result<Vec<GpuLayer>, TrainError> {
-    let plan = binding_plan(&planned);
-    let mut owned = Vec::with_capacity(planned.len());
-    for b in &plan {
-        let mut bufs = OwnedDeviceBuffers::alloc(&b.own, stream)?;
-        if let Some(spec) = b.own.iter().find(|s| s.name == "running_var") {
-            // Running variance starts at 1, as in every framework (and the CPU executor).
-            bufs.upload(
-                "running_var",
-                &HostBuffer::F32(vec![1.0; spec.elems]),
-                stream,
-            )?;
-        }
-        owned.push(bufs);
-    }
-    let mut layers = Vec::with_capacity(planned.len());
-    for (i, ((name, layer), b)) in planned.into_iter().zip(plan).enumerate() {
-        let mut table = DeviceBuffers::new();
-        for (spec, source) in b.specs.iter().zip(&b.sources) {
-            let buf = match source {
-                Source::Param { key, region } => {
-                    let p = regions.param(key, *region).map_err(amp_error)?;
-                    DeviceBuffer {
-                        ptr: p.ptr,
-                        bytes: p.len_bytes,
-                        dtype: data_type(p.dtype),
-                    }
+) -> Result<(DeviceAllocations, Vec<DeviceBuffers>), TrainError> {
+    let sources = binding_plan(net)?;
+    let mut bufs = Vec::with_capacity(net.buffers.len());
+    let mut devs = Vec::with_capacity(net.buffers.len());
+    for (b, source) in net.buffers.iter().zip(&sources) {
+        let bytes = b.elems * b.dtype.size();
+        let (slice, dev) = match source {
+            Source::Param { key, region } => {
+                let p = regions.param(key, *region).map_err(amp_error)?;
+                let dev = DeviceBuffer {
+                    ptr: p.ptr,
+                    bytes: p.len_bytes,
+                    dtype: data_type(p.dtype),
+                };
+                (None, dev)
+            }
+            Source::Own => {
+                let mut slice = stream
+                    .alloc_zeros::<u8>(bytes.max(1))
+                    .map_err(|e| driver(&format!("allocate `{}`", b.name), e))?;
+                if b.name.ends_with(".running_var") {
+                    // Running variance starts at 1, as in every framework (and the CPU executor).
+                    let ones: Vec<u8> = (0..b.elems).flat_map(|_| 1f32.to_le_bytes()).collect();
+                    stream
+                        .memcpy_htod(&ones, &mut slice)
+                        .map_err(|e| driver(&format!("initialize `{}`", b.name), e))?;
                 }
-                Source::Alias { owner, name } => owned[*owner].table().get(name)?,
-                Source::Own => owned[i].table().get(spec.name)?,
-            };
-            check_binding(name, spec, buf.bytes, buf.dtype)?;
-            table.insert_raw(spec.name, buf);
-        }
-        layers.push((name, layer, table, b.specs));
+                let ptr = {
+                    let (ptr, _sync) = slice.device_ptr(stream);
+                    ptr
+                };
+                let dev = DeviceBuffer {
+                    ptr,
+                    bytes,
+                    dtype: b.dtype,
+                };
+                (Some(slice), dev)
+            }
+        };
+        check_binding(b, dev.bytes, dev.dtype)?;
+        bufs.push(slice);
+        devs.push(dev);
     }
-    Ok(layers
-        .into_iter()
-        .zip(owned)
-        .map(|((name, layer, table, specs), owned)| GpuLayer {
-            name,
-            layer,
-            owned,
-            table,
-            specs,
+    let tables = net
+        .layers
+        .iter()
+        .map(|l| {
+            let mut t = DeviceBuffers::new();
+            for (&name, &id) in &l.table {
+                t.insert_raw(name, devs[id]);
+            }
+            t
         })
-        .collect())
+        .collect();
+    Ok((bufs, tables))
 }
 
 /// `&mut v[i]` with `&v[j]` and `&v[k]` (`i` differs from both).
@@ -1193,75 +1205,69 @@ mod tests {
     use super::*;
     use cudnn_cbr_fusion::cbr::RouteKind;
 
-    /// The binding plan of every route mix (each layer fused, unfused or generic; the two
-    /// layers that take their input through a BN varied apart from the rest) against the
-    /// real memory plan: every parameter slot exists with the buffer's type and room, every
-    /// alias names an own buffer of its owner that fits, and the buffers the executor slices
-    /// by name (the stem's input, the pooling's input and gradient, the joins' operands) are
-    /// own buffers of equal size where they are added together. No device involved.
+    /// The binding plan of every route mix of the main job's network (each block's first
+    /// and last convs on each route, so pairs are prologues or materialized) against the real
+    /// memory plan: every parameter and parameter gradient has an amp slot of its type with
+    /// room, every other buffer is allocated, and the buffers the executor reaches outside the
+    /// layers (input, output and its gradient, the joins' operands) are allocations of equal
+    /// size where they are added together. No device involved.
     #[test]
     fn every_route_mix_binds_every_buffer() {
-        let (batch, hw, channels, width, classes) = (16, 16, 8, 16, 8);
-        let configs = net::layer_configs(batch, hw, channels, width);
-        let shapes: Vec<_> = configs.iter().map(|(n, c)| (*n, c.shape)).collect();
-        let plan = crate::train::memory_plan(&shapes, 2 * width, classes).unwrap();
+        let cfg = TrainConfig {
+            batch: 16,
+            ..TrainConfig::default()
+        };
         let kinds = [RouteKind::Fused, RouteKind::Unfused, RouteKind::Generic];
         let mut mixes = 0;
-        for rest in kinds {
-            for through_bn in kinds {
-                let planned: Vec<(&'static str, CbrLayer)> = configs
+        for first in kinds {
+            for last in kinds {
+                let shapes = compile_net(&cfg, &RoutePolicy::Uniform(RouteKind::Fused))
+                    .unwrap()
+                    .conv_shapes();
+                let routes = shapes
                     .iter()
-                    .enumerate()
-                    .map(|(i, (n, c))| {
-                        let kind = if [B1B, B2B].contains(&i) {
-                            through_bn
-                        } else {
-                            rest
-                        };
-                        (*n, CbrLayer::for_cpu(*c, kind))
-                    })
+                    .map(|(n, _)| (n.clone(), if n.ends_with("conv1") { first } else { last }))
                     .collect();
-                let bindings = binding_plan(&planned);
-                let own = |i: usize, name: &str| -> Option<&BufferSpec> {
-                    bindings[i].own.iter().find(|s| s.name == name)
+                let policy = RoutePolicy::PerLayer {
+                    routes,
+                    default: RouteKind::Fused,
                 };
-                for (i, b) in bindings.iter().enumerate() {
-                    let layer = planned[i].0;
-                    for (spec, source) in b.specs.iter().zip(&b.sources) {
-                        let (bytes, dtype) = match source {
-                            Source::Param { key, region } => {
-                                let v = plan.view(key, *region).unwrap_or_else(|e| {
-                                    panic!("{rest:?}/{through_bn:?} {layer}.{}: {e}", spec.name)
-                                });
-                                (v.len_bytes, data_type(v.dtype))
-                            }
-                            Source::Alias { owner, name } => {
-                                let o = own(*owner, name).unwrap_or_else(|| {
-                                    panic!("{layer}.{} aliases a missing {name}", spec.name)
-                                });
-                                (o.bytes(), o.dtype)
-                            }
-                            Source::Own => (spec.bytes(), spec.dtype),
-                        };
-                        check_binding(layer, spec, bytes, dtype)
-                            .unwrap_or_else(|e| panic!("{rest:?}/{through_bn:?}: {e}"));
+                let net = compile_net(&cfg, &policy).unwrap();
+                let plan = crate::train::memory_plan(&shapes, net.features, cfg.classes).unwrap();
+                let sources = binding_plan(&net).unwrap();
+                for (b, source) in net.buffers.iter().zip(&sources) {
+                    let (bytes, dtype) = match source {
+                        Source::Param { key, region } => {
+                            let v = plan
+                                .view(key, *region)
+                                .unwrap_or_else(|e| panic!("{first:?}/{last:?} {}: {e}", b.name));
+                            (v.len_bytes, data_type(v.dtype))
+                        }
+                        Source::Own => (b.elems * b.dtype.size(), b.dtype),
+                    };
+                    check_binding(b, bytes, dtype)
+                        .unwrap_or_else(|e| panic!("{first:?}/{last:?}: {e}"));
+                }
+                let own_bytes = |id: BufId| {
+                    assert_eq!(sources[id], Source::Own, "{}", net.buffers[id].name);
+                    net.buffers[id].elems * 2
+                };
+                let image = cfg.batch * cfg.hw * cfg.hw * cfg.channels * 2;
+                assert_eq!(own_bytes(net.input), image);
+                let pooled = cfg.batch * net.out_hw * net.out_hw * net.features * 2;
+                assert_eq!(
+                    (own_bytes(net.output), own_bytes(net.output_grad)),
+                    (pooled, pooled)
+                );
+                let mut joins = 0;
+                for step in &net.backward {
+                    if let Step::Add { a, b, out } = *step {
+                        let sizes = (own_bytes(out), own_bytes(a), own_bytes(b));
+                        assert!(sizes.0 == sizes.1 && sizes.1 == sizes.2, "{sizes:?}");
+                        joins += 1;
                     }
                 }
-                let bytes = |i: usize, name: &str| {
-                    own(i, name)
-                        .unwrap_or_else(|| panic!("{} has no own `{name}`", planned[i].0))
-                        .bytes()
-                };
-                bytes(STEM, "x");
-                let pooled = batch * (hw / 2) * (hw / 2) * 2 * width * 2;
-                assert_eq!((bytes(B2B, "a"), bytes(B2B, "da")), (pooled, pooled));
-                for (out, a, b) in [(TRANS, B2A, B2B), (STEM, B1A, B1B)] {
-                    let sizes = (bytes(out, "da"), bytes(a, "dx"), bytes(b, "dpre"));
-                    assert!(
-                        sizes.0 == sizes.1 && sizes.1 == sizes.2,
-                        "join {out}: {sizes:?}"
-                    );
-                }
+                assert_eq!(joins, 2, "one join per block");
                 mixes += 1;
             }
         }
@@ -1285,7 +1291,7 @@ mod tests {
                 (Region::A, bytes16(a)),
                 (Region::S, s.to_vec()),
             ],
-            running: vec![("stem", "running_mean", vec![0.5, 0.25])],
+            running: vec![("stem.running_mean".into(), vec![0.5, 0.25])],
             log,
         }
     }

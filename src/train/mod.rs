@@ -17,7 +17,8 @@
 //!    why. [`train`] is `Trainer::new` followed by [`Trainer::run`].
 //! 3. [`Trainer::run`] trains and reports progress every few steps.
 //!
-//! Both executors run the same network ([`net::layer_configs`]), from the same initial
+//! Both executors run the same network (the preset [`TrainConfig::net`], compiled by
+//! [`crate::net::compile()`]), from the same initial
 //! weights and data, with the same head (the [`crate::amp::range`] twins of
 //! `amp/kernels/amp_head.cu`); [`cuda`] explains what the CUDA executor runs, captures and
 //! reads back.
@@ -27,8 +28,9 @@ pub mod cuda;
 mod data;
 pub mod net;
 
+pub use crate::net::Preset;
 pub use data::Synthetic;
-pub use net::{Net, NetLayer};
+pub use net::{compile_net, Net};
 
 use crate::amp::plan::{MemoryPlan, MemoryPlanBuilder, ParamInfo, ParamKind};
 use crate::amp::range::{HeadMetrics, SgdConfig};
@@ -110,7 +112,10 @@ pub struct TrainConfig {
     pub steps: usize,
     /// Images per step.
     pub batch: usize,
-    /// Base channel width (the second stage has twice as many).
+    /// The network (`mini`, `resnet18`, `resnet34`, `resnet50`, `resnet101`).
+    pub net: Preset,
+    /// The mini network's base channel width (its second stage has twice as many; the
+    /// ResNets' widths are fixed).
     pub width: usize,
     /// Seed of the dataset and the initial weights.
     pub seed: u64,
@@ -136,6 +141,7 @@ impl Default for TrainConfig {
         TrainConfig {
             steps: 200,
             batch: 32,
+            net: Preset::Mini,
             width: 16,
             seed: 1,
             lr: 0.05,
@@ -159,15 +165,17 @@ impl TrainConfig {
             || self.batch < 2
             || self.width == 0
             || self.hw < 4
-            || self.hw % 2 != 0
             || self.channels == 0
             || self.classes == 0
         {
             return Err(TrainError::Config(format!(
-                "steps ≥ 1, batch ≥ 2, width ≥ 1, channels ≥ 1, classes ≥ 1 and an even image \
-                 size ≥ 4 are needed, got {self:?}"
+                "steps ≥ 1, batch ≥ 2, width ≥ 1, channels ≥ 1, classes ≥ 1 and an image size \
+                 ≥ 4 are needed, got {self:?}"
             )));
         }
+        // The network itself: every layer's shape fits (the compiler says which does not).
+        let spec = self.net.spec(self.channels, self.classes, self.width);
+        crate::net::validate(&spec, self.batch, self.hw)?;
         Ok(())
     }
 
@@ -467,15 +475,20 @@ pub(crate) const HELD_OUT_BATCHES: u64 = 8;
 /// The memory plan of the network: every conv's weight, γ and β (the first three layers in
 /// bucket `first`, the rest in `deep`), then the FC weight and bias.
 pub(crate) fn memory_plan(
-    layers: &[(&'static str, ConvShape)],
+    layers: &[(String, ConvShape)],
     features: usize,
     classes: usize,
 ) -> Result<MemoryPlan, TrainError> {
     let mut b = MemoryPlanBuilder::new();
     let first = b.bucket("first")?;
     let deep = b.bucket("deep")?;
-    for (i, (name, s)) in layers.iter().enumerate() {
-        let bucket = if i < 3 { first } else { deep };
+    for (name, s) in layers {
+        // The stem and the first stage in one bucket, the deeper layers in the other.
+        let bucket = if name == "stem" || name.starts_with("s0.") {
+            first
+        } else {
+            deep
+        };
         let (k, c, r) = (s.k as usize, s.c as usize, s.r as usize);
         b.add(
             &format!("{name}.w"),
@@ -496,11 +509,10 @@ pub(crate) fn memory_plan(
 pub(crate) fn plan_and_initial_weights(
     cfg: &TrainConfig,
 ) -> Result<(MemoryPlan, NamedValues), TrainError> {
-    let layers: Vec<_> = net::layer_configs(cfg.batch, cfg.hw, cfg.channels, cfg.width)
-        .iter()
-        .map(|(name, c)| (*name, c.shape))
-        .collect();
-    let features = 2 * cfg.width;
+    // Shapes do not depend on routes: compile for the CPU, without cuDNN.
+    let net = compile_net(cfg, &net::cpu_policy(cfg))?;
+    let layers = net.conv_shapes();
+    let features = net.features;
     let plan = memory_plan(&layers, features, cfg.classes)?;
     let init = initial_weights(&layers, features, cfg.classes, cfg.seed);
     Ok((plan, init))
@@ -513,7 +525,7 @@ pub(crate) type NamedValues = Vec<(String, Vec<f32>)>;
 /// (β = 0 and the FC bias 0 are the zeroed regions), a small uniform FC weight. One random
 /// stream from the seed, in this order, so both executors start from the same weights.
 pub(crate) fn initial_weights(
-    layers: &[(&'static str, ConvShape)],
+    layers: &[(String, ConvShape)],
     features: usize,
     classes: usize,
     seed: u64,
