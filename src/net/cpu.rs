@@ -1,9 +1,10 @@
 //! The CPU executor of a compiled network: every buffer in host memory, every step on the
 //! reference ops, in FP16 storage (`T = f16`, the GPU's rounding points) or exact `f64`.
 
-use super::compile::{BufId, CompiledNet, Step};
+use super::compile::{BufId, CompiledNet};
+use super::exec::{run_pass, NetExecutor};
 use super::spec::PoolSpec;
-use cudnn_cbr_fusion::cbr::{LayerIo, Src};
+use cudnn_cbr_fusion::cbr::{LayerIo, Pass, Src};
 use cudnn_cbr_fusion::graph::DataType;
 use cudnn_cbr_fusion::reference::{Element, Nhwc, Real};
 use cudnn_cbr_fusion::{Error, Result};
@@ -122,8 +123,7 @@ impl<T: Element> CpuNet<T> {
         let input = self.net.input;
         let name = self.net.buffers[input].name.clone();
         set(&mut self.bufs[input], &name, Buf::Half(images.to_vec()))?;
-        let steps = self.net.forward.clone();
-        self.run(&steps)
+        run_pass(self, false)
     }
 
     /// The backward pass from the gradient of the output (the head's backward). Leaves every
@@ -132,65 +132,7 @@ impl<T: Element> CpuNet<T> {
         let id = self.net.output_grad;
         let name = self.net.buffers[id].name.clone();
         set(&mut self.bufs[id], &name, Buf::Half(d_output))?;
-        let steps = self.net.backward.clone();
-        self.run(&steps)
-    }
-
-    fn run(&mut self, steps: &[Step]) -> Result<()> {
-        for step in steps {
-            match *step {
-                Step::Layer { layer, pass } => {
-                    let l = &self.net.layers[layer];
-                    let mut io = NetIo {
-                        bufs: &mut self.bufs,
-                        buffers: &self.net.buffers,
-                        this: &l.table,
-                        prev: l.prev.map(|p| &self.net.layers[p].table),
-                        layer: &l.name,
-                    };
-                    l.layer
-                        .run_cpu_io(pass, &mut io)
-                        .map_err(|e| at_layer(&l.name, e))?;
-                }
-                Step::MaxPool {
-                    pool,
-                    shape,
-                    input,
-                    output,
-                } => {
-                    let out = max_pool(&pool, &shape, self.half_id(input)?)?;
-                    self.put(output, Buf::Half(out))?;
-                }
-                Step::MaxPoolBackward {
-                    pool,
-                    shape,
-                    input,
-                    grad_output,
-                    grad_input,
-                } => {
-                    let d = max_pool_backward(
-                        &pool,
-                        &shape,
-                        self.half_id(input)?,
-                        self.half_id(grad_output)?,
-                    )?;
-                    self.put(grad_input, Buf::Half(d))?;
-                }
-                Step::Add { a, b, out } => {
-                    let (x, y) = (self.half_id(a)?, self.half_id(b)?);
-                    if x.len() != y.len() {
-                        return Err(wrong_len(&self.net.buffers[b].name, y.len(), x.len()));
-                    }
-                    let sum = x
-                        .iter()
-                        .zip(y)
-                        .map(|(p, q)| T::from_acc(p.to_acc() + q.to_acc()))
-                        .collect();
-                    self.put(out, Buf::Half(sum))?;
-                }
-            }
-        }
-        Ok(())
+        run_pass(self, true)
     }
 
     fn half_id(&self, id: BufId) -> Result<&[T]> {
@@ -203,6 +145,69 @@ impl<T: Element> CpuNet<T> {
     fn put(&mut self, id: BufId, v: Buf<T>) -> Result<()> {
         let name = self.net.buffers[id].name.clone();
         set(&mut self.bufs[id], &name, v)
+    }
+}
+
+impl<T: Element> NetExecutor for CpuNet<T> {
+    type Error = Error;
+
+    fn compiled(&self) -> &CompiledNet {
+        &self.net
+    }
+
+    fn layer_pass(&mut self, layer: usize, pass: Pass) -> Result<()> {
+        let l = &self.net.layers[layer];
+        let mut io = NetIo {
+            bufs: &mut self.bufs,
+            buffers: &self.net.buffers,
+            this: &l.table,
+            prev: l.prev.map(|p| &self.net.layers[p].table),
+            layer: &l.name,
+        };
+        l.layer
+            .run_cpu_io(pass, &mut io)
+            .map_err(|e| at_layer(&l.name, e))
+    }
+
+    fn add(&mut self, a: BufId, b: BufId, out: BufId) -> Result<()> {
+        let (x, y) = (self.half_id(a)?, self.half_id(b)?);
+        if x.len() != y.len() {
+            return Err(wrong_len(&self.net.buffers[b].name, y.len(), x.len()));
+        }
+        let sum = x
+            .iter()
+            .zip(y)
+            .map(|(p, q)| T::from_acc(p.to_acc() + q.to_acc()))
+            .collect();
+        self.put(out, Buf::Half(sum))
+    }
+
+    fn max_pool(
+        &mut self,
+        pool: &PoolSpec,
+        shape: &Nhwc,
+        input: BufId,
+        output: BufId,
+    ) -> Result<()> {
+        let out = max_pool(pool, shape, self.half_id(input)?)?;
+        self.put(output, Buf::Half(out))
+    }
+
+    fn max_pool_backward(
+        &mut self,
+        pool: &PoolSpec,
+        shape: &Nhwc,
+        input: BufId,
+        grad_output: BufId,
+        grad_input: BufId,
+    ) -> Result<()> {
+        let d = max_pool_backward(
+            pool,
+            shape,
+            self.half_id(input)?,
+            self.half_id(grad_output)?,
+        )?;
+        self.put(grad_input, Buf::Half(d))
     }
 }
 

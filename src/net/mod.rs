@@ -5,10 +5,13 @@
 //! 1. A [`NetSpec`]: [`Preset::spec`] (`mini`, ResNet-18/34/50/101) or your own stages.
 //! 2. [`compile()`]`(&spec, batch, hw, &policy)` → a [`CompiledNet`]: its conv layers with
 //!    their configs and routes, every buffer, and the forward/backward [`Step`]s.
-//! 3. Run it: [`cpu::CpuNet`] on the CPU reference executor (FP16 storage, or exact `f64`).
+//! 3. Run it through one interface ([`NetExecutor`], walked by [`run_pass`]): [`CpuNet`] on
+//!    the CPU reference executor (FP16 storage, or exact `f64`), [`CudaNet`] on a GPU.
 
 pub mod compile;
 pub mod cpu;
+pub mod cuda;
+pub mod exec;
 pub mod head;
 pub mod spec;
 
@@ -17,4 +20,6 @@ pub use compile::{
     Step,
 };
 pub use cpu::CpuNet;
+pub use cuda::{CudaNet, CudaNetError};
+pub use exec::{run_pass, NetExecutor};
 pub use spec::{BlockKind, BlockSpec, NetSpec, PoolSpec, Preset, StemSpec};

@@ -55,7 +55,6 @@ use super::{
     Progress, TrainConfig, TrainError, TrainReport, HELD_OUT_BATCHES,
 };
 use crate::amp::cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use crate::amp::cuda::cudarc::driver::DevicePtr;
 use crate::amp::cuda::cudarc::driver::{CudaGraph, DriverError};
 use crate::amp::cuda::{
     AmpKernels, CudaContext, CudaRegions, CudaSlice, CudaStepGraph, CudaStream, DevRange,
@@ -67,11 +66,11 @@ use crate::amp::range::{
 };
 use crate::amp::step::{AmpStep, StepConfig, StepGraph};
 use crate::amp::AmpError;
-use crate::net::{BufId, BufferRole, CompiledNet, RoutePolicy, Step};
+use crate::net::cuda::{running_stats, CudaNet, CudaNetError};
+use crate::net::{CompiledNet, NetExecutor, RoutePolicy};
 use cudnn_cbr_fusion::cache::PlanCache;
-use cudnn_cbr_fusion::cbr::{DeviceBuffer, DeviceBuffers, RouteKind};
+use cudnn_cbr_fusion::cbr::RouteKind;
 use cudnn_cbr_fusion::exec::{cuda_device, Handle};
-use cudnn_cbr_fusion::graph::DataType;
 use half::f16;
 use std::fmt;
 use std::marker::PhantomData;
@@ -85,23 +84,6 @@ pub const WARMUP_STEPS: usize = 3;
 /// Where built cuDNN plans are persisted (relative to the working directory), so that a rerun
 /// restores them in about a millisecond each instead of running cuDNN's runtime compilation.
 pub const PLAN_CACHE_DIR: &str = "target/plan-cache";
-
-/// The amp parameter (`{layer}.{suffix}`) and region a network parameter buffer is bound to:
-/// `{layer}.w` → the weight in A, `{layer}.dw` → its slot in G16, `{layer}.gamma`/`beta` → W,
-/// `{layer}.dgamma`/`dbeta` → G.
-fn param_slot(buffer: &str) -> Option<(String, Region)> {
-    let (layer, name) = buffer.rsplit_once('.')?;
-    let (suffix, region) = match name {
-        "w" => ("w", Region::A),
-        "dw" => ("w", Region::G16),
-        "gamma" => ("gamma", Region::W),
-        "beta" => ("beta", Region::W),
-        "dgamma" => ("gamma", Region::G),
-        "dbeta" => ("beta", Region::G),
-        _ => return None,
-    };
-    Some((format!("{layer}.{suffix}"), region))
-}
 
 fn driver(what: &str, e: DriverError) -> TrainError {
     TrainError::Driver {
@@ -321,12 +303,8 @@ pub struct CudaTrainer {
     cfg: TrainConfig,
     data: data::Synthetic,
     head: Head,
-    /// The compiled network (its layers planned for this device).
-    net: CompiledNet,
-    /// Each network buffer's own allocation (`None`: a parameter slot in the amp regions).
-    bufs: DeviceAllocations,
-    /// Each layer's binding table, by its buffer names.
-    tables: Vec<DeviceBuffers>,
+    /// The compiled network on the device (its layers planned for it).
+    net: CudaNet,
     step: AmpStep<CudaRegions>,
     kernels: Arc<AmpKernels>,
     finish_graph: Option<StepGraph<CudaStepGraph>>,
@@ -335,7 +313,6 @@ pub struct CudaTrainer {
     log_readback: Readback,
     /// Page-locked, double-buffered staging for each step's batch.
     staging: Upload,
-    handle: Arc<Handle>,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
     device_name: String,
@@ -384,9 +361,8 @@ impl CudaTrainer {
         // A working directory where the folder cannot be made: plan in memory only.
         let cache = PlanCache::persistent(PLAN_CACHE_DIR).unwrap_or_else(|_| PlanCache::new());
         let net = plan_net(cfg, &target, &cache)?;
-        // The largest workspace now, so that the pool never grows inside the step's capture.
-        let workspace = net.layers.iter().map(|l| l.layer.workspace_size()).max();
-        handle.reserve_workspace(workspace.unwrap_or(0))?;
+        // (CudaNet::new reserves the largest workspace, so that the pool never grows inside
+        // the step's capture.)
 
         // The memory plan and its regions, with the CPU executor's initial weights.
         let (plan, init) = plan_and_initial_weights(cfg)?;
@@ -400,13 +376,10 @@ impl CudaTrainer {
         let mut step = AmpStep::new(regions, StepConfig::new(cfg.sgd())).map_err(amp_error)?;
         step.init_weights().map_err(amp_error)?;
 
-        let (bufs, tables) = bind_net(&net, step.executor(), &stream)?;
-        let shape = HeadShape::new(
-            cfg.batch,
-            net.out_hw * net.out_hw,
-            net.features,
-            cfg.classes,
-        );
+        let net =
+            CudaNet::new(net, handle, kernels.clone(), Some(step.executor())).map_err(net_error)?;
+        let (out_hw, features) = (net.compiled().out_hw, net.compiled().features);
+        let shape = HeadShape::new(cfg.batch, out_hw * out_hw, features, cfg.classes);
         let alloc = |bytes: usize, what: &str| {
             stream
                 .alloc_zeros::<u8>(bytes.max(1))
@@ -431,8 +404,6 @@ impl CudaTrainer {
             data: data::Synthetic::new(cfg.hw, cfg.channels, cfg.classes, cfg.seed),
             head,
             net,
-            bufs,
-            tables,
             step,
             kernels,
             finish_graph: None,
@@ -440,7 +411,6 @@ impl CudaTrainer {
             state: GraphState::Eager,
             log_readback,
             staging,
-            handle,
             stream,
             ctx,
             device_name,
@@ -452,6 +422,7 @@ impl CudaTrainer {
     pub fn describe(&self) -> String {
         let routes: Vec<String> = self
             .net
+            .compiled()
             .layers
             .iter()
             .map(|l| match l.layer.route().reason() {
@@ -499,21 +470,11 @@ impl CudaTrainer {
     /// Each layer's name and route name.
     pub fn routes(&self) -> Vec<(String, &'static str)> {
         self.net
+            .compiled()
             .layers
             .iter()
             .map(|l| (l.name.clone(), l.layer.route().name()))
             .collect()
-    }
-
-    /// A buffer's own allocation.
-    fn buf(&self, id: BufId) -> Result<&CudaSlice<u8>, TrainError> {
-        self.bufs[id].as_ref().ok_or_else(|| not_own(&self.net, id))
-    }
-
-    /// A buffer's own allocation, for writing.
-    fn buf_mut(&mut self, id: BufId) -> Result<&mut CudaSlice<u8>, TrainError> {
-        let net = &self.net;
-        self.bufs[id].as_mut().ok_or_else(|| not_own(net, id))
     }
 
     /// Copies one batch in: NHWC FP16 images into the network's input, labels into the head, through
@@ -536,10 +497,8 @@ impl CudaTrainer {
         }
         let image_bytes: Vec<u8> = images.iter().flat_map(|v| v.to_le_bytes()).collect();
         let label_bytes: Vec<u8> = labels.iter().flat_map(|l| l.to_le_bytes()).collect();
-        let input = self.net.input;
-        let x = self.bufs[input]
-            .as_mut()
-            .ok_or_else(|| not_own(&self.net, input))?;
+        let input = self.net.compiled().input;
+        let x = self.net.buffer_mut(input).map_err(net_error)?;
         let x = DevRangeMut::new(x, ByteRange::new(0, image_bytes.len())).map_err(amp_error)?;
         let labels = DevRangeMut::new(&mut self.head.labels, ByteRange::new(0, label_bytes.len()))
             .map_err(amp_error)?;
@@ -551,57 +510,14 @@ impl CudaTrainer {
             .map_err(amp_error)
     }
 
-    /// Runs one pass's steps of the compiled network (layers on their cuDNN plans, gradient
-    /// joins on `amp_add_f16`).
-    fn run_steps(&mut self, forward: bool) -> Result<(), TrainError> {
-        let count = if forward {
-            self.net.forward.len()
-        } else {
-            self.net.backward.len()
-        };
-        for i in 0..count {
-            let step = if forward {
-                self.net.forward[i]
-            } else {
-                self.net.backward[i]
-            };
-            match step {
-                Step::Layer { layer, pass } => {
-                    let l = &self.net.layers[layer];
-                    let prev = l.prev.map(|p| &self.tables[p]);
-                    l.layer
-                        .run_gpu(pass, &self.handle, &self.tables[layer], prev)?;
-                }
-                Step::Add { a, b, out } => {
-                    let (o, x, y) = one_mut_two(&mut self.bufs, out, a, b);
-                    let x = x.as_ref().ok_or_else(|| not_own(&self.net, a))?;
-                    let y = y.as_ref().ok_or_else(|| not_own(&self.net, b))?;
-                    let o = o.as_mut().ok_or_else(|| not_own(&self.net, out))?;
-                    self.kernels
-                        .add_f16(
-                            &self.stream,
-                            DevRange::whole(x),
-                            DevRange::whole(y),
-                            DevRangeMut::whole(o),
-                        )
-                        .map_err(amp_error)?;
-                }
-                Step::MaxPool { .. } | Step::MaxPoolBackward { .. } => {
-                    return Err(no_max_pool());
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// Forward through the network, the pooling and the FC layer.
     fn forward(&mut self) -> Result<(), TrainError> {
-        self.run_steps(true)?;
+        self.net.forward().map_err(net_error)?;
         let shape = self.head.shape;
-        let out = self.net.output;
-        let a = self.bufs[out]
-            .as_ref()
-            .ok_or_else(|| not_own(&self.net, out))?;
+        let a = self
+            .net
+            .buffer(self.net.compiled().output)
+            .map_err(net_error)?;
         self.kernels
             .gap_forward(
                 &self.stream,
@@ -658,10 +574,8 @@ impl CudaTrainer {
                 DevRangeMut::whole(&mut h.dpooled),
             )
             .map_err(amp_error)?;
-        let d_out = self.net.output_grad;
-        let d_out = self.bufs[d_out]
-            .as_mut()
-            .ok_or_else(|| not_own(&self.net, d_out))?;
+        let d_out = self.net.compiled().output_grad;
+        let d_out = self.net.buffer_mut(d_out).map_err(net_error)?;
         self.kernels
             .gap_backward(
                 &self.stream,
@@ -674,7 +588,7 @@ impl CudaTrainer {
 
     /// Backward through the network, with the gradient joins at block inputs.
     fn backward(&mut self) -> Result<(), TrainError> {
-        self.run_steps(false)
+        self.net.backward().map_err(net_error)
     }
 
     /// Steps 1–6 of the module table: zero the gradients, forward, head, backward.
@@ -796,16 +710,15 @@ impl CudaTrainer {
                     .push((r, regions.download_region_bytes(r).map_err(amp_error)?));
             }
         }
-        for id in running_stats(&self.net) {
-            let bytes = self
-                .stream
-                .clone_dtoh(self.buf(id)?)
-                .map_err(|e| driver("download the running statistics", e))?;
+        let net = self.net.compiled();
+        for id in running_stats(net) {
+            let name = &net.buffers[id].name;
+            let bytes = self.net.download(name).map_err(net_error)?;
             let v = bytes
                 .chunks_exact(4)
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                 .collect();
-            out.running.push((self.net.buffers[id].name.clone(), v));
+            out.running.push((name.clone(), v));
         }
         out.log = self
             .stream
@@ -827,21 +740,8 @@ impl CudaTrainer {
                 .map_err(amp_error)?;
         }
         for (name, v) in &s.running {
-            let id = self.net.buffer_id(name).ok_or_else(|| {
-                TrainError::Config(format!("the snapshot's `{name}` is not a buffer here"))
-            })?;
             let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-            let slice = self.buf_mut(id)?;
-            if slice.len() != bytes.len() {
-                return Err(TrainError::Config(format!(
-                    "the snapshot's `{name}` has {} bytes, the buffer {}",
-                    bytes.len(),
-                    slice.len()
-                )));
-            }
-            stream
-                .memcpy_htod(&bytes, slice)
-                .map_err(|e| driver("restore the running statistics", e))?;
+            self.net.upload(name, &bytes).map_err(net_error)?;
         }
         stream
             .memcpy_htod(&s.log, &mut self.head.log)
@@ -1029,164 +929,22 @@ fn plan_net(
         },
         other => other,
     })?;
-    let pools = net.forward.iter().chain(&net.backward);
-    if pools
-        .into_iter()
-        .any(|s| matches!(s, Step::MaxPool { .. } | Step::MaxPoolBackward { .. }))
-    {
-        return Err(no_max_pool());
-    }
     Ok(net)
 }
 
-fn no_max_pool() -> TrainError {
-    TrainError::NoRoute {
-        layer: "stem max-pool".into(),
-        reason: "the CUDA executor has no max-pool kernel yet (the CPU executor runs it)".into(),
+/// The CUDA network executor's errors as the trainer's: an op without a kernel means the
+/// CUDA executor cannot run this network here (so `auto` falls back to the CPU).
+fn net_error(e: CudaNetError) -> TrainError {
+    match e {
+        CudaNetError::Unsupported { op } => TrainError::NoRoute {
+            layer: op.into(),
+            reason: e.to_string(),
+        },
+        CudaNetError::Fusion(e) => TrainError::Fusion(e),
+        CudaNetError::Amp(e) => amp_error(e),
+        CudaNetError::Driver { what, message } => TrainError::Driver { what, message },
+        CudaNetError::Binding(m) => TrainError::Config(m),
     }
-}
-
-fn not_own(net: &CompiledNet, id: BufId) -> TrainError {
-    TrainError::Config(format!(
-        "network buffer `{}` is a parameter slot, not an allocation of its own",
-        net.buffers[id].name
-    ))
-}
-
-/// The current running statistics (`{layer}.running_mean`, `{layer}.running_var`).
-fn running_stats(net: &CompiledNet) -> impl Iterator<Item = BufId> + '_ {
-    net.buffers.iter().enumerate().filter_map(|(id, b)| {
-        let current = b.name.ends_with(".running_mean") || b.name.ends_with(".running_var");
-        (b.role == BufferRole::Running && current).then_some(id)
-    })
-}
-
-/// A device buffer's element type as the graphs see it.
-fn data_type(d: Dtype) -> DataType {
-    match d {
-        Dtype::F16 => DataType::Half,
-        Dtype::F32 => DataType::Float,
-    }
-}
-
-/// Where a network buffer lives on the device.
-#[derive(Debug, Clone, PartialEq)]
-enum Source {
-    /// A parameter's slot in an amp region (`<layer>.<suffix>`).
-    Param { key: String, region: Region },
-    /// An allocation of its own.
-    Own,
-}
-
-/// Where each network buffer lives (no device involved): parameters and their gradients in
-/// the amp regions, everything else allocated.
-///
-/// # Errors
-/// A parameter buffer whose name maps to no amp parameter.
-fn binding_plan(net: &CompiledNet) -> Result<Vec<Source>, TrainError> {
-    net.buffers
-        .iter()
-        .map(|b| match b.role {
-            BufferRole::Param | BufferRole::ParamGrad => param_slot(&b.name)
-                .map(|(key, region)| Source::Param { key, region })
-                .ok_or_else(|| {
-                    TrainError::Config(format!("parameter buffer `{}` has no amp slot", b.name))
-                }),
-            _ => Ok(Source::Own),
-        })
-        .collect()
-}
-
-/// A binding's (bytes, type) must cover the buffer's.
-fn check_binding(
-    buffer: &crate::net::NetBuffer,
-    bytes: usize,
-    dtype: DataType,
-) -> Result<(), TrainError> {
-    let need = buffer.elems * buffer.dtype.size();
-    if dtype != buffer.dtype || bytes < need {
-        return Err(TrainError::Config(format!(
-            "buffer `{}` needs {need} bytes of {:?}, its binding has {bytes} of {dtype:?}",
-            buffer.name, buffer.dtype,
-        )));
-    }
-    Ok(())
-}
-
-/// Each network buffer's own allocation (`None`: a parameter slot in the amp regions).
-type DeviceAllocations = Vec<Option<CudaSlice<u8>>>;
-
-/// Allocates every buffer of [`binding_plan`] that is not a parameter slot (zeroed; running
-/// variances at 1) and builds each layer's binding table.
-fn bind_net(
-    net: &CompiledNet,
-    regions: &CudaRegions,
-    stream: &Arc<CudaStream>,
-) -> Result<(DeviceAllocations, Vec<DeviceBuffers>), TrainError> {
-    let sources = binding_plan(net)?;
-    let mut bufs = Vec::with_capacity(net.buffers.len());
-    let mut devs = Vec::with_capacity(net.buffers.len());
-    for (b, source) in net.buffers.iter().zip(&sources) {
-        let bytes = b.elems * b.dtype.size();
-        let (slice, dev) = match source {
-            Source::Param { key, region } => {
-                let p = regions.param(key, *region).map_err(amp_error)?;
-                let dev = DeviceBuffer {
-                    ptr: p.ptr,
-                    bytes: p.len_bytes,
-                    dtype: data_type(p.dtype),
-                };
-                (None, dev)
-            }
-            Source::Own => {
-                let mut slice = stream
-                    .alloc_zeros::<u8>(bytes.max(1))
-                    .map_err(|e| driver(&format!("allocate `{}`", b.name), e))?;
-                if b.name.ends_with(".running_var") {
-                    // Running variance starts at 1, as in every framework (and the CPU executor).
-                    let ones: Vec<u8> = (0..b.elems).flat_map(|_| 1f32.to_le_bytes()).collect();
-                    stream
-                        .memcpy_htod(&ones, &mut slice)
-                        .map_err(|e| driver(&format!("initialize `{}`", b.name), e))?;
-                }
-                let ptr = {
-                    let (ptr, _sync) = slice.device_ptr(stream);
-                    ptr
-                };
-                let dev = DeviceBuffer {
-                    ptr,
-                    bytes,
-                    dtype: b.dtype,
-                };
-                (Some(slice), dev)
-            }
-        };
-        check_binding(b, dev.bytes, dev.dtype)?;
-        bufs.push(slice);
-        devs.push(dev);
-    }
-    let tables = net
-        .layers
-        .iter()
-        .map(|l| {
-            let mut t = DeviceBuffers::new();
-            for (&name, &id) in &l.table {
-                t.insert_raw(name, devs[id]);
-            }
-            t
-        })
-        .collect();
-    Ok((bufs, tables))
-}
-
-/// `&mut v[i]` with `&v[j]` and `&v[k]` (`i` differs from both).
-fn one_mut_two<T>(v: &mut [T], i: usize, j: usize, k: usize) -> (&mut T, &T, &T) {
-    assert!(i != j && i != k, "one_mut_two: {i} aliases {j} or {k}");
-    let (lo, hi) = v.split_at_mut(i);
-    let (mid, rest) = hi.split_first_mut().expect("index in bounds");
-    let (lo, rest): (&[T], &[T]) = (lo, rest);
-    let get = move |x: usize| if x < i { &lo[x] } else { &rest[x - i - 1] };
-    (mid, get(j), get(k))
 }
 
 /// A metrics-log image's (losses, accuracies), in entry order.
@@ -1203,6 +961,8 @@ fn log_entries(log: &[u8]) -> (Vec<f64>, Vec<f64>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::net::cuda::{binding_plan, check_binding, data_type, Source};
+    use crate::net::{BufId, Step};
     use cudnn_cbr_fusion::cbr::RouteKind;
 
     /// The binding plan of every route mix of the main job's network (each block's first
@@ -1234,7 +994,7 @@ mod tests {
                 };
                 let net = compile_net(&cfg, &policy).unwrap();
                 let plan = crate::train::memory_plan(&shapes, net.features, cfg.classes).unwrap();
-                let sources = binding_plan(&net).unwrap();
+                let sources = binding_plan(&net, true).unwrap();
                 for (b, source) in net.buffers.iter().zip(&sources) {
                     let (bytes, dtype) = match source {
                         Source::Param { key, region } => {

@@ -1,0 +1,80 @@
+//! One interface over the executors of a compiled network: each executor says how to run one
+//! kind of step ([`NetExecutor`]); [`run_pass`] walks the compiled forward or backward order,
+//! the one place that order is read. [`super::CpuNet`] (host memory, reference ops) and
+//! [`super::CudaNet`] (device memory, cuDNN plans and amp kernels) implement it.
+
+use super::compile::{BufId, CompiledNet, Step};
+use super::spec::PoolSpec;
+use cudnn_cbr_fusion::cbr::Pass;
+use cudnn_cbr_fusion::reference::Nhwc;
+
+/// How one executor runs each kind of step of a [`CompiledNet`].
+pub trait NetExecutor {
+    /// The executor's error.
+    type Error;
+
+    /// The network it runs.
+    fn compiled(&self) -> &CompiledNet;
+
+    /// One layer's forward or backward graphs.
+    fn layer_pass(&mut self, layer: usize, pass: Pass) -> Result<(), Self::Error>;
+
+    /// `out = a + b` (FP16 storage: rounded once).
+    fn add(&mut self, a: BufId, b: BufId, out: BufId) -> Result<(), Self::Error>;
+
+    /// Max-pool forward from `input` (of `shape`) into `output`.
+    fn max_pool(
+        &mut self,
+        pool: &PoolSpec,
+        shape: &Nhwc,
+        input: BufId,
+        output: BufId,
+    ) -> Result<(), Self::Error>;
+
+    /// Max-pool backward: `grad_output` to each window's first maximum of `input`, into
+    /// `grad_input`.
+    fn max_pool_backward(
+        &mut self,
+        pool: &PoolSpec,
+        shape: &Nhwc,
+        input: BufId,
+        grad_output: BufId,
+        grad_input: BufId,
+    ) -> Result<(), Self::Error>;
+}
+
+/// Runs the compiled network's forward pass (`backward == false`) or backward pass on `exec`.
+/// The backward pass expects the output's gradient ([`CompiledNet::output_grad`]) written.
+pub fn run_pass<E: NetExecutor + ?Sized>(exec: &mut E, backward: bool) -> Result<(), E::Error> {
+    let count = pass_steps(exec.compiled(), backward).len();
+    for i in 0..count {
+        // Steps are small copies: read one, then let the executor borrow itself mutably.
+        let step = pass_steps(exec.compiled(), backward)[i];
+        match step {
+            Step::Layer { layer, pass } => exec.layer_pass(layer, pass)?,
+            Step::Add { a, b, out } => exec.add(a, b, out)?,
+            Step::MaxPool {
+                pool,
+                shape,
+                input,
+                output,
+            } => exec.max_pool(&pool, &shape, input, output)?,
+            Step::MaxPoolBackward {
+                pool,
+                shape,
+                input,
+                grad_output,
+                grad_input,
+            } => exec.max_pool_backward(&pool, &shape, input, grad_output, grad_input)?,
+        }
+    }
+    Ok(())
+}
+
+fn pass_steps(net: &CompiledNet, backward: bool) -> &[Step] {
+    if backward {
+        &net.backward
+    } else {
+        &net.forward
+    }
+}
