@@ -1,73 +1,125 @@
-//! Plans every CBR graph, fused and unfused, for every unique conv layer of ResNet-50 (224×224
-//! input) on a GPU described by a device-properties JSON file, without a GPU, and prints a table:
-//! layer, route, graph, engine configs (reported/usable), chosen engine, workspace, build ms.
-//! The last line is `supported A/B fused, C/D unfused`: A of B layers have every fused graph
-//! planned, C of D every unfused graph.
+//! Plans every graph of a real network (default ResNet-50 at 224×224) for a GPU described by a
+//! device-properties JSON file, without a GPU: the network compiled once on the fused route
+//! with its fallbacks (per layer, and per prologue pair) and once on the unfused route. Prints
+//! one row per distinct layer: its role in the block, shape, route, graphs with their engines,
+//! and workspace; then `supported A/B fused, C/B unfused`: A of B layers run fused, C have
+//! every unfused graph planned.
 //!
 //! ```text
-//! cargo run --release --example deviceless_plans -- [--props FILE] [--batch N] [--json] [--cache DIR]
+//! cargo run --release --example deviceless_plans -- [--net NAME] [--props FILE] [--batch N]
+//!     [--hw N] [--cache DIR]
 //! ```
 //!
+//! - `--net NAME`: `mini`, `resnet18`, `resnet34`, `resnet50` (default), `resnet101`.
 //! - `--props FILE`: device-properties JSON (default: tests/fixtures/devprops/h200-sm90.json).
-//! - `--batch N`: batch size (default 32).
-//! - `--json`: one JSON object per graph, then a summary object, instead of the table.
+//! - `--batch N`, `--hw N`: batch size (default 32) and image size (default 224).
 //! - `--cache DIR`: where built plans are persisted (default `target/plan-cache`); a second run
-//!   restores them instead of running heuristics and cuDNN's runtime compilation again
-//!   (restored plans show `restored` as engine and 0/0 engine configs).
+//!   restores them instead of running heuristics and cuDNN's runtime compilation again.
 //!
 //! The first run compiles the runtime-compiled graphs (BN applies, ReLU/BN backward): 0.5–1.3 s
-//! each, a few minutes in all; progress goes to stderr. Needs cuDNN ≥ 9.8 (run
-//! scripts/setup-test-deps.sh and `source .deps/env.sh`); without it, prints the load error and
-//! exits non-zero. Not run in CI: tests/deviceless_plans.rs plans a small subset there.
+//! each; progress goes to stderr. Needs cuDNN ≥ 9.8 (run scripts/setup-test-deps.sh and
+//! `source .deps/env.sh`); without it, prints the load error and exits non-zero.
+//! tests/network_plans.rs plans ResNet-50 on the H200 fixture in CI.
 
 use cudnn_cbr::fusion::cache::PlanCache;
-use cudnn_cbr::fusion::cbr::resnet50::{plan_layers, resnet50_layers, route_name, GraphRow};
+use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::fusion::Target;
-use std::io::Write;
+use cudnn_cbr::net::{compile, CompiledNet, Preset, RoutePolicy};
+use std::collections::HashSet;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-const USAGE: &str = "usage: deviceless_plans [--props FILE] [--batch N] [--json] [--cache DIR]\n\
+const USAGE: &str = "usage: deviceless_plans [--net NAME] [--props FILE] [--batch N] [--hw N] \
+     [--cache DIR]\n\
+     \x20 --net NAME    mini, resnet18, resnet34, resnet50 (default), resnet101\n\
      \x20 --props FILE  device-properties JSON (default: tests/fixtures/devprops/h200-sm90.json)\n\
      \x20 --batch N     batch size, a positive integer (default: 32)\n\
-     \x20 --json        print JSON lines instead of the table\n\
+     \x20 --hw N        image height = width (default: 224)\n\
      \x20 --cache DIR   plan-cache folder (default: target/plan-cache)";
 
 #[derive(Debug)]
 struct Args {
+    net: Preset,
     props: PathBuf,
-    batch: i64,
-    json: bool,
+    batch: usize,
+    hw: usize,
     cache: PathBuf,
+}
+
+fn positive(flag: &str, v: String) -> Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("`{flag}` needs a positive integer, got `{v}`")),
+    }
 }
 
 fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let mut parsed = Args {
+        net: Preset::ResNet50,
         props: root.join("tests/fixtures/devprops/h200-sm90.json"),
         batch: 32,
-        json: false,
+        hw: 224,
         cache: root.join("target/plan-cache"),
     };
     while let Some(arg) = args.next() {
         let mut value = |flag: &str| args.next().ok_or_else(|| format!("`{flag}` needs a value"));
         match arg.as_str() {
+            "--net" => parsed.net = value("--net")?.parse()?,
             "--props" => parsed.props = value("--props")?.into(),
             "--cache" => parsed.cache = value("--cache")?.into(),
-            "--batch" => {
-                let v = value("--batch")?;
-                parsed.batch = match v.parse::<i64>() {
-                    Ok(n) if n > 0 => n,
-                    _ => return Err(format!("`--batch` needs a positive integer, got `{v}`")),
-                };
-            }
-            "--json" => parsed.json = true,
+            "--batch" => parsed.batch = positive("--batch", value("--batch")?)?,
+            "--hw" => parsed.hw = positive("--hw", value("--hw")?)?,
             "-h" | "--help" => return Ok(None),
             other => return Err(format!("unknown argument `{other}`")),
         }
     }
     Ok(Some(parsed))
+}
+
+/// One row per distinct layer (role, config, route) of `net`.
+fn print_table(label: &str, net: &CompiledNet) {
+    println!(
+        "{label}: {:<14} {:<5} {:<30} {:<7} {:>10}  graphs (role:graph:engine)",
+        "layer", "role", "shape", "route", "workspace"
+    );
+    let mut seen = HashSet::new();
+    for l in &net.layers {
+        let cfg = l.layer.config();
+        let key = format!(
+            "{} {:?} {} {:?} {:?} {}",
+            l.role.name(),
+            cfg.shape,
+            l.layer.route().name(),
+            cfg.apply,
+            cfg.input,
+            cfg.shortcut_bn
+        );
+        if !seen.insert(key) {
+            continue;
+        }
+        let graphs: Vec<String> = l
+            .layer
+            .plans()
+            .map(|(role, p)| format!("{role:?}:{}:{}", p.graph_name(), p.engine_tag()))
+            .collect();
+        println!(
+            "{label}: {:<14} {:<5} {:<30} {:<7} {:>10}  {}",
+            l.name,
+            l.role.name(),
+            cfg.shape.label(),
+            l.layer.route().name(),
+            l.layer.workspace_size(),
+            graphs.join(" ")
+        );
+        if let (true, Some(why)) = (label == "fused", l.layer.route().reason()) {
+            println!(
+                "{label}:   why not fused: {}",
+                why.lines().next().unwrap_or("")
+            );
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -104,69 +156,79 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let layers = resnet50_layers(args.batch);
+    let spec = args.net.spec(3, 1000, 16);
     let (ma, mi, pa) = lib.version_triple();
-    let about = format!(
-        "ResNet-50 CBR plans: {} ({}), cuDNN {ma}.{mi}.{pa}, batch {}, {} layers, plan cache {}",
+    println!(
+        "{} plans: {} ({}), cuDNN {ma}.{mi}.{pa}, batch {}, {}x{}, plan cache {}",
+        args.net,
         target.props().name(),
         args.props.display(),
         args.batch,
-        layers.len(),
+        args.hw,
+        args.hw,
         args.cache.display()
     );
-    // With --json, stdout carries only JSON lines.
-    if args.json {
-        eprintln!("{about}");
-    } else {
-        println!("{about}");
-        println!("{}", GraphRow::table_header());
-    }
-
     let start = Instant::now();
-    let mut stdout = std::io::stdout().lock();
-    let report = plan_layers(
-        &layers,
-        &[true, false],
-        &target,
-        &cache,
-        |row, done, total| {
-            // Rows stream out as they are planned; progress for the slow ones goes to stderr.
-            let line = if args.json {
-                row.json_line()
-            } else {
-                row.table_line()
-            };
-            let _ = writeln!(stdout, "{line}");
-            let _ = stdout.flush();
-            if row.build_ms >= 100.0 {
+    let mut counts = Vec::new();
+    for (label, policy) in [
+        (
+            "fused",
+            RoutePolicy::Planned {
+                target: &target,
+                cache: &cache,
+            },
+        ),
+        (
+            "unfused",
+            RoutePolicy::PlannedRoute {
+                target: &target,
+                cache: &cache,
+                route: RouteKind::Unfused,
+            },
+        ),
+    ] {
+        let t = Instant::now();
+        eprintln!("planning {} on the {label} route…", args.net);
+        match compile(&spec, args.batch, args.hw, &policy) {
+            Ok(net) => {
+                print_table(label, &net);
+                let fused = net
+                    .layers
+                    .iter()
+                    .filter(|l| l.layer.route().kind() == RouteKind::Fused)
+                    .count();
+                let n = net.layers.len();
                 eprintln!(
-                    "[{done}/{total}] {} {} {} {:.0} ms",
-                    row.layer,
-                    route_name(row.fused),
-                    row.graph,
-                    row.build_ms
+                    "{label}: {n} layers planned in {:.1} s",
+                    t.elapsed().as_secs_f64()
                 );
+                counts.push((if label == "fused" { fused } else { n }, n));
             }
-        },
-    );
-    let stats = cache.stats();
-    let elapsed = start.elapsed().as_secs_f64();
-    if args.json {
-        let _ = writeln!(stdout, "{}", report.summary.json_line());
-    } else {
-        let _ = writeln!(
-            stdout,
-            "{} graphs in {elapsed:.1} s: {} built, {} restored, {} cache hits",
-            report.rows.len(),
-            stats.built,
-            stats.restored,
-            stats.hits
-        );
-        let _ = writeln!(stdout, "{}", report.summary);
+            Err(e) => {
+                println!("{label}: FAILED: {e}");
+                let n = counts.first().map_or(0, |c| c.1);
+                counts.push((0, n));
+            }
+        }
     }
-    eprintln!(
-        "done in {elapsed:.1} s ({} built, {} restored, {} hits)",
-        stats.built, stats.restored, stats.hits
+    let stats = cache.stats();
+    println!(
+        "planned in {:.1} s: {} built, {} restored, {} cache hits",
+        start.elapsed().as_secs_f64(),
+        stats.built,
+        stats.restored,
+        stats.hits
     );
+    let (f, u) = (counts[0], counts[1]);
+    println!(
+        "supported {}/{} fused, {}/{} unfused",
+        f.0,
+        f.1,
+        u.0,
+        u.1.max(f.1)
+    );
+    if f.1 == 0 {
+        return ExitCode::FAILURE;
+    }
     ExitCode::SUCCESS
 }
