@@ -54,6 +54,10 @@ pub mod entry {
     pub const FC_BACKWARD: &str = "amp_fc_backward";
     /// FP16 + FP16 (the residual gradient join). Twin: `range::add_f16`.
     pub const ADD_F16: &str = "amp_add_f16";
+    /// Max-pool forward over NHWC FP16 (first maximum wins). Twin: `range::max_pool_forward`.
+    pub const MAX_POOL_FORWARD: &str = "amp_max_pool_forward";
+    /// Max-pool backward (gather, FP32 sums, FP16 out). Twin: `range::max_pool_backward`.
+    pub const MAX_POOL_BACKWARD: &str = "amp_max_pool_backward";
     /// One step's loss and accuracy appended to a device log. Twin: `range::head_metrics`
     /// and `range::metrics_log_append`.
     pub const HEAD_METRICS: &str = "amp_head_metrics";
@@ -114,6 +118,10 @@ pub fn signature(entry_point: &str) -> Option<&'static [ParamType]> {
         entry::ADD_F16 => &[U64, U64, U64, U64],
         // (logits, labels, loss, log, batch, classes, capacity)
         entry::HEAD_METRICS => &[U64, U64, U64, U64, U64, U64, U64],
+        // (x, y, batch, h, w, c, oh, ow, kernel, stride, pad)
+        entry::MAX_POOL_FORWARD => &[U64, U64, U64, U64, U64, U64, U64, U64, U64, U64, U64],
+        // (x, dy, dx, batch, h, w, c, oh, ow, kernel, stride, pad)
+        entry::MAX_POOL_BACKWARD => &[U64, U64, U64, U64, U64, U64, U64, U64, U64, U64, U64, U64],
         _ => return None,
     })
 }
@@ -197,8 +205,16 @@ pub const HEAD: KernelSource = KernelSource {
     ],
 };
 
+/// The stem's max-pool, forward and backward.
+pub const POOL: KernelSource = KernelSource {
+    name: "pool",
+    file: "amp_pool.cu",
+    source: include_str!("../kernels/amp_pool.cu"),
+    entry_points: &[entry::MAX_POOL_FORWARD, entry::MAX_POOL_BACKWARD],
+};
+
 /// Every kernel source of the AMP layer.
-pub const ALL: [KernelSource; 6] = [CAST, CHECK, SCALE, OPTIM, SEED, HEAD];
+pub const ALL: [KernelSource; 7] = [CAST, CHECK, SCALE, OPTIM, SEED, HEAD, POOL];
 
 /// GPU architectures we build PTX for (tier 3 compiles all of them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

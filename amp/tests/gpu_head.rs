@@ -373,3 +373,79 @@ fn gpu_fc_in_the_regions_writes_g_and_reads_w() {
         )
         .is_err());
 }
+
+#[test]
+fn gpu_max_pool_matches_its_twin_bit_for_bit() {
+    let Some((st, k)) = device("gpu_max_pool_matches_its_twin_bit_for_bit") else {
+        return;
+    };
+    let mut rng = Rng(23);
+    let shapes = [
+        // The ResNet stem's 3×3/2 pad 1 (overlapping windows), odd and even sizes.
+        range::PoolShape {
+            batch: 4,
+            h: 17,
+            w: 16,
+            channels: 8,
+            kernel: 3,
+            stride: 2,
+            pad: 1,
+        },
+        range::PoolShape {
+            batch: 2,
+            h: 112,
+            w: 112,
+            channels: 64,
+            kernel: 3,
+            stride: 2,
+            pad: 1,
+        },
+        // Non-overlapping.
+        range::PoolShape {
+            batch: 3,
+            h: 6,
+            w: 6,
+            channels: 5,
+            kernel: 2,
+            stride: 2,
+            pad: 0,
+        },
+    ];
+    for s in shapes {
+        // Half the inputs are exact zeros (as after a ReLU): ties everywhere.
+        let x: Vec<f16> = rng
+            .f16s(s.input_elems(), 2.0)
+            .into_iter()
+            .map(|v| if v.to_f32() < 0.0 { f16::ZERO } else { v })
+            .collect();
+        let dy = rng.f16s(s.output_elems(), 3.0);
+        let mut y = vec![f16::ZERO; s.output_elems()];
+        range::max_pool_forward(&s, &x, &mut y).unwrap();
+        let mut dx = vec![f16::ZERO; s.input_elems()];
+        range::max_pool_backward(&s, &x, &dy, &mut dx).unwrap();
+        let x_d = upload(&st, &f16_bytes(&x));
+        let dy_d = upload(&st, &f16_bytes(&dy));
+        let mut y_d = zeros(&st, 2 * s.output_elems());
+        let mut dx_d = zeros(&st, 2 * s.input_elems());
+        k.max_pool_forward(&st, &s, DevRange::whole(&x_d), DevRangeMut::whole(&mut y_d))
+            .unwrap();
+        k.max_pool_backward(
+            &st,
+            &s,
+            DevRange::whole(&x_d),
+            DevRange::whole(&dy_d),
+            DevRangeMut::whole(&mut dx_d),
+        )
+        .unwrap();
+        assert_eq!(
+            bits16(&download(&st, &y_d)),
+            bits16(&f16_bytes(&y)),
+            "{s:?} forward"
+        );
+        assert_eq!(
+            bits16(&download(&st, &dx_d)),
+            bits16(&f16_bytes(&dx)),
+            "{s:?} backward"
+        );
+    }
+}

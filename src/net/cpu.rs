@@ -357,3 +357,58 @@ pub fn max_pool_backward<T: Element>(p: &PoolSpec, s: &Nhwc, x: &[T], dy: &[T]) 
     }
     Ok(T::store_slice(&acc))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::amp::range::{self, PoolShape};
+    use half::f16;
+
+    /// The CPU executor's max-pool (generic over the precision) and the CUDA kernel's CPU
+    /// twin agree bit for bit in FP16: same choice rule, same summation order.
+    #[test]
+    fn the_fp16_max_pool_is_the_kernels_twin() {
+        let mut state = 5u64;
+        for (n, hw, c, k, s, p) in [(2, 9, 3, 3, 2, 1), (3, 8, 4, 3, 2, 1), (2, 6, 2, 2, 2, 0)] {
+            let shape = Nhwc::new(n, hw, hw, c);
+            let pool = PoolSpec {
+                kernel: k,
+                stride: s,
+                pad: p,
+            };
+            // Half zeros (ties), half small integers (more ties).
+            let x: Vec<f16> = (0..shape.elems())
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let v = ((state >> 33) % 7) as f32 - 3.0;
+                    f16::from_f32(v.max(0.0))
+                })
+                .collect();
+            let twin = PoolShape {
+                batch: n,
+                h: hw,
+                w: hw,
+                channels: c,
+                kernel: k,
+                stride: s,
+                pad: p,
+            };
+            let y = max_pool(&pool, &shape, &x).unwrap();
+            let mut y2 = vec![f16::ZERO; twin.output_elems()];
+            range::max_pool_forward(&twin, &x, &mut y2).unwrap();
+            assert_eq!(y, y2);
+            let dy: Vec<f16> = (0..y.len())
+                .map(|i| f16::from_f32(0.1 * i as f32 - 2.0))
+                .collect();
+            let dx = max_pool_backward(&pool, &shape, &x, &dy).unwrap();
+            let mut dx2 = vec![f16::ZERO; x.len()];
+            range::max_pool_backward(&twin, &x, &dy, &mut dx2).unwrap();
+            assert_eq!(
+                dx.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                dx2.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
+        }
+    }
+}

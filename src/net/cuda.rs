@@ -9,15 +9,16 @@
 //! 3. [`CudaNet::upload`] the input (and parameters when they are its own), then
 //!    [`CudaNet::forward`]; write the output's gradient and [`CudaNet::backward`].
 //!
-//! The max-pool has no CUDA kernel yet: a network with one is refused with
-//! [`CudaNetError::Unsupported`].
+//! The stem's max-pool runs on amp's pool kernels (`amp_pool.cu`, the same choice rule as the
+//! CPU executor).
 
-use super::compile::{BufId, BufferRole, CompiledNet, NetBuffer, Step};
+use super::compile::{BufId, BufferRole, CompiledNet, NetBuffer};
 use super::exec::{run_pass, NetExecutor};
 use super::spec::PoolSpec;
 use crate::amp::cuda::cudarc::driver::DevicePtr;
 use crate::amp::cuda::{AmpKernels, CudaRegions, CudaSlice, CudaStream, DevRange, DevRangeMut};
 use crate::amp::plan::{Dtype, Region};
+use crate::amp::range::PoolShape;
 use crate::amp::AmpError;
 use cudnn_cbr_fusion::cbr::{DeviceBuffer, DeviceBuffers, Pass};
 use cudnn_cbr_fusion::exec::Handle;
@@ -45,12 +46,6 @@ pub enum CudaNetError {
     /// A buffer cannot be bound or reached as asked.
     #[error("{0}")]
     Binding(String),
-    /// The network needs an op this executor has no kernel for.
-    #[error("the CUDA executor has no {op} kernel yet (the CPU executor runs it)")]
-    Unsupported {
-        /// The op.
-        op: &'static str,
-    },
 }
 
 fn driver(what: String, e: impl std::fmt::Display) -> CudaNetError {
@@ -160,21 +155,13 @@ impl CudaNet {
     /// gradients are the regions' slots instead. Reserves the largest workspace any plan needs.
     ///
     /// # Errors
-    /// [`CudaNetError::Unsupported`] for a network with a max-pool; a binding that does not fit;
-    /// a driver error.
+    /// A binding that does not fit; a driver error.
     pub fn new(
         net: CompiledNet,
         handle: Arc<Handle>,
         kernels: Arc<AmpKernels>,
         regions: Option<&CudaRegions>,
     ) -> Result<Self> {
-        let pools = net.forward.iter().chain(&net.backward);
-        if pools
-            .into_iter()
-            .any(|s| matches!(s, Step::MaxPool { .. } | Step::MaxPoolBackward { .. }))
-        {
-            return Err(CudaNetError::Unsupported { op: "max-pool" });
-        }
         let stream = handle.stream().clone();
         let workspace = net.layers.iter().map(|l| l.layer.workspace_size()).max();
         handle.reserve_workspace(workspace.unwrap_or(0))?;
@@ -249,6 +236,17 @@ impl CudaNet {
         ))
     }
 
+    /// A step's output must not be one of its inputs.
+    fn distinct(&self, input: BufId, output: BufId) -> Result<()> {
+        if input == output {
+            return Err(CudaNetError::Binding(format!(
+                "a step writes `{}`, which it also reads",
+                self.net.buffers[output].name
+            )));
+        }
+        Ok(())
+    }
+
     fn id(&self, name: &str) -> Result<BufId> {
         self.net.buffer_id(name).ok_or_else(|| {
             CudaNetError::Binding(format!("`{name}` is not a buffer of this network"))
@@ -320,43 +318,95 @@ impl NetExecutor for CudaNet {
     }
 
     fn add(&mut self, a: BufId, b: BufId, out: BufId) -> Result<()> {
-        if out == a || out == b {
-            return Err(CudaNetError::Binding(format!(
-                "the join into `{}` reads its own output",
-                self.net.buffers[out].name
-            )));
-        }
-        for id in [a, b, out] {
-            if self.bufs[id].is_none() {
-                return Err(self.not_own(id));
-            }
-        }
-        // Three distinct slots: take the output out for the call, then put it back.
-        let mut o = self.bufs[out].take().expect("checked just above");
-        let x = self.bufs[a].as_ref().expect("checked just above");
-        let y = self.bufs[b].as_ref().expect("checked just above");
-        let done = self.kernels.add_f16(
-            &self.stream,
-            DevRange::whole(x),
-            DevRange::whole(y),
-            DevRangeMut::whole(&mut o),
-        );
+        self.distinct(a, out)?;
+        self.distinct(b, out)?;
+        // Take the output out for the call (three distinct slots), then put it back.
+        let mut o = self.bufs[out].take().ok_or_else(|| self.not_own(out))?;
+        let done = match (self.buffer(a), self.buffer(b)) {
+            (Ok(x), Ok(y)) => self
+                .kernels
+                .add_f16(
+                    &self.stream,
+                    DevRange::whole(x),
+                    DevRange::whole(y),
+                    DevRangeMut::whole(&mut o),
+                )
+                .map_err(CudaNetError::from),
+            (Err(e), _) | (_, Err(e)) => Err(e),
+        };
         self.bufs[out] = Some(o);
-        Ok(done?)
+        done
     }
 
-    fn max_pool(&mut self, _: &PoolSpec, _: &Nhwc, _: BufId, _: BufId) -> Result<()> {
-        Err(CudaNetError::Unsupported { op: "max-pool" })
+    fn max_pool(
+        &mut self,
+        pool: &PoolSpec,
+        shape: &Nhwc,
+        input: BufId,
+        output: BufId,
+    ) -> Result<()> {
+        let p = pool_shape(pool, shape);
+        self.distinct(input, output)?;
+        let mut y = self.bufs[output]
+            .take()
+            .ok_or_else(|| self.not_own(output))?;
+        let done = match self.buffer(input) {
+            Ok(x) => self
+                .kernels
+                .max_pool_forward(
+                    &self.stream,
+                    &p,
+                    DevRange::whole(x),
+                    DevRangeMut::whole(&mut y),
+                )
+                .map_err(CudaNetError::from),
+            Err(e) => Err(e),
+        };
+        self.bufs[output] = Some(y);
+        done
     }
 
     fn max_pool_backward(
         &mut self,
-        _: &PoolSpec,
-        _: &Nhwc,
-        _: BufId,
-        _: BufId,
-        _: BufId,
+        pool: &PoolSpec,
+        shape: &Nhwc,
+        input: BufId,
+        grad_output: BufId,
+        grad_input: BufId,
     ) -> Result<()> {
-        Err(CudaNetError::Unsupported { op: "max-pool" })
+        let p = pool_shape(pool, shape);
+        self.distinct(input, grad_input)?;
+        self.distinct(grad_output, grad_input)?;
+        let mut dx = self.bufs[grad_input]
+            .take()
+            .ok_or_else(|| self.not_own(grad_input))?;
+        let done = match (self.buffer(input), self.buffer(grad_output)) {
+            (Ok(x), Ok(dy)) => self
+                .kernels
+                .max_pool_backward(
+                    &self.stream,
+                    &p,
+                    DevRange::whole(x),
+                    DevRange::whole(dy),
+                    DevRangeMut::whole(&mut dx),
+                )
+                .map_err(CudaNetError::from),
+            (Err(e), _) | (_, Err(e)) => Err(e),
+        };
+        self.bufs[grad_input] = Some(dx);
+        done
+    }
+}
+
+/// The amp kernels' pool shape of a compiled max-pool step.
+fn pool_shape(pool: &PoolSpec, shape: &Nhwc) -> PoolShape {
+    PoolShape {
+        batch: shape.n,
+        h: shape.h,
+        w: shape.w,
+        channels: shape.c,
+        kernel: pool.kernel,
+        stride: pool.stride,
+        pad: pool.pad,
     }
 }

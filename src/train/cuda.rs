@@ -22,9 +22,8 @@
 //! and the previous block's output bind). Parameters and their gradients are slots of the amp
 //! regions: `{layer}.w` → the weight's slot in A, `{layer}.dw` → its slot in G16,
 //! `gamma`/`beta` → W, `dgamma`/`dbeta` → G; every other buffer is one allocation
-//! (`binding_plan`). Each layer's binding table maps its buffer names to those. The CUDA
-//! executor has no max-pool kernel yet: a network with the stem's max-pool (the ResNet
-//! presets) is refused with [`TrainError::NoRoute`], so `--device auto` runs it on the CPU.
+//! ([`crate::net::cuda::binding_plan`]). Each layer's binding table maps its buffer names to
+//! those; [`crate::net::CudaNet`] runs the steps.
 //!
 //! **Graphs.** After [`WARMUP_STEPS`] eager steps the step is captured by
 //! [`CudaTrainer::capture`], by [`CudaGraphMode`]:
@@ -902,8 +901,7 @@ impl CudaTrainer {
 /// fallbacks (pairs that cannot be fused are materialized), or every layer unfused.
 ///
 /// # Errors
-/// [`TrainError::NoRoute`] when a layer has no route here or the network needs an op the
-/// CUDA executor lacks (the stem's max-pool); a configuration error otherwise.
+/// [`TrainError::NoRoute`] when a layer has no route here; a configuration error otherwise.
 fn plan_net(
     cfg: &TrainConfig,
     target: &cudnn_cbr_fusion::Target,
@@ -932,14 +930,9 @@ fn plan_net(
     Ok(net)
 }
 
-/// The CUDA network executor's errors as the trainer's: an op without a kernel means the
-/// CUDA executor cannot run this network here (so `auto` falls back to the CPU).
+/// The CUDA network executor's errors as the trainer's.
 fn net_error(e: CudaNetError) -> TrainError {
     match e {
-        CudaNetError::Unsupported { op } => TrainError::NoRoute {
-            layer: op.into(),
-            reason: e.to_string(),
-        },
         CudaNetError::Fusion(e) => TrainError::Fusion(e),
         CudaNetError::Amp(e) => amp_error(e),
         CudaNetError::Driver { what, message } => TrainError::Driver { what, message },

@@ -17,8 +17,8 @@ use crate::error::{AmpError, CudaError, ExecError};
 use crate::kernels::{self, entry, CudaArch, KernelSource, ParamType};
 use crate::plan::ByteRange;
 use crate::range::{
-    metrics_log_capacity, s_layout, HeadShape, LossScalePolicy, OverflowPolicy, SgdConfig,
-    METRICS_LOG_HEADER,
+    metrics_log_capacity, s_layout, HeadShape, LossScalePolicy, OverflowPolicy, PoolShape,
+    SgdConfig, METRICS_LOG_HEADER,
 };
 use crate::step::RangeOp;
 
@@ -76,6 +76,8 @@ struct Functions {
     fc_backward: CudaFunction,
     add_f16: CudaFunction,
     head_metrics: CudaFunction,
+    max_pool_forward: CudaFunction,
+    max_pool_backward: CudaFunction,
 }
 
 /// The range kernels compiled with NVRTC and loaded into one CUDA context.
@@ -510,6 +512,8 @@ impl AmpKernels {
             fc_backward: take(entry::FC_BACKWARD)?,
             add_f16: take(entry::ADD_F16)?,
             head_metrics: take(entry::HEAD_METRICS)?,
+            max_pool_forward: take(entry::MAX_POOL_FORWARD)?,
+            max_pool_backward: take(entry::MAX_POOL_BACKWARD)?,
         };
         Ok(AmpKernels {
             ctx: ctx.clone(),
@@ -1629,6 +1633,74 @@ impl AmpKernels {
         unsafe { self.raw_add_f16(stream, ap, bp, op, n) }
     }
 
+    /// Max-pool forward (twin: [`crate::range::max_pool_forward`]): FP16 NHWC `x` of the
+    /// shape's input → FP16 `y` of its output; the first maximum of each window wins.
+    ///
+    /// # Errors
+    /// [`crate::RangeOpError::InvalidConfig`] for a bad shape, [`ExecError::Misaligned`],
+    /// [`ExecError::ElemCount`], [`CudaError::ContextMismatch`]; a driver error.
+    pub fn max_pool_forward(
+        &self,
+        stream: &CudaStream,
+        shape: &PoolShape,
+        x: DevRange<'_>,
+        mut y: DevRangeMut<'_>,
+    ) -> Result<(), AmpError> {
+        const OP: &str = entry::MAX_POOL_FORWARD;
+        shape.validate(OP)?;
+        self.check_streams(stream, &[("x", x.buf_stream()), ("y", y.buf_stream())])?;
+        expect_elems(OP, "x", x.range, 2, shape.input_elems())?;
+        expect_elems(OP, "y", y.range, 2, shape.output_elems())?;
+        let (xp, _x) = x.addr(stream);
+        let (yp, _y) = y.addr_mut(stream);
+        let mut args = vec![Arg::U64(xp), Arg::U64(yp)];
+        args.extend(pool_dims(shape));
+        let cfg = self.grid(shape.output_elems());
+        // SAFETY: `x` holds the shape's input and `y` room for its output (checked above);
+        // `y` is an exclusive borrow, so it cannot overlap `x`; the kernel reads x inside the
+        // input (windows are clipped to it) and writes y[0..output_elems); both stay alive for
+        // the call, and cudarc frees a buffer on its own stream after enqueued work.
+        unsafe { self.launch_raw(stream, &self.f.max_pool_forward, OP, cfg, &args) }
+    }
+
+    /// Max-pool backward (twin: [`crate::range::max_pool_backward`]): the forward input `x`
+    /// and the output gradient `dy` → the input gradient `dx`.
+    ///
+    /// # Errors
+    /// As [`AmpKernels::max_pool_forward`].
+    pub fn max_pool_backward(
+        &self,
+        stream: &CudaStream,
+        shape: &PoolShape,
+        x: DevRange<'_>,
+        dy: DevRange<'_>,
+        mut dx: DevRangeMut<'_>,
+    ) -> Result<(), AmpError> {
+        const OP: &str = entry::MAX_POOL_BACKWARD;
+        shape.validate(OP)?;
+        self.check_streams(
+            stream,
+            &[
+                ("x", x.buf_stream()),
+                ("dy", dy.buf_stream()),
+                ("dx", dx.buf_stream()),
+            ],
+        )?;
+        expect_elems(OP, "x", x.range, 2, shape.input_elems())?;
+        expect_elems(OP, "dy", dy.range, 2, shape.output_elems())?;
+        expect_elems(OP, "dx", dx.range, 2, shape.input_elems())?;
+        let (xp, _x) = x.addr(stream);
+        let (gp, _g) = dy.addr(stream);
+        let (dp, _d) = dx.addr_mut(stream);
+        let mut args = vec![Arg::U64(xp), Arg::U64(gp), Arg::U64(dp)];
+        args.extend(pool_dims(shape));
+        let cfg = self.grid(shape.input_elems());
+        // SAFETY: the three ranges hold the shape's element counts (checked above); `dx` is an
+        // exclusive borrow, so it overlaps neither input; the kernel reads x and dy inside them
+        // and writes dx[0..input_elems); all stay alive for the call.
+        unsafe { self.launch_raw(stream, &self.f.max_pool_backward, OP, cfg, &args) }
+    }
+
     /// Appends one batch's loss and accuracy to a metrics log (twin:
     /// [`crate::range::head_metrics`] then [`crate::range::metrics_log_append`]): `logits`
     /// FP16 `[batch, classes]`, `labels` i32 `[batch]`, `loss` (optional) the per-row FP32
@@ -1757,6 +1829,21 @@ pub(crate) struct FcParams {
     pub(crate) dw: u64,
     /// FP32 bias gradient `[classes]`.
     pub(crate) db: u64,
+}
+
+/// The size arguments of the pool kernels: (batch, h, w, c, oh, ow, kernel, stride, pad).
+fn pool_dims(shape: &PoolShape) -> [Arg; 9] {
+    [
+        Arg::size(shape.batch),
+        Arg::size(shape.h),
+        Arg::size(shape.w),
+        Arg::size(shape.channels),
+        Arg::size(shape.out_h()),
+        Arg::size(shape.out_w()),
+        Arg::size(shape.kernel),
+        Arg::size(shape.stride),
+        Arg::size(shape.pad),
+    ]
 }
 
 /// The range holds exactly `expected` elements of `size` bytes, on element boundaries.

@@ -32,6 +32,7 @@ mod cast;
 mod check;
 mod head;
 mod optim;
+mod pool;
 mod scalars;
 mod scale;
 mod seed;
@@ -46,6 +47,7 @@ pub use head::{
     HeadShape, MetricsLog, METRICS_LOG_ENTRY, METRICS_LOG_HEADER,
 };
 pub use optim::{ema_update, sgd_step, zero_bytes, zero_f16, zero_f32, SgdConfig, StepOutcome};
+pub use pool::{max_pool_backward, max_pool_forward, PoolShape};
 pub use scalars::{s_layout, Scalars, S_REGION_BYTES};
 pub use scale::{
     update_loss_scale, LossScalePolicy, ScaleGrowth, ScaleUpdate, BACKOFF_FACTOR,
