@@ -2,8 +2,10 @@
 //! device-properties JSON file, without a GPU: the network compiled once on the fused route
 //! with its fallbacks (per layer, and per prologue pair) and once on the unfused route. Prints
 //! one row per distinct layer: its role in the block, shape, route, graphs with their engines,
-//! and workspace; then `supported A/B fused, C/B unfused`: A of B layers run fused, C have
-//! every unfused graph planned.
+//! and workspace, and whether it reads the previous BN through its prologue or a stored
+//! activation; then `supported A/B fused (P/Q prologue pairs), C/B unfused`: A of B layers run
+//! fused, P of the Q conv pairs inside blocks take the prologue (the others store the
+//! activation between them), C layers have every unfused graph planned.
 //!
 //! ```text
 //! cargo run --release --example deviceless_plans -- [--net NAME] [--props FILE] [--batch N]
@@ -24,7 +26,7 @@
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::fusion::Target;
-use cudnn_cbr::net::{compile, CompiledNet, Preset, RoutePolicy};
+use cudnn_cbr::net::{compile, CompiledNet, LayerRole, Preset, RoutePolicy};
 use std::collections::HashSet;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -81,8 +83,8 @@ fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Option<Args>, St
 /// One row per distinct layer (role, config, route) of `net`.
 fn print_table(label: &str, net: &CompiledNet) {
     println!(
-        "{label}: {:<14} {:<5} {:<30} {:<7} {:>10}  graphs (role:graph:engine)",
-        "layer", "role", "shape", "route", "workspace"
+        "{label}: {:<14} {:<5} {:<30} {:<7} {:<8} {:>10}  graphs (role:graph:engine)",
+        "layer", "role", "shape", "route", "input", "workspace"
     );
     let mut seen = HashSet::new();
     for l in &net.layers {
@@ -104,12 +106,19 @@ fn print_table(label: &str, net: &CompiledNet) {
             .plans()
             .map(|(role, p)| format!("{role:?}:{}:{}", p.graph_name(), p.engine_tag()))
             .collect();
+        // A conv reads the previous BN through its prologue, or a stored activation.
+        let input = if l.prev.is_some() {
+            "prologue"
+        } else {
+            "stored"
+        };
         println!(
-            "{label}: {:<14} {:<5} {:<30} {:<7} {:>10}  {}",
+            "{label}: {:<14} {:<5} {:<30} {:<7} {:<8} {:>10}  {}",
             l.name,
             l.role.name(),
             cfg.shape.label(),
             l.layer.route().name(),
+            input,
             l.layer.workspace_size(),
             graphs.join(" ")
         );
@@ -170,6 +179,8 @@ fn main() -> ExitCode {
     );
     let start = Instant::now();
     let mut counts = Vec::new();
+    // (prologue pairs fused, pairs in the network) on the fused route.
+    let mut pairs = (0, 0);
     for (label, policy) in [
         (
             "fused",
@@ -202,6 +213,15 @@ fn main() -> ExitCode {
                     "{label}: {n} layers planned in {:.1} s",
                     t.elapsed().as_secs_f64()
                 );
+                if label == "fused" {
+                    pairs = (
+                        net.layers.iter().filter(|l| l.prev.is_some()).count(),
+                        net.layers
+                            .iter()
+                            .filter(|l| matches!(l.role, LayerRole::Inner | LayerRole::Last))
+                            .count(),
+                    );
+                }
                 counts.push((if label == "fused" { fused } else { n }, n));
             }
             Err(e) => {
@@ -221,9 +241,11 @@ fn main() -> ExitCode {
     );
     let (f, u) = (counts[0], counts[1]);
     println!(
-        "supported {}/{} fused, {}/{} unfused",
+        "supported {}/{} fused ({}/{} prologue pairs), {}/{} unfused",
         f.0,
         f.1,
+        pairs.0,
+        pairs.1,
         u.0,
         u.1.max(f.1)
     );

@@ -1,39 +1,81 @@
 //! Tier 2: real networks compiled with every graph planned deviceless. ResNet-50 at batch 256
-//! on the H200 fixture: every layer of every block (stem, first, inner, last with its residual
-//! apply and backward, projection) gets a route whose graphs all have engines; the report is
-//! one row per distinct layer with its route, graphs, engines and workspace.
+//! on the H200, A100 and B200 fixtures, on the fused route (with its fallbacks) and on the
+//! unfused route: every layer of every block (stem, first, inner, last with its residual
+//! apply and backward, projection) gets a route whose graphs all have engines. On the H200 the
+//! report is one row per distinct layer with its route, graphs, engines and workspace.
 
 mod common;
 
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::fusion::Target;
-use cudnn_cbr::net::{compile, LayerRole, Preset, RoutePolicy, Step};
+use cudnn_cbr::net::{compile, CompiledNet, LayerRole, Preset, RoutePolicy, Step};
 use std::collections::HashSet;
 use std::time::Instant;
 
+/// Every fixture, both routes: the whole of ResNet-50 at batch 256 plans on the fused route
+/// (with its per-layer and per-pair fallbacks) and on the unfused route. Measured with cuDNN
+/// 9.28.1: sm_80 and sm_90 take the prologue on all 32 conv pairs; sm_100 has no engine for
+/// the prologue forms, so every pair stores its activation there (0/32) while each conv still
+/// runs conv + GenStats.
 #[test]
-fn resnet50_at_batch_256_plans_on_the_h200() {
-    let Some(_) = common::cudnn_or_skip("resnet50_at_batch_256_plans_on_the_h200") else {
+fn resnet50_plans_on_every_fixture_and_route() {
+    let Some(_) = common::cudnn_or_skip("resnet50_plans_on_every_fixture_and_route") else {
         return;
     };
-    let target = Target::deviceless_from_file(&common::devprops_fixtures()[0].1).unwrap();
-    let cache = PlanCache::new();
     let spec = Preset::ResNet50.spec(3, 1000, 0);
-    let start = Instant::now();
-    let net = compile(
-        &spec,
-        256,
-        224,
-        &RoutePolicy::Planned {
-            target: &target,
-            cache: &cache,
-        },
-    )
-    .unwrap_or_else(|e| panic!("ResNet-50 does not plan on the H200: {e}"));
-    let secs = start.elapsed().as_secs_f64();
-    // 1 stem + 16 blocks × 3 convs + 4 projections.
-    assert_eq!(net.layers.len(), 53);
+    for ((label, path), expected_pairs) in common::devprops_fixtures().into_iter().zip([32, 32, 0])
+    {
+        let target = Target::deviceless_from_file(&path).unwrap();
+        let cache = PlanCache::new();
+        for route in [None, Some(RouteKind::Unfused)] {
+            let start = Instant::now();
+            let policy = match route {
+                None => RoutePolicy::Planned {
+                    target: &target,
+                    cache: &cache,
+                },
+                Some(route) => RoutePolicy::PlannedRoute {
+                    target: &target,
+                    cache: &cache,
+                    route,
+                },
+            };
+            let net = compile(&spec, 256, 224, &policy)
+                .unwrap_or_else(|e| panic!("{label} {route:?}: {e}"));
+            let pairs = net.layers.iter().filter(|l| l.prev.is_some()).count();
+            let fused = net
+                .layers
+                .iter()
+                .filter(|l| l.layer.route().kind() == RouteKind::Fused)
+                .count();
+            println!(
+                "{label} {}: {} layers, {fused} fused, {pairs}/32 prologue pairs, {:.1} s",
+                route.map_or("fused with fallbacks", |r| r.name()),
+                net.layers.len(),
+                start.elapsed().as_secs_f64()
+            );
+            assert_eq!(net.layers.len(), 53);
+            for l in &net.layers {
+                assert_eq!(l.layer.plans().count(), l.layer.steps().len(), "{}", l.name);
+            }
+            match route {
+                None if label.starts_with("H200") => {
+                    assert_eq!(pairs, expected_pairs, "{label}");
+                    h200_report_and_dataflow(&net);
+                }
+                None => assert_eq!(pairs, expected_pairs, "{label}"),
+                Some(_) => assert_eq!((pairs, fused), (0, 0), "{label}: unfused means no pair"),
+            }
+        }
+    }
+}
+
+/// The H200's fused ResNet-50: one row per distinct layer (role, shape, route, graphs with
+/// their engines, workspace), and the real block dataflow: every layer fused, conv1 and the
+/// projection read the stored block input, conv2/conv3 take the prologue; every layer runs
+/// once forward and once backward, with one gradient join per block.
+fn h200_report_and_dataflow(net: &CompiledNet) {
     assert_eq!((net.features, net.out_hw), (2048, 7));
     let mut seen = HashSet::new();
     println!(
@@ -49,8 +91,6 @@ fn resnet50_at_batch_256_plans_on_the_h200() {
             cfg.apply,
             cfg.input,
         );
-        // Every layer has plans for every step of its route.
-        assert_eq!(l.layer.plans().count(), l.layer.steps().len(), "{}", l.name);
         if !seen.insert(key) {
             continue;
         }
@@ -70,14 +110,7 @@ fn resnet50_at_batch_256_plans_on_the_h200() {
             graphs.join(" ")
         );
     }
-    let stats = cache.stats();
-    println!(
-        "ResNet-50 batch 256 on the H200 fixture: {} layers ({} distinct), planned in {secs:.1} s; cache {stats:?}",
-        net.layers.len(),
-        seen.len()
-    );
-    // The fused route covers the whole network on sm_90 (measured), with the real dataflow:
-    // conv1 and the projection read the stored block input, conv2/conv3 take the prologue.
+    println!("{} layers, {} distinct", net.layers.len(), seen.len());
     for l in &net.layers {
         assert_eq!(
             l.layer.route().kind(),
@@ -92,7 +125,6 @@ fn resnet50_at_batch_256_plans_on_the_h200() {
             LayerRole::Inner | LayerRole::Last => assert!(through, "{}", l.name),
         }
     }
-    // Every layer runs once forward and once backward.
     let count = |steps: &[Step]| {
         steps
             .iter()
@@ -100,11 +132,16 @@ fn resnet50_at_batch_256_plans_on_the_h200() {
             .count()
     };
     assert_eq!((count(&net.forward), count(&net.backward)), (53, 53));
-    // 16 gradient joins (one per block) and the stem's max-pool.
     let adds = net
         .backward
         .iter()
         .filter(|s| matches!(s, Step::Add { .. }))
         .count();
     assert_eq!(adds, 16);
+    let pools = net
+        .forward
+        .iter()
+        .filter(|s| matches!(s, Step::MaxPool { .. }))
+        .count();
+    assert_eq!(pools, 1);
 }
