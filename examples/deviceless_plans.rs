@@ -26,8 +26,7 @@
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::fusion::Target;
-use cudnn_cbr::net::{compile, CompiledNet, LayerRole, Preset, RoutePolicy};
-use std::collections::HashSet;
+use cudnn_cbr::net::{compile, CompiledNet, LayerRole, NetLayer, Preset, RoutePolicy};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -80,48 +79,11 @@ fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Option<Args>, St
     Ok(Some(parsed))
 }
 
-/// One row per distinct layer (role, config, route) of `net`.
+/// One row per distinct layer of `net`, with why a layer is not fused on the fused route.
 fn print_table(label: &str, net: &CompiledNet) {
-    println!(
-        "{label}: {:<14} {:<5} {:<30} {:<7} {:<8} {:>10}  graphs (role:graph:engine)",
-        "layer", "role", "shape", "route", "input", "workspace"
-    );
-    let mut seen = HashSet::new();
-    for l in &net.layers {
-        let cfg = l.layer.config();
-        let key = format!(
-            "{} {:?} {} {:?} {:?} {}",
-            l.role.name(),
-            cfg.shape,
-            l.layer.route().name(),
-            cfg.apply,
-            cfg.input,
-            cfg.shortcut_bn
-        );
-        if !seen.insert(key) {
-            continue;
-        }
-        let graphs: Vec<String> = l
-            .layer
-            .plans()
-            .map(|(role, p)| format!("{role:?}:{}:{}", p.graph_name(), p.engine_tag()))
-            .collect();
-        // A conv reads the previous BN through its prologue, or a stored activation.
-        let input = if l.prev.is_some() {
-            "prologue"
-        } else {
-            "stored"
-        };
-        println!(
-            "{label}: {:<14} {:<5} {:<30} {:<7} {:<8} {:>10}  {}",
-            l.name,
-            l.role.name(),
-            cfg.shape.label(),
-            l.layer.route().name(),
-            input,
-            l.layer.workspace_size(),
-            graphs.join(" ")
-        );
+    println!("{label}: {}", NetLayer::report_header());
+    for l in net.distinct_layers() {
+        println!("{label}: {}", l.report_row());
         if let (true, Some(why)) = (label == "fused", l.layer.route().reason()) {
             println!(
                 "{label}:   why not fused: {}",

@@ -120,17 +120,25 @@ fn a_bottleneck_block_with_projection_matches_the_cpu_executor() {
                 .collect();
             if b.dtype == DataType::Half {
                 let h: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
-                gpu.upload(&b.name, &h.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>())
-                    .unwrap();
+                gpu.upload(
+                    &b.name,
+                    &h.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>(),
+                )
+                .unwrap();
                 cpu.set_half(&b.name, h).unwrap();
             } else {
-                gpu.upload(&b.name, &v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>())
-                    .unwrap();
+                gpu.upload(
+                    &b.name,
+                    &v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>(),
+                )
+                .unwrap();
                 cpu.set_float(&b.name, v).unwrap();
             }
         }
         let half = |n: usize, seed: &mut u64| -> Vec<f16> {
-            (0..n).map(|_| f16::from_f32(common::uniform(seed))).collect()
+            (0..n)
+                .map(|_| f16::from_f32(common::uniform(seed)))
+                .collect()
         };
         let net = cpu.net();
         let (input, d_out) = (net.input, net.output_grad);
@@ -158,7 +166,11 @@ fn a_bottleneck_block_with_projection_matches_the_cpu_executor() {
             let on_gpu = decode(&gpu.download(&b.name).unwrap(), b.dtype);
             let on_cpu = cpu.values(&b.name).unwrap();
             let err = rel_l2(&on_gpu, &on_cpu);
-            println!("{:<8} {:<28} rel L2 {err:.2e}", if fused { "fused" } else { "unfused" }, b.name);
+            println!(
+                "{:<8} {:<28} rel L2 {err:.2e}",
+                if fused { "fused" } else { "unfused" },
+                b.name
+            );
             // FP16 stores on both sides with FP32 accumulation in different orders: forward
             // values agree to a few 2^-11; gradients (and the coefficients derived from them) go
             // through more FP16 stores and near-zero ReLU decisions: 2e-2, as the layer parity

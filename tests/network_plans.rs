@@ -9,8 +9,7 @@ mod common;
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::fusion::Target;
-use cudnn_cbr::net::{compile, CompiledNet, LayerRole, Preset, RoutePolicy, Step};
-use std::collections::HashSet;
+use cudnn_cbr::net::{compile, CompiledNet, LayerRole, NetLayer, Preset, RoutePolicy, Step};
 use std::time::Instant;
 
 /// Every fixture, both routes: the whole of ResNet-50 at batch 256 plans on the fused route
@@ -77,40 +76,13 @@ fn resnet50_plans_on_every_fixture_and_route() {
 /// once forward and once backward, with one gradient join per block.
 fn h200_report_and_dataflow(net: &CompiledNet) {
     assert_eq!((net.features, net.out_hw), (2048, 7));
-    let mut seen = HashSet::new();
-    println!(
-        "{:<14} {:<5} {:<28} {:<7} {:>5} {:>10}  graphs (role graph engine)",
-        "layer", "role", "shape", "route", "plans", "max ws"
-    );
-    for l in &net.layers {
-        let cfg = l.layer.config();
-        let key = (
-            l.role.name(),
-            cfg.shape,
-            l.layer.route().name(),
-            cfg.apply,
-            cfg.input,
-        );
-        if !seen.insert(key) {
-            continue;
-        }
-        let graphs: Vec<String> = l
-            .layer
-            .plans()
-            .map(|(role, p)| format!("{role:?}:{}:{}", p.graph_name(), p.engine_tag()))
-            .collect();
-        println!(
-            "{:<14} {:<5} {:<28} {:<7} {:>5} {:>10}  {}",
-            l.name,
-            l.role.name(),
-            cfg.shape.label(),
-            l.layer.route().name(),
-            l.layer.plans().count(),
-            l.layer.workspace_size(),
-            graphs.join(" ")
-        );
+    println!("{}", NetLayer::report_header());
+    let distinct = net.distinct_layers();
+    for l in &distinct {
+        println!("{}", l.report_row());
     }
-    println!("{} layers, {} distinct", net.layers.len(), seen.len());
+    println!("{} layers, {} distinct", net.layers.len(), distinct.len());
+    assert_eq!(distinct.len(), 28);
     for l in &net.layers {
         assert_eq!(
             l.layer.route().kind(),

@@ -81,6 +81,46 @@ pub struct NetLayer {
     pub table: BTreeMap<&'static str, BufId>,
 }
 
+impl NetLayer {
+    /// The column titles of [`NetLayer::report_row`].
+    pub fn report_header() -> String {
+        format!(
+            "{:<14} {:<5} {:<30} {:<7} {:<8} {:>10}  graphs (role:graph:engine)",
+            "layer", "role", "shape", "route", "input", "workspace"
+        )
+    }
+
+    /// One report row: name, role, shape, route, whether the conv reads the previous BN
+    /// through its prologue or a stored activation, the largest workspace, and every plan as
+    /// `role:graph:engine` (the steps' roles only, for a layer made for the CPU).
+    pub fn report_row(&self) -> String {
+        let input = if self.prev.is_some() {
+            "prologue"
+        } else {
+            "stored"
+        };
+        let graphs: Vec<String> = self
+            .layer
+            .steps()
+            .iter()
+            .map(|s| match &s.plan {
+                Some(p) => format!("{:?}:{}:{}", s.role, p.graph_name(), p.engine_tag()),
+                None => format!("{:?}", s.role),
+            })
+            .collect();
+        format!(
+            "{:<14} {:<5} {:<30} {:<7} {:<8} {:>10}  {}",
+            self.name,
+            self.role.name(),
+            self.layer.config().shape.label(),
+            self.layer.route().name(),
+            input,
+            self.layer.workspace_size(),
+            graphs.join(" ")
+        )
+    }
+}
+
 /// A conv's role in the network.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum LayerRole {
@@ -248,6 +288,24 @@ impl CompiledNet {
     /// The layer with this name.
     pub fn layer(&self, name: &str) -> Option<&NetLayer> {
         self.layers.iter().find(|l| l.name == name)
+    }
+
+    /// The first layer of each distinct (role, config, route, pairing), in forward order: the
+    /// rows of a report (ResNet-50's 53 convs are 28 distinct layers).
+    pub fn distinct_layers(&self) -> Vec<&NetLayer> {
+        let mut seen = std::collections::HashSet::new();
+        self.layers
+            .iter()
+            .filter(|l| {
+                seen.insert(format!(
+                    "{} {:?} {} {}",
+                    l.role.name(),
+                    l.layer.config(),
+                    l.layer.route().name(),
+                    l.prev.is_some()
+                ))
+            })
+            .collect()
     }
 
     /// Bytes of every buffer of one role.

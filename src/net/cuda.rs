@@ -236,15 +236,25 @@ impl CudaNet {
         ))
     }
 
-    /// A step's output must not be one of its inputs.
-    fn distinct(&self, input: BufId, output: BufId) -> Result<()> {
-        if input == output {
+    /// Runs `f` with the whole of `out`'s allocation as the output while the executor stays
+    /// readable for the inputs (`out` must be none of `inputs`): the slot is taken out for the
+    /// call and put back, whatever `f` returns.
+    fn write_into(
+        &mut self,
+        out: BufId,
+        inputs: &[BufId],
+        f: impl FnOnce(&Self, DevRangeMut<'_>) -> Result<()>,
+    ) -> Result<()> {
+        if inputs.contains(&out) {
             return Err(CudaNetError::Binding(format!(
                 "a step writes `{}`, which it also reads",
-                self.net.buffers[output].name
+                self.net.buffers[out].name
             )));
         }
-        Ok(())
+        let mut o = self.bufs[out].take().ok_or_else(|| self.not_own(out))?;
+        let done = f(self, DevRangeMut::whole(&mut o));
+        self.bufs[out] = Some(o);
+        done
     }
 
     fn id(&self, name: &str) -> Result<BufId> {
@@ -318,24 +328,14 @@ impl NetExecutor for CudaNet {
     }
 
     fn add(&mut self, a: BufId, b: BufId, out: BufId) -> Result<()> {
-        self.distinct(a, out)?;
-        self.distinct(b, out)?;
-        // Take the output out for the call (three distinct slots), then put it back.
-        let mut o = self.bufs[out].take().ok_or_else(|| self.not_own(out))?;
-        let done = match (self.buffer(a), self.buffer(b)) {
-            (Ok(x), Ok(y)) => self
-                .kernels
-                .add_f16(
-                    &self.stream,
-                    DevRange::whole(x),
-                    DevRange::whole(y),
-                    DevRangeMut::whole(&mut o),
-                )
-                .map_err(CudaNetError::from),
-            (Err(e), _) | (_, Err(e)) => Err(e),
-        };
-        self.bufs[out] = Some(o);
-        done
+        self.write_into(out, &[a, b], |net, o| {
+            Ok(net.kernels.add_f16(
+                &net.stream,
+                DevRange::whole(net.buffer(a)?),
+                DevRange::whole(net.buffer(b)?),
+                o,
+            )?)
+        })
     }
 
     fn max_pool(
@@ -346,24 +346,14 @@ impl NetExecutor for CudaNet {
         output: BufId,
     ) -> Result<()> {
         let p = pool_shape(pool, shape);
-        self.distinct(input, output)?;
-        let mut y = self.bufs[output]
-            .take()
-            .ok_or_else(|| self.not_own(output))?;
-        let done = match self.buffer(input) {
-            Ok(x) => self
-                .kernels
-                .max_pool_forward(
-                    &self.stream,
-                    &p,
-                    DevRange::whole(x),
-                    DevRangeMut::whole(&mut y),
-                )
-                .map_err(CudaNetError::from),
-            Err(e) => Err(e),
-        };
-        self.bufs[output] = Some(y);
-        done
+        self.write_into(output, &[input], |net, y| {
+            Ok(net.kernels.max_pool_forward(
+                &net.stream,
+                &p,
+                DevRange::whole(net.buffer(input)?),
+                y,
+            )?)
+        })
     }
 
     fn max_pool_backward(
@@ -375,26 +365,15 @@ impl NetExecutor for CudaNet {
         grad_input: BufId,
     ) -> Result<()> {
         let p = pool_shape(pool, shape);
-        self.distinct(input, grad_input)?;
-        self.distinct(grad_output, grad_input)?;
-        let mut dx = self.bufs[grad_input]
-            .take()
-            .ok_or_else(|| self.not_own(grad_input))?;
-        let done = match (self.buffer(input), self.buffer(grad_output)) {
-            (Ok(x), Ok(dy)) => self
-                .kernels
-                .max_pool_backward(
-                    &self.stream,
-                    &p,
-                    DevRange::whole(x),
-                    DevRange::whole(dy),
-                    DevRangeMut::whole(&mut dx),
-                )
-                .map_err(CudaNetError::from),
-            (Err(e), _) | (_, Err(e)) => Err(e),
-        };
-        self.bufs[grad_input] = Some(dx);
-        done
+        self.write_into(grad_input, &[input, grad_output], |net, dx| {
+            Ok(net.kernels.max_pool_backward(
+                &net.stream,
+                &p,
+                DevRange::whole(net.buffer(input)?),
+                DevRange::whole(net.buffer(grad_output)?),
+                dx,
+            )?)
+        })
     }
 }
 
