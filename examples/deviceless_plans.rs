@@ -79,16 +79,20 @@ fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Option<Args>, St
     Ok(Some(parsed))
 }
 
-/// One row per distinct layer of `net`, with why a layer is not fused on the fused route.
+/// One row per distinct layer of `net`, with why a layer is not fused, or takes no prologue,
+/// on the fused route.
 fn print_table(label: &str, net: &CompiledNet) {
     println!("{label}: {}", NetLayer::report_header());
     for l in net.distinct_layers() {
         println!("{label}: {}", l.report_row());
-        if let (true, Some(why)) = (label == "fused", l.layer.route().reason()) {
-            println!(
-                "{label}:   why not fused: {}",
-                why.lines().next().unwrap_or("")
-            );
+        if label == "fused" {
+            if let Some(why) = l.layer.route().reason() {
+                let why = why.lines().next().unwrap_or("");
+                println!("{label}:   why not fused: {why}");
+            }
+            if let Some(why) = &l.stored_input_why {
+                println!("{label}:   why no prologue: {why}");
+            }
         }
     }
 }

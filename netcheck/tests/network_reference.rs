@@ -562,6 +562,9 @@ fn a_materialized_pair_reads_the_stored_activation() {
     assert_eq!(conv2.prev, None);
     assert_eq!(conv2.table["x"], conv1.table["a"]);
     assert_eq!(conv2.table["dx"], conv1.table["da"]);
+    // The compiler says why the pair stores its activation.
+    let why = conv2.stored_input_why.as_deref().unwrap_or_default();
+    assert!(why.contains("unfused"), "{why}");
     // conv2 is unfused, so conv3 (fused) cannot take its BN as a prologue either.
     assert_eq!(conv3.prev, None);
     assert_eq!(conv3.table["x"], conv2.table["a"]);

@@ -79,6 +79,10 @@ pub struct NetLayer {
     pub prev: Option<usize>,
     /// Every buffer name the layer binds → the network buffer.
     pub table: BTreeMap<&'static str, BufId>,
+    /// Why this conv reads the previous conv's stored activation instead of taking its BN as
+    /// a prologue (the pair's fallback); `None` where it takes the prologue or has no conv
+    /// before it in its block.
+    pub stored_input_why: Option<String>,
 }
 
 impl NetLayer {
@@ -601,7 +605,7 @@ impl Compiler<'_, '_> {
         shared: [(&'static str, BufId); N],
     ) -> Result<usize> {
         let layer = self.policy.layer(name, config)?;
-        self.push_layer(name, role, layer, prev, &shared)
+        self.push_layer(name, role, layer, prev, &shared, None)
     }
 
     fn push_layer(
@@ -611,6 +615,7 @@ impl Compiler<'_, '_> {
         layer: CbrLayer,
         prev: Option<usize>,
         shared: &[(&'static str, BufId)],
+        stored_input_why: Option<String>,
     ) -> Result<usize> {
         let mut table = BTreeMap::new();
         for spec in layer.buffers() {
@@ -659,6 +664,7 @@ impl Compiler<'_, '_> {
             layer,
             prev,
             table,
+            stored_input_why,
         });
         Ok(self.layers.len() - 1)
     }
@@ -776,6 +782,7 @@ impl Compiler<'_, '_> {
         let count = drafts.len();
         let mut configs: Vec<CbrConfig> = Vec::with_capacity(count);
         let mut planned: Vec<CbrLayer> = Vec::with_capacity(count);
+        let mut whys: Vec<Option<String>> = Vec::with_capacity(count);
         for (k, d) in drafts.iter().enumerate() {
             let mut cfg = if k == 0 {
                 CbrConfig::after_activation(d.shape)
@@ -786,9 +793,22 @@ impl Compiler<'_, '_> {
                 cfg = cfg.with_apply(residual.0);
             }
             let mut layer = self.policy.layer(&d.name, cfg)?;
+            let mut why = None;
             if k > 0 {
                 let prev_kind = planned[k - 1].route().kind();
                 if layer.route().kind() != RouteKind::Fused || prev_kind == RouteKind::Unfused {
+                    why = Some(match layer.route().reason() {
+                        Some(reason) if layer.route().kind() != RouteKind::Fused => format!(
+                            "with the prologue it runs {}: {}",
+                            layer.route().name(),
+                            reason.lines().next().unwrap_or("")
+                        ),
+                        _ => format!(
+                            "{} runs {} (no eq coefficients for a prologue)",
+                            drafts[k - 1].name,
+                            prev_kind.name()
+                        ),
+                    });
                     // Materialize the pair: the producer stores its activation, the consumer
                     // reads it like a block input.
                     let pcfg = configs[k - 1].with_apply(ApplyResidual::None);
@@ -803,13 +823,14 @@ impl Compiler<'_, '_> {
             }
             configs.push(cfg);
             planned.push(layer);
+            whys.push(why);
         }
         // Tables: a materialized pair shares the producer's activation (`a`) and its gradient
         // (`da` = the consumer's `dx`); the first conv reads the block input; the last writes
         // the block output.
         let mut ids = Vec::with_capacity(count);
         let mut pending: Vec<(&'static str, BufId)> = vec![("x", x)];
-        for (k, (d, layer)) in drafts.iter().zip(planned).enumerate() {
+        for (k, ((d, layer), why)) in drafts.iter().zip(planned).zip(whys).enumerate() {
             let mut shared = std::mem::take(&mut pending);
             let materialized = layer.config().apply.is_some() && d.role != LayerRole::Last;
             if d.role == LayerRole::Last {
@@ -817,7 +838,7 @@ impl Compiler<'_, '_> {
                 shared.extend(residual.1.iter().copied());
             }
             let prev = (k > 0 && layer.config().input == InputKind::ThroughBn).then(|| ids[k - 1]);
-            let id = self.push_layer(&d.name, d.role, layer, prev, &shared)?;
+            let id = self.push_layer(&d.name, d.role, layer, prev, &shared, why)?;
             if materialized {
                 let t = &self.layers[id].table;
                 pending = vec![("x", t["a"]), ("dx", t["da"])];
