@@ -3,6 +3,15 @@
 //! A hit is one u64 hash and one string comparison under a read lock. With persistence, each
 //! plan's JSON is written to a folder, so a later process re-creates the plan in about a
 //! millisecond instead of running heuristics and (for runtime-compiled engines) NVRTC again.
+//!
+//! The folder is never trusted. Each file carries its full key (graph signature, target
+//! identity with the cuDNN version) and a checksum of the plan; on restore the plan's own
+//! tensors (uid, dims, strides, dtype, virtual or not) must be exactly the graph's real
+//! tensors. A file that fails any check, or cannot be read or parsed, is moved aside
+//! (`*.rejected-*`) with a warning and the plan is rebuilt. Writes go to a temporary file
+//! unique to the writer (process, thread, counter) and are renamed into place, so concurrent
+//! writers never see or leave half a file; a failed write keeps the built plan in memory and
+//! warns. Nothing about the folder makes planning fail.
 
 use crate::error::{Error, Result};
 use crate::graph::{fnv1a, Graph, GraphSignature};
@@ -66,6 +75,11 @@ pub struct CacheStats {
     pub restored: u64,
     /// Plans built from scratch (heuristics + finalize).
     pub built: u64,
+    /// Persisted files rejected (unreadable, corrupt, tampered, for another graph) and moved
+    /// aside; their plans were rebuilt.
+    pub rejected: u64,
+    /// Plans that could not be written to the folder (kept in memory).
+    pub write_failures: u64,
 }
 
 /// A thread-safe plan cache, optionally persisted to a folder.
@@ -76,6 +90,8 @@ pub struct PlanCache {
     hits: AtomicU64,
     restored: AtomicU64,
     built: AtomicU64,
+    rejected: AtomicU64,
+    write_failures: AtomicU64,
 }
 
 impl PlanCache {
@@ -84,13 +100,19 @@ impl PlanCache {
         Self::default()
     }
 
-    /// A cache that also writes each built plan's JSON under `dir` and reads it back on a miss.
+    /// A cache that also writes each built plan's JSON under `dir` and reads it back on a
+    /// miss. A folder that cannot be created leaves an in-memory cache, with one warning
+    /// ([`PlanCache::dir`] is then `None`); the `Result` never holds an error today and is
+    /// kept for callers written against the earlier contract.
     pub fn persistent(dir: impl Into<PathBuf>) -> Result<Self> {
         let dir = dir.into();
-        std::fs::create_dir_all(&dir).map_err(|e| Error::CacheFile {
-            path: dir.display().to_string(),
-            reason: format!("cannot create the folder: {e}"),
-        })?;
+        if let Err(e) = std::fs::create_dir_all(&dir) {
+            eprintln!(
+                "warning: plan cache: cannot create {}: {e}; plans stay in memory only",
+                dir.display()
+            );
+            return Ok(Self::default());
+        }
         Ok(PlanCache {
             dir: Some(dir),
             ..Self::default()
@@ -116,10 +138,14 @@ impl PlanCache {
         found
     }
 
-    /// Puts a plan in memory (and on disk when persistent); returns the shared plan.
+    /// Puts a plan in memory (and on disk when persistent; a failed write is a warning and
+    /// the plan stays in memory); returns the shared plan.
     pub fn insert(&self, key: PlanKey, plan: ExecutionPlan) -> Result<Arc<ExecutionPlan>> {
         if let Some(dir) = &self.dir {
-            write_plan(dir, &key, &plan)?;
+            if let Err(e) = write_plan(dir, &key, &plan) {
+                self.write_failures.fetch_add(1, Ordering::Relaxed);
+                eprintln!("warning: plan cache: {e}; the plan stays in memory only");
+            }
         }
         let plan = Arc::new(plan);
         self.map
@@ -137,7 +163,16 @@ impl PlanCache {
             return Ok(plan);
         }
         if let Some(dir) = &self.dir {
-            if let Some(plan) = read_plan(dir, &key, graph, target)? {
+            let restored = match read_plan(dir, &key, graph, target) {
+                Ok(plan) => plan,
+                Err(reason) => {
+                    self.rejected.fetch_add(1, Ordering::Relaxed);
+                    let aside = move_aside(&dir.join(key.file_name()));
+                    eprintln!("warning: plan cache: {reason}; {aside}; rebuilding the plan");
+                    None
+                }
+            };
+            if let Some(plan) = restored {
                 self.restored.fetch_add(1, Ordering::Relaxed);
                 let plan = Arc::new(plan);
                 self.map
@@ -169,6 +204,8 @@ impl PlanCache {
             hits: self.hits.load(Ordering::Relaxed),
             restored: self.restored.load(Ordering::Relaxed),
             built: self.built.load(Ordering::Relaxed),
+            rejected: self.rejected.load(Ordering::Relaxed),
+            write_failures: self.write_failures.load(Ordering::Relaxed),
         }
     }
 }
@@ -180,35 +217,68 @@ fn file_error(path: &Path, reason: String) -> Error {
     }
 }
 
+/// A name no other writer uses at the same time: process, thread and a per-process counter.
+fn temp_name(path: &Path) -> PathBuf {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let thread = format!("{:?}", std::thread::current().id());
+    let thread: String = thread.chars().filter(char::is_ascii_digit).collect();
+    path.with_extension(format!("tmp-{}-{thread}-{n}", std::process::id()))
+}
+
+/// Moves a rejected file out of the way (renamed beside itself); says what happened.
+fn move_aside(path: &Path) -> String {
+    let aside = path.with_extension(format!(
+        "rejected-{}",
+        temp_name(path)
+            .extension()
+            .and_then(|e| e.to_str())
+            .unwrap_or("x")
+    ));
+    match std::fs::rename(path, &aside) {
+        Ok(()) => format!("moved it to {}", aside.display()),
+        Err(e) => format!("could not move it aside ({e})"),
+    }
+}
+
 fn write_plan(dir: &Path, key: &PlanKey, plan: &ExecutionPlan) -> Result<()> {
     let path = dir.join(key.file_name());
+    let json = plan.json()?;
     let doc = serde_json::json!({
         "signature": key.signature().text(),
         "target": key.target(),
         "graph": plan.graph_name(),
-        "plan": plan.json()?,
+        "checksum": format!("{:016x}", fnv1a(json.as_bytes())),
+        "plan": json,
     });
-    // Write then rename, so a concurrent reader never sees half a file.
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, doc.to_string())
-        .and_then(|_| std::fs::rename(&tmp, &path))
-        .map_err(|e| file_error(&path, format!("cannot write: {e}")))
+    // Write then rename, so a concurrent reader never sees half a file; the temporary name
+    // is this writer's alone.
+    let tmp = temp_name(&path);
+    let written = std::fs::write(&tmp, doc.to_string()).and_then(|_| std::fs::rename(&tmp, &path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written.map_err(|e| file_error(&path, format!("cannot write: {e}")))
 }
 
-/// A persisted plan for `key`, if the file exists and was written for exactly this key.
+/// A persisted plan for `key`: `Ok(None)` when there is no file, or the file belongs to
+/// another key (a hash collision; it will be overwritten); `Err(why)` when the file is
+/// unreadable, corrupt, tampered with or does not describe `graph`.
 fn read_plan(
     dir: &Path,
     key: &PlanKey,
     graph: &Graph,
     target: &Target,
-) -> Result<Option<ExecutionPlan>> {
+) -> std::result::Result<Option<ExecutionPlan>, String> {
     let path = dir.join(key.file_name());
-    let Ok(text) = std::fs::read_to_string(&path) else {
-        return Ok(None);
+    let at = |why: String| format!("{}: {why}", path.display());
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(at(format!("cannot read: {e}"))),
     };
-    let doc: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| file_error(&path, format!("not valid JSON: {e}")))?;
-    // A hash collision or a stale file for another key: ignore it, it will be overwritten.
+    let doc: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| at(format!("not valid JSON: {e}")))?;
     if doc["signature"].as_str() != Some(key.signature().text())
         || doc["target"].as_str() != Some(key.target())
     {
@@ -216,8 +286,83 @@ fn read_plan(
     }
     let json = doc["plan"]
         .as_str()
-        .ok_or_else(|| file_error(&path, "no `plan` field".into()))?;
+        .ok_or_else(|| at("no `plan` field".into()))?;
+    let checksum = format!("{:016x}", fnv1a(json.as_bytes()));
+    if doc["checksum"].as_str() != Some(checksum.as_str()) {
+        return Err(at("the plan does not match its checksum".into()));
+    }
+    check_plan_tensors(json, graph).map_err(at)?;
     let desc = crate::backend::plan_from_json(json, target.plan_site())
-        .map_err(|e| file_error(&path, format!("cuDNN could not restore the plan: {e}")))?;
-    ExecutionPlan::from_parts(desc, graph.name().to_string(), real_tensor_layout(graph)).map(Some)
+        .map_err(|e| at(format!("cuDNN could not restore the plan: {e}")))?;
+    ExecutionPlan::from_parts(desc, graph.name().to_string(), real_tensor_layout(graph))
+        .map(Some)
+        .map_err(|e| at(e.to_string()))
+}
+
+/// cuDNN's name of a data type in plan JSON.
+fn cudnn_dtype_name(d: crate::graph::DataType) -> &'static str {
+    use crate::graph::DataType as D;
+    match d {
+        D::Half => "CUDNN_DATA_HALF",
+        D::BFloat16 => "CUDNN_DATA_BFLOAT16",
+        D::Float => "CUDNN_DATA_FLOAT",
+        D::Double => "CUDNN_DATA_DOUBLE",
+        D::Int32 => "CUDNN_DATA_INT32",
+        D::Int64 => "CUDNN_DATA_INT64",
+        D::Boolean => "CUDNN_DATA_BOOLEAN",
+    }
+}
+
+/// The plan's real tensors (its operation graph's non-virtual ones) must be exactly the
+/// graph's: same uids, dims, strides and dtypes. A plan whose dims were edited would read and
+/// write outside the buffers bound for the graph.
+fn check_plan_tensors(json: &str, graph: &Graph) -> std::result::Result<(), String> {
+    let plan: serde_json::Value =
+        serde_json::from_str(json).map_err(|e| format!("the plan is not valid JSON: {e}"))?;
+    let tensors = plan["operationGraph"]["tensors"]
+        .as_array()
+        .ok_or("the plan lists no tensors")?;
+    let ints = |v: &serde_json::Value| -> Option<Vec<i64>> {
+        v.as_array()?
+            .iter()
+            .map(serde_json::Value::as_i64)
+            .collect()
+    };
+    let mut real = Vec::new();
+    for t in tensors {
+        if t["isVirtual"].as_bool() == Some(true) {
+            continue;
+        }
+        let uid = t["name"].as_str().unwrap_or_default().to_string();
+        let dims = ints(&t["dim"]).ok_or_else(|| format!("tensor {uid} has no dims"))?;
+        let strides = ints(&t["stride"]).ok_or_else(|| format!("tensor {uid} has no strides"))?;
+        let dtype = t["dataType"].as_str().unwrap_or_default().to_string();
+        real.push((uid, dims, strides, dtype));
+    }
+    let expected = real_tensor_layout(graph);
+    if real.len() != expected.len() {
+        return Err(format!(
+            "the plan has {} real tensors, the graph {}",
+            real.len(),
+            expected.len()
+        ));
+    }
+    for t in &expected {
+        let uid = t.uid.to_string();
+        let (_, dims, strides, dtype) = real
+            .iter()
+            .find(|r| r.0 == uid)
+            .ok_or_else(|| format!("the plan has no tensor {uid} (`{}`)", t.name))?;
+        let attrs = graph.get(t.id).ok_or("a graph tensor vanished")?;
+        let want_strides = graph.strides(t.id).unwrap_or_default();
+        if *dims != attrs.dims || *strides != want_strides || dtype != cudnn_dtype_name(t.dtype) {
+            return Err(format!(
+                "tensor {uid} (`{}`) is {dtype} {dims:?} strides {strides:?} in the plan, {} {:?} strides {want_strides:?} in the graph",
+                t.name,
+                cudnn_dtype_name(t.dtype),
+                attrs.dims
+            ));
+        }
+    }
+    Ok(())
 }
