@@ -65,3 +65,55 @@ fn a_bad_configuration_is_a_typed_error() {
     .unwrap_err();
     assert!(err.to_string().contains("batch"), "{err}");
 }
+
+#[test]
+fn sizes_no_host_could_hold_are_typed_errors_before_any_allocation() {
+    use cudnn_cbr::train::Preset;
+    // (what, config, words the error must contain). Each used to abort the process: shape
+    // arithmetic that wrapped, or an allocation the host could never satisfy.
+    let base = TrainConfig::default();
+    let cases = [
+        (
+            "width 2^32",
+            TrainConfig {
+                width: 1 << 32,
+                ..base
+            },
+            "width",
+        ),
+        (
+            "batch 2^40",
+            TrainConfig {
+                batch: 1 << 40,
+                ..base
+            },
+            "batch",
+        ),
+        (
+            "hw 1e8",
+            TrainConfig {
+                hw: 100_000_000,
+                ..base
+            },
+            "elements",
+        ),
+        (
+            "hw 20000",
+            TrainConfig { hw: 20_000, ..base },
+            "host memory",
+        ),
+        (
+            "resnet50 at hw 4",
+            TrainConfig {
+                net: Preset::ResNet50,
+                hw: 1,
+                ..base
+            },
+            "image size",
+        ),
+    ];
+    for (what, cfg, words) in cases {
+        let err = train(&cfg, 1, |_| {}).unwrap_err();
+        assert!(err.to_string().contains(words), "{what}: {err}");
+    }
+}

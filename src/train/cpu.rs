@@ -25,6 +25,7 @@ pub(crate) struct CpuTrainer {
 impl CpuTrainer {
     pub(crate) fn new(cfg: &TrainConfig) -> Result<Self, TrainError> {
         cfg.validate()?;
+        cfg.check_host_memory(true)?;
         let data = data::Synthetic::new(cfg.hw, cfg.channels, cfg.classes, cfg.seed);
         let net = Net::new(cfg)?;
         let (plan, init) = plan_and_initial_weights(cfg)?;

@@ -340,6 +340,7 @@ impl CudaTrainer {
     /// a bad configuration; any failure of the setup.
     pub fn new(cfg: &TrainConfig) -> Result<Self, TrainError> {
         cfg.validate()?;
+        cfg.check_host_memory(false)?;
         let ctx = cuda_device(0).map_err(|e| match e {
             cudnn_cbr_fusion::Error::NoDevice { reason } => TrainError::NoDevice { reason },
             other => TrainError::Fusion(other),

@@ -179,6 +179,41 @@ impl TrainConfig {
         Ok(())
     }
 
+    /// Checks that the host can hold what the run allocates on it before anything is
+    /// allocated: the synthetic dataset's class templates and one batch, and, for the CPU
+    /// executor (`cpu_net`), every buffer of the network (FP16 storage, FP32 vectors) and as
+    /// much again for the reference ops' working copies.
+    ///
+    /// # Errors
+    /// [`TrainError::Config`] saying how much is needed and how much the host has available
+    /// (from `/proc/meminfo`; where that cannot be read, nothing is checked).
+    pub fn check_host_memory(&self, cpu_net: bool) -> Result<(), TrainError> {
+        let image = self.hw as u128 * self.hw as u128 * self.channels as u128;
+        // Templates are f32, batches f16 plus their f32 staging.
+        let mut need = image * 4 * self.classes as u128 + image * 6 * self.batch as u128;
+        if cpu_net {
+            let net = compile_net(self, &net::cpu_policy(self))?;
+            let buffers: u128 = net
+                .buffers
+                .iter()
+                .map(|b| b.elems as u128 * b.dtype.size() as u128)
+                .sum();
+            // The reference ops' working copies (im2col, widened inputs, results before they
+            // replace a buffer) take about as much again.
+            need += 2 * buffers;
+        }
+        match host_memory_available() {
+            Some(have) if need > u128::from(have) => Err(TrainError::Config(format!(
+                "the run needs {:.1} GiB of host memory ({} network); the host has {:.1} GiB \
+                 available",
+                need as f64 / (1u64 << 30) as f64,
+                if cpu_net { "with the" } else { "without the" },
+                have as f64 / (1u64 << 30) as f64
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// The SGD hyper-parameters of the run.
     pub fn sgd(&self) -> SgdConfig {
         SgdConfig {
@@ -188,6 +223,14 @@ impl TrainConfig {
             nesterov: false,
         }
     }
+}
+
+/// Host memory available now (`MemAvailable` of `/proc/meminfo`), in bytes.
+fn host_memory_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }
 
 /// One progress report.
