@@ -14,6 +14,7 @@
 //! handles and streams, backend descriptors, execute and CUDA-graph population.
 
 mod loader;
+pub mod preflight;
 mod status;
 pub mod wheels;
 

@@ -7,10 +7,13 @@
 //!    the user's site-packages, the system's site/dist-packages and virtualenvs under `/opt`
 //!    (where a PyTorch install keeps its cuDNN).
 //!
-//! Loading never panics: every failure is a [`LoadError`] that lists each path tried and why
-//! it was rejected.
+//! Loading never panics and never crashes the process: before `dlopen`, each file is checked to
+//! be a complete shared object for this machine, and before cuDNN's first call, the
+//! sub-libraries its graph API loads lazily are found and checked (see [`crate::preflight`]).
+//! Every failure is a [`LoadError`] that lists each path tried and why it was rejected.
 
 use crate::bindings::{cudnnStatus_t, CudnnLib};
+use crate::preflight;
 use crate::status::c_str_lossy;
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -55,6 +58,32 @@ pub enum LoadError {
         path: String,
         /// `cudnnGetVersion()`.
         version: usize,
+    },
+
+    /// A cuDNN whose sub-libraries are missing or unusable; calling into it would abort.
+    #[error("cuDNN at {path} cannot be used: its sub-library {sublibrary} {reason}")]
+    Incomplete {
+        /// Where the main library was found.
+        path: String,
+        /// The sub-library's file name, e.g. `libcudnn_graph.so.9`.
+        sublibrary: String,
+        /// What is wrong with it (not found where the shim looks, truncated, ...).
+        reason: String,
+    },
+    /// The main library and its graph sub-library are different cuDNN versions.
+    #[error(
+        "cuDNN at {path} is version {version} but its sub-library {sublibrary} is {sub_version}; \
+         install matching libraries"
+    )]
+    VersionMismatch {
+        /// Where the main library was found.
+        path: String,
+        /// `cudnnGetVersion()` of the main library.
+        version: usize,
+        /// The sub-library's path.
+        sublibrary: String,
+        /// Its own `cudnnGetVersion()`.
+        sub_version: usize,
     },
 }
 
@@ -175,10 +204,10 @@ impl SearchPaths {
             }
             match load_from(&candidate) {
                 Ok(lib) => return Ok(lib),
-                Err(LoadError::TooOld { path, version }) => {
-                    return Err(LoadError::TooOld { path, version })
-                }
+                // A cuDNN was found but cannot be used: say so rather than silently taking
+                // one from further down the search order.
                 Err(LoadError::NotFound { attempts: mut a }) => attempts.append(&mut a),
+                Err(other) => return Err(other),
             }
         }
         Err(LoadError::NotFound { attempts })
@@ -196,12 +225,40 @@ pub fn load_from(candidate: impl AsRef<Path>) -> Result<Library, LoadError> {
             reason,
         }],
     };
-    // SAFETY: loading a shared library runs its initialisers; cuDNN's are sound to run on any
-    // thread. CudnnLib checks that every bound symbol exists (require_all), so no call can
-    // reach a missing function.
+    // A bare name is checked where the system loader will find it (when that can be told).
+    let file = if shown.contains('/') {
+        Some(candidate.to_path_buf())
+    } else {
+        preflight::resolve_by_name(&shown)
+    };
+    if let Some(file) = &file {
+        preflight::check_shared_object(file).map_err(fail)?;
+    }
+    // SAFETY: the file is a complete shared object for this machine (checked above, so the
+    // dynamic loader maps no byte past its end); loading runs its initialisers, which are
+    // sound to run on any thread. CudnnLib checks that every bound symbol exists
+    // (require_all), so no call can reach a missing function.
     let api = unsafe { CudnnLib::new(candidate.as_os_str()) }.map_err(|e| fail(e.to_string()))?;
-    // SAFETY: cudnnGetVersion takes no arguments and has no preconditions.
+    let main = file.or_else(|| loaded_path(&api)).ok_or_else(|| {
+        fail("loaded, but its file could not be located to check its sub-libraries".into())
+    })?;
+    let graph = check_sublibraries(&main, &shown)?;
+    // SAFETY: cudnnGetVersion takes no arguments and has no preconditions; the sub-libraries
+    // it loads were found and checked above.
     let version = unsafe { (api.cudnnGetVersion)() };
+    let sub_version = sublibrary_version(&graph).map_err(|reason| LoadError::Incomplete {
+        path: shown.clone(),
+        sublibrary: preflight::GRAPH_LIBRARY.into(),
+        reason,
+    })?;
+    if sub_version != version {
+        return Err(LoadError::VersionMismatch {
+            path: shown,
+            version,
+            sublibrary: graph.display().to_string(),
+            sub_version,
+        });
+    }
     if version < MIN_VERSION {
         return Err(LoadError::TooOld {
             path: shown,
@@ -213,6 +270,67 @@ pub fn load_from(candidate: impl AsRef<Path>) -> Result<Library, LoadError> {
         path: shown,
         version,
     })
+}
+
+/// Finds and checks every sub-library the graph API needs; returns the graph library's path.
+fn check_sublibraries(main: &Path, shown: &str) -> Result<PathBuf, LoadError> {
+    let mut graph = None;
+    for name in preflight::GRAPH_SUBLIBRARIES {
+        let incomplete = |reason: String| LoadError::Incomplete {
+            path: shown.to_string(),
+            sublibrary: name.to_string(),
+            reason,
+        };
+        let found = preflight::locate_sublibrary(main, name).ok_or_else(|| {
+            incomplete(format!(
+                "is missing: not in {} nor in the system loader's folders",
+                main.parent().unwrap_or(Path::new("/")).display()
+            ))
+        })?;
+        preflight::check_shared_object(&found)
+            .map_err(|why| incomplete(format!("at {} is unusable: {why}", found.display())))?;
+        graph.get_or_insert(found);
+    }
+    Ok(graph.expect("the list of sub-libraries is not empty"))
+}
+
+/// The graph sub-library's own `cudnnGetVersion()`.
+fn sublibrary_version(path: &Path) -> Result<usize, String> {
+    // SAFETY: the file was checked to be a complete shared object; the graph library's
+    // initialisers are cuDNN's own (already about to be loaded by the main library).
+    let lib = unsafe { libloading::Library::new(path) }
+        .map_err(|e| format!("at {} does not load: {e}", path.display()))?;
+    // SAFETY: the symbol is cuDNN's `size_t cudnnGetVersion(void)`.
+    let get: libloading::Symbol<unsafe extern "C" fn() -> usize> =
+        unsafe { lib.get(b"cudnnGetVersion\0") }
+            .map_err(|e| format!("at {} has no version: {e}", path.display()))?;
+    // SAFETY: cudnnGetVersion takes no arguments and has no preconditions.
+    let version = unsafe { get() };
+    // Keep it loaded: the main library will use this very copy.
+    std::mem::forget(lib);
+    Ok(version)
+}
+
+/// The file the dynamic loader resolved `api` from (for a library loaded by bare name).
+fn loaded_path(api: &CudnnLib) -> Option<PathBuf> {
+    let mut info = libc::Dl_info {
+        dli_fname: std::ptr::null(),
+        dli_fbase: std::ptr::null_mut(),
+        dli_sname: std::ptr::null(),
+        dli_saddr: std::ptr::null_mut(),
+    };
+    let addr = api.cudnnGetVersion as *const libc::c_void;
+    // SAFETY: dladdr only reads the loader's tables for an address inside a loaded object
+    // and writes `info`; it is not called through.
+    let found = unsafe { libc::dladdr(addr, &mut info) };
+    if found == 0 || info.dli_fname.is_null() {
+        return None;
+    }
+    // SAFETY: dli_fname is a NUL-terminated string owned by the loader, valid while the
+    // library stays loaded (it is: `api` holds it).
+    let name = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) };
+    let path = PathBuf::from(name.to_string_lossy().into_owned());
+    path.is_absolute().then_some(path)
 }
 
 static LIBRARY: OnceLock<Result<Library, LoadError>> = OnceLock::new();

@@ -117,6 +117,9 @@ pub fn ensure_loadable(soname: &str) -> Result<Option<PathBuf>, String> {
 
 fn load_globally(path: &Path) -> Result<(), String> {
     use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
+    // A truncated file would crash dlopen; name it instead.
+    crate::preflight::check_shared_object(path)
+        .map_err(|why| format!("{}: {why}", path.display()))?;
     // SAFETY: as above; the library stays loaded for the rest of the process (the handle is
     // deliberately leaked) so the addresses later users resolve never go away.
     let lib = unsafe { Library::open(Some(path), RTLD_NOW | RTLD_GLOBAL) }

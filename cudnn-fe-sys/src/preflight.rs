@@ -1,0 +1,260 @@
+//! Checks made before a library file is handed to `dlopen` or before cuDNN's first call.
+//!
+//! Two faults otherwise kill the process instead of returning an error:
+//! - a truncated shared object: `dlopen` maps segments past the end of the file and the
+//!   process dies of SIGBUS while relocating it;
+//! - a `libcudnn.so.9` whose sub-libraries are missing: the shim loads them lazily and
+//!   aborts inside the first cuDNN call ("Invalid handle. Cannot load symbol ...").
+//!
+//! So every file is checked to be a complete ELF shared object for this machine (headers,
+//! program headers and every loadable segment inside the file), and the sub-libraries the
+//! graph API needs are found and checked the way the shim will look for them: next to it
+//! first (its RPATH is `$ORIGIN`), then the system loader's folders.
+
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+/// The sub-libraries cuDNN's graph API loads: the backend itself, the heuristics, and both
+/// engine families. (ops, cnn, adv, ext and tensor_ir serve the legacy and other APIs.)
+pub const GRAPH_SUBLIBRARIES: [&str; 4] = [
+    "libcudnn_graph.so.9",
+    "libcudnn_heuristic.so.9",
+    "libcudnn_engines_precompiled.so.9",
+    "libcudnn_engines_runtime_compiled.so.9",
+];
+
+/// The sub-library that holds the backend API; it exports its own `cudnnGetVersion`.
+pub const GRAPH_LIBRARY: &str = GRAPH_SUBLIBRARIES[0];
+
+const ELF_MAGIC: [u8; 4] = [0x7f, b'E', b'L', b'F'];
+const ET_DYN: u16 = 3;
+const PT_LOAD: u32 = 1;
+
+#[cfg(target_arch = "x86_64")]
+const HOST_MACHINE: Option<u16> = Some(62);
+#[cfg(target_arch = "aarch64")]
+const HOST_MACHINE: Option<u16> = Some(183);
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+const HOST_MACHINE: Option<u16> = None;
+
+fn u16_at(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+/// Checks that `path` is a complete 64-bit little-endian ELF shared object for this machine:
+/// every byte its headers and loadable segments name lies inside the file. Returns why not.
+pub fn check_shared_object(path: &Path) -> Result<(), String> {
+    let mut file = File::open(path).map_err(|e| format!("cannot open: {e}"))?;
+    let len = file
+        .metadata()
+        .map_err(|e| format!("cannot stat: {e}"))?
+        .len();
+    let mut header = [0u8; 64];
+    file.read_exact(&mut header).map_err(|_| {
+        format!("not a shared library: {len} bytes, shorter than an ELF header (truncated?)")
+    })?;
+    if header[..4] != ELF_MAGIC {
+        return Err("not a shared library: no ELF magic number".into());
+    }
+    if header[4] != 2 || header[5] != 1 {
+        return Err("not a 64-bit little-endian ELF file".into());
+    }
+    let e_type = u16_at(&header, 16);
+    if e_type != ET_DYN {
+        return Err(format!("ELF type {e_type} is not a shared object (3)"));
+    }
+    let machine = u16_at(&header, 18);
+    if let Some(host) = HOST_MACHINE {
+        if machine != host {
+            return Err(format!(
+                "built for ELF machine {machine}, this machine is {host}"
+            ));
+        }
+    }
+    let truncated = |what: &str, end: Option<u64>| -> Result<(), String> {
+        match end {
+            Some(end) if end <= len => Ok(()),
+            Some(end) => Err(format!(
+                "truncated: the {what} ends at byte {end}, the file has {len}"
+            )),
+            None => Err(format!("corrupt: the {what} has an offset past 2^64")),
+        }
+    };
+    let (phoff, phentsize, phnum) = (
+        u64_at(&header, 32),
+        u64::from(u16_at(&header, 54)),
+        u64::from(u16_at(&header, 56)),
+    );
+    let (shoff, shentsize, shnum) = (
+        u64_at(&header, 40),
+        u64::from(u16_at(&header, 58)),
+        u64::from(u16_at(&header, 60)),
+    );
+    if phnum == 0 || phentsize < 56 {
+        return Err("corrupt: no program headers".into());
+    }
+    let ph_end = phentsize
+        .checked_mul(phnum)
+        .and_then(|n| n.checked_add(phoff));
+    truncated("program header table", ph_end)?;
+    if shoff != 0 {
+        let sh_end = shentsize
+            .checked_mul(shnum)
+            .and_then(|n| n.checked_add(shoff));
+        truncated("section header table", sh_end)?;
+    }
+    // The program headers: every loadable segment's file bytes must be present.
+    let table_len = usize::try_from(phentsize * phnum).map_err(|_| "corrupt: huge table")?;
+    let mut table = vec![0u8; table_len];
+    use std::io::{Seek, SeekFrom};
+    file.seek(SeekFrom::Start(phoff))
+        .and_then(|_| file.read_exact(&mut table))
+        .map_err(|e| format!("cannot read the program headers: {e}"))?;
+    for (i, ph) in table.chunks_exact(phentsize as usize).enumerate() {
+        if u32_at(ph, 0) != PT_LOAD {
+            continue;
+        }
+        let (offset, filesz) = (u64_at(ph, 8), u64_at(ph, 32));
+        truncated(&format!("loadable segment {i}"), offset.checked_add(filesz))?;
+    }
+    Ok(())
+}
+
+/// The folders the system loader searches for a bare library name, in its order as far as
+/// it can be read without calling it: `LD_LIBRARY_PATH`, the folders configured in
+/// `/etc/ld.so.conf` (one level of `include`), then the default folders.
+pub fn system_search_dirs() -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::env::var_os("LD_LIBRARY_PATH")
+        .map(|v| {
+            std::env::split_paths(&v)
+                .filter(|p| !p.as_os_str().is_empty())
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut conf_files = vec![PathBuf::from("/etc/ld.so.conf")];
+    let mut i = 0;
+    while i < conf_files.len() {
+        let text = std::fs::read_to_string(&conf_files[i]).unwrap_or_default();
+        for line in text.lines().map(str::trim) {
+            if let Some(pattern) = line.strip_prefix("include ") {
+                // Only the `dir/*.conf` form is expanded (what distributions ship).
+                let pattern = Path::new(pattern.trim());
+                if i == 0 {
+                    if let (Some(dir), Some(ext)) = (pattern.parent(), pattern.extension()) {
+                        let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+                            .into_iter()
+                            .flatten()
+                            .flatten()
+                            .map(|e| e.path())
+                            .filter(|p| p.extension() == Some(ext))
+                            .collect();
+                        found.sort();
+                        conf_files.extend(found);
+                    }
+                }
+            } else if line.starts_with('/') {
+                dirs.push(PathBuf::from(line));
+            }
+        }
+        i += 1;
+    }
+    for d in [
+        "/lib/x86_64-linux-gnu",
+        "/usr/lib/x86_64-linux-gnu",
+        "/lib/aarch64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+        "/lib64",
+        "/usr/lib64",
+        "/lib",
+        "/usr/lib",
+    ] {
+        dirs.push(PathBuf::from(d));
+    }
+    let mut seen = std::collections::HashSet::new();
+    dirs.retain(|d| seen.insert(d.clone()));
+    dirs
+}
+
+/// Where the system loader would find a bare library name, if it can be told.
+pub fn resolve_by_name(name: &str) -> Option<PathBuf> {
+    system_search_dirs()
+        .into_iter()
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+/// Where the shim at `main` will find sub-library `name`: next to it, else by name.
+pub fn locate_sublibrary(main: &Path, name: &str) -> Option<PathBuf> {
+    let beside = main.parent().map(|d| d.join(name));
+    beside
+        .filter(|p| p.is_file())
+        .or_else(|| resolve_by_name(name))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("cudnn-fe-sys-preflight-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir.join(name)
+    }
+
+    /// A shared object every Linux machine has (the C library).
+    fn some_system_library() -> PathBuf {
+        resolve_by_name("libc.so.6").expect("libc.so.6 in the system loader's folders")
+    }
+
+    #[test]
+    fn a_real_shared_object_passes() {
+        check_shared_object(&some_system_library()).unwrap();
+    }
+
+    #[test]
+    fn truncations_are_named_before_dlopen_can_crash() {
+        let bytes = std::fs::read(some_system_library()).unwrap();
+        for keep in [0, 10, 63, 64, 1000, bytes.len() / 2, bytes.len() - 1] {
+            let path = scratch(&format!("trunc-{keep}.so"));
+            std::fs::write(&path, &bytes[..keep]).unwrap();
+            let why = check_shared_object(&path).unwrap_err();
+            assert!(
+                why.contains("truncated") || why.contains("shorter"),
+                "{keep} bytes: {why}"
+            );
+        }
+    }
+
+    #[test]
+    fn non_elf_and_foreign_files_are_rejected() {
+        let path = scratch("text.so");
+        std::fs::write(&path, [b'x'; 200]).unwrap();
+        assert!(check_shared_object(&path)
+            .unwrap_err()
+            .contains("ELF magic"));
+        let mut bytes = std::fs::read(some_system_library()).unwrap();
+        bytes[4] = 1; // ELFCLASS32
+        let path = scratch("class32.so");
+        std::fs::write(&path, &bytes).unwrap();
+        assert!(check_shared_object(&path).unwrap_err().contains("64-bit"));
+        let mut bytes = std::fs::read(some_system_library()).unwrap();
+        bytes[18] = 0x28; // ARM (40)
+        bytes[19] = 0;
+        let path = scratch("arm.so");
+        std::fs::write(&path, &bytes).unwrap();
+        assert!(check_shared_object(&path).unwrap_err().contains("machine"));
+        assert!(check_shared_object(&scratch("absent.so"))
+            .unwrap_err()
+            .contains("cannot open"));
+    }
+}
