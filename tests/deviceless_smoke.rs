@@ -33,19 +33,25 @@ fn conv_genstats_plans_for_every_fixture() {
 
 #[test]
 fn a_rejected_device_document_is_a_typed_error() {
-    let Some(_) = common::cudnn_or_skip("a_rejected_device_document_is_a_typed_error") else {
-        return;
-    };
-    // Every key present, but the values make no sense to cuDNN.
+    // Every key present, but the values make no sense: refused before cuDNN sees them.
     let (_, path) = &common::devprops_fixtures()[0];
     let mut v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     v["deviceVer"] = serde_json::json!(12);
     v["multiProcessorCount"] = serde_json::json!(0);
+    let err = DeviceProps::from_json(&v.to_string()).unwrap_err();
+    assert!(
+        err.to_string().contains("multiProcessorCount") || err.to_string().contains("deviceVer"),
+        "{err}"
+    );
+    // A plausible but old device (sm_50) passes the checks; cuDNN then has no engine for the
+    // FP16 NHWC conv, and that is a typed error too.
+    let Some(_) = common::cudnn_or_skip("a_rejected_device_document_is_a_typed_error") else {
+        return;
+    };
+    v["deviceVer"] = serde_json::json!(500);
+    v["multiProcessorCount"] = serde_json::json!(16);
     let props = DeviceProps::from_json(&v.to_string()).unwrap();
     let result = probe::conv_genstats(&props, ConvShape::RESNET_3X3);
-    assert!(
-        result.is_err(),
-        "a 0-SM sm_12 device got a plan: {result:?}"
-    );
+    assert!(result.is_err(), "an sm_50 device got a plan: {result:?}");
 }

@@ -21,4 +21,4 @@ pub mod reference;
 mod target;
 
 pub use error::{BindingProblem, Error, Result};
-pub use target::{DeviceProps, Target, REQUIRED_KEYS};
+pub use target::{DeviceProps, Target, KNOWN_COMPUTE_CAPABILITIES, REQUIRED_KEYS};

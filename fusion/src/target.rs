@@ -36,6 +36,91 @@ pub const REQUIRED_KEYS: [&str; 24] = [
     "deviceName",
 ];
 
+/// Compute capabilities (`deviceVer` = 100·major + 10·minor) that NVIDIA has shipped and cuDNN
+/// 9 knows; a document naming another is rejected rather than planned for an unknown target.
+pub const KNOWN_COMPUTE_CAPABILITIES: [u32; 20] = [
+    500, 520, 530, 600, 610, 620, 700, 720, 750, 800, 860, 870, 890, 900, 1000, 1010, 1030, 1100,
+    1200, 1210,
+];
+
+/// Keys that must be positive integers in any document (device limits and counts).
+const POSITIVE_KEYS: [&str; 11] = [
+    "multiProcessorCount",
+    "regsPerBlock",
+    "maxSharedMemoryPerBlock",
+    "maxSharedMemoryPerBlockOptin",
+    "maxRegistersPerSM",
+    "maxCtasPerSM",
+    "maxThreadsPerBlock",
+    "maxThreadsPerSM",
+    "totalGlobalMem",
+    "memoryBusWidth",
+    "l2CacheSize",
+];
+
+/// Sanity checks of a document's limits; a key that is absent is not checked here.
+fn check_limits(
+    obj: &serde_json::Map<String, serde_json::Value>,
+) -> std::result::Result<(), String> {
+    for key in POSITIVE_KEYS {
+        if let Some(v) = obj.get(key) {
+            match v.as_u64() {
+                Some(n) if n > 0 => {}
+                _ => return Err(format!("`{key}` must be a positive integer, got {v}")),
+            }
+        }
+    }
+    if let Some(v) = obj.get("warpSize") {
+        if v.as_u64() != Some(32) {
+            return Err(format!(
+                "`warpSize` must be 32 on every NVIDIA GPU, got {v}"
+            ));
+        }
+    }
+    for key in ["maxGridSize", "maxBlockSize"] {
+        if let Some(v) = obj.get(key) {
+            let ok = v.as_array().is_some_and(|a| {
+                a.len() == 3 && a.iter().all(|x| x.as_u64().is_some_and(|n| n > 0))
+            });
+            if !ok {
+                return Err(format!("`{key}` must be three positive integers, got {v}"));
+            }
+        }
+    }
+    if let Some(v) = obj.get("deviceVer") {
+        let cc = v.as_u64().and_then(|n| u32::try_from(n).ok());
+        if !cc.is_some_and(|cc| KNOWN_COMPUTE_CAPABILITIES.contains(&cc)) {
+            let known: Vec<String> = KNOWN_COMPUTE_CAPABILITIES
+                .iter()
+                .map(|c| format!("{}.{}", c / 100, (c % 100) / 10))
+                .collect();
+            return Err(format!(
+                "`deviceVer` {v} is not a known compute capability (100·major + 10·minor; known: {})",
+                known.join(", ")
+            ));
+        }
+    }
+    let get = |k: &str| obj.get(k).and_then(|v| v.as_u64());
+    if let (Some(block), Some(sm)) = (get("maxThreadsPerBlock"), get("maxThreadsPerSM")) {
+        if block > sm {
+            return Err(format!(
+                "`maxThreadsPerBlock` {block} exceeds `maxThreadsPerSM` {sm}"
+            ));
+        }
+    }
+    if let (Some(block), Some(optin)) = (
+        get("maxSharedMemoryPerBlock"),
+        get("maxSharedMemoryPerBlockOptin"),
+    ) {
+        if block > optin {
+            return Err(format!(
+                "`maxSharedMemoryPerBlock` {block} exceeds `maxSharedMemoryPerBlockOptin` {optin}"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A device-properties document, validated.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceProps {
@@ -103,6 +188,7 @@ impl DeviceProps {
                 return Err(fail(format!("missing key `{missing}`")));
             }
         }
+        check_limits(obj).map_err(fail)?;
         let uint = |key: &str| match obj.get(key) {
             None if !strict => Ok(0),
             v => v
@@ -301,5 +387,55 @@ mod tests {
         }
         let err = DeviceProps::from_file("/nonexistent/props.json").unwrap_err();
         assert!(err.to_string().contains("/nonexistent/props.json"), "{err}");
+    }
+}
+
+#[cfg(test)]
+mod limit_tests {
+    use super::*;
+
+    const H200: &str = include_str!("../../tests/fixtures/devprops/h200-sm90.json");
+
+    fn with(key: &str, value: serde_json::Value) -> String {
+        let mut v: serde_json::Value = serde_json::from_str(H200).unwrap();
+        v[key] = value;
+        v.to_string()
+    }
+
+    #[test]
+    fn implausible_limits_are_typed_errors_naming_the_key() {
+        use serde_json::json;
+        for (key, value) in [
+            ("warpSize", json!(-32)),
+            ("warpSize", json!(64)),
+            ("multiProcessorCount", json!(0)),
+            ("multiProcessorCount", json!(-1)),
+            ("maxThreadsPerBlock", json!(0)),
+            ("maxThreadsPerBlock", json!(4096)),
+            ("maxSharedMemoryPerBlock", json!(1_000_000)),
+            ("totalGlobalMem", json!(0)),
+            ("maxGridSize", json!([1, 2])),
+            ("maxBlockSize", json!([1024, 0, 64])),
+            ("deviceVer", json!(910)),
+            ("deviceVer", json!(-900)),
+        ] {
+            for doc in [
+                DeviceProps::from_json(&with(key, value.clone())),
+                DeviceProps::from_live_json(&with(key, value.clone())),
+            ] {
+                let err = doc.unwrap_err();
+                assert!(
+                    matches!(&err, Error::DeviceProps { reason, .. } if reason.contains(key)),
+                    "{key} = {value}: {err}"
+                );
+            }
+        }
+        for fixture in ["a100-sm80", "b200-sm100", "h200-sm90"] {
+            let path = format!(
+                "{}/../tests/fixtures/devprops/{fixture}.json",
+                env!("CARGO_MANIFEST_DIR")
+            );
+            DeviceProps::from_file(path).unwrap();
+        }
     }
 }

@@ -55,6 +55,9 @@ pub struct Graph {
     tensors: Vec<TensorAttrs>,
     classes: Vec<DtypeClass>,
     nodes: Vec<Node>,
+    /// Why shape inference left an output without dims (the first such node): validation
+    /// reports this cause rather than the missing dims it led to.
+    infer_error: Option<GraphError>,
 }
 
 impl Graph {
@@ -66,6 +69,7 @@ impl Graph {
             tensors: Vec::new(),
             classes: Vec::new(),
             nodes: Vec::new(),
+            infer_error: None,
         }
     }
 
@@ -173,13 +177,30 @@ impl Graph {
         self.nodes.push(node);
         // Fill in output dims where the inputs allow; validate() reports what does not.
         let idx = self.nodes.len() - 1;
-        if let Ok(shapes) = infer::output_dims(self, &self.nodes[idx]) {
-            for (t, dims) in shapes {
-                if self.tensors[t.index()].dims.is_empty() {
-                    self.tensors[t.index()].dims = dims;
+        match infer::output_dims(self, &self.nodes[idx]) {
+            Ok(shapes) => {
+                for (t, dims) in shapes {
+                    if self.tensors[t.index()].dims.is_empty() {
+                        self.tensors[t.index()].dims = dims;
+                    }
+                }
+            }
+            Err(e) => {
+                let undetermined = self.nodes[idx].outputs().into_iter().any(|t| {
+                    self.tensors
+                        .get(t.index())
+                        .is_some_and(|a| a.dims.is_empty())
+                });
+                if undetermined && self.infer_error.is_none() {
+                    self.infer_error = Some(e);
                 }
             }
         }
+    }
+
+    /// The first shape-inference failure that left an output without dims.
+    pub(crate) fn infer_error(&self) -> Option<&GraphError> {
+        self.infer_error.as_ref()
     }
 
     /// y = conv(x, w): a cross-correlation; y is `[N, K, P, Q]`.

@@ -46,10 +46,15 @@ impl ConvAttrs {
         self
     }
 
-    /// Output extent of one spatial dim (cross-correlation), or None when it is < 1.
+    /// Output extent of one spatial dim (cross-correlation), or None when it is < 1 or the
+    /// arithmetic would overflow (checked: the values come from users).
     pub fn out_extent(&self, dim: usize, input: i64, filter: i64) -> Option<i64> {
-        let span = self.dilation[dim] * (filter - 1) + 1;
-        let padded = input + self.pre_padding[dim] + self.post_padding[dim];
+        let span = self.dilation[dim]
+            .checked_mul(filter.checked_sub(1)?)?
+            .checked_add(1)?;
+        let padded = input
+            .checked_add(self.pre_padding[dim])?
+            .checked_add(self.post_padding[dim])?;
         if self.stride[dim] <= 0 || padded < span {
             return None;
         }

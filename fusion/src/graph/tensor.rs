@@ -74,16 +74,22 @@ impl Default for PrecisionContext {
 
 /// Fully packed NHWC strides for dims given in cuDNN's N,C,H,W order (`[C·H·W, 1, W·C, C]`).
 /// The same formula gives KRSC strides for a filter `[K,C,R,S]`.
+/// Products that overflow saturate at `i64::MAX` (validation then reports the size).
 pub fn nhwc_strides(dims: [i64; 4]) -> [i64; 4] {
     let [_, c, h, w] = dims;
-    [c * h * w, 1, w * c, c]
+    [
+        c.saturating_mul(h).saturating_mul(w),
+        1,
+        w.saturating_mul(c),
+        c,
+    ]
 }
 
-/// Fully packed row-major strides (NCHW for 4-D dims).
+/// Fully packed row-major strides (NCHW for 4-D dims); products that overflow saturate.
 pub fn packed_strides(dims: &[i64]) -> Vec<i64> {
-    let mut strides = vec![1; dims.len()];
+    let mut strides = vec![1i64; dims.len()];
     for i in (0..dims.len().saturating_sub(1)).rev() {
-        strides[i] = strides[i + 1] * dims[i + 1];
+        strides[i] = strides[i + 1].saturating_mul(dims[i + 1]);
     }
     strides
 }

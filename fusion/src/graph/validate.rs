@@ -35,6 +35,10 @@ fn check_tensors(g: &Graph) -> Result<(), GraphError> {
     for (i, a) in g.tensors().iter().enumerate() {
         let t = TensorId(i as u32);
         if a.dims.is_empty() {
+            // An output left without dims: report why inference could not give them.
+            if let Some(cause) = g.infer_error() {
+                return Err(cause.clone());
+            }
             return Err(GraphError::MissingDims {
                 tensor: a.name.clone(),
             });
