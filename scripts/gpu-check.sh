@@ -175,7 +175,8 @@ run)
   fi
   others=()
   for t in "$bundle"/test-*; do
-    case "$(basename "$t")" in test-gpu_*|test-nvrtc_compile) ;; *) others+=("$t") ;; esac
+    # (fuzz_graphs is deviceless CPU work that `cargo test` runs; no GPU minutes for it.)
+    case "$(basename "$t")" in test-gpu_*|test-nvrtc_compile|test-fuzz_graphs) ;; *) others+=("$t") ;; esac
   done
   # A rehearsal reruns them from the copy to check that no binary depends on where it was
   # built; `cargo test` has already run them, so it skips the one that plans all of ResNet-50

@@ -39,7 +39,7 @@
 //! let mut b = MemoryPlanBuilder::new();
 //! let bucket = b.bucket("all")?;
 //! b.add("conv.w", ParamKind::ConvWeight, &[64, 3, 3, 64], bucket)?;
-//! let regions = CpuRegions::new(b.finalize()?);
+//! let regions = CpuRegions::new(b.finalize()?)?;
 //! let mut step = AmpStep::new(regions, StepConfig::new(SgdConfig::new(0.05)))?;
 //! step.init_weights()?;
 //! step.begin()?; // forward and backward go here: wgrads FP16 into G16

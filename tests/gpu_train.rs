@@ -32,6 +32,7 @@ fn cfg(steps: usize, device: Device, graph: CudaGraphMode) -> TrainConfig {
         batch: 16,
         device,
         cuda_graph: graph,
+        drill: None,
         ..TrainConfig::default()
     }
 }

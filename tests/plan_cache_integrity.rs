@@ -194,3 +194,123 @@ fn a_folder_that_cannot_be_written_keeps_plans_in_memory() {
     );
     let _ = std::fs::remove_file(&file);
 }
+
+/// The main job's network at a small size, planned on the fused route with its fallbacks.
+fn plan_mini(cache: &PlanCache, target: &Target) -> cudnn_cbr::fusion::Result<usize> {
+    use cudnn_cbr::net::{compile, Preset, RoutePolicy};
+    let spec = Preset::Mini.spec(8, 8, 16);
+    let policy = RoutePolicy::Planned { target, cache };
+    compile(&spec, 4, 16, &policy).map(|net| net.layers.len())
+}
+
+#[test]
+fn two_processes_of_four_threads_plan_one_network_into_one_folder() {
+    let Some(_) = common::cudnn_or_skip("two_processes_of_four_threads") else {
+        return;
+    };
+    let dir = fresh_dir("processes");
+    std::fs::create_dir_all(&dir).unwrap();
+    let children: Vec<_> = (0..2)
+        .map(|_| {
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "cache_process_child",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env("CACHE_CHILD_DIR", &dir)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("spawn a planning process")
+        })
+        .collect();
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && stdout.contains("CHILD OK"),
+            "a planning process failed ({:?}):\n{stdout}\n{stderr}",
+            out.status
+        );
+        assert!(!stderr.contains("warning: plan cache"), "{stderr}");
+        println!(
+            "{}",
+            stdout.lines().find(|l| l.contains("CHILD OK")).unwrap()
+        );
+    }
+    // Nothing lost, nothing corrupt: a fresh cache restores every plan, builds and rejects none.
+    let files: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        files.iter().all(|f| f.ends_with(".plan.json")),
+        "stray files (temporary or moved aside): {files:?}"
+    );
+    let cache = PlanCache::persistent(&dir).unwrap();
+    plan_mini(&cache, &h200()).unwrap();
+    let s = cache.stats();
+    assert_eq!((s.built, s.rejected), (0, 0), "{s:?}");
+    assert_eq!(
+        s.restored as usize,
+        files.len(),
+        "{s:?} vs {} files",
+        files.len()
+    );
+    println!(
+        "two processes × four threads: {} plan files, all restored: {s:?}",
+        files.len()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// One of the two processes above (does nothing unless `CACHE_CHILD_DIR` is set): four
+/// threads, each with its own cache on the shared folder, plan the network at once.
+#[test]
+fn cache_process_child() {
+    let Some(dir) = std::env::var_os("CACHE_CHILD_DIR") else {
+        return;
+    };
+    let target = Arc::new(h200());
+    let threads: Vec<_> = (0..4)
+        .map(|_| {
+            let (dir, target) = (dir.clone(), target.clone());
+            std::thread::spawn(move || {
+                let cache = PlanCache::persistent(&dir).unwrap();
+                let layers = plan_mini(&cache, &target).unwrap();
+                (layers, cache.stats())
+            })
+        })
+        .collect();
+    for t in threads {
+        let (layers, s) = t.join().unwrap();
+        assert_eq!((s.rejected, s.write_failures), (0, 0), "{s:?}");
+        println!("CHILD OK: {layers} layers, {s:?}");
+    }
+}
+
+#[test]
+fn a_graph_without_an_engine_is_not_planned_again() {
+    let Some(_) = common::cudnn_or_skip("a_graph_without_an_engine_is_not_planned_again") else {
+        return;
+    };
+    // sm_50 passes the device checks, and cuDNN has no engine for its FP16 NHWC convs.
+    let text = std::fs::read_to_string(&common::devprops_fixtures()[0].1).unwrap();
+    let props = cudnn_cbr::fusion::DeviceProps::from_json(
+        &text.replace("\"deviceVer\": 900", "\"deviceVer\": 500"),
+    )
+    .unwrap();
+    let target = Target::deviceless(props).unwrap();
+    let cache = PlanCache::new();
+    let first = cache.get_or_build(&graph(), &target).unwrap_err();
+    let t0 = std::time::Instant::now();
+    let second = cache.get_or_build(&graph(), &target).unwrap_err();
+    let again = t0.elapsed();
+    assert_eq!(first.to_string(), second.to_string());
+    let s = cache.stats();
+    assert_eq!((s.built, s.failure_hits), (0, 1), "{s:?}");
+    println!("no engine, remembered: {first}; the second lookup took {again:?}");
+}

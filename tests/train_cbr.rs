@@ -117,3 +117,59 @@ fn sizes_no_host_could_hold_are_typed_errors_before_any_allocation() {
         assert!(err.to_string().contains(words), "{what}: {err}");
     }
 }
+
+#[test]
+fn poisoned_gradients_on_one_percent_of_2000_steps_are_each_skipped_exactly() {
+    use cudnn_cbr::train::{FaultDrill, Preset};
+    let cfg = TrainConfig {
+        steps: 2000,
+        batch: 2,
+        net: Preset::Mini,
+        width: 4,
+        hw: 8,
+        channels: 3,
+        classes: 4,
+        drill: Some(FaultDrill {
+            per_mille: 10,
+            seed: 0xD811,
+        }),
+        ..TrainConfig::default()
+    };
+    let r = train(&cfg, 500, |_| {}).unwrap();
+    let trace = &r.trace;
+    assert_eq!(trace.len(), 2000);
+    let poisoned = trace.iter().filter(|t| t.poisoned).count();
+    // 1% of 2000 is 20; the seed's draw must be near it for the drill to mean anything.
+    assert!((10..=40).contains(&poisoned), "{poisoned} poisoned steps");
+    let mut expected_scale = 8192.0f32;
+    let mut prev_hash = None;
+    for (i, t) in trace.iter().enumerate() {
+        // Skipped exactly when poisoned: no other step overflowed, none poisoned got through.
+        assert_eq!(t.skipped, t.poisoned, "step {i}: {t:?}");
+        if t.poisoned {
+            // Fixed policy: halve on overflow, never below 1, never grow.
+            expected_scale = (expected_scale / 2.0).max(1.0);
+        }
+        assert_eq!(t.loss_scale, expected_scale, "step {i}: {t:?}");
+        if let Some(prev) = prev_hash {
+            if t.poisoned {
+                assert_eq!(
+                    t.state_hash, prev,
+                    "step {i}: a skipped step changed the weights"
+                );
+            } else {
+                assert_ne!(
+                    t.state_hash, prev,
+                    "step {i}: a good step left the weights as they were"
+                );
+            }
+        }
+        prev_hash = Some(t.state_hash);
+    }
+    assert_eq!(r.skipped as usize, poisoned);
+    assert!(r.last_loss.is_finite(), "{r:?}");
+    println!(
+        "drill: {poisoned} of 2000 steps poisoned, all skipped, weights unchanged across each; final scale {}",
+        r.loss_scale
+    );
+}

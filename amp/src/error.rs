@@ -46,7 +46,25 @@ pub enum AmpError {
         /// Why, in words.
         reason: String,
     },
+    /// A memory plan's regions do not fit in what the host or device has free; checked
+    /// before anything is allocated.
+    #[error(
+        "{what}: {need} bytes ({:.1} GiB) of {place} memory needed, {have} bytes ({:.1} GiB) free",
+        *need as f64 / GIB, *have as f64 / GIB
+    )]
+    OutOfMemory {
+        /// What was to be allocated.
+        what: String,
+        /// `"host"` or `"device"`.
+        place: &'static str,
+        /// Bytes needed.
+        need: u128,
+        /// Bytes free.
+        have: u128,
+    },
 }
+
+const GIB: f64 = (1u64 << 30) as f64;
 
 impl AmpError {
     /// Whether this error only says that the machine cannot run the CUDA executor

@@ -30,6 +30,7 @@
 pub mod cuda;
 pub mod error;
 pub mod kernels;
+pub mod memory;
 pub mod plan;
 pub mod range;
 pub mod step;

@@ -619,7 +619,7 @@ fn gpu_step_equals_the_cpu_step_bit_for_bit() {
     let plan = Arc::new(step_plan());
     let mut rng = Rng(6);
     let w0 = init_w(&plan, &mut rng);
-    let mut cpu = CpuRegions::new(plan.clone());
+    let mut cpu = CpuRegions::new(plan.clone()).unwrap();
     let mut gpu = CudaRegions::new(plan.clone(), stream).unwrap();
     for (name, v) in &w0 {
         cpu.param_f32_mut(name, Region::W)

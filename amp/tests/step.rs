@@ -132,7 +132,7 @@ struct Run {
 /// 50 steps with the given poisoned steps; asserts the bit-identity of skipped steps and
 /// that applied steps do move the weights.
 fn run_50(config: StepConfig, poisoned: &[(usize, Poison)]) -> Run {
-    let mut regions = CpuRegions::new(small_plan(config.ema_decay.is_some()));
+    let mut regions = CpuRegions::new(small_plan(config.ema_decay.is_some())).unwrap();
     let mut rng = Rng(0x5EED);
     random_weights(&mut regions, &mut rng);
     let mut step = AmpStep::new(regions, config).unwrap();
@@ -296,7 +296,7 @@ fn clip_policy_clamps_inf_instead_of_skipping_but_nan_still_skips() {
     let config = StepConfig::new(SgdConfig::new(1.0))
         .with_loss_scale(LossScalePolicy::fixed(4.0))
         .with_overflow(OverflowPolicy::clip_inf());
-    let mut step = AmpStep::new(CpuRegions::new(plan), config).unwrap();
+    let mut step = AmpStep::new(CpuRegions::new(plan).unwrap(), config).unwrap();
     step.init_weights().unwrap();
 
     // +Inf in a conv wgrad: clamped to 65504 (scaled units), the step is applied.
@@ -332,7 +332,7 @@ fn applied_gradient(grads: &[f32], scale: f32) -> Vec<f32> {
         .unwrap();
     let config =
         StepConfig::new(SgdConfig::new(1.0)).with_loss_scale(LossScalePolicy::fixed(scale));
-    let mut step = AmpStep::new(CpuRegions::new(b.finalize().unwrap()), config).unwrap();
+    let mut step = AmpStep::new(CpuRegions::new(b.finalize().unwrap()).unwrap(), config).unwrap();
     step.begin().unwrap();
     // What a wgrad computed in FP32 and stored FP16 holds: the scaled gradient, rounded.
     for (g, &true_g) in step
@@ -396,7 +396,7 @@ fn finish_casts_only_g16_cast_ranges_splits_weight_decay_and_updates_the_scale_l
             .with_weight_decay(5e-4),
     )
     .with_ema(0.999);
-    let step = AmpStep::new(CpuRegions::new(plan.clone()), config).unwrap();
+    let step = AmpStep::new(CpuRegions::new(plan.clone()).unwrap(), config).unwrap();
     let ops = step.finish_ops();
     let whole = ByteRange::new(0, plan.region_len(Region::A));
 
@@ -470,7 +470,7 @@ fn finish_casts_only_g16_cast_ranges_splits_weight_decay_and_updates_the_scale_l
 fn bn_and_fc_gradients_survive_the_g16_cast_and_padding_stays_zero() {
     let plan = small_plan(true);
     let config = StepConfig::new(SgdConfig::new(0.0)).with_ema(0.5);
-    let mut step = AmpStep::new(CpuRegions::new(plan.clone()), config).unwrap();
+    let mut step = AmpStep::new(CpuRegions::new(plan.clone()).unwrap(), config).unwrap();
     let mut rng = Rng(7);
     random_weights(step.executor_mut(), &mut rng);
     step.init_weights().unwrap();
@@ -530,7 +530,7 @@ fn replay_of_captured_graphs_equals_eager_bit_for_bit() {
             .with_weight_decay(1e-3),
     )
     .with_ema(0.9);
-    let mut base = CpuRegions::new(small_plan(true));
+    let mut base = CpuRegions::new(small_plan(true)).unwrap();
     random_weights(&mut base, &mut Rng(11));
     let mut eager = AmpStep::new(base.clone(), config).unwrap();
     let mut graphed = AmpStep::new(base, config).unwrap();
@@ -560,8 +560,8 @@ fn replay_of_captured_graphs_equals_eager_bit_for_bit() {
 #[test]
 fn stale_and_foreign_graphs_are_refused() {
     let config = StepConfig::new(SgdConfig::new(0.1));
-    let mut a = AmpStep::new(CpuRegions::new(small_plan(false)), config).unwrap();
-    let mut b = AmpStep::new(CpuRegions::new(small_plan(false)), config).unwrap();
+    let mut a = AmpStep::new(CpuRegions::new(small_plan(false)).unwrap(), config).unwrap();
+    let mut b = AmpStep::new(CpuRegions::new(small_plan(false)).unwrap(), config).unwrap();
     let finish = a.capture_finish().unwrap();
     assert!(matches!(
         b.replay(&finish),
@@ -595,7 +595,7 @@ fn configurations_the_plan_cannot_serve_are_typed_errors() {
         b.finalize().unwrap()
     };
     let err = AmpStep::new(
-        CpuRegions::new(no_m.clone()),
+        CpuRegions::new(no_m.clone()).unwrap(),
         StepConfig::new(SgdConfig::new(0.1).with_momentum(0.9)),
     )
     .unwrap_err();
@@ -608,7 +608,7 @@ fn configurations_the_plan_cannot_serve_are_typed_errors() {
     ));
     assert!(err.to_string().contains("momentum"), "{err}");
     let err = AmpStep::new(
-        CpuRegions::new(no_m.clone()),
+        CpuRegions::new(no_m.clone()).unwrap(),
         StepConfig::new(SgdConfig::new(0.1)).with_ema(0.99),
     )
     .unwrap_err();
@@ -620,7 +620,7 @@ fn configurations_the_plan_cannot_serve_are_typed_errors() {
         })
     ));
     let err = AmpStep::new(
-        CpuRegions::new(no_m.clone()),
+        CpuRegions::new(no_m.clone()).unwrap(),
         StepConfig::new(SgdConfig::new(f32::NAN)),
     )
     .unwrap_err();
@@ -628,7 +628,11 @@ fn configurations_the_plan_cannot_serve_are_typed_errors() {
         err,
         AmpError::RangeOp(RangeOpError::InvalidConfig { field: "lr", .. })
     ));
-    let mut ok = AmpStep::new(CpuRegions::new(no_m), StepConfig::new(SgdConfig::new(0.1))).unwrap();
+    let mut ok = AmpStep::new(
+        CpuRegions::new(no_m).unwrap(),
+        StepConfig::new(SgdConfig::new(0.1)),
+    )
+    .unwrap();
     let err = ok.set_lr(-1.0).unwrap_err();
     assert!(matches!(
         err,
@@ -648,7 +652,7 @@ type ErrorCheck = fn(&AmpError) -> bool;
 fn range_ops_outside_the_plan_are_typed_errors_and_run_nothing() {
     let plan = small_plan(false);
     let len16 = plan.region_len(Region::A);
-    let mut ex = CpuRegions::new(plan.clone());
+    let mut ex = CpuRegions::new(plan.clone()).unwrap();
     ex.f32_region_mut(Region::W).unwrap()[0] = 1.0;
     let good = RangeOp::CastF32ToF16 {
         src: Region::W,
@@ -753,7 +757,7 @@ fn range_ops_outside_the_plan_are_typed_errors_and_run_nothing() {
 fn scalars_are_written_by_new_and_snapshotted_on_request() {
     let policy = LossScalePolicy::fixed(256.0);
     let config = StepConfig::new(SgdConfig::new(0.1)).with_loss_scale(policy);
-    let mut step = AmpStep::new(CpuRegions::new(small_plan(false)), config).unwrap();
+    let mut step = AmpStep::new(CpuRegions::new(small_plan(false)).unwrap(), config).unwrap();
     assert_eq!(step.poll_scalars().unwrap(), None, "nothing requested yet");
     step.request_scalars().unwrap();
     step.begin().unwrap();

@@ -80,13 +80,21 @@ pub struct CacheStats {
     pub rejected: u64,
     /// Plans that could not be written to the folder (kept in memory).
     pub write_failures: u64,
+    /// Lookups answered with a remembered "no engine" / "no plan" error instead of planning
+    /// the graph again.
+    pub failure_hits: u64,
 }
 
 /// A thread-safe plan cache, optionally persisted to a folder.
 #[derive(Debug, Default)]
 pub struct PlanCache {
     map: RwLock<HashMap<PlanKey, Arc<ExecutionPlan>>>,
+    /// Graphs cuDNN has no engine or plan for, with the error: asking again would only
+    /// repeat the (slow) heuristics and finalization. Memory only: another process, cuDNN
+    /// or target may do better.
+    failed: RwLock<HashMap<PlanKey, Error>>,
     dir: Option<PathBuf>,
+    failure_hits: AtomicU64,
     hits: AtomicU64,
     restored: AtomicU64,
     built: AtomicU64,
@@ -162,6 +170,15 @@ impl PlanCache {
         if let Some(plan) = self.get(&key) {
             return Ok(plan);
         }
+        if let Some(e) = self
+            .failed
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+        {
+            self.failure_hits.fetch_add(1, Ordering::Relaxed);
+            return Err(e.clone());
+        }
         if let Some(dir) = &self.dir {
             let restored = match read_plan(dir, &key, graph, target) {
                 Ok(plan) => plan,
@@ -183,7 +200,17 @@ impl PlanCache {
             }
         }
         let op = OperationGraph::new(graph)?;
-        let plan = build_plan(&op, target)?;
+        let plan = match build_plan(&op, target) {
+            Ok(plan) => plan,
+            Err(e @ (Error::NoEngine { .. } | Error::NoPlan { .. })) => {
+                self.failed
+                    .write()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(key, e.clone());
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        };
         self.built.fetch_add(1, Ordering::Relaxed);
         self.insert(key, plan)
     }
@@ -206,6 +233,7 @@ impl PlanCache {
             built: self.built.load(Ordering::Relaxed),
             rejected: self.rejected.load(Ordering::Relaxed),
             write_failures: self.write_failures.load(Ordering::Relaxed),
+            failure_hits: self.failure_hits.load(Ordering::Relaxed),
         }
     }
 }

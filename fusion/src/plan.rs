@@ -184,7 +184,17 @@ pub fn build_plans(
     let mut last = String::from("no engine config to try");
     target.make_current()?;
     'modes: for &mode in &policy.modes {
-        let heur = backend::heuristics(op.descriptor(), mode, target.devprop())?;
+        let heur = match backend::heuristics(op.descriptor(), mode, target.devprop()) {
+            Ok(heur) => heur,
+            // cuDNN refuses to run heuristics at all for some graphs it has no engine for
+            // (NOT_SUPPORTED family, 3000–3999): that is "no engine", and the caller's
+            // fallback applies, not a hard failure.
+            Err(e @ Error::Cudnn { .. }) if not_supported(&e) => {
+                last = e.to_string();
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         reported_total += heur.reported;
         usable_total += heur.configs.len();
         for (i, cfg) in heur.configs.iter().enumerate() {
@@ -236,6 +246,11 @@ pub fn build_plans(
         tried,
         last,
     })
+}
+
+/// Whether `e` is cuDNN saying "not supported" (status 3000–3999).
+fn not_supported(e: &Error) -> bool {
+    matches!(e, Error::Cudnn { source, .. } if (3000..4000).contains(&source.code))
 }
 
 /// The first plan that finalizes, under the default policy.

@@ -155,7 +155,8 @@ impl CudaNet {
     /// gradients are the regions' slots instead. Reserves the largest workspace any plan needs.
     ///
     /// # Errors
-    /// A binding that does not fit; a driver error.
+    /// [`AmpError::OutOfMemory`] (checked first) when the buffers exceed the device's free
+    /// memory; a binding that does not fit; a driver error.
     pub fn new(
         net: CompiledNet,
         handle: Arc<Handle>,
@@ -166,6 +167,28 @@ impl CudaNet {
         let workspace = net.layers.iter().map(|l| l.layer.workspace_size()).max();
         handle.reserve_workspace(workspace.unwrap_or(0))?;
         let sources = binding_plan(&net, regions.is_some())?;
+        // Checked before allocating: a network too large for the device is a typed error
+        // naming the sizes, not a driver failure halfway through its buffers.
+        let need: u128 = net
+            .buffers
+            .iter()
+            .zip(&sources)
+            .filter(|(_, s)| matches!(s, Source::Own))
+            .map(|(b, _)| (b.elems as u128) * (b.dtype.size() as u128))
+            .sum();
+        let (free, _) = stream
+            .context()
+            .mem_get_info()
+            .map_err(|e| driver("query free device memory".into(), e))?;
+        if need > free as u128 {
+            return Err(AmpError::OutOfMemory {
+                what: format!("network `{}`'s buffers", net.spec.name),
+                place: "device",
+                need,
+                have: free as u128,
+            }
+            .into());
+        }
         let mut bufs = Vec::with_capacity(net.buffers.len());
         let mut devs = Vec::with_capacity(net.buffers.len());
         for (b, source) in net.buffers.iter().zip(&sources) {

@@ -4,7 +4,7 @@
 
 use super::{
     data, plan_and_initial_weights, summarize, ExecutorInfo, MasterWeights, Net, Progress,
-    TrainConfig, TrainError, TrainReport, HELD_OUT_BATCHES,
+    StepTrace, TrainConfig, TrainError, TrainReport, HELD_OUT_BATCHES,
 };
 use crate::amp::plan::Region;
 use crate::amp::range::{self, softmax_xent_backward, HeadMetrics};
@@ -29,7 +29,7 @@ impl CpuTrainer {
         let data = data::Synthetic::new(cfg.hw, cfg.channels, cfg.classes, cfg.seed);
         let net = Net::new(cfg)?;
         let (plan, init) = plan_and_initial_weights(cfg)?;
-        let mut regions = CpuRegions::new(plan);
+        let mut regions = CpuRegions::new(plan)?;
         for (name, values) in init {
             regions
                 .param_f32_mut(&name, Region::W)?
@@ -56,11 +56,26 @@ impl CpuTrainer {
         let start = Instant::now();
         let mut metrics = Vec::with_capacity(cfg.steps);
         let (mut window_loss, mut window_acc, mut window_n) = (0f32, 0f32, 0usize);
+        let (mut trace, mut skipped_before) = (Vec::new(), 0u32);
         for i in 0..cfg.steps {
             let (images, labels) = self.data.batch(cfg.batch, i as u64, 0);
             self.step.begin()?;
             let m = train_step(&mut self.net, &mut self.step, &cfg, &images, &labels)?;
+            let poison = cfg.drill.and_then(|d| d.poisons(i));
+            if let Some(h) = poison {
+                poison_gradient(self.step.executor_mut(), h)?;
+            }
             self.step.finish()?;
+            if cfg.drill.is_some() {
+                let s = self.step.executor().scalars();
+                trace.push(StepTrace {
+                    poisoned: poison.is_some(),
+                    skipped: s.skipped > skipped_before,
+                    loss_scale: s.loss_scale,
+                    state_hash: state_hash(self.step.executor())?,
+                });
+                skipped_before = s.skipped;
+            }
             metrics.push(m);
             window_loss += m.loss;
             window_acc += m.accuracy;
@@ -109,8 +124,39 @@ impl CpuTrainer {
             step_losses,
             weights,
             executor,
+            trace,
         })
     }
+}
+
+/// Overwrites one gradient element (chosen by `h`) with NaN, +Inf or −Inf: in G16 (the conv
+/// weights' FP16 gradients) or G (the FP32 gradients of BN and FC parameters).
+fn poison_gradient(regions: &mut CpuRegions, h: u64) -> Result<(), TrainError> {
+    let value = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][(h % 3) as usize];
+    let plan = regions.plan_arc().clone();
+    let params = plan.params();
+    let p = &params[(h / 3) as usize % params.len()];
+    let at = (h >> 32) as usize % p.elems();
+    if regions.plan_arc().lives_in(p, Region::G16) {
+        regions.param_f16_mut(p.name(), Region::G16)?[at] = f16::from_f32(value);
+    } else {
+        regions.param_f32_mut(p.name(), Region::G)?[at] = value;
+    }
+    Ok(())
+}
+
+/// FNV-1a over the bytes of W, M and E (those the plan has).
+fn state_hash(regions: &CpuRegions) -> Result<u64, TrainError> {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for region in [Region::W, Region::M, Region::E] {
+        if !regions.plan_arc().has_region(region) {
+            continue;
+        }
+        for byte in regions.region_bytes(region)? {
+            h = (h ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    Ok(h)
 }
 
 /// The conv layers' names.

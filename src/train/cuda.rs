@@ -894,6 +894,7 @@ impl CudaTrainer {
             step_losses,
             weights,
             executor,
+            trace: Vec::new(),
         })
     }
 }

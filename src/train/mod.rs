@@ -134,6 +134,52 @@ pub struct TrainConfig {
     pub device: Device,
     /// CUDA-graph use on the CUDA executor.
     pub cuda_graph: CudaGraphMode,
+    /// A reliability drill (CPU executor only): poison gradients on chosen steps and trace
+    /// how the step handles them ([`TrainReport::trace`]).
+    pub drill: Option<FaultDrill>,
+}
+
+/// A reliability drill: on about `per_mille`/1000 of the steps, chosen by `seed`, one
+/// gradient element is overwritten with NaN, +Inf or −Inf (in turn) after the backward pass
+/// and before the amp step's finish, as an overflow in the backward pass would leave it. The
+/// amp step must then skip that step (weights, momentum and EMA untouched) and halve the loss
+/// scale (floor 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FaultDrill {
+    /// Poisoned steps per 1000.
+    pub per_mille: u32,
+    /// Chooses the steps and the poisoned elements.
+    pub seed: u64,
+}
+
+impl FaultDrill {
+    /// Whether step `i` is poisoned, and if so a hash that picks the element and value.
+    pub fn poisons(&self, step: usize) -> Option<u64> {
+        let h = mix(self.seed ^ mix(step as u64));
+        (h % 1000 < u64::from(self.per_mille)).then_some(mix(h))
+    }
+}
+
+fn mix(mut z: u64) -> u64 {
+    // SplitMix64's finalizer: a well-spread hash of a counter.
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// One step of a drilled run ([`TrainConfig::drill`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepTrace {
+    /// A gradient element was poisoned on this step.
+    pub poisoned: bool,
+    /// The amp step skipped the update.
+    pub skipped: bool,
+    /// The loss scale after the step.
+    pub loss_scale: f32,
+    /// A hash of the optimizer state after the step (master weights W, momentum M, EMA E),
+    /// bit for bit: equal before and after a skipped step.
+    pub state_hash: u64,
 }
 
 impl Default for TrainConfig {
@@ -151,6 +197,7 @@ impl Default for TrainConfig {
             fused: true,
             device: Device::Cpu,
             cuda_graph: CudaGraphMode::Step,
+            drill: None,
         }
     }
 }
@@ -225,12 +272,9 @@ impl TrainConfig {
     }
 }
 
-/// Host memory available now (`MemAvailable` of `/proc/meminfo`), in bytes.
+/// Host memory available now, in bytes (amp's reading of `/proc/meminfo`).
 fn host_memory_available() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
+    cudnn_cbr_amp::memory::host_memory_available()
 }
 
 /// One progress report.
@@ -293,6 +337,8 @@ pub struct TrainReport {
     pub weights: MasterWeights,
     /// The executor that ran.
     pub executor: ExecutorInfo,
+    /// Per step, when the run was a drill ([`TrainConfig::drill`]); empty otherwise.
+    pub trace: Vec<StepTrace>,
 }
 
 /// FP32 master weights by parameter name (`stem.w`, `stem.gamma`, …, `fc.b`), in memory-plan
@@ -461,6 +507,14 @@ impl Trainer {
                 exec: Exec::Cuda(Box::new(t)),
             })
         };
+        if cfg.drill.is_some() {
+            return match cfg.device {
+                Device::Cuda => Err(TrainError::Config(
+                    "the fault drill runs on the CPU executor only".into(),
+                )),
+                _ => cpu("a fault drill runs on the CPU executor".into()),
+            };
+        }
         match cfg.device {
             Device::Cpu => cpu("requested (device cpu)".into()),
             Device::Cuda => cuda("requested (device cuda)"),

@@ -122,7 +122,8 @@ impl CudaRegions {
     /// `ctx.new_stream()` turns it on, after which only the regions' own launches capture.
     ///
     /// # Errors
-    /// As [`AmpKernels::for_context`]; a driver error when an allocation fails.
+    /// As [`AmpKernels::for_context`]; [`AmpError::OutOfMemory`] when the plan exceeds the
+    /// device's free memory; a driver error when an allocation fails.
     pub fn new(
         plan: impl Into<Arc<MemoryPlan>>,
         stream: Arc<CudaStream>,
@@ -130,6 +131,19 @@ impl CudaRegions {
         let plan = plan.into();
         let ctx = stream.context().clone();
         let kernels = AmpKernels::for_context(&ctx)?;
+        // Checked before allocating: a plan too large for the device is a typed error naming
+        // the sizes rather than a driver failure halfway through the regions.
+        let (free, _) = ctx
+            .mem_get_info()
+            .map_err(|e| driver_error("query free device memory", e))?;
+        if plan.total_bytes() as u128 > free as u128 {
+            return Err(AmpError::OutOfMemory {
+                what: "the memory plan's regions".into(),
+                place: "device",
+                need: plan.total_bytes() as u128,
+                have: free as u128,
+            });
+        }
         let mut regions: [Option<DeviceRegion>; 8] = Default::default();
         for region in Region::ALL {
             if !plan.has_region(region) {

@@ -86,11 +86,16 @@ fn f16_view_error(op: &'static str, region: Region) -> AmpError {
 
 impl CpuRegions {
     /// Zeroed regions for `plan`, S at the default policy's values.
-    pub fn new(plan: impl Into<Arc<MemoryPlan>>) -> Self {
+    ///
+    /// # Errors
+    /// [`AmpError::OutOfMemory`] when the plan's regions do not fit in the host's available
+    /// memory (checked before anything is allocated).
+    pub fn new(plan: impl Into<Arc<MemoryPlan>>) -> Result<Self, AmpError> {
         let plan = plan.into();
+        crate::memory::check_host("the memory plan's regions", plan.total_bytes() as u128)?;
         let f32s = |r: Region| vec![0.0f32; plan.region_len(r) / 4];
         let f16s = |r: Region| vec![f16::ZERO; plan.region_len(r) / 2];
-        CpuRegions {
+        Ok(CpuRegions {
             id: next_executor_id(),
             w: f32s(Region::W),
             a: f16s(Region::A),
@@ -102,7 +107,7 @@ impl CpuRegions {
             s: Scalars::default(),
             snapshot: None,
             plan,
-        }
+        })
     }
 
     /// The plan, shared.

@@ -1,0 +1,1022 @@
+//! A table of bad inputs and faults against the public API and both examples' command lines.
+//! Each row asserts the specific typed error, or the documented recovery, and that the process
+//! did not crash: rows that could kill a process (the loader's) run in a child process, the
+//! rest under `catch_unwind`. The test prints the table's totals.
+
+mod common;
+
+use cudnn_cbr::amp::plan::{MemoryPlanBuilder, ParamKind};
+use cudnn_cbr::amp::range::SgdConfig;
+use cudnn_cbr::amp::step::{AmpStep, CpuRegions, StepConfig};
+use cudnn_cbr::amp::{AmpError, PlanError};
+use cudnn_cbr::fusion::cache::PlanCache;
+use cudnn_cbr::fusion::cbr::{CbrConfig, CbrLayer, ConvShape, HostBuffers, Pass};
+use cudnn_cbr::fusion::graph::{
+    ConvAttrs, Graph, GraphError, PointwiseAttrs, PointwiseMode, ReductionAttrs, ReductionMode,
+    TensorAttrs,
+};
+use cudnn_cbr::fusion::{DeviceProps, Error, Target};
+use cudnn_cbr::net::{compile, BlockKind, BlockSpec, NetSpec, Preset, RoutePolicy};
+use cudnn_cbr::sys::{load_from, LoadError, SearchPaths};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// How a row ended when it met its expectation.
+enum Verdict {
+    /// The specific typed error the row expects (its text, for the printout).
+    Typed(String),
+    /// The documented recovery (what happened).
+    Recovered(String),
+}
+
+type Row = (&'static str, &'static str, fn() -> Verdict);
+
+fn typed(e: impl std::fmt::Display) -> Verdict {
+    Verdict::Typed(e.to_string().lines().next().unwrap_or_default().to_string())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Graph builder
+
+fn conv_graph(x: [i64; 4], w: [i64; 4], attrs: ConvAttrs) -> Graph {
+    let mut g = Graph::new("g");
+    let x = g.tensor(TensorAttrs::new("X", x));
+    let w = g.tensor(TensorAttrs::new("W", w));
+    let y = g.conv_fprop(x, w, attrs);
+    g.set_output(y, None).unwrap();
+    g
+}
+
+fn graph_err(g: Graph) -> GraphError {
+    g.validate().expect_err("the graph must be rejected")
+}
+
+fn graph_rows() -> Vec<Row> {
+    vec![
+        ("graph", "empty graph", || {
+            let e = graph_err(Graph::new("g"));
+            assert!(matches!(e, GraphError::EmptyGraph { .. }), "{e:?}");
+            typed(e)
+        }),
+        ("graph", "zero batch", || {
+            let e = graph_err(conv_graph([0, 8, 8, 8], [8, 8, 3, 3], ConvAttrs::default()));
+            assert!(
+                matches!(e, GraphError::NonPositiveDim { value: 0, .. }),
+                "{e:?}"
+            );
+            typed(e)
+        }),
+        ("graph", "negative filter dim", || {
+            let e = graph_err(conv_graph(
+                [2, 8, 8, 8],
+                [-8, 8, 3, 3],
+                ConvAttrs::default(),
+            ));
+            assert!(
+                matches!(e, GraphError::NonPositiveDim { value: -8, .. }),
+                "{e:?}"
+            );
+            typed(e)
+        }),
+        ("graph", "conv input of rank 3", || {
+            let mut g = Graph::new("g");
+            let x = g.tensor(TensorAttrs::new("X", [2, 8, 8]));
+            let w = g.tensor(TensorAttrs::new("W", [8, 8, 3, 3]));
+            let y = g.conv_fprop(x, w, ConvAttrs::default());
+            g.set_output(y, None).unwrap();
+            let e = graph_err(g);
+            assert!(matches!(e, GraphError::Rank { got: 3, .. }), "{e:?}");
+            typed(e)
+        }),
+        (
+            "graph",
+            "filter channels differ from the input's (the cause, not 'no dims')",
+            || {
+                let e = graph_err(conv_graph([2, 8, 8, 8], [8, 4, 3, 3], ConvAttrs::default()));
+                assert!(
+                    matches!(
+                        e,
+                        GraphError::ChannelMismatch {
+                            expected: 8,
+                            got: 4,
+                            ..
+                        }
+                    ),
+                    "{e:?}"
+                );
+                typed(e)
+            },
+        ),
+        ("graph", "stride 0 (the cause, not 'no dims')", || {
+            let a = ConvAttrs {
+                stride: [0, 1],
+                ..ConvAttrs::default()
+            };
+            let e = graph_err(conv_graph([2, 8, 8, 8], [8, 8, 3, 3], a));
+            assert!(matches!(&e, GraphError::ConvAttr { .. }), "{e:?}");
+            assert!(e.to_string().contains("stride"), "{e}");
+            typed(e)
+        }),
+        (
+            "graph",
+            "kernel larger than its input (the cause, not 'no dims')",
+            || {
+                let e = graph_err(conv_graph([2, 8, 4, 4], [8, 8, 7, 7], ConvAttrs::default()));
+                assert!(matches!(e, GraphError::ConvOutputEmpty { .. }), "{e:?}");
+                typed(e)
+            },
+        ),
+        ("graph", "negative padding", || {
+            let e = graph_err(conv_graph(
+                [2, 8, 8, 8],
+                [8, 8, 3, 3],
+                ConvAttrs::default().padding(-1),
+            ));
+            assert!(matches!(e, GraphError::ConvAttr { .. }), "{e:?}");
+            typed(e)
+        }),
+        ("graph", "strides of the wrong rank", || {
+            let mut g = Graph::new("g");
+            let x = g.tensor(TensorAttrs::new("X", [2, 8, 8, 8]).strides([1, 2]));
+            let y = g.relu(x);
+            g.set_output(y, None).unwrap();
+            let e = graph_err(g);
+            assert!(matches!(e, GraphError::StridesRank { .. }), "{e:?}");
+            typed(e)
+        }),
+        ("graph", "a negative stride", || {
+            let mut g = Graph::new("g");
+            let x = g.tensor(TensorAttrs::new("X", [2, 8, 8, 8]).strides([512, 1, -64, 8]));
+            let y = g.relu(x);
+            g.set_output(y, None).unwrap();
+            let e = graph_err(g);
+            assert!(
+                matches!(e, GraphError::NonPositiveStride { value: -64, .. }),
+                "{e:?}"
+            );
+            typed(e)
+        }),
+        ("graph", "a tensor of 2^62 elements", || {
+            let mut g = Graph::new("g");
+            let x = g.tensor(TensorAttrs::new("X", [1 << 40, 1 << 22, 1, 1]));
+            let y = g.relu(x);
+            g.set_output(y, None).unwrap();
+            let e = graph_err(g);
+            assert!(matches!(e, GraphError::SizeOverflow { .. }), "{e:?}");
+            typed(e)
+        }),
+        ("graph", "two tensors with one uid", || {
+            let mut g = Graph::new("g");
+            let x = g.tensor(TensorAttrs::new("X", [2, 8, 8, 8]).uid(5));
+            let b = g.tensor(TensorAttrs::vector("B", 8).uid(5));
+            let y = g.add(x, b);
+            g.set_output(y, None).unwrap();
+            let e = graph_err(g);
+            assert!(
+                matches!(e, GraphError::DuplicateUid { uid: 5, .. }),
+                "{e:?}"
+            );
+            typed(e)
+        }),
+        ("graph", "a by-value tensor that is not a scalar", || {
+            let mut g = Graph::new("g");
+            let x = g.tensor(TensorAttrs::new("X", [2, 8, 8, 8]));
+            let mut s = TensorAttrs::vector("S", 8);
+            s.by_value = true;
+            let s = g.tensor(s);
+            let y = g.mul(x, s);
+            g.set_output(y, None).unwrap();
+            let e = graph_err(g);
+            assert!(matches!(e, GraphError::ByValueShape { .. }), "{e:?}");
+            typed(e)
+        }),
+        ("graph", "a tensor id from another graph", || {
+            let mut other = Graph::new("other");
+            let mut t = other.tensor(TensorAttrs::new("O", [1, 1, 1, 1]));
+            for _ in 0..5 {
+                t = other.relu(t);
+            }
+            let mut g = Graph::new("g");
+            let x = g.tensor(TensorAttrs::new("X", [2, 8, 8, 8]));
+            let y = g.add(x, t);
+            g.set_output(y, None).unwrap();
+            let e = graph_err(g);
+            assert!(matches!(e, GraphError::UnknownTensor { .. }), "{e:?}");
+            typed(e)
+        }),
+        ("graph", "set_output on a foreign id", || {
+            let mut g = Graph::new("g");
+            let mut other = Graph::new("other");
+            let mut t = other.tensor(TensorAttrs::new("O", [1, 1, 1, 1]));
+            for _ in 0..3 {
+                t = other.relu(t);
+            }
+            let e = g.set_output(t, None).unwrap_err();
+            assert!(matches!(e, GraphError::UnknownTensor { .. }), "{e:?}");
+            typed(e)
+        }),
+        ("graph", "operands that do not broadcast", || {
+            let mut g = Graph::new("g");
+            let x = g.tensor(TensorAttrs::new("X", [2, 8, 8, 8]));
+            let b = g.tensor(TensorAttrs::vector("B", 5));
+            let y = g.add(x, b);
+            g.set_output(y, None).unwrap();
+            let e = graph_err(g);
+            assert!(matches!(e, GraphError::NotBroadcastable { .. }), "{e:?}");
+            typed(e)
+        }),
+        ("graph", "a reduction to dims the input cannot give", || {
+            let mut g = Graph::new("g");
+            let x = g.tensor(TensorAttrs::new("X", [2, 8, 8, 8]));
+            let y = g.reduce(x, ReductionAttrs::new(ReductionMode::Add, [1, 3, 1, 1]));
+            g.set_output(y, None).unwrap();
+            let e = graph_err(g);
+            assert!(matches!(e, GraphError::ReductionDims { .. }), "{e:?}");
+            typed(e)
+        }),
+        ("graph", "a select with too few inputs", || {
+            let mut g = Graph::new("g");
+            let x = g.tensor(TensorAttrs::new("X", [2, 8, 8, 8]));
+            let y = g.pointwise(&[x], PointwiseAttrs::new(PointwiseMode::BinarySelect));
+            g.set_output(y, None).unwrap();
+            let e = graph_err(g);
+            assert!(e.to_string().contains("input"), "{e}");
+            typed(e)
+        }),
+    ]
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layer and network configs
+
+fn shape() -> ConvShape {
+    ConvShape {
+        n: 4,
+        c: 8,
+        h: 8,
+        w: 8,
+        k: 8,
+        r: 3,
+        s: 3,
+        pad: 1,
+        stride: 1,
+    }
+}
+
+fn invalid_field(e: &Error, want: &str) {
+    assert!(
+        matches!(e, Error::InvalidConfig { field, .. } if field.contains(want)),
+        "expected InvalidConfig on `{want}`, got {e:?}"
+    );
+}
+
+fn layer_err(config: CbrConfig) -> Error {
+    // Validation comes before anything else: no cuDNN is needed to refuse a config.
+    config.validate().expect_err("the config must be rejected")
+}
+
+fn planned_layer_err(config: CbrConfig) -> Option<Error> {
+    common::cudnn_or_skip("planned_layer_err")?;
+    let target = h200();
+    Some(CbrLayer::plan(config, &target, &PlanCache::new()).expect_err("must be rejected"))
+}
+
+fn h200() -> Target {
+    Target::deviceless_from_file(common::repo_root().join("tests/fixtures/devprops/h200-sm90.json"))
+        .unwrap()
+}
+
+fn config_rows() -> Vec<Row> {
+    vec![
+        ("layer", "stride 0", || {
+            let e = layer_err(CbrConfig::new(ConvShape {
+                stride: 0,
+                ..shape()
+            }));
+            invalid_field(&e, "stride");
+            typed(e)
+        }),
+        ("layer", "batch 2^58 (sizes that wrap)", || {
+            let e = layer_err(CbrConfig::new(ConvShape {
+                n: 1 << 58,
+                ..shape()
+            }));
+            assert!(matches!(e, Error::InvalidConfig { .. }), "{e:?}");
+            typed(e)
+        }),
+        ("layer", "negative padding", || {
+            let e = layer_err(CbrConfig::new(ConvShape { pad: -1, ..shape() }));
+            invalid_field(&e, "pad");
+            typed(e)
+        }),
+        ("layer", "filter larger than the padded input", || {
+            let e = layer_err(CbrConfig::new(ConvShape {
+                r: 11,
+                s: 11,
+                ..shape()
+            }));
+            invalid_field(&e, "r/s");
+            typed(e)
+        }),
+        ("layer", "zero output channels", || {
+            let e = layer_err(CbrConfig::new(ConvShape { k: 0, ..shape() }));
+            invalid_field(&e, "k");
+            typed(e)
+        }),
+        ("layer", "NaN epsilon, on the fused planning path", || {
+            let mut c = CbrConfig::new(shape());
+            c.epsilon = f64::NAN;
+            let e = planned_layer_err(c).unwrap_or_else(|| layer_err(c));
+            invalid_field(&e, "epsilon");
+            typed(e)
+        }),
+        ("layer", "negative epsilon", || {
+            let mut c = CbrConfig::new(shape());
+            c.epsilon = -1e-5;
+            let e = layer_err(c);
+            invalid_field(&e, "epsilon");
+            typed(e)
+        }),
+        ("layer", "momentum 1.5, on the fused planning path", || {
+            let mut c = CbrConfig::new(shape());
+            c.momentum = 1.5;
+            let e = planned_layer_err(c).unwrap_or_else(|| layer_err(c));
+            invalid_field(&e, "momentum");
+            typed(e)
+        }),
+        ("layer", "a shortcut BN that also materializes", || {
+            let c = CbrConfig::new(shape())
+                .with_shortcut_bn()
+                .with_apply(cudnn_cbr::fusion::cbr::graphs::ApplyResidual::None);
+            let e = layer_err(c);
+            invalid_field(&e, "shortcut_bn");
+            typed(e)
+        }),
+        ("layer", "a raw input with a backward residual", || {
+            let c = CbrConfig::after_activation(shape())
+                .with_backward_residual(cudnn_cbr::fusion::cbr::graphs::BackwardResidual::FuseAdd);
+            let e = layer_err(c);
+            invalid_field(&e, "backward_residual");
+            typed(e)
+        }),
+        (
+            "buffers",
+            "a CPU layer run without the previous layer's buffers",
+            || {
+                let layer = CbrLayer::for_cpu(CbrConfig::new(shape()), true);
+                let mut this = HostBuffers::zeros(layer.buffers());
+                let e = layer.run_cpu(Pass::Forward, &mut this, None).unwrap_err();
+                assert!(
+                    matches!(&e, Error::Buffer { name, .. } if name == "prev"),
+                    "{e:?}"
+                );
+                typed(e)
+            },
+        ),
+        ("buffers", "a CPU layer run with a buffer missing", || {
+            let layer = CbrLayer::for_cpu(CbrConfig::first(shape()), true);
+            let mut this = HostBuffers::zeros(&layer.buffers()[1..]);
+            let e = layer.run_cpu(Pass::Forward, &mut this, None).unwrap_err();
+            assert!(
+                matches!(e, Error::Buffer { .. } | Error::Reference(_)),
+                "{e:?}"
+            );
+            typed(e)
+        }),
+        (
+            "buffers",
+            "a CPU layer run with a buffer of the wrong length",
+            || {
+                let layer = CbrLayer::for_cpu(CbrConfig::first(shape()), true);
+                let mut this = HostBuffers::zeros(layer.buffers());
+                let first = layer.buffers()[0].clone();
+                let short = cudnn_cbr::fusion::cbr::BufferSpec {
+                    elems: first.elems - 1,
+                    ..first
+                };
+                this.set(
+                    first.name,
+                    cudnn_cbr::fusion::cbr::HostBuffer::zeros(&short),
+                );
+                let e = layer.run_cpu(Pass::Forward, &mut this, None).unwrap_err();
+                assert!(
+                    matches!(e, Error::Buffer { .. } | Error::Reference(_)),
+                    "{e:?}"
+                );
+                typed(e)
+            },
+        ),
+        ("network", "batch 0", || {
+            net_err(Preset::Mini, 0, 16, "batch")
+        }),
+        ("network", "input size 0", || {
+            net_err(Preset::Mini, 4, 0, "hw")
+        }),
+        (
+            "network",
+            "a stem kernel larger than the unpadded input",
+            || {
+                let mut spec = Preset::ResNet50.spec(3, 4, 8);
+                spec.stem.pad = 0;
+                net_compile_err(&spec, 2, 4, "")
+            },
+        ),
+        ("network", "batch 2^40 (sizes that wrap)", || {
+            net_err(Preset::Mini, 1 << 40, 16, "")
+        }),
+        ("network", "an identity block whose channels change", || {
+            let mut spec = Preset::Mini.spec(3, 4, 8);
+            spec.stages[1][0].projection = false;
+            net_spec_err(&spec, "")
+        }),
+        ("network", "blocks whose channels do not chain", || {
+            let mut spec = Preset::Mini.spec(3, 4, 8);
+            spec.stages[0][0].in_ch += 1;
+            net_spec_err(&spec, "")
+        }),
+        ("network", "zero classes", || {
+            let mut spec = Preset::Mini.spec(3, 4, 8);
+            spec.classes = 0;
+            net_spec_err(&spec, "classes")
+        }),
+        ("network", "a stem kernel of 0", || {
+            let mut spec = Preset::Mini.spec(3, 4, 8);
+            spec.stem.kernel = 0;
+            net_spec_err(&spec, "kernel")
+        }),
+        ("network", "a block width of 2^62", || {
+            let mut spec = Preset::Mini.spec(3, 4, 8);
+            spec.stages[0][0] = BlockSpec::new(BlockKind::Basic, 8, 1 << 62, 8, 1);
+            net_spec_err(&spec, "width")
+        }),
+    ]
+}
+
+fn net_err(preset: Preset, batch: usize, hw: usize, field: &str) -> Verdict {
+    let spec = preset.spec(3, 4, 8);
+    net_compile_err(&spec, batch, hw, field)
+}
+
+fn net_spec_err(spec: &NetSpec, field: &str) -> Verdict {
+    net_compile_err(spec, 4, 16, field)
+}
+
+fn net_compile_err(spec: &NetSpec, batch: usize, hw: usize, field: &str) -> Verdict {
+    let policy = RoutePolicy::Uniform(cudnn_cbr::fusion::cbr::RouteKind::Fused);
+    let e = compile(spec, batch, hw, &policy).expect_err("the network must be rejected");
+    assert!(matches!(e, Error::InvalidConfig { .. }), "{e:?}");
+    if !field.is_empty() {
+        invalid_field(&e, field);
+    }
+    typed(e)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device properties
+
+const H200_JSON: &str = include_str!("fixtures/devprops/h200-sm90.json");
+
+fn props_with(key: &str, value: serde_json::Value) -> Verdict {
+    let mut v: serde_json::Value = serde_json::from_str(H200_JSON).unwrap();
+    v[key] = value;
+    let e = DeviceProps::from_json(&v.to_string()).unwrap_err();
+    assert!(
+        matches!(&e, Error::DeviceProps { reason, .. } if reason.contains(key)),
+        "{e:?}"
+    );
+    typed(e)
+}
+
+fn props_rows() -> Vec<Row> {
+    use serde_json::json;
+    vec![
+        ("device props", "not JSON", || {
+            let e = DeviceProps::from_json("{not json").unwrap_err();
+            assert!(matches!(e, Error::DeviceProps { .. }), "{e:?}");
+            typed(e)
+        }),
+        ("device props", "not an object", || {
+            let e = DeviceProps::from_json("[1, 2, 3]").unwrap_err();
+            assert!(matches!(e, Error::DeviceProps { .. }), "{e:?}");
+            typed(e)
+        }),
+        ("device props", "a required key missing", || {
+            let mut v: serde_json::Value = serde_json::from_str(H200_JSON).unwrap();
+            v.as_object_mut().unwrap().remove("maxRegistersPerSM");
+            let e = DeviceProps::from_json(&v.to_string()).unwrap_err();
+            assert!(e.to_string().contains("maxRegistersPerSM"), "{e}");
+            typed(e)
+        }),
+        ("device props", "warpSize -32", || {
+            props_with("warpSize", json!(-32))
+        }),
+        ("device props", "multiProcessorCount 0", || {
+            props_with("multiProcessorCount", json!(0))
+        }),
+        ("device props", "an unknown compute capability", || {
+            props_with("deviceVer", json!(950))
+        }),
+        ("device props", "maxGridSize of two values", || {
+            props_with("maxGridSize", json!([1, 2]))
+        }),
+        ("device props", "a string where a count belongs", || {
+            props_with("maxThreadsPerSM", json!("lots"))
+        }),
+        ("device props", "a file that does not exist", || {
+            let e = DeviceProps::from_file("/nonexistent/devprops.json").unwrap_err();
+            assert!(e.to_string().contains("/nonexistent/devprops.json"), "{e}");
+            typed(e)
+        }),
+    ]
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plan cache files and folders (recoveries: the plan is rebuilt, nothing escapes)
+
+fn scratch(tag: &str) -> PathBuf {
+    let dir =
+        std::env::temp_dir().join(format!("cudnn-cbr-bad-inputs-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn small_graph() -> Graph {
+    conv_graph(
+        [2, 16, 8, 8],
+        [16, 16, 3, 3],
+        ConvAttrs::default().padding(1),
+    )
+}
+
+/// Persists the small graph's plan in a fresh folder, edits the file, and plans again.
+fn cache_after_edit(tag: &str, edit: fn(String) -> String) -> Verdict {
+    if common::cudnn_or_skip("cache rows").is_none() {
+        return Verdict::Recovered("SKIP (no cuDNN)".into());
+    }
+    let dir = scratch(tag);
+    let target = h200();
+    let g = small_graph();
+    PlanCache::persistent(&dir)
+        .unwrap()
+        .get_or_build(&g, &target)
+        .unwrap();
+    let file = std::fs::read_dir(&dir)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let text = std::fs::read_to_string(&file).unwrap();
+    std::fs::write(&file, edit(text)).unwrap();
+    let cache = PlanCache::persistent(&dir).unwrap();
+    cache
+        .get_or_build(&g, &target)
+        .expect("the plan is rebuilt");
+    let s = cache.stats();
+    assert_eq!((s.built, s.restored), (1, 0), "{s:?}");
+    // And the rebuilt file restores.
+    let again = PlanCache::persistent(&dir).unwrap();
+    again.get_or_build(&g, &target).unwrap();
+    assert_eq!(again.stats().restored, 1);
+    let _ = std::fs::remove_dir_all(&dir);
+    Verdict::Recovered(if s.rejected == 1 {
+        "rebuilt; the bad file was moved aside".to_string()
+    } else {
+        "rebuilt; the file (another key) was overwritten".to_string()
+    })
+}
+
+fn cache_rows() -> Vec<Row> {
+    vec![
+        ("plan cache", "a truncated file", || {
+            cache_after_edit("trunc", |t| t[..t.len() / 3].into())
+        }),
+        ("plan cache", "an empty file", || {
+            cache_after_edit("empty", |_| String::new())
+        }),
+        ("plan cache", "binary garbage", || {
+            cache_after_edit("garbage", |_| "\u{0}\u{ff}\u{7}".into())
+        }),
+        ("plan cache", "tampered tensor dims", || {
+            cache_after_edit("dims", |t| t.replacen("[2,16,8,8]", "[2,16,8,16]", 1))
+        }),
+        ("plan cache", "a file for another target", || {
+            cache_after_edit("target", |t| t.replacen("NVIDIA H200", "NVIDIA A100", 1))
+        }),
+        ("plan cache", "a file from another cuDNN version", || {
+            cache_after_edit("version", |t| {
+                let v: serde_json::Value = serde_json::from_str(&t).unwrap();
+                let target = v["target"].as_str().unwrap();
+                let mut v = v.clone();
+                v["target"] = format!("{target}-cudnn90100").into();
+                v.to_string()
+            })
+        }),
+        ("plan cache", "a folder that vanished (writes fail)", || {
+            if common::cudnn_or_skip("cache rows").is_none() {
+                return Verdict::Recovered("SKIP (no cuDNN)".into());
+            }
+            let dir = scratch("vanish");
+            let cache = PlanCache::persistent(&dir).unwrap();
+            std::fs::remove_dir_all(&dir).unwrap();
+            cache.get_or_build(&small_graph(), &h200()).unwrap();
+            cache.get_or_build(&small_graph(), &h200()).unwrap();
+            let s = cache.stats();
+            assert_eq!((s.built, s.hits, s.write_failures), (1, 1, 1), "{s:?}");
+            Verdict::Recovered("plan kept in memory, one write failure counted".into())
+        }),
+        ("plan cache", "a folder that cannot be created", || {
+            if common::cudnn_or_skip("cache rows").is_none() {
+                return Verdict::Recovered("SKIP (no cuDNN)".into());
+            }
+            let file = scratch("file-in-the-way");
+            std::fs::write(&file, b"x").unwrap();
+            let cache = PlanCache::persistent(file.join("plans")).unwrap();
+            assert_eq!(cache.dir(), None);
+            cache.get_or_build(&small_graph(), &h200()).unwrap();
+            let _ = std::fs::remove_file(&file);
+            Verdict::Recovered("memory-only cache".into())
+        }),
+    ]
+}
+
+// ---------------------------------------------------------------------------------------------
+// The loader (each in a child process: these faults used to kill the process)
+
+fn cudnn_dir() -> Option<PathBuf> {
+    let lib = common::cudnn_or_skip("loader rows")?;
+    Some(Path::new(lib.path()).parent()?.to_path_buf())
+}
+
+fn loader_rows() -> Vec<Row> {
+    vec![
+        ("loader", "a folder without cuDNN", || {
+            let dir = scratch("no-cudnn");
+            std::fs::create_dir_all(&dir).unwrap();
+            let e = SearchPaths {
+                lib_dir: Some(dir),
+                system_loader: false,
+                site_packages: vec![],
+            }
+            .load()
+            .unwrap_err();
+            assert!(
+                matches!(&e, LoadError::NotFound { attempts } if attempts[0].reason == "no such file"),
+                "{e:?}"
+            );
+            typed(e)
+        }),
+        ("loader", "a library without cuDNN's symbols", || {
+            let e = load_from("libm.so.6").unwrap_err();
+            assert!(e.to_string().contains("cudnnGetVersion"), "{e}");
+            typed(e)
+        }),
+        ("loader", "a text file named libcudnn.so.9", || {
+            in_child("text_file", "ELF magic")
+        }),
+        ("loader", "a truncated libcudnn.so.9", || {
+            in_child("truncated_main", "truncated")
+        }),
+        ("loader", "libcudnn.so.9 without its sub-libraries", || {
+            in_child("no_sublibraries", "libcudnn_graph.so.9 is missing")
+        }),
+        ("loader", "a truncated sub-library", || {
+            in_child("truncated_graph", "truncated")
+        }),
+    ]
+}
+
+/// Runs a loader fault in a child process with no loader path, so nothing outside the
+/// prepared folder can stand in; asserts the child exited normally and printed `needle`.
+fn in_child(case: &str, needle: &str) -> Verdict {
+    if cudnn_dir().is_none() {
+        return Verdict::Typed("SKIP (no cuDNN to build the faulty folder from)".into());
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "loader_fault_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("BAD_INPUTS_CHILD", case)
+        .env("BAD_INPUTS_CUDNN_DIR", cudnn_dir().unwrap())
+        .env_remove("LD_LIBRARY_PATH")
+        .env_remove("CUDNN_LIB_DIR")
+        .output()
+        .expect("spawn the child");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.code() == Some(0),
+        "child {case} did not exit normally ({:?}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout
+        .lines()
+        .find_map(|l| l.split_once("CHILD ").map(|(_, v)| v))
+        .unwrap_or_else(|| panic!("child {case} printed no verdict:\n{stdout}"));
+    assert!(line.contains(needle), "child {case}: {line}");
+    Verdict::Typed(line.to_string())
+}
+
+/// The child half of the loader rows (does nothing unless `BAD_INPUTS_CHILD` is set).
+#[test]
+fn loader_fault_child() {
+    let Some(case) = std::env::var_os("BAD_INPUTS_CHILD") else {
+        return;
+    };
+    let src = PathBuf::from(std::env::var_os("BAD_INPUTS_CUDNN_DIR").unwrap());
+    let dir = scratch(&format!("child-{}", case.to_string_lossy()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let main = dir.join("libcudnn.so.9");
+    let bytes = || std::fs::read(src.join("libcudnn.so.9")).unwrap();
+    let link = |name: &str| std::os::unix::fs::symlink(src.join(name), dir.join(name)).unwrap();
+    match case.to_str().unwrap() {
+        "text_file" => std::fs::write(&main, "this is not a library\n".repeat(8)).unwrap(),
+        "truncated_main" => std::fs::write(&main, &bytes()[..bytes().len() * 2 / 3]).unwrap(),
+        "no_sublibraries" => std::fs::write(&main, bytes()).unwrap(),
+        "truncated_graph" => {
+            std::fs::write(&main, bytes()).unwrap();
+            let graph = std::fs::read(src.join("libcudnn_graph.so.9")).unwrap();
+            std::fs::write(dir.join("libcudnn_graph.so.9"), &graph[..graph.len() / 2]).unwrap();
+            for name in [
+                "libcudnn_heuristic.so.9",
+                "libcudnn_engines_precompiled.so.9",
+                "libcudnn_engines_runtime_compiled.so.9",
+            ] {
+                link(name);
+            }
+        }
+        other => panic!("unknown child case {other}"),
+    }
+    let result = load_from(&main);
+    let _ = std::fs::remove_dir_all(&dir);
+    match result {
+        Ok(lib) => println!("CHILD loaded?! {lib:?}"),
+        Err(e) => println!("CHILD {}", e.to_string().replace('\n', " ")),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// amp plans and steps
+
+fn amp_rows() -> Vec<Row> {
+    vec![
+        ("amp plan", "an empty parameter name", || {
+            let mut b = MemoryPlanBuilder::new();
+            let k = b.bucket("b").unwrap();
+            let e = b.add("", ParamKind::BnGamma, &[8], k).unwrap_err();
+            assert!(matches!(e, PlanError::EmptyName { .. }), "{e:?}");
+            typed(e)
+        }),
+        ("amp plan", "a parameter registered twice", || {
+            let mut b = MemoryPlanBuilder::new();
+            let k = b.bucket("b").unwrap();
+            b.add("g", ParamKind::BnGamma, &[8], k).unwrap();
+            let e = b.add("g", ParamKind::BnGamma, &[8], k).unwrap_err();
+            assert!(matches!(e, PlanError::DuplicateName { .. }), "{e:?}");
+            typed(e)
+        }),
+        ("amp plan", "a zero dimension", || {
+            let mut b = MemoryPlanBuilder::new();
+            let k = b.bucket("b").unwrap();
+            let e = b
+                .add("w", ParamKind::ConvWeight, &[8, 0, 3, 3], k)
+                .unwrap_err();
+            assert!(matches!(e, PlanError::ZeroDim { .. }), "{e:?}");
+            typed(e)
+        }),
+        ("amp plan", "a conv weight of rank 1", || {
+            let mut b = MemoryPlanBuilder::new();
+            let k = b.bucket("b").unwrap();
+            let e = b.add("w", ParamKind::ConvWeight, &[8], k).unwrap_err();
+            assert!(matches!(e, PlanError::RankMismatch { .. }), "{e:?}");
+            typed(e)
+        }),
+        ("amp plan", "a parameter whose size overflows", || {
+            let mut b = MemoryPlanBuilder::new();
+            let k = b.bucket("b").unwrap();
+            let e = b
+                .add("w", ParamKind::ConvWeight, &[1 << 40, 1 << 30, 1, 1], k)
+                .unwrap_err();
+            assert!(matches!(e, PlanError::SizeOverflow { .. }), "{e:?}");
+            typed(e)
+        }),
+        ("amp plan", "a bucket declared twice", || {
+            let mut b = MemoryPlanBuilder::new();
+            b.bucket("b").unwrap();
+            let e = b.bucket("b").unwrap_err();
+            assert!(matches!(e, PlanError::BadBucketName { .. }), "{e:?}");
+            typed(e)
+        }),
+        ("amp plan", "a plan with no parameters", || {
+            let e = MemoryPlanBuilder::new().finalize().unwrap_err();
+            typed(e)
+        }),
+        (
+            "amp plan",
+            "a plan of 17 TB on the CPU executor (checked before allocating)",
+            || {
+                let mut b = MemoryPlanBuilder::new();
+                let k = b.bucket("b").unwrap();
+                // 2^40 weights at 16 bytes each over W, G, M, A and G16: 17.6 TB.
+                b.add("w", ParamKind::ConvWeight, &[1 << 20, 1 << 20, 1, 1], k)
+                    .unwrap();
+                let plan = b.finalize().unwrap();
+                let e = CpuRegions::new(plan).unwrap_err();
+                assert!(
+                    matches!(e, AmpError::OutOfMemory { place: "host", .. }),
+                    "{e:?}"
+                );
+                typed(e)
+            },
+        ),
+        ("amp step", "a NaN learning rate", || {
+            step_err(SgdConfig {
+                lr: f32::NAN,
+                ..SgdConfig::new(0.1)
+            })
+        }),
+        ("amp step", "a negative momentum", || {
+            step_err(SgdConfig {
+                momentum: -0.5,
+                ..SgdConfig::new(0.1)
+            })
+        }),
+        ("amp step", "an infinite weight decay", || {
+            step_err(SgdConfig {
+                weight_decay: f32::INFINITY,
+                ..SgdConfig::new(0.1)
+            })
+        }),
+    ]
+}
+
+fn step_err(sgd: SgdConfig) -> Verdict {
+    let mut b = MemoryPlanBuilder::new();
+    let k = b.bucket("b").unwrap();
+    b.add("g", ParamKind::BnGamma, &[8], k).unwrap();
+    let regions = CpuRegions::new(b.finalize().unwrap()).unwrap();
+    let e = AmpStep::new(regions, StepConfig::new(sgd))
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        e.to_string().to_lowercase().contains("invalid") || matches!(e, AmpError::RangeOp(_)),
+        "{e:?}"
+    );
+    typed(e)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Both examples' command lines
+
+/// An example binary: beside the test binary's folder (`target/<profile>/examples`), or in
+/// the GPU-check bundle (`example-NAME` beside `test-bad_inputs`).
+fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap();
+    let candidates = [
+        dir.join("../examples").join(name),
+        dir.join(format!("example-{name}")),
+    ];
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .unwrap_or_else(|| {
+            panic!(
+                "example `{name}` is not built (looked at {candidates:?}); `cargo test --all-targets` builds it"
+            )
+        })
+}
+
+fn run_example(name: &str, args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(example(name))
+        .args(args)
+        .current_dir(common::repo_root())
+        .output()
+        .expect("spawn the example");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
+}
+
+/// The example exits with `code` (never a signal, never a panic) and says `needle`.
+fn example_exits(name: &str, args: &[&str], code: i32, needle: &str) -> Verdict {
+    let (got, text) = run_example(name, args);
+    assert_eq!(got, Some(code), "{name} {args:?}:\n{text}");
+    assert!(
+        !text.contains("panicked"),
+        "{name} {args:?} panicked:\n{text}"
+    );
+    assert!(
+        text.contains(needle),
+        "{name} {args:?} did not say `{needle}`:\n{text}"
+    );
+    let line = text
+        .lines()
+        .find(|l| l.contains(needle))
+        .unwrap_or_default();
+    if code == 0 {
+        Verdict::Recovered(line.to_string())
+    } else {
+        Verdict::Typed(line.to_string())
+    }
+}
+
+fn example_rows() -> Vec<Row> {
+    vec![
+        ("train_cbr", "--help", || {
+            example_exits("train_cbr", &["--help"], 0, "usage")
+        }),
+        ("train_cbr", "an unknown flag", || {
+            example_exits("train_cbr", &["--frobnicate"], 2, "frobnicate")
+        }),
+        ("train_cbr", "--width 4294967296", || {
+            example_exits("train_cbr", &["--width", "4294967296"], 1, "width")
+        }),
+        ("train_cbr", "--batch 1099511627776", || {
+            example_exits("train_cbr", &["--batch", "1099511627776"], 1, "beyond")
+        }),
+        ("train_cbr", "--steps not-a-number", || {
+            example_exits("train_cbr", &["--steps", "many"], 2, "steps")
+        }),
+        ("train_cbr", "--net that does not exist", || {
+            example_exits("train_cbr", &["--net", "resnet7"], 2, "resnet7")
+        }),
+        ("train_cbr", "--batch 0", || {
+            example_exits("train_cbr", &["--batch", "0"], 1, "batch ≥ 2")
+        }),
+        ("deviceless_plans", "--help", || {
+            example_exits("deviceless_plans", &["--help"], 0, "usage")
+        }),
+        ("deviceless_plans", "--props that does not exist", || {
+            example_exits(
+                "deviceless_plans",
+                &["--props", "/nonexistent.json"],
+                1,
+                "/nonexistent.json",
+            )
+        }),
+        ("deviceless_plans", "--batch 0", || {
+            example_exits("deviceless_plans", &["--batch", "0"], 2, "batch")
+        }),
+        ("deviceless_plans", "--net that does not exist", || {
+            example_exits("deviceless_plans", &["--net", "resnet7"], 2, "resnet7")
+        }),
+        ("deviceless_plans", "a flag without its value", || {
+            example_exits("deviceless_plans", &["--hw"], 2, "--hw")
+        }),
+    ]
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn every_bad_input_is_a_typed_error_or_a_documented_recovery() {
+    let rows: Vec<Row> = [
+        graph_rows(),
+        config_rows(),
+        props_rows(),
+        cache_rows(),
+        loader_rows(),
+        amp_rows(),
+        example_rows(),
+    ]
+    .concat();
+    let (mut errors, mut recoveries, mut failures) = (0, 0, Vec::new());
+    println!("{:<17} {:<60} outcome", "area", "input");
+    for (area, what, row) in &rows {
+        match catch_unwind(AssertUnwindSafe(row)) {
+            Ok(Verdict::Typed(msg)) => {
+                errors += 1;
+                println!("{area:<17} {what:<60} typed error: {msg}");
+            }
+            Ok(Verdict::Recovered(msg)) => {
+                recoveries += 1;
+                println!("{area:<17} {what:<60} recovered: {msg}");
+            }
+            Err(panic) => {
+                let msg = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                println!("{area:<17} {what:<60} FAILED: {msg}");
+                failures.push(format!("{area}: {what}: {msg}"));
+            }
+        }
+    }
+    println!(
+        "totals: {} rows: {errors} typed errors / {recoveries} documented recoveries / {} failures (crashes 0: every row ran to its end)",
+        rows.len(),
+        failures.len()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(rows.len() >= 60, "the table has {} rows", rows.len());
+}
