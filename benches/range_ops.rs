@@ -191,15 +191,20 @@ fn run(full: bool) -> Result<(), AmpError> {
         ),
         (
             "SGD momentum",
+            // (lr, momentum and weight decay come from S: the step above wrote 0.01 and 0.9.)
             RangeOp::Sgd {
-                cfg: SgdConfig::new(0.01).with_momentum(0.9),
+                nesterov: false,
+                decay: true,
+                momentum_buffer: true,
                 span16: whole,
             },
         ),
         (
             "SGD plain",
             RangeOp::Sgd {
-                cfg: SgdConfig::new(0.01),
+                nesterov: false,
+                decay: true,
+                momentum_buffer: false,
                 span16: whole,
             },
         ),

@@ -62,7 +62,7 @@ fn a_graph_cudnn_rejects_is_a_typed_no_engine_error() {
     let Some(_) = common::cudnn_or_skip("a_graph_cudnn_rejects_is_a_typed_no_engine_error") else {
         return;
     };
-    // CUDNN_PATTERNS §6.1: the fused wgrad with an FP32 dW has no engine on sm_90.
+    // docs/cudnn-graphs.md §5.1: the fused wgrad with an FP32 dW has no engine on sm_90.
     let shape = ConvShape::square(8, 64, 28, 64, 3, 1, 1);
     let mut g = Graph::new("scale_bias_relu_wgrad_fp32_dw");
     use cudnn_cbr::fusion::graph::TensorAttrs;

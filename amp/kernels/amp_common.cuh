@@ -23,13 +23,19 @@ struct AmpScalars {
     unsigned int growth_tracker;  // byte 8: applied steps since the scale last changed
     unsigned int step;            // byte 12: applied steps (wrapping)
     unsigned int skipped;         // byte 16: skipped steps (wrapping)
+    float lr;                     // byte 20: SGD learning rate (host writes, between steps)
+    float momentum;               // byte 24: SGD momentum (0: M untouched)
+    float weight_decay;           // byte 28: SGD weight decay
 };
 static_assert(__builtin_offsetof(AmpScalars, loss_scale) == 0, "S layout: loss_scale");
 static_assert(__builtin_offsetof(AmpScalars, overflow) == 4, "S layout: overflow");
 static_assert(__builtin_offsetof(AmpScalars, growth_tracker) == 8, "S layout: growth_tracker");
 static_assert(__builtin_offsetof(AmpScalars, step) == 12, "S layout: step");
 static_assert(__builtin_offsetof(AmpScalars, skipped) == 16, "S layout: skipped");
-static_assert(sizeof(AmpScalars) == 20, "S layout: size");
+static_assert(__builtin_offsetof(AmpScalars, lr) == 20, "S layout: lr");
+static_assert(__builtin_offsetof(AmpScalars, momentum) == 24, "S layout: momentum");
+static_assert(__builtin_offsetof(AmpScalars, weight_decay) == 28, "S layout: weight_decay");
+static_assert(sizeof(AmpScalars) == 32, "S layout: size");
 
 #define AMP_MIN_LOSS_SCALE 1.0f
 #define AMP_BACKOFF_FACTOR 0.5f

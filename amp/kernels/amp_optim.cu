@@ -29,15 +29,19 @@ __device__ __forceinline__ float amp_sgd1(float w, float g, float* m, float inv,
 }
 
 // SGD (momentum, weight decay, optional Nesterov) with the 1/scale unscale folded in, then
-// a[i] = f16(w[i]). m may be null when momentum == 0.
+// a[i] = f16(w[i]). The hyper-parameters are read from S, so a captured step follows a
+// schedule the host writes there between replays. m is null when the plan has no M region
+// (the host then keeps momentum at 0); M is untouched while momentum is 0.
 extern "C" __global__ void amp_sgd_step(float* __restrict__ w, float* __restrict__ m,
                                         const float* __restrict__ g, __half* __restrict__ a,
-                                        const AmpScalars* __restrict__ s, float lr,
-                                        float momentum, float weight_decay, int nesterov,
-                                        size_t n) {
+                                        const AmpScalars* __restrict__ s, int nesterov,
+                                        int decay, size_t n) {
     if (s->overflow != 0u) return;
     const float inv = __fdiv_rn(1.0f, s->loss_scale);
-    const bool use_m = momentum != 0.0f;
+    const float lr = s->lr;
+    const float momentum = s->momentum;
+    const float weight_decay = decay != 0 ? s->weight_decay : 0.0f;  // per-range: BN, biases 0
+    const bool use_m = m != nullptr && momentum != 0.0f;
     const bool nest = nesterov != 0;
     const size_t tid = amp_tid();
     const size_t stride = amp_stride();

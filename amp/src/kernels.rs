@@ -102,8 +102,8 @@ pub fn signature(entry_point: &str) -> Option<&'static [ParamType]> {
         entry::LOSS_SCALE_UPDATE => &[U64, U32, F32, F32],
         // (dst, nbytes)
         entry::ZERO_BYTES => &[U64, U64],
-        // (w, m, g, a, s, lr, momentum, weight_decay, nesterov, n)
-        entry::SGD_STEP => &[U64, U64, U64, U64, U64, F32, F32, F32, U32, U64],
+        // (w, m, g, a, s, nesterov, decay, n): lr, momentum, weight decay are read from s
+        entry::SGD_STEP => &[U64, U64, U64, U64, U64, U32, U32, U64],
         // (e, e16, w, s, decay, n)
         entry::EMA_UPDATE => &[U64, U64, U64, U64, F32, U64],
         // (logits, labels, dlogits, loss, s, batch, classes)

@@ -321,11 +321,13 @@ fn gpu_sgd_and_ema_match_their_twins_bit_for_bit() {
                 let w: Vec<f32> = (0..n).map(|_| rng.finite_f32(1.0)).collect();
                 let m: Vec<f32> = (0..n).map(|_| rng.finite_f32(0.1)).collect();
                 let g: Vec<f32> = (0..n).map(|_| rng.finite_f32(3000.0)).collect();
+                // The hyper-parameters live in S, where the kernel reads them.
                 let s = Scalars {
                     loss_scale: 1024.0,
                     overflow: flag,
                     ..Scalars::default()
-                };
+                }
+                .with_sgd(&cfg);
                 let pad = |b: Vec<u8>, by: usize| {
                     let mut v = vec![0u8; by];
                     v.extend(b);
@@ -350,13 +352,21 @@ fn gpu_sgd_and_ema_match_their_twins_bit_for_bit() {
                     DevRange::new(&gb, r32).unwrap(),
                     DevRangeMut::new(&mut ab, r16).unwrap(),
                     DevRange::whole(&sb),
-                    &cfg,
+                    cfg.nesterov,
+                    true,
                 )
                 .unwrap();
                 let (mut ww, mut wm) = (w.clone(), m.clone());
                 let mut wa = to_f16(&vec![0x55; 2 * n]);
-                range::sgd_step(&mut ww, use_m.then_some(&mut wm[..]), &g, &mut wa, &s, &cfg)
-                    .unwrap();
+                range::sgd_step(
+                    &mut ww,
+                    use_m.then_some(&mut wm[..]),
+                    &g,
+                    &mut wa,
+                    &s,
+                    cfg.nesterov,
+                )
+                .unwrap();
                 let what = format!("{cfg:?} n={n} off={off} flag={flag}");
                 assert_eq!(
                     bits32(&to_f32(&download(&stream, &wb)[off..])),

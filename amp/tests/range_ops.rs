@@ -15,6 +15,18 @@ use cudnn_cbr_amp::RangeOpError;
 use half::f16;
 use proptest::prelude::*;
 
+/// The twin with `cfg`'s hyper-parameters written into S (where the step keeps them).
+fn sgd(
+    w: &mut [f32],
+    m: Option<&mut [f32]>,
+    g: &[f32],
+    a: &mut [f16],
+    s: &Scalars,
+    cfg: &SgdConfig,
+) -> Result<StepOutcome, RangeOpError> {
+    sgd_step(w, m, g, a, &s.with_sgd(cfg), cfg.nesterov)
+}
+
 /// 64 cases to keep the suite fast; `PROPTEST_CASES=5000` for a stress run.
 fn small_config() -> ProptestConfig {
     let default = ProptestConfig::default();
@@ -47,6 +59,9 @@ fn scalars_round_trip_through_the_s_image() {
         growth_tracker: 7,
         step: 123_456,
         skipped: u32::MAX,
+        lr: 0.05,
+        momentum: 0.9,
+        weight_decay: 5e-4,
     };
     let bytes = s.to_bytes();
     assert_eq!(bytes.len(), S_REGION_BYTES);
@@ -56,12 +71,17 @@ fn scalars_round_trip_through_the_s_image() {
     );
     assert_eq!(&bytes[s_layout::LOSS_SCALE..][..4], &1024f32.to_le_bytes());
     assert_eq!(&bytes[s_layout::STEP..][..4], &123_456u32.to_le_bytes());
+    assert_eq!(&bytes[s_layout::LR..][..4], &0.05f32.to_le_bytes());
+    assert_eq!(
+        &bytes[s_layout::WEIGHT_DECAY..][..4],
+        &5e-4f32.to_le_bytes()
+    );
     assert_eq!(Scalars::from_bytes(&bytes).unwrap(), s);
     assert_eq!(
-        Scalars::from_bytes(&bytes[..19]).unwrap_err(),
+        Scalars::from_bytes(&bytes[..31]).unwrap_err(),
         RangeOpError::ScalarsTooShort {
-            got: 19,
-            needed: 20
+            got: 31,
+            needed: 32
         }
     );
     let fresh = Scalars::default();
@@ -414,7 +434,7 @@ proptest! {
         for g in &grads {
             // The stored gradient is scaled, as after the loss seed.
             let gs: Vec<f32> = g.iter().map(|&x| x * scale).collect();
-            let out = sgd_step(&mut w, Some(&mut m), &gs, &mut a, &s, &cfg).unwrap();
+            let out = sgd(&mut w, Some(&mut m), &gs, &mut a, &s, &cfg).unwrap();
             prop_assert_eq!(out, StepOutcome::Applied);
             naive_sgd(&mut nw, &mut nm, &gs, scale, &cfg);
         }
@@ -436,7 +456,7 @@ proptest! {
         let s = Scalars { loss_scale: scale, ..Scalars::default() };
         let (mut w, mut m) = (w0.clone(), m0.clone());
         let mut a = vec![f16::ZERO; w.len()];
-        sgd_step(&mut w, Some(&mut m), &g, &mut a, &s, &cfg).unwrap();
+        sgd(&mut w, Some(&mut m), &g, &mut a, &s, &cfg).unwrap();
         let to64 = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<f64>>();
         let (mut nw, mut nm) = (to64(&w0), to64(&m0));
         naive_sgd(&mut nw, &mut nm, &to64(&g), f64::from(scale), &cfg);
@@ -471,7 +491,7 @@ fn sgd_is_bit_exact_with_the_documented_operation_order() {
     let g = vec![0.3f32, 5.0, -7.0];
     let mut a = vec![f16::ZERO; 3];
     let (w0, m0) = (w.clone(), m.clone());
-    sgd_step(&mut w, Some(&mut m), &g, &mut a, &s, &cfg).unwrap();
+    sgd(&mut w, Some(&mut m), &g, &mut a, &s, &cfg).unwrap();
     let inv = 1.0f32 / 3.0;
     for i in 0..3 {
         let gi = g[i] * inv;
@@ -495,7 +515,7 @@ fn sgd_skips_entirely_when_the_flag_is_set() {
     let mut a = vec![f16::from_f32(1.0), f16::from_f32(2.0)];
     let g = vec![f32::NAN, f32::INFINITY];
     let before = (w.clone(), m.clone(), a.clone());
-    let out = sgd_step(&mut w, Some(&mut m), &g, &mut a, &s, &cfg).unwrap();
+    let out = sgd(&mut w, Some(&mut m), &g, &mut a, &s, &cfg).unwrap();
     assert_eq!(out, StepOutcome::Skipped);
     assert_eq!((w, m, a), before);
 }
@@ -506,13 +526,13 @@ fn sgd_without_momentum_needs_no_buffer_and_bad_configs_are_rejected() {
     let mut w = vec![1.0f32; 4];
     let mut a = vec![f16::ZERO; 4];
     let g = vec![8192.0f32; 4];
-    sgd_step(&mut w, None, &g, &mut a, &s, &SgdConfig::new(0.5)).unwrap();
+    sgd(&mut w, None, &g, &mut a, &s, &SgdConfig::new(0.5)).unwrap();
     assert_eq!(w, [0.5; 4], "g / 8192 = 1, w = 1 - 0.5");
     assert!(a.iter().all(|h| h.to_f32() == 0.5));
 
     let with_m = SgdConfig::new(0.5).with_momentum(0.9);
     assert!(matches!(
-        sgd_step(&mut w, None, &g, &mut a, &s, &with_m),
+        sgd(&mut w, None, &g, &mut a, &s, &with_m),
         Err(RangeOpError::InvalidConfig { field: "m", .. })
     ));
     let bad = [
@@ -524,7 +544,7 @@ fn sgd_without_momentum_needs_no_buffer_and_bad_configs_are_rejected() {
     ];
     let mut m = vec![0f32; 4];
     for (cfg, field) in bad {
-        let err = sgd_step(&mut w, Some(&mut m), &g, &mut a, &s, &cfg).unwrap_err();
+        let err = sgd(&mut w, Some(&mut m), &g, &mut a, &s, &cfg).unwrap_err();
         assert!(
             matches!(err, RangeOpError::InvalidConfig { field: f, .. } if f == field),
             "{cfg:?}: {err:?}"
@@ -532,11 +552,11 @@ fn sgd_without_momentum_needs_no_buffer_and_bad_configs_are_rejected() {
     }
     let cfg = SgdConfig::new(0.1);
     assert!(matches!(
-        sgd_step(&mut w, Some(&mut m), &g[..3], &mut a, &s, &cfg),
+        sgd(&mut w, Some(&mut m), &g[..3], &mut a, &s, &cfg),
         Err(RangeOpError::LengthMismatch { what: "g", .. })
     ));
     assert!(matches!(
-        sgd_step(&mut w, Some(&mut m[..2]), &g, &mut a, &s, &cfg),
+        sgd(&mut w, Some(&mut m[..2]), &g, &mut a, &s, &cfg),
         Err(RangeOpError::LengthMismatch { what: "m", .. })
     ));
 }
@@ -783,7 +803,7 @@ fn one_training_step_over_a_plan() {
         }
         assert_eq!(s.overflowed(), poison, "step {step}");
         let w_before = h.w.clone();
-        let out = sgd_step(&mut h.w, Some(&mut h.m), &h.g, &mut h.a, &s, &cfg).unwrap();
+        let out = sgd(&mut h.w, Some(&mut h.m), &h.g, &mut h.a, &s, &cfg).unwrap();
         ema_update(&mut h.e, &mut h.e16, &h.w, &s, 0.5).unwrap();
         update_loss_scale(&mut s, &policy).unwrap();
         if poison {

@@ -424,10 +424,10 @@ fn finish_casts_only_g16_cast_ranges_splits_weight_decay_and_updates_the_scale_l
     assert_eq!(names[names.len() - 1], "amp_loss_scale_update");
 
     // SGD covers everything once; weight decay exactly on each bucket's decay range.
-    let sgd: Vec<(ByteRange, f32)> = ops
+    let sgd: Vec<(ByteRange, bool)> = ops
         .iter()
         .filter_map(|op| match *op {
-            RangeOp::Sgd { cfg, span16 } => Some((span16, cfg.weight_decay)),
+            RangeOp::Sgd { decay, span16, .. } => Some((span16, decay)),
             _ => None,
         })
         .collect();
@@ -439,7 +439,7 @@ fn finish_casts_only_g16_cast_ranges_splits_weight_decay_and_updates_the_scale_l
     assert_eq!(at, whole.end);
     let decayed: Vec<ByteRange> = sgd
         .iter()
-        .filter(|(_, wd)| *wd != 0.0)
+        .filter(|(_, decay)| *decay)
         .map(|(s, _)| *s)
         .collect();
     let expect: Vec<ByteRange> = plan
@@ -448,7 +448,7 @@ fn finish_casts_only_g16_cast_ranges_splits_weight_decay_and_updates_the_scale_l
         .map(|b| plan.decay_range(b.bucket(), Region::A).unwrap())
         .collect();
     assert_eq!(decayed, expect);
-    assert!(sgd.iter().all(|(_, wd)| *wd == 0.0 || *wd == 5e-4));
+    // (The value of the weight decay is read from S when the op runs.)
 
     // Begin zeroes all of G and G16.
     assert_eq!(
@@ -558,6 +558,58 @@ fn replay_of_captured_graphs_equals_eager_bit_for_bit() {
 }
 
 #[test]
+fn a_learning_rate_schedule_under_graph_replay_equals_eager() {
+    // Momentum, weight decay and EMA on, one overflow: every hyper-parameter path is live.
+    let config = StepConfig::new(
+        SgdConfig::new(0.1)
+            .with_momentum(0.9)
+            .with_weight_decay(1e-3),
+    )
+    .with_ema(0.9);
+    let mut base = CpuRegions::new(small_plan(true)).unwrap();
+    random_weights(&mut base, &mut Rng(5));
+    let mut eager = AmpStep::new(base.clone(), config).unwrap();
+    let mut graphed = AmpStep::new(base.clone(), config).unwrap();
+    let mut constant = AmpStep::new(base, config).unwrap();
+    for s in [&mut eager, &mut graphed, &mut constant] {
+        s.init_weights().unwrap();
+    }
+    let begin = graphed.capture_begin().unwrap();
+    let finish = graphed.capture_finish().unwrap();
+    let (mut r1, mut r2, mut r3) = (Rng(42), Rng(42), Rng(42));
+    for t in 0..12 {
+        // Cosine-like decay, then momentum and weight decay change too at step 6.
+        let lr = 0.1 * (1.0 + (t as f32 * 0.3).cos()) / 2.0 + 1e-3;
+        let (mu, wd) = if t < 6 { (0.9, 1e-3) } else { (0.5, 0.0) };
+        let poison = (t == 4).then_some(Poison::F16Inf);
+        let scale = eager.executor().scalars().loss_scale;
+        eager.set_hyper(lr, mu, wd).unwrap();
+        eager.begin().unwrap();
+        write_grads(eager.executor_mut(), &mut r1, scale, poison);
+        eager.finish().unwrap();
+        graphed.set_hyper(lr, mu, wd).unwrap();
+        graphed.replay(&begin).unwrap();
+        write_grads(graphed.executor_mut(), &mut r2, scale, poison);
+        graphed.replay(&finish).unwrap();
+        assert_eq!(
+            all_bytes(eager.executor()),
+            all_bytes(graphed.executor()),
+            "step {t}: the replayed step must follow the schedule exactly"
+        );
+        constant.begin().unwrap();
+        write_grads(constant.executor_mut(), &mut r3, scale, poison);
+        constant.finish().unwrap();
+    }
+    // The schedule really changed the update (the comparison above is not vacuous).
+    assert_ne!(
+        eager.executor().f32_region(Region::W).unwrap(),
+        constant.executor().f32_region(Region::W).unwrap()
+    );
+    let s = graphed.executor().scalars();
+    assert_eq!((s.skipped, s.momentum, s.weight_decay), (1, 0.5, 0.0));
+}
+
+#[test]
 fn stale_and_foreign_graphs_are_refused() {
     let config = StepConfig::new(SgdConfig::new(0.1));
     let mut a = AmpStep::new(CpuRegions::new(small_plan(false)).unwrap(), config).unwrap();
@@ -568,7 +620,15 @@ fn stale_and_foreign_graphs_are_refused() {
         Err(AmpError::Exec(ExecError::ForeignGraph { .. }))
     ));
     a.replay(&finish).unwrap();
+    // The learning rate lives in S: the captured step stays valid.
     a.set_lr(0.05).unwrap();
+    a.replay(&finish).unwrap();
+    // A change of structure (the overflow policy) makes it stale.
+    let clip = StepConfig {
+        overflow: OverflowPolicy::clip_inf(),
+        ..*a.config()
+    };
+    a.set_config(clip).unwrap();
     assert_eq!(
         a.replay(&finish).unwrap_err(),
         AmpError::Exec(ExecError::StaleGraph {
@@ -766,7 +826,10 @@ fn scalars_are_written_by_new_and_snapshotted_on_request() {
         .unwrap()[0] = f32::INFINITY;
     step.finish().unwrap();
     // The snapshot is S when it was requested, not now.
-    assert_eq!(step.poll_scalars().unwrap(), Some(Scalars::new(&policy)));
+    assert_eq!(
+        step.poll_scalars().unwrap(),
+        Some(Scalars::new(&policy).with_sgd(&config.sgd))
+    );
     step.request_scalars().unwrap();
     let s = step.poll_scalars().unwrap().unwrap();
     assert_eq!((s.loss_scale, s.skipped, s.step), (128.0, 1, 0));

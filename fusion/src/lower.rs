@@ -256,7 +256,7 @@ impl Lowering<'_> {
                     op.set_descriptors(A::CUDNN_ATTR_OPERATION_POINTWISE_YDESC, &[self.t(*y)])?;
                 }
                 // Alphas only when they differ from cuDNN's default of 1: generic engines
-                // reject α2 ≠ 1 (CUDNN_PATTERNS §9.5).
+                // reject α2 ≠ 1 (docs/cudnn-graphs.md §9).
                 if attrs.alpha1 != 1.0 {
                     op.set_one(A::CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1, attrs.alpha1)?;
                 }

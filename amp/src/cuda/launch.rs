@@ -18,7 +18,7 @@ use crate::kernels::{self, entry, CudaArch, KernelSource, ParamType};
 use crate::plan::ByteRange;
 use crate::range::{
     metrics_log_capacity, s_layout, HeadShape, LossScalePolicy, OverflowPolicy, PoolShape,
-    SgdConfig, METRICS_LOG_HEADER,
+    METRICS_LOG_HEADER,
 };
 use crate::step::RangeOp;
 
@@ -788,9 +788,9 @@ impl AmpKernels {
     }
 
     /// # Safety
-    /// `w`, `g` hold `n` f32, `a` room for `n` f16, `m` `n` f32 when `cfg.momentum != 0`
-    /// (else it may be 0); `s` a 4-aligned S image; all live until the launch has run, and
-    /// no two overlap.
+    /// `w`, `g` hold `n` f32, `a` room for `n` f16, `m` `n` f32 or 0 (then S's momentum must
+    /// be 0, or it is ignored); `s` a 4-aligned S image; all live until the launch has run,
+    /// and no two overlap.
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn raw_sgd(
         &self,
@@ -800,7 +800,8 @@ impl AmpKernels {
         g: u64,
         a: u64,
         s: u64,
-        cfg: &SgdConfig,
+        nesterov: bool,
+        decay: bool,
         n: usize,
     ) -> Result<(), AmpError> {
         if n == 0 {
@@ -812,14 +813,11 @@ impl AmpKernels {
             Arg::U64(g),
             Arg::U64(a),
             Arg::U64(s),
-            Arg::F32(cfg.lr),
-            Arg::F32(cfg.momentum),
-            Arg::F32(cfg.weight_decay),
-            Arg::I32(i32::from(cfg.nesterov)),
+            Arg::I32(i32::from(nesterov)),
+            Arg::I32(i32::from(decay)),
             Arg::size(n),
         ];
-        // SAFETY: elements [0, n) of each pointer, and M only when momentum != 0 (when the
-        // caller guarantees it is valid).
+        // SAFETY: elements [0, n) of each pointer; a null M is never touched.
         unsafe {
             self.launch_raw(
                 stream,
@@ -986,11 +984,12 @@ impl AmpKernels {
         unsafe { self.raw_loss_scale_update(stream, sp, policy) }
     }
 
-    /// SGD over FP32 `w`, `m`, `g`, writing FP16 `a`, reading the flag and the scale from
-    /// `s` (twin: [`crate::range::sgd_step`]). `m` may be `None` only with momentum 0.
+    /// SGD over FP32 `w`, `m`, `g`, writing FP16 `a`, reading the flag, the scale and the
+    /// learning rate, momentum and weight decay from `s` (twin: [`crate::range::sgd_step`]);
+    /// `decay: false` treats S's weight decay as 0 for this range. Without `m` the momentum in
+    /// S must be 0 (the kernel leaves momentum out).
     ///
     /// # Errors
-    /// [`crate::RangeOpError::InvalidConfig`] for a bad config or a missing `m`,
     /// [`ExecError::Misaligned`], [`ExecError::ElemCount`], S-range errors,
     /// [`CudaError::ContextMismatch`]; a driver error.
     #[allow(clippy::too_many_arguments)]
@@ -1002,10 +1001,10 @@ impl AmpKernels {
         g: DevRange<'_>,
         mut a: DevRangeMut<'_>,
         s: DevRange<'_>,
-        cfg: &SgdConfig,
+        nesterov: bool,
+        decay: bool,
     ) -> Result<(), AmpError> {
         const OP: &str = entry::SGD_STEP;
-        cfg.validate()?;
         self.check_streams(
             stream,
             &[
@@ -1025,15 +1024,6 @@ impl AmpKernels {
                 same_count(OP, "m", n, elems_of(OP, "m", m.range, 4)?)?;
                 Some(m)
             }
-            None if cfg.momentum != 0.0 => {
-                return Err(crate::RangeOpError::InvalidConfig {
-                    op: OP,
-                    field: "m",
-                    value: "None".into(),
-                    why: "momentum != 0 needs a momentum buffer (region M)",
-                }
-                .into())
-            }
             None => None,
         };
         // `s` may alias nothing mutable here (g and s are shared borrows, w/a/m exclusive).
@@ -1050,8 +1040,8 @@ impl AmpKernels {
         };
         // SAFETY: every range lies inside its buffer and holds n elements of its type
         // (checked); the exclusive borrows of w, a and m rule out overlaps with each other and
-        // with g and s; M is null only with momentum 0, when the kernel never touches it.
-        unsafe { self.raw_sgd(stream, wp, mp, gp, ap, sp, cfg, n) }
+        // with g and s; a null M is never touched.
+        unsafe { self.raw_sgd(stream, wp, mp, gp, ap, sp, nesterov, decay, n) }
     }
 
     /// EMA of FP32 `w` into FP32 `e` and FP16 `e16`, skipped when the flag in `s` is set

@@ -12,7 +12,7 @@ use crate::cuda::readback::Readback;
 use crate::cuda::{driver_error, open_device};
 use crate::error::{AmpError, ExecError};
 use crate::plan::{ByteRange, Dtype, MemoryPlan, Region};
-use crate::range::{HeadShape, Scalars, S_REGION_BYTES};
+use crate::range::{HeadShape, Scalars, SgdConfig, S_REGION_BYTES};
 use crate::step::{check_graph_owner, next_executor_id, validate_capture, AmpExecutor, RangeOp};
 
 /// One allocated region: the buffer and its device address (taken once, at allocation).
@@ -559,8 +559,13 @@ impl CudaRegions {
                 // (256-aligned allocation); distinct allocations.
                 unsafe { k.raw_check(st, policy, g, n, s) }
             }
-            RangeOp::Sgd { cfg, span16 } => {
-                let m = if cfg.momentum != 0.0 {
+            RangeOp::Sgd {
+                nesterov,
+                decay,
+                momentum_buffer,
+                span16,
+            } => {
+                let m = if momentum_buffer {
                     self.addr(Region::M, span16)?
                 } else {
                     0
@@ -569,10 +574,10 @@ impl CudaRegions {
                 let g = self.addr(Region::G, span16)?;
                 let a = self.addr(Region::A, span16)?;
                 let s = self.get(Region::S)?.ptr;
-                // SAFETY: validated: n elements of W, G, A (and M with momentum, which the
-                // validation required the plan to have) at these addresses, each region its
-                // own allocation; M null only with momentum 0.
-                unsafe { k.raw_sgd(st, w, m, g, a, s, &cfg, n) }
+                // SAFETY: validated: n elements of W, G, A (and M when the op has a momentum
+                // buffer, which the validation required the plan to have) at these addresses,
+                // each region its own allocation; M null means the kernel never touches it.
+                unsafe { k.raw_sgd(st, w, m, g, a, s, nesterov, decay, n) }
             }
             RangeOp::Ema { decay, span16 } => {
                 let e = self.addr(Region::E, span16)?;
@@ -646,6 +651,13 @@ impl AmpExecutor for CudaRegions {
     fn write_scalars(&mut self, s: &Scalars) -> Result<(), AmpError> {
         let bytes = s.to_bytes();
         self.upload_bytes(Region::S, ByteRange::new(0, S_REGION_BYTES), &bytes)
+    }
+
+    fn write_hyper(&mut self, sgd: &SgdConfig) -> Result<(), AmpError> {
+        use crate::range::s_layout::{LR, WEIGHT_DECAY};
+        let bytes = Scalars::default().with_sgd(sgd).to_bytes();
+        let at = ByteRange::new(LR, WEIGHT_DECAY + 4);
+        self.upload_bytes(Region::S, at, &bytes[at.start..at.end])
     }
 
     fn request_scalars(&mut self) -> Result<(), AmpError> {

@@ -41,7 +41,8 @@ pub enum StepOutcome {
 /// SGD hyper-parameters (PyTorch's SGD without dampening).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SgdConfig {
-    /// Learning rate (finite, ≥ 0). A launch argument, so a schedule costs no sync.
+    /// Learning rate (finite, ≥ 0). The step keeps it in S (read by the SGD kernel), so a
+    /// schedule costs no sync and captured steps follow it.
     pub lr: f32,
     /// Momentum (finite, in [0, 1)); 0 needs no M region.
     pub momentum: f32,
@@ -80,6 +81,17 @@ impl SgdConfig {
         self
     }
 
+    /// This configuration's structure (Nesterov) with `other`'s values (learning rate,
+    /// momentum, weight decay): equal to `other` exactly when only values differ.
+    pub fn with_values_of(&self, other: &SgdConfig) -> SgdConfig {
+        SgdConfig {
+            lr: other.lr,
+            momentum: other.momentum,
+            weight_decay: other.weight_decay,
+            nesterov: self.nesterov,
+        }
+    }
+
     /// Checks the configuration.
     ///
     /// # Errors
@@ -109,7 +121,8 @@ impl SgdConfig {
     }
 }
 
-/// CPU twin of `amp_sgd_step` over one range.
+/// CPU twin of `amp_sgd_step` over one range: the learning rate, momentum and weight decay
+/// are read from `s` (the S region), as the kernel reads them.
 ///
 /// Flag set: returns [`StepOutcome::Skipped`] with nothing written. Otherwise, per element,
 /// with `inv = 1 / loss_scale`:
@@ -123,17 +136,18 @@ impl SgdConfig {
 /// `m` may be `None` only when momentum is 0 (as the kernel gets a null M pointer).
 ///
 /// # Errors
-/// [`RangeOpError::InvalidConfig`] for a bad config or a missing momentum buffer,
-/// [`RangeOpError::LengthMismatch`] when the slices differ in length.
+/// [`RangeOpError::InvalidConfig`] for bad hyper-parameters in `s` or a missing momentum
+/// buffer, [`RangeOpError::LengthMismatch`] when the slices differ in length.
 pub fn sgd_step(
     w: &mut [f32],
     m: Option<&mut [f32]>,
     g: &[f32],
     a: &mut [f16],
     s: &Scalars,
-    cfg: &SgdConfig,
+    nesterov: bool,
 ) -> Result<StepOutcome, RangeOpError> {
     const OP: &str = "sgd_step";
+    let cfg = s.sgd(nesterov);
     cfg.validate()?;
     let n = w.len();
     check_len(OP, "g", n, g.len())?;

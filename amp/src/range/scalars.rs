@@ -11,9 +11,17 @@
 //! |      8 | u32  | `growth_tracker` | loss-scale update                    |
 //! |     12 | u32  | `step`           | loss-scale update (applied steps)    |
 //! |     16 | u32  | `skipped`        | loss-scale update (skipped steps)    |
-//! | 20–255 | —    | reserved, zero   | nobody                               |
+//! |     20 | f32  | `lr`             | the host, between steps (SGD reads)  |
+//! |     24 | f32  | `momentum`       | the host, between steps (SGD reads)  |
+//! |     28 | f32  | `weight_decay`   | the host, between steps (SGD reads)  |
+//! | 32–255 | —    | reserved, zero   | nobody                               |
+//!
+//! The SGD hyper-parameters live here rather than in the kernel's launch arguments so that a
+//! step captured once as a CUDA graph follows a learning-rate schedule: the host writes the
+//! new values into S between replays (`AmpStep::set_lr`).
 
 use crate::error::RangeOpError;
+use crate::range::optim::SgdConfig;
 use crate::range::scale::LossScalePolicy;
 
 /// Size of the S region in bytes (one slot).
@@ -31,8 +39,14 @@ pub mod s_layout {
     pub const STEP: usize = 12;
     /// `u32` skipped steps (overflow), wrapping.
     pub const SKIPPED: usize = 16;
+    /// `f32` SGD learning rate.
+    pub const LR: usize = 20;
+    /// `f32` SGD momentum.
+    pub const MOMENTUM: usize = 24;
+    /// `f32` SGD weight decay.
+    pub const WEIGHT_DECAY: usize = 28;
     /// Bytes in use; the rest of the slot is reserved and kept zero.
-    pub const USED: usize = 20;
+    pub const USED: usize = 32;
 }
 
 /// Host mirror of the S region: what the device scalars hold between kernels.
@@ -50,10 +64,17 @@ pub struct Scalars {
     pub step: u32,
     /// Skipped optimizer steps (wrapping).
     pub skipped: u32,
+    /// SGD learning rate.
+    pub lr: f32,
+    /// SGD momentum (0: the momentum buffer is not touched).
+    pub momentum: f32,
+    /// SGD weight decay.
+    pub weight_decay: f32,
 }
 
 impl Scalars {
-    /// Fresh scalars for `policy`: scale at its initial value, flag clear, counters zero.
+    /// Fresh scalars for `policy`: scale at its initial value, flag clear, counters zero,
+    /// SGD hyper-parameters zero (set them with [`Scalars::with_sgd`]).
     pub fn new(policy: &LossScalePolicy) -> Self {
         Scalars {
             loss_scale: policy.init_scale,
@@ -61,6 +82,28 @@ impl Scalars {
             growth_tracker: 0,
             step: 0,
             skipped: 0,
+            lr: 0.0,
+            momentum: 0.0,
+            weight_decay: 0.0,
+        }
+    }
+
+    /// These scalars with `sgd`'s learning rate, momentum and weight decay.
+    pub fn with_sgd(mut self, sgd: &SgdConfig) -> Self {
+        self.lr = sgd.lr;
+        self.momentum = sgd.momentum;
+        self.weight_decay = sgd.weight_decay;
+        self
+    }
+
+    /// The SGD configuration these scalars hold, with `nesterov` (which is a property of the
+    /// step, not of S).
+    pub fn sgd(&self, nesterov: bool) -> SgdConfig {
+        SgdConfig {
+            lr: self.lr,
+            momentum: self.momentum,
+            weight_decay: self.weight_decay,
+            nesterov,
         }
     }
 
@@ -78,6 +121,9 @@ impl Scalars {
         put(s_layout::GROWTH_TRACKER, self.growth_tracker.to_le_bytes());
         put(s_layout::STEP, self.step.to_le_bytes());
         put(s_layout::SKIPPED, self.skipped.to_le_bytes());
+        put(s_layout::LR, self.lr.to_le_bytes());
+        put(s_layout::MOMENTUM, self.momentum.to_le_bytes());
+        put(s_layout::WEIGHT_DECAY, self.weight_decay.to_le_bytes());
         out
     }
 
@@ -99,6 +145,9 @@ impl Scalars {
             growth_tracker: u32::from_le_bytes(word(s_layout::GROWTH_TRACKER)),
             step: u32::from_le_bytes(word(s_layout::STEP)),
             skipped: u32::from_le_bytes(word(s_layout::SKIPPED)),
+            lr: f32::from_le_bytes(word(s_layout::LR)),
+            momentum: f32::from_le_bytes(word(s_layout::MOMENTUM)),
+            weight_decay: f32::from_le_bytes(word(s_layout::WEIGHT_DECAY)),
         })
     }
 }

@@ -6,7 +6,7 @@ use half::f16;
 
 use crate::error::{AmpError, ExecError};
 use crate::plan::{Dtype, MemoryPlan, Region};
-use crate::range::{self, Scalars};
+use crate::range::{self, Scalars, SgdConfig};
 use crate::step::op::RangeOp;
 use crate::step::{check_graph_owner, next_executor_id, validate_capture, AmpExecutor};
 
@@ -364,16 +364,26 @@ impl CpuRegions {
                 let r = span16.elem_range(Dtype::F16);
                 range::check_grads(&mut self.g[r], policy, &mut self.s)?;
             }
-            RangeOp::Sgd { cfg, span16 } => {
+            RangeOp::Sgd {
+                nesterov,
+                decay,
+                momentum_buffer,
+                span16,
+            } => {
                 let r = span16.elem_range(Dtype::F16);
-                let m = (cfg.momentum != 0.0).then(|| &mut self.m[r.clone()]);
+                let m = momentum_buffer.then(|| &mut self.m[r.clone()]);
+                // A range without decay sees S's weight decay as 0 (the kernel's `decay` flag).
+                let s = Scalars {
+                    weight_decay: if decay { self.s.weight_decay } else { 0.0 },
+                    ..self.s
+                };
                 range::sgd_step(
                     &mut self.w[r.clone()],
                     m,
                     &self.g[r.clone()],
                     &mut self.a[r],
-                    &self.s,
-                    &cfg,
+                    &s,
+                    nesterov,
                 )?;
             }
             RangeOp::Ema { decay, span16 } => {
@@ -425,6 +435,11 @@ impl AmpExecutor for CpuRegions {
 
     fn write_scalars(&mut self, s: &Scalars) -> Result<(), AmpError> {
         self.s = *s;
+        Ok(())
+    }
+
+    fn write_hyper(&mut self, sgd: &SgdConfig) -> Result<(), AmpError> {
+        self.s = self.s.with_sgd(sgd);
         Ok(())
     }
 

@@ -5,7 +5,8 @@
 //!    [`CpuRegions::new`] (host memory, the CPU twins) or `cuda::CudaRegions::new` (device
 //!    memory, the NVRTC kernels). Both start zeroed.
 //! 2. Write the initial master weights into W, then [`AmpStep::new`] with a [`StepConfig`]
-//!    (it writes S: the initial loss scale, flag clear, counters zero) and
+//!    (it writes S: the initial loss scale, flag clear, counters zero, and the SGD learning
+//!    rate, momentum and weight decay) and
 //!    [`AmpStep::init_weights`] (W → A, and W → E → E16 with EMA).
 //! 3. Each step: [`AmpStep::begin`] (zero G and G16), your forward and backward on the same
 //!    stream (conv wgrads FP16 into G16, FC/BN grads FP32 into G, the loss seed multiplied by
@@ -14,7 +15,9 @@
 //!    whenever convenient: the host never waits for the device.
 //! 5. On CUDA, [`AmpStep::capture_finish`] (and [`AmpStep::capture_begin`]) record the op
 //!    lists into CUDA graphs; [`AmpStep::replay`] launches one. A replay runs exactly the
-//!    launches an eager call would.
+//!    launches an eager call would. [`AmpStep::set_lr`] / [`AmpStep::set_hyper`] between
+//!    replays change the hyper-parameters in S, which the SGD kernel reads: a schedule needs
+//!    no recapture.
 //!
 //! What [`AmpStep::finish`] records, in order (see [`AmpStep::finish_ops`]):
 //!
@@ -127,6 +130,14 @@ pub trait AmpExecutor {
     /// # Errors
     /// On CUDA, a driver error.
     fn write_scalars(&mut self, s: &Scalars) -> Result<(), AmpError>;
+
+    /// Overwrites only the SGD hyper-parameters in S (learning rate, momentum, weight decay),
+    /// leaving the loss scale, flag and counters as the device has them. Ordered after the
+    /// work enqueued so far and before what comes next; never waits.
+    ///
+    /// # Errors
+    /// On CUDA, a driver error.
+    fn write_hyper(&mut self, sgd: &SgdConfig) -> Result<(), AmpError>;
 
     /// Asks for a snapshot of S as it will be once the work enqueued so far has run. Never
     /// waits: on CUDA it enqueues an asynchronous copy into pinned host memory.
@@ -244,35 +255,37 @@ pub fn begin_ops(plan: &MemoryPlan) -> Vec<RangeOp> {
 /// The SGD launches: one over everything without weight decay; with it, each bucket's decayed
 /// range with the decay and the rest of the bucket without, adjacent equal launches merged.
 fn sgd_ops(plan: &MemoryPlan, sgd: SgdConfig) -> Vec<RangeOp> {
-    if sgd.weight_decay == 0.0 {
-        return vec![RangeOp::Sgd {
-            cfg: sgd,
-            span16: whole16(plan),
-        }];
-    }
-    let plain = sgd.with_weight_decay(0.0);
+    let momentum_buffer = plan.has_region(Region::M);
+    let op = |decay: bool, span16: ByteRange| RangeOp::Sgd {
+        nesterov: sgd.nesterov,
+        decay,
+        momentum_buffer,
+        span16,
+    };
+    // Which ranges take weight decay is structure, fixed here; its value is read from S.
     let mut ops: Vec<RangeOp> = Vec::new();
-    let mut push = |cfg: SgdConfig, span16: ByteRange| {
+    let mut push = |decay: bool, span16: ByteRange| {
         if span16.is_empty() {
             return;
         }
         if let Some(RangeOp::Sgd {
-            cfg: last,
+            decay: last,
             span16: s,
+            ..
         }) = ops.last_mut()
         {
-            if *last == cfg && s.end == span16.start {
+            if *last == decay && s.end == span16.start {
                 s.end = span16.end;
                 return;
             }
         }
-        ops.push(RangeOp::Sgd { cfg, span16 });
+        ops.push(op(decay, span16));
     };
     for b in plan.buckets() {
         let span = b.span16();
         let decay = b.decay16();
-        push(sgd, decay);
-        push(plain, ByteRange::new(decay.end, span.end));
+        push(true, decay);
+        push(false, ByteRange::new(decay.end, span.end));
     }
     ops
 }
@@ -367,7 +380,8 @@ pub struct AmpStep<X: AmpExecutor> {
     config: StepConfig,
     begin: Vec<RangeOp>,
     finish: Vec<RangeOp>,
-    /// Bumped by every configuration change; graphs remember the one they were captured at.
+    /// Bumped by every change of the step's structure; graphs remember the one they were
+    /// captured at.
     generation: u64,
 }
 
@@ -379,7 +393,7 @@ impl<X: AmpExecutor> AmpStep<X> {
     /// As [`StepConfig::validate`]; on CUDA, a driver error from writing S.
     pub fn new(mut exec: X, config: StepConfig) -> Result<Self, AmpError> {
         config.validate(exec.plan())?;
-        exec.write_scalars(&Scalars::new(&config.loss_scale))?;
+        exec.write_scalars(&Scalars::new(&config.loss_scale).with_sgd(&config.sgd))?;
         let begin = begin_ops(exec.plan());
         let finish = finish_ops(exec.plan(), &config);
         Ok(AmpStep {
@@ -396,27 +410,52 @@ impl<X: AmpExecutor> AmpStep<X> {
         &self.config
     }
 
-    /// Replaces the configuration (S is left as it is). Graphs captured before become stale:
-    /// [`AmpStep::replay`] refuses them.
+    /// Replaces the configuration. The loss scale, flag and counters in S stay as they are;
+    /// the SGD hyper-parameters in S take the new values. Graphs captured before become stale
+    /// ([`AmpStep::replay`] refuses them) only when the structure changed (Nesterov, overflow
+    /// or loss-scale policy, EMA); a change of learning rate, momentum or weight decay alone
+    /// keeps them valid, as with [`AmpStep::set_hyper`].
     ///
     /// # Errors
     /// As [`StepConfig::validate`]; the step is unchanged on error.
     pub fn set_config(&mut self, config: StepConfig) -> Result<(), AmpError> {
         config.validate(self.exec.plan())?;
-        self.finish = finish_ops(self.exec.plan(), &config);
+        let structural = StepConfig {
+            sgd: config.sgd.with_values_of(&self.config.sgd),
+            ..config
+        } != self.config;
+        self.exec.write_hyper(&config.sgd)?;
+        if structural {
+            self.finish = finish_ops(self.exec.plan(), &config);
+            self.generation += 1;
+        }
         self.config = config;
-        self.generation += 1;
         Ok(())
     }
 
-    /// Changes the learning rate (a launch argument: no sync, but captured graphs go stale).
+    /// Sets the learning rate, momentum and weight decay for the steps enqueued from now on
+    /// (eager or replayed): they are written into S, which the SGD kernel reads, so captured
+    /// graphs stay valid and follow the schedule. Never waits.
+    ///
+    /// # Errors
+    /// As [`StepConfig::validate`] for out-of-range values (a non-zero momentum needs the
+    /// plan's M region); the step is unchanged on error.
+    pub fn set_hyper(&mut self, lr: f32, momentum: f32, weight_decay: f32) -> Result<(), AmpError> {
+        let mut config = self.config;
+        config.sgd.lr = lr;
+        config.sgd.momentum = momentum;
+        config.sgd.weight_decay = weight_decay;
+        self.set_config(config)
+    }
+
+    /// Changes the learning rate (see [`AmpStep::set_hyper`]: written into S, captured graphs
+    /// stay valid).
     ///
     /// # Errors
     /// As [`StepConfig::validate`] for a negative or non-finite rate.
     pub fn set_lr(&mut self, lr: f32) -> Result<(), AmpError> {
-        let mut config = self.config;
-        config.sgd.lr = lr;
-        self.set_config(config)
+        let sgd = self.config.sgd;
+        self.set_hyper(lr, sgd.momentum, sgd.weight_decay)
     }
 
     /// The ops [`AmpStep::begin`] runs.

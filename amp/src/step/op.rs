@@ -12,7 +12,7 @@
 
 use crate::error::{AmpError, ExecError, RangeOpError};
 use crate::plan::{ByteRange, Dtype, MemoryPlan, Region};
-use crate::range::{LossScalePolicy, OverflowPolicy, SgdConfig};
+use crate::range::{LossScalePolicy, OverflowPolicy};
 
 /// One range op, with everything an executor needs to run it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -61,10 +61,16 @@ pub enum RangeOp {
         span16: ByteRange,
     },
     /// SGD over W, M, G → W, M, A (`amp_sgd_step`); skipped on the device when the flag is
-    /// set. `cfg.weight_decay` is what this range gets (0 outside the decayed ranges).
+    /// set. The learning rate, momentum and weight decay are read from S when the op runs
+    /// (so a captured step follows a schedule); what is fixed here is the structure.
     Sgd {
-        /// Hyper-parameters for this range.
-        cfg: SgdConfig,
+        /// Nesterov momentum.
+        nesterov: bool,
+        /// Whether this range takes S's weight decay (false: BN and bias ranges, no decay).
+        decay: bool,
+        /// Whether the op has a momentum buffer (the plan's M region); without one, S's
+        /// momentum must stay 0.
+        momentum_buffer: bool,
         /// FP16-layout bytes.
         span16: ByteRange,
     },
@@ -133,7 +139,10 @@ impl RangeOp {
             RangeOp::CopyF32 { .. } => n * 8,
             RangeOp::Check { .. } => n * 4,
             // Reads W, G (+M); writes W, A (+M).
-            RangeOp::Sgd { cfg, .. } if cfg.momentum != 0.0 => n * (12 + 10),
+            RangeOp::Sgd {
+                momentum_buffer: true,
+                ..
+            } => n * (12 + 10),
             RangeOp::Sgd { .. } => n * (8 + 6),
             // Reads E, W; writes E, E16.
             RangeOp::Ema { .. } => n * (8 + 6),
@@ -179,11 +188,14 @@ impl RangeOp {
                 policy.validate()?;
                 span_in(op, plan, Region::G, "gradients", span16, Some(Dtype::F32))
             }
-            RangeOp::Sgd { cfg, span16 } => {
-                cfg.validate()?;
-                if cfg.momentum != 0.0 && !plan.has_region(Region::M) {
+            RangeOp::Sgd {
+                momentum_buffer,
+                span16,
+                ..
+            } => {
+                if momentum_buffer && !plan.has_region(Region::M) {
                     return Err(ExecError::MissingRegion {
-                        what: format!("SGD momentum {}", cfg.momentum),
+                        what: "an SGD op with a momentum buffer".into(),
                         region: Region::M,
                     }
                     .into());
@@ -198,7 +210,7 @@ impl RangeOp {
                     span16,
                     Some(Dtype::F16),
                 )?;
-                if cfg.momentum != 0.0 {
+                if momentum_buffer {
                     span_in(op, plan, Region::M, "momentum", span16, Some(Dtype::F32))?;
                 }
                 Ok(())

@@ -1,5 +1,5 @@
 //! The graphs of a CBR training step, built with the [`Graph`] API, FP16 NHWC tensors and FP32
-//! per-channel statistics (CUDNN_PATTERNS.md records which of these cuDNN accepts for sm_90).
+//! per-channel statistics (docs/cudnn-graphs.md says which of these cuDNN accepts for sm_90, and why).
 //!
 //! Each builder returns the graph and the ids of its real tensors, so callers can bind buffers.
 
@@ -224,8 +224,7 @@ pub fn scale_bias_relu(dims: [i64; 4], vec_dtype: DataType) -> (Graph, [TensorId
     (g, [t.y, t.scale, t.bias, t.a])
 }
 
-/// The residual form of the fused backward (docs/cudnn-graphs.md, "dgrad + dReLU + dBN
-/// weights").
+/// The residual form of the fused backward (docs/cudnn-graphs.md §5.2).
 ///
 /// A form where the prologue's ReLU also had a residual added before it (`relu(BN(y) + r)`)
 /// is deliberately absent: no network needs it (a block's input is stored and read raw by its
@@ -338,7 +337,7 @@ pub struct WgradTensors {
     pub dw: TensorId,
 }
 
-/// dW = wgrad(relu(x·s + b), dY) with FP16 dW (CUDNN_PATTERNS §6.1); plain wgrad without the
+/// dW = wgrad(relu(x·s + b), dY) with FP16 dW (docs/cudnn-graphs.md §5.1); plain wgrad without the
 /// prologue (first layer).
 pub fn wgrad(shape: &ConvShape, prologue: bool) -> (Graph, WgradTensors) {
     let mut g = Graph::new(if prologue {
@@ -564,7 +563,7 @@ pub fn dbn_reduce(dims: [i64; 4]) -> (Graph, DbnReduceTensors) {
     let dz = g.tensor(TensorAttrs::new("dZ", dims));
     let mut v = |name: &str| g.tensor(TensorAttrs::vector(name, c).dtype(DataType::Float));
     let (mean, inv_std) = (v("mean"), v("inv_std"));
-    // SUB, not ADD with α2 = −1: the generic engines reject α2 ≠ 1 (CUDNN_PATTERNS §9.5).
+    // SUB, not ADD with α2 = −1: the generic engines reject α2 ≠ 1 (docs/cudnn-graphs.md §9).
     let centered = g.sub(y, mean);
     let x_hat = g.mul(centered, inv_std);
     let prod = g.mul(dz, x_hat);

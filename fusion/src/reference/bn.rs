@@ -1,6 +1,6 @@
 //! Batch norm: statistics (GenStats), finalize, and the unfused forward and backward.
 //!
-//! # Semantics (pinned here; CUDNN_PATTERNS §4 lists what the GPU must confirm)
+//! # Semantics (pinned here; docs/cudnn-graphs.md §3 lists what the GPU must confirm)
 //! Per channel, over the `M = count` elements (`N·H·W` of the normalized tensor):
 //! - batch mean `μ = Σy / M`, batch variance **biased** `σ² = Σy²/M − μ²` (clamped at 0 against
 //!   cancellation), used to normalize; `inv_std = 1/sqrt(σ² + ε)`;
@@ -56,7 +56,7 @@ pub struct RunningStats<'a, A> {
     pub var: &'a mut [A],
 }
 
-/// The outputs of BN finalize (CUDNN_PATTERNS §4).
+/// The outputs of BN finalize (docs/cudnn-graphs.md §3).
 #[derive(Debug, Clone, PartialEq)]
 pub struct BnFinalized<T: Element> {
     /// `γ·inv_std`, FP16 `[C]`.

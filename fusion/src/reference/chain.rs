@@ -1,6 +1,6 @@
 //! A chain of CBR layers composed from the ops, forward and backward, on either route:
 //!
-//! - [`Route::Fused`]: the GPU's graphs (CUDNN_PATTERNS §8). Forward: [`fprop_genstats`] with the
+//! - [`Route::Fused`]: the GPU's graphs (docs/cudnn-graphs.md §8). Forward: [`fprop_genstats`] with the
 //!   previous BN as prologue (plain for the first layer), [`bn_finalize`], and [`bn_apply`]
 //!   only where an activation must be stored. Backward: the last BN (whose output feeds no conv)
 //!   by [`relu_bwd`] + [`bn_bwd`]; then per layer [`dgrad_drelu_dbn`], [`wgrad_with_prologue`]

@@ -1,4 +1,4 @@
-//! The fused graphs of one CBR layer (CUDNN_PATTERNS §3, §6.1, §6.2), each as one call with the
+//! The fused graphs of one CBR layer (docs/cudnn-graphs.md §2, §5.1, §5.2), each as one call with the
 //! same inputs, outputs and rounding points as the cuDNN graph.
 //!
 //! | fn | cuDNN pattern | stored (rounded) outputs |
@@ -9,7 +9,7 @@
 //!
 //! Assumption to confirm on the GPU: the prologue's virtual `relu(y_prev·scale + bias)` is
 //! computed in FP32 and rounded to FP16 before the conv, because the tensor-core conv consumes
-//! FP16 operands (CUDNN_PATTERNS §9.4: a virtual feeding a conv must be HALF for the generic
+//! FP16 operands (docs/cudnn-graphs.md §9: a virtual feeding a conv must be HALF for the generic
 //! engines; the specialised engine's internal precision is not documented).
 
 use super::bn::{bn_recompute, genstats, BnBwdCoefficients, ChannelStats};
@@ -104,7 +104,7 @@ pub fn fprop_genstats<T: Element>(
 /// `eq_scale`/`eq_bias` exactly as [`fprop_genstats`] did; `ConvInput::Plain` is the plain wgrad
 /// of the first layer (or of a conv whose input was materialized). `dy` is NHWC
 /// `[n, out_h, out_w, k]`. Rounding: `dw` to FP16 once after FP32 accumulation (the fused wgrad
-/// writes FP16 `dw`, CUDNN_PATTERNS §6.1).
+/// writes FP16 `dw`, docs/cudnn-graphs.md §5.1).
 pub fn wgrad_with_prologue<T: Element>(
     p: &ConvParams,
     input: ConvInput<'_, T>,

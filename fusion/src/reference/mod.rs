@@ -11,7 +11,7 @@
 //! `[C]`, all contiguous. Errors: every public op validates its inputs and returns a
 //! [`ReferenceError`] naming the tensor at fault; none panics on bad input.
 //!
-//! # Recipe: one CBR training step (fused route, CUDNN_PATTERNS §8)
+//! # Recipe: one CBR training step (fused route, docs/cudnn-graphs.md §8)
 //! Forward, per conv layer `i` (the first layer's input is the network input `x`):
 //! 1. [`fprop_genstats`]`(p_i, input, w_i)` → `y_i` (FP16), `sum`, `sqsum`; with
 //!    `input = ConvInput::Plain(x)` for the first layer, else
@@ -43,7 +43,7 @@
 //! | dgrad_drelu_dbn | `dz` | dgrad output (virtual), recompute, `dγ`, `dβ`, `a`, `b`, `c` |
 //! | unfused BN forward / backward | `out` / `dx` | statistics, `dγ`, `dβ` |
 //!
-//! # Semantics the GPU must confirm (CUDNN_PATTERNS §10)
+//! # Semantics the GPU must confirm (docs/cudnn-graphs.md §10)
 //! - BN finalize: biased batch variance for normalization, unbiased for the running variance,
 //!   `momentum` = weight of the new statistic, `eq_bias = β − μ·γ·inv_std` ([`bn`] docs).
 //! - The prologue's output is rounded to FP16 before the conv (see [`fused`] docs).

@@ -29,7 +29,7 @@ impl Activation {
     }
 }
 
-/// What a BN apply adds before its activation (CUDNN_PATTERNS §5 residual variants).
+/// What a BN apply adds before its activation (docs/cudnn-graphs.md §4 residual variants).
 #[derive(Debug, Clone, Copy)]
 pub enum Residual<'a, T> {
     /// Nothing: `act(y·s + b)`.
@@ -128,7 +128,7 @@ pub fn add<T: Element>(shape: &Nhwc, a: &[T], b: &[T]) -> Result<Vec<T>> {
     }))
 }
 
-/// BN-backward apply (CUDNN_PATTERNS §6.3): `d_y_prev = a·dz + b·y_prev + c` per channel, with
+/// BN-backward apply (docs/cudnn-graphs.md §5.3): `d_y_prev = a·dz + b·y_prev + c` per channel, with
 /// the coefficients from [`super::dgrad_drelu_dbn`] (FP32 `[C]`). `dz`, `y_prev` and the output
 /// are NHWC with `shape`.
 ///
