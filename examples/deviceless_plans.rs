@@ -23,6 +23,7 @@
 //! `source .deps/env.sh`); without it, prints the load error and exits non-zero.
 //! tests/network_plans.rs plans ResNet-50 on the H200 fixture in CI.
 
+use clap::Parser;
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::fusion::Target;
@@ -31,52 +32,26 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-const USAGE: &str = "usage: deviceless_plans [--net NAME] [--props FILE] [--batch N] [--hw N] \
-     [--cache DIR]\n\
-     \x20 --net NAME    mini, resnet18, resnet34, resnet50 (default), resnet101\n\
-     \x20 --props FILE  device-properties JSON (default: tests/fixtures/devprops/h200-sm90.json)\n\
-     \x20 --batch N     batch size, a positive integer (default: 32)\n\
-     \x20 --hw N        image height = width (default: 224)\n\
-     \x20 --cache DIR   plan-cache folder (default: target/plan-cache)";
-
-#[derive(Debug)]
+/// Plan every graph of a network for a GPU described by a device-properties file, without a
+/// GPU.
+#[derive(Debug, Parser)]
+#[command(name = "deviceless_plans")]
 struct Args {
+    /// The network: mini, resnet18, resnet34, resnet50 or resnet101.
+    #[arg(long, default_value = "resnet50")]
     net: Preset,
-    props: PathBuf,
-    batch: usize,
-    hw: usize,
-    cache: PathBuf,
-}
-
-fn positive(flag: &str, v: String) -> Result<usize, String> {
-    match v.parse::<usize>() {
-        Ok(n) if n > 0 => Ok(n),
-        _ => Err(format!("`{flag}` needs a positive integer, got `{v}`")),
-    }
-}
-
-fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let mut parsed = Args {
-        net: Preset::ResNet50,
-        props: root.join("tests/fixtures/devprops/h200-sm90.json"),
-        batch: 32,
-        hw: 224,
-        cache: root.join("target/plan-cache"),
-    };
-    while let Some(arg) = args.next() {
-        let mut value = |flag: &str| args.next().ok_or_else(|| format!("`{flag}` needs a value"));
-        match arg.as_str() {
-            "--net" => parsed.net = value("--net")?.parse()?,
-            "--props" => parsed.props = value("--props")?.into(),
-            "--cache" => parsed.cache = value("--cache")?.into(),
-            "--batch" => parsed.batch = positive("--batch", value("--batch")?)?,
-            "--hw" => parsed.hw = positive("--hw", value("--hw")?)?,
-            "-h" | "--help" => return Ok(None),
-            other => return Err(format!("unknown argument `{other}`")),
-        }
-    }
-    Ok(Some(parsed))
+    /// Device-properties JSON [default: tests/fixtures/devprops/h200-sm90.json].
+    #[arg(long)]
+    props: Option<PathBuf>,
+    /// Batch size.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..))]
+    batch: u64,
+    /// Image height = width.
+    #[arg(long, default_value_t = 224, value_parser = clap::value_parser!(u64).range(1..))]
+    hw: u64,
+    /// Plan-cache folder [default: target/plan-cache].
+    #[arg(long)]
+    cache: Option<PathBuf>,
 }
 
 /// One row per distinct layer of `net`, with why a layer is not fused, or takes no prologue,
@@ -98,17 +73,18 @@ fn print_table(label: &str, net: &CompiledNet) {
 }
 
 fn main() -> ExitCode {
-    let args = match parse_args(std::env::args().skip(1)) {
-        Ok(Some(args)) => args,
-        Ok(None) => {
-            println!("{USAGE}");
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            eprintln!("error: {e}\n{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
+    // Usage errors exit 2 and `--help` exits 0 (clap's conventions).
+    let mut args = Args::parse();
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let props = args
+        .props
+        .take()
+        .unwrap_or_else(|| root.join("tests/fixtures/devprops/h200-sm90.json"));
+    let cache_dir = args
+        .cache
+        .take()
+        .unwrap_or_else(|| root.join("target/plan-cache"));
+    let (batch, hw) = (args.batch as usize, args.hw as usize);
     let lib = match cudnn_cbr::sys::library() {
         Ok(lib) => lib,
         Err(e) => {
@@ -117,14 +93,14 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let target = match Target::deviceless_from_file(&args.props) {
+    let target = match Target::deviceless_from_file(&props) {
         Ok(t) => t,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::FAILURE;
         }
     };
-    let cache = match PlanCache::persistent(&args.cache) {
+    let cache = match PlanCache::persistent(&cache_dir) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e}");
@@ -137,11 +113,11 @@ fn main() -> ExitCode {
         "{} plans: {} ({}), cuDNN {ma}.{mi}.{pa}, batch {}, {}x{}, plan cache {}",
         args.net,
         target.props().name(),
-        args.props.display(),
-        args.batch,
-        args.hw,
-        args.hw,
-        args.cache.display()
+        props.display(),
+        batch,
+        hw,
+        hw,
+        cache_dir.display()
     );
     let start = Instant::now();
     let mut counts = Vec::new();
@@ -166,7 +142,7 @@ fn main() -> ExitCode {
     ] {
         let t = Instant::now();
         eprintln!("planning {} on the {label} route…", args.net);
-        match compile(&spec, args.batch, args.hw, &policy) {
+        match compile(&spec, batch, hw, &policy) {
             Ok(net) => {
                 print_table(label, &net);
                 let fused = net

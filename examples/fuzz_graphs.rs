@@ -3,56 +3,48 @@
 //! each valid one plans or says why not.
 //!
 //! ```sh
-//! cargo run --release --example fuzz_graphs -- --cases 100000 [--seed N] [--props FILE]
+//! cargo run --release --example fuzz_graphs -- --cases 100000 [--seed N] [--props FILE] [--case HEX]
 //! ```
 //! Exits 1 when any case breaks the property, printing the first failures with their seeds.
 
 #[path = "../tests/fuzz/mod.rs"]
 mod fuzz;
 
+use clap::Parser;
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::Target;
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: fuzz_graphs [--cases N] [--seed N] [--props FILE] [--case HEX]\n\
-     \x20 --cases N     cases to run (default 10000)\n\
-     \x20 --seed N      generator seed (default 1)\n\
-     \x20 --props FILE  device-properties JSON (default: tests/fixtures/devprops/h200-sm90.json)\n\
-     \x20 --case HEX    rerun one case by the seed a failure printed, panics not caught";
+/// Random graphs, layer configs and network specs against the public API, planned deviceless.
+#[derive(Debug, Parser)]
+#[command(name = "fuzz_graphs")]
+struct Args {
+    /// Cases to run.
+    #[arg(long, default_value_t = 10_000)]
+    cases: usize,
+    /// Generator seed.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Device-properties JSON.
+    #[arg(long, default_value = "tests/fixtures/devprops/h200-sm90.json")]
+    props: String,
+    /// Rerun one case by the seed a failure printed (hex), panics not caught.
+    #[arg(long, value_parser = parse_hex)]
+    case: Option<u64>,
+}
+
+fn parse_hex(v: &str) -> Result<u64, String> {
+    u64::from_str_radix(v.trim_start_matches("0x"), 16).map_err(|e| format!("`{v}`: {e}"))
+}
 
 fn main() -> ExitCode {
-    let mut cases = 10_000usize;
-    let mut seed = 1u64;
-    let mut props = "tests/fixtures/devprops/h200-sm90.json".to_string();
-    let mut one_case: Option<u64> = None;
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let mut value = |name: &str| args.next().ok_or_else(|| format!("{name} needs a value"));
-        let parsed = match arg.as_str() {
-            "--cases" => value("--cases")
-                .and_then(|v| v.parse().map_err(|e| format!("--cases {v}: {e}")))
-                .map(|v| cases = v),
-            "--seed" => value("--seed")
-                .and_then(|v| v.parse().map_err(|e| format!("--seed {v}: {e}")))
-                .map(|v| seed = v),
-            "--props" => value("--props").map(|v| props = v),
-            "--case" => value("--case")
-                .and_then(|v| {
-                    u64::from_str_radix(v.trim_start_matches("0x"), 16)
-                        .map_err(|e| format!("--case {v}: {e}"))
-                })
-                .map(|v| one_case = Some(v)),
-            "--help" | "-h" => {
-                println!("{USAGE}");
-                return ExitCode::SUCCESS;
-            }
-            other => Err(format!("unknown argument `{other}`")),
-        };
-        if let Err(e) = parsed {
-            eprintln!("fuzz_graphs: {e}\n{USAGE}");
-            return ExitCode::from(2);
-        }
-    }
+    // Usage errors exit 2 and `--help` exits 0 (clap's conventions).
+    let Args {
+        cases,
+        seed,
+        props,
+        case: one_case,
+    } = Args::parse();
     let target = match Target::deviceless_from_file(&props) {
         Ok(t) => Some(t),
         Err(e) => {

@@ -4,7 +4,7 @@
 //!
 //! `cargo run --release --example train_cbr -- [--net mini|resnet18|resnet34|resnet50|resnet101]
 //!  [--device auto|cuda|cpu] [--steps N] [--batch N] [--hw N] [--width N] [--seed N] [--lr X]
-//!  [--unfused] [--cuda-graph off|finish|step]`
+//!  [--unfused] [--cuda-graph off|finish|step]` (`--help` lists them with their defaults)
 //!
 //! `--net` picks the network (default `mini`, the small net that learns in seconds on a CPU);
 //! `--hw` sets the image size, so `--net resnet50 --hw 32 --batch 2 --steps 1` runs a real
@@ -14,76 +14,71 @@
 //! every layer has a cuDNN route, else on the CPU reference executor; the first line says
 //! which and why. `--device cuda` fails with the reason instead of falling back.
 
-use cudnn_cbr::net::BlockKind;
-use cudnn_cbr::train::{Device, ExecutorKind, Progress, TrainConfig, Trainer};
-use std::io::Write;
+use clap::Parser;
+use cudnn_cbr::net::{BlockKind, Preset};
+use cudnn_cbr::train::{CudaGraphMode, Device, ExecutorKind, Progress, TrainConfig, Trainer};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: train_cbr [--net mini|resnet18|resnet34|resnet50|resnet101] \
-                     [--device auto|cuda|cpu] [--steps N] [--batch N] [--hw N] [--width N] \
-                     [--seed N] [--lr X] [--unfused] [--cuda-graph off|finish|step]";
-
-/// What the command line asks for: a run, or the usage text.
-enum Parsed {
-    Run(TrainConfig),
-    Help,
+/// Train a small CBR ResNet on synthetic data (on CUDA when usable, else on the CPU reference
+/// executor).
+#[derive(Debug, Parser)]
+#[command(name = "train_cbr")]
+struct Args {
+    /// The network: mini, resnet18, resnet34, resnet50 or resnet101.
+    #[arg(long, default_value = "mini")]
+    net: Preset,
+    /// Where to train: auto, cuda or cpu.
+    #[arg(long, default_value = "auto")]
+    device: Device,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = TrainConfig::default().steps)]
+    steps: usize,
+    /// Images per step.
+    #[arg(long, default_value_t = TrainConfig::default().batch)]
+    batch: usize,
+    /// Image size (height = width).
+    #[arg(long, default_value_t = TrainConfig::default().hw)]
+    hw: usize,
+    /// The mini network's base channel width.
+    #[arg(long, default_value_t = TrainConfig::default().width)]
+    width: usize,
+    /// Seed of the dataset and the initial weights.
+    #[arg(long, default_value_t = TrainConfig::default().seed)]
+    seed: u64,
+    /// Learning rate.
+    #[arg(long, default_value_t = TrainConfig::default().lr)]
+    lr: f32,
+    /// Run the unfused route's ops.
+    #[arg(long)]
+    unfused: bool,
+    /// CUDA-graph use on the CUDA executor: off, finish or step.
+    #[arg(long, default_value = "step")]
+    cuda_graph: CudaGraphMode,
 }
 
-fn parse() -> Result<Parsed, String> {
-    let mut cfg = TrainConfig {
-        device: Device::Auto,
-        ..TrainConfig::default()
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut value = |name: &str| args.next().ok_or(format!("{name} needs a value"));
-        let num = |v: String, name: &str| {
-            v.parse::<u64>()
-                .map_err(|_| format!("{name}: `{v}` is not a whole number"))
-        };
-        match a.as_str() {
-            "--device" => {
-                cfg.device = value("--device")?
-                    .parse()
-                    .map_err(|e| format!("--device: {e}"))?
-            }
-            "--cuda-graph" => {
-                cfg.cuda_graph = value("--cuda-graph")?
-                    .parse()
-                    .map_err(|e| format!("--cuda-graph: {e}"))?
-            }
-            "--net" => cfg.net = value("--net")?.parse().map_err(|e| format!("--net: {e}"))?,
-            "--hw" => cfg.hw = num(value("--hw")?, "--hw")? as usize,
-            "--steps" => cfg.steps = num(value("--steps")?, "--steps")? as usize,
-            "--batch" => cfg.batch = num(value("--batch")?, "--batch")? as usize,
-            "--width" => cfg.width = num(value("--width")?, "--width")? as usize,
-            "--seed" => cfg.seed = num(value("--seed")?, "--seed")?,
-            "--lr" => {
-                let v = value("--lr")?;
-                cfg.lr = v
-                    .parse()
-                    .map_err(|_| format!("--lr: `{v}` is not a number"))?;
-            }
-            "--unfused" => cfg.fused = false,
-            "-h" | "--help" => return Ok(Parsed::Help),
-            other => return Err(format!("unknown argument `{other}`\n{USAGE}")),
+impl Args {
+    fn config(&self) -> TrainConfig {
+        TrainConfig {
+            net: self.net,
+            device: self.device,
+            steps: self.steps,
+            batch: self.batch,
+            hw: self.hw,
+            width: self.width,
+            seed: self.seed,
+            lr: self.lr,
+            fused: !self.unfused,
+            cuda_graph: self.cuda_graph,
+            ..TrainConfig::default()
         }
     }
-    Ok(Parsed::Run(cfg))
 }
 
 fn main() -> ExitCode {
-    let cfg = match parse() {
-        Ok(Parsed::Run(x)) => x,
-        Ok(Parsed::Help) => {
-            println!("{USAGE}");
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
-    };
+    // Usage errors exit 2 and `--help` exits 0 (clap's conventions).
+    let cfg = Args::parse().config();
     let trainer = match Trainer::new(&cfg) {
         Ok(t) => t,
         Err(e) => {
@@ -123,22 +118,36 @@ fn main() -> ExitCode {
         cfg.lr
     );
     let every = (cfg.steps / 20).clamp(1, 25);
+    // A progress bar on a terminal; plain lines otherwise, so logs stay readable.
+    let bar = std::io::stdout().is_terminal().then(|| {
+        let bar = ProgressBar::new(cfg.steps as u64);
+        bar.set_style(
+            ProgressStyle::with_template("[{bar:30}] step {pos:>5}/{len} | {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("#>."),
+        );
+        bar
+    });
     let result = trainer.run(every, |p: &Progress| {
-        let done = p.step * 30 / cfg.steps;
-        println!(
-            "[{}{}] step {:>5}/{} | loss {:.4} | acc {:5.1}% | scale {:>6} | skipped {} | {:.0} img/s",
-            "#".repeat(done),
-            ".".repeat(30 - done),
-            p.step,
-            cfg.steps,
+        let line = format!(
+            "loss {:.4} | acc {:5.1}% | scale {:>6} | skipped {} | {:.0} img/s",
             p.loss,
             p.accuracy * 100.0,
             p.loss_scale,
             p.skipped,
             p.images_per_sec
         );
-        let _ = std::io::stdout().flush();
+        match &bar {
+            Some(bar) => {
+                bar.set_position(p.step as u64);
+                bar.set_message(line);
+            }
+            None => println!("step {:>5}/{} | {line}", p.step, cfg.steps),
+        }
     });
+    if let Some(bar) = &bar {
+        bar.finish();
+    }
     match result {
         Ok(r) => {
             println!(

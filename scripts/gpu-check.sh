@@ -38,7 +38,7 @@ for line in sys.stdin:
       esac
     done
   cargo build --release --examples
-  for ex in device_props deviceless_smoke train_cbr deviceless_plans; do
+  for ex in device_props deviceless_smoke train_cbr deviceless_plans fuzz_graphs; do
     cp "target/release/examples/$ex" "$bundle/example-$ex"
   done
   strip "$bundle"/* 2>/dev/null || true

@@ -932,7 +932,7 @@ fn example_exits(name: &str, args: &[&str], code: i32, needle: &str) -> Verdict 
 fn example_rows() -> Vec<Row> {
     vec![
         ("train_cbr", "--help", || {
-            example_exits("train_cbr", &["--help"], 0, "usage")
+            example_exits("train_cbr", &["--help"], 0, "Usage")
         }),
         ("train_cbr", "an unknown flag", || {
             example_exits("train_cbr", &["--frobnicate"], 2, "frobnicate")
@@ -953,7 +953,7 @@ fn example_rows() -> Vec<Row> {
             example_exits("train_cbr", &["--batch", "0"], 1, "batch ≥ 2")
         }),
         ("deviceless_plans", "--help", || {
-            example_exits("deviceless_plans", &["--help"], 0, "usage")
+            example_exits("deviceless_plans", &["--help"], 0, "Usage")
         }),
         ("deviceless_plans", "--props that does not exist", || {
             example_exits(
