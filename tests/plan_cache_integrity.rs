@@ -314,3 +314,33 @@ fn a_graph_without_an_engine_is_not_planned_again() {
     assert_eq!((s.built, s.failure_hits), (0, 1), "{s:?}");
     println!("no engine, remembered: {first}; the second lookup took {again:?}");
 }
+
+#[test]
+fn a_parallel_prewarm_plans_what_the_compile_then_takes_from_the_cache() {
+    use cudnn_cbr::fusion::cbr::RouteKind;
+    use cudnn_cbr::net::{compile, prewarm, Preset, RoutePolicy};
+    let Some(_) = common::cudnn_or_skip("a_parallel_prewarm_plans") else {
+        return;
+    };
+    let target = h200();
+    let cache = PlanCache::new();
+    let spec = Preset::Mini.spec(8, 8, 16);
+    let warm = prewarm(&spec, 4, 16, &[RouteKind::Fused], &target, &cache, 2).unwrap();
+    assert_eq!(warm.threads, 2);
+    assert!(warm.graphs > 10 && warm.planned == warm.graphs, "{warm:?}");
+    let before = cache.stats();
+    let policy = RoutePolicy::Planned {
+        target: &target,
+        cache: &cache,
+    };
+    let net = compile(&spec, 4, 16, &policy).unwrap();
+    let after = cache.stats();
+    // Every graph the compile needed was already planned by the parallel pass.
+    assert_eq!(after.built, before.built, "{before:?} -> {after:?}");
+    assert!(after.hits > before.hits);
+    for l in &net.layers {
+        assert_eq!(l.layer.route().kind(), RouteKind::Fused, "{}", l.name);
+        assert_eq!(l.stored_input_why, None, "{}", l.name);
+    }
+    println!("prewarm: {warm:?}; compile after it: {after:?}");
+}
