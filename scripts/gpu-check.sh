@@ -20,9 +20,11 @@ bundle=.gpu-bundle
 case "${1:-}" in
 bundle)
   rm -rf "$bundle" && mkdir -p "$bundle"
-  # Test and bench binaries: cargo prints their paths as JSON; keep the executables. The
-  # netcheck crate (CPU-only checks against an independent reference) is not needed there.
-  cargo test --release --workspace --exclude cudnn-cbr-netcheck --all-targets --no-run \
+  # Test and bench binaries: cargo prints their paths as JSON; keep the executables. The whole
+  # workspace is built (as the test command builds it), so that the features of shared
+  # dependencies are the same and `cargo test --release` afterwards reuses every artifact;
+  # the netcheck crate's CPU-only tests come along and take about a second there.
+  cargo test --release --workspace --all-targets --no-run \
     --message-format=json 2>/dev/null \
     | python3 -c '
 import json, sys
@@ -32,14 +34,16 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable"):
         print(m["target"]["kind"][0], m["target"]["name"], m["executable"])
 ' | while read -r kind name exe; do
-      # The CPU benches (plan_build, reference) are measured here, not there.
+      # The CPU benches (plan_build, reference) are measured here, not there. The examples
+      # come from this same build (a separate `cargo build` would compile them again).
       case "$kind-$name" in
         test-*|bench-cbr_layers|bench-range_ops) cp "$exe" "$bundle/$kind-$name" ;;
+        example-device_props|example-deviceless_smoke|example-train_cbr) cp "$exe" "$bundle/$kind-$name" ;;
+        example-deviceless_plans|example-fuzz_graphs) cp "$exe" "$bundle/$kind-$name" ;;
       esac
     done
-  cargo build --release --examples
   for ex in device_props deviceless_smoke train_cbr deviceless_plans fuzz_graphs; do
-    cp "target/release/examples/$ex" "$bundle/example-$ex"
+    [ -x "$bundle/example-$ex" ] || { echo "bundle: example $ex was not built" >&2; exit 1; }
   done
   strip "$bundle"/* 2>/dev/null || true
   cp -r tests/fixtures "$bundle/fixtures"
