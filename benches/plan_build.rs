@@ -1,15 +1,19 @@
 //! Plan building on the CPU (deviceless, H200 fixture): cold build per graph (lowering +
 //! heuristics + plan finalize), restore from persisted JSON, and the plan-cache hit cost.
 //!
-//! `cargo bench --bench plan_build` prints the table; under `cargo test` (no `--bench` flag)
-//! it runs one quick pass as a smoke test.
+//! `cargo bench --bench plan_build` prints the table, then the time to plan every graph one
+//! training step of a whole network needs (ResNet-50 at batch 256 by default; set
+//! `PLAN_BUILD_NET` and `PLAN_BUILD_BATCH` for others): cold layer by layer, cold with the
+//! parallel prewarm, and warm from the persisted cache, with ratios measured in the same run.
+//! Under `cargo test` (no `--bench` flag) it runs one quick pass as a smoke test.
 
 use cudnn_cbr::fusion::cache::{PlanCache, PlanKey};
-use cudnn_cbr::fusion::cbr::{graphs, ConvShape};
+use cudnn_cbr::fusion::cbr::{graphs, ConvShape, RouteKind};
 use cudnn_cbr::fusion::graph::{DataType, Graph};
 use cudnn_cbr::fusion::lower::OperationGraph;
 use cudnn_cbr::fusion::plan::build_plan;
 use cudnn_cbr::fusion::Target;
+use cudnn_cbr::net::{compile, prewarm, Preset, RoutePolicy};
 use std::hint::black_box;
 use std::time::Instant;
 
@@ -94,5 +98,63 @@ fn main() {
             cold / restore
         );
     }
+    let _ = std::fs::remove_dir_all(&dir);
+    if full {
+        network_table(&target);
+    }
+}
+
+/// Whole-network planning: the fused route with its fallbacks, as a training step plans it.
+fn network_table(target: &Target) {
+    let net: Preset = std::env::var("PLAN_BUILD_NET")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(Preset::ResNet50);
+    let batch: usize = std::env::var("PLAN_BUILD_BATCH")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256);
+    let spec = net.spec(3, 1000, 16);
+    let plan_all = |cache: &PlanCache| {
+        let policy = RoutePolicy::Planned { target, cache };
+        compile(&spec, batch, 224, &policy).map(|n| n.layers.len())
+    };
+    let dir = std::env::temp_dir().join(format!("cudnn-cbr-bench-net-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    println!("\nwhole network: {net} at batch {batch}, 224x224, fused route with fallbacks");
+    println!(
+        "{:<44} {:>9} {:>8} {:>8}",
+        "how", "seconds", "built", "ratio"
+    );
+    let t = Instant::now();
+    let sequential = PlanCache::new();
+    let layers = plan_all(&sequential).expect("the network plans");
+    let cold = t.elapsed().as_secs_f64();
+    let row = |how: &str, secs: f64, built: u64| {
+        println!("{how:<44} {secs:>9.2} {built:>8} {:>7.2}x", cold / secs);
+    };
+    row(
+        &format!("cold, layer by layer ({layers} layers)"),
+        cold,
+        sequential.stats().built,
+    );
+    let t = Instant::now();
+    let parallel = PlanCache::persistent(&dir).expect("plan folder");
+    let warm = prewarm(&spec, batch, 224, &[RouteKind::Fused], target, &parallel, 0)
+        .expect("the network compiles");
+    plan_all(&parallel).expect("the network plans");
+    row(
+        &format!("cold, prewarm on {} threads first", warm.threads),
+        t.elapsed().as_secs_f64(),
+        parallel.stats().built,
+    );
+    let t = Instant::now();
+    let restored = PlanCache::persistent(&dir).expect("plan folder");
+    plan_all(&restored).expect("the network plans");
+    row(
+        "warm: every plan restored from the folder",
+        t.elapsed().as_secs_f64(),
+        restored.stats().built,
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

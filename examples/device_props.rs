@@ -7,16 +7,29 @@
 //! keys is still there to read; keys the deviceless planner needs but the device's document
 //! lacks make the run fail after the comparison.
 
+use clap::Parser;
 use cudnn_cbr::fusion::exec::{cuda_device, Handle};
 use cudnn_cbr::fusion::{DeviceProps, Error, REQUIRED_KEYS};
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::process::ExitCode;
 
+/// Write the live GPU's device properties to JSON and compare them with a fixture.
+#[derive(Debug, Parser)]
+#[command(name = "device_props")]
+struct Args {
+    /// Where to write the document.
+    #[arg(default_value = "device-props.json")]
+    out: String,
+    /// The fixture to compare with [default: tests/fixtures/devprops/h200-sm90.json].
+    fixture: Option<String>,
+}
+
 fn main() -> ExitCode {
-    let mut args = std::env::args().skip(1);
-    let out = args.next().unwrap_or_else(|| "device-props.json".into());
-    let fixture = args.next().unwrap_or_else(|| {
+    // Usage errors exit 2 and `--help` exits 0 (clap's conventions).
+    let args = Args::parse();
+    let out = args.out;
+    let fixture = args.fixture.unwrap_or_else(|| {
         concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/tests/fixtures/devprops/h200-sm90.json"

@@ -3,13 +3,23 @@
 //!
 //! `cargo run --release --example deviceless_smoke [devprops.json ...]`
 
+use clap::Parser;
 use cudnn_cbr::fusion::probe::{self, ConvShape};
 use cudnn_cbr::fusion::DeviceProps;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+/// Plan the forward conv + GenStats graph for device-properties files, without a GPU.
+#[derive(Debug, Parser)]
+#[command(name = "deviceless_smoke")]
+struct Args {
+    /// Device-properties JSON files [default: the three fixtures in tests/fixtures/devprops].
+    files: Vec<PathBuf>,
+}
+
 fn main() -> ExitCode {
-    let mut files: Vec<PathBuf> = std::env::args_os().skip(1).map(PathBuf::from).collect();
+    // Usage errors exit 2 and `--help` exits 0 (clap's conventions).
+    let mut files = Args::parse().files;
     if files.is_empty() {
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/devprops");
         files = ["h200-sm90.json", "a100-sm80.json", "b200-sm100.json"]

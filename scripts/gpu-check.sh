@@ -34,16 +34,16 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable"):
         print(m["target"]["kind"][0], m["target"]["name"], m["executable"])
 ' | while read -r kind name exe; do
-      # The CPU benches (plan_build, reference) are measured here, not there. The examples
-      # come from this same build (a separate `cargo build` would compile them again).
+      # The CPU benches (plan_build, reference) are measured here, not there.
       case "$kind-$name" in
         test-*|bench-cbr_layers|bench-range_ops) cp "$exe" "$bundle/$kind-$name" ;;
-        example-device_props|example-deviceless_smoke|example-train_cbr) cp "$exe" "$bundle/$kind-$name" ;;
-        example-deviceless_plans|example-fuzz_graphs) cp "$exe" "$bundle/$kind-$name" ;;
       esac
     done
+  # The examples as programs (`cargo test` builds them as test harnesses); the same package
+  # selection, so the dependencies built above are reused.
+  cargo build --release --workspace --examples
   for ex in device_props deviceless_smoke train_cbr deviceless_plans fuzz_graphs; do
-    [ -x "$bundle/example-$ex" ] || { echo "bundle: example $ex was not built" >&2; exit 1; }
+    cp "target/release/examples/$ex" "$bundle/example-$ex"
   done
   strip "$bundle"/* 2>/dev/null || true
   cp -r tests/fixtures "$bundle/fixtures"

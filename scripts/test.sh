@@ -48,6 +48,9 @@ fi
 # Release profile: CI's gpu-check bundle has just built these same binaries, so this reuses
 # them instead of a second (debug) build of the workspace; our own crates keep overflow checks
 # and debug assertions in release (Cargo.toml), so tests lose no checks.
+step "examples (the bad-input table runs them; in CI the bundle has built them already)"
+cargo build --release --workspace --examples --locked
+
 step "cargo test (release)"
 cargo test --release --workspace --all-targets --locked
 

@@ -10,6 +10,21 @@
 //!   the CPU executor of a compiled network (FP16 storage or exact `f64`);
 //! - [`train`]: the main job's training loop (a small CBR ResNet on synthetic data).
 //!
+//! # The types a trainer uses (re-exported here)
+//!
+//! | step | type | what it is |
+//! |---|---|---|
+//! | the GPU | [`Target`] | a live device (`Handle::target`) or device-properties JSON (deviceless) |
+//! | plans | [`PlanCache`] | built plans by graph and target, optionally persisted to a folder |
+//! | a network | [`NetSpec`], [`Preset`] | stem, stages of basic/bottleneck blocks, head |
+//! | compiling it | [`compile`], [`RoutePolicy`], [`CompiledNet`] | every layer, buffer and step; [`prewarm`] plans on threads first |
+//! | running it | [`CpuNet`], [`CudaNet`] | the CPU reference executor, the cuDNN executor |
+//! | one layer | [`CbrConfig`], [`ConvShape`], [`CbrLayer`] | a Conv+BN+ReLU layer and its plans |
+//! | weights | [`MemoryPlanBuilder`], [`ParamKind`] | the static memory plan of the parameters |
+//! | the step | [`AmpStep`], [`StepConfig`], [`SgdConfig`] | cast, check, SGD, EMA, loss scale; no host sync |
+//! | its memory | [`CpuRegions`], `amp::cuda::CudaRegions` | a plan's regions on the host or a device |
+//! | errors | [`FusionError`], [`AmpError`], [`LoadError`] | typed, naming what is wrong |
+//!
 //! # A tour (the README's, compiled here)
 //! ```no_run
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -55,3 +70,14 @@ pub use cudnn_fe_sys as sys;
 
 pub mod net;
 pub mod train;
+
+pub use amp::plan::{MemoryPlanBuilder, ParamKind};
+pub use amp::range::SgdConfig;
+pub use amp::step::{AmpStep, CpuRegions, StepConfig};
+pub use amp::AmpError;
+pub use fusion::cache::PlanCache;
+pub use fusion::cbr::{CbrConfig, CbrLayer, ConvShape};
+pub use fusion::Error as FusionError;
+pub use fusion::Target;
+pub use net::{compile, prewarm, CompiledNet, CpuNet, CudaNet, NetSpec, Preset, RoutePolicy};
+pub use sys::LoadError;
