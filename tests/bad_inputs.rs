@@ -972,6 +972,12 @@ fn example_rows() -> Vec<Row> {
         ("deviceless_plans", "a flag without its value", || {
             example_exits("deviceless_plans", &["--hw"], 2, "--hw")
         }),
+        ("fuzz_graphs", "--help", || {
+            example_exits("fuzz_graphs", &["--help"], 0, "Usage")
+        }),
+        ("fuzz_graphs", "a --case that is not hex", || {
+            example_exits("fuzz_graphs", &["--case", "xyz"], 2, "xyz")
+        }),
     ]
 }
 
