@@ -16,7 +16,9 @@ use super::compile::{BufId, BufferRole, CompiledNet, NetBuffer};
 use super::exec::{run_pass, NetExecutor};
 use super::spec::PoolSpec;
 use crate::amp::cuda::cudarc::driver::DevicePtr;
-use crate::amp::cuda::{AmpKernels, CudaRegions, CudaSlice, CudaStream, DevRange, DevRangeMut};
+use crate::amp::cuda::{
+    check_device_memory, AmpKernels, CudaRegions, CudaSlice, CudaStream, DevRange, DevRangeMut,
+};
 use crate::amp::plan::{Dtype, Region};
 use crate::amp::range::PoolShape;
 use crate::amp::AmpError;
@@ -176,19 +178,11 @@ impl CudaNet {
             .filter(|(_, s)| matches!(s, Source::Own))
             .map(|(b, _)| (b.elems as u128) * (b.dtype.size() as u128))
             .sum();
-        let (free, _) = stream
-            .context()
-            .mem_get_info()
-            .map_err(|e| driver("query free device memory".into(), e))?;
-        if need > free as u128 {
-            return Err(AmpError::OutOfMemory {
-                what: format!("network `{}`'s buffers", net.spec.name),
-                place: "device",
-                need,
-                have: free as u128,
-            }
-            .into());
-        }
+        check_device_memory(
+            stream.context(),
+            &format!("network `{}`'s buffers", net.spec.name),
+            need,
+        )?;
         let mut bufs = Vec::with_capacity(net.buffers.len());
         let mut devs = Vec::with_capacity(net.buffers.len());
         for (b, source) in net.buffers.iter().zip(&sources) {

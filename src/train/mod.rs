@@ -249,7 +249,7 @@ impl TrainConfig {
             // replace a buffer) take about as much again.
             need += 2 * buffers;
         }
-        match host_memory_available() {
+        match cudnn_cbr_amp::memory::host_memory_available() {
             Some(have) if need > u128::from(have) => Err(TrainError::Config(format!(
                 "the run needs {:.1} GiB of host memory ({} network); the host has {:.1} GiB \
                  available",
@@ -270,11 +270,6 @@ impl TrainConfig {
             nesterov: false,
         }
     }
-}
-
-/// Host memory available now, in bytes (amp's reading of `/proc/meminfo`).
-fn host_memory_available() -> Option<u64> {
-    cudnn_cbr_amp::memory::host_memory_available()
 }
 
 /// One progress report.

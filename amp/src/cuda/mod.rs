@@ -69,6 +69,26 @@ pub fn nvrtc_library_present() -> bool {
     present() || (cudnn_fe_sys::wheels::ensure_loadable("libnvrtc.so.13").is_ok() && present())
 }
 
+/// Checks that `need` bytes fit in the device memory `ctx` has free, before allocating: a
+/// request too large is a typed error naming the sizes, not a driver failure halfway through.
+///
+/// # Errors
+/// [`AmpError::OutOfMemory`] naming `what`; a driver error from the query.
+pub fn check_device_memory(ctx: &CudaContext, what: &str, need: u128) -> Result<(), AmpError> {
+    let (free, _) = ctx
+        .mem_get_info()
+        .map_err(|e| driver_error("query free device memory", e))?;
+    if need > free as u128 {
+        return Err(AmpError::OutOfMemory {
+            what: what.to_string(),
+            place: "device",
+            need,
+            have: free as u128,
+        });
+    }
+    Ok(())
+}
+
 /// Opens CUDA device `ordinal` (its primary context).
 ///
 /// # Errors

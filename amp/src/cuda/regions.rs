@@ -9,7 +9,7 @@ use half::f16;
 
 use crate::cuda::launch::{AmpKernels, DevRange, DevRangeMut, FcParams};
 use crate::cuda::readback::Readback;
-use crate::cuda::{driver_error, open_device};
+use crate::cuda::{check_device_memory, driver_error, open_device};
 use crate::error::{AmpError, ExecError};
 use crate::plan::{ByteRange, Dtype, MemoryPlan, Region};
 use crate::range::{HeadShape, Scalars, SgdConfig, S_REGION_BYTES};
@@ -133,17 +133,11 @@ impl CudaRegions {
         let kernels = AmpKernels::for_context(&ctx)?;
         // Checked before allocating: a plan too large for the device is a typed error naming
         // the sizes rather than a driver failure halfway through the regions.
-        let (free, _) = ctx
-            .mem_get_info()
-            .map_err(|e| driver_error("query free device memory", e))?;
-        if plan.total_bytes() as u128 > free as u128 {
-            return Err(AmpError::OutOfMemory {
-                what: "the memory plan's regions".into(),
-                place: "device",
-                need: plan.total_bytes() as u128,
-                have: free as u128,
-            });
-        }
+        check_device_memory(
+            &ctx,
+            "the memory plan's regions",
+            plan.total_bytes() as u128,
+        )?;
         let mut regions: [Option<DeviceRegion>; 8] = Default::default();
         for region in Region::ALL {
             if !plan.has_region(region) {
