@@ -100,13 +100,14 @@ fn measure_peak(handle: &Handle, target: &Target, stream: &Arc<CudaStream>) -> R
     ] {
         let (g, t) = graphs::conv_fprop(&shape, false, false);
         let plan = build_plan(&OperationGraph::new(&g)?, target)?;
-        let x = stream.alloc_zeros::<f16>((shape.n * shape.c * shape.h * shape.w) as usize)?;
-        let w = stream.alloc_zeros::<f16>((shape.k * shape.c * shape.r * shape.s) as usize)?;
-        let y = stream.alloc_zeros::<f16>((shape.n * shape.k * shape.p() * shape.q()) as usize)?;
+        let mut x = stream.alloc_zeros::<f16>((shape.n * shape.c * shape.h * shape.w) as usize)?;
+        let mut w = stream.alloc_zeros::<f16>((shape.k * shape.c * shape.r * shape.s) as usize)?;
+        let mut y =
+            stream.alloc_zeros::<f16>((shape.n * shape.k * shape.p() * shape.q()) as usize)?;
         let mut b = Bindings::new(&plan);
-        b.bind(t.x, &x, stream)?
-            .bind(t.w, &w, stream)?
-            .bind(t.y, &y, stream)?;
+        b.bind(t.x, &mut x, stream)?
+            .bind(t.w, &mut w, stream)?
+            .bind(t.y, &mut y, stream)?;
         handle.reserve_workspace(plan.workspace_size())?;
         let ms = time_ms(stream, 3, 10, || {
             Ok(plan.execute(handle, &b, Workspace::Pooled)?)
@@ -265,12 +266,13 @@ fn bench_layer(
     let mut prev = OwnedDeviceBuffers::alloc(layer.prev_buffers(), stream)?;
     random_buffers(&mut this, layer.buffers(), stream, 1)?;
     random_buffers(&mut prev, layer.prev_buffers(), stream, 2)?;
-    let prev_table = (!layer.prev_buffers().is_empty()).then(|| prev.table());
+    let has_prev = !layer.prev_buffers().is_empty();
+    let mut io = this.io(has_prev.then_some(&mut prev))?;
     let fwd_ms = time_ms(stream, warmup, iters, || {
-        Ok(layer.run_gpu(Pass::Forward, handle, this.table(), prev_table)?)
+        Ok(layer.run_gpu(Pass::Forward, handle, &mut io)?)
     })?;
     let bwd_ms = time_ms(stream, warmup, iters, || {
-        Ok(layer.run_gpu(Pass::Backward, handle, this.table(), prev_table)?)
+        Ok(layer.run_gpu(Pass::Backward, handle, &mut io)?)
     })?;
     let flops = 3.0 * config.shape.flops();
     let bytes = (pass_bytes(&layer, Pass::Forward) + pass_bytes(&layer, Pass::Backward)) as f64;

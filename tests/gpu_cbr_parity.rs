@@ -126,13 +126,15 @@ fn two_layer_chain_matches_the_cpu_reference_on_both_routes() {
                 d2.upload(name, buf, &stream).unwrap();
             }
             for _ in 0..PASSES {
-                l1.run_gpu(Pass::Forward, &handle, d1.table(), None)
-                    .unwrap();
-                l2.run_gpu(Pass::Forward, &handle, d2.table(), Some(d1.table()))
-                    .unwrap();
-                l2.run_gpu(Pass::Backward, &handle, d2.table(), Some(d1.table()))
-                    .unwrap();
-                l1.run_gpu(Pass::Backward, &handle, d1.table(), None)
+                // Each pass borrows the buffers it binds (layer 2 also layer 1's, as `prev`).
+                let mut io1 = d1.io(None).unwrap();
+                l1.run_gpu(Pass::Forward, &handle, &mut io1).unwrap();
+                drop(io1);
+                let mut io2 = d2.io(Some(&mut d1)).unwrap();
+                l2.run_gpu(Pass::Forward, &handle, &mut io2).unwrap();
+                l2.run_gpu(Pass::Backward, &handle, &mut io2).unwrap();
+                drop(io2);
+                l1.run_gpu(Pass::Backward, &handle, &mut d1.io(None).unwrap())
                     .unwrap();
             }
             stream.synchronize().unwrap();

@@ -40,14 +40,16 @@ fn conv_fprop_matches_the_cpu_reference() {
     let x = random_f16((shape.n * shape.c * shape.h * shape.w) as usize, 1);
     let w = random_f16((shape.k * shape.c * shape.r * shape.s) as usize, 2);
     let y_len = (shape.n * shape.k * shape.p() * shape.q()) as usize;
-    let dx = stream.clone_htod(&x).unwrap();
-    let dw = stream.clone_htod(&w).unwrap();
-    let dy = stream.alloc_zeros::<f16>(y_len).unwrap();
+    let mut dx = stream.clone_htod(&x).unwrap();
+    let mut dw = stream.clone_htod(&w).unwrap();
+    let mut dy = stream.alloc_zeros::<f16>(y_len).unwrap();
     let mut b = Bindings::new(&plan);
-    b.bind(t.x, &dx, &stream).unwrap();
-    b.bind(t.w, &dw, &stream).unwrap();
-    b.bind(t.y, &dy, &stream).unwrap();
+    b.bind(t.x, &mut dx, &stream).unwrap();
+    b.bind(t.w, &mut dw, &stream).unwrap();
+    b.bind(t.y, &mut dy, &stream).unwrap();
     plan.execute(&handle, &b, Workspace::Pooled).unwrap();
+    // The bindings borrow the buffers (and record their use on drop): release them first.
+    drop(b);
     let got: Vec<f16> = stream.clone_dtoh(&dy).unwrap();
 
     let p = ConvParams::new(

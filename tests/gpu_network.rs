@@ -12,8 +12,7 @@ use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::fusion::exec::Handle;
 use cudnn_cbr::fusion::graph::DataType;
 use cudnn_cbr::net::{
-    compile, BlockKind, BlockSpec, BufferRole, CpuNet, CudaNet, NetExecutor, NetSpec, RoutePolicy,
-    StemSpec,
+    compile, BlockKind, BlockSpec, BufferRole, CpuNet, CudaNet, NetSpec, RoutePolicy, StemSpec,
 };
 use half::f16;
 

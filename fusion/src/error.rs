@@ -99,10 +99,6 @@ pub enum Error {
         /// Bytes the pool holds.
         pooled: usize,
     },
-    /// cudarc tracks buffer uses across several streams of this context with events, which
-    /// cuDNN work (ordered by its stream alone, through raw pointers) would silently bypass.
-    #[error("the CUDA context has several streams with cudarc's event tracking on: cuDNN work is ordered by the handle's stream alone and cudarc cannot see it; keep one stream per context, or call CudaContext::disable_event_tracking() before allocating the buffers bound to cuDNN and order streams yourself")]
-    EventTracking,
     /// A handle on the per-thread default stream was used from another thread, whose
     /// per-thread stream is a different stream.
     #[error("this cuDNN handle is on the per-thread default stream of the thread that made it; use it from that thread (or make the handle on an owned stream)")]

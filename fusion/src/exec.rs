@@ -14,7 +14,9 @@ use crate::error::{BindingProblem, Error, Result};
 use crate::graph::{DataType, TensorId};
 use crate::plan::{build_plans, ExecutionPlan, PlanPolicy};
 use crate::target::{DeviceProps, Target};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop,
+};
 use cudnn_fe_sys as sys;
 use std::os::raw::c_void;
 use std::sync::{Arc, Mutex};
@@ -40,10 +42,14 @@ pub fn cuda_device(ordinal: usize) -> Result<Arc<CudaContext>> {
 
 /// A cuDNN handle bound to one cudarc stream, with a workspace pool for plans that need one.
 ///
-/// Work is ordered by that stream alone: device pointers reach cuDNN raw, so cudarc's
-/// cross-stream event tracking cannot see them. A context in cudarc's multi-stream mode with
-/// tracking on is refused ([`Error::EventTracking`]). With `ctx.per_thread_stream()` the
-/// stream is the calling thread's: use such a handle from the thread that made it.
+/// Work is ordered by that stream. Buffers reach cuDNN through borrow-checked tables
+/// ([`Bindings::bind`], [`crate::cbr::DeviceBuffers`]) that take their addresses with
+/// cudarc's `DevicePtrMut`, so cudarc's event tracking (on by default once a context has
+/// several streams) orders cuDNN's work with the other streams as it does its own kernels.
+/// Capturing a CUDA graph needs tracking off (one stream per context,
+/// `ctx.per_thread_stream()`, or `CudaContext::disable_event_tracking`): an event wait on
+/// work outside a capture cannot be captured. With `ctx.per_thread_stream()` the stream is
+/// the calling thread's: use such a handle from the thread that made it.
 pub struct Handle {
     raw: sys::cudnnHandle_t,
     stream: Arc<CudaStream>,
@@ -103,7 +109,6 @@ impl Handle {
     pub fn new(stream: Arc<CudaStream>) -> Result<Arc<Self>> {
         let lib = sys::library()?;
         bind_context(&stream)?;
-        check_event_tracking(&stream)?;
         let mut raw: sys::cudnnHandle_t = std::ptr::null_mut();
         // SAFETY: valid out-pointer; the context is current on this thread.
         unsafe { (lib.api.cudnnCreate)(&mut raw) }
@@ -151,9 +156,11 @@ impl Handle {
 
     /// Enqueues zeroing of `bytes` bytes at device address `ptr` on the handle's stream.
     ///
-    /// The address must come from a live allocation of at least `bytes` bytes (a binding the
-    /// caller vouches for, as with [`Bindings::bind_raw`]); null is refused.
-    pub fn zero_device_bytes(&self, ptr: u64, bytes: usize) -> Result<()> {
+    /// # Safety
+    /// `ptr .. ptr + bytes` is live device memory of the handle's context that nothing frees
+    /// or uses on another stream (unordered with this one) until the memset has run. Null is
+    /// refused with an error.
+    pub unsafe fn zero_device_bytes(&self, ptr: u64, bytes: usize) -> Result<()> {
         if ptr == 0 {
             return Err(Error::Driver {
                 what: "zero a device buffer".into(),
@@ -162,20 +169,19 @@ impl Handle {
         }
         self.ready()?;
         bind_context(&self.stream)?;
-        // SAFETY: `ptr..ptr+bytes` is a live device allocation the caller bound for this layer
-        // (the same contract as every variant-pack pointer); the memset is ordered on the
-        // handle's stream with the work that reads it.
+        // SAFETY: the caller's contract above; the memset is ordered on the handle's stream.
         unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }
             .map_err(|e| driver("zero a device buffer", e))
     }
 
     /// Enqueues a copy of `bytes` bytes from device address `src` to `dst` on the handle's
-    /// stream (the running-statistics copy after a BN forward; capturable in a CUDA graph).
+    /// stream (capturable in a CUDA graph).
     ///
-    /// Both addresses must come from live allocations of at least `bytes` bytes that do not
-    /// overlap (bindings the caller vouches for, as with [`Bindings::bind_raw`]); null is
-    /// refused.
-    pub fn copy_device_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+    /// # Safety
+    /// Both ranges are live device memory of the handle's context, at least `bytes` long,
+    /// not overlapping, that nothing frees or uses on another stream (unordered with this
+    /// one) until the copy has run. Null is refused with an error.
+    pub unsafe fn copy_device_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         if dst == 0 || src == 0 {
             return Err(Error::Driver {
                 what: "copy a device buffer".into(),
@@ -184,9 +190,7 @@ impl Handle {
         }
         self.ready()?;
         bind_context(&self.stream)?;
-        // SAFETY: both ranges are live, non-overlapping device allocations of at least `bytes`
-        // bytes that the caller bound for this layer; the copy is ordered on the handle's
-        // stream with the work that writes `src` and reads `dst`.
+        // SAFETY: the caller's contract above; the copy is ordered on the handle's stream.
         unsafe {
             cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream())
         }
@@ -242,25 +246,17 @@ impl Handle {
         Ok(ptr)
     }
 
-    /// Refuses work while cudarc tracks this context's buffers across streams, or from a
-    /// thread whose per-thread stream is not the handle's.
-    fn ready(&self) -> Result<()> {
+    /// Refuses work from a thread whose per-thread stream is not the handle's.
+    pub(crate) fn ready(&self) -> Result<()> {
         if self.owner.is_some_and(|t| t != std::thread::current().id()) {
             return Err(Error::WrongThread);
         }
-        check_event_tracking(&self.stream)
+        Ok(())
     }
 }
 
 fn stream_is_per_thread(stream: &CudaStream) -> bool {
     stream.cu_stream() as usize == PER_THREAD_STREAM
-}
-
-fn check_event_tracking(stream: &CudaStream) -> Result<()> {
-    if stream.context().is_managing_stream_synchronization() {
-        return Err(Error::EventTracking);
-    }
-    Ok(())
 }
 
 impl Drop for Handle {
@@ -355,12 +351,23 @@ enum Slot {
 /// Pointers for every real tensor of one plan, in the plan's uid order (no map lookups at
 /// execute time). Device pointers are raw: the caller keeps the buffers alive and unaliased
 /// until the work finishes on the stream.
-#[derive(Debug)]
 pub struct Bindings<'p> {
     plan: &'p ExecutionPlan,
     slots: Vec<Slot>,
     /// By-value scalars, one aligned word each.
     scalars: Vec<u64>,
+    /// cudarc's ordering guards of the buffers bound with [`Bindings::bind`]: they record the
+    /// buffers' use on the stream when the bindings drop, after the work is enqueued.
+    guards: Vec<SyncOnDrop<'p>>,
+}
+
+impl std::fmt::Debug for Bindings<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bindings")
+            .field("graph", &self.plan.graph_name())
+            .field("slots", &self.slots)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<'p> Bindings<'p> {
@@ -370,6 +377,7 @@ impl<'p> Bindings<'p> {
             plan,
             slots: vec![Slot::Empty; plan.real_tensors().len()],
             scalars: Vec::new(),
+            guards: Vec::new(),
         }
     }
 
@@ -385,19 +393,37 @@ impl<'p> Bindings<'p> {
             })
     }
 
-    /// Binds a device buffer to a real tensor.
+    /// Binds a device buffer to a real tensor, borrowed mutably while the bindings live
+    /// (cuDNN may write any tensor it is given). The address is taken through cudarc's
+    /// `DevicePtrMut` on `stream` (the handle's): with cudarc's event tracking on, `stream`
+    /// waits for the buffer's earlier work and the use is recorded when the bindings drop.
     pub fn bind<T: DeviceElement>(
         &mut self,
         t: TensorId,
-        buffer: &CudaSlice<T>,
-        stream: &CudaStream,
+        buffer: &'p mut CudaSlice<T>,
+        stream: &'p CudaStream,
     ) -> Result<&mut Self> {
-        let (ptr, _sync) = buffer.device_ptr(stream);
-        self.bind_raw(t, ptr, buffer.len() * std::mem::size_of::<T>(), T::DTYPE)
+        let i = self.position(t)?;
+        let bytes = buffer.len() * std::mem::size_of::<T>();
+        let (ptr, guard) = buffer.device_ptr_mut(stream);
+        self.guards.push(guard);
+        self.slots[i] = Slot::Device {
+            ptr,
+            bytes,
+            dtype: T::DTYPE,
+        };
+        Ok(self)
     }
 
     /// Binds a raw device pointer spanning `bytes` bytes of `dtype` elements.
-    pub fn bind_raw(
+    ///
+    /// # Safety
+    /// If the bindings are executed (or put in a CUDA graph): until that work has finished
+    /// on the device, `ptr .. ptr + bytes` is live device memory of the handle's context
+    /// holding `dtype` elements, that nothing frees and no other stream uses unless ordered
+    /// with the handle's stream by the caller (cudarc's event tracking cannot see a raw
+    /// address). Only checking them ([`Bindings::check`]) needs nothing.
+    pub unsafe fn bind_raw(
         &mut self,
         t: TensorId,
         ptr: u64,

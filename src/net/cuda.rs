@@ -1,13 +1,15 @@
 //! The CUDA executor of a compiled network: one device allocation per network buffer (or a
-//! parameter's slot in the amp regions), each layer's binding table over them, layers on their
-//! cuDNN plans and the gradient joins on amp's `add_f16` kernel, all on the handle's stream.
+//! parameter's slot in the amp regions), each layer's table built per pass over borrowed
+//! memory (no address is kept), layers on their cuDNN plans and the gradient joins on amp's
+//! `add_f16` kernel, all on the handle's stream.
 //!
 //! # Recipe
 //! 1. Compile with a planned [`RoutePolicy`](super::RoutePolicy) on the device's target.
-//! 2. [`CudaNet::new`] with the handle, the amp kernels and, for training, the amp regions
-//!    that hold the parameters (`None`: the parameters get allocations of their own).
+//! 2. [`CudaNet::new`] with the handle, the amp kernels and, for training, the memory plan
+//!    whose regions hold the parameters (`None`: the parameters get allocations of their own).
 //! 3. [`CudaNet::upload`] the input (and parameters when they are its own), then
-//!    [`CudaNet::forward`]; write the output's gradient and [`CudaNet::backward`].
+//!    [`CudaNet::forward`] (or [`CudaNet::forward_with`] the amp regions, borrowed for the
+//!    pass); write the output's gradient and [`CudaNet::backward`] (`backward_with`).
 //!
 //! The stem's max-pool runs on amp's pool kernels (`amp_pool.cu`, the same choice rule as the
 //! CPU executor).
@@ -15,17 +17,17 @@
 use super::compile::{BufId, BufferRole, CompiledNet, NetBuffer};
 use super::exec::{run_pass, NetExecutor};
 use super::spec::PoolSpec;
-use crate::amp::cuda::cudarc::driver::DevicePtr;
 use crate::amp::cuda::{
     check_device_memory, AmpKernels, CudaRegions, CudaSlice, CudaStream, DevRange, DevRangeMut,
 };
-use crate::amp::plan::{Dtype, Region};
+use crate::amp::plan::{Dtype, MemoryPlan, Region};
 use crate::amp::range::PoolShape;
 use crate::amp::AmpError;
-use cudnn_cbr_fusion::cbr::{DeviceBuffer, DeviceBuffers, Pass};
+use cudnn_cbr_fusion::cbr::{ArenaId, DeviceBuffers, Pass, Side};
 use cudnn_cbr_fusion::exec::Handle;
 use cudnn_cbr_fusion::graph::DataType;
 use cudnn_cbr_fusion::reference::Nhwc;
+use std::collections::HashMap;
 use std::sync::Arc;
 
 /// What the CUDA executor of a network can fail with.
@@ -139,36 +141,44 @@ pub fn running_stats(net: &CompiledNet) -> impl Iterator<Item = BufId> + '_ {
 }
 
 /// A compiled network on the device.
+///
+/// It owns the allocations of the activations, their gradients and the BN statistics; the
+/// parameters and their gradients are either allocations of its own or slots of the amp
+/// regions, which it holds no address of: [`CudaNet::forward_with`] borrows the regions for
+/// the pass, so they cannot be freed or changed under it.
 #[derive(Debug)]
 pub struct CudaNet {
     net: CompiledNet,
     /// Each network buffer's own allocation (`None`: a parameter slot in the amp regions).
     bufs: Vec<Option<CudaSlice<u8>>>,
-    /// Each layer's binding table, by its buffer names.
-    tables: Vec<DeviceBuffers>,
+    /// Where each parameter slot lives (offset and bytes in its region), by buffer.
+    slots: Vec<Option<(Region, usize, usize)>>,
+    /// The memory plan the parameter slots belong to.
+    amp_plan: Option<Arc<MemoryPlan>>,
     handle: Arc<Handle>,
     stream: Arc<CudaStream>,
     kernels: Arc<AmpKernels>,
 }
 
 impl CudaNet {
-    /// Allocates every buffer of `net` on the handle's stream (zeroed; running variances at 1)
-    /// and builds each layer's binding table; with `regions`, the parameters and their
-    /// gradients are the regions' slots instead. Reserves the largest workspace any plan needs.
+    /// Allocates every buffer of `net` on the handle's stream (zeroed; running variances at 1);
+    /// with `amp_plan`, the parameters and their gradients are that plan's slots instead
+    /// (checked here: each exists and is large enough). Reserves the largest workspace any
+    /// plan needs.
     ///
     /// # Errors
     /// [`AmpError::OutOfMemory`] (checked first) when the buffers exceed the device's free
-    /// memory; a binding that does not fit; a driver error.
+    /// memory; a parameter without a slot, or a slot that does not fit; a driver error.
     pub fn new(
         net: CompiledNet,
         handle: Arc<Handle>,
         kernels: Arc<AmpKernels>,
-        regions: Option<&CudaRegions>,
+        amp_plan: Option<Arc<MemoryPlan>>,
     ) -> Result<Self> {
         let stream = handle.stream().clone();
         let workspace = net.layers.iter().map(|l| l.layer.workspace_size()).max();
         handle.reserve_workspace(workspace.unwrap_or(0))?;
-        let sources = binding_plan(&net, regions.is_some())?;
+        let sources = binding_plan(&net, amp_plan.is_some())?;
         // Checked before allocating: a network too large for the device is a typed error
         // naming the sizes, not a driver failure halfway through its buffers.
         let need: u128 = net
@@ -184,66 +194,35 @@ impl CudaNet {
             need,
         )?;
         let mut bufs = Vec::with_capacity(net.buffers.len());
-        let mut devs = Vec::with_capacity(net.buffers.len());
+        let mut slots = Vec::with_capacity(net.buffers.len());
         for (b, source) in net.buffers.iter().zip(&sources) {
-            let bytes = b.elems * b.dtype.size();
-            let (slice, dev) = match (source, regions) {
-                (Source::Param { key, region }, Some(regions)) => {
-                    let p = regions.param(key, *region)?;
-                    let dev = DeviceBuffer {
-                        ptr: p.ptr,
-                        bytes: p.len_bytes,
-                        dtype: data_type(p.dtype),
-                    };
-                    (None, dev)
+            match (source, &amp_plan) {
+                (Source::Param { key, region }, Some(plan)) => {
+                    let v = plan.view(key, *region).map_err(AmpError::from)?;
+                    check_binding(b, v.len_bytes, data_type(v.dtype))?;
+                    bufs.push(None);
+                    slots.push(Some((*region, v.offset_bytes, v.len_bytes)));
                 }
                 _ => {
-                    let mut slice = stream
-                        .alloc_zeros::<u8>(bytes.max(1))
-                        .map_err(|e| driver(format!("allocate `{}`", b.name), e))?;
-                    if b.name.ends_with(".running_var") {
-                        // Running variance starts at 1, as in every framework (and the CPU
-                        // executor).
-                        let ones: Vec<u8> = (0..b.elems).flat_map(|_| 1f32.to_le_bytes()).collect();
-                        stream
-                            .memcpy_htod(&ones, &mut slice)
-                            .map_err(|e| driver(format!("initialize `{}`", b.name), e))?;
-                    }
-                    let ptr = {
-                        let (ptr, _sync) = slice.device_ptr(&stream);
-                        ptr
-                    };
-                    let dev = DeviceBuffer {
-                        ptr,
-                        bytes,
-                        dtype: b.dtype,
-                    };
-                    (Some(slice), dev)
+                    bufs.push(Some(alloc_buffer(&stream, b)?));
+                    slots.push(None);
                 }
-            };
-            check_binding(b, dev.bytes, dev.dtype)?;
-            bufs.push(slice);
-            devs.push(dev);
+            }
         }
-        let tables = net
-            .layers
-            .iter()
-            .map(|l| {
-                let mut t = DeviceBuffers::new();
-                for (&name, &id) in &l.table {
-                    t.insert_raw(name, devs[id]);
-                }
-                t
-            })
-            .collect();
         Ok(CudaNet {
             net,
             bufs,
-            tables,
+            slots,
+            amp_plan,
             handle,
             stream,
             kernels,
         })
+    }
+
+    /// The network it runs.
+    pub fn compiled(&self) -> &CompiledNet {
+        &self.net
     }
 
     fn not_own(&self, id: BufId) -> CudaNetError {
@@ -319,33 +298,179 @@ impl CudaNet {
             .map_err(|e| driver(format!("download `{name}`"), e))
     }
 
-    /// The forward pass (the input uploaded); the output in [`CompiledNet::output`].
+    /// The forward pass (the input uploaded) of a network whose parameters are its own; the
+    /// output in [`CompiledNet::output`].
     pub fn forward(&mut self) -> Result<()> {
-        run_pass(self, false)
+        run_pass(&mut self.pass(None)?, false)
     }
 
-    /// The backward pass (the output's gradient written).
+    /// The backward pass (the output's gradient written) of a network whose parameters are
+    /// its own.
     pub fn backward(&mut self) -> Result<()> {
-        run_pass(self, true)
+        run_pass(&mut self.pass(None)?, true)
+    }
+
+    /// The forward pass with the parameters in `regions` (made from the plan given to
+    /// [`CudaNet::new`]).
+    pub fn forward_with(&mut self, regions: &mut CudaRegions) -> Result<()> {
+        run_pass(&mut self.pass(Some(regions))?, false)
+    }
+
+    /// The backward pass with the parameters and their gradients in `regions`.
+    pub fn backward_with(&mut self, regions: &mut CudaRegions) -> Result<()> {
+        run_pass(&mut self.pass(Some(regions))?, true)
+    }
+
+    fn pass<'n>(&'n mut self, regions: Option<&'n mut CudaRegions>) -> Result<NetPass<'n>> {
+        match (&self.amp_plan, &regions) {
+            (None, None) => {}
+            (Some(plan), Some(r)) => {
+                if !(Arc::ptr_eq(plan, r.plan_arc()) || **plan == **r.plan_arc()) {
+                    return Err(CudaNetError::Binding(
+                        "the amp regions are not of the memory plan this network was made with"
+                            .into(),
+                    ));
+                }
+                if !Arc::ptr_eq(r.stream(), &self.stream) {
+                    return Err(CudaNetError::Binding(
+                        "the amp regions run on another stream than the network's handle".into(),
+                    ));
+                }
+            }
+            (Some(_), None) => {
+                return Err(CudaNetError::Binding(
+                    "the parameters live in amp regions: run the pass with them \
+                     (`forward_with` / `backward_with`)"
+                        .into(),
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(CudaNetError::Binding(
+                    "the parameters are the network's own: run `forward` / `backward`".into(),
+                ))
+            }
+        }
+        Ok(NetPass { net: self, regions })
+    }
+
+    /// One layer's table: this layer's buffers and the previous layer's that it binds, each
+    /// network allocation or amp region borrowed once.
+    fn layer_pass(
+        &mut self,
+        regions: Option<&mut CudaRegions>,
+        layer: usize,
+        pass: Pass,
+    ) -> Result<()> {
+        let l = &self.net.layers[layer];
+        let wanted = layer_bindings(&self.net, layer)?;
+        let mut io = DeviceBuffers::new();
+        let mut arenas: HashMap<BufId, ArenaId> = HashMap::new();
+        for (id, slot) in self.bufs.iter_mut().enumerate() {
+            if let Some(slice) = slot {
+                if wanted.iter().any(|w| w.2 == id) {
+                    arenas.insert(id, io.arena(slice));
+                }
+            }
+        }
+        let mut region_arenas: HashMap<Region, ArenaId> = HashMap::new();
+        if let Some(regions) = regions {
+            for (region, slice) in regions.regions_mut() {
+                let used = wanted
+                    .iter()
+                    .any(|w| self.slots[w.2].is_some_and(|s| s.0 == region));
+                if used {
+                    region_arenas.insert(region, io.arena(slice));
+                }
+            }
+        }
+        for (side, name, id) in wanted {
+            let b = &self.net.buffers[id];
+            let bytes = b.elems * b.dtype.size();
+            let (arena, offset) = match (arenas.get(&id), self.slots[id]) {
+                (Some(&a), _) => (a, 0),
+                (None, Some((region, offset, _))) => {
+                    let a = region_arenas.get(&region).copied().ok_or_else(|| {
+                        CudaNetError::Binding(format!("region {region} of `{}` is absent", b.name))
+                    })?;
+                    (a, offset)
+                }
+                (None, None) => {
+                    return Err(CudaNetError::Binding(format!(
+                        "network buffer `{}` has neither an allocation nor an amp slot",
+                        b.name
+                    )))
+                }
+            };
+            io.place(side, name, arena, offset, bytes, b.dtype)?;
+        }
+        Ok(l.layer.run_gpu(pass, &self.handle, &mut io)?)
     }
 }
 
-impl NetExecutor for CudaNet {
+/// What one layer's pass binds: each of its buffer names (this layer's, and the previous
+/// layer's that [`CbrLayer::prev_buffers`](cudnn_cbr_fusion::cbr::CbrLayer::prev_buffers)
+/// lists) with the network buffer behind it.
+///
+/// # Errors
+/// A previous-layer buffer the previous layer does not have.
+pub fn layer_bindings(net: &CompiledNet, layer: usize) -> Result<Vec<(Side, &'static str, BufId)>> {
+    let l = &net.layers[layer];
+    let mut wanted: Vec<(Side, &'static str, BufId)> = l
+        .table
+        .iter()
+        .map(|(&n, &id)| (Side::This, n, id))
+        .collect();
+    if let Some(p) = l.prev {
+        let prev_table = &net.layers[p].table;
+        for spec in l.layer.prev_buffers() {
+            let id = *prev_table.get(spec.name).ok_or_else(|| {
+                CudaNetError::Binding(format!(
+                    "layer `{}` reads `{}` of layer `{}`, which has no such buffer",
+                    l.name, spec.name, net.layers[p].name
+                ))
+            })?;
+            wanted.push((Side::Prev, spec.name, id));
+        }
+    }
+    Ok(wanted)
+}
+
+/// Allocates one network buffer (zeroed; a running variance at 1, as in every framework and
+/// the CPU executor).
+fn alloc_buffer(stream: &Arc<CudaStream>, b: &NetBuffer) -> Result<CudaSlice<u8>> {
+    let bytes = b.elems * b.dtype.size();
+    let mut slice = stream
+        .alloc_zeros::<u8>(bytes.max(1))
+        .map_err(|e| driver(format!("allocate `{}`", b.name), e))?;
+    if b.name.ends_with(".running_var") {
+        let ones: Vec<u8> = (0..b.elems).flat_map(|_| 1f32.to_le_bytes()).collect();
+        stream
+            .memcpy_htod(&ones, &mut slice)
+            .map_err(|e| driver(format!("initialize `{}`", b.name), e))?;
+    }
+    Ok(slice)
+}
+
+/// A network with the amp regions (if its parameters are there) borrowed for one pass.
+struct NetPass<'n> {
+    net: &'n mut CudaNet,
+    regions: Option<&'n mut CudaRegions>,
+}
+
+impl NetExecutor for NetPass<'_> {
     type Error = CudaNetError;
 
     fn compiled(&self) -> &CompiledNet {
-        &self.net
+        &self.net.net
     }
 
     fn layer_pass(&mut self, layer: usize, pass: Pass) -> Result<()> {
-        let l = &self.net.layers[layer];
-        let prev = l.prev.map(|p| &self.tables[p]);
-        Ok(l.layer
-            .run_gpu(pass, &self.handle, &self.tables[layer], prev)?)
+        self.net
+            .layer_pass(self.regions.as_deref_mut(), layer, pass)
     }
 
     fn add(&mut self, a: BufId, b: BufId, out: BufId) -> Result<()> {
-        self.write_into(out, &[a, b], |net, o| {
+        self.net.write_into(out, &[a, b], |net, o| {
             Ok(net.kernels.add_f16(
                 &net.stream,
                 DevRange::whole(net.buffer(a)?),
@@ -363,7 +488,7 @@ impl NetExecutor for CudaNet {
         output: BufId,
     ) -> Result<()> {
         let p = pool_shape(pool, shape);
-        self.write_into(output, &[input], |net, y| {
+        self.net.write_into(output, &[input], |net, y| {
             Ok(net.kernels.max_pool_forward(
                 &net.stream,
                 &p,
@@ -382,15 +507,16 @@ impl NetExecutor for CudaNet {
         grad_input: BufId,
     ) -> Result<()> {
         let p = pool_shape(pool, shape);
-        self.write_into(grad_input, &[input, grad_output], |net, dx| {
-            Ok(net.kernels.max_pool_backward(
-                &net.stream,
-                &p,
-                DevRange::whole(net.buffer(input)?),
-                DevRange::whole(net.buffer(grad_output)?),
-                dx,
-            )?)
-        })
+        self.net
+            .write_into(grad_input, &[input, grad_output], |net, dx| {
+                Ok(net.kernels.max_pool_backward(
+                    &net.stream,
+                    &p,
+                    DevRange::whole(net.buffer(input)?),
+                    DevRange::whole(net.buffer(grad_output)?),
+                    dx,
+                )?)
+            })
     }
 }
 

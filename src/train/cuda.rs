@@ -66,7 +66,7 @@ use crate::amp::range::{
 use crate::amp::step::{AmpStep, StepConfig, StepGraph};
 use crate::amp::AmpError;
 use crate::net::cuda::{running_stats, CudaNet, CudaNetError};
-use crate::net::{CompiledNet, NetExecutor, RoutePolicy};
+use crate::net::{CompiledNet, RoutePolicy};
 use cudnn_cbr_fusion::cache::PlanCache;
 use cudnn_cbr_fusion::cbr::RouteKind;
 use cudnn_cbr_fusion::exec::{cuda_device, Handle};
@@ -376,8 +376,8 @@ impl CudaTrainer {
         let mut step = AmpStep::new(regions, StepConfig::new(cfg.sgd())).map_err(amp_error)?;
         step.init_weights().map_err(amp_error)?;
 
-        let net =
-            CudaNet::new(net, handle, kernels.clone(), Some(step.executor())).map_err(net_error)?;
+        let amp_plan = Some(step.executor().plan_arc().clone());
+        let net = CudaNet::new(net, handle, kernels.clone(), amp_plan).map_err(net_error)?;
         let (out_hw, features) = (net.compiled().out_hw, net.compiled().features);
         let shape = HeadShape::new(cfg.batch, out_hw * out_hw, features, cfg.classes);
         let alloc = |bytes: usize, what: &str| {
@@ -512,7 +512,9 @@ impl CudaTrainer {
 
     /// Forward through the network, the pooling and the FC layer.
     fn forward(&mut self) -> Result<(), TrainError> {
-        self.net.forward().map_err(net_error)?;
+        self.net
+            .forward_with(self.step.executor_mut())
+            .map_err(net_error)?;
         let shape = self.head.shape;
         let a = self
             .net
@@ -588,7 +590,9 @@ impl CudaTrainer {
 
     /// Backward through the network, with the gradient joins at block inputs.
     fn backward(&mut self) -> Result<(), TrainError> {
-        self.net.backward().map_err(net_error)
+        self.net
+            .backward_with(self.step.executor_mut())
+            .map_err(net_error)
     }
 
     /// Steps 1–6 of the module table: zero the gradients, forward, head, backward.

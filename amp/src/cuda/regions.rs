@@ -219,6 +219,20 @@ impl CudaRegions {
         Ok(&mut self.get_mut(region)?.buf)
     }
 
+    /// Every allocated region's buffer, mutably at once: a table that binds several slots
+    /// (a layer's weight in A, its BN parameters in W, their gradients in G16 and G) borrows
+    /// each region once.
+    pub fn regions_mut(&mut self) -> impl Iterator<Item = (Region, &mut CudaSlice<u8>)> {
+        debug_assert!(Region::ALL
+            .iter()
+            .enumerate()
+            .all(|(i, &r)| region_index(r) == i));
+        Region::ALL
+            .into_iter()
+            .zip(self.regions.iter_mut())
+            .filter_map(|(r, d)| d.as_mut().map(|d| (r, &mut d.buf)))
+    }
+
     /// A region's device address.
     ///
     /// # Errors

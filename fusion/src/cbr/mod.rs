@@ -1,13 +1,17 @@
 //! The Conv+BN+ReLU building blocks: layer geometry and the graphs of a training step.
 
 mod buffers;
+mod device_buffers;
 pub mod graphs;
+pub mod keys;
 mod layer;
 pub mod resnet50;
 mod run;
 mod shape;
 
-pub use buffers::{DeviceBuffer, DeviceBuffers, HostBuffer, HostBuffers, OwnedDeviceBuffers};
+pub use buffers::{HostBuffer, HostBuffers};
+pub use device_buffers::{ArenaId, DeviceBuffer, DeviceBuffers, OwnedDeviceBuffers, Side};
+pub use keys::Key;
 pub use layer::{
     route_buffers, route_graphs, BufferSpec, CbrConfig, CbrLayer, GraphRole, InputKind, LayerGraph,
     LayerStep, Route, RouteKind, Src,

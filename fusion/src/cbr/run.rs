@@ -1,7 +1,8 @@
 //! Running a planned layer: on a GPU through its cuDNN plans, or on the CPU through the
 //! reference ops, over the same named buffers and in the same step order.
 
-use super::buffers::{DeviceBuffers, HostBuffer, HostBuffers};
+use super::buffers::{HostBuffer, HostBuffers};
+use super::device_buffers::{DeviceBuffers, Side};
 use super::graphs::{ApplyResidual, BackwardResidual};
 use super::layer::{CbrLayer, GraphRole, InputKind, LayerStep, RouteKind, Src};
 use crate::error::{Error, Result};
@@ -45,34 +46,29 @@ impl CbrLayer {
         }
     }
 
-    /// Enqueues one pass on the handle's stream. `this` holds the layer's buffers
-    /// ([`CbrLayer::buffers`]); `prev` the previous layer's ([`CbrLayer::prev_buffers`]).
-    /// Nothing waits for the GPU.
-    pub fn run_gpu(
-        &self,
-        pass: Pass,
-        handle: &Handle,
-        this: &DeviceBuffers,
-        prev: Option<&DeviceBuffers>,
-    ) -> Result<()> {
-        self.check_prev(&prev)?;
-        for step in self.pass_steps(pass) {
-            let plan = step.plan.as_ref().ok_or_else(|| {
-                Error::CudnnMessage(format!(
-                    "layer {} was made for the CPU executor: it has no cuDNN plans",
-                    self.config().shape.label()
-                ))
-            })?;
-            let prev_buf = |n: &str| {
-                prev.ok_or_else(|| Error::Buffer {
-                    name: format!("prev.{n}"),
-                    problem: format!(
-                        "is needed by step {:?} but no prev buffers were given",
-                        step.role
-                    ),
-                })?
-                .get(n)
-            };
+    /// Enqueues one pass on the handle's stream over `io`: this layer's buffers
+    /// ([`CbrLayer::buffers`], bound with [`DeviceBuffers::bind`]) and, for a layer that reads
+    /// through the previous BN, the previous layer's ([`CbrLayer::prev_buffers`], bound with
+    /// [`DeviceBuffers::bind_prev`]). Every binding is checked (present, type, size,
+    /// alignment) before its graph runs. Nothing waits for the GPU.
+    pub fn run_gpu(&self, pass: Pass, handle: &Handle, io: &mut DeviceBuffers<'_>) -> Result<()> {
+        let prev_given = io.has_prev().then_some(());
+        self.check_prev(&prev_given)?;
+        let plans = self
+            .pass_steps(pass)
+            .map(|step| {
+                let plan = step.plan.as_ref().ok_or_else(|| {
+                    Error::CudnnMessage(format!(
+                        "layer {} was made for the CPU executor: it has no cuDNN plans",
+                        self.config().shape.label()
+                    ))
+                })?;
+                Ok((step, plan))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let stream = handle.stream().clone();
+        let r = io.resolve(&stream);
+        for (step, plan) in plans {
             // Per-channel reductions (GenStats' sums, BN_BWD_WEIGHTS' and the reductions' dγ/dβ)
             // may be split across CTAs that accumulate into their outputs; zero those first so
             // a step never adds to the previous step's values (a cheap memset, and harmless
@@ -85,24 +81,17 @@ impl CbrLayer {
                 _ => &[],
             };
             for (_, src) in &step.bindings {
-                let buf = match src {
-                    Src::This(n) if accumulated.contains(n) => this.get(n)?,
-                    Src::Prev(n) if accumulated.contains(n) => prev_buf(n)?,
-                    _ => continue,
-                };
-                handle.zero_device_bytes(buf.ptr, buf.bytes)?;
+                match src {
+                    This(n) if accumulated.contains(n) => r.zero(handle, Side::This, n)?,
+                    Prev(n) if accumulated.contains(n) => r.zero(handle, Side::Prev, n)?,
+                    _ => {}
+                }
             }
             let mut b = Bindings::new(plan);
             for (t, src) in &step.bindings {
                 match src {
-                    Src::This(name) => {
-                        let buf = this.get(name)?;
-                        b.bind_raw(*t, buf.ptr, buf.bytes, buf.dtype)?;
-                    }
-                    Src::Prev(name) => {
-                        let buf = prev_buf(name)?;
-                        b.bind_raw(*t, buf.ptr, buf.bytes, buf.dtype)?;
-                    }
+                    This(name) => r.bind(&mut b, *t, Side::This, name)?,
+                    Prev(name) => r.bind(&mut b, *t, Side::Prev, name)?,
                     Src::Scalar(v) => {
                         b.bind_scalar(*t, *v)?;
                     }
@@ -112,8 +101,7 @@ impl CbrLayer {
         }
         if pass == Pass::Forward {
             for (next, cur) in RUNNING_COPIES {
-                let (src, dst) = (this.get(next)?, this.get(cur)?);
-                handle.copy_device_bytes(dst.ptr, src.ptr, dst.bytes.min(src.bytes))?;
+                r.copy(handle, cur, next)?;
             }
         }
         Ok(())
