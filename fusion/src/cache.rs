@@ -16,7 +16,9 @@
 //! A tuned plan ([`PlanCache::insert_tuned`], [`PlanCache::get_or_autotune`]) is persisted the
 //! same way, with its [`TuneRecord`] (timings and engine tags) under a second checksum that
 //! also covers the plan's; a later lookup of either kind restores it in preference to the
-//! heuristics' plan.
+//! heuristics' plan. Graphs cuDNN has no engine or plan for are persisted too
+//! (`*.failed.json`, keyed like plans: a different cuDNN version or target misses), so a
+//! later process answers them without planning again; delete those files to retry.
 
 use crate::autotune::{self, AutotuneOptions, PlanOptions, TuneRecord};
 use crate::error::{Error, Result};
@@ -64,6 +66,11 @@ impl PlanKey {
     pub fn file_name(&self) -> String {
         format!("{:016x}.plan.json", self.hash)
     }
+
+    /// The file name a persisted "no engine" / "no plan" failure for this key gets.
+    pub fn failure_file_name(&self) -> String {
+        format!("{:016x}.failed.json", self.hash)
+    }
 }
 
 impl Hash for PlanKey {
@@ -87,7 +94,7 @@ pub struct CacheStats {
     /// Plans that could not be written to the folder (kept in memory).
     pub write_failures: u64,
     /// Lookups answered with a remembered "no engine" / "no plan" error instead of planning
-    /// the graph again.
+    /// the graph again (remembered in memory, or persisted by an earlier process).
     pub failure_hits: u64,
     /// Plans chosen by timing candidates on the device (each also counts as built).
     pub tuned: u64,
@@ -98,8 +105,8 @@ pub struct CacheStats {
 pub struct PlanCache {
     map: RwLock<HashMap<PlanKey, Arc<ExecutionPlan>>>,
     /// Graphs cuDNN has no engine or plan for, with the error: asking again would only
-    /// repeat the (slow) heuristics and finalization. Memory only: another process, cuDNN
-    /// or target may do better.
+    /// repeat the (slow) heuristics and finalization. Persisted too; the key holds the target
+    /// identity and cuDNN version, so another cuDNN or target asks again.
     failed: RwLock<HashMap<PlanKey, Error>>,
     /// The timing record of each tuned plan in `map`.
     tuned: RwLock<HashMap<PlanKey, TuneRecord>>,
@@ -311,8 +318,8 @@ impl PlanCache {
         }
     }
 
-    /// What the cache knows about `key` without planning: a remembered failure, or a
-    /// persisted plan (only a tuned one when `tuned_only`). A bad file is
+    /// What the cache knows about `key` without planning: a remembered failure (in memory or
+    /// persisted), or a persisted plan (only a tuned one when `tuned_only`). A bad file is
     /// moved aside and counted; `None` means "plan it".
     fn recall(
         &self,
@@ -334,11 +341,23 @@ impl PlanCache {
         match read_plan(dir, key, graph, target, tuned_only) {
             Ok(Some((plan, record))) => {
                 self.restored.fetch_add(1, Ordering::Relaxed);
-                Some(self.remember(key.clone(), plan, record))
+                return Some(self.remember(key.clone(), plan, record));
+            }
+            Ok(None) => {}
+            Err(reason) => self.reject(dir, &key.file_name(), &reason, "rebuilding the plan"),
+        }
+        match read_failure(dir, key) {
+            Ok(Some(e)) => {
+                self.failure_hits.fetch_add(1, Ordering::Relaxed);
+                self.failed
+                    .write()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(key.clone(), e.clone());
+                Some(Err(e))
             }
             Ok(None) => None,
             Err(reason) => {
-                self.reject(dir, &key.file_name(), &reason, "rebuilding the plan");
+                self.reject(dir, &key.failure_file_name(), &reason, "planning the graph");
                 None
             }
         }
@@ -350,10 +369,16 @@ impl PlanCache {
         eprintln!("warning: plan cache: {reason}; {aside}; {then}");
     }
 
-    /// Remembers a "no engine" / "no plan" error; returns `e`.
+    /// Remembers a "no engine" / "no plan" error (in memory and in the folder); returns `e`.
     fn failed_with(&self, key: PlanKey, e: Error) -> Error {
         if !matches!(e, Error::NoEngine { .. } | Error::NoPlan { .. }) {
             return e;
+        }
+        if let Some(dir) = &self.dir {
+            if let Err(w) = write_failure(dir, &key, &e) {
+                self.write_failures.fetch_add(1, Ordering::Relaxed);
+                eprintln!("warning: plan cache: {w}; the failure is remembered in memory only");
+            }
         }
         self.failed
             .write()
@@ -533,6 +558,83 @@ fn read_doc(path: &Path, key: &PlanKey) -> std::result::Result<Option<serde_json
         return Ok(None);
     }
     Ok(Some(doc))
+}
+
+fn write_failure(dir: &Path, key: &PlanKey, e: &Error) -> Result<()> {
+    let error = match e {
+        Error::NoEngine {
+            graph,
+            target,
+            mode,
+            reported,
+            usable,
+        } => serde_json::json!({
+            "kind": "no_engine", "graph": graph, "target": target, "mode": mode,
+            "reported": reported, "usable": usable,
+        }),
+        Error::NoPlan {
+            graph,
+            target,
+            tried,
+            last,
+        } => serde_json::json!({
+            "kind": "no_plan", "graph": graph, "target": target, "tried": tried, "last": last,
+        }),
+        // Only "no engine" and "no plan" are facts about the graph on this target.
+        _ => return Ok(()),
+    }
+    .to_string();
+    let doc = serde_json::json!({
+        "signature": key.signature().text(),
+        "target": key.target(),
+        "checksum": format!("{:016x}", fnv1a(error.as_bytes())),
+        "error": error,
+    });
+    write_doc(&dir.join(key.failure_file_name()), &doc)
+}
+
+/// A persisted failure for `key` (same contract as [`read_plan`]).
+fn read_failure(dir: &Path, key: &PlanKey) -> std::result::Result<Option<Error>, String> {
+    let path = dir.join(key.failure_file_name());
+    let at = |why: String| format!("{}: {why}", path.display());
+    let Some(doc) = read_doc(&path, key).map_err(at)? else {
+        return Ok(None);
+    };
+    let text = doc["error"]
+        .as_str()
+        .ok_or_else(|| at("no `error` field".into()))?;
+    if doc["checksum"].as_str() != Some(format!("{:016x}", fnv1a(text.as_bytes())).as_str()) {
+        return Err(at("the failure does not match its checksum".into()));
+    }
+    let e: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| at(format!("the failure is not JSON: {e}")))?;
+    let string = |k: &str| {
+        e[k].as_str()
+            .map(str::to_string)
+            .ok_or_else(|| at(format!("the failure has no `{k}`")))
+    };
+    let count = |k: &str| {
+        e[k].as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or_else(|| at(format!("the failure has no count `{k}`")))
+    };
+    let error = match e["kind"].as_str() {
+        Some("no_engine") => Error::NoEngine {
+            graph: string("graph")?,
+            target: string("target")?,
+            mode: string("mode")?,
+            reported: count("reported")?,
+            usable: count("usable")?,
+        },
+        Some("no_plan") => Error::NoPlan {
+            graph: string("graph")?,
+            target: string("target")?,
+            tried: count("tried")?,
+            last: string("last")?,
+        },
+        _ => return Err(at("the failure is of no known kind".into())),
+    };
+    Ok(Some(error))
 }
 
 /// cuDNN's name of a data type in plan JSON.
