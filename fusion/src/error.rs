@@ -156,6 +156,15 @@ pub enum Error {
         /// The last failure's text.
         last: String,
     },
+    /// Autotuning was asked for on a target without a device to time plans on, and no tuned
+    /// choice was on record for the graph.
+    #[error("graph `{graph}`: autotuning needs a live device, but {target} is a deviceless target and no tuned plan is on record; plan with heuristics, or tune on a target made from a cuDNN handle")]
+    AutotuneNeedsDevice {
+        /// Graph name.
+        graph: String,
+        /// Target name.
+        target: String,
+    },
 }
 
 /// Why a tensor binding was rejected before calling cuDNN.

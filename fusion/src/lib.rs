@@ -6,8 +6,10 @@
 //! | descriptor | [`backend::Descriptor`] | one owned cuDNN backend object |
 //! | engine config | [`backend::heuristics`] | a ranked way to run an operation graph |
 //! | execution plan | [`backend::finalize_plan`] | a finalized, runnable engine config |
+//! | tuned plan | [`autotune::tune`] | the fastest candidate, timed on a live device |
 #![deny(unsafe_code)]
 
+pub mod autotune;
 pub mod backend;
 pub mod cache;
 pub mod cbr;

@@ -79,6 +79,13 @@ impl ExecutionPlan {
         })
     }
 
+    /// Gives a plan re-created from JSON what was recorded about it when it was chosen (a
+    /// tuned plan's engine and config index), so it reads as the plan that was timed.
+    pub(crate) fn set_origin(&mut self, engine: Option<EngineInfo>, config_index: usize) {
+        self.engine = engine;
+        self.config_index = config_index;
+    }
+
     /// The plan descriptor.
     pub fn descriptor(&self) -> &Descriptor {
         &self.desc
@@ -99,7 +106,7 @@ impl ExecutionPlan {
         self.workspace
     }
 
-    /// The engine (unknown for a plan restored from JSON).
+    /// The engine (unknown for a plan restored from JSON, unless it was a tuned plan).
     pub fn engine(&self) -> Option<&EngineInfo> {
         self.engine.as_ref()
     }

@@ -318,6 +318,14 @@ impl Target {
         matches!(self.site, Site::Handle(_))
     }
 
+    /// The handle of a live target (None when deviceless): autotuning times plans on it.
+    pub(crate) fn handle(&self) -> Option<&std::sync::Arc<crate::exec::Handle>> {
+        match &self.site {
+            Site::Deviceless(_) => None,
+            Site::Handle(h) => Some(&h.0),
+        }
+    }
+
     pub(crate) fn plan_site(&self) -> PlanSite<'_> {
         match &self.site {
             Site::Deviceless(d) => PlanSite::Deviceless(d),

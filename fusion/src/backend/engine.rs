@@ -172,3 +172,17 @@ pub fn engine_info(engine_config: &Descriptor) -> Result<EngineInfo> {
         numerical_notes: engine.get(A::CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, 16)?,
     })
 }
+
+/// The engine behind a finalized plan, read back through the plan's engine config (a plan
+/// re-created from JSON has no config of ours to ask).
+pub fn plan_engine_info(plan: &Descriptor) -> Result<EngineInfo> {
+    let config = plan
+        .get_descriptors(
+            A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
+            K::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR,
+            1,
+        )?
+        .pop()
+        .ok_or_else(|| Error::cudnn_msg("execution plan has no engine config"))?;
+    engine_info(&config)
+}

@@ -24,6 +24,7 @@
 
 use super::graphs::{self, ApplyResidual, BackwardResidual};
 use super::ConvShape;
+use crate::autotune::PlanOptions;
 use crate::cache::PlanCache;
 use crate::error::{Error, Result};
 use crate::exec::Scalar;
@@ -893,28 +894,43 @@ impl CbrLayer {
     /// [`CbrLayer::route`]). Only when all three fail is it an error ([`Error::NoRoute`], with
     /// each route's failure).
     pub fn plan(config: CbrConfig, target: &Target, cache: &PlanCache) -> Result<Self> {
+        Self::plan_with(config, target, cache, &PlanOptions::Heuristics)
+    }
+
+    /// [`CbrLayer::plan`], with each graph's plan chosen as `options` say: heuristics (what
+    /// `plan` does), or autotuned ([`PlanCache::get_or_autotune`]: a tuned plan on record, else
+    /// timed now on the target's device). Autotuning on a deviceless target without tuned plans
+    /// on record is [`Error::AutotuneNeedsDevice`], not a fallback to another route.
+    pub fn plan_with(
+        config: CbrConfig,
+        target: &Target,
+        cache: &PlanCache,
+        options: &PlanOptions,
+    ) -> Result<Self> {
         config.validate()?;
-        let fused = match build_route(&config, target, cache, RouteKind::Fused) {
+        let fused = match build_route(&config, target, cache, RouteKind::Fused, options) {
             Ok(built) => return Ok(Self::from_built(config, Route::Fused, built)),
             Err(e @ (Error::NoEngine { .. } | Error::NoPlan { .. })) => e.to_string(),
             Err(e) => return Err(e),
         };
         // cuDNN 9.28 on sm_90 has no engine for NormForward / NormBackward either when the
         // channel count is not a multiple of 8; the generic route needs none of them.
-        let unfused = match build_route(&config, target, cache, RouteKind::Unfused) {
+        let unfused = match build_route(&config, target, cache, RouteKind::Unfused, options) {
             Ok(built) => {
                 let route = Route::Unfused { reason: fused };
                 return Ok(Self::from_built(config, route, built));
             }
+            Err(e @ Error::AutotuneNeedsDevice { .. }) => return Err(e),
             Err(e) => e.to_string(),
         };
-        match build_route(&config, target, cache, RouteKind::Generic) {
+        match build_route(&config, target, cache, RouteKind::Generic, options) {
             Ok(built) => {
                 let route = Route::Generic {
                     reason: format!("fused: {fused}; unfused: {unfused}"),
                 };
                 Ok(Self::from_built(config, route, built))
             }
+            Err(e @ Error::AutotuneNeedsDevice { .. }) => Err(e),
             Err(generic) => Err(Error::NoRoute {
                 layer: config.shape.label(),
                 fused,
@@ -934,7 +950,7 @@ impl CbrLayer {
     ) -> Result<Self> {
         let kind = route.into();
         config.validate()?;
-        let built = build_route(&config, target, cache, kind)?;
+        let built = build_route(&config, target, cache, kind, &PlanOptions::Heuristics)?;
         Ok(Self::from_built(
             config,
             Route::chosen(kind, "requested"),
@@ -1035,6 +1051,7 @@ fn build_route(
     target: &Target,
     cache: &PlanCache,
     kind: RouteKind,
+    options: &PlanOptions,
 ) -> Result<Built> {
     let graphs = route_graphs(config, kind);
     let steps = graphs
@@ -1042,7 +1059,7 @@ fn build_route(
         .map(|lg| {
             Ok(LayerStep {
                 role: lg.role,
-                plan: Some(cache.get_or_build(&lg.graph, target)?),
+                plan: Some(cache.get_with(&lg.graph, target, options)?),
                 bindings: lg.bindings.clone(),
             })
         })
