@@ -13,10 +13,10 @@
 use crate::error::{Error, Result};
 use crate::exec::{Bindings, Handle, Scalar, Workspace};
 use crate::graph::{DataType, TensorId};
-use crate::lower::{OperationGraph, RealTensor};
+use crate::lower::OperationGraph;
 use crate::plan::{build_plans, ExecutionPlan, PlanPolicy};
 use crate::target::Target;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaSlice, CudaStream};
 use std::sync::Arc;
 
 /// How many candidates to time, and how.
@@ -233,11 +233,11 @@ pub fn tune(op: &OperationGraph, target: &Target, opts: &AutotuneOptions) -> Res
         }
         Err(e) => return Err(e),
     };
-    let scratch = Scratch::for_plans(handle.stream(), &plans)?;
+    let mut scratch = Scratch::for_plans(handle.stream(), &plans)?;
     let mut candidates = Vec::with_capacity(plans.len());
     let mut first_error = None;
     for plan in &plans {
-        let time_ms = match time_plan(plan, handle, &scratch, opts) {
+        let time_ms = match time_plan(plan, handle, &mut scratch, opts) {
             Ok(t) => Some(t),
             Err(e) => {
                 // One candidate that cannot run (e.g. its workspace does not fit) must not
@@ -270,7 +270,7 @@ pub fn tune(op: &OperationGraph, target: &Target, opts: &AutotuneOptions) -> Res
 fn time_plan(
     plan: &ExecutionPlan,
     handle: &Arc<Handle>,
-    scratch: &Scratch,
+    scratch: &mut Scratch,
     opts: &AutotuneOptions,
 ) -> Result<f32> {
     let stream = handle.stream();
@@ -280,10 +280,9 @@ fn time_plan(
     for real in plan.real_tensors() {
         if real.by_value {
             bindings.bind_scalar(real.id, harmless_scalar(real.dtype))?;
-        } else {
-            scratch.bind(&mut bindings, real, stream)?;
         }
     }
+    scratch.bind_all(&mut bindings, plan, stream)?;
     bindings.check()?;
     for _ in 0..opts.warmup {
         plan.execute(handle, &bindings, Workspace::Pooled)?;
@@ -390,22 +389,40 @@ impl Scratch {
         Ok(Scratch { buffers })
     }
 
-    fn bind(&self, b: &mut Bindings<'_>, real: &RealTensor, stream: &CudaStream) -> Result<()> {
-        let Some((_, buffer)) = self.buffers.iter().find(|(id, _)| *id == real.id) else {
-            // Not reachable (every device tensor got a buffer); `check` names it if it were.
-            return Ok(());
-        };
-        match buffer {
-            Buffer::F16(s) => b.bind(real.id, s, stream)?,
-            Buffer::F32(s) => b.bind(real.id, s, stream)?,
-            Buffer::F64(s) => b.bind(real.id, s, stream)?,
-            Buffer::I32(s) => b.bind(real.id, s, stream)?,
-            Buffer::I64(s) => b.bind(real.id, s, stream)?,
-            Buffer::Bytes(s) => {
-                let (ptr, _sync) = s.device_ptr(stream);
-                b.bind_raw(real.id, ptr, s.len(), real.dtype)?
+    /// Binds the scratch buffer of every real device tensor of `plan`, borrowed for as long
+    /// as the bindings live.
+    fn bind_all<'p>(
+        &'p mut self,
+        b: &mut Bindings<'p>,
+        plan: &ExecutionPlan,
+        stream: &'p CudaStream,
+    ) -> Result<()> {
+        for (id, buffer) in self.buffers.iter_mut() {
+            if !plan
+                .real_tensors()
+                .iter()
+                .any(|r| r.id == *id && !r.by_value)
+            {
+                continue;
             }
-        };
+            match buffer {
+                Buffer::F16(s) => b.bind(*id, s, stream)?,
+                Buffer::F32(s) => b.bind(*id, s, stream)?,
+                Buffer::F64(s) => b.bind(*id, s, stream)?,
+                Buffer::I32(s) => b.bind(*id, s, stream)?,
+                Buffer::I64(s) => b.bind(*id, s, stream)?,
+                Buffer::Bytes(s) => {
+                    let dtype = plan
+                        .real_tensors()
+                        .iter()
+                        .find(|r| r.id == *id)
+                        .map(|r| r.dtype)
+                        .unwrap_or(DataType::Boolean);
+                    b.bind_bytes(*id, s, dtype, stream)?
+                }
+            };
+        }
+        // Every device tensor got a buffer (`for_plans`); `check` names one if it had not.
         Ok(())
     }
 }

@@ -1,5 +1,5 @@
 //! Execution on a GPU: cuDNN handles on cudarc streams, bindings (the variant pack), workspace,
-//! autotuning and CUDA-graph population. The only module besides `backend` with `unsafe`.
+//! and CUDA-graph population (autotuning: [`crate::autotune`]). The only module besides `backend` with `unsafe`.
 //!
 //! 1. [`cuda_device`] opens a device (a typed error, never a panic, where there is none).
 //! 2. [`Handle::new`] makes a cuDNN handle on a cudarc stream; [`Handle::target`] gives the
@@ -12,7 +12,7 @@
 use crate::backend::Descriptor;
 use crate::error::{BindingProblem, Error, Result};
 use crate::graph::{DataType, TensorId};
-use crate::plan::{build_plans, ExecutionPlan, PlanPolicy};
+use crate::plan::ExecutionPlan;
 use crate::target::{DeviceProps, Target};
 use cudarc::driver::{
     CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop,
@@ -415,6 +415,23 @@ impl<'p> Bindings<'p> {
         Ok(self)
     }
 
+    /// Binds a byte buffer as `dtype` elements (memory laid out by the caller, such as an amp
+    /// region or a scratch buffer), borrowed as [`Bindings::bind`] borrows.
+    pub fn bind_bytes(
+        &mut self,
+        t: TensorId,
+        buffer: &'p mut CudaSlice<u8>,
+        dtype: DataType,
+        stream: &'p CudaStream,
+    ) -> Result<&mut Self> {
+        let i = self.position(t)?;
+        let bytes = buffer.len();
+        let (ptr, guard) = buffer.device_ptr_mut(stream);
+        self.guards.push(guard);
+        self.slots[i] = Slot::Device { ptr, bytes, dtype };
+        Ok(self)
+    }
+
     /// Binds a raw device pointer spanning `bytes` bytes of `dtype` elements.
     ///
     /// # Safety
@@ -678,60 +695,4 @@ impl Drop for CudaGraph {
         // SAFETY: `raw` came from cuGraphCreate and is destroyed once.
         let _ = unsafe { cudarc::driver::sys::cuGraphDestroy(self.raw) };
     }
-}
-
-/// Times each candidate plan (median of `iters` runs after `warmup`, CUDA events) and returns
-/// the fastest with all timings in milliseconds. `bind` fills the bindings for a plan.
-pub fn autotune(
-    op: &crate::lower::OperationGraph,
-    target: &Target,
-    handle: &Handle,
-    max_candidates: usize,
-    warmup: usize,
-    iters: usize,
-    bind: &dyn Fn(&mut Bindings<'_>) -> Result<()>,
-) -> Result<(ExecutionPlan, Vec<f32>)> {
-    let plans = build_plans(op, target, &PlanPolicy::autotune(max_candidates))?;
-    // The largest workspace first, so that no timed run includes an allocation.
-    handle.reserve_workspace(plans.iter().map(|p| p.workspace_size()).max().unwrap_or(0))?;
-    let ctx = handle.stream.context();
-    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let mut times = Vec::with_capacity(plans.len());
-    for plan in &plans {
-        let mut b = Bindings::new(plan);
-        bind(&mut b)?;
-        for _ in 0..warmup {
-            plan.execute(handle, &b, Workspace::Pooled)?;
-        }
-        let mut runs = Vec::with_capacity(iters.max(1));
-        for _ in 0..iters.max(1) {
-            let start = ctx
-                .new_event(timing)
-                .map_err(|e| driver("create event", e))?;
-            let end = ctx
-                .new_event(timing)
-                .map_err(|e| driver("create event", e))?;
-            start
-                .record(&handle.stream)
-                .map_err(|e| driver("record event", e))?;
-            plan.execute(handle, &b, Workspace::Pooled)?;
-            end.record(&handle.stream)
-                .map_err(|e| driver("record event", e))?;
-            runs.push(
-                start
-                    .elapsed_ms(&end)
-                    .map_err(|e| driver("time events", e))?,
-            );
-        }
-        runs.sort_by(f32::total_cmp);
-        times.push(runs[runs.len() / 2]);
-    }
-    let best = times
-        .iter()
-        .enumerate()
-        .min_by(|a, b| a.1.total_cmp(b.1))
-        .map(|(i, _)| i)
-        .unwrap_or(0);
-    let mut plans = plans;
-    Ok((plans.swap_remove(best), times))
 }
