@@ -13,6 +13,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod exec;
 pub mod head;
+pub mod params;
 pub mod prewarm;
 pub mod spec;
 
@@ -23,5 +24,6 @@ pub use compile::{
 pub use cpu::CpuNet;
 pub use cuda::{CudaNet, CudaNetError};
 pub use exec::{run_pass, NetExecutor};
+pub use params::{initial_weights, memory_plan};
 pub use prewarm::{prewarm, Prewarmed};
 pub use spec::{BlockKind, BlockSpec, NetSpec, PoolSpec, Preset, StemSpec};

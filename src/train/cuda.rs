@@ -992,7 +992,7 @@ mod tests {
                     default: RouteKind::Fused,
                 };
                 let net = compile_net(&cfg, &policy).unwrap();
-                let plan = crate::train::memory_plan(&shapes, net.features, cfg.classes).unwrap();
+                let plan = crate::net::memory_plan(&net, cfg.classes).unwrap();
                 let sources = binding_plan(&net, true).unwrap();
                 for (b, source) in net.buffers.iter().zip(&sources) {
                     let (bytes, dtype) = match source {

@@ -16,19 +16,7 @@ pub struct Synthetic {
     noise: f32,
 }
 
-/// splitmix64: small, fast, deterministic.
-pub(crate) fn splitmix(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-/// Uniform in [-1, 1).
-pub(crate) fn uniform(state: &mut u64) -> f32 {
-    ((splitmix(state) >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-}
+pub(crate) use crate::net::params::{splitmix, uniform};
 
 impl Synthetic {
     /// Templates for `classes` classes of `hw`×`hw`×`channels` images, from `seed`.

@@ -32,10 +32,9 @@ pub use crate::net::Preset;
 pub use data::Synthetic;
 pub use net::{compile_net, Net};
 
-use crate::amp::plan::{MemoryPlan, MemoryPlanBuilder, ParamInfo, ParamKind};
+use crate::amp::plan::{MemoryPlan, ParamInfo};
 use crate::amp::range::{HeadMetrics, SgdConfig};
 use crate::amp::AmpError;
-use cudnn_cbr_fusion::cbr::ConvShape;
 use std::fmt;
 use std::str::FromStr;
 
@@ -564,84 +563,20 @@ pub fn train(
 /// Held-out batches evaluated after training.
 pub(crate) const HELD_OUT_BATCHES: u64 = 8;
 
-/// The memory plan of the network: every conv's weight, γ and β (the first three layers in
-/// bucket `first`, the rest in `deep`), then the FC weight and bias.
-pub(crate) fn memory_plan(
-    layers: &[(String, ConvShape)],
-    features: usize,
-    classes: usize,
-) -> Result<MemoryPlan, TrainError> {
-    let mut b = MemoryPlanBuilder::new();
-    let first = b.bucket("first")?;
-    let deep = b.bucket("deep")?;
-    for (name, s) in layers {
-        // The stem and the first stage in one bucket, the deeper layers in the other.
-        let bucket = if name == "stem" || name.starts_with("s0.") {
-            first
-        } else {
-            deep
-        };
-        let (k, c, r) = (s.k as usize, s.c as usize, s.r as usize);
-        b.add(
-            &format!("{name}.w"),
-            ParamKind::ConvWeight,
-            &[k, r, r, c],
-            bucket,
-        )?;
-        b.add(&format!("{name}.gamma"), ParamKind::BnGamma, &[k], bucket)?;
-        b.add(&format!("{name}.beta"), ParamKind::BnBeta, &[k], bucket)?;
-    }
-    b.add("fc.w", ParamKind::FcWeight, &[classes, features], deep)?;
-    b.add("fc.b", ParamKind::FcBias, &[classes], deep)?;
-    Ok(b.finalize()?)
-}
-
-/// The network's memory plan ([`memory_plan`]) and initial master weights
-/// ([`initial_weights`]) for `cfg`'s shapes and seed: what both executors start from.
+/// The network's memory plan ([`crate::net::memory_plan`]) and initial master weights
+/// ([`crate::net::initial_weights`]) for `cfg`'s shapes and seed: what both executors start from.
 pub(crate) fn plan_and_initial_weights(
     cfg: &TrainConfig,
 ) -> Result<(MemoryPlan, NamedValues), TrainError> {
     // Shapes do not depend on routes: compile for the CPU, without cuDNN.
     let net = compile_net(cfg, &net::cpu_policy(cfg))?;
-    let layers = net.conv_shapes();
-    let features = net.features;
-    let plan = memory_plan(&layers, features, cfg.classes)?;
-    let init = initial_weights(&layers, features, cfg.classes, cfg.seed);
+    let plan = crate::net::memory_plan(&net, cfg.classes)?;
+    let init = crate::net::initial_weights(&net, cfg.classes, cfg.seed);
     Ok((plan, init))
 }
 
 /// (parameter, values) pairs.
 pub(crate) type NamedValues = Vec<(String, Vec<f32>)>;
-
-/// Initial master weights, as (parameter, values) for region W: He-uniform convs, γ = 1
-/// (β = 0 and the FC bias 0 are the zeroed regions), a small uniform FC weight. One random
-/// stream from the seed, in this order, so both executors start from the same weights.
-pub(crate) fn initial_weights(
-    layers: &[(String, ConvShape)],
-    features: usize,
-    classes: usize,
-    seed: u64,
-) -> NamedValues {
-    let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    let mut out = Vec::with_capacity(2 * layers.len() + 1);
-    for (name, s) in layers {
-        let bound = (6.0 / (s.c * s.r * s.s) as f32).sqrt();
-        let n = (s.k * s.c * s.r * s.s) as usize;
-        out.push((
-            format!("{name}.w"),
-            (0..n).map(|_| bound * data::uniform(&mut rng)).collect(),
-        ));
-        out.push((format!("{name}.gamma"), vec![1.0; s.k as usize]));
-    }
-    let fc_bound = 1.0 / (features as f32).sqrt();
-    out.push((
-        "fc.w".into(),
-        (0..classes * features)
-            .map(|_| fc_bound * data::uniform(&mut rng))
-            .collect(),
-    ));
-    out
-}
 
 /// The report's loss and accuracy fields from the per-step metrics.
 pub(crate) fn summarize(steps: &[HeadMetrics]) -> (f32, f32, f32, Vec<f32>) {

@@ -1,0 +1,82 @@
+//! A compiled network's parameters in the amp memory plan, and their initial values: what a
+//! trainer needs to put a [`CompiledNet`] under the amp step.
+//!
+//! Every conv layer `{layer}` has `{layer}.w` (KRSC, [`ParamKind::ConvWeight`]),
+//! `{layer}.gamma` and `{layer}.beta`; the head has `fc.w` (`[classes, features]`) and `fc.b`.
+//! [`crate::net::cuda::param_slot`] maps the network's parameter buffers to these slots.
+
+use super::compile::CompiledNet;
+use crate::amp::plan::{MemoryPlan, MemoryPlanBuilder, ParamKind};
+use crate::amp::PlanError;
+
+/// The memory plan of `net`'s parameters and an FC head of `classes` outputs: every conv's
+/// weight, γ and β (the stem and the first stage in bucket `first`, the rest in `deep`, so the
+/// deep layers' gradients form their own bucket), then the FC weight and bias.
+///
+/// # Errors
+/// A [`PlanError`] naming the parameter (e.g. `classes == 0`).
+pub fn memory_plan(net: &CompiledNet, classes: usize) -> Result<MemoryPlan, PlanError> {
+    let mut b = MemoryPlanBuilder::new();
+    let first = b.bucket("first")?;
+    let deep = b.bucket("deep")?;
+    for (name, s) in net.conv_shapes() {
+        let bucket = if name == "stem" || name.starts_with("s0.") {
+            first
+        } else {
+            deep
+        };
+        let (k, c, r) = (s.k as usize, s.c as usize, s.r as usize);
+        b.add(
+            &format!("{name}.w"),
+            ParamKind::ConvWeight,
+            &[k, r, r, c],
+            bucket,
+        )?;
+        b.add(&format!("{name}.gamma"), ParamKind::BnGamma, &[k], bucket)?;
+        b.add(&format!("{name}.beta"), ParamKind::BnBeta, &[k], bucket)?;
+    }
+    b.add("fc.w", ParamKind::FcWeight, &[classes, net.features], deep)?;
+    b.add("fc.b", ParamKind::FcBias, &[classes], deep)?;
+    b.finalize()
+}
+
+/// Initial master weights for [`memory_plan`]'s FP32 region W, as (parameter, values):
+/// He-uniform convs, γ = 1 (β and the FC bias stay at the region's zeros), a uniform FC
+/// weight in ±1/√features. One random stream from `seed`, in this order, so every executor
+/// starts from the same weights.
+pub fn initial_weights(net: &CompiledNet, classes: usize, seed: u64) -> Vec<(String, Vec<f32>)> {
+    let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let shapes = net.conv_shapes();
+    let mut out = Vec::with_capacity(2 * shapes.len() + 1);
+    for (name, s) in shapes {
+        let bound = (6.0 / (s.c * s.r * s.s) as f32).sqrt();
+        let n = (s.k * s.c * s.r * s.s) as usize;
+        out.push((
+            format!("{name}.w"),
+            (0..n).map(|_| bound * uniform(&mut rng)).collect(),
+        ));
+        out.push((format!("{name}.gamma"), vec![1.0; s.k as usize]));
+    }
+    let fc_bound = 1.0 / (net.features as f32).sqrt();
+    out.push((
+        "fc.w".into(),
+        (0..classes * net.features)
+            .map(|_| fc_bound * uniform(&mut rng))
+            .collect(),
+    ));
+    out
+}
+
+/// splitmix64: small, fast, deterministic (the initializer's random stream).
+pub fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Uniform in [-1, 1) from [`splitmix`].
+pub fn uniform(state: &mut u64) -> f32 {
+    ((splitmix(state) >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
