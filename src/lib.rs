@@ -8,18 +8,23 @@
 //! - [`net`]: network descriptions (presets: a small net, ResNet-18/34/50/101), their compiler
 //!   (layers, prologue pairings with per-pair fallback, buffers, forward/backward steps) and
 //!   the CPU executor of a compiled network (FP16 storage or exact `f64`);
+//! - [`classifier`]: a compiled network with a classification head and the amp step, on the
+//!   CPU executor or CUDA: what a trainer links;
 //! - [`train`]: the main job's training loop (a small CBR ResNet on synthetic data).
 //!
 //! # The types a trainer uses (re-exported here)
 //!
 //! | step | type | what it is |
 //! |---|---|---|
-//! | the GPU | [`Target`] | a live device (`Handle::target`) or device-properties JSON (deviceless) |
+//! | the GPU | [`cuda_device`], [`Handle`], [`Target`] | open a device; a cuDNN handle on your cudarc stream; a live target (`Handle::target`) or device-properties JSON (deviceless) |
 //! | plans | [`PlanCache`] | built plans by graph and target, optionally persisted to a folder |
 //! | a network | [`NetSpec`], [`Preset`] | stem, stages of basic/bottleneck blocks, head |
-//! | compiling it | [`compile`], [`RoutePolicy`], [`CompiledNet`] | every layer, buffer and step; [`prewarm`] plans on threads first |
+//! | compiling it | [`compile()`], [`RoutePolicy`], [`CompiledNet`] | every layer, buffer and step; [`prewarm()`] plans on threads first |
 //! | running it | [`CpuNet`], [`CudaNet`] | the CPU reference executor, the cuDNN executor |
+//! | training it | [`CpuClassifier`], [`CudaClassifier`], [`ClassifierError`] | network + GAP/FC/softmax head + amp step, same calls on both executors |
+//! | its parameters | [`memory_plan`], [`initial_weights`] | a compiled network's slots in the amp plan, and their start values |
 //! | one layer | [`CbrConfig`], [`ConvShape`], [`CbrLayer`] | a Conv+BN+ReLU layer and its plans |
+//! | its buffers | [`DeviceBuffers`], [`keys`] | borrowed cudarc slices under typed keys (`keys::Y: Key<f16>`) |
 //! | weights | [`MemoryPlanBuilder`], [`ParamKind`] | the static memory plan of the parameters |
 //! | the step | [`AmpStep`], [`StepConfig`], [`SgdConfig`] | cast, check, SGD, EMA, loss scale; no host sync |
 //! | its memory | [`CpuRegions`], `amp::cuda::CudaRegions` | a plan's regions on the host or a device |
@@ -41,7 +46,7 @@
 //!     println!("{} {} x{}", b.name, b.dtype, b.elems);
 //! }
 //!
-//! // Run it on the CPU over host buffers named as on the GPU (`run_gpu` takes device tables).
+//! // Run it on the CPU over host buffers named as on the GPU (`run_gpu` takes `DeviceBuffers`).
 //! let mut this = HostBuffers::zeros(layer.buffers());
 //! let mut prev = HostBuffers::zeros(layer.prev_buffers());
 //! layer.run_cpu(Pass::Forward, &mut this, Some(&mut prev))?;
@@ -68,6 +73,13 @@ pub use cudnn_cbr_amp as amp;
 pub use cudnn_cbr_fusion as fusion;
 pub use cudnn_fe_sys as sys;
 
+/// The README's code blocks, compiled and run as doc tests (its "Link cudnn-cbr into your
+/// trainer" section; the tour is compiled above).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
+
+pub mod classifier;
 pub mod net;
 pub mod train;
 
@@ -75,9 +87,14 @@ pub use amp::plan::{MemoryPlanBuilder, ParamKind};
 pub use amp::range::SgdConfig;
 pub use amp::step::{AmpStep, CpuRegions, StepConfig};
 pub use amp::AmpError;
+pub use classifier::{ClassifierError, CpuClassifier, CudaClassifier};
 pub use fusion::cache::PlanCache;
-pub use fusion::cbr::{CbrConfig, CbrLayer, ConvShape};
+pub use fusion::cbr::{keys, CbrConfig, CbrLayer, ConvShape, DeviceBuffers};
+pub use fusion::exec::{cuda_device, Handle};
 pub use fusion::Error as FusionError;
 pub use fusion::Target;
-pub use net::{compile, prewarm, CompiledNet, CpuNet, CudaNet, NetSpec, Preset, RoutePolicy};
+pub use net::{
+    compile, initial_weights, memory_plan, prewarm, CompiledNet, CpuNet, CudaNet, NetSpec, Preset,
+    RoutePolicy,
+};
 pub use sys::LoadError;

@@ -872,43 +872,9 @@ fn step_err(sgd: SgdConfig) -> Verdict {
 // ---------------------------------------------------------------------------------------------
 // Both examples' command lines
 
-/// An example binary: beside the test binary's folder (`target/<profile>/examples`), or in
-/// the GPU-check bundle (`example-NAME` beside `test-bad_inputs`).
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap();
-    let candidates = [
-        dir.join("../examples").join(name),
-        dir.join(format!("example-{name}")),
-    ];
-    candidates
-        .iter()
-        .find(|p| p.is_file())
-        .cloned()
-        .unwrap_or_else(|| {
-            panic!(
-                "example `{name}` is not built (looked at {candidates:?}); `cargo test --all-targets` builds it"
-            )
-        })
-}
-
-fn run_example(name: &str, args: &[&str]) -> (Option<i32>, String) {
-    let out = Command::new(example(name))
-        .args(args)
-        .current_dir(common::repo_root())
-        .output()
-        .expect("spawn the example");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.code(), text)
-}
-
 /// The example exits with `code` (never a signal, never a panic) and says `needle`.
 fn example_exits(name: &str, args: &[&str], code: i32, needle: &str) -> Verdict {
-    let (got, text) = run_example(name, args);
+    let (got, text) = common::run_example(name, args);
     assert_eq!(got, Some(code), "{name} {args:?}:\n{text}");
     assert!(
         !text.contains("panicked"),

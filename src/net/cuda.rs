@@ -27,6 +27,7 @@ use cudnn_cbr_fusion::cbr::{ArenaId, DeviceBuffers, Pass, Side};
 use cudnn_cbr_fusion::exec::Handle;
 use cudnn_cbr_fusion::graph::DataType;
 use cudnn_cbr_fusion::reference::Nhwc;
+use half::f16;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -301,27 +302,52 @@ impl CudaNet {
     /// The forward pass (the input uploaded) of a network whose parameters are its own; the
     /// output in [`CompiledNet::output`].
     pub fn forward(&mut self) -> Result<()> {
-        run_pass(&mut self.pass(None)?, false)
+        run_pass(&mut self.pass(None, None)?, false)
     }
 
     /// The backward pass (the output's gradient written) of a network whose parameters are
     /// its own.
     pub fn backward(&mut self) -> Result<()> {
-        run_pass(&mut self.pass(None)?, true)
+        run_pass(&mut self.pass(None, None)?, true)
     }
 
     /// The forward pass with the parameters in `regions` (made from the plan given to
     /// [`CudaNet::new`]).
     pub fn forward_with(&mut self, regions: &mut CudaRegions) -> Result<()> {
-        run_pass(&mut self.pass(Some(regions))?, false)
+        run_pass(&mut self.pass(Some(regions), None)?, false)
     }
 
     /// The backward pass with the parameters and their gradients in `regions`.
     pub fn backward_with(&mut self, regions: &mut CudaRegions) -> Result<()> {
-        run_pass(&mut self.pass(Some(regions))?, true)
+        run_pass(&mut self.pass(Some(regions), None)?, true)
     }
 
-    fn pass<'n>(&'n mut self, regions: Option<&'n mut CudaRegions>) -> Result<NetPass<'n>> {
+    /// The forward pass reading the caller's `input` (NHWC FP16, at least the network's input
+    /// size) instead of the network's own input buffer, borrowed for the pass; the parameters
+    /// in `regions` when given (as for [`CudaNet::forward_with`]).
+    pub fn forward_from(
+        &mut self,
+        regions: Option<&mut CudaRegions>,
+        input: &mut CudaSlice<f16>,
+    ) -> Result<()> {
+        run_pass(&mut self.pass(regions, Some(input))?, false)
+    }
+
+    /// The backward pass of a forward pass made with [`CudaNet::forward_from`]: the first
+    /// layer's weight gradient reads the same `input` again.
+    pub fn backward_from(
+        &mut self,
+        regions: Option<&mut CudaRegions>,
+        input: &mut CudaSlice<f16>,
+    ) -> Result<()> {
+        run_pass(&mut self.pass(regions, Some(input))?, true)
+    }
+
+    fn pass<'n>(
+        &'n mut self,
+        regions: Option<&'n mut CudaRegions>,
+        input: Option<&'n mut CudaSlice<f16>>,
+    ) -> Result<NetPass<'n>> {
         match (&self.amp_plan, &regions) {
             (None, None) => {}
             (Some(plan), Some(r)) => {
@@ -350,7 +376,21 @@ impl CudaNet {
                 ))
             }
         }
-        Ok(NetPass { net: self, regions })
+        if let Some(x) = &input {
+            let b = &self.net.buffers[self.net.input];
+            if x.len() < b.elems {
+                return Err(CudaNetError::Binding(format!(
+                    "the input has {} FP16 values, the network reads {}",
+                    x.len(),
+                    b.elems
+                )));
+            }
+        }
+        Ok(NetPass {
+            net: self,
+            regions,
+            input,
+        })
     }
 
     /// One layer's table: this layer's buffers and the previous layer's that it binds, each
@@ -358,6 +398,7 @@ impl CudaNet {
     fn layer_pass(
         &mut self,
         regions: Option<&mut CudaRegions>,
+        input: Option<&mut CudaSlice<f16>>,
         layer: usize,
         pass: Pass,
     ) -> Result<()> {
@@ -365,9 +406,15 @@ impl CudaNet {
         let wanted = layer_bindings(&self.net, layer)?;
         let mut io = DeviceBuffers::new();
         let mut arenas: HashMap<BufId, ArenaId> = HashMap::new();
+        let input_id = self.net.input;
+        if let Some(x) = input {
+            if wanted.iter().any(|w| w.2 == input_id) {
+                arenas.insert(input_id, io.arena(x));
+            }
+        }
         for (id, slot) in self.bufs.iter_mut().enumerate() {
             if let Some(slice) = slot {
-                if wanted.iter().any(|w| w.2 == id) {
+                if !arenas.contains_key(&id) && wanted.iter().any(|w| w.2 == id) {
                     arenas.insert(id, io.arena(slice));
                 }
             }
@@ -455,6 +502,8 @@ fn alloc_buffer(stream: &Arc<CudaStream>, b: &NetBuffer) -> Result<CudaSlice<u8>
 struct NetPass<'n> {
     net: &'n mut CudaNet,
     regions: Option<&'n mut CudaRegions>,
+    /// The caller's input, read instead of the network's own input buffer.
+    input: Option<&'n mut CudaSlice<f16>>,
 }
 
 impl NetExecutor for NetPass<'_> {
@@ -465,8 +514,12 @@ impl NetExecutor for NetPass<'_> {
     }
 
     fn layer_pass(&mut self, layer: usize, pass: Pass) -> Result<()> {
-        self.net
-            .layer_pass(self.regions.as_deref_mut(), layer, pass)
+        self.net.layer_pass(
+            self.regions.as_deref_mut(),
+            self.input.as_deref_mut(),
+            layer,
+            pass,
+        )
     }
 
     fn add(&mut self, a: BufId, b: BufId, out: BufId) -> Result<()> {

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
+use std::process::Command;
 
 /// The repository root: the working directory when it is one (cargo runs tests there; a
 /// bundled binary on the GPU machine runs from a copy of the repository at another path,
@@ -65,4 +66,38 @@ pub fn uniform(state: &mut u64) -> f32 {
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^= z >> 31;
     ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
+/// An example binary: beside the test binary's folder (`target/<profile>/examples`), or in
+/// the GPU-check bundle (`example-NAME` beside `test-bad_inputs`).
+pub fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap();
+    let candidates = [
+        dir.join("../examples").join(name),
+        dir.join(format!("example-{name}")),
+    ];
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .unwrap_or_else(|| {
+            panic!(
+                "example `{name}` is not built (looked at {candidates:?}); `cargo test --all-targets` builds it"
+            )
+        })
+}
+
+pub fn run_example(name: &str, args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(example(name))
+        .args(args)
+        .current_dir(repo_root())
+        .output()
+        .expect("spawn the example");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
 }

@@ -217,10 +217,10 @@ impl<'a> DeviceBuffers<'a> {
         self.bind_memory(side, key.name(), Box::new(view), T::DTYPE)
     }
 
-    /// Borrows a byte allocation in which buffers are then placed with
+    /// Borrows an allocation in which buffers are then placed with
     /// [`DeviceBuffers::place`] (one borrow for many buffers: a network's arena, or amp's
     /// regions, where one allocation holds several of a layer's buffers).
-    pub fn arena(&mut self, memory: &'a mut CudaSlice<u8>) -> ArenaId {
+    pub fn arena<T>(&mut self, memory: &'a mut CudaSlice<T>) -> ArenaId {
         ArenaId(self.push_memory(Box::new(memory)))
     }
 

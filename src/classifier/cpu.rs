@@ -1,0 +1,177 @@
+//! [`CpuClassifier`]: a compiled network on the CPU reference executor (FP16 storage, FP32
+//! arithmetic), the head on amp's CPU twins of the CUDA head kernels, the amp step on
+//! [`CpuRegions`].
+
+use super::{check_batch, ClassifierError};
+use crate::amp::plan::Region;
+use crate::amp::range::{self, softmax_xent_backward, HeadMetrics, HeadShape};
+use crate::amp::step::{AmpStep, CpuRegions, StepConfig};
+use crate::net::{initial_weights, memory_plan, CompiledNet, CpuNet};
+use half::f16;
+
+type Result<T> = std::result::Result<T, ClassifierError>;
+
+/// A classifier on the CPU executor.
+#[derive(Debug)]
+pub struct CpuClassifier {
+    net: CpuNet<f16>,
+    step: AmpStep<CpuRegions>,
+    shape: HeadShape,
+    layers: Vec<String>,
+}
+
+impl CpuClassifier {
+    /// The network (compiled with a CPU policy, e.g. `RoutePolicy::Uniform`) with an FC head
+    /// of `classes` outputs, its memory plan on the host, and the amp step of `config`; the
+    /// master weights start from [`initial_weights`] of `seed`.
+    ///
+    /// # Errors
+    /// A memory plan or step configuration the amp layer refuses (e.g. `classes == 0`).
+    pub fn new(net: CompiledNet, classes: usize, config: StepConfig, seed: u64) -> Result<Self> {
+        let plan = memory_plan(&net, classes)?;
+        let mut regions = CpuRegions::new(plan)?;
+        for (name, values) in initial_weights(&net, classes, seed) {
+            regions
+                .param_f32_mut(&name, Region::W)?
+                .copy_from_slice(&values);
+        }
+        let mut step = AmpStep::new(regions, config)?;
+        step.init_weights()?;
+        let shape = HeadShape::new(net.batch, net.out_hw * net.out_hw, net.features, classes);
+        let layers = net.layers.iter().map(|l| l.name.clone()).collect();
+        Ok(CpuClassifier {
+            net: CpuNet::new(net),
+            step,
+            shape,
+            layers,
+        })
+    }
+
+    /// The amp step (begin, finish, capture, replay, learning rate, loss scale).
+    pub fn step(&self) -> &AmpStep<CpuRegions> {
+        &self.step
+    }
+
+    /// The amp step, to drive it.
+    pub fn step_mut(&mut self) -> &mut AmpStep<CpuRegions> {
+        &mut self.step
+    }
+
+    /// The compiled network.
+    pub fn compiled(&self) -> &CompiledNet {
+        self.net.net()
+    }
+
+    /// Conv weights from A (FP16), BN parameters from W (FP32) into the layers' buffers.
+    fn load_weights(&mut self) -> Result<()> {
+        let regions = self.step.executor();
+        for name in &self.layers {
+            let key = format!("{name}.w");
+            self.net
+                .set_half(&key, regions.param_f16(&key, Region::A)?.to_vec())?;
+            for p in ["gamma", "beta"] {
+                let key = format!("{name}.{p}");
+                self.net
+                    .set_float(&key, regions.param_f32(&key, Region::W)?.to_vec())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Forward through the network, the pooling and the FC layer: FP16 logits
+    /// `[batch, classes]` and the pooled features.
+    fn forward(&mut self, images: &[f16]) -> Result<(Vec<f16>, Vec<f32>)> {
+        self.load_weights()?;
+        self.net.forward(images)?;
+        let mut pooled = vec![0f32; self.shape.pooled_elems()];
+        range::gap_forward(&self.shape, self.net.output(), &mut pooled)?;
+        let mut logits = vec![f16::ZERO; self.shape.logits_elems()];
+        let regions = self.step.executor();
+        range::fc_forward(
+            &self.shape,
+            &pooled,
+            regions.param_f32("fc.w", Region::W)?,
+            regions.param_f32("fc.b", Region::W)?,
+            &mut logits,
+        )?;
+        Ok((logits, pooled))
+    }
+
+    /// The logits of `images` (NHWC FP16, one batch) with the current weights.
+    ///
+    /// # Errors
+    /// [`ClassifierError::Input`] for a batch of the wrong size.
+    pub fn logits(&mut self, images: &[f16]) -> Result<Vec<f16>> {
+        let labels = vec![0; self.shape.batch];
+        let want = self.net.net().buffers[self.net.net().input].elems;
+        check_batch(
+            images.len(),
+            want,
+            &labels,
+            self.shape.batch,
+            self.shape.classes,
+        )?;
+        Ok(self.forward(images)?.0)
+    }
+
+    /// One forward and backward pass on a batch: gradients land in G16 (conv weights) and G
+    /// (BN, FC), scaled by the current loss scale. Returns the batch's loss and accuracy.
+    ///
+    /// # Errors
+    /// [`ClassifierError::Input`] for a batch of the wrong size or a label out of range.
+    pub fn forward_backward(&mut self, images: &[f16], labels: &[i32]) -> Result<HeadMetrics> {
+        let (batch, classes) = (self.shape.batch, self.shape.classes);
+        let want = self.net.net().buffers[self.net.net().input].elems;
+        check_batch(images.len(), want, labels, batch, classes)?;
+        let (logits, pooled) = self.forward(images)?;
+        // The scaled loss gradient: scale / batch · (softmax − onehot), FP16.
+        let scalars = self.step.executor().scalars();
+        let mut dlogits = vec![f16::ZERO; logits.len()];
+        let mut rows = vec![0f32; batch];
+        softmax_xent_backward(
+            &logits,
+            labels,
+            classes,
+            &scalars,
+            &mut dlogits,
+            Some(&mut rows),
+        )?;
+        let metrics = range::head_metrics(&logits, labels, Some(&rows), classes)?;
+        let mut dw = vec![0f32; self.shape.weight_elems()];
+        let mut db = vec![0f32; classes];
+        let mut dpooled = vec![0f32; pooled.len()];
+        let w = self.step.executor().param_f32("fc.w", Region::W)?;
+        range::fc_backward(
+            &self.shape,
+            &dlogits,
+            &pooled,
+            w,
+            &mut dw,
+            &mut db,
+            &mut dpooled,
+        )?;
+        let regions = self.step.executor_mut();
+        regions
+            .param_f32_mut("fc.w", Region::G)?
+            .copy_from_slice(&dw);
+        regions
+            .param_f32_mut("fc.b", Region::G)?
+            .copy_from_slice(&db);
+        let mut da = vec![f16::ZERO; self.shape.activation_elems()];
+        range::gap_backward(&self.shape, &dpooled, &mut da)?;
+        self.net.backward(da)?;
+        for name in &self.layers {
+            let dw = self.net.half(&format!("{name}.dw"))?;
+            regions
+                .param_f16_mut(&format!("{name}.w"), Region::G16)?
+                .copy_from_slice(dw);
+            for p in ["gamma", "beta"] {
+                let g = self.net.float(&format!("{name}.d{p}"))?;
+                regions
+                    .param_f32_mut(&format!("{name}.{p}"), Region::G)?
+                    .copy_from_slice(g);
+            }
+        }
+        Ok(metrics)
+    }
+}

@@ -1,0 +1,89 @@
+//! A classifier a trainer links: a compiled network ([`crate::net`]) with a classification
+//! head (global average pool, FC, softmax cross-entropy) and the amp step over one memory
+//! plan ([`crate::net::memory_plan`]). The trainer keeps the loop: data, schedule, logging.
+//!
+//! Two executors answer the same calls:
+//! - [`CpuClassifier`]: the CPU reference executor (host slices in, no GPU needed);
+//! - [`CudaClassifier`]: cuDNN plans and amp's kernels on the handle's stream, reading the
+//!   caller's cudarc image buffer in place.
+//!
+//! One training step on either:
+//! 1. `step_mut().begin()` zeroes the gradients;
+//! 2. `forward_backward(images, labels)` runs the network, the head and the backward pass,
+//!    leaving conv gradients FP16 in G16 and the others FP32 in G;
+//! 3. `step_mut().finish()` (or `replay` of a captured finish, see
+//!    [`crate::amp::step::AmpStep::capture_finish`]) casts, checks, updates and rescales,
+//!    with no host sync; `step_mut().set_lr(..)` between replays changes the learning rate.
+
+pub mod cpu;
+pub mod cuda;
+
+pub use cpu::CpuClassifier;
+pub use cuda::CudaClassifier;
+
+use crate::amp::AmpError;
+use crate::net::CudaNetError;
+
+/// What a classifier can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum ClassifierError {
+    /// A graph, plan or reference op refused.
+    #[error(transparent)]
+    Fusion(#[from] crate::fusion::Error),
+    /// The amp plan, step or a range op refused.
+    #[error(transparent)]
+    Amp(#[from] AmpError),
+    /// The CUDA network executor refused.
+    #[error(transparent)]
+    Net(#[from] CudaNetError),
+    /// A CUDA driver call failed.
+    #[error("CUDA driver call failed while trying to {what}: {message}")]
+    Driver {
+        /// What the classifier was doing.
+        what: String,
+        /// The driver's error.
+        message: String,
+    },
+    /// An input does not fit the network (its size, a label out of range).
+    #[error("{0}")]
+    Input(String),
+}
+
+impl From<crate::amp::PlanError> for ClassifierError {
+    fn from(e: crate::amp::PlanError) -> Self {
+        ClassifierError::Amp(e.into())
+    }
+}
+
+impl From<crate::amp::RangeOpError> for ClassifierError {
+    fn from(e: crate::amp::RangeOpError) -> Self {
+        ClassifierError::Amp(e.into())
+    }
+}
+
+/// Checks a batch's sizes and labels against the network and head.
+fn check_batch(
+    images: usize,
+    want_images: usize,
+    labels: &[i32],
+    batch: usize,
+    classes: usize,
+) -> Result<(), ClassifierError> {
+    if images != want_images {
+        return Err(ClassifierError::Input(format!(
+            "the images have {images} values, the network reads {want_images} (NHWC FP16)"
+        )));
+    }
+    if labels.len() != batch {
+        return Err(ClassifierError::Input(format!(
+            "{} labels for a batch of {batch}",
+            labels.len()
+        )));
+    }
+    if let Some(l) = labels.iter().find(|&&l| l < 0 || l as usize >= classes) {
+        return Err(ClassifierError::Input(format!(
+            "label {l} is outside 0..{classes}"
+        )));
+    }
+    Ok(())
+}
