@@ -8,7 +8,7 @@ use crate::amp::plan::Region;
 use crate::amp::range::{self, HeadMetrics, HeadShape};
 use crate::amp::step::{AmpStep, StepConfig};
 use crate::fusion::exec::Handle;
-use crate::net::{initial_weights, memory_plan, CompiledNet, CudaNet};
+use crate::net::{initial_weights, memory_plan_with_buffers, CompiledNet, CudaNet};
 use half::f16;
 use std::sync::Arc;
 
@@ -60,7 +60,8 @@ impl CudaClassifier {
         seed: u64,
     ) -> Result<Self> {
         let stream = handle.stream().clone();
-        let plan = Arc::new(memory_plan(&net, classes)?);
+        // Every buffer but the input, output and its gradient in the plan's tensor arena.
+        let plan = Arc::new(memory_plan_with_buffers(&net, classes)?);
         let mut regions = CudaRegions::new(plan.clone(), stream.clone())?;
         for (name, values) in initial_weights(&net, classes, seed) {
             regions.upload_f32(Region::W, &name, &values)?;

@@ -20,7 +20,7 @@ use super::spec::PoolSpec;
 use crate::amp::cuda::{
     check_device_memory, AmpKernels, CudaRegions, CudaSlice, CudaStream, DevRange, DevRangeMut,
 };
-use crate::amp::plan::{Dtype, MemoryPlan, Region};
+use crate::amp::plan::{ByteRange, Dtype, MemoryPlan, Region};
 use crate::amp::range::PoolShape;
 use crate::amp::AmpError;
 use cudnn_cbr_fusion::cbr::{ArenaId, DeviceBuffers, Pass, Side};
@@ -113,6 +113,63 @@ pub fn binding_plan(net: &CompiledNet, amp_params: bool) -> Result<Vec<Source>> 
         .collect()
 }
 
+/// Where a network buffer lives on the device, given an amp memory plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    /// An allocation of the network's own.
+    Own,
+    /// A parameter's (or its gradient's) slot in an amp region.
+    Region {
+        /// The region.
+        region: Region,
+        /// Byte offset in it.
+        offset: usize,
+        /// Bytes of data.
+        bytes: usize,
+    },
+    /// A slot of the plan's tensor arena.
+    Tensors {
+        /// Byte offset in the arena.
+        offset: usize,
+        /// Bytes of data.
+        bytes: usize,
+    },
+}
+
+/// Where each buffer of `net` lives (no device involved): with `plan`, parameters and their
+/// gradients in its regions and the buffers it registered in its tensor arena; everything
+/// else an allocation of the network's own. Each slot is checked to hold its buffer.
+///
+/// # Errors
+/// A parameter buffer without a slot; a slot of the wrong type or too small.
+pub fn placement(net: &CompiledNet, plan: Option<&MemoryPlan>) -> Result<Vec<Placement>> {
+    let sources = binding_plan(net, plan.is_some())?;
+    net.buffers
+        .iter()
+        .zip(sources)
+        .map(|(b, source)| match (source, plan) {
+            (Source::Param { key, region }, Some(plan)) => {
+                let v = plan.view(&key, region).map_err(AmpError::from)?;
+                check_binding(b, v.len_bytes, data_type(v.dtype))?;
+                Ok(Placement::Region {
+                    region,
+                    offset: v.offset_bytes,
+                    bytes: v.len_bytes,
+                })
+            }
+            (_, Some(plan)) if plan.tensor(&b.name).is_some() => {
+                let t = plan.tensor(&b.name).expect("checked in the guard");
+                check_binding(b, t.len_bytes(), data_type(t.dtype()))?;
+                Ok(Placement::Tensors {
+                    offset: t.offset_bytes(),
+                    bytes: t.len_bytes(),
+                })
+            }
+            _ => Ok(Placement::Own),
+        })
+        .collect()
+}
+
 /// A device buffer's element type as the graphs see it.
 pub fn data_type(d: Dtype) -> DataType {
     match d {
@@ -141,21 +198,36 @@ pub fn running_stats(net: &CompiledNet) -> impl Iterator<Item = BufId> + '_ {
     })
 }
 
+/// Where a slot of the amp plan lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Home {
+    /// A parameter region.
+    Region(Region),
+    /// The plan's tensor arena.
+    Tensors,
+}
+
 /// A compiled network on the device.
 ///
-/// It owns the allocations of the activations, their gradients and the BN statistics; the
-/// parameters and their gradients are either allocations of its own or slots of the amp
-/// regions, which it holds no address of: [`CudaNet::forward_with`] borrows the regions for
-/// the pass, so they cannot be freed or changed under it.
+/// Its buffers are allocations of its own, or slots of an amp memory plan: the parameters
+/// and their gradients in the regions, and, when the plan has them
+/// ([`crate::net::memory_plan_with_buffers`]), every other buffer but the input, the output
+/// and its gradient in the plan's tensor arena. It holds no address of the amp memory:
+/// [`CudaNet::forward_with`] borrows the regions for the pass, so they cannot be freed or
+/// changed under it.
 #[derive(Debug)]
 pub struct CudaNet {
     net: CompiledNet,
     /// Each network buffer's own allocation (`None`: a parameter slot in the amp regions).
     bufs: Vec<Option<CudaSlice<u8>>>,
-    /// Where each parameter slot lives (offset and bytes in its region), by buffer.
-    slots: Vec<Option<(Region, usize, usize)>>,
-    /// The memory plan the parameter slots belong to.
+    /// Where each slot in the amp plan lives (offset and bytes in its region or the tensor
+    /// arena), by buffer.
+    slots: Vec<Option<(Home, usize, usize)>>,
+    /// The memory plan the slots belong to.
     amp_plan: Option<Arc<MemoryPlan>>,
+    /// Whether the running variances in the tensor arena were set to 1 (on the first pass
+    /// with the regions; the arena starts zeroed).
+    arena_ready: bool,
     handle: Arc<Handle>,
     stream: Arc<CudaStream>,
     kernels: Arc<AmpKernels>,
@@ -179,14 +251,14 @@ impl CudaNet {
         let stream = handle.stream().clone();
         let workspace = net.layers.iter().map(|l| l.layer.workspace_size()).max();
         handle.reserve_workspace(workspace.unwrap_or(0))?;
-        let sources = binding_plan(&net, amp_plan.is_some())?;
+        let placed = placement(&net, amp_plan.as_deref())?;
         // Checked before allocating: a network too large for the device is a typed error
         // naming the sizes, not a driver failure halfway through its buffers.
         let need: u128 = net
             .buffers
             .iter()
-            .zip(&sources)
-            .filter(|(_, s)| matches!(s, Source::Own))
+            .zip(&placed)
+            .filter(|(_, p)| **p == Placement::Own)
             .map(|(b, _)| (b.elems as u128) * (b.dtype.size() as u128))
             .sum();
         check_device_memory(
@@ -196,25 +268,27 @@ impl CudaNet {
         )?;
         let mut bufs = Vec::with_capacity(net.buffers.len());
         let mut slots = Vec::with_capacity(net.buffers.len());
-        for (b, source) in net.buffers.iter().zip(&sources) {
-            match (source, &amp_plan) {
-                (Source::Param { key, region }, Some(plan)) => {
-                    let v = plan.view(key, *region).map_err(AmpError::from)?;
-                    check_binding(b, v.len_bytes, data_type(v.dtype))?;
-                    bufs.push(None);
-                    slots.push(Some((*region, v.offset_bytes, v.len_bytes)));
+        for (b, p) in net.buffers.iter().zip(&placed) {
+            let (buf, slot) = match *p {
+                Placement::Own => (Some(alloc_buffer(&stream, b)?), None),
+                Placement::Region {
+                    region,
+                    offset,
+                    bytes,
+                } => (None, Some((Home::Region(region), offset, bytes))),
+                Placement::Tensors { offset, bytes } => {
+                    (None, Some((Home::Tensors, offset, bytes)))
                 }
-                _ => {
-                    bufs.push(Some(alloc_buffer(&stream, b)?));
-                    slots.push(None);
-                }
-            }
+            };
+            bufs.push(buf);
+            slots.push(slot);
         }
         Ok(CudaNet {
             net,
             bufs,
             slots,
             amp_plan,
+            arena_ready: false,
             handle,
             stream,
             kernels,
@@ -228,30 +302,9 @@ impl CudaNet {
 
     fn not_own(&self, id: BufId) -> CudaNetError {
         CudaNetError::Binding(format!(
-            "network buffer `{}` is a parameter slot, not an allocation of its own",
+            "network buffer `{}` is a slot of the amp plan, not an allocation of its own",
             self.net.buffers[id].name
         ))
-    }
-
-    /// Runs `f` with the whole of `out`'s allocation as the output while the executor stays
-    /// readable for the inputs (`out` must be none of `inputs`): the slot is taken out for the
-    /// call and put back, whatever `f` returns.
-    fn write_into(
-        &mut self,
-        out: BufId,
-        inputs: &[BufId],
-        f: impl FnOnce(&Self, DevRangeMut<'_>) -> Result<()>,
-    ) -> Result<()> {
-        if inputs.contains(&out) {
-            return Err(CudaNetError::Binding(format!(
-                "a step writes `{}`, which it also reads",
-                self.net.buffers[out].name
-            )));
-        }
-        let mut o = self.bufs[out].take().ok_or_else(|| self.not_own(out))?;
-        let done = f(self, DevRangeMut::whole(&mut o));
-        self.bufs[out] = Some(o);
-        done
     }
 
     fn id(&self, name: &str) -> Result<BufId> {
@@ -343,9 +396,33 @@ impl CudaNet {
         run_pass(&mut self.pass(regions, Some(input))?, true)
     }
 
+    /// Sets the running variances that live in the tensor arena to 1, as every framework
+    /// (and the CPU executor) starts them.
+    fn init_arena(&mut self, regions: &mut CudaRegions) -> Result<()> {
+        let stream = self.stream.clone();
+        for (id, b) in self.net.buffers.iter().enumerate() {
+            let Some((Home::Tensors, offset, len)) = self.slots[id] else {
+                continue;
+            };
+            if !b.name.ends_with(".running_var") {
+                continue;
+            }
+            let arena = regions.tensor_arena_mut().ok_or_else(|| {
+                CudaNetError::Binding("the amp regions have no tensor arena".into())
+            })?;
+            let ones: Vec<u8> = (0..b.elems).flat_map(|_| 1f32.to_le_bytes()).collect();
+            let mut view = arena.slice_mut(offset..offset + len);
+            stream
+                .memcpy_htod(&ones, &mut view)
+                .map_err(|e| driver(format!("initialize `{}`", b.name), e))?;
+        }
+        self.arena_ready = true;
+        Ok(())
+    }
+
     fn pass<'n>(
         &'n mut self,
-        regions: Option<&'n mut CudaRegions>,
+        mut regions: Option<&'n mut CudaRegions>,
         input: Option<&'n mut CudaSlice<f16>>,
     ) -> Result<NetPass<'n>> {
         match (&self.amp_plan, &regions) {
@@ -374,6 +451,11 @@ impl CudaNet {
                 return Err(CudaNetError::Binding(
                     "the parameters are the network's own: run `forward` / `backward`".into(),
                 ))
+            }
+        }
+        if let Some(r) = regions.as_deref_mut() {
+            if !self.arena_ready {
+                self.init_arena(r)?;
             }
         }
         if let Some(x) = &input {
@@ -419,14 +501,19 @@ impl CudaNet {
                 }
             }
         }
-        let mut region_arenas: HashMap<Region, ArenaId> = HashMap::new();
+        let mut region_arenas: HashMap<Home, ArenaId> = HashMap::new();
         if let Some(regions) = regions {
-            for (region, slice) in regions.regions_mut() {
+            let (slices, tensors) = regions.regions_and_tensors_mut();
+            let homes = slices
+                .into_iter()
+                .map(|(r, s)| (Home::Region(r), s))
+                .chain(tensors.map(|s| (Home::Tensors, s)));
+            for (home, slice) in homes {
                 let used = wanted
                     .iter()
-                    .any(|w| self.slots[w.2].is_some_and(|s| s.0 == region));
+                    .any(|w| self.slots[w.2].is_some_and(|s| s.0 == home));
                 if used {
-                    region_arenas.insert(region, io.arena(slice));
+                    region_arenas.insert(home, io.arena(slice));
                 }
             }
         }
@@ -435,9 +522,9 @@ impl CudaNet {
             let bytes = b.elems * b.dtype.size();
             let (arena, offset) = match (arenas.get(&id), self.slots[id]) {
                 (Some(&a), _) => (a, 0),
-                (None, Some((region, offset, _))) => {
-                    let a = region_arenas.get(&region).copied().ok_or_else(|| {
-                        CudaNetError::Binding(format!("region {region} of `{}` is absent", b.name))
+                (None, Some((home, offset, _))) => {
+                    let a = region_arenas.get(&home).copied().ok_or_else(|| {
+                        CudaNetError::Binding(format!("the amp memory of `{}` is absent", b.name))
                     })?;
                     (a, offset)
                 }
@@ -523,13 +610,9 @@ impl NetExecutor for NetPass<'_> {
     }
 
     fn add(&mut self, a: BufId, b: BufId, out: BufId) -> Result<()> {
-        self.net.write_into(out, &[a, b], |net, o| {
-            Ok(net.kernels.add_f16(
-                &net.stream,
-                DevRange::whole(net.buffer(a)?),
-                DevRange::whole(net.buffer(b)?),
-                o,
-            )?)
+        self.with_io(out, &[a, b], |k, stream, ins, o| {
+            let [a, b] = two(ins)?;
+            Ok(k.add_f16(stream, a, b, o)?)
         })
     }
 
@@ -541,13 +624,9 @@ impl NetExecutor for NetPass<'_> {
         output: BufId,
     ) -> Result<()> {
         let p = pool_shape(pool, shape);
-        self.net.write_into(output, &[input], |net, y| {
-            Ok(net.kernels.max_pool_forward(
-                &net.stream,
-                &p,
-                DevRange::whole(net.buffer(input)?),
-                y,
-            )?)
+        self.with_io(output, &[input], |k, stream, ins, y| {
+            let x = ins.into_iter().next().expect("one input given");
+            Ok(k.max_pool_forward(stream, &p, x, y)?)
         })
     }
 
@@ -560,17 +639,97 @@ impl NetExecutor for NetPass<'_> {
         grad_input: BufId,
     ) -> Result<()> {
         let p = pool_shape(pool, shape);
-        self.net
-            .write_into(grad_input, &[input, grad_output], |net, dx| {
-                Ok(net.kernels.max_pool_backward(
-                    &net.stream,
-                    &p,
-                    DevRange::whole(net.buffer(input)?),
-                    DevRange::whole(net.buffer(grad_output)?),
-                    dx,
-                )?)
-            })
+        self.with_io(grad_input, &[input, grad_output], |k, stream, ins, dx| {
+            let [x, dy] = two(ins)?;
+            Ok(k.max_pool_backward(stream, &p, x, dy, dx)?)
+        })
     }
+}
+
+/// Two kernel inputs out of a list of two.
+fn two(ins: Vec<DevRange<'_>>) -> Result<[DevRange<'_>; 2]> {
+    <[DevRange<'_>; 2]>::try_from(ins)
+        .map_err(|v| CudaNetError::Binding(format!("a step has {} inputs, expected 2", v.len())))
+}
+
+impl NetPass<'_> {
+    /// Runs `f` with `out` writable and `inputs` readable, each the network's own allocation
+    /// or a slot of the amp plan's tensor arena (the output's slot split off the arena, so the
+    /// inputs around it stay readable). `out` must be none of `inputs`.
+    fn with_io(
+        &mut self,
+        out: BufId,
+        inputs: &[BufId],
+        f: impl FnOnce(&AmpKernels, &CudaStream, Vec<DevRange<'_>>, DevRangeMut<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let net = &mut *self.net;
+        if inputs.contains(&out) {
+            return Err(CudaNetError::Binding(format!(
+                "a step writes `{}`, which it also reads",
+                net.net.buffers[out].name
+            )));
+        }
+        let (kernels, stream) = (net.kernels.clone(), net.stream.clone());
+        let arena = self
+            .regions
+            .as_deref_mut()
+            .and_then(|r| r.tensor_arena_mut());
+        let absent = |id: BufId| {
+            CudaNetError::Binding(format!(
+                "`{}` lives in the amp plan's tensor arena: run the pass with the regions",
+                net.net.buffers[id].name
+            ))
+        };
+        if let Some((Home::Tensors, start, len)) = net.slots[out] {
+            let arena = arena.ok_or_else(|| absent(out))?;
+            let (left, mut rest) = arena.split_at_mut(start);
+            let (mut mid, right) = rest.split_at_mut(len);
+            let mut ins = Vec::with_capacity(inputs.len());
+            for &i in inputs {
+                ins.push(match net.slots[i] {
+                    Some((Home::Tensors, o, l)) if o + l <= start => {
+                        DevRange::new(&left, ByteRange::new(o, o + l))?
+                    }
+                    Some((Home::Tensors, o, l)) if o >= start + len => {
+                        let at = o - start - len;
+                        DevRange::new(&right, ByteRange::new(at, at + l))?
+                    }
+                    Some(_) => {
+                        return Err(CudaNetError::Binding(format!(
+                            "`{}` overlaps the output `{}`",
+                            net.net.buffers[i].name, net.net.buffers[out].name
+                        )))
+                    }
+                    None => DevRange::whole(net.bufs[i].as_ref().ok_or_else(|| absent(i))?),
+                });
+            }
+            return f(&kernels, &stream, ins, DevRangeMut::whole(&mut mid));
+        }
+        let mut o = net.bufs[out].take().ok_or_else(|| net.not_own(out))?;
+        let done = own_output(net, arena.as_deref(), inputs, |ins| {
+            f(&kernels, &stream, ins, DevRangeMut::whole(&mut o))
+        });
+        net.bufs[out] = Some(o);
+        done
+    }
+}
+
+/// The inputs of a step whose output is an allocation of the network's own (taken out of
+/// `net` for the call): each an allocation or a slot of the tensor arena.
+fn own_output(
+    net: &CudaNet,
+    arena: Option<&CudaSlice<u8>>,
+    inputs: &[BufId],
+    f: impl FnOnce(Vec<DevRange<'_>>) -> Result<()>,
+) -> Result<()> {
+    let mut ins = Vec::with_capacity(inputs.len());
+    for &i in inputs {
+        ins.push(match (net.slots[i], arena) {
+            (Some((Home::Tensors, o, l)), Some(a)) => DevRange::new(a, ByteRange::new(o, o + l))?,
+            _ => DevRange::whole(net.bufs[i].as_ref().ok_or_else(|| net.not_own(i))?),
+        });
+    }
+    f(ins)
 }
 
 /// The amp kernels' pool shape of a compiled max-pool step.

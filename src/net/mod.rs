@@ -24,6 +24,6 @@ pub use compile::{
 pub use cpu::CpuNet;
 pub use cuda::{CudaNet, CudaNetError};
 pub use exec::{run_pass, NetExecutor};
-pub use params::{initial_weights, memory_plan};
+pub use params::{initial_weights, memory_plan, memory_plan_with_buffers};
 pub use prewarm::{prewarm, Prewarmed};
 pub use spec::{BlockKind, BlockSpec, NetSpec, PoolSpec, Preset, StemSpec};

@@ -5,9 +5,10 @@
 //! `{layer}.gamma` and `{layer}.beta`; the head has `fc.w` (`[classes, features]`) and `fc.b`.
 //! [`crate::net::cuda::param_slot`] maps the network's parameter buffers to these slots.
 
-use super::compile::CompiledNet;
-use crate::amp::plan::{MemoryPlan, MemoryPlanBuilder, ParamKind};
+use super::compile::{BufferRole, CompiledNet};
+use crate::amp::plan::{Dtype, MemoryPlan, MemoryPlanBuilder, ParamKind};
 use crate::amp::PlanError;
+use crate::fusion::graph::DataType;
 
 /// The memory plan of `net`'s parameters and an FC head of `classes` outputs: every conv's
 /// weight, γ and β (the stem and the first stage in bucket `first`, the rest in `deep`, so the
@@ -16,6 +17,11 @@ use crate::amp::PlanError;
 /// # Errors
 /// A [`PlanError`] naming the parameter (e.g. `classes == 0`).
 pub fn memory_plan(net: &CompiledNet, classes: usize) -> Result<MemoryPlan, PlanError> {
+    builder(net, classes)?.finalize()
+}
+
+/// The builder of [`memory_plan`], its parameters registered.
+fn builder(net: &CompiledNet, classes: usize) -> Result<MemoryPlanBuilder, PlanError> {
     let mut b = MemoryPlanBuilder::new();
     let first = b.bucket("first")?;
     let deep = b.bucket("deep")?;
@@ -37,6 +43,34 @@ pub fn memory_plan(net: &CompiledNet, classes: usize) -> Result<MemoryPlan, Plan
     }
     b.add("fc.w", ParamKind::FcWeight, &[classes, net.features], deep)?;
     b.add("fc.b", ParamKind::FcBias, &[classes], deep)?;
+    Ok(b)
+}
+
+/// [`memory_plan`] with every other buffer of the network in the plan's tensor arena
+/// (activations, their gradients, batch and running statistics), except the input, the output
+/// and the output's gradient, which stay the caller's and the head's. A
+/// [`crate::net::CudaNet`] made with this plan allocates only those three; its passes borrow
+/// the rest from the amp regions.
+///
+/// # Errors
+/// As [`memory_plan`].
+pub fn memory_plan_with_buffers(
+    net: &CompiledNet,
+    classes: usize,
+) -> Result<MemoryPlan, PlanError> {
+    let mut b = builder(net, classes)?;
+    for (id, buf) in net.buffers.iter().enumerate() {
+        let head_facing = [net.input, net.output, net.output_grad].contains(&id);
+        let param = matches!(buf.role, BufferRole::Param | BufferRole::ParamGrad);
+        if head_facing || param {
+            continue;
+        }
+        let dtype = match buf.dtype {
+            DataType::Half => Dtype::F16,
+            _ => Dtype::F32,
+        };
+        b.add_tensor(&buf.name, dtype, buf.elems)?;
+    }
     b.finalize()
 }
 

@@ -48,6 +48,9 @@ pub struct CudaRegions {
     /// before `regions` so that it drops first: its drop waits for a copy still in flight.
     s_readback: Readback,
     regions: [Option<DeviceRegion>; 8],
+    /// The plan's tensor arena (a network's activations, gradients and statistics), when it
+    /// has one.
+    tensors: Option<CudaSlice<u8>>,
 }
 
 impl fmt::Debug for CudaRegions {
@@ -135,8 +138,8 @@ impl CudaRegions {
         // the sizes rather than a driver failure halfway through the regions.
         check_device_memory(
             &ctx,
-            "the memory plan's regions",
-            plan.total_bytes() as u128,
+            "the memory plan's regions and tensor arena",
+            plan.total_bytes() as u128 + plan.tensor_bytes() as u128,
         )?;
         let mut regions: [Option<DeviceRegion>; 8] = Default::default();
         for region in Region::ALL {
@@ -150,6 +153,14 @@ impl CudaRegions {
             drop(sync);
             regions[region_index(region)] = Some(DeviceRegion { buf, ptr });
         }
+        let tensors = match plan.tensor_bytes() {
+            0 => None,
+            n => Some(
+                stream
+                    .alloc_zeros::<u8>(n)
+                    .map_err(|e| driver_error("allocate the tensor arena", e))?,
+            ),
+        };
         let s_readback = Readback::new(&ctx, S_REGION_BYTES)?;
         Ok(CudaRegions {
             id: next_executor_id(),
@@ -157,6 +168,7 @@ impl CudaRegions {
             stream,
             kernels,
             regions,
+            tensors,
             s_readback,
         })
     }
@@ -223,14 +235,36 @@ impl CudaRegions {
     /// (a layer's weight in A, its BN parameters in W, their gradients in G16 and G) borrows
     /// each region once.
     pub fn regions_mut(&mut self) -> impl Iterator<Item = (Region, &mut CudaSlice<u8>)> {
+        self.regions_and_tensors_mut().0.into_iter()
+    }
+
+    /// [`CudaRegions::regions_mut`] and the tensor arena, mutably at once.
+    pub fn regions_and_tensors_mut(
+        &mut self,
+    ) -> (
+        Vec<(Region, &mut CudaSlice<u8>)>,
+        Option<&mut CudaSlice<u8>>,
+    ) {
         debug_assert!(Region::ALL
             .iter()
             .enumerate()
             .all(|(i, &r)| region_index(r) == i));
-        Region::ALL
+        let regions = Region::ALL
             .into_iter()
             .zip(self.regions.iter_mut())
             .filter_map(|(r, d)| d.as_mut().map(|d| (r, &mut d.buf)))
+            .collect();
+        (regions, self.tensors.as_mut())
+    }
+
+    /// The tensor arena ([`MemoryPlan::tensors`] gives its slots), when the plan has one.
+    pub fn tensor_arena(&self) -> Option<&CudaSlice<u8>> {
+        self.tensors.as_ref()
+    }
+
+    /// The tensor arena, to write.
+    pub fn tensor_arena_mut(&mut self) -> Option<&mut CudaSlice<u8>> {
+        self.tensors.as_mut()
     }
 
     /// A region's device address.

@@ -4,7 +4,8 @@ use std::collections::HashSet;
 
 use crate::error::PlanError;
 use crate::plan::layout::{BucketInfo, MemoryPlan, ParamInfo};
-use crate::plan::types::{fp16_slot_bytes, fp32_slot_bytes, Bucket, ParamKind, PlanOptions};
+use crate::plan::tensors::lay_out;
+use crate::plan::types::{fp16_slot_bytes, fp32_slot_bytes, Bucket, Dtype, ParamKind, PlanOptions};
 
 /// A parameter as registered, before layout.
 #[derive(Debug, Clone)]
@@ -26,6 +27,8 @@ pub struct MemoryPlanBuilder {
     options: PlanOptions,
     buckets: Vec<String>,
     params: Vec<Pending>,
+    /// Non-parameter buffers for the tensor arena: (name, dtype, elems), in order.
+    tensors: Vec<(String, Dtype, usize)>,
     names: HashSet<String>,
     finalized: bool,
 }
@@ -146,6 +149,44 @@ impl MemoryPlanBuilder {
         Ok(())
     }
 
+    /// Registers a non-parameter buffer (an activation, a gradient, a statistic) of `elems`
+    /// elements of `dtype` in the tensor arena. Names share one namespace with parameters.
+    ///
+    /// # Errors
+    /// [`PlanError::RegisterAfterFinalize`], [`PlanError::EmptyName`],
+    /// [`PlanError::DuplicateName`], [`PlanError::ZeroDim`] for zero elements,
+    /// [`PlanError::SizeOverflow`].
+    pub fn add_tensor(&mut self, name: &str, dtype: Dtype, elems: usize) -> Result<(), PlanError> {
+        let owned = || name.to_owned();
+        if self.finalized {
+            return Err(PlanError::RegisterAfterFinalize { name: owned() });
+        }
+        if name.is_empty() {
+            return Err(PlanError::EmptyName {
+                index: self.params.len() + self.tensors.len(),
+            });
+        }
+        if self.names.contains(name) {
+            return Err(PlanError::DuplicateName { name: owned() });
+        }
+        if elems == 0 {
+            return Err(PlanError::ZeroDim {
+                name: owned(),
+                shape: vec![0],
+            });
+        }
+        if elems.checked_mul(dtype.size()).is_none() {
+            return Err(PlanError::SizeOverflow {
+                name: owned(),
+                shape: vec![elems],
+                what: "tensor bytes",
+            });
+        }
+        self.names.insert(owned());
+        self.tensors.push((owned(), dtype, elems));
+        Ok(())
+    }
+
     /// Number of parameters registered so far.
     pub fn len(&self) -> usize {
         self.params.len()
@@ -237,7 +278,9 @@ impl MemoryPlanBuilder {
             .enumerate()
             .map(|(i, name)| BucketInfo::from_params(Bucket(i), name.clone(), &params))
             .collect();
-        let plan = MemoryPlan::from_parts(self.options, params, buckets, offset16, g16_end);
+        let (tensors, tensor_bytes) = lay_out(&self.tensors)?;
+        let plan = MemoryPlan::from_parts(self.options, params, buckets, offset16, g16_end)
+            .with_tensors(tensors, tensor_bytes);
         // The planner's own self-check: a failure here is a bug in this module.
         plan.validate()?;
         self.finalized = true;

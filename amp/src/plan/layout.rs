@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 
 use crate::error::PlanError;
+use crate::plan::tensors::TensorSlot;
 use crate::plan::types::{
     fp16_slot_bytes, Bucket, ByteRange, Dtype, ParamKind, PlanOptions, Region, SLOT_ALIGN, SLOT_PAD,
 };
@@ -191,6 +192,10 @@ pub struct MemoryPlan {
     total16: usize,
     /// Length of G16: end of the last conv slot (0 without conv parameters).
     g16_len: usize,
+    /// The tensor arena's slots ([`MemoryPlanBuilder::add_tensor`](crate::plan::MemoryPlanBuilder::add_tensor)).
+    tensors: Vec<TensorSlot>,
+    /// The tensor arena's size (0 without tensors).
+    tensor_bytes: usize,
 }
 
 impl MemoryPlan {
@@ -213,7 +218,31 @@ impl MemoryPlan {
             by_name,
             total16,
             g16_len,
+            tensors: Vec::new(),
+            tensor_bytes: 0,
         }
+    }
+
+    pub(crate) fn with_tensors(mut self, tensors: Vec<TensorSlot>, tensor_bytes: usize) -> Self {
+        self.tensors = tensors;
+        self.tensor_bytes = tensor_bytes;
+        self
+    }
+
+    /// The tensor arena's slots, in registration order.
+    pub fn tensors(&self) -> &[TensorSlot] {
+        &self.tensors
+    }
+
+    /// A tensor slot by name.
+    pub fn tensor(&self, name: &str) -> Option<&TensorSlot> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// Bytes of the tensor arena (a multiple of 256; 0 without tensors). Not part of
+    /// [`MemoryPlan::total_bytes`], which counts the regions.
+    pub fn tensor_bytes(&self) -> usize {
+        self.tensor_bytes
     }
 
     /// Arena size for the given layout totals, or `None` on overflow. Shared by the builder
@@ -480,6 +509,7 @@ impl MemoryPlan {
         if self.params.is_empty() {
             return broken("", "plan has no parameters".into());
         }
+        crate::plan::tensors::check(&self.tensors, self.tensor_bytes)?;
         let mut expect16 = 0usize;
         let mut last_conv_end = 0usize;
         for (i, p) in self.params.iter().enumerate() {

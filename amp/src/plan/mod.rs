@@ -9,7 +9,10 @@
 //! 5. Allocate each region with [`MemoryPlan::region_len`] (or one arena with
 //!    [`MemoryPlan::arena_layout`]), zero them, and upload S from
 //!    [`crate::range::Scalars::to_bytes`].
-//! 6. Bind tensors with [`MemoryPlan::view`]; launch range ops over
+//! 6. Optionally, register a network's other buffers (activations, gradients, statistics)
+//!    with [`MemoryPlanBuilder::add_tensor`]: they get 256-byte aligned slots in one tensor
+//!    arena beside the regions ([`MemoryPlan::tensors`], [`MemoryPlan::tensor_bytes`]).
+//! 7. Bind tensors with [`MemoryPlan::view`]; launch range ops over
 //!    [`MemoryPlan::region_range`], [`MemoryPlan::bucket_range`] and
 //!    [`MemoryPlan::g16_cast_ranges`].
 //!
@@ -45,10 +48,12 @@
 
 mod builder;
 mod layout;
+mod tensors;
 mod types;
 
 pub use builder::MemoryPlanBuilder;
 pub use layout::{BucketInfo, MemoryPlan, ParamInfo, ParamView, RegionLayout};
+pub use tensors::TensorSlot;
 pub use types::{
     align_up, fp16_slot_bytes, fp32_slot_bytes, Bucket, ByteRange, Dtype, GradPath, ParamKind,
     PlanOptions, Region, SLOT_ALIGN, SLOT_PAD,
