@@ -45,7 +45,7 @@ pub use cudarc;
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 pub use launch::{compile_cubin, compile_ptx, AmpKernels, DevRange, DevRangeMut};
 pub use readback::Readback;
-pub use regions::{CudaRegions, CudaStepGraph, DeviceParam};
+pub use regions::{CudaRegions, CudaStepGraph, DeviceParam, RegionsMut};
 pub use upload::Upload;
 
 use cudarc::driver::DriverError;

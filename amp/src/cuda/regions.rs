@@ -15,6 +15,13 @@ use crate::plan::{ByteRange, Dtype, MemoryPlan, Region};
 use crate::range::{HeadShape, Scalars, SgdConfig, S_REGION_BYTES};
 use crate::step::{check_graph_owner, next_executor_id, validate_capture, AmpExecutor, RangeOp};
 
+/// Every allocated region's buffer and the tensor arena, borrowed mutably at once
+/// ([`CudaRegions::regions_and_tensors_mut`]).
+pub type RegionsMut<'a> = (
+    Vec<(Region, &'a mut CudaSlice<u8>)>,
+    Option<&'a mut CudaSlice<u8>>,
+);
+
 /// One allocated region: the buffer and its device address (taken once, at allocation).
 #[derive(Debug)]
 struct DeviceRegion {
@@ -239,12 +246,7 @@ impl CudaRegions {
     }
 
     /// [`CudaRegions::regions_mut`] and the tensor arena, mutably at once.
-    pub fn regions_and_tensors_mut(
-        &mut self,
-    ) -> (
-        Vec<(Region, &mut CudaSlice<u8>)>,
-        Option<&mut CudaSlice<u8>>,
-    ) {
+    pub fn regions_and_tensors_mut(&mut self) -> RegionsMut<'_> {
         debug_assert!(Region::ALL
             .iter()
             .enumerate()
