@@ -7,8 +7,10 @@
 //! - [`amp`]: the mixed-precision layer (memory plan, range ops, loss scaling, the step);
 //! - [`net`]: network descriptions (presets: a small net, ResNet-18/34/50/101), their compiler
 //!   (layers, prologue pairings with per-pair fallback, buffers, forward/backward steps) and
-//!   the CPU executor of a compiled network (FP16 storage or exact `f64`);
-//! - [`train`]: the main job's training loop (a small CBR ResNet on synthetic data).
+//!   the CPU executor of a compiled network (FP16 storage or exact `f64`).
+//!
+//! The main job's training loop (a small CBR ResNet on synthetic data) is the workspace crate
+//! `cudnn-cbr-trainer`, built on the types below.
 //!
 //! # The types a trainer uses (re-exported here)
 //!
@@ -69,7 +71,6 @@ pub use cudnn_cbr_fusion as fusion;
 pub use cudnn_fe_sys as sys;
 
 pub mod net;
-pub mod train;
 
 pub use amp::plan::{MemoryPlanBuilder, ParamKind};
 pub use amp::range::SgdConfig;
