@@ -19,7 +19,7 @@
 //! | the GPU | [`Target`] | a live device (`Handle::target`) or device-properties JSON (deviceless) |
 //! | plans | [`PlanCache`] | built plans by graph and target, optionally persisted to a folder |
 //! | a network | [`NetSpec`], [`Preset`] | stem, stages of basic/bottleneck blocks, head |
-//! | compiling it | [`compile`], [`RoutePolicy`], [`CompiledNet`] | every layer, buffer and step; [`prewarm`] plans on threads first |
+//! | compiling it | [`compile`](compile()), [`RoutePolicy`], [`CompiledNet`] | every layer, buffer and step; [`prewarm`](prewarm()) plans on threads first |
 //! | running it | [`CpuNet`], [`CudaNet`] | the CPU reference executor, the cuDNN executor |
 //! | one layer | [`CbrConfig`], [`ConvShape`], [`CbrLayer`] | a Conv+BN+ReLU layer and its plans |
 //! | weights | [`MemoryPlanBuilder`], [`ParamKind`] | the static memory plan of the parameters |
