@@ -9,8 +9,10 @@
 //!   (layers, prologue pairings with per-pair fallback, buffers, forward/backward steps) and
 //!   the CPU executor of a compiled network (FP16 storage or exact `f64`);
 //! - [`classifier`]: a compiled network with a classification head and the amp step, on the
-//!   CPU executor or CUDA: what a trainer links;
-//! - [`train`]: the main job's training loop (a small CBR ResNet on synthetic data).
+//!   CPU executor or CUDA: what a trainer links.
+//!
+//! The main job's training loop (a small CBR ResNet on synthetic data) is the workspace crate
+//! `cudnn-cbr-trainer`, built on the types below.
 //!
 //! # The types a trainer uses (re-exported here)
 //!
@@ -81,7 +83,6 @@ pub struct ReadmeDoctests;
 
 pub mod classifier;
 pub mod net;
-pub mod train;
 
 pub use amp::plan::{MemoryPlanBuilder, ParamKind};
 pub use amp::range::SgdConfig;

@@ -43,6 +43,7 @@ fn every_cited_docs_section_exists() {
         "tests",
         "examples",
         "benches",
+        "trainer",
     ] {
         sources(&root.join(dir), &mut files);
     }

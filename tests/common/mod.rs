@@ -83,7 +83,7 @@ pub fn example(name: &str) -> PathBuf {
         .cloned()
         .unwrap_or_else(|| {
             panic!(
-                "example `{name}` is not built (looked at {candidates:?}); `cargo test --all-targets` builds it"
+                "example `{name}` is not built (looked at {candidates:?}); `cargo build --workspace --examples` builds it"
             )
         })
 }

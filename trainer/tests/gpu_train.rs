@@ -1,4 +1,4 @@
-//! Tier 4 (GPU): the CUDA executor of the main job (`train::cuda`).
+//! Tier 4 (GPU): the CUDA executor of the main job (`cudnn_cbr_trainer::cuda`).
 //!
 //! 1. A few CUDA training steps against the CPU executor on the same data and initial
 //!    weights: the per-step losses agree within the tolerance argued below.
@@ -12,8 +12,8 @@
 //! device, no cuDNN, no NVRTC, or, for 4, where CUDA is available). It never fakes a result.
 //! The tests take a process-wide lock: they share the device and the plan-cache folder.
 
-use cudnn_cbr::train::cuda::{CudaTrainer, GraphState, WARMUP_STEPS};
-use cudnn_cbr::train::{
+use cudnn_cbr_trainer::cuda::{CudaTrainer, GraphState, WARMUP_STEPS};
+use cudnn_cbr_trainer::{
     initial_master_weights, train, CudaGraphMode, Device, ExecutorKind, MasterWeights, Synthetic,
     TrainConfig, TrainError, TrainReport, Trainer,
 };

@@ -1,15 +1,15 @@
 //! The CPU reference executor of the training loop: the network's CBR layers on the reference
-//! ops, the head on the [`crate::amp::range`] twins of the CUDA head kernels, the amp step on
+//! ops, the head on the [`cudnn_cbr::amp::range`] twins of the CUDA head kernels, the amp step on
 //! [`CpuRegions`].
 
 use super::{
     data, plan_and_initial_weights, summarize, ExecutorInfo, MasterWeights, Net, Progress,
     StepTrace, TrainConfig, TrainError, TrainReport, HELD_OUT_BATCHES,
 };
-use crate::amp::plan::Region;
-use crate::amp::range::{self, softmax_xent_backward, HeadMetrics};
-use crate::amp::step::{AmpStep, CpuRegions, StepConfig};
-use crate::amp::AmpError;
+use cudnn_cbr::amp::plan::Region;
+use cudnn_cbr::amp::range::{self, softmax_xent_backward, HeadMetrics};
+use cudnn_cbr::amp::step::{AmpStep, CpuRegions, StepConfig};
+use cudnn_cbr::amp::AmpError;
 use half::f16;
 use std::time::Instant;
 

@@ -2,8 +2,9 @@
 //! trained with the amp step (FP32 master weights, FP16 compute weights, fixed loss scaling,
 //! SGD with momentum), on the CPU reference executor or on CUDA.
 //!
-//! `examples/train_cbr.rs` drives it from the command line; tests run it with fewer steps.
-//! Every parameter lives in an [`amp`](crate::amp) memory plan: conv weights are read from
+//! A crate of its own, on the `cudnn_cbr` facade's public API. `examples/train_cbr.rs` drives
+//! it from the command line; tests run it with fewer steps.
+//! Every parameter lives in an [`amp`](cudnn_cbr::amp) memory plan: conv weights are read from
 //! region A (FP16) and their FP16 wgrads written to G16; BN and FC parameters are read from W
 //! and their FP32 gradients written to G. The step then casts, checks, applies SGD (skipping
 //! on overflow) and updates the loss scale.
@@ -18,23 +19,25 @@
 //! 3. [`Trainer::run`] trains and reports progress every few steps.
 //!
 //! Both executors run the same network (the preset [`TrainConfig::net`], compiled by
-//! [`crate::net::compile()`]), from the same initial
-//! weights and data, with the same head (the [`crate::amp::range`] twins of
+//! [`cudnn_cbr::net::compile()`]), from the same initial
+//! weights and data, with the same head (the [`cudnn_cbr::amp::range`] twins of
 //! `amp/kernels/amp_head.cu`); [`cuda`] explains what the CUDA executor runs, captures and
 //! reads back.
+
+#![forbid(unsafe_code)]
 
 mod cpu;
 pub mod cuda;
 mod data;
 pub mod net;
 
-pub use crate::net::Preset;
+pub use cudnn_cbr::net::Preset;
 pub use data::Synthetic;
 pub use net::{compile_net, Net};
 
-use crate::amp::plan::{MemoryPlan, ParamInfo};
-use crate::amp::range::{HeadMetrics, SgdConfig};
-use crate::amp::AmpError;
+use cudnn_cbr::amp::plan::{MemoryPlan, ParamInfo};
+use cudnn_cbr::amp::range::{HeadMetrics, SgdConfig};
+use cudnn_cbr::amp::AmpError;
 use std::fmt;
 use std::str::FromStr;
 
@@ -221,7 +224,7 @@ impl TrainConfig {
         }
         // The network itself: every layer's shape fits (the compiler says which does not).
         let spec = self.net.spec(self.channels, self.classes, self.width);
-        crate::net::validate(&spec, self.batch, self.hw)?;
+        cudnn_cbr::net::validate(&spec, self.batch, self.hw)?;
         Ok(())
     }
 
@@ -248,7 +251,7 @@ impl TrainConfig {
             // replace a buffer) take about as much again.
             need += 2 * buffers;
         }
-        match cudnn_cbr_amp::memory::host_memory_available() {
+        match cudnn_cbr::amp::memory::host_memory_available() {
             Some(have) if need > u128::from(have) => Err(TrainError::Config(format!(
                 "the run needs {:.1} GiB of host memory ({} network); the host has {:.1} GiB \
                  available",
@@ -395,10 +398,10 @@ pub enum TrainError {
     Amp(#[from] AmpError),
     /// The memory plan refused a registration.
     #[error(transparent)]
-    Plan(#[from] crate::amp::PlanError),
+    Plan(#[from] cudnn_cbr::amp::PlanError),
     /// A CBR layer failed.
     #[error(transparent)]
-    Fusion(#[from] cudnn_cbr_fusion::Error),
+    Fusion(#[from] cudnn_cbr::fusion::Error),
     /// The configuration cannot work.
     #[error("bad training configuration: {0}")]
     Config(String),
@@ -563,15 +566,15 @@ pub fn train(
 /// Held-out batches evaluated after training.
 pub(crate) const HELD_OUT_BATCHES: u64 = 8;
 
-/// The network's memory plan ([`crate::net::memory_plan`]) and initial master weights
-/// ([`crate::net::initial_weights`]) for `cfg`'s shapes and seed: what both executors start from.
+/// The network's memory plan ([`cudnn_cbr::net::memory_plan`]) and initial master weights
+/// ([`cudnn_cbr::net::initial_weights`]) for `cfg`'s shapes and seed: what both executors start from.
 pub(crate) fn plan_and_initial_weights(
     cfg: &TrainConfig,
 ) -> Result<(MemoryPlan, NamedValues), TrainError> {
     // Shapes do not depend on routes: compile for the CPU, without cuDNN.
     let net = compile_net(cfg, &net::cpu_policy(cfg))?;
-    let plan = crate::net::memory_plan(&net, cfg.classes)?;
-    let init = crate::net::initial_weights(&net, cfg.classes, cfg.seed);
+    let plan = cudnn_cbr::net::memory_plan(&net, cfg.classes)?;
+    let init = cudnn_cbr::net::initial_weights(&net, cfg.classes, cfg.seed);
     Ok((plan, init))
 }
 

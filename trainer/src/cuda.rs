@@ -6,7 +6,7 @@
 //! | # | work | how |
 //! |--:|------|-----|
 //! | 1 | zero G and G16 | amp `begin` (range kernels) |
-//! | 2 | forward: the compiled network's forward steps | each layer's cuDNN plans ([`cudnn_cbr_fusion::cbr::CbrLayer::run_gpu`]) |
+//! | 2 | forward: the compiled network's forward steps | each layer's cuDNN plans ([`cudnn_cbr::fusion::cbr::CbrLayer::run_gpu`]) |
 //! | 3 | global average pool, FC forward | `amp_gap_forward`, `amp_fc_forward` (FP32 FC weights read from W) |
 //! | 4 | loss seed, metrics | `amp_softmax_xent_backward` (loss scale read from S), `amp_head_metrics` (appends loss and accuracy to a device log) |
 //! | 5 | FC backward, pool backward | `amp_fc_backward` (FP32 dW, db straight into G), `amp_gap_backward` (into the network output's gradient) |
@@ -14,16 +14,16 @@
 //! | 7 | cast G16→G, check, SGD, loss-scale update | amp `finish` |
 //!
 //! Before a step the batch is copied in (images into the network's input, labels into the head's
-//! buffer) through two page-locked staging slots ([`crate::amp::cuda::Upload`]): the copies
+//! buffer) through two page-locked staging slots ([`cudnn_cbr::amp::cuda::Upload`]): the copies
 //! are asynchronous, and the host waits only when the device is two batches behind.
 //!
-//! **Buffers.** The network compiler ([`crate::net::compile()`]) lists every buffer once,
+//! **Buffers.** The network compiler ([`cudnn_cbr::net::compile()`]) lists every buffer once,
 //! shared ones included (a block input is one buffer that the block's first conv, its shortcut
 //! and the previous block's output bind). Parameters and their gradients are slots of the amp
 //! regions: `{layer}.w` → the weight's slot in A, `{layer}.dw` → its slot in G16,
 //! `gamma`/`beta` → W, `dgamma`/`dbeta` → G; every other buffer is one allocation
-//! ([`crate::net::cuda::binding_plan`]). Each layer's binding table maps its buffer names to
-//! those; [`crate::net::CudaNet`] runs the steps.
+//! ([`cudnn_cbr::net::cuda::binding_plan`]). Each layer's binding table maps its buffer names to
+//! those; [`cudnn_cbr::net::CudaNet`] runs the steps.
 //!
 //! **Graphs.** After [`WARMUP_STEPS`] eager steps the step is captured by
 //! [`CudaTrainer::capture`], by [`CudaGraphMode`]:
@@ -44,7 +44,7 @@
 //! **Logging without syncs.** Loss and accuracy never leave the device during a step: the
 //! metrics kernel appends them to a log (one entry per step). Every few steps the loop asks
 //! for an asynchronous copy of the log and of S into page-locked memory and polls for it
-//! ([`crate::amp::cuda::Readback`], [`AmpStep::request_scalars`]); a progress report goes out
+//! ([`cudnn_cbr::amp::cuda::Readback`], [`AmpStep::request_scalars`]); a progress report goes out
 //! when a copy has arrived. The loop synchronizes only after the last step (for the report,
 //! the held-out evaluation and the throughput).
 
@@ -53,23 +53,23 @@ use super::{
     data, plan_and_initial_weights, summarize, CudaGraphMode, ExecutorInfo, MasterWeights,
     Progress, TrainConfig, TrainError, TrainReport, HELD_OUT_BATCHES,
 };
-use crate::amp::cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use crate::amp::cuda::cudarc::driver::{CudaGraph, DriverError};
-use crate::amp::cuda::{
+use cudnn_cbr::amp::cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudnn_cbr::amp::cuda::cudarc::driver::{CudaGraph, DriverError};
+use cudnn_cbr::amp::cuda::{
     AmpKernels, CudaContext, CudaRegions, CudaSlice, CudaStepGraph, CudaStream, DevRange,
     DevRangeMut, Readback, Upload,
 };
-use crate::amp::plan::{ByteRange, Dtype, Region};
-use crate::amp::range::{
+use cudnn_cbr::amp::plan::{ByteRange, Dtype, Region};
+use cudnn_cbr::amp::range::{
     metrics_log_bytes, metrics_log_read, HeadShape, MetricsLog, METRICS_LOG_HEADER,
 };
-use crate::amp::step::{AmpStep, StepConfig, StepGraph};
-use crate::amp::AmpError;
-use crate::net::cuda::{running_stats, CudaNet, CudaNetError};
-use crate::net::{CompiledNet, RoutePolicy};
-use cudnn_cbr_fusion::cache::PlanCache;
-use cudnn_cbr_fusion::cbr::RouteKind;
-use cudnn_cbr_fusion::exec::{cuda_device, Handle};
+use cudnn_cbr::amp::step::{AmpStep, StepConfig, StepGraph};
+use cudnn_cbr::amp::AmpError;
+use cudnn_cbr::fusion::cache::PlanCache;
+use cudnn_cbr::fusion::cbr::RouteKind;
+use cudnn_cbr::fusion::exec::{cuda_device, Handle};
+use cudnn_cbr::net::cuda::{running_stats, CudaNet, CudaNetError};
+use cudnn_cbr::net::{CompiledNet, RoutePolicy};
 use half::f16;
 use std::fmt;
 use std::marker::PhantomData;
@@ -95,7 +95,7 @@ fn amp_error(e: AmpError) -> TrainError {
     match e {
         AmpError::NoDevice { reason } => TrainError::NoDevice { reason },
         AmpError::NoNvrtc { reason } => TrainError::NoNvrtc { reason },
-        AmpError::Cuda(c @ crate::amp::CudaError::Compile { .. }) => TrainError::NoNvrtc {
+        AmpError::Cuda(c @ cudnn_cbr::amp::CudaError::Compile { .. }) => TrainError::NoNvrtc {
             reason: c.to_string(),
         },
         other => TrainError::Amp(other),
@@ -342,13 +342,13 @@ impl CudaTrainer {
         cfg.validate()?;
         cfg.check_host_memory(false)?;
         let ctx = cuda_device(0).map_err(|e| match e {
-            cudnn_cbr_fusion::Error::NoDevice { reason } => TrainError::NoDevice { reason },
+            cudnn_cbr::fusion::Error::NoDevice { reason } => TrainError::NoDevice { reason },
             other => TrainError::Fusion(other),
         })?;
-        crate::sys::library().map_err(|e| TrainError::NoCudnn {
+        cudnn_cbr::sys::library().map_err(|e| TrainError::NoCudnn {
             reason: e.to_string().lines().next().unwrap_or_default().to_string(),
         })?;
-        if !crate::amp::cuda::nvrtc_library_present() {
+        if !cudnn_cbr::amp::cuda::nvrtc_library_present() {
             return Err(TrainError::NoNvrtc {
                 reason: "the NVRTC library (libnvrtc) is not on the loader path".into(),
             });
@@ -478,7 +478,7 @@ impl CudaTrainer {
     }
 
     /// Copies one batch in: NHWC FP16 images into the network's input, labels into the head, through
-    /// the double-buffered page-locked staging ([`crate::amp::cuda::Upload`]): asynchronous,
+    /// the double-buffered page-locked staging ([`cudnn_cbr::amp::cuda::Upload`]): asynchronous,
     /// waiting only while the device is two batches behind. Not during a stream capture.
     ///
     /// # Errors
@@ -910,7 +910,7 @@ impl CudaTrainer {
 /// [`TrainError::NoRoute`] when a layer has no route here; a configuration error otherwise.
 fn plan_net(
     cfg: &TrainConfig,
-    target: &cudnn_cbr_fusion::Target,
+    target: &cudnn_cbr::fusion::Target,
     cache: &PlanCache,
 ) -> Result<CompiledNet, TrainError> {
     let policy = if cfg.fused {
@@ -924,9 +924,9 @@ fn plan_net(
     };
     let net = compile_net(cfg, &policy).map_err(|e| match e {
         TrainError::Fusion(
-            e @ (cudnn_cbr_fusion::Error::NoRoute { .. }
-            | cudnn_cbr_fusion::Error::NoEngine { .. }
-            | cudnn_cbr_fusion::Error::NoPlan { .. }),
+            e @ (cudnn_cbr::fusion::Error::NoRoute { .. }
+            | cudnn_cbr::fusion::Error::NoEngine { .. }
+            | cudnn_cbr::fusion::Error::NoPlan { .. }),
         ) => TrainError::NoRoute {
             layer: format!("a layer of {}", cfg.net),
             reason: e.to_string(),
@@ -960,9 +960,9 @@ fn log_entries(log: &[u8]) -> (Vec<f64>, Vec<f64>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::net::cuda::{binding_plan, check_binding, data_type, Source};
-    use crate::net::{BufId, Step};
-    use cudnn_cbr_fusion::cbr::RouteKind;
+    use cudnn_cbr::fusion::cbr::RouteKind;
+    use cudnn_cbr::net::cuda::{binding_plan, check_binding, data_type, Source};
+    use cudnn_cbr::net::{BufId, Step};
 
     /// The binding plan of every route mix of the main job's network (each block's first
     /// and last convs on each route, so pairs are prologues or materialized) against the real
@@ -992,7 +992,7 @@ mod tests {
                     default: RouteKind::Fused,
                 };
                 let net = compile_net(&cfg, &policy).unwrap();
-                let plan = crate::net::memory_plan(&net, cfg.classes).unwrap();
+                let plan = cudnn_cbr::net::memory_plan(&net, cfg.classes).unwrap();
                 let sources = binding_plan(&net, true).unwrap();
                 for (b, source) in net.buffers.iter().zip(&sources) {
                     let (bytes, dtype) = match source {

@@ -2,9 +2,10 @@
 //! learnable dataset with the amp step (FP32 master weights, FP16 compute, fixed loss scaling
 //! from 8192, SGD with momentum). Loss falls and accuracy rises well above chance.
 //!
-//! `cargo run --release --example train_cbr -- [--net mini|resnet18|resnet34|resnet50|resnet101]
-//!  [--device auto|cuda|cpu] [--steps N] [--batch N] [--hw N] [--width N] [--seed N] [--lr X]
-//!  [--unfused] [--cuda-graph off|finish|step]` (`--help` lists them with their defaults)
+//! `cargo run --release -p cudnn-cbr-trainer --example train_cbr -- [--net
+//!  mini|resnet18|resnet34|resnet50|resnet101] [--device auto|cuda|cpu] [--steps N] [--batch N]
+//!  [--hw N] [--width N] [--seed N] [--lr X] [--unfused] [--cuda-graph off|finish|step]`
+//!  (`--help` lists them with their defaults)
 //!
 //! `--net` picks the network (default `mini`, the small net that learns in seconds on a CPU);
 //! `--hw` sets the image size, so `--net resnet50 --hw 32 --batch 2 --steps 1` runs a real
@@ -16,7 +17,7 @@
 
 use clap::Parser;
 use cudnn_cbr::net::{BlockKind, Preset};
-use cudnn_cbr::train::{CudaGraphMode, Device, ExecutorKind, Progress, TrainConfig, Trainer};
+use cudnn_cbr_trainer::{CudaGraphMode, Device, ExecutorKind, Progress, TrainConfig, Trainer};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::process::ExitCode;

@@ -1,14 +1,14 @@
-//! The main job's network on the CPU executor: a compiled [`crate::net`] network (the preset
+//! The main job's network on the CPU executor: a compiled [`cudnn_cbr::net`] network (the preset
 //! of [`TrainConfig::net`]) whose buffers live in host memory, with the pooling of the head.
 //!
 //! The network itself (which conv takes whose BN as its prologue, what is stored, where
 //! gradients join) comes from the network compiler; nothing here wires layers by hand.
 
 use super::{TrainConfig, TrainError};
-use crate::amp::range::{self, HeadShape};
-use crate::amp::AmpError;
-use crate::net::{compile, CompiledNet, CpuNet, RoutePolicy};
-use cudnn_cbr_fusion::cbr::RouteKind;
+use cudnn_cbr::amp::range::{self, HeadShape};
+use cudnn_cbr::amp::AmpError;
+use cudnn_cbr::fusion::cbr::RouteKind;
+use cudnn_cbr::net::{compile, CompiledNet, CpuNet, RoutePolicy};
 use half::f16;
 
 /// The network `cfg` describes, compiled with `policy`.

@@ -1,7 +1,7 @@
 //! The main job's training loop learns (tier 1, CPU executor): loss falls and held-out accuracy
 //! is far above chance after a short run.
 
-use cudnn_cbr::train::{train, TrainConfig};
+use cudnn_cbr_trainer::{train, TrainConfig};
 
 #[test]
 fn a_short_run_learns_the_synthetic_task() {
@@ -68,7 +68,7 @@ fn a_bad_configuration_is_a_typed_error() {
 
 #[test]
 fn sizes_no_host_could_hold_are_typed_errors_before_any_allocation() {
-    use cudnn_cbr::train::Preset;
+    use cudnn_cbr_trainer::Preset;
     // (what, config, words the error must contain). Each used to abort the process: shape
     // arithmetic that wrapped, or an allocation the host could never satisfy.
     let base = TrainConfig::default();
@@ -120,7 +120,7 @@ fn sizes_no_host_could_hold_are_typed_errors_before_any_allocation() {
 
 #[test]
 fn poisoned_gradients_on_one_percent_of_2000_steps_are_each_skipped_exactly() {
-    use cudnn_cbr::train::{FaultDrill, Preset};
+    use cudnn_cbr_trainer::{FaultDrill, Preset};
     let cfg = TrainConfig {
         steps: 2000,
         batch: 2,
