@@ -42,7 +42,7 @@ for line in sys.stdin:
   # The examples as programs (`cargo test` builds them as test harnesses); the same package
   # selection, so the dependencies built above are reused.
   cargo build --release --workspace --examples
-  for ex in device_props deviceless_smoke train_cbr deviceless_plans fuzz_graphs; do
+  for ex in device_props deviceless_smoke train_cbr custom_trainer deviceless_plans fuzz_graphs; do
     cp "target/release/examples/$ex" "$bundle/example-$ex"
   done
   strip "$bundle"/* 2>/dev/null || true
@@ -158,6 +158,10 @@ run)
   run_tests "$bundle"/test-gpu_* "$bundle"/test-nvrtc_compile
   if stage "train_cbr --device cuda (whole-step CUDA graph after warm-up)" 30; then
     step train_cbr train_cbr_cuda.txt 180 "$bundle/example-train_cbr" --device cuda
+  fi
+  # The worked example of linking the library (CudaClassifier on a GPU; the CPU without one).
+  if stage "custom_trainer (the worked example)" 20; then
+    step custom_trainer custom_trainer.txt 120 "$bundle/example-custom_trainer" --steps 60
   fi
   for name in cbr_layers range_ops; do
     if stage "bench $name" 30; then
