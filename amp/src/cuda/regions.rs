@@ -7,7 +7,9 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr};
 use half::f16;
 
-use crate::cuda::launch::{AmpKernels, DevRange, DevRangeMut, FcParams};
+use crate::cuda::dev_range::{DevRange, DevRangeMut};
+use crate::cuda::head_kernels::FcParams;
+use crate::cuda::launch::AmpKernels;
 use crate::cuda::readback::Readback;
 use crate::cuda::{check_device_memory, driver_error, open_device};
 use crate::error::{AmpError, ExecError};
