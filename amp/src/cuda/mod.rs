@@ -52,7 +52,7 @@ pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 pub use dev_range::{DevRange, DevRangeMut};
 pub use launch::AmpKernels;
 pub use readback::Readback;
-pub use regions::{CudaRegions, CudaStepGraph, DeviceParam};
+pub use regions::{CudaRegions, CudaStepGraph};
 pub use upload::Upload;
 
 use cudarc::driver::DriverError;
