@@ -33,19 +33,26 @@
 
 #![allow(unsafe_code)]
 
+mod compile;
+mod dev_range;
+mod head_kernels;
 mod launch;
+mod net_kernels;
 mod readback;
 mod regions;
+mod step_kernels;
 mod upload;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+pub use compile::{compile_cubin, compile_ptx};
 pub use cudarc;
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-pub use launch::{compile_cubin, compile_ptx, AmpKernels, DevRange, DevRangeMut};
+pub use dev_range::{DevRange, DevRangeMut};
+pub use launch::AmpKernels;
 pub use readback::Readback;
-pub use regions::{CudaRegions, CudaStepGraph, DeviceParam, RegionsMut};
+pub use regions::{CudaRegions, CudaStepGraph, RegionsMut};
 pub use upload::Upload;
 
 use cudarc::driver::DriverError;

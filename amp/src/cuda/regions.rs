@@ -7,7 +7,9 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr};
 use half::f16;
 
-use crate::cuda::launch::{AmpKernels, DevRange, DevRangeMut, FcParams};
+use crate::cuda::dev_range::{DevRange, DevRangeMut};
+use crate::cuda::head_kernels::FcParams;
+use crate::cuda::launch::AmpKernels;
 use crate::cuda::readback::Readback;
 use crate::cuda::{check_device_memory, driver_error, open_device};
 use crate::error::{AmpError, ExecError};
@@ -27,18 +29,6 @@ pub type RegionsMut<'a> = (
 struct DeviceRegion {
     buf: CudaSlice<u8>,
     ptr: u64,
-}
-
-/// Where a parameter's data lives on the device: for binding it to cuDNN or cuBLAS (e.g.
-/// fusion's `Bindings::bind_raw`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DeviceParam {
-    /// Device address of the first element (256-byte aligned).
-    pub ptr: u64,
-    /// Bytes of data (elements × element size; the slot's zero padding follows).
-    pub len_bytes: usize,
-    /// Element type of the region.
-    pub dtype: Dtype,
 }
 
 /// A plan's regions in device memory, on one stream, with the plan's range kernels.
@@ -269,31 +259,10 @@ impl CudaRegions {
         self.tensors.as_mut()
     }
 
-    /// A region's device address.
-    ///
-    /// # Errors
-    /// [`crate::PlanError::RegionAbsent`].
-    pub fn region_ptr(&self, region: Region) -> Result<u64, AmpError> {
-        Ok(self.get(region)?.ptr)
-    }
-
-    /// Where parameter `name` lives in `region` (for cuDNN/cuBLAS bindings).
-    ///
-    /// # Errors
-    /// [`crate::PlanError::UnknownParam`], [`crate::PlanError::NotInRegion`].
-    pub fn param(&self, name: &str, region: Region) -> Result<DeviceParam, AmpError> {
-        let v = self.plan.view(name, region)?;
-        Ok(DeviceParam {
-            ptr: self.get(region)?.ptr + v.offset_bytes as u64,
-            len_bytes: v.len_bytes,
-            dtype: v.dtype,
-        })
-    }
-
     /// Parameter `name`'s data bytes in `region`, as a cudarc view.
     ///
     /// # Errors
-    /// As [`CudaRegions::param`].
+    /// [`crate::PlanError::UnknownParam`], [`crate::PlanError::NotInRegion`].
     pub fn param_view(&self, name: &str, region: Region) -> Result<CudaView<'_, u8>, AmpError> {
         let r = self.plan.view(name, region)?.data_range();
         Ok(self.get(region)?.buf.slice(r.start..r.end))
@@ -303,7 +272,7 @@ impl CudaRegions {
     /// gradient's destination).
     ///
     /// # Errors
-    /// As [`CudaRegions::param`].
+    /// [`crate::PlanError::UnknownParam`], [`crate::PlanError::NotInRegion`].
     pub fn param_view_mut(
         &mut self,
         name: &str,

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUstreamCaptureStatus;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, PinnedHostSlice};
 
-use crate::cuda::launch::DevRangeMut;
+use crate::cuda::dev_range::DevRangeMut;
 use crate::cuda::{driver_error, zeroed_pinned};
 use crate::error::{AmpError, CudaError, ExecError};
 

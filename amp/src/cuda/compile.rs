@@ -1,0 +1,254 @@
+//! NVRTC compilation of the range kernels ([`compile_ptx`], [`compile_cubin`]) and their
+//! loading into a CUDA context, once per context ([`AmpKernels::for_context`]).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::{CudaContext, CudaFunction};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, Ptx};
+
+use crate::cuda::launch::{AmpKernels, Functions, BLOCKS_PER_SM};
+use crate::cuda::{cuda_include_dir, driver_error, nvrtc_library_present};
+use crate::error::{AmpError, CudaError};
+use crate::kernels::{self, entry, CudaArch, KernelSource};
+
+/// Compiled kernels per CUDA context (keyed by the context handle; each entry holds an `Arc`
+/// to its context, so a handle in the map can never be reused by another context).
+fn cache() -> &'static Mutex<HashMap<usize, Arc<AmpKernels>>> {
+    static CACHE: OnceLock<Mutex<HashMap<usize, Arc<AmpKernels>>>> = OnceLock::new();
+    CACHE.get_or_init(Mutex::default)
+}
+
+/// [`AmpError::NoNvrtc`] unless the NVRTC library can be loaded.
+fn require_nvrtc() -> Result<(), AmpError> {
+    if nvrtc_library_present() {
+        Ok(())
+    } else {
+        Err(AmpError::NoNvrtc {
+            reason: "the NVRTC library (libnvrtc) is not on the loader path".into(),
+        })
+    }
+}
+
+fn describe_compile_error(e: &CompileError) -> String {
+    match e {
+        CompileError::CompileError { nvrtc, log, .. } => {
+            format!("{nvrtc:?}\n{}", log.to_string_lossy())
+        }
+        other => format!("{other:?}"),
+    }
+}
+
+/// Compiles every source of [`crate::kernels::ALL`] to PTX for `arch` with NVRTC, with the
+/// include directory of [`crate::cuda::cuda_include_dir`]. Needs no device: this is what
+/// [`AmpKernels::for_context`] loads.
+///
+/// # Errors
+/// [`AmpError::NoNvrtc`] without the NVRTC library, [`CudaError::Compile`] with NVRTC's log
+/// when a source does not compile (e.g. `cuda_fp16.h` not found).
+pub fn compile_ptx(arch: CudaArch) -> Result<Vec<(KernelSource, String)>, AmpError> {
+    require_nvrtc()?;
+    let include = cuda_include_dir().and_then(|d| d.into_os_string().into_string().ok());
+    kernels::ALL
+        .iter()
+        .map(|source| {
+            let opts = kernels::compile_options(source, arch, include.as_deref());
+            compile_ptx_with_opts(source.program(), opts)
+                .map(|ptx| (*source, ptx.to_src()))
+                .map_err(|e| {
+                    CudaError::Compile {
+                        file: source.file,
+                        arch: arch.sm_name(),
+                        log: describe_compile_error(&e),
+                    }
+                    .into()
+                })
+        })
+        .collect()
+}
+
+/// Compiles every source of [`crate::kernels::ALL`] to machine code (a cubin) for the real
+/// architecture `real_arch` (e.g. `"sm_90"`, see [`kernels::real_arch`]) with NVRTC. Needs
+/// no device. This is what [`AmpKernels::for_context`] loads where it can: unlike PTX, a
+/// cubin does not depend on the driver accepting the NVRTC's PTX version.
+///
+/// # Errors
+/// As [`compile_ptx`].
+pub fn compile_cubin(real_arch: &'static str) -> Result<Vec<(KernelSource, Vec<u8>)>, AmpError> {
+    use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+    use std::ffi::CString;
+    require_nvrtc()?;
+    let include = cuda_include_dir().and_then(|d| d.into_os_string().into_string().ok());
+    let flags = kernels::cubin_flags(real_arch, include.as_deref());
+    let fail = |file: &'static str, log: String| -> AmpError {
+        CudaError::Compile {
+            file,
+            arch: real_arch,
+            log,
+        }
+        .into()
+    };
+    /// Destroys the NVRTC program on every path.
+    struct Program(nvrtc_sys::nvrtcProgram);
+    impl Drop for Program {
+        fn drop(&mut self) {
+            // SAFETY: the program was created by nvrtcCreateProgram and is destroyed once.
+            let _ = unsafe { nvrtc::destroy_program(self.0) };
+        }
+    }
+    kernels::ALL
+        .iter()
+        .map(|source| {
+            // The sources are ours and hold no NUL byte.
+            let text =
+                CString::new(source.program()).map_err(|e| fail(source.file, e.to_string()))?;
+            let name = CString::new(source.file).map_err(|e| fail(source.file, e.to_string()))?;
+            let prog = Program(
+                nvrtc::create_program(&text, Some(&name))
+                    .map_err(|e| fail(source.file, format!("{e:?}")))?,
+            );
+            // SAFETY: `prog.0` is a live program (dropped only after this block).
+            if let Err(e) = unsafe { nvrtc::compile_program(prog.0, &flags) } {
+                // SAFETY: as above; the log exists after a failed compile.
+                let log = unsafe { nvrtc::get_program_log(prog.0) }
+                    .map(|l| {
+                        let bytes: Vec<u8> = l.iter().map(|&c| c as u8).collect();
+                        String::from_utf8_lossy(&bytes)
+                            .trim_end_matches('\0')
+                            .to_owned()
+                    })
+                    .unwrap_or_default();
+                return Err(fail(source.file, format!("{e:?}\n{log}")));
+            }
+            let mut size = 0usize;
+            // SAFETY: `prog.0` compiled successfully; `size` is a valid out-pointer.
+            unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog.0, &mut size) }
+                .result()
+                .map_err(|e| fail(source.file, format!("nvrtcGetCUBINSize: {e:?}")))?;
+            if size == 0 {
+                return Err(fail(source.file, "NVRTC produced an empty cubin".into()));
+            }
+            let mut cubin = vec![0u8; size];
+            // SAFETY: `cubin` has exactly the `size` bytes NVRTC asked for.
+            unsafe { nvrtc_sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr().cast()) }
+                .result()
+                .map_err(|e| fail(source.file, format!("nvrtcGetCUBIN: {e:?}")))?;
+            Ok((*source, cubin))
+        })
+        .collect()
+}
+
+/// The loaded NVRTC's version, e.g. `"13.0"` (`"unknown"` if it does not say). Call only
+/// after [`nvrtc_library_present`] returned true.
+fn nvrtc_version() -> String {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: NVRTC is loaded (the caller checked); both out-pointers are valid.
+    let rc = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    if rc == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        format!("{major}.{minor}")
+    } else {
+        "unknown".into()
+    }
+}
+
+impl AmpKernels {
+    /// The kernels for `ctx`: compiled and loaded on the first call for a context, shared
+    /// afterwards. The first call takes about a second (NVRTC).
+    ///
+    /// # Errors
+    /// [`AmpError::NoNvrtc`] without the NVRTC library, [`CudaError::UnsupportedArch`] below
+    /// sm_80, [`CudaError::Compile`] when NVRTC rejects a source (e.g. no `cuda_fp16.h`),
+    /// [`CudaError::Driver`] when the driver cannot load the PTX.
+    pub fn for_context(ctx: &Arc<CudaContext>) -> Result<Arc<AmpKernels>, AmpError> {
+        let key = ctx.cu_ctx() as usize;
+        // Compiling under the lock keeps two threads from compiling the same context twice.
+        let mut map = cache().lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(k) = map.get(&key) {
+            return Ok(k.clone());
+        }
+        let k = Arc::new(Self::compile(ctx)?);
+        map.insert(key, k.clone());
+        Ok(k)
+    }
+
+    fn compile(ctx: &Arc<CudaContext>) -> Result<AmpKernels, AmpError> {
+        require_nvrtc()?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| driver_error("query the compute capability", e))?;
+        let cc = u32::try_from(major).ok().zip(u32::try_from(minor).ok());
+        let arch = cc
+            .and_then(|(ma, mi)| CudaArch::for_compute_capability(ma, mi))
+            .ok_or(CudaError::UnsupportedArch { major, minor })?;
+        let sms = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| driver_error("query the SM count", e))?;
+        // Machine code for the device's own architecture where NVRTC knows it, else PTX for
+        // the driver to JIT (see `kernels::real_arch` for why machine code comes first).
+        let real = cc.and_then(|(ma, mi)| kernels::real_arch(ma, mi));
+        let (images, code): (Vec<(KernelSource, Ptx)>, String) = match real {
+            Some(sm) => (
+                compile_cubin(sm)?
+                    .into_iter()
+                    .map(|(s, c)| (s, Ptx::from_binary(c)))
+                    .collect(),
+                format!("{sm} machine code"),
+            ),
+            None => (
+                compile_ptx(arch)?
+                    .into_iter()
+                    .map(|(s, p)| (s, Ptx::from_src(p)))
+                    .collect(),
+                format!("{} PTX, JIT-compiled by the driver", arch.compute_name()),
+            ),
+        };
+        let code = format!("{code}, NVRTC {}", nvrtc_version());
+        let mut functions: HashMap<&'static str, CudaFunction> = HashMap::new();
+        for (source, image) in images {
+            let module = ctx
+                .load_module(image)
+                .map_err(|e| driver_error(format!("load the {code} of {}", source.file), e))?;
+            for &name in source.entry_points {
+                let f = module
+                    .load_function(name)
+                    .map_err(|e| driver_error(format!("look up kernel {name}"), e))?;
+                functions.insert(name, f);
+            }
+        }
+        let mut take = |name: &'static str| {
+            functions.remove(name).ok_or_else(|| CudaError::Driver {
+                op: format!("look up kernel {name}"),
+                code: "not in the compiled module".into(),
+            })
+        };
+        let f = Functions {
+            cast_f32_to_f16: take(entry::CAST_F32_TO_F16)?,
+            cast_f16_to_f32: take(entry::CAST_F16_TO_F32)?,
+            check_nonfinite: take(entry::CHECK_NONFINITE)?,
+            check_clip: take(entry::CHECK_CLIP)?,
+            loss_scale_update: take(entry::LOSS_SCALE_UPDATE)?,
+            zero_bytes: take(entry::ZERO_BYTES)?,
+            sgd_step: take(entry::SGD_STEP)?,
+            ema_update: take(entry::EMA_UPDATE)?,
+            softmax_xent_backward: take(entry::SOFTMAX_XENT_BACKWARD)?,
+            gap_forward: take(entry::GAP_FORWARD)?,
+            gap_backward: take(entry::GAP_BACKWARD)?,
+            fc_forward: take(entry::FC_FORWARD)?,
+            fc_backward: take(entry::FC_BACKWARD)?,
+            add_f16: take(entry::ADD_F16)?,
+            head_metrics: take(entry::HEAD_METRICS)?,
+            max_pool_forward: take(entry::MAX_POOL_FORWARD)?,
+            max_pool_backward: take(entry::MAX_POOL_BACKWARD)?,
+        };
+        Ok(AmpKernels {
+            ctx: ctx.clone(),
+            arch,
+            code,
+            max_blocks: u32::try_from(sms.max(1))
+                .unwrap_or(1)
+                .saturating_mul(BLOCKS_PER_SM),
+            f,
+        })
+    }
+}
