@@ -30,6 +30,7 @@ mod cpu;
 pub mod cuda;
 mod data;
 pub mod net;
+pub mod snapshot;
 
 pub use cudnn_cbr::net::Preset;
 pub use data::Synthetic;
