@@ -141,7 +141,7 @@ fn run(full: bool) -> Result<(), AmpError> {
     };
     let plan = Arc::new(plan(params, k, c));
     let n = plan.total_elems();
-    let ctx = cuda::open_device(0)?;
+    let ctx = cuda::cuda_device(0)?;
     let stream = ctx.new_stream().map_err(driver("create a stream"))?;
     let regions = CudaRegions::new(plan.clone(), stream.clone())?;
     let config = StepConfig::new(SgdConfig::new(0.01).with_momentum(0.9))

@@ -85,36 +85,36 @@ fn every_buffer_but_the_head_facing_ones_has_a_slot_in_the_amp_plan() {
 
 #[test]
 fn tensor_registration_errors_are_typed() {
-    use cudnn_cbr::amp::plan::{Dtype, MemoryPlanBuilder, ParamKind};
+    use cudnn_cbr::amp::plan::{DataType, MemoryPlanBuilder, ParamKind};
     use cudnn_cbr::amp::PlanError;
     let mut b = MemoryPlanBuilder::new();
     let bucket = b.bucket("all").unwrap();
     b.add("conv.w", ParamKind::ConvWeight, &[4, 3, 3, 4], bucket)
         .unwrap();
     assert!(matches!(
-        b.add_tensor("conv.w", Dtype::F16, 8),
+        b.add_tensor("conv.w", DataType::Half, 8),
         Err(PlanError::DuplicateName { .. })
     ));
     assert!(matches!(
-        b.add_tensor("x", Dtype::F16, 0),
+        b.add_tensor("x", DataType::Half, 0),
         Err(PlanError::ZeroDim { .. })
     ));
     assert!(matches!(
-        b.add_tensor("", Dtype::F32, 1),
+        b.add_tensor("", DataType::Float, 1),
         Err(PlanError::EmptyName { .. })
     ));
     assert!(matches!(
-        b.add_tensor("huge", Dtype::F32, usize::MAX / 2),
+        b.add_tensor("huge", DataType::Float, usize::MAX / 2),
         Err(PlanError::SizeOverflow { .. })
     ));
-    b.add_tensor("a", Dtype::F16, 3).unwrap();
-    b.add_tensor("b", Dtype::F32, 100).unwrap();
+    b.add_tensor("a", DataType::Half, 3).unwrap();
+    b.add_tensor("b", DataType::Float, 100).unwrap();
     let plan = b.finalize().unwrap();
     assert_eq!(plan.tensor("a").unwrap().offset_bytes(), 0);
     assert_eq!(plan.tensor("b").unwrap().offset_bytes(), 256);
     assert_eq!(plan.tensor_bytes(), 256 + 512);
     assert!(matches!(
-        b.add_tensor("late", Dtype::F16, 1),
+        b.add_tensor("late", DataType::Half, 1),
         Err(PlanError::RegisterAfterFinalize { .. })
     ));
 }

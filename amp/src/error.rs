@@ -382,3 +382,9 @@ pub enum CudaError {
         what: String,
     },
 }
+
+impl From<cudnn_fe_sys::NoCudaDevice> for AmpError {
+    fn from(e: cudnn_fe_sys::NoCudaDevice) -> Self {
+        AmpError::NoDevice { reason: e.reason }
+    }
+}

@@ -5,8 +5,8 @@
 use std::collections::HashMap;
 
 use cudnn_cbr_amp::plan::{
-    align_up, fp16_slot_bytes, Bucket, ByteRange, Dtype, GradPath, MemoryPlan, MemoryPlanBuilder,
-    ParamKind, Region, SLOT_ALIGN, SLOT_PAD,
+    align_up, fp16_slot_bytes, Bucket, ByteRange, DataType, GradPath, MemoryPlan,
+    MemoryPlanBuilder, ParamKind, Region, SLOT_ALIGN, SLOT_PAD,
 };
 use cudnn_cbr_amp::range::S_REGION_BYTES;
 use cudnn_cbr_amp::PlanError;
@@ -360,7 +360,7 @@ fn small_network_layout_is_bucket_major_conv_first() {
     let w = plan.view("conv2.w", Region::W).unwrap();
     assert_eq!(
         (w.dtype, w.offset_bytes, w.len_bytes, w.slot_bytes),
-        (Dtype::F32, 8192, 147456, 147968)
+        (DataType::Float, 8192, 147456, 147968)
     );
     assert_eq!(w.elem_offset(), 2048);
     assert_eq!(ParamKind::FcWeight.grad_path(), GradPath::DirectF32);

@@ -4,7 +4,7 @@
 
 use approx::assert_relative_eq;
 use cudnn_cbr_amp::kernels::COMMON_HEADER;
-use cudnn_cbr_amp::plan::{ByteRange, Dtype, MemoryPlanBuilder, ParamKind, Region};
+use cudnn_cbr_amp::plan::{ByteRange, DataType, MemoryPlanBuilder, ParamKind, Region};
 use cudnn_cbr_amp::range::{
     cast_f16_to_f32, check_and_clip, check_grads, check_nonfinite, ema_update, f32_to_f16,
     s_layout, sgd_step, softmax_xent_backward, update_loss_scale, zero_bytes, zero_f16, zero_f32,
@@ -727,7 +727,7 @@ struct HostRegions {
     e16: Vec<f16>,
 }
 
-fn elems(r: ByteRange, dtype: Dtype) -> std::ops::Range<usize> {
+fn elems(r: ByteRange, dtype: DataType) -> std::ops::Range<usize> {
     r.elem_range(dtype)
 }
 
@@ -778,8 +778,8 @@ fn one_training_step_over_a_plan() {
         }
         // G16 -> G over the cast ranges only.
         for r16 in plan.g16_cast_ranges() {
-            let src = &h.g16[elems(r16, Dtype::F16)];
-            cast_f16_to_f32(src, &mut h.g[elems(r16.to_fp32(), Dtype::F32)]).unwrap();
+            let src = &h.g16[elems(r16, DataType::Half)];
+            cast_f16_to_f32(src, &mut h.g[elems(r16.to_fp32(), DataType::Float)]).unwrap();
         }
         assert_eq!(
             h.g[fc.elem_offset()],
@@ -795,7 +795,7 @@ fn one_training_step_over_a_plan() {
         for bucket in [deep, first] {
             let r = plan.bucket_range(bucket, Region::G).unwrap();
             check_grads(
-                &mut h.g[elems(r, Dtype::F32)],
+                &mut h.g[elems(r, DataType::Float)],
                 OverflowPolicy::NanOrInf,
                 &mut s,
             )

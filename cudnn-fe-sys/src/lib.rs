@@ -12,10 +12,17 @@
 //!
 //! Only the graph-API functions the project needs are bound: version and error strings,
 //! handles and streams, backend descriptors, execute and CUDA-graph population.
+//!
+//! Two things every crate of the workspace shares live here too: [`DataType`], the one element
+//! type enum (cuDNN's tensor types; the mixed-precision layer's regions use `Half` and
+//! `Float`), and [`cuda_device`], the one CUDA device opener (a typed [`NoCudaDevice`] where
+//! cudarc would panic without a driver).
 
+pub mod device;
 mod loader;
 pub mod preflight;
 mod status;
+mod types;
 pub mod wheels;
 
 #[rustfmt::skip]
@@ -33,8 +40,10 @@ pub mod wheels;
 pub mod bindings;
 
 pub use bindings::*;
+pub use device::{cuda_device, NoCudaDevice};
 pub use loader::{
     library, load_from, Library, LoadAttempt, LoadError, SearchPaths, DEVICELESS_MIN_VERSION,
     MIN_VERSION,
 };
 pub use status::CudnnError;
+pub use types::DataType;

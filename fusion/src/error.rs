@@ -238,3 +238,9 @@ impl Error {
         Error::CudnnMessage(what.into())
     }
 }
+
+impl From<cudnn_fe_sys::NoCudaDevice> for Error {
+    fn from(e: cudnn_fe_sys::NoCudaDevice) -> Self {
+        Error::NoDevice { reason: e.reason }
+    }
+}

@@ -14,9 +14,7 @@ use crate::error::{BindingProblem, Error, Result};
 use crate::graph::{DataType, TensorId};
 use crate::plan::ExecutionPlan;
 use crate::target::{DeviceProps, Target};
-use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop,
-};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop};
 use cudnn_fe_sys as sys;
 use std::os::raw::c_void;
 use std::sync::{Arc, Mutex};
@@ -26,19 +24,8 @@ use sys::cudnnBackendDescriptorType_t as K;
 /// The alignment every tensor pointer must have (cuDNN is told 16 bytes per tensor).
 pub const TENSOR_ALIGNMENT: u64 = 16;
 
-/// Opens CUDA device `ordinal`, or says why there is none. Checks that a driver library exists
-/// before touching cudarc (which panics without one).
-pub fn cuda_device(ordinal: usize) -> Result<Arc<CudaContext>> {
-    // SAFETY: is_culib_present only tries to dlopen the driver library by name.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err(Error::NoDevice {
-            reason: "no CUDA driver library (libcuda) on this machine".into(),
-        });
-    }
-    CudaContext::new(ordinal).map_err(|e| Error::NoDevice {
-        reason: format!("CUDA device {ordinal} cannot be opened: {e}"),
-    })
-}
+/// Opens CUDA device `ordinal`, or says why there is none (the workspace's one opener).
+pub use cudnn_fe_sys::{cuda_device, NoCudaDevice};
 
 /// A cuDNN handle bound to one cudarc stream, with a workspace pool for plans that need one.
 ///

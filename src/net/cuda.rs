@@ -20,12 +20,11 @@ use super::spec::PoolSpec;
 use crate::amp::cuda::{
     check_device_memory, AmpKernels, CudaRegions, CudaSlice, CudaStream, DevRange, DevRangeMut,
 };
-use crate::amp::plan::{ByteRange, Dtype, MemoryPlan, Region};
+use crate::amp::plan::{ByteRange, DataType, MemoryPlan, Region};
 use crate::amp::range::PoolShape;
 use crate::amp::AmpError;
 use cudnn_cbr_fusion::cbr::{ArenaId, DeviceBuffers, Pass, Side};
 use cudnn_cbr_fusion::exec::Handle;
-use cudnn_cbr_fusion::graph::DataType;
 use cudnn_cbr_fusion::reference::Nhwc;
 use half::f16;
 use std::collections::HashMap;
@@ -150,7 +149,7 @@ pub fn placement(net: &CompiledNet, plan: Option<&MemoryPlan>) -> Result<Vec<Pla
         .map(|(b, source)| match (source, plan) {
             (Source::Param { key, region }, Some(plan)) => {
                 let v = plan.view(&key, region).map_err(AmpError::from)?;
-                check_binding(b, v.len_bytes, data_type(v.dtype))?;
+                check_binding(b, v.len_bytes, v.dtype)?;
                 Ok(Placement::Region {
                     region,
                     offset: v.offset_bytes,
@@ -159,7 +158,7 @@ pub fn placement(net: &CompiledNet, plan: Option<&MemoryPlan>) -> Result<Vec<Pla
             }
             (_, Some(plan)) if plan.tensor(&b.name).is_some() => {
                 let t = plan.tensor(&b.name).expect("checked in the guard");
-                check_binding(b, t.len_bytes(), data_type(t.dtype()))?;
+                check_binding(b, t.len_bytes(), t.dtype())?;
                 Ok(Placement::Tensors {
                     offset: t.offset_bytes(),
                     bytes: t.len_bytes(),
@@ -168,14 +167,6 @@ pub fn placement(net: &CompiledNet, plan: Option<&MemoryPlan>) -> Result<Vec<Pla
             _ => Ok(Placement::Own),
         })
         .collect()
-}
-
-/// A device buffer's element type as the graphs see it.
-pub fn data_type(d: Dtype) -> DataType {
-    match d {
-        Dtype::F16 => DataType::Half,
-        Dtype::F32 => DataType::Float,
-    }
 }
 
 /// A binding's (bytes, type) must cover the buffer's.

@@ -6,9 +6,8 @@
 //! [`crate::net::cuda::param_slot`] maps the network's parameter buffers to these slots.
 
 use super::compile::{BufferRole, CompiledNet};
-use crate::amp::plan::{Dtype, MemoryPlan, MemoryPlanBuilder, ParamKind};
+use crate::amp::plan::{MemoryPlan, MemoryPlanBuilder, ParamKind};
 use crate::amp::PlanError;
-use crate::fusion::graph::DataType;
 
 /// The memory plan of `net`'s parameters and an FC head of `classes` outputs: every conv's
 /// weight, γ and β (the stem and the first stage in bucket `first`, the rest in `deep`, so the
@@ -65,11 +64,7 @@ pub fn memory_plan_with_buffers(
         if head_facing || param {
             continue;
         }
-        let dtype = match buf.dtype {
-            DataType::Half => Dtype::F16,
-            _ => Dtype::F32,
-        };
-        b.add_tensor(&buf.name, dtype, buf.elems)?;
+        b.add_tensor(&buf.name, buf.dtype, buf.elems)?;
     }
     b.finalize()
 }

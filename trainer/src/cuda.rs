@@ -201,10 +201,7 @@ impl CudaTrainer {
     pub fn new(cfg: &TrainConfig) -> Result<Self, TrainError> {
         cfg.validate()?;
         cfg.check_host_memory(false)?;
-        let ctx = cuda_device(0).map_err(|e| match e {
-            cudnn_cbr::fusion::Error::NoDevice { reason } => TrainError::NoDevice { reason },
-            other => TrainError::Fusion(other),
-        })?;
+        let ctx = cuda_device(0).map_err(|e| TrainError::NoDevice { reason: e.reason })?;
         cudnn_cbr::sys::library().map_err(|e| TrainError::NoCudnn {
             reason: e.to_string().lines().next().unwrap_or_default().to_string(),
         })?;
@@ -810,7 +807,7 @@ fn net_error(e: CudaNetError) -> TrainError {
 mod tests {
     use super::*;
     use cudnn_cbr::fusion::cbr::RouteKind;
-    use cudnn_cbr::net::cuda::{binding_plan, check_binding, data_type, Source};
+    use cudnn_cbr::net::cuda::{binding_plan, check_binding, Source};
     use cudnn_cbr::net::{BufId, Step};
 
     /// The binding plan of every route mix of the main job's network (each block's first
@@ -849,7 +846,7 @@ mod tests {
                             let v = plan
                                 .view(key, *region)
                                 .unwrap_or_else(|e| panic!("{first:?}/{last:?} {}: {e}", b.name));
-                            (v.len_bytes, data_type(v.dtype))
+                            (v.len_bytes, v.dtype)
                         }
                         Source::Own => (b.elems * b.dtype.size(), b.dtype),
                     };

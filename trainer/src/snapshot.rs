@@ -1,7 +1,7 @@
 //! [`Snapshot`]: the device state a training step reads and writes, downloaded for tests and
 //! checkpoints, and its comparisons (relative L2 per part, counters bit for bit).
 
-use cudnn_cbr::amp::plan::{Dtype, Region};
+use cudnn_cbr::amp::plan::{DataType, Region};
 use cudnn_cbr::amp::range::METRICS_LOG_HEADER;
 use half::f16;
 
@@ -39,7 +39,7 @@ impl Snapshot {
                 see(0.0, f64::INFINITY);
                 continue;
             }
-            if ra.dtype() == Some(Dtype::F16) {
+            if ra.dtype() == Some(DataType::Half) {
                 for (x, y) in a.chunks_exact(2).zip(b.chunks_exact(2)) {
                     see(
                         f16::from_le_bytes([x[0], x[1]]).to_f64(),
@@ -108,7 +108,7 @@ impl Snapshot {
                 parts.push((format!("{ra} vs {rb}"), f64::INFINITY));
             } else if *ra == Region::S {
                 counters_same &= a == b;
-            } else if ra.dtype() == Some(Dtype::F16) {
+            } else if ra.dtype() == Some(DataType::Half) {
                 parts.push((ra.to_string(), rel(&f16s(a), &f16s(b))));
             } else {
                 parts.push((ra.to_string(), rel(&f32s(a), &f32s(b))));

@@ -3,8 +3,9 @@
 //! with `unsafe` code; every unsafe block says why it is sound right above it.
 //!
 //! Recipe:
-//! 1. [`open_device`] opens a device, or returns [`AmpError::NoDevice`] (no driver library,
-//!    no device): it never panics, unlike cudarc called without a driver.
+//! 1. [`cuda_device`] opens a device, or says why there is none (no driver library, no
+//!    device; [`AmpError::NoDevice`] with `?`): it never panics, unlike cudarc called without
+//!    a driver.
 //! 2. [`AmpKernels::for_context`] compiles every source of [`crate::kernels::ALL`] with NVRTC
 //!    for the device's architecture, once per CUDA context (cached for the process), or
 //!    returns [`AmpError::NoNvrtc`] when NVRTC is not on the loader path. Its methods launch
@@ -96,21 +97,9 @@ pub fn check_device_memory(ctx: &CudaContext, what: &str, need: u128) -> Result<
     Ok(())
 }
 
-/// Opens CUDA device `ordinal` (its primary context).
-///
-/// # Errors
-/// [`AmpError::NoDevice`] naming why: no driver library on this machine, or the driver
-/// refused (no device, a stand-in driver, an ordinal past the device count).
-pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>, AmpError> {
-    if !driver_library_present() {
-        return Err(AmpError::NoDevice {
-            reason: "no CUDA driver library (libcuda) on the loader path".into(),
-        });
-    }
-    CudaContext::new(ordinal).map_err(|e| AmpError::NoDevice {
-        reason: format!("CUDA device {ordinal} cannot be opened: {e}"),
-    })
-}
+/// Opens CUDA device `ordinal`, or says why there is none (the workspace's one opener;
+/// its error converts into [`AmpError::NoDevice`]).
+pub use cudnn_fe_sys::{cuda_device, NoCudaDevice};
 
 /// The directory NVRTC gets as include path: the first of [`crate::kernels::cuda_include_dir`],
 /// `$CUDA_HOME/include`, `$CUDA_PATH/include`, `/usr/local/cuda/include` (and its

@@ -11,9 +11,9 @@ use crate::cuda::dev_range::{DevRange, DevRangeMut};
 use crate::cuda::head_kernels::FcParams;
 use crate::cuda::launch::AmpKernels;
 use crate::cuda::readback::Readback;
-use crate::cuda::{check_device_memory, driver_error, open_device};
+use crate::cuda::{check_device_memory, cuda_device, driver_error};
 use crate::error::{AmpError, ExecError};
-use crate::plan::{ByteRange, Dtype, MemoryPlan, Region};
+use crate::plan::{ByteRange, DataType, MemoryPlan, Region};
 use crate::range::{HeadShape, Scalars, SgdConfig, S_REGION_BYTES};
 use crate::step::{check_graph_owner, next_executor_id, validate_capture, AmpExecutor, RangeOp};
 
@@ -98,14 +98,15 @@ const fn region_index(region: Region) -> usize {
     }
 }
 
-fn wrong_dtype(op: &'static str, region: Region, want: Dtype) -> AmpError {
+fn wrong_dtype(op: &'static str, region: Region, want: DataType) -> AmpError {
     ExecError::WrongRegion {
         op,
         region,
         role: "typed transfer",
         needs: match want {
-            Dtype::F32 => "an FP32 region (W, G, M, E)",
-            Dtype::F16 => "an FP16 region (A, G16, E16)",
+            DataType::Half => "an FP16 region (A, G16, E16)",
+            // Regions hold FP16 or FP32 only.
+            _ => "an FP32 region (W, G, M, E)",
         },
     }
     .into()
@@ -175,7 +176,7 @@ impl CudaRegions {
     /// # Errors
     /// [`AmpError::NoDevice`], [`AmpError::NoNvrtc`], as [`CudaRegions::new`].
     pub fn open(plan: impl Into<Arc<MemoryPlan>>, ordinal: usize) -> Result<Self, AmpError> {
-        let ctx = open_device(ordinal)?;
+        let ctx = cuda_device(ordinal)?;
         let stream = ctx
             .new_stream()
             .map_err(|e| driver_error("create a stream", e))?;
@@ -307,7 +308,7 @@ impl CudaRegions {
         &self,
         name: &str,
         region: Region,
-        want: Dtype,
+        want: DataType,
         op: &'static str,
         elems: Option<usize>,
     ) -> Result<ByteRange, AmpError> {
@@ -337,7 +338,13 @@ impl CudaRegions {
     /// count, [`ExecError::WrongRegion`] for an FP16 region, plan lookup errors; a driver
     /// error.
     pub fn upload_f32(&mut self, region: Region, name: &str, data: &[f32]) -> Result<(), AmpError> {
-        let r = self.data_range(name, region, Dtype::F32, "upload_f32", Some(data.len()))?;
+        let r = self.data_range(
+            name,
+            region,
+            DataType::Float,
+            "upload_f32",
+            Some(data.len()),
+        )?;
         let bytes: Vec<u8> = data.iter().flat_map(|x| x.to_le_bytes()).collect();
         self.upload_bytes(region, r, &bytes)
     }
@@ -348,7 +355,7 @@ impl CudaRegions {
     /// # Errors
     /// As [`CudaRegions::upload_f32`].
     pub fn upload_f16(&mut self, region: Region, name: &str, data: &[f16]) -> Result<(), AmpError> {
-        let r = self.data_range(name, region, Dtype::F16, "upload_f16", Some(data.len()))?;
+        let r = self.data_range(name, region, DataType::Half, "upload_f16", Some(data.len()))?;
         let bytes: Vec<u8> = data.iter().flat_map(|x| x.to_le_bytes()).collect();
         self.upload_bytes(region, r, &bytes)
     }
@@ -378,7 +385,7 @@ impl CudaRegions {
     /// # Errors
     /// [`ExecError::WrongRegion`] for an FP16 region, plan lookup errors; a driver error.
     pub fn download_f32(&self, region: Region, name: &str) -> Result<Vec<f32>, AmpError> {
-        let r = self.data_range(name, region, Dtype::F32, "download_f32", None)?;
+        let r = self.data_range(name, region, DataType::Float, "download_f32", None)?;
         let bytes = self.download_bytes(region, r)?;
         Ok(bytes
             .chunks_exact(4)
@@ -391,7 +398,7 @@ impl CudaRegions {
     /// # Errors
     /// As [`CudaRegions::download_f32`].
     pub fn download_f16(&self, region: Region, name: &str) -> Result<Vec<f16>, AmpError> {
-        let r = self.data_range(name, region, Dtype::F16, "download_f16", None)?;
+        let r = self.data_range(name, region, DataType::Half, "download_f16", None)?;
         let bytes = self.download_bytes(region, r)?;
         Ok(bytes
             .chunks_exact(2)
@@ -428,8 +435,8 @@ impl CudaRegions {
         elems: usize,
     ) -> Result<u64, AmpError> {
         let v = self.plan.view(name, region)?;
-        if v.dtype != Dtype::F32 {
-            return Err(wrong_dtype(op, region, Dtype::F32));
+        if v.dtype != DataType::Float {
+            return Err(wrong_dtype(op, region, DataType::Float));
         }
         if v.elems != elems {
             return Err(crate::RangeOpError::LengthMismatch {

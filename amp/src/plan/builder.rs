@@ -5,7 +5,9 @@ use std::collections::HashSet;
 use crate::error::PlanError;
 use crate::plan::layout::{BucketInfo, MemoryPlan, ParamInfo};
 use crate::plan::tensors::lay_out;
-use crate::plan::types::{fp16_slot_bytes, fp32_slot_bytes, Bucket, Dtype, ParamKind, PlanOptions};
+use crate::plan::types::{
+    fp16_slot_bytes, fp32_slot_bytes, Bucket, DataType, ParamKind, PlanOptions,
+};
 
 /// A parameter as registered, before layout.
 #[derive(Debug, Clone)]
@@ -28,7 +30,7 @@ pub struct MemoryPlanBuilder {
     buckets: Vec<String>,
     params: Vec<Pending>,
     /// Non-parameter buffers for the tensor arena: (name, dtype, elems), in order.
-    tensors: Vec<(String, Dtype, usize)>,
+    tensors: Vec<(String, DataType, usize)>,
     names: HashSet<String>,
     finalized: bool,
 }
@@ -156,7 +158,12 @@ impl MemoryPlanBuilder {
     /// [`PlanError::RegisterAfterFinalize`], [`PlanError::EmptyName`],
     /// [`PlanError::DuplicateName`], [`PlanError::ZeroDim`] for zero elements,
     /// [`PlanError::SizeOverflow`].
-    pub fn add_tensor(&mut self, name: &str, dtype: Dtype, elems: usize) -> Result<(), PlanError> {
+    pub fn add_tensor(
+        &mut self,
+        name: &str,
+        dtype: DataType,
+        elems: usize,
+    ) -> Result<(), PlanError> {
         let owned = || name.to_owned();
         if self.finalized {
             return Err(PlanError::RegisterAfterFinalize { name: owned() });

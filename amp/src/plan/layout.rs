@@ -5,7 +5,8 @@ use std::collections::HashMap;
 use crate::error::PlanError;
 use crate::plan::tensors::TensorSlot;
 use crate::plan::types::{
-    fp16_slot_bytes, Bucket, ByteRange, Dtype, ParamKind, PlanOptions, Region, SLOT_ALIGN, SLOT_PAD,
+    fp16_slot_bytes, Bucket, ByteRange, DataType, ParamKind, PlanOptions, Region, SLOT_ALIGN,
+    SLOT_PAD,
 };
 use crate::range::S_REGION_BYTES;
 
@@ -144,7 +145,7 @@ pub struct ParamView<'a> {
     /// The region this view is in.
     pub region: Region,
     /// The region's element type.
-    pub dtype: Dtype,
+    pub dtype: DataType,
     /// Byte offset of the data from the region's start (a multiple of 256).
     pub offset_bytes: usize,
     /// Bytes of data: `elems * dtype.size()`.
@@ -564,7 +565,7 @@ impl MemoryPlan {
                 if v.slot_range().end > self.region_len(region) {
                     return broken(&p.name, format!("slot runs past the end of {region}"));
                 }
-                if v.dtype == Dtype::F32
+                if v.dtype == DataType::Float
                     && (v.offset_bytes != 2 * p.offset16 || v.slot_bytes != 2 * p.slot16)
                 {
                     return broken(&p.name, format!("{region} is not 2:1 with its FP16 twin"));

@@ -55,6 +55,6 @@ pub use builder::MemoryPlanBuilder;
 pub use layout::{BucketInfo, MemoryPlan, ParamInfo, ParamView, RegionLayout};
 pub use tensors::TensorSlot;
 pub use types::{
-    align_up, fp16_slot_bytes, fp32_slot_bytes, Bucket, ByteRange, Dtype, GradPath, ParamKind,
+    align_up, fp16_slot_bytes, fp32_slot_bytes, Bucket, ByteRange, DataType, GradPath, ParamKind,
     PlanOptions, Region, SLOT_ALIGN, SLOT_PAD,
 };

@@ -4,13 +4,13 @@
 //! never overlap; nothing in the amp step reads or writes them.
 
 use crate::error::PlanError;
-use crate::plan::types::{align_up, ByteRange, Dtype, SLOT_ALIGN};
+use crate::plan::types::{align_up, ByteRange, DataType, SLOT_ALIGN};
 
 /// One buffer in the tensor arena.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorSlot {
     pub(crate) name: String,
-    pub(crate) dtype: Dtype,
+    pub(crate) dtype: DataType,
     pub(crate) elems: usize,
     pub(crate) offset_bytes: usize,
 }
@@ -21,7 +21,7 @@ impl TensorSlot {
         &self.name
     }
     /// Element type.
-    pub fn dtype(&self) -> Dtype {
+    pub fn dtype(&self) -> DataType {
         self.dtype
     }
     /// Element count.
@@ -44,7 +44,7 @@ impl TensorSlot {
 
 /// Lays `pending` (name, dtype, elems) out in order; returns the slots and the arena size.
 pub(crate) fn lay_out(
-    pending: &[(String, Dtype, usize)],
+    pending: &[(String, DataType, usize)],
 ) -> Result<(Vec<TensorSlot>, usize), PlanError> {
     let mut slots = Vec::with_capacity(pending.len());
     let mut end = 0usize;

@@ -34,24 +34,9 @@ pub fn fp32_slot_bytes(elems: usize) -> Option<usize> {
     fp16_slot_bytes(elems)?.checked_mul(2)
 }
 
-/// Element type of a region.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Dtype {
-    /// IEEE binary32.
-    F32,
-    /// IEEE binary16.
-    F16,
-}
-
-impl Dtype {
-    /// Bytes per element.
-    pub const fn size(self) -> usize {
-        match self {
-            Dtype::F32 => 4,
-            Dtype::F16 => 2,
-        }
-    }
-}
+/// Element type of a region (the workspace's one data type enum; regions use `Half` and
+/// `Float`).
+pub use cudnn_fe_sys::DataType;
 
 /// One contiguous device allocation of the AMP layer.
 ///
@@ -94,10 +79,10 @@ impl Region {
     ];
 
     /// The element type of a parameter region; `None` for S, which mixes types.
-    pub const fn dtype(self) -> Option<Dtype> {
+    pub const fn dtype(self) -> Option<DataType> {
         match self {
-            Region::W | Region::G | Region::M | Region::E => Some(Dtype::F32),
-            Region::A | Region::G16 | Region::E16 => Some(Dtype::F16),
+            Region::W | Region::G | Region::M | Region::E => Some(DataType::Float),
+            Region::A | Region::G16 | Region::E16 => Some(DataType::Half),
             Region::S => None,
         }
     }
@@ -106,9 +91,10 @@ impl Region {
     /// for S.
     pub const fn scale_from_fp16(self) -> Option<usize> {
         match self.dtype() {
-            Some(Dtype::F32) => Some(2),
-            Some(Dtype::F16) => Some(1),
-            None => None,
+            Some(DataType::Float) => Some(2),
+            Some(DataType::Half) => Some(1),
+            // S mixes types; no region holds another type.
+            _ => None,
         }
     }
 
@@ -232,7 +218,7 @@ impl ByteRange {
     }
 
     /// Number of whole elements of `dtype` in the range.
-    pub const fn elems(&self, dtype: Dtype) -> usize {
+    pub const fn elems(&self, dtype: DataType) -> usize {
         self.len() / dtype.size()
     }
 
@@ -247,7 +233,7 @@ impl ByteRange {
     }
 
     /// The same range as element indices of `dtype` (`start / size .. end / size`).
-    pub const fn elem_range(&self, dtype: Dtype) -> std::ops::Range<usize> {
+    pub const fn elem_range(&self, dtype: DataType) -> std::ops::Range<usize> {
         self.start / dtype.size()..self.end / dtype.size()
     }
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use half::f16;
 
 use crate::error::{AmpError, ExecError};
-use crate::plan::{Dtype, MemoryPlan, Region};
+use crate::plan::{DataType, MemoryPlan, Region};
 use crate::range::{self, Scalars, SgdConfig};
 use crate::step::op::RangeOp;
 use crate::step::{check_graph_owner, next_executor_id, validate_capture, AmpExecutor};
@@ -215,13 +215,14 @@ impl CpuRegions {
         &self,
         name: &str,
         region: Region,
-        want: Dtype,
+        want: DataType,
     ) -> Result<std::ops::Range<usize>, AmpError> {
         let v = self.plan.view(name, region)?;
         if v.dtype != want {
             return Err(match want {
-                Dtype::F32 => f32_view_error("param_f32", region),
-                Dtype::F16 => f16_view_error("param_f16", region),
+                DataType::Half => f16_view_error("param_f16", region),
+                // Regions hold FP16 or FP32 only.
+                _ => f32_view_error("param_f32", region),
             });
         }
         Ok(v.elem_offset()..v.elem_offset() + v.elems)
@@ -233,7 +234,7 @@ impl CpuRegions {
     /// [`crate::PlanError::UnknownParam`], [`crate::PlanError::NotInRegion`],
     /// [`ExecError::WrongRegion`] for an FP16 region.
     pub fn param_f32(&self, name: &str, region: Region) -> Result<&[f32], AmpError> {
-        let r = self.param_elems(name, region, Dtype::F32)?;
+        let r = self.param_elems(name, region, DataType::Float)?;
         Ok(&self.f32_region(region)?[r])
     }
 
@@ -242,7 +243,7 @@ impl CpuRegions {
     /// # Errors
     /// As [`CpuRegions::param_f32`].
     pub fn param_f32_mut(&mut self, name: &str, region: Region) -> Result<&mut [f32], AmpError> {
-        let r = self.param_elems(name, region, Dtype::F32)?;
+        let r = self.param_elems(name, region, DataType::Float)?;
         Ok(&mut self.f32_region_mut(region)?[r])
     }
 
@@ -252,7 +253,7 @@ impl CpuRegions {
     /// [`crate::PlanError::UnknownParam`], [`crate::PlanError::NotInRegion`] (e.g. an FC
     /// weight in G16), [`ExecError::WrongRegion`] for an FP32 region.
     pub fn param_f16(&self, name: &str, region: Region) -> Result<&[f16], AmpError> {
-        let r = self.param_elems(name, region, Dtype::F16)?;
+        let r = self.param_elems(name, region, DataType::Half)?;
         Ok(&self.f16_region(region)?[r])
     }
 
@@ -261,7 +262,7 @@ impl CpuRegions {
     /// # Errors
     /// As [`CpuRegions::param_f16`].
     pub fn param_f16_mut(&mut self, name: &str, region: Region) -> Result<&mut [f16], AmpError> {
-        let r = self.param_elems(name, region, Dtype::F16)?;
+        let r = self.param_elems(name, region, DataType::Half)?;
         Ok(&mut self.f16_region_mut(region)?[r])
     }
 
@@ -319,7 +320,7 @@ impl CpuRegions {
     fn exec(&mut self, op: &RangeOp) -> Result<(), AmpError> {
         match *op {
             RangeOp::Zero { region, span16 } => {
-                let r = span16.elem_range(Dtype::F16);
+                let r = span16.elem_range(DataType::Half);
                 if let Some(v) = self.f32_vec_mut(region) {
                     range::zero_f32(&mut v[r]);
                 } else if let Some(v) = self.f16_vec_mut(region) {
@@ -327,7 +328,7 @@ impl CpuRegions {
                 }
             }
             RangeOp::CastF16ToF32 { src, dst, span16 } => {
-                let r = span16.elem_range(Dtype::F16);
+                let r = span16.elem_range(DataType::Half);
                 let mut out = std::mem::take(self.f32_vec_mut(dst).unwrap_or(&mut Vec::new()));
                 let done = match self.f16_vec(src) {
                     Some(s) => range::cast_f16_to_f32(&s[r.clone()], &mut out[r]),
@@ -339,7 +340,7 @@ impl CpuRegions {
                 done?;
             }
             RangeOp::CastF32ToF16 { src, dst, span16 } => {
-                let r = span16.elem_range(Dtype::F16);
+                let r = span16.elem_range(DataType::Half);
                 let mut out = std::mem::take(self.f16_vec_mut(dst).unwrap_or(&mut Vec::new()));
                 let done = match self.f32_vec(src) {
                     Some(s) => range::cast_f32_to_f16(&s[r.clone()], &mut out[r]),
@@ -351,7 +352,7 @@ impl CpuRegions {
                 done?;
             }
             RangeOp::CopyF32 { src, dst, span16 } => {
-                let r = span16.elem_range(Dtype::F16);
+                let r = span16.elem_range(DataType::Half);
                 let mut out = std::mem::take(self.f32_vec_mut(dst).unwrap_or(&mut Vec::new()));
                 if let Some(s) = self.f32_vec(src) {
                     out[r.clone()].copy_from_slice(&s[r]);
@@ -361,7 +362,7 @@ impl CpuRegions {
                 }
             }
             RangeOp::Check { policy, span16 } => {
-                let r = span16.elem_range(Dtype::F16);
+                let r = span16.elem_range(DataType::Half);
                 range::check_grads(&mut self.g[r], policy, &mut self.s)?;
             }
             RangeOp::Sgd {
@@ -370,7 +371,7 @@ impl CpuRegions {
                 momentum_buffer,
                 span16,
             } => {
-                let r = span16.elem_range(Dtype::F16);
+                let r = span16.elem_range(DataType::Half);
                 let m = momentum_buffer.then(|| &mut self.m[r.clone()]);
                 // A range without decay sees S's weight decay as 0 (the kernel's `decay` flag).
                 let s = Scalars {
@@ -387,7 +388,7 @@ impl CpuRegions {
                 )?;
             }
             RangeOp::Ema { decay, span16 } => {
-                let r = span16.elem_range(Dtype::F16);
+                let r = span16.elem_range(DataType::Half);
                 range::ema_update(
                     &mut self.e[r.clone()],
                     &mut self.e16[r.clone()],

@@ -11,7 +11,7 @@
 //! element `span16.start / 2 + j` of every region it touches.
 
 use crate::error::{AmpError, ExecError, RangeOpError};
-use crate::plan::{ByteRange, Dtype, MemoryPlan, Region};
+use crate::plan::{ByteRange, DataType, MemoryPlan, Region};
 use crate::range::{LossScalePolicy, OverflowPolicy};
 
 /// One range op, with everything an executor needs to run it.
@@ -134,7 +134,7 @@ impl RangeOp {
     pub fn traffic_bytes(&self) -> usize {
         let n = self.elems();
         match *self {
-            RangeOp::Zero { region, .. } => n * region.dtype().map_or(0, Dtype::size),
+            RangeOp::Zero { region, .. } => n * region.dtype().map_or(0, DataType::size),
             RangeOp::CastF16ToF32 { .. } | RangeOp::CastF32ToF16 { .. } => n * 6,
             RangeOp::CopyF32 { .. } => n * 8,
             RangeOp::Check { .. } => n * 4,
@@ -163,16 +163,16 @@ impl RangeOp {
         match *self {
             RangeOp::Zero { region, span16 } => span_in(op, plan, region, "region", span16, None),
             RangeOp::CastF16ToF32 { src, dst, span16 } => {
-                span_in(op, plan, src, "source", span16, Some(Dtype::F16))?;
-                span_in(op, plan, dst, "destination", span16, Some(Dtype::F32))
+                span_in(op, plan, src, "source", span16, Some(DataType::Half))?;
+                span_in(op, plan, dst, "destination", span16, Some(DataType::Float))
             }
             RangeOp::CastF32ToF16 { src, dst, span16 } => {
-                span_in(op, plan, src, "source", span16, Some(Dtype::F32))?;
-                span_in(op, plan, dst, "destination", span16, Some(Dtype::F16))
+                span_in(op, plan, src, "source", span16, Some(DataType::Float))?;
+                span_in(op, plan, dst, "destination", span16, Some(DataType::Half))
             }
             RangeOp::CopyF32 { src, dst, span16 } => {
-                span_in(op, plan, src, "source", span16, Some(Dtype::F32))?;
-                span_in(op, plan, dst, "destination", span16, Some(Dtype::F32))?;
+                span_in(op, plan, src, "source", span16, Some(DataType::Float))?;
+                span_in(op, plan, dst, "destination", span16, Some(DataType::Float))?;
                 if src == dst {
                     return Err(ExecError::WrongRegion {
                         op,
@@ -186,7 +186,14 @@ impl RangeOp {
             }
             RangeOp::Check { policy, span16 } => {
                 policy.validate()?;
-                span_in(op, plan, Region::G, "gradients", span16, Some(Dtype::F32))
+                span_in(
+                    op,
+                    plan,
+                    Region::G,
+                    "gradients",
+                    span16,
+                    Some(DataType::Float),
+                )
             }
             RangeOp::Sgd {
                 momentum_buffer,
@@ -200,18 +207,39 @@ impl RangeOp {
                     }
                     .into());
                 }
-                span_in(op, plan, Region::W, "weights", span16, Some(Dtype::F32))?;
-                span_in(op, plan, Region::G, "gradients", span16, Some(Dtype::F32))?;
+                span_in(
+                    op,
+                    plan,
+                    Region::W,
+                    "weights",
+                    span16,
+                    Some(DataType::Float),
+                )?;
+                span_in(
+                    op,
+                    plan,
+                    Region::G,
+                    "gradients",
+                    span16,
+                    Some(DataType::Float),
+                )?;
                 span_in(
                     op,
                     plan,
                     Region::A,
                     "compute weights",
                     span16,
-                    Some(Dtype::F16),
+                    Some(DataType::Half),
                 )?;
                 if momentum_buffer {
-                    span_in(op, plan, Region::M, "momentum", span16, Some(Dtype::F32))?;
+                    span_in(
+                        op,
+                        plan,
+                        Region::M,
+                        "momentum",
+                        span16,
+                        Some(DataType::Float),
+                    )?;
                 }
                 Ok(())
             }
@@ -227,7 +255,14 @@ impl RangeOp {
                     }
                     span_in(op, plan, region, role, span16, region.dtype())?;
                 }
-                span_in(op, plan, Region::W, "weights", span16, Some(Dtype::F32))
+                span_in(
+                    op,
+                    plan,
+                    Region::W,
+                    "weights",
+                    span16,
+                    Some(DataType::Float),
+                )
             }
             RangeOp::LossScaleUpdate { policy } => Ok(policy.validate()?),
         }
@@ -256,7 +291,7 @@ fn span_in(
     region: Region,
     role: &'static str,
     span16: ByteRange,
-    dtype: Option<Dtype>,
+    dtype: Option<DataType>,
 ) -> Result<(), AmpError> {
     let (Some(have), Some(scale)) = (region.dtype(), region.scale_from_fp16()) else {
         return Err(ExecError::WrongRegion {
@@ -274,8 +309,9 @@ fn span_in(
                 region,
                 role,
                 needs: match want {
-                    Dtype::F32 => "an FP32 region (W, G, M, E)",
-                    Dtype::F16 => "an FP16 region (A, G16, E16)",
+                    DataType::Half => "an FP16 region (A, G16, E16)",
+                    // Regions hold FP16 or FP32 only.
+                    _ => "an FP32 region (W, G, M, E)",
                 },
             }
             .into());

@@ -45,7 +45,7 @@ impl Rng {
 /// Device 0's stream and kernels, or `None` after printing the one `SKIP <test>: <reason>`
 /// line (no driver, no device, no NVRTC). Kernels that do not build are a failure.
 pub fn device(test: &str) -> Option<(Arc<CudaStream>, Arc<AmpKernels>)> {
-    let ctx = match cuda::open_device(0) {
+    let ctx = match cuda::cuda_device(0) {
         Ok(ctx) => ctx,
         Err(e) => {
             println!("SKIP {test}: {e}");

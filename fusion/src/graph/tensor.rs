@@ -1,54 +1,7 @@
 //! Tensors of a graph: data types, dims, strides, and the NHWC / per-channel helpers.
 
-/// Element types a graph tensor can have.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum DataType {
-    /// IEEE half precision.
-    Half,
-    /// bfloat16.
-    BFloat16,
-    /// IEEE single precision.
-    Float,
-    /// IEEE double precision.
-    Double,
-    /// 32-bit signed integer.
-    Int32,
-    /// 64-bit signed integer (e.g. BN finalize's element count).
-    Int64,
-    /// Boolean (e.g. a ReLU mask).
-    Boolean,
-}
-
-impl DataType {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            DataType::Half | DataType::BFloat16 => 2,
-            DataType::Float | DataType::Int32 => 4,
-            DataType::Double | DataType::Int64 => 8,
-            DataType::Boolean => 1,
-        }
-    }
-
-    /// Short name used in signatures and messages.
-    pub fn name(self) -> &'static str {
-        match self {
-            DataType::Half => "f16",
-            DataType::BFloat16 => "bf16",
-            DataType::Float => "f32",
-            DataType::Double => "f64",
-            DataType::Int32 => "i32",
-            DataType::Int64 => "i64",
-            DataType::Boolean => "bool",
-        }
-    }
-}
-
-impl std::fmt::Display for DataType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
+/// Element types a graph tensor can have (the workspace's one data type enum).
+pub use cudnn_fe_sys::DataType;
 
 /// The graph's default types: I/O tensors, virtual intermediates, and math.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

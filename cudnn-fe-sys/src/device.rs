@@ -1,0 +1,32 @@
+//! Opening a CUDA device without the panic cudarc gives where no driver library exists: the
+//! one device opener of the workspace (the frontend and the mixed-precision layer convert
+//! its error into theirs).
+
+use cudarc::driver::CudaContext;
+use std::sync::Arc;
+
+/// Why no CUDA device could be opened.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("no CUDA device: {reason}")]
+pub struct NoCudaDevice {
+    /// What failed: no driver library, or the driver's refusal (no device, a stand-in driver,
+    /// an ordinal past the device count).
+    pub reason: String,
+}
+
+/// Opens CUDA device `ordinal` (its primary context). Checks that a driver library exists
+/// before touching cudarc, which panics without one.
+///
+/// # Errors
+/// [`NoCudaDevice`] naming why.
+pub fn cuda_device(ordinal: usize) -> Result<Arc<CudaContext>, NoCudaDevice> {
+    // SAFETY: is_culib_present only tries to dlopen the driver library by name.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(NoCudaDevice {
+            reason: "no CUDA driver library (libcuda) on this machine".into(),
+        });
+    }
+    CudaContext::new(ordinal).map_err(|e| NoCudaDevice {
+        reason: format!("CUDA device {ordinal} cannot be opened: {e}"),
+    })
+}
