@@ -206,6 +206,11 @@ enum Home {
 /// and its gradient in the plan's tensor arena. It holds no address of the amp memory:
 /// [`CudaNet::forward_with`] borrows the regions for the pass, so they cannot be freed or
 /// changed under it.
+///
+/// Streams: the network runs on the handle's stream. The regions may live on another stream
+/// of the same context (an update stream for the amp step): each pass then waits for that
+/// stream and that stream waits for the pass, through CUDA events. Capture a step into a
+/// CUDA graph on one stream.
 #[derive(Debug)]
 pub struct CudaNet {
     net: CompiledNet,
@@ -358,12 +363,12 @@ impl CudaNet {
     /// The forward pass with the parameters in `regions` (made from the plan given to
     /// [`CudaNet::new`]).
     pub fn forward_with(&mut self, regions: &mut CudaRegions) -> Result<()> {
-        run_pass(&mut self.pass(Some(regions), None)?, false)
+        self.run(Some(regions), None, false)
     }
 
     /// The backward pass with the parameters and their gradients in `regions`.
     pub fn backward_with(&mut self, regions: &mut CudaRegions) -> Result<()> {
-        run_pass(&mut self.pass(Some(regions), None)?, true)
+        self.run(Some(regions), None, true)
     }
 
     /// The forward pass reading the caller's `input` (NHWC FP16, at least the network's input
@@ -374,7 +379,7 @@ impl CudaNet {
         regions: Option<&mut CudaRegions>,
         input: &mut CudaSlice<f16>,
     ) -> Result<()> {
-        run_pass(&mut self.pass(regions, Some(input))?, false)
+        self.run(regions, Some(input), false)
     }
 
     /// The backward pass of a forward pass made with [`CudaNet::forward_from`]: the first
@@ -384,7 +389,27 @@ impl CudaNet {
         regions: Option<&mut CudaRegions>,
         input: &mut CudaSlice<f16>,
     ) -> Result<()> {
-        run_pass(&mut self.pass(regions, Some(input))?, true)
+        self.run(regions, Some(input), true)
+    }
+
+    /// One pass; with the regions on a stream of their own (an update stream beside the
+    /// compute stream), that stream then waits for the pass (a CUDA event), so the amp step
+    /// enqueued there reads finished gradients.
+    fn run(
+        &mut self,
+        mut regions: Option<&mut CudaRegions>,
+        input: Option<&mut CudaSlice<f16>>,
+        backward: bool,
+    ) -> Result<()> {
+        run_pass(&mut self.pass(regions.as_deref_mut(), input)?, backward)?;
+        if let Some(r) = regions {
+            if !Arc::ptr_eq(r.stream(), &self.stream) {
+                r.stream()
+                    .join(&self.stream)
+                    .map_err(|e| driver("order the amp stream after the pass".into(), e))?;
+            }
+        }
+        Ok(())
     }
 
     /// Sets the running variances that live in the tensor arena to 1, as every framework
@@ -426,9 +451,17 @@ impl CudaNet {
                     ));
                 }
                 if !Arc::ptr_eq(r.stream(), &self.stream) {
-                    return Err(CudaNetError::Binding(
-                        "the amp regions run on another stream than the network's handle".into(),
-                    ));
+                    if !Arc::ptr_eq(r.stream().context(), self.stream.context()) {
+                        return Err(CudaNetError::Binding(
+                            "the amp regions are on another CUDA context than the network's handle"
+                                .into(),
+                        ));
+                    }
+                    // An update stream beside the compute stream: the pass waits for the amp
+                    // work enqueued there so far (zeroed gradients, updated weights).
+                    self.stream
+                        .join(r.stream())
+                        .map_err(|e| driver("order the pass after the amp stream".into(), e))?;
                 }
             }
             (Some(_), None) => {
