@@ -720,3 +720,59 @@ fn gpu_graph_replay_equals_eager_bit_for_bit() {
     // A graph of one executor does not replay on another.
     assert!(eager.replay(&finish).is_err());
 }
+
+#[test]
+fn gpu_a_learning_rate_schedule_under_graph_replay_equals_eager() {
+    const TEST: &str = "gpu_a_learning_rate_schedule_under_graph_replay_equals_eager";
+    let Some((stream, _k)) = device(TEST) else {
+        return;
+    };
+    let plan = Arc::new(step_plan());
+    let mut rng = Rng(11);
+    let w0 = init_w(&plan, &mut rng);
+    let ctx = stream.context().clone();
+    let make = || {
+        let mut ex = CudaRegions::new(plan.clone(), ctx.new_stream().unwrap()).unwrap();
+        for (name, v) in &w0 {
+            ex.upload_f32(Region::W, name, v).unwrap();
+        }
+        let mut step = AmpStep::new(ex, step_config()).unwrap();
+        step.init_weights().unwrap();
+        step
+    };
+    let (mut eager, mut graphed, mut constant) = (make(), make(), make());
+    let begin = graphed.capture_begin().unwrap();
+    let finish = graphed.capture_finish().unwrap();
+    for t in 0..10 {
+        // A cosine-like learning rate; momentum and weight decay change at step 5. The values
+        // live in S, so the graph captured once follows them.
+        let lr = 0.05 * (1.0 + (t as f32 * 0.3).cos()) / 2.0 + 1e-3;
+        let (mu, wd) = if t < 5 { (0.9, 1e-3) } else { (0.5, 0.0) };
+        let scale = eager.executor().read_scalars_blocking().unwrap().loss_scale;
+        let g = grads(&plan, &mut rng, scale, t == 3);
+        eager.set_hyper(lr, mu, wd).unwrap();
+        eager.begin().unwrap();
+        write_cuda(eager.executor_mut(), &g);
+        eager.finish().unwrap();
+        graphed.set_hyper(lr, mu, wd).unwrap();
+        graphed.replay(&begin).unwrap();
+        write_cuda(graphed.executor_mut(), &g);
+        graphed.replay(&finish).unwrap();
+        constant.begin().unwrap();
+        write_cuda(constant.executor_mut(), &g);
+        constant.finish().unwrap();
+        assert_same(
+            &cuda_bytes(eager.executor()),
+            &cuda_bytes(graphed.executor()),
+            &format!("step {t}"),
+        );
+    }
+    // The schedule reached the update: a constant rate leaves other weights.
+    assert_ne!(
+        eager.executor().download_region_bytes(Region::W).unwrap(),
+        constant
+            .executor()
+            .download_region_bytes(Region::W)
+            .unwrap()
+    );
+}
