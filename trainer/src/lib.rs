@@ -34,7 +34,7 @@ pub mod snapshot;
 
 pub use cudnn_cbr::net::Preset;
 pub use data::Synthetic;
-pub use net::{compile_net, Net};
+pub use net::compile_net;
 
 use cudnn_cbr::amp::plan::{MemoryPlan, ParamInfo};
 use cudnn_cbr::amp::range::{HeadMetrics, SgdConfig};
@@ -595,4 +595,17 @@ pub(crate) fn summarize(steps: &[HeadMetrics]) -> (f32, f32, f32, Vec<f32>) {
         mean(&accs[accs.len().saturating_sub(10)..]),
         losses,
     )
+}
+
+impl From<cudnn_cbr::ClassifierError> for TrainError {
+    fn from(e: cudnn_cbr::ClassifierError) -> Self {
+        use cudnn_cbr::ClassifierError as C;
+        match e {
+            C::Fusion(e) => TrainError::Fusion(e),
+            C::Amp(e) => TrainError::Amp(e),
+            C::Net(e) => TrainError::Config(e.to_string()),
+            C::Driver { what, message } => TrainError::Driver { what, message },
+            C::Input(m) => TrainError::Config(m),
+        }
+    }
 }
