@@ -12,10 +12,16 @@ use cudnn_cbr_fusion::plan::{build_plans, ExecutionPlan, PlanPolicy};
 use cudnn_cbr_fusion::{DeviceProps, Error, Target};
 use std::path::{Path, PathBuf};
 
-const H200: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../tests/fixtures/devprops/h200-sm90.json"
-);
+/// The H200 fixture: from the repository root (a bundled binary on the GPU machine runs in a
+/// copy of the repository at another path), from this crate's folder (cargo runs tests
+/// there), else where the test was built.
+fn h200() -> PathBuf {
+    const REL: &str = "tests/fixtures/devprops/h200-sm90.json";
+    [PathBuf::from(REL), Path::new("..").join(REL)]
+        .into_iter()
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(REL))
+}
 
 /// cuDNN for a deviceless test: required under CI, else one SKIP line.
 fn cudnn_or_skip(test: &str) -> bool {
@@ -36,12 +42,12 @@ fn cudnn_or_skip(test: &str) -> bool {
 }
 
 fn h200() -> Target {
-    Target::deviceless_from_file(H200).unwrap()
+    Target::deviceless_from_file(h200()).unwrap()
 }
 
 /// The H200 document with edits: a target cuDNN has no engine for (sm_50), or another identity.
 fn edited_target(edits: &[(&str, &str)]) -> Target {
-    let mut text = std::fs::read_to_string(H200).unwrap();
+    let mut text = std::fs::read_to_string(h200()).unwrap();
     for (from, to) in edits {
         assert!(text.contains(from), "the fixture has no {from}");
         text = text.replace(from, to);
