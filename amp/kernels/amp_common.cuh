@@ -16,7 +16,7 @@
 
 #include <cuda_fp16.h>
 
-// The S region (256 bytes; the first 20 in use). Mirrors cudnn_cbr_amp::range::Scalars.
+// The S region (256 bytes; the first 36 in use). Mirrors cudnn_cbr_amp::range::Scalars.
 struct AmpScalars {
     float loss_scale;             // byte 0
     unsigned int overflow;        // byte 4: 0 clear, nonzero = NaN/Inf seen this step
@@ -26,6 +26,7 @@ struct AmpScalars {
     float lr;                     // byte 20: SGD learning rate (host writes, between steps)
     float momentum;               // byte 24: SGD momentum (0: M untouched)
     float weight_decay;           // byte 28: SGD weight decay
+    unsigned int ranks;           // byte 32: data-parallel ranks summed into G (0, 1: one)
 };
 static_assert(__builtin_offsetof(AmpScalars, loss_scale) == 0, "S layout: loss_scale");
 static_assert(__builtin_offsetof(AmpScalars, overflow) == 4, "S layout: overflow");
@@ -35,7 +36,8 @@ static_assert(__builtin_offsetof(AmpScalars, skipped) == 16, "S layout: skipped"
 static_assert(__builtin_offsetof(AmpScalars, lr) == 20, "S layout: lr");
 static_assert(__builtin_offsetof(AmpScalars, momentum) == 24, "S layout: momentum");
 static_assert(__builtin_offsetof(AmpScalars, weight_decay) == 28, "S layout: weight_decay");
-static_assert(sizeof(AmpScalars) == 32, "S layout: size");
+static_assert(__builtin_offsetof(AmpScalars, ranks) == 32, "S layout: ranks");
+static_assert(sizeof(AmpScalars) == 36, "S layout: size");
 
 #define AMP_MIN_LOSS_SCALE 1.0f
 #define AMP_BACKOFF_FACTOR 0.5f

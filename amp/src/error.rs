@@ -34,6 +34,9 @@ pub enum AmpError {
     /// A CUDA driver or NVRTC call failed.
     #[error(transparent)]
     Cuda(#[from] CudaError),
+    /// A data-parallel collective or group setup failed.
+    #[error(transparent)]
+    Dist(#[from] crate::dist::DistError),
     /// No usable CUDA device: no driver library, no device, or the device cannot be opened.
     #[error("no usable CUDA device: {reason}")]
     NoDevice {

@@ -12,6 +12,7 @@
 //! | step      | begin (zero grads) … finish (cast, check, SGD, EMA, scale) | [`step::AmpStep`] |
 //! | graph     | a recorded op list, replayed as one launch   | [`step::StepGraph`], [`cuda::CudaStepGraph`] |
 //! | head      | pooling, FC, residual join, metrics log around a step | [`range::HeadShape`], [`kernels::HEAD`] |
+//! | group     | data-parallel ranks: gradient all-reduce, shared overflow verdict | [`dist`] |
 //!
 //! Recipe for a training step without host syncs:
 //! 1. Build a [`plan::MemoryPlan`] from the network's parameters.
@@ -28,6 +29,7 @@
 #![warn(missing_docs)]
 
 pub mod cuda;
+pub mod dist;
 pub mod error;
 pub mod kernels;
 pub mod memory;

@@ -62,6 +62,7 @@ fn scalars_round_trip_through_the_s_image() {
         lr: 0.05,
         momentum: 0.9,
         weight_decay: 5e-4,
+        ranks: 3,
     };
     let bytes = s.to_bytes();
     assert_eq!(bytes.len(), S_REGION_BYTES);

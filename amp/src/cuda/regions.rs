@@ -680,6 +680,12 @@ impl AmpExecutor for CudaRegions {
         self.upload_bytes(Region::S, at, &bytes[at.start..at.end])
     }
 
+    fn write_ranks(&mut self, ranks: u32) -> Result<(), AmpError> {
+        use crate::range::s_layout::RANKS;
+        let at = ByteRange::new(RANKS, RANKS + 4);
+        self.upload_bytes(Region::S, at, &ranks.to_le_bytes())
+    }
+
     fn request_scalars(&mut self) -> Result<(), AmpError> {
         self.plan.region_range(Region::S)?;
         let Some(s) = self.regions[region_index(Region::S)].as_ref() else {

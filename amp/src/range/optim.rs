@@ -125,7 +125,8 @@ impl SgdConfig {
 /// are read from `s` (the S region), as the kernel reads them.
 ///
 /// Flag set: returns [`StepOutcome::Skipped`] with nothing written. Otherwise, per element,
-/// with `inv = 1 / loss_scale`:
+/// with `inv = 1 / loss_scale` (`1 / (loss_scale · ranks)` over several ranks,
+/// [`Scalars::unscale`]):
 /// ```text
 /// g' = g * inv
 /// g' = g' + wd * w                       (only if wd != 0)
@@ -170,7 +171,7 @@ pub fn sgd_step(
     if s.overflow != 0 {
         return Ok(StepOutcome::Skipped);
     }
-    let inv = 1.0f32 / s.loss_scale;
+    let inv = s.unscale();
     for i in 0..n {
         let wi = w[i];
         let mut gi = g[i] * inv;

@@ -14,7 +14,8 @@
 //! |     20 | f32  | `lr`             | the host, between steps (SGD reads)  |
 //! |     24 | f32  | `momentum`       | the host, between steps (SGD reads)  |
 //! |     28 | f32  | `weight_decay`   | the host, between steps (SGD reads)  |
-//! | 32–255 | —    | reserved, zero   | nobody                               |
+//! |     32 | u32  | `ranks`          | the host, at start (SGD reads)       |
+//! | 36–255 | —    | reserved, zero   | nobody                               |
 //!
 //! The SGD hyper-parameters live here rather than in the kernel's launch arguments so that a
 //! step captured once as a CUDA graph follows a learning-rate schedule: the host writes the
@@ -45,8 +46,10 @@ pub mod s_layout {
     pub const MOMENTUM: usize = 24;
     /// `f32` SGD weight decay.
     pub const WEIGHT_DECAY: usize = 28;
+    /// `u32` data-parallel ranks whose gradient sums G holds (0 and 1: one rank).
+    pub const RANKS: usize = 32;
     /// Bytes in use; the rest of the slot is reserved and kept zero.
-    pub const USED: usize = 32;
+    pub const USED: usize = 36;
 }
 
 /// Host mirror of the S region: what the device scalars hold between kernels.
@@ -70,6 +73,10 @@ pub struct Scalars {
     pub momentum: f32,
     /// SGD weight decay.
     pub weight_decay: f32,
+    /// Data-parallel ranks whose summed gradients G holds: SGD unscales by
+    /// `1 / (loss_scale · ranks)`, which averages them at no extra cost (0 and 1: one rank,
+    /// `1 / loss_scale` exactly).
+    pub ranks: u32,
 }
 
 impl Scalars {
@@ -85,6 +92,7 @@ impl Scalars {
             lr: 0.0,
             momentum: 0.0,
             weight_decay: 0.0,
+            ranks: 1,
         }
     }
 
@@ -107,6 +115,17 @@ impl Scalars {
         }
     }
 
+    /// The unscale factor of SGD: `1 / loss_scale`, or `1 / (loss_scale · ranks)` for a
+    /// data-parallel step over more than one rank (each product rounded once, as the kernel).
+    pub fn unscale(&self) -> f32 {
+        let denom = if self.ranks > 1 {
+            self.loss_scale * self.ranks as f32
+        } else {
+            self.loss_scale
+        };
+        1.0f32 / denom
+    }
+
     /// Whether the overflow flag is set (the optimizer and EMA will skip).
     pub fn overflowed(&self) -> bool {
         self.overflow != 0
@@ -124,6 +143,7 @@ impl Scalars {
         put(s_layout::LR, self.lr.to_le_bytes());
         put(s_layout::MOMENTUM, self.momentum.to_le_bytes());
         put(s_layout::WEIGHT_DECAY, self.weight_decay.to_le_bytes());
+        put(s_layout::RANKS, self.ranks.to_le_bytes());
         out
     }
 
@@ -148,6 +168,7 @@ impl Scalars {
             lr: f32::from_le_bytes(word(s_layout::LR)),
             momentum: f32::from_le_bytes(word(s_layout::MOMENTUM)),
             weight_decay: f32::from_le_bytes(word(s_layout::WEIGHT_DECAY)),
+            ranks: u32::from_le_bytes(word(s_layout::RANKS)),
         })
     }
 }

@@ -444,6 +444,11 @@ impl AmpExecutor for CpuRegions {
         Ok(())
     }
 
+    fn write_ranks(&mut self, ranks: u32) -> Result<(), AmpError> {
+        self.s.ranks = ranks;
+        Ok(())
+    }
+
     fn request_scalars(&mut self) -> Result<(), AmpError> {
         self.snapshot = Some(self.s);
         Ok(())

@@ -139,6 +139,13 @@ pub trait AmpExecutor {
     /// On CUDA, a driver error.
     fn write_hyper(&mut self, sgd: &SgdConfig) -> Result<(), AmpError>;
 
+    /// Overwrites only S's rank count (data-parallel steps: SGD unscales G's sums by
+    /// `1 / (loss_scale · ranks)`), ordered like [`AmpExecutor::write_hyper`].
+    ///
+    /// # Errors
+    /// On CUDA, a driver error.
+    fn write_ranks(&mut self, ranks: u32) -> Result<(), AmpError>;
+
     /// Asks for a snapshot of S as it will be once the work enqueued so far has run. Never
     /// waits: on CUDA it enqueues an asynchronous copy into pinned host memory.
     ///
@@ -492,6 +499,47 @@ impl<X: AmpExecutor> AmpStep<X> {
     /// On CUDA, a driver error.
     pub fn finish(&mut self) -> Result<(), AmpError> {
         self.exec.run_all(&self.finish)
+    }
+
+    /// [`AmpStep::finish`] with `between` run after the overflow check and before SGD: where
+    /// a data-parallel step shares the overflow flag across ranks
+    /// ([`crate::dist::grads::all_reduce_overflow`]), so that every rank skips together.
+    ///
+    /// # Errors
+    /// As [`AmpStep::finish`], or what `between` returns; the ops after the check do not run
+    /// when it fails.
+    pub fn finish_with(
+        &mut self,
+        between: impl FnOnce(&mut X) -> Result<(), AmpError>,
+    ) -> Result<(), AmpError> {
+        let split = self
+            .finish
+            .iter()
+            .rposition(|op| matches!(op, RangeOp::Check { .. }))
+            .map_or(0, |i| i + 1);
+        validate_all(self.exec.plan(), &self.finish)?;
+        self.exec.run_all(&self.finish[..split])?;
+        between(&mut self.exec)?;
+        self.exec.run_all(&self.finish[split..])
+    }
+
+    /// Sets how many data-parallel ranks' gradients G sums (S's `ranks`; 1 by default): SGD
+    /// then unscales by `1 / (loss_scale · ranks)`, averaging the sums in the same multiply.
+    /// Captured graphs stay valid (the kernel reads S).
+    ///
+    /// # Errors
+    /// [`crate::RangeOpError::InvalidConfig`] for 0 ranks; on CUDA, a driver error.
+    pub fn set_ranks(&mut self, ranks: u32) -> Result<(), AmpError> {
+        if ranks == 0 {
+            return Err(crate::RangeOpError::InvalidConfig {
+                op: "AmpStep::set_ranks",
+                field: "ranks",
+                value: "0".into(),
+                why: "a step runs on at least one rank",
+            }
+            .into());
+        }
+        self.exec.write_ranks(ranks)
     }
 
     fn capture(&mut self, phase: StepPhase) -> Result<StepGraph<X::Graph>, AmpError> {
