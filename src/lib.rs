@@ -9,7 +9,8 @@
 //!   (layers, prologue pairings with per-pair fallback, buffers, forward/backward steps) and
 //!   the CPU executor of a compiled network (FP16 storage or exact `f64`);
 //! - [`classifier`]: a compiled network with a classification head and the amp step, on the
-//!   CPU executor or CUDA: what a trainer links.
+//!   CPU executor or CUDA: what a trainer links;
+//! - [`dist`]: data-parallel training of a classifier over ranks (threads on the CPU).
 //!
 //! The main job's training loop (a small CBR ResNet on synthetic data) is the workspace crate
 //! `cudnn-cbr-trainer`, built on the types below.
@@ -24,6 +25,7 @@
 //! | compiling it | [`compile()`], [`RoutePolicy`], [`CompiledNet`] | every layer, buffer and step; [`prewarm()`] plans on threads first |
 //! | running it | [`CpuNet`], [`CudaNet`] | the CPU reference executor, the cuDNN executor |
 //! | training it | [`CpuClassifier`], [`CudaClassifier`], [`ClassifierError`] | network + GAP/FC/softmax head + amp step, same calls on both executors |
+//! | on many ranks | [`dist::CpuReplica`], [`dist::CpuGroup`] | data-parallel CPU ranks: gradient all-reduce, shared overflow verdict, synchronized BN |
 //! | its parameters | [`memory_plan`], [`initial_weights`] | a compiled network's slots in the amp plan, and their start values |
 //! | one layer | [`CbrConfig`], [`ConvShape`], [`CbrLayer`] | a Conv+BN+ReLU layer and its plans |
 //! | its buffers | [`DeviceBuffers`], [`keys`] | borrowed cudarc slices under typed keys (`keys::Y: Key<f16>`) |
@@ -82,6 +84,7 @@ pub use cudnn_fe_sys as sys;
 pub struct ReadmeDoctests;
 
 pub mod classifier;
+pub mod dist;
 pub mod net;
 
 pub use amp::plan::{MemoryPlanBuilder, ParamKind};

@@ -129,6 +129,9 @@ pub enum Error {
         /// What is wrong.
         problem: String,
     },
+    /// Synchronized BN could not sum its statistics over the replicas.
+    #[error("synchronized BN: {0}")]
+    BnSync(String),
     /// The CPU reference executor rejected its inputs.
     #[error(transparent)]
     Reference(#[from] crate::reference::ReferenceError),

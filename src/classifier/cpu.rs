@@ -57,6 +57,12 @@ impl CpuClassifier {
         &mut self.step
     }
 
+    /// Synchronized BN for a data-parallel replica (see [`crate::dist::CpuReplica`], which
+    /// sets it up): [`CpuNet::set_bn_sync`].
+    pub fn set_bn_sync(&mut self, sync: Box<dyn crate::fusion::cbr::BnSync<f32> + Send>) {
+        self.net.set_bn_sync(sync);
+    }
+
     /// The compiled network.
     pub fn compiled(&self) -> &CompiledNet {
         self.net.net()

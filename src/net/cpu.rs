@@ -4,7 +4,7 @@
 use super::compile::{BufId, CompiledNet};
 use super::exec::{run_pass, NetExecutor};
 use super::spec::PoolSpec;
-use cudnn_cbr_fusion::cbr::{LayerIo, Pass, Src};
+use cudnn_cbr_fusion::cbr::{BnSync, LayerIo, Pass, Src};
 use cudnn_cbr_fusion::graph::DataType;
 use cudnn_cbr_fusion::reference::{Element, Nhwc, Real};
 use cudnn_cbr_fusion::{Error, Result};
@@ -24,6 +24,16 @@ pub enum Buf<T: Element> {
 pub struct CpuNet<T: Element> {
     net: CompiledNet,
     bufs: Vec<Buf<T>>,
+    sync: Option<SyncSlot<T::Acc>>,
+}
+
+/// The synchronized-BN reducer of a replica ([`CpuNet::set_bn_sync`]).
+struct SyncSlot<A>(Box<dyn BnSync<A> + Send>);
+
+impl<A> std::fmt::Debug for SyncSlot<A> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "BnSync({} replicas)", self.0.replicas())
+    }
 }
 
 fn no_buffer(name: &str) -> Error {
@@ -65,7 +75,18 @@ impl<T: Element> CpuNet<T> {
                 }
             })
             .collect();
-        CpuNet { net, bufs }
+        CpuNet {
+            net,
+            bufs,
+            sync: None,
+        }
+    }
+
+    /// Synchronized BN from now on: every layer's batch statistics (forward) and `dγ`, `dβ`
+    /// (backward) summed over `sync`'s replicas ([`cudnn_cbr_fusion::cbr::BnSync`]). Every
+    /// replica must then run the same passes in the same order.
+    pub fn set_bn_sync(&mut self, sync: Box<dyn BnSync<T::Acc> + Send>) {
+        self.sync = Some(SyncSlot(sync));
     }
 
     /// The compiled network.
@@ -164,8 +185,12 @@ impl<T: Element> NetExecutor for CpuNet<T> {
             prev: l.prev.map(|p| &self.net.layers[p].table),
             layer: &l.name,
         };
+        let sync = self
+            .sync
+            .as_mut()
+            .map(|s| &mut *s.0 as &mut dyn BnSync<T::Acc>);
         l.layer
-            .run_cpu_io(pass, &mut io)
+            .run_cpu_io_synced(pass, &mut io, sync)
             .map_err(|e| at_layer(&l.name, e))
     }
 

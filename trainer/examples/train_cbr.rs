@@ -4,7 +4,8 @@
 //!
 //! `cargo run --release -p cudnn-cbr-trainer --example train_cbr -- [--net
 //!  mini|resnet18|resnet34|resnet50|resnet101] [--device auto|cuda|cpu] [--steps N] [--batch N]
-//!  [--hw N] [--width N] [--seed N] [--lr X] [--unfused] [--cuda-graph off|finish|step]`
+//!  [--hw N] [--width N] [--seed N] [--lr X] [--unfused] [--cuda-graph off|finish|step]
+//!  [--ranks N [--sync-bn]]`
 //!  (`--help` lists them with their defaults)
 //!
 //! `--net` picks the network (default `mini`, the small net that learns in seconds on a CPU);
@@ -57,6 +58,13 @@ struct Args {
     /// CUDA-graph use on the CUDA executor: off, finish or step.
     #[arg(long, default_value = "step")]
     cuda_graph: CudaGraphMode,
+    /// Data-parallel ranks, run as CPU threads; --batch is then the per-rank batch and rank r
+    /// trains on its shard of the same global batch.
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
+    /// Synchronized BN across the ranks (the global batch's statistics in every layer).
+    #[arg(long)]
+    sync_bn: bool,
 }
 
 impl Args {
@@ -72,6 +80,8 @@ impl Args {
             lr: self.lr,
             fused: !self.unfused,
             cuda_graph: self.cuda_graph,
+            ranks: self.ranks,
+            sync_bn: self.sync_bn,
             ..TrainConfig::default()
         }
     }
@@ -114,7 +124,7 @@ fn main() -> ExitCode {
         cfg.hw,
         cfg.channels,
         cfg.classes,
-        cfg.batch,
+        if cfg.data_parallel() { format!("{} ranks x {}", cfg.ranks, cfg.batch) } else { cfg.batch.to_string() },
         cfg.steps,
         cfg.lr
     );

@@ -27,6 +27,7 @@
 #![forbid(unsafe_code)]
 
 mod cpu;
+mod cpu_dp;
 pub mod cuda;
 mod data;
 pub mod net;
@@ -140,6 +141,12 @@ pub struct TrainConfig {
     /// A reliability drill (CPU executor only): poison gradients on chosen steps and trace
     /// how the step handles them ([`TrainReport::trace`]).
     pub drill: Option<FaultDrill>,
+    /// Data-parallel ranks (CPU executor: threads of this process). `batch` is the per-rank
+    /// batch; rank r trains on its shard of the same global batch of `ranks × batch` images.
+    pub ranks: usize,
+    /// Synchronized BN across the ranks (every layer normalizes with the global batch's
+    /// statistics); local BN (each rank its shard's) otherwise.
+    pub sync_bn: bool,
 }
 
 /// A reliability drill: on about `per_mille`/1000 of the steps, chosen by `seed`, one
@@ -201,6 +208,8 @@ impl Default for TrainConfig {
             device: Device::Cpu,
             cuda_graph: CudaGraphMode::Step,
             drill: None,
+            ranks: 1,
+            sync_bn: false,
         }
     }
 }
@@ -223,6 +232,20 @@ impl TrainConfig {
                  ≥ 4 are needed, got {self:?}"
             )));
         }
+        if self.ranks == 0 || self.ranks > 1024 {
+            return Err(TrainError::Config(format!(
+                "ranks must be in 1..=1024 (CPU ranks are threads), got {}",
+                self.ranks
+            )));
+        }
+        if self.data_parallel() && self.drill.is_some() {
+            return Err(TrainError::Config(
+                "the fault drill runs on one rank; drop --ranks / --sync-bn".into(),
+            ));
+        }
+        self.batch
+            .checked_mul(self.ranks)
+            .ok_or_else(|| TrainError::Config("ranks × batch overflows".into()))?;
         // The network itself: every layer's shape fits (the compiler says which does not).
         let spec = self.net.spec(self.channels, self.classes, self.width);
         cudnn_cbr::net::validate(&spec, self.batch, self.hw)?;
@@ -250,7 +273,8 @@ impl TrainConfig {
                 .sum();
             // The reference ops' working copies (im2col, widened inputs, results before they
             // replace a buffer) take about as much again.
-            need += 2 * buffers;
+            // Every rank holds its own network.
+            need += 2 * buffers * self.ranks.max(1) as u128;
         }
         match cudnn_cbr::amp::memory::host_memory_available() {
             Some(have) if need > u128::from(have) => Err(TrainError::Config(format!(
@@ -262,6 +286,11 @@ impl TrainConfig {
             ))),
             _ => Ok(()),
         }
+    }
+
+    /// Whether the run is data-parallel (more than one rank, or synchronized BN).
+    pub fn data_parallel(&self) -> bool {
+        self.ranks > 1 || self.sync_bn
     }
 
     /// The SGD hyper-parameters of the run.
@@ -467,6 +496,7 @@ pub struct Trainer {
 #[derive(Debug)]
 enum Exec {
     Cpu(Box<cpu::CpuTrainer>),
+    CpuDataParallel(Box<cpu_dp::DataParallelTrainer>),
     Cuda(Box<cuda::CudaTrainer>),
 }
 
@@ -505,6 +535,34 @@ impl Trainer {
                 exec: Exec::Cuda(Box::new(t)),
             })
         };
+        if cfg.data_parallel() {
+            if cfg.device == Device::Cuda {
+                return Err(TrainError::Config(
+                    "--ranks and --sync-bn run CPU ranks as threads; the CUDA executor trains \
+                     on one GPU (multi-GPU data parallelism is not built yet)"
+                        .into(),
+                ));
+            }
+            return Ok(Trainer {
+                cfg: *cfg,
+                info: ExecutorInfo {
+                    kind: ExecutorKind::Cpu,
+                    reason: format!(
+                        "{} data-parallel ranks run as CPU threads (device {})",
+                        cfg.ranks,
+                        cfg.device.name()
+                    ),
+                    detail: format!(
+                        "CPU reference executor, {} route ops, {} ranks × batch {}, {} BN",
+                        if cfg.fused { "fused" } else { "unfused" },
+                        cfg.ranks,
+                        cfg.batch,
+                        if cfg.sync_bn { "synchronized" } else { "local" }
+                    ),
+                },
+                exec: Exec::CpuDataParallel(Box::new(cpu_dp::DataParallelTrainer::new(cfg)?)),
+            });
+        }
         if cfg.drill.is_some() {
             return match cfg.device {
                 Device::Cuda => Err(TrainError::Config(
@@ -547,6 +605,7 @@ impl Trainer {
     ) -> Result<TrainReport, TrainError> {
         match self.exec {
             Exec::Cpu(t) => t.run(every, progress, self.info),
+            Exec::CpuDataParallel(t) => t.run(every, progress, self.info),
             Exec::Cuda(t) => t.run(every, progress, self.info),
         }
     }

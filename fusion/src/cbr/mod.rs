@@ -1,5 +1,6 @@
 //! The Conv+BN+ReLU building blocks: layer geometry and the graphs of a training step.
 
+mod bn_sync;
 mod buffers;
 mod device_buffers;
 pub mod graphs;
@@ -9,6 +10,7 @@ pub mod resnet50;
 mod run;
 mod shape;
 
+pub use bn_sync::BnSync;
 pub use buffers::{HostBuffer, HostBuffers};
 pub use device_buffers::{ArenaId, DeviceBuffer, DeviceBuffers, OwnedDeviceBuffers, Side};
 pub use keys::Key;

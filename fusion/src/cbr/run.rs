@@ -1,6 +1,7 @@
 //! Running a planned layer: on a GPU through its cuDNN plans, or on the CPU through the
 //! reference ops, over the same named buffers and in the same step order.
 
+use super::bn_sync::{synced_step, BnSync};
 use super::buffers::{HostBuffer, HostBuffers};
 use super::device_buffers::{DeviceBuffers, Side};
 use super::graphs::{ApplyResidual, BackwardResidual};
@@ -128,9 +129,25 @@ impl CbrLayer {
         pass: Pass,
         io: &mut I,
     ) -> Result<()> {
+        self.run_cpu_io_synced(pass, io, None)
+    }
+
+    /// [`CbrLayer::run_cpu_io`] with synchronized BN when `sync` is given ([`BnSync`]): the
+    /// forward's GenStats sums and the backward's `dγ`, `dβ` summed over the replicas before
+    /// they are used, every count the global one. Without `sync` it is
+    /// [`CbrLayer::run_cpu_io`].
+    pub fn run_cpu_io_synced<T: Element, I: LayerIo<T> + ?Sized>(
+        &self,
+        pass: Pass,
+        io: &mut I,
+        mut sync: Option<&mut dyn BnSync<T::Acc>>,
+    ) -> Result<()> {
         let roles: Vec<GraphRole> = self.pass_steps(pass).map(|s| s.role).collect();
         for role in roles {
-            cpu_step(self, role, io)?;
+            match sync.as_deref_mut() {
+                None => cpu_step(self, role, io, 1)?,
+                Some(sync) => synced_step(self, role, io, sync)?,
+            }
         }
         if pass == Pass::Forward {
             for (next, cur) in RUNNING_COPIES {
@@ -240,7 +257,7 @@ fn prologue_input<T: Element, I: LayerIo<T> + ?Sized>(io: &I) -> Result<ConvInpu
 }
 
 /// The residual of a layer's activation, as its config names it.
-fn residual_of<'a, T: Element, I: LayerIo<T> + ?Sized>(
+pub(super) fn residual_of<'a, T: Element, I: LayerIo<T> + ?Sized>(
     io: &'a I,
     residual: Option<ApplyResidual>,
 ) -> Result<Residual<'a, T>> {
@@ -256,10 +273,13 @@ fn residual_of<'a, T: Element, I: LayerIo<T> + ?Sized>(
 }
 
 /// One role on the CPU. Mirrors the graphs in `route_graphs` buffer for buffer.
-fn cpu_step<T: Element, I: LayerIo<T> + ?Sized>(
+/// One step on the CPU; `replicas` multiplies the BN finalize's element count (synchronized
+/// BN, whose sums the caller has reduced).
+pub(super) fn cpu_step<T: Element, I: LayerIo<T> + ?Sized>(
     layer: &CbrLayer,
     role: GraphRole,
     io: &mut I,
+    replicas: usize,
 ) -> Result<()> {
     let cfg = layer.config();
     let s = &cfg.shape;
@@ -307,7 +327,7 @@ fn cpu_step<T: Element, I: LayerIo<T> + ?Sized>(
                     mean: &mut mean,
                     var: &mut var,
                 },
-                s.count() as usize,
+                s.count() as usize * replicas,
                 &bn,
             )?;
             io.set_float(This("running_mean_next"), mean)?;
@@ -553,7 +573,7 @@ fn cpu_step<T: Element, I: LayerIo<T> + ?Sized>(
 /// The unfused route's BN forward with the activation fused in:
 /// `relu(BN(y) [+ r | + r·s2 + b2])` with the normalized value, the residual sum and the ReLU
 /// in `T::Acc` (the graph's FP32 virtuals), rounded to `T` once.
-fn bn_activation<T: Element>(
+pub(super) fn bn_activation<T: Element>(
     shape: &Nhwc,
     y: &[T],
     mean: &[T::Acc],
@@ -596,7 +616,7 @@ fn bn_activation<T: Element>(
 /// FP32 (the graph's FP32 virtual tensors); the sums run in `f64` and are rounded to FP32 once
 /// (the GPU's reduction sums FP32 values in an unspecified order, so it may differ in the last
 /// bits). The reductions read the stored FP16 `dz`, as the graph does.
-fn dbn_reduce<T: Element>(
+pub(super) fn dbn_reduce<T: Element>(
     shape: &Nhwc,
     y: &[T],
     dz: &[T],
@@ -630,7 +650,7 @@ fn dbn_reduce<T: Element>(
 /// order (`a = γ·inv_std`, `B = ((a·inv_std)·dγ)·(−1/M)`, `C = ((a·dβ)·(−1/M)) − B·mean`,
 /// `A = a`, with `−1/M` rounded to FP32 as the graph's by-value scalar). The GPU may contract a
 /// multiply and the final subtraction into one FMA: at most one FP32 rounding apart.
-fn dbn_coefficients<A: Real>(
+pub(super) fn dbn_coefficients<A: Real>(
     count: usize,
     gamma: &[A],
     inv_std: &[A],

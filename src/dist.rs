@@ -1,0 +1,171 @@
+//! Data-parallel training on the CPU executor: each rank a thread with its own
+//! [`CpuClassifier`] on its shard of the global batch, the ranks joined by an in-process
+//! group ([`CpuGroup`]).
+//!
+//! A [`CpuReplica`] step is the amp step of [`crate::amp::dist`]: begin, forward and backward
+//! on the shard, the gradients summed over the ranks bucket by bucket (deepest first), the
+//! overflow flag shared (max) between the check and SGD, SGD unscaling the sums by
+//! `1 / (loss_scale · ranks)`. With synchronized BN every layer normalizes with the global
+//! batch's statistics ([`crate::fusion::cbr::BnSync`]), so N ranks × batch B train like one
+//! rank × batch N·B.
+//!
+//! ```no_run
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use cudnn_cbr::dist::{CpuGroup, CpuReplica};
+//! use cudnn_cbr::fusion::cbr::RouteKind;
+//! use cudnn_cbr::net::{compile, Preset, RoutePolicy};
+//! use cudnn_cbr::{CpuClassifier, SgdConfig, StepConfig};
+//! let ranks = 2;
+//! let grads = CpuGroup::new(ranks)?;
+//! let bn = CpuGroup::new(ranks)?; // synchronized BN (leave out for local BN)
+//! std::thread::scope(|s| {
+//!     for (grads, bn) in grads.into_iter().zip(bn) {
+//!         s.spawn(move || -> Result<(), cudnn_cbr::ClassifierError> {
+//!             let spec = Preset::Mini.spec(8, 10, 16);
+//!             let net = compile(&spec, 16, 16, &RoutePolicy::Uniform(RouteKind::Fused))?; // per-rank batch 16
+//!             let model = CpuClassifier::new(net, 10, StepConfig::new(SgdConfig::new(0.05)), 1)?;
+//!             let mut replica = CpuReplica::new(model, grads, Some(bn))?;
+//!             # let (images, labels) = (vec![half::f16::ZERO; 16 * 16 * 16 * 8], vec![0; 16]);
+//!             let metrics = replica.step(&images, &labels)?; // this rank's shard
+//!             println!("global loss {}", metrics.loss);
+//!             Ok(())
+//!         });
+//!     }
+//! });
+//! # Ok(())
+//! # }
+//! ```
+
+pub use crate::amp::dist::cpu::{CpuComm, CpuGroup};
+pub use crate::amp::dist::{Collective, Communicator, DistError, ReduceOp};
+
+use crate::amp::dist::grads;
+use crate::amp::range::HeadMetrics;
+use crate::amp::AmpError;
+use crate::classifier::{ClassifierError, CpuClassifier};
+use crate::fusion::cbr::BnSync;
+use half::f16;
+
+/// A communicator as the CPU executor's synchronized-BN reducer.
+#[derive(Debug)]
+pub struct CommBnSync<C>(pub C);
+
+impl<A, C: Collective<[A]>> BnSync<A> for CommBnSync<C> {
+    fn replicas(&self) -> usize {
+        self.0.world()
+    }
+
+    fn all_reduce_sum(&mut self, values: &mut [A]) -> crate::fusion::Result<()> {
+        self.0
+            .all_reduce(values, ReduceOp::Sum)
+            .map_err(|e| crate::fusion::Error::BnSync(e.to_string()))
+    }
+}
+
+/// One rank of a data-parallel CPU run: a classifier for the per-rank batch and the rank's
+/// communicator.
+#[derive(Debug)]
+pub struct CpuReplica {
+    model: CpuClassifier,
+    comm: CpuComm,
+}
+
+impl CpuReplica {
+    /// Joins `model` (compiled for the per-rank batch) to the group of `comm`: rank 0's
+    /// master weights are broadcast to every rank (then A, and E with EMA, follow them), and
+    /// S counts the ranks. `bn` (a communicator of a second group of the same ranks) turns
+    /// on synchronized BN; `None` keeps BN local to each rank's shard.
+    ///
+    /// # Errors
+    /// [`ClassifierError::Amp`] with [`AmpError::Dist`] when the group fails; [`ClassifierError::Input`]
+    /// when `bn`'s group is not the same ranks as `comm`'s.
+    pub fn new(
+        mut model: CpuClassifier,
+        mut comm: CpuComm,
+        bn: Option<CpuComm>,
+    ) -> Result<Self, ClassifierError> {
+        if let Some(bn) = bn {
+            if (bn.rank(), bn.world()) != (comm.rank(), comm.world()) {
+                return Err(ClassifierError::Input(format!(
+                    "the synchronized-BN communicator is rank {} of {}, the gradients' rank {} of {}",
+                    bn.rank(),
+                    bn.world(),
+                    comm.rank(),
+                    comm.world()
+                )));
+            }
+            model.set_bn_sync(Box::new(CommBnSync(bn)));
+        }
+        let ranks = u32::try_from(comm.world()).map_err(|_| {
+            ClassifierError::Input(format!("{} ranks do not fit S's counter", comm.world()))
+        })?;
+        let step = model.step_mut();
+        grads::broadcast_weights(step.executor_mut(), &mut comm)?;
+        step.init_weights()?;
+        step.set_ranks(ranks)?;
+        Ok(CpuReplica { model, comm })
+    }
+
+    /// One data-parallel training step on this rank's shard (`images`, `labels`: the
+    /// per-rank batch). Every rank calls it with its own shard. Returns the global batch's
+    /// loss and accuracy (the mean over the ranks' shards, which are the same size).
+    ///
+    /// # Errors
+    /// As [`CpuClassifier::forward_backward`]; [`AmpError::Dist`] when another rank failed
+    /// or timed out.
+    pub fn step(&mut self, images: &[f16], labels: &[i32]) -> Result<HeadMetrics, ClassifierError> {
+        let step = self.model.step_mut();
+        step.begin()?;
+        let local = match self.model.forward_backward(images, labels) {
+            Ok(m) => m,
+            Err(e) => {
+                // Tell the others at once rather than at their next collective's timeout.
+                self.comm.fail(format!("its forward/backward failed: {e}"));
+                return Err(e);
+            }
+        };
+        let comm = &mut self.comm;
+        let step = self.model.step_mut();
+        grads::all_reduce_gradients(step.executor_mut(), comm)?;
+        step.finish_with(|regions| grads::all_reduce_overflow(regions, comm))?;
+        self.global_metrics(local)
+    }
+
+    /// The logits of this rank's shard with the current weights. With synchronized BN every
+    /// rank must call it together (the forward reduces the statistics).
+    ///
+    /// # Errors
+    /// As [`CpuClassifier::logits`].
+    pub fn logits(&mut self, images: &[f16]) -> Result<Vec<f16>, ClassifierError> {
+        self.model.logits(images)
+    }
+
+    /// The global mean of per-rank metrics.
+    fn global_metrics(&mut self, local: HeadMetrics) -> Result<HeadMetrics, ClassifierError> {
+        let mut v = [local.loss, local.accuracy];
+        self.comm
+            .all_reduce(&mut v[..], ReduceOp::Sum)
+            .map_err(AmpError::from)?;
+        let n = self.comm.world() as f32;
+        Ok(HeadMetrics {
+            loss: v[0] / n,
+            accuracy: v[1] / n,
+            ..local
+        })
+    }
+
+    /// The classifier (its amp step, regions, network).
+    pub fn model(&self) -> &CpuClassifier {
+        &self.model
+    }
+
+    /// The classifier, mutable.
+    pub fn model_mut(&mut self) -> &mut CpuClassifier {
+        &mut self.model
+    }
+
+    /// This rank's communicator (e.g. to reduce evaluation counts).
+    pub fn comm_mut(&mut self) -> &mut CpuComm {
+        &mut self.comm
+    }
+}

@@ -1,0 +1,189 @@
+//! Data-parallel training on the CPU executor: `ranks` threads, each a
+//! [`CpuReplica`](cudnn_cbr::dist::CpuReplica) on its shard of the global batch
+//! (`ranks × batch` images; rank r takes images `r·batch .. (r+1)·batch`), joined by an
+//! in-process group. Rank 0 reports progress and the summary; every figure it reports is the
+//! global batch's.
+
+use super::{
+    data, net::compile_net, net::cpu_policy, summarize, ExecutorInfo, MasterWeights, Progress,
+    TrainConfig, TrainError, TrainReport, HELD_OUT_BATCHES,
+};
+use cudnn_cbr::amp::dist::DistError;
+use cudnn_cbr::amp::plan::Region;
+use cudnn_cbr::amp::range;
+use cudnn_cbr::amp::step::StepConfig;
+use cudnn_cbr::amp::AmpError;
+use cudnn_cbr::classifier::CpuClassifier;
+use cudnn_cbr::dist::{Collective, Communicator, CpuComm, CpuGroup, CpuReplica, ReduceOp};
+use half::f16;
+use std::time::Instant;
+
+/// The data-parallel CPU executor, checked and ready to run.
+#[derive(Debug)]
+pub(crate) struct DataParallelTrainer {
+    cfg: TrainConfig,
+}
+
+impl DataParallelTrainer {
+    pub(crate) fn new(cfg: &TrainConfig) -> Result<Self, TrainError> {
+        cfg.validate()?;
+        cfg.check_host_memory(true)?;
+        // Compile once here so that a network that does not fit fails before any thread runs.
+        compile_net(cfg, &cpu_policy(cfg))?;
+        Ok(DataParallelTrainer { cfg: *cfg })
+    }
+
+    pub(crate) fn run(
+        self,
+        every: usize,
+        mut progress: impl FnMut(&Progress),
+        executor: ExecutorInfo,
+    ) -> Result<TrainReport, TrainError> {
+        let cfg = self.cfg;
+        let grads = CpuGroup::new(cfg.ranks).map_err(AmpError::from)?;
+        let mut bn: Vec<Option<CpuComm>> = match cfg.sync_bn {
+            true => CpuGroup::new(cfg.ranks)
+                .map_err(AmpError::from)?
+                .into_iter()
+                .map(Some)
+                .collect(),
+            false => (0..cfg.ranks).map(|_| None).collect(),
+        };
+        let mut comms: Vec<(CpuComm, Option<CpuComm>)> =
+            grads.into_iter().zip(bn.drain(..)).collect();
+        let (g0, b0) = comms.remove(0);
+        std::thread::scope(|s| {
+            let others: Vec<_> = comms
+                .into_iter()
+                .map(|(g, b)| {
+                    std::thread::Builder::new()
+                        .name(format!("rank {}", g.rank()))
+                        .spawn_scoped(s, move || run_rank(&cfg, g, b, every, &mut |_| {}))
+                })
+                .collect();
+            let first = run_rank(&cfg, g0, b0, every, &mut progress);
+            let mut results = vec![first];
+            for h in others {
+                results.push(match h {
+                    Ok(h) => h.join().unwrap_or_else(|_| {
+                        Err(TrainError::Config("a rank's thread panicked".into()))
+                    }),
+                    Err(e) => Err(TrainError::Config(format!(
+                        "could not start a rank's thread: {e}"
+                    ))),
+                });
+            }
+            // Report the failure that started it, not the others' "a peer failed".
+            let root = results.iter().position(|r| match r {
+                Err(TrainError::Amp(AmpError::Dist(DistError::PeerFailed { .. }))) => false,
+                Err(TrainError::Fusion(cudnn_cbr::fusion::Error::BnSync(_))) => false,
+                Err(_) => true,
+                Ok(_) => false,
+            });
+            if let Some(i) = root {
+                return Err(results
+                    .swap_remove(i)
+                    .err()
+                    .unwrap_or_else(|| TrainError::Config("a rank failed".into())));
+            }
+            match results.swap_remove(0) {
+                Ok(Some(mut report)) => {
+                    report.executor = executor;
+                    Ok(report)
+                }
+                Ok(None) => Err(TrainError::Config("rank 0 made no report".into())),
+                Err(e) => Err(e),
+            }
+        })
+    }
+}
+
+/// One rank's whole run; rank 0 returns the report.
+fn run_rank(
+    cfg: &TrainConfig,
+    grads: CpuComm,
+    bn: Option<CpuComm>,
+    every: usize,
+    progress: &mut dyn FnMut(&Progress),
+) -> Result<Option<TrainReport>, TrainError> {
+    let (rank, ranks) = (grads.rank(), cfg.ranks);
+    let data = data::Synthetic::new(cfg.hw, cfg.channels, cfg.classes, cfg.seed);
+    let net = compile_net(cfg, &cpu_policy(cfg))?;
+    let model = CpuClassifier::new(net, cfg.classes, StepConfig::new(cfg.sgd()), cfg.seed)?;
+    let mut replica = CpuReplica::new(model, grads, bn)?;
+    let per = cfg.hw * cfg.hw * cfg.channels;
+    let shard = |(images, labels): (Vec<f16>, Vec<i32>)| {
+        let (i0, l0) = (rank * cfg.batch * per, rank * cfg.batch);
+        (
+            images[i0..i0 + cfg.batch * per].to_vec(),
+            labels[l0..l0 + cfg.batch].to_vec(),
+        )
+    };
+    let start = Instant::now();
+    let mut metrics = Vec::with_capacity(cfg.steps);
+    let (mut window_loss, mut window_acc, mut window_n) = (0f32, 0f32, 0usize);
+    for i in 0..cfg.steps {
+        let (images, labels) = shard(data.batch(cfg.batch * ranks, i as u64, 0));
+        let m = replica.step(&images, &labels)?;
+        metrics.push(m);
+        (window_loss, window_acc, window_n) =
+            (window_loss + m.loss, window_acc + m.accuracy, window_n + 1);
+        if rank == 0 && ((i + 1) % every.max(1) == 0 || i + 1 == cfg.steps) {
+            let step = replica.model_mut().step_mut();
+            step.request_scalars()?;
+            let s = step.poll_scalars()?.unwrap_or_default();
+            progress(&Progress {
+                step: i + 1,
+                loss: window_loss / window_n as f32,
+                accuracy: window_acc / window_n as f32,
+                loss_scale: s.loss_scale,
+                skipped: s.skipped,
+                images_per_sec: ((i + 1) * cfg.batch * ranks) as f64
+                    / start.elapsed().as_secs_f64(),
+            });
+            (window_loss, window_acc, window_n) = (0.0, 0.0, 0);
+        }
+    }
+    let images_per_sec = (cfg.steps * cfg.batch * ranks) as f64 / start.elapsed().as_secs_f64();
+    // Held-out batches, forward only: each rank its shard, the correct counts summed.
+    let mut correct = [0f32];
+    for i in 0..HELD_OUT_BATCHES {
+        let (images, labels) = shard(data.batch(cfg.batch * ranks, i, 1));
+        let logits = replica.logits(&images)?;
+        let m = range::head_metrics(&logits, &labels, None, cfg.classes).map_err(AmpError::from)?;
+        // accuracy = correct / batch exactly (batch < 2^24), so this recovers the count.
+        correct[0] += (m.accuracy * cfg.batch as f32).round();
+    }
+    replica
+        .comm_mut()
+        .all_reduce(&mut correct[..], ReduceOp::Sum)
+        .map_err(AmpError::from)?;
+    if rank != 0 {
+        return Ok(None);
+    }
+    let step = replica.model_mut().step_mut();
+    step.request_scalars()?;
+    let s = step.poll_scalars()?.unwrap_or_default();
+    let (first_loss, last_loss, last_accuracy, step_losses) = summarize(&metrics);
+    let regions = step.executor();
+    let weights = MasterWeights::read(regions.plan_arc(), |p| {
+        regions.param_f32(p.name(), Region::W).map(<[f32]>::to_vec)
+    })?;
+    Ok(Some(TrainReport {
+        first_loss,
+        last_loss,
+        last_accuracy,
+        held_out_accuracy: correct[0] / (HELD_OUT_BATCHES as usize * cfg.batch * ranks) as f32,
+        skipped: s.skipped,
+        loss_scale: s.loss_scale,
+        images_per_sec,
+        step_losses,
+        weights,
+        executor: ExecutorInfo {
+            kind: super::ExecutorKind::Cpu,
+            reason: String::new(),
+            detail: String::new(),
+        },
+        trace: Vec::new(),
+    }))
+}
