@@ -35,7 +35,8 @@
 //! its own GPU: device 0).
 //!
 //! # The TCP store
-//! Rank 0 listens on `MASTER_ADDR:MASTER_PORT` ([`IdServer`]) until every other rank has
+//! Rank 0 listens on `MASTER_PORT` on all its interfaces ([`IdServer`]; the other ranks
+//! connect to `MASTER_ADDR:MASTER_PORT`) until every other rank has
 //! fetched the id ([`fetch_id`]). A peer opens with a header: the magic `CBRNCCL1`, the
 //! protocol version, its rank, the world size it was launched with, and the id length it
 //! expects; rank 0 answers with its own magic and version and either the id or a refusal
@@ -370,9 +371,16 @@ pub fn exchange_id<const N: usize>(
         ));
     };
     match (rdv, env.rank) {
-        (Rendezvous::Tcp { .. }, 0) => {
+        (Rendezvous::Tcp { host, port }, 0) => {
+            // Every interface, as torch's store does: MASTER_ADDR may name this host by an
+            // address it cannot bind (NAT), or resolve here to a loopback alias (127.0.1.1).
+            let any = if host.parse::<std::net::Ipv6Addr>().is_ok() || host.starts_with('[') {
+                format!("[::]:{port}")
+            } else {
+                format!("0.0.0.0:{port}")
+            };
             // Listen before making the id: peers that connect early are queued, not refused.
-            let server = IdServer::bind(&rdv.addr(), env.world)?;
+            let server = IdServer::bind(&any, env.world)?;
             let id = make_id()?;
             server.serve(&id, timeout)?;
             Ok(id)
