@@ -415,8 +415,12 @@ impl IdServer {
     /// [`IdServer::local_addr`]) for a group of `world` ranks.
     ///
     /// # Errors
-    /// [`DistError::Store`] when the address does not resolve or cannot be bound.
+    /// [`DistError::EmptyGroup`] for `world == 0`; [`DistError::Store`] when the address
+    /// does not resolve or cannot be bound.
     pub fn bind(addr: &str, world: usize) -> Result<Self, DistError> {
+        if world == 0 {
+            return Err(DistError::EmptyGroup);
+        }
         let listener = TcpListener::bind(addr)
             .map_err(|e| store_error(addr, format!("rank 0 cannot listen: {e}")))?;
         let local = listener
@@ -787,6 +791,16 @@ mod tests {
         assert!(check_hello(&magic, 4, 128)
             .unwrap_err()
             .contains("bad magic"));
+    }
+
+    #[test]
+    fn a_store_for_no_ranks_is_refused_and_one_for_one_rank_is_done_at_once() {
+        assert_eq!(
+            IdServer::bind("127.0.0.1:0", 0).unwrap_err(),
+            DistError::EmptyGroup
+        );
+        let alone = IdServer::bind("127.0.0.1:0", 1).unwrap();
+        assert_eq!(alone.serve(&[1, 2, 3], Duration::ZERO), Ok(()));
     }
 
     #[test]
