@@ -284,7 +284,11 @@ impl std::fmt::Debug for NcclComm {
 impl NcclComm {
     /// Rank `rank` of a communicator of `world` ranks (`ncclCommInitRank`), communicating on
     /// `stream` (its CUDA context's device is this rank's GPU). Every rank calls this with
-    /// the same `id` and `world`; it returns once all of them have.
+    /// the same `id` and `world`; it returns once all of them have. NCCL's blocking
+    /// initialisation has no timeout of its own: a rank that never calls this holds the
+    /// others here. [`crate::dist::bootstrap::exchange_id`] over TCP returns on rank 0 only
+    /// once every rank has fetched the id (within its timeout), which narrows that window to
+    /// a rank failing between the exchange and this call.
     ///
     /// # Errors
     /// [`DistError::NcclUnavailable`] without the library (checked before the stream is
