@@ -38,6 +38,7 @@ mod compile;
 mod dev_range;
 mod head_kernels;
 mod launch;
+pub(crate) mod nccl;
 mod net_kernels;
 mod readback;
 mod regions;

@@ -60,4 +60,44 @@ pub enum DistError {
     /// A group needs at least one rank.
     #[error("a group needs at least one rank")]
     EmptyGroup,
+    /// The NCCL library could not be loaded from any place it was looked for.
+    #[error("NCCL is not available; tried:\n  {}\ninstall it with `pip install nvidia-nccl-cu13` (or the system's libnccl2 package), or set NCCL_LIB_DIR to the folder holding libnccl.so.2", tried.join("\n  "))]
+    NcclUnavailable {
+        /// Every place tried, each with why it did not work.
+        tried: Vec<String>,
+    },
+    /// An NCCL call failed, or was refused before it was made.
+    #[error("NCCL {op} failed{}: {message}", code.map(|c| format!(" (ncclResult_t {c})")).unwrap_or_default())]
+    Nccl {
+        /// The call (`ncclCommInitRank`, `ncclAllReduce`, …).
+        op: &'static str,
+        /// NCCL's result code; `None` when the call was refused before reaching NCCL.
+        code: Option<i32>,
+        /// NCCL's description of the error, or why the call was refused.
+        message: String,
+    },
+    /// A unique id (NCCL's, 128 bytes) that is not one: wrong length, or not hex.
+    #[error("invalid communicator id: {problem}")]
+    InvalidId {
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// The launcher's environment does not describe a usable rank.
+    #[error("launcher environment: {var}={value:?}: {problem}")]
+    Bootstrap {
+        /// The environment variable at fault (or the one that is missing).
+        var: String,
+        /// Its value (empty when missing).
+        value: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// The rendezvous that ships rank 0's id failed: no answer in time, refused, a bad header.
+    #[error("rendezvous at {addr}: {problem}")]
+    Store {
+        /// The store: `host:port`, or the rendezvous file's path.
+        addr: String,
+        /// What went wrong.
+        problem: String,
+    },
 }

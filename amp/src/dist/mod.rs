@@ -13,15 +13,19 @@
 //! | [`Collective`] | all-reduce and broadcast over one kind of buffer | this module |
 //! | [`cpu::CpuGroup`] | ranks as threads of one process, fixed reduction order | [`cpu`] |
 //! | [`grads`] | the gradient all-reduce and the shared overflow flag of a CPU step | [`grads`] |
+//! | [`nccl::NcclComm`] | one rank of an NCCL communicator, over device buffers | [`nccl`] |
+//! | [`bootstrap::LaunchEnv`], [`bootstrap::exchange_id`] | rank and world from torchrun, MPI or Slurm; rank 0's id to every rank | [`bootstrap`] |
 //!
 //! Every collective is called by every rank of the group in the same order. A rank that
 //! fails or leaves makes the others' pending and later collectives return
 //! [`DistError::PeerFailed`]; a rank that stops answering makes them return
 //! [`DistError::Timeout`]: never a hang.
 
+pub mod bootstrap;
 pub mod cpu;
 mod error;
 pub mod grads;
+pub mod nccl;
 
 pub use error::DistError;
 

@@ -1,0 +1,605 @@
+//! The unsafe half of [`crate::dist::nccl`]: opening libnccl, its entry points, and
+//! [`NcclComm`]. See that module for where the library is looked for and how ranks meet.
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut, DevicePtrMut};
+use cudarc::nccl::sys::{ncclComm_t, ncclUniqueId};
+use cudarc::nccl::NcclType;
+use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
+
+use crate::dist::nccl::{nccl_candidates, nccl_site_packages, NcclCandidate, NcclId};
+use crate::dist::{Collective, Communicator, DistError, ReduceOp};
+
+// NCCL's C entry points. `ncclResult_t`, `ncclDataType_t` and `ncclRedOp_t` are C enums,
+// passed and returned as `int`: a result code this build does not know is then a number,
+// never an invalid Rust enum.
+type GetVersionFn = unsafe extern "C" fn(*mut c_int) -> c_int;
+type GetUniqueIdFn = unsafe extern "C" fn(*mut ncclUniqueId) -> c_int;
+type CommInitRankFn = unsafe extern "C" fn(*mut ncclComm_t, c_int, ncclUniqueId, c_int) -> c_int;
+type AllReduceFn = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    c_int,
+    c_int,
+    ncclComm_t,
+    *mut c_void,
+) -> c_int;
+type BroadcastFn = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    c_int,
+    c_int,
+    ncclComm_t,
+    *mut c_void,
+) -> c_int;
+type CommFn = unsafe extern "C" fn(ncclComm_t) -> c_int;
+type AsyncErrorFn = unsafe extern "C" fn(ncclComm_t, *mut c_int) -> c_int;
+type ErrorStringFn = unsafe extern "C" fn(c_int) -> *const c_char;
+type LastErrorFn = unsafe extern "C" fn(ncclComm_t) -> *const c_char;
+
+/// The NCCL library this process uses, opened once ([`nccl_library`]), with the entry points
+/// [`NcclComm`] calls.
+pub struct NcclLibrary {
+    path: String,
+    version: i32,
+    get_unique_id: GetUniqueIdFn,
+    comm_init_rank: CommInitRankFn,
+    all_reduce: AllReduceFn,
+    broadcast: BroadcastFn,
+    comm_destroy: CommFn,
+    comm_abort: CommFn,
+    async_error: AsyncErrorFn,
+    error_string: ErrorStringFn,
+    last_error: Option<LastErrorFn>,
+    /// Keeps the entry points above valid: the library is never closed.
+    _lib: Library,
+}
+
+impl std::fmt::Debug for NcclLibrary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclLibrary")
+            .field("path", &self.path)
+            .field("version", &self.version)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The process's NCCL, opened on first use from the first place of
+/// [`crate::dist::nccl::nccl_candidates`] that holds a working library (process environment,
+/// [`crate::dist::nccl::nccl_site_packages`]); the outcome is kept for the process.
+///
+/// # Errors
+/// [`DistError::NcclUnavailable`], listing every place tried and why each failed.
+pub fn nccl_library() -> Result<&'static NcclLibrary, DistError> {
+    static LIB: OnceLock<Result<NcclLibrary, DistError>> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let env = |v: &str| std::env::var(v).ok();
+        // The wheel folders are only looked for (python3 only run) when the environment's
+        // and the loader's places fail.
+        let first = nccl_candidates(env, &[]);
+        let tried = match NcclLibrary::open_first(&first) {
+            Err(DistError::NcclUnavailable { tried }) => tried,
+            done => return done,
+        };
+        let more: Vec<NcclCandidate> = nccl_candidates(env, &nccl_site_packages())
+            .into_iter()
+            .filter(|c| !first.contains(c))
+            .collect();
+        match NcclLibrary::open_first(&more) {
+            Err(DistError::NcclUnavailable { tried: t }) => Err(DistError::NcclUnavailable {
+                tried: tried.into_iter().chain(t).collect(),
+            }),
+            done => done,
+        }
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+impl NcclLibrary {
+    /// Opens the first of `candidates` that is a working NCCL (its entry points resolve and
+    /// `ncclGetVersion` answers). A file is checked to be a complete shared object before it
+    /// is opened. Each library opened stays loaded for the process.
+    ///
+    /// # Errors
+    /// [`DistError::NcclUnavailable`] naming every candidate with why it failed.
+    pub fn open_first(candidates: &[NcclCandidate]) -> Result<NcclLibrary, DistError> {
+        let mut tried = Vec::new();
+        for c in candidates {
+            match Self::open(c) {
+                Ok(lib) => return Ok(lib),
+                Err(why) => tried.push(format!("{c}: {why}")),
+            }
+        }
+        if tried.is_empty() {
+            tried.push("(no candidate places)".to_string());
+        }
+        Err(DistError::NcclUnavailable { tried })
+    }
+
+    fn open(c: &NcclCandidate) -> Result<NcclLibrary, String> {
+        let lib = match c {
+            NcclCandidate::Path(p) => {
+                if !p.exists() {
+                    return Err("no such file".into());
+                }
+                cudnn_fe_sys::preflight::check_shared_object(p)?;
+                // SAFETY: `p` is a complete ELF shared object (checked above) in a place
+                // named for NCCL; opening it runs NCCL's initialisers, which are sound on any
+                // thread. The handle is kept for the process (never closed) so the entry
+                // points resolved from it stay valid.
+                unsafe { Library::open(Some(p), RTLD_NOW | RTLD_GLOBAL) }
+            }
+            // SAFETY: as above, for NCCL's names on the loader's path.
+            NcclCandidate::Name(n) => unsafe { Library::open(Some(n), RTLD_NOW | RTLD_GLOBAL) },
+        }
+        .map_err(|e| e.to_string())?;
+        /// One entry point; its type is the one NCCL's `nccl.h` declares.
+        fn sym<T: Copy>(lib: &Library, name: &str) -> Result<T, String> {
+            // SAFETY: every `T` this is called with below is the `extern "C"` signature
+            // `nccl.h` (2.x) declares for `name`; the library outlives the copied pointer
+            // (it is stored next to it and never closed).
+            unsafe { lib.get::<T>(name.as_bytes()) }
+                .map(|s| *s)
+                .map_err(|e| format!("missing {name}: {e}"))
+        }
+        let get_version: GetVersionFn = sym(&lib, "ncclGetVersion")?;
+        let mut version: c_int = 0;
+        // SAFETY: `ncclGetVersion` writes one int through the pointer, a live local.
+        let code = unsafe { get_version(&mut version) };
+        if code != 0 {
+            return Err(format!("ncclGetVersion returned {code}"));
+        }
+        if nccl_major(version) < 2 {
+            return Err(format!("NCCL version code {version} is older than 2.x"));
+        }
+        Ok(NcclLibrary {
+            path: c.to_string(),
+            version,
+            get_unique_id: sym(&lib, "ncclGetUniqueId")?,
+            comm_init_rank: sym(&lib, "ncclCommInitRank")?,
+            all_reduce: sym(&lib, "ncclAllReduce")?,
+            broadcast: sym(&lib, "ncclBroadcast")?,
+            comm_destroy: sym(&lib, "ncclCommDestroy")?,
+            comm_abort: sym(&lib, "ncclCommAbort")?,
+            async_error: sym(&lib, "ncclCommGetAsyncError")?,
+            error_string: sym(&lib, "ncclGetErrorString")?,
+            last_error: sym(&lib, "ncclGetLastError").ok(),
+            _lib: lib,
+        })
+    }
+
+    /// Where the library was found (a path, or a name the loader resolved).
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// NCCL's version code (`ncclGetVersion`: 22703 for 2.27.3).
+    pub fn version(&self) -> i32 {
+        self.version
+    }
+
+    /// A fresh unique id (`ncclGetUniqueId`).
+    pub(crate) fn unique_id(&self) -> Result<[u8; 128], DistError> {
+        let mut id = ncclUniqueId { internal: [0; 128] };
+        // SAFETY: `ncclGetUniqueId` fills the 128-byte struct behind the pointer, a live local.
+        let code = unsafe { (self.get_unique_id)(&mut id) };
+        self.check("ncclGetUniqueId", code, None)?;
+        Ok(id.internal.map(|c| c as u8))
+    }
+
+    /// `Ok` for `ncclSuccess`; else NCCL's message for `code` (and the communicator's last
+    /// error, where NCCL has `ncclGetLastError`).
+    fn check(
+        &self,
+        op: &'static str,
+        code: c_int,
+        comm: Option<ncclComm_t>,
+    ) -> Result<(), DistError> {
+        if code == 0 {
+            return Ok(());
+        }
+        // SAFETY: `ncclGetErrorString` returns a static NUL-terminated string (or null) for
+        // any code.
+        let mut message = unsafe { c_str((self.error_string)(code)) };
+        if let Some(last) = self.last_error {
+            // SAFETY: `comm` is null or a live communicator of this library; NCCL returns a
+            // NUL-terminated string it owns (or null), copied right away.
+            let detail = unsafe { c_str(last(comm.unwrap_or(std::ptr::null_mut()))) };
+            if !detail.is_empty() {
+                message = format!("{message}: {detail}");
+            }
+        }
+        Err(DistError::Nccl {
+            op,
+            code: Some(code),
+            message,
+        })
+    }
+}
+
+/// The major version of an NCCL version code (`22703` for 2.27.3; before 2.9, `2408` for
+/// 2.4.8).
+fn nccl_major(code: i32) -> i32 {
+    if code >= 10_000 {
+        code / 10_000
+    } else {
+        code / 1000
+    }
+}
+
+/// A copy of a C string NCCL returned; empty for null.
+///
+/// # Safety
+/// `p` is null or points at a NUL-terminated string that lives through the call.
+unsafe fn c_str(p: *const c_char) -> String {
+    if p.is_null() {
+        return String::new();
+    }
+    // SAFETY: non-null and NUL-terminated, by the caller's contract.
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+/// One rank of an NCCL communicator, on a CUDA stream of its own context: a
+/// [`Collective`] over device buffers ([`CudaSlice`] and [`CudaViewMut`] of any
+/// [`NcclType`]: f32, f16, bf16, f64, u32, …).
+///
+/// The collectives are enqueued on the communicator's stream ([`NcclComm::stream`]) and
+/// return once enqueued: the stream is made to wait for the buffer's earlier work, and the
+/// buffer's later users wait for the collective (cudarc's event tracking). Buffers of
+/// different lengths on different ranks are not detected (NCCL would wait or read past the
+/// shorter one): every rank must call the same collectives on the same shapes.
+///
+/// Asynchronous failures (a peer lost mid-collective) show in [`NcclComm::check_async`].
+/// [`NcclComm::destroy`] waits for the stream and frees the communicator; dropping it
+/// instead aborts whatever is still pending (`ncclCommAbort`, which never waits for peers).
+pub struct NcclComm {
+    comm: ncclComm_t,
+    lib: &'static NcclLibrary,
+    stream: Arc<CudaStream>,
+    rank: usize,
+    world: usize,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread as long as no two threads use it
+// at once; `NcclComm` is not `Sync` (raw pointer), and every call binds the stream's CUDA
+// context to the calling thread first.
+unsafe impl Send for NcclComm {}
+
+impl std::fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclComm")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("device", &self.stream.context().ordinal())
+            .field("nccl", &self.lib.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NcclComm {
+    /// Rank `rank` of a communicator of `world` ranks (`ncclCommInitRank`), communicating on
+    /// `stream` (its CUDA context's device is this rank's GPU). Every rank calls this with
+    /// the same `id` and `world`; it returns once all of them have. NCCL's blocking
+    /// initialisation has no timeout of its own: a rank that never calls this holds the
+    /// others here. [`crate::dist::bootstrap::exchange_id`] over TCP returns on rank 0 only
+    /// once every rank has fetched the id (within its timeout), which narrows that window to
+    /// a rank failing between the exchange and this call.
+    ///
+    /// # Errors
+    /// [`DistError::NcclUnavailable`] without the library (checked before the stream is
+    /// touched); [`DistError::InvalidRank`] for `rank >= world`; [`DistError::Nccl`] for a
+    /// group too large for NCCL, a context that cannot be bound, or NCCL's own failure.
+    pub fn new(
+        stream: Arc<CudaStream>,
+        rank: usize,
+        world: usize,
+        id: &NcclId,
+    ) -> Result<Self, DistError> {
+        let lib = nccl_library()?;
+        if world == 0 {
+            return Err(DistError::EmptyGroup);
+        }
+        if rank >= world {
+            return Err(DistError::InvalidRank {
+                rank,
+                world,
+                why: "an NCCL rank must be below the world size",
+            });
+        }
+        let n = c_int::try_from(world).map_err(|_| DistError::Nccl {
+            op: "ncclCommInitRank",
+            code: None,
+            message: format!("world size {world} does not fit NCCL's int"),
+        })?;
+        let r = c_int::try_from(rank).unwrap_or(c_int::MAX); // rank < world <= c_int::MAX
+        bind(&stream, "ncclCommInitRank")?;
+        let mut raw = ncclUniqueId { internal: [0; 128] };
+        for (dst, src) in raw.internal.iter_mut().zip(id.to_bytes()) {
+            *dst = src as c_char;
+        }
+        let mut comm: ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `comm` is a live local NCCL writes the new communicator into; the id is
+        // passed by value as NCCL declares; the stream's context is current on this thread.
+        let code = unsafe { (lib.comm_init_rank)(&mut comm, n, raw, r) };
+        lib.check("ncclCommInitRank", code, None)?;
+        if comm.is_null() {
+            return Err(DistError::Nccl {
+                op: "ncclCommInitRank",
+                code: None,
+                message: "NCCL returned success and no communicator".into(),
+            });
+        }
+        Ok(NcclComm {
+            comm,
+            lib,
+            stream,
+            rank,
+            world,
+        })
+    }
+
+    /// The stream the collectives are enqueued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The NCCL library in use.
+    pub fn library(&self) -> &'static NcclLibrary {
+        self.lib
+    }
+
+    /// An error NCCL has recorded on this communicator since, e.g. a network failure during
+    /// an enqueued collective (`ncclCommGetAsyncError`). After one, drop the communicator.
+    ///
+    /// # Errors
+    /// [`DistError::Nccl`] with NCCL's error.
+    pub fn check_async(&self) -> Result<(), DistError> {
+        let mut state: c_int = 0;
+        // SAFETY: `self.comm` is live (owned by `self`); NCCL writes one int into the local.
+        let code = unsafe { (self.lib.async_error)(self.comm, &mut state) };
+        self.lib
+            .check("ncclCommGetAsyncError", code, Some(self.comm))?;
+        // 7: ncclInProgress, only for non-blocking communicators (not made here).
+        if state == 7 {
+            return Ok(());
+        }
+        self.lib
+            .check("an enqueued collective", state, Some(self.comm))
+    }
+
+    /// Waits for the stream (every enqueued collective), then frees the communicator
+    /// (`ncclCommDestroy`).
+    ///
+    /// # Errors
+    /// [`DistError::Nccl`]: the stream's wait failed (the communicator is then aborted) or
+    /// NCCL's own error.
+    pub fn destroy(mut self) -> Result<(), DistError> {
+        let comm = std::mem::replace(&mut self.comm, std::ptr::null_mut());
+        let synced = bind(&self.stream, "ncclCommDestroy").and_then(|()| {
+            self.stream.synchronize().map_err(|e| DistError::Nccl {
+                op: "ncclCommDestroy",
+                code: None,
+                message: format!("waiting for the communication stream: {e}"),
+            })
+        });
+        if let Err(e) = synced {
+            // SAFETY: `comm` is live and no longer reachable through `self`.
+            unsafe { (self.lib.comm_abort)(comm) };
+            return Err(e);
+        }
+        // SAFETY: `comm` is live, no longer reachable through `self`, and its work is done.
+        let code = unsafe { (self.lib.comm_destroy)(comm) };
+        self.lib.check("ncclCommDestroy", code, None)
+    }
+
+    fn all_reduce_on<T: NcclType, B: DevicePtrMut<T>>(
+        &mut self,
+        buf: &mut B,
+        op: ReduceOp,
+    ) -> Result<(), DistError> {
+        self.same_context(buf.stream(), "ncclAllReduce")?;
+        bind(&self.stream, "ncclAllReduce")?;
+        let count = buf.len();
+        let red = match op {
+            ReduceOp::Sum => cudarc::nccl::sys::ncclRedOp_t::ncclSum,
+            ReduceOp::Max => cudarc::nccl::sys::ncclRedOp_t::ncclMax,
+        } as c_int;
+        let (ptr, _record) = buf.device_ptr_mut(&self.stream);
+        // SAFETY: `ptr` addresses `count` elements of `T` in the stream's context (checked
+        // above), which the stream now waits for and which stay borrowed until `_record`
+        // marks the collective's end on the stream; in place is allowed by NCCL; `self.comm`
+        // is live and the context is current.
+        let code = unsafe {
+            (self.lib.all_reduce)(
+                ptr as *const c_void,
+                ptr as *mut c_void,
+                count,
+                T::as_nccl_type() as c_int,
+                red,
+                self.comm,
+                self.stream.cu_stream() as *mut c_void,
+            )
+        };
+        self.lib.check("ncclAllReduce", code, Some(self.comm))
+    }
+
+    fn broadcast_on<T: NcclType, B: DevicePtrMut<T>>(
+        &mut self,
+        buf: &mut B,
+        root: usize,
+    ) -> Result<(), DistError> {
+        if root >= self.world {
+            return Err(DistError::InvalidRank {
+                rank: root,
+                world: self.world,
+                why: "a broadcast root must be in the group",
+            });
+        }
+        self.same_context(buf.stream(), "ncclBroadcast")?;
+        bind(&self.stream, "ncclBroadcast")?;
+        let count = buf.len();
+        let (ptr, _record) = buf.device_ptr_mut(&self.stream);
+        // SAFETY: as in `all_reduce_on`; `root` < world <= c_int::MAX (checked in `new`).
+        let code = unsafe {
+            (self.lib.broadcast)(
+                ptr as *const c_void,
+                ptr as *mut c_void,
+                count,
+                T::as_nccl_type() as c_int,
+                root as c_int,
+                self.comm,
+                self.stream.cu_stream() as *mut c_void,
+            )
+        };
+        self.lib.check("ncclBroadcast", code, Some(self.comm))
+    }
+
+    fn same_context(&self, theirs: &Arc<CudaStream>, op: &'static str) -> Result<(), DistError> {
+        if Arc::ptr_eq(theirs.context(), self.stream.context()) {
+            return Ok(());
+        }
+        Err(DistError::Nccl {
+            op,
+            code: None,
+            message: format!(
+                "the buffer lives on device {}, the communicator on device {}",
+                theirs.context().ordinal(),
+                self.stream.context().ordinal()
+            ),
+        })
+    }
+}
+
+/// Makes the stream's context current on this thread, as NCCL expects.
+fn bind(stream: &CudaStream, op: &'static str) -> Result<(), DistError> {
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| DistError::Nccl {
+            op,
+            code: None,
+            message: format!("binding the CUDA context: {e}"),
+        })
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        if self.comm.is_null() {
+            return;
+        }
+        let _ = self.stream.context().bind_to_thread();
+        // SAFETY: `self.comm` is live and used by nothing else; abort frees it without
+        // waiting for peers (the result is ignored: nothing is left to report it to).
+        unsafe { (self.lib.comm_abort)(self.comm) };
+    }
+}
+
+impl Communicator for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world(&self) -> usize {
+        self.world
+    }
+}
+
+impl<T: NcclType> Collective<CudaSlice<T>> for NcclComm {
+    fn all_reduce(&mut self, buf: &mut CudaSlice<T>, op: ReduceOp) -> Result<(), DistError> {
+        self.all_reduce_on(buf, op)
+    }
+    fn broadcast(&mut self, buf: &mut CudaSlice<T>, root: usize) -> Result<(), DistError> {
+        self.broadcast_on(buf, root)
+    }
+}
+
+impl<T: NcclType> Collective<CudaViewMut<'_, T>> for NcclComm {
+    fn all_reduce(&mut self, buf: &mut CudaViewMut<'_, T>, op: ReduceOp) -> Result<(), DistError> {
+        self.all_reduce_on(buf, op)
+    }
+    fn broadcast(&mut self, buf: &mut CudaViewMut<'_, T>, root: usize) -> Result<(), DistError> {
+        self.broadcast_on(buf, root)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn version_codes_of_both_styles_give_the_major() {
+        assert_eq!(nccl_major(22703), 2);
+        assert_eq!(nccl_major(2408), 2);
+        assert_eq!(nccl_major(1999), 1);
+    }
+
+    #[test]
+    fn a_file_that_is_not_nccl_is_named_with_why() {
+        let dir = std::env::temp_dir().join(format!("amp-nccl-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fake = dir.join("libnccl.so.2");
+        std::fs::write(&fake, b"not an ELF file").unwrap();
+        let missing = dir.join("nowhere/libnccl.so.2");
+        let err = NcclLibrary::open_first(&[
+            NcclCandidate::Path(missing.clone()),
+            NcclCandidate::Path(fake.clone()),
+        ])
+        .unwrap_err();
+        let DistError::NcclUnavailable { tried } = &err else {
+            panic!("{err}");
+        };
+        assert_eq!(tried.len(), 2, "{tried:?}");
+        assert!(
+            tried[0].starts_with(&missing.display().to_string()),
+            "{tried:?}"
+        );
+        assert!(tried[0].contains("no such file"), "{tried:?}");
+        assert!(
+            tried[1].starts_with(&fake.display().to_string()),
+            "{tried:?}"
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains("nvidia-nccl-cu13") && text.contains("NCCL_LIB_DIR"),
+            "{text}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_process_library_is_found_or_its_absence_is_typed() {
+        // Either outcome is checked: a found library answers with a 2.x version and makes
+        // ids; an absent one lists the loader names and says how to install it.
+        match nccl_library() {
+            Ok(lib) => {
+                assert_eq!(nccl_major(lib.version()), 2, "{lib:?}");
+                let a = NcclId::generate().unwrap();
+                let b = NcclId::generate().unwrap();
+                assert_ne!(a, b);
+            }
+            Err(e) => {
+                let DistError::NcclUnavailable { tried } = &e else {
+                    panic!("{e}");
+                };
+                assert!(
+                    tried
+                        .iter()
+                        .any(|t| t.starts_with("libnccl.so.2 (loader path)")),
+                    "{tried:?}"
+                );
+                assert!(matches!(
+                    NcclId::generate(),
+                    Err(DistError::NcclUnavailable { .. })
+                ));
+                assert!(
+                    e.to_string().contains("pip install nvidia-nccl-cu13"),
+                    "{e}"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,819 @@
+//! Starting a multi-process group: which rank this process is, from the launcher's
+//! environment ([`LaunchEnv`]), and how rank 0's communicator id reaches the others
+//! ([`exchange_id`]: a TCP store on rank 0, or a shared rendezvous file).
+//!
+//! # Launchers
+//! [`LaunchEnv::from_env`] reads the first of these that is present, in this order:
+//!
+//! | launcher | rank | world size | local rank | local world size |
+//! |----------|------|------------|------------|------------------|
+//! | torchrun / `torch.distributed` | `RANK` | `WORLD_SIZE` | `LOCAL_RANK` | `LOCAL_WORLD_SIZE` |
+//! | Open MPI (`mpirun`) | `OMPI_COMM_WORLD_RANK` | `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK` | `OMPI_COMM_WORLD_LOCAL_SIZE` |
+//! | MPICH / Hydra, Intel MPI | `PMI_RANK` | `PMI_SIZE` | `MPI_LOCALRANKID` | `MPI_LOCALNRANKS` |
+//! | Slurm (`srun`) | `SLURM_PROCID` | `SLURM_NTASKS` | `SLURM_LOCALID` | `SLURM_NTASKS_PER_NODE` |
+//!
+//! The rendezvous ([`Rendezvous`]) is `CUDNN_CBR_RENDEZVOUS_FILE` when set (a path every rank
+//! sees, e.g. on a shared file system), else `MASTER_ADDR`:`MASTER_PORT` (port
+//! [`DEFAULT_PORT`] when only the address is set). Under Slurm without `MASTER_ADDR`, the
+//! first host of `SLURM_JOB_NODELIST` is used when it is a plain name or a single bracket
+//! range (`gpu[01-04]` → `gpu01`); anything else needs `MASTER_ADDR`. A group of one rank
+//! needs no rendezvous.
+//!
+//! # Two nodes with eight GPUs each
+//! torchrun, on each node `N` in 0, 1:
+//! ```text
+//! torchrun --nnodes 2 --nproc-per-node 8 --node-rank $N --master-addr <host0> \
+//!     --master-port 29500 target/release/examples/train_cbr --device cuda ...
+//! ```
+//! Slurm (the rank-0 host as the store):
+//! ```text
+//! export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+//! export MASTER_PORT=29500
+//! srun -N 2 --ntasks-per-node 8 --gpus-per-task 1 target/release/examples/train_cbr --device cuda ...
+//! ```
+//! Each process takes GPU `local_rank` (with `--gpus-per-task 1` Slurm shows each task only
+//! its own GPU: device 0).
+//!
+//! # The TCP store
+//! Rank 0 listens on `MASTER_PORT` on all its interfaces ([`IdServer`]; the other ranks
+//! connect to `MASTER_ADDR:MASTER_PORT`) until every other rank has
+//! fetched the id ([`fetch_id`]). A peer opens with a header: the magic `CBRNCCL1`, the
+//! protocol version, its rank, the world size it was launched with, and the id length it
+//! expects; rank 0 answers with its own magic and version and either the id or a refusal
+//! saying why (another world size, a rank out of range, another id length). A peer that is
+//! refused fails at once ([`DistError::Store`]); rank 0 keeps waiting for the real ranks.
+//! Peers retry the connection until their timeout, so they may start before rank 0.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use super::DistError;
+
+/// The port of the TCP store when `MASTER_ADDR` is set without `MASTER_PORT` (torchrun's).
+pub const DEFAULT_PORT: u16 = 29500;
+
+/// The variable naming a rendezvous file; it takes precedence over `MASTER_ADDR`.
+pub const RENDEZVOUS_FILE_ENV: &str = "CUDNN_CBR_RENDEZVOUS_FILE";
+
+/// The first bytes of every message of the store's protocol, and of a rendezvous file.
+const MAGIC: &[u8; 8] = b"CBRNCCL1";
+/// The protocol's version.
+const VERSION: u16 = 1;
+/// The longest id the store ships.
+const MAX_ID: usize = 4096;
+
+/// Which launcher started this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Launcher {
+    /// torchrun or another `torch.distributed` launcher (`RANK`, `WORLD_SIZE`).
+    Torch,
+    /// Open MPI's `mpirun` (`OMPI_COMM_WORLD_*`).
+    OpenMpi,
+    /// MPICH's Hydra or Intel MPI (`PMI_RANK`, `PMI_SIZE`).
+    Pmi,
+    /// Slurm's `srun` (`SLURM_PROCID`, `SLURM_NTASKS`).
+    Slurm,
+}
+
+/// Where the ranks meet to share rank 0's id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Rendezvous {
+    /// A TCP store on rank 0.
+    Tcp {
+        /// Rank 0's host name or address.
+        host: String,
+        /// The port rank 0 listens on.
+        port: u16,
+    },
+    /// A file every rank sees: rank 0 writes it, the others wait for it.
+    File(PathBuf),
+}
+
+impl Rendezvous {
+    /// The store's address (`host:port`, IPv6 hosts in brackets), or the file's path.
+    pub fn addr(&self) -> String {
+        match self {
+            Rendezvous::Tcp { host, port } if host.contains(':') && !host.starts_with('[') => {
+                format!("[{host}]:{port}")
+            }
+            Rendezvous::Tcp { host, port } => format!("{host}:{port}"),
+            Rendezvous::File(p) => p.display().to_string(),
+        }
+    }
+}
+
+/// This process's place in the group, as its launcher described it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LaunchEnv {
+    /// The launcher whose variables were read.
+    pub launcher: Launcher,
+    /// This rank, in `0..world`.
+    pub rank: usize,
+    /// How many ranks the group has.
+    pub world: usize,
+    /// This rank among the ranks of its node (its GPU), when the launcher says.
+    pub local_rank: Option<usize>,
+    /// How many ranks run on this node, when the launcher says.
+    pub local_world: Option<usize>,
+    /// Where the ranks meet; `None` when nothing names it.
+    pub rendezvous: Option<Rendezvous>,
+}
+
+/// The variables of one launcher.
+struct Vars {
+    launcher: Launcher,
+    rank: &'static str,
+    world: &'static str,
+    local_rank: &'static str,
+    local_world: &'static str,
+}
+
+const LAUNCHERS: [Vars; 4] = [
+    Vars {
+        launcher: Launcher::Torch,
+        rank: "RANK",
+        world: "WORLD_SIZE",
+        local_rank: "LOCAL_RANK",
+        local_world: "LOCAL_WORLD_SIZE",
+    },
+    Vars {
+        launcher: Launcher::OpenMpi,
+        rank: "OMPI_COMM_WORLD_RANK",
+        world: "OMPI_COMM_WORLD_SIZE",
+        local_rank: "OMPI_COMM_WORLD_LOCAL_RANK",
+        local_world: "OMPI_COMM_WORLD_LOCAL_SIZE",
+    },
+    Vars {
+        launcher: Launcher::Pmi,
+        rank: "PMI_RANK",
+        world: "PMI_SIZE",
+        local_rank: "MPI_LOCALRANKID",
+        local_world: "MPI_LOCALNRANKS",
+    },
+    Vars {
+        launcher: Launcher::Slurm,
+        rank: "SLURM_PROCID",
+        world: "SLURM_NTASKS",
+        local_rank: "SLURM_LOCALID",
+        local_world: "SLURM_NTASKS_PER_NODE",
+    },
+];
+
+fn bootstrap_error(var: &str, value: &str, problem: impl Into<String>) -> DistError {
+    DistError::Bootstrap {
+        var: var.to_string(),
+        value: value.to_string(),
+        problem: problem.into(),
+    }
+}
+
+impl LaunchEnv {
+    /// A group of one: rank 0 of 1, no rendezvous.
+    pub fn single() -> Self {
+        LaunchEnv {
+            launcher: Launcher::Torch,
+            rank: 0,
+            world: 1,
+            local_rank: Some(0),
+            local_world: Some(1),
+            rendezvous: None,
+        }
+    }
+
+    /// Reads the process environment ([`LaunchEnv::from_vars`]).
+    ///
+    /// # Errors
+    /// As [`LaunchEnv::from_vars`].
+    pub fn from_env() -> Result<Self, DistError> {
+        Self::from_vars(|v| std::env::var(v).ok())
+    }
+
+    /// Reads the variables `var` returns (the module docs list them, with their precedence):
+    /// the first launcher whose rank variable is set (non-empty) is the one used.
+    ///
+    /// # Errors
+    /// [`DistError::Bootstrap`] naming the variable: no launcher's rank variable is set, the
+    /// world size is missing, a value is not a number (or a port), the world size is 0, or a
+    /// rank is not below its world size.
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Self, DistError> {
+        let get = |name: &str| var(name).filter(|v| !v.trim().is_empty());
+        let Some(l) = LAUNCHERS.iter().find(|l| get(l.rank).is_some()) else {
+            let names: Vec<&str> = LAUNCHERS.iter().map(|l| l.rank).collect();
+            return Err(bootstrap_error(
+                names[0],
+                "",
+                format!(
+                    "no launcher environment found (none of {} is set): start with torchrun, \
+                     mpirun or srun, or build a group of one",
+                    names.join(", ")
+                ),
+            ));
+        };
+        let number = |name: &str| -> Result<Option<usize>, DistError> {
+            get(name)
+                .map(|v| {
+                    v.trim()
+                        .parse::<usize>()
+                        .map_err(|_| bootstrap_error(name, &v, "not a non-negative integer"))
+                })
+                .transpose()
+        };
+        let rank = number(l.rank)?.unwrap_or(0);
+        let world = number(l.world)?.ok_or_else(|| {
+            bootstrap_error(
+                l.world,
+                "",
+                format!("{} is set but the world size is missing", l.rank),
+            )
+        })?;
+        if world == 0 {
+            return Err(bootstrap_error(
+                l.world,
+                "0",
+                "a group needs at least one rank",
+            ));
+        }
+        if rank >= world {
+            return Err(bootstrap_error(
+                l.rank,
+                &rank.to_string(),
+                format!("rank is not below the world size {world}"),
+            ));
+        }
+        let local_rank = number(l.local_rank)?;
+        let local_world = number(l.local_world)?;
+        if let Some(lw) = local_world {
+            if lw == 0 || lw > world {
+                return Err(bootstrap_error(
+                    l.local_world,
+                    &lw.to_string(),
+                    format!("a node's rank count must be in 1..={world}"),
+                ));
+            }
+            if let Some(lr) = local_rank.filter(|&lr| lr >= lw) {
+                return Err(bootstrap_error(
+                    l.local_rank,
+                    &lr.to_string(),
+                    format!("local rank is not below the node's rank count {lw}"),
+                ));
+            }
+        }
+        let rendezvous = if let Some(file) = get(RENDEZVOUS_FILE_ENV) {
+            Some(Rendezvous::File(PathBuf::from(file)))
+        } else {
+            let host = get("MASTER_ADDR")
+                .map(|h| h.trim().to_string())
+                .or_else(|| {
+                    (l.launcher == Launcher::Slurm)
+                        .then(|| get("SLURM_JOB_NODELIST").and_then(|n| first_host(&n)))
+                        .flatten()
+                });
+            match host {
+                Some(host) => {
+                    let port = match get("MASTER_PORT") {
+                        None => DEFAULT_PORT,
+                        Some(p) => p
+                            .trim()
+                            .parse::<u16>()
+                            .ok()
+                            .filter(|&p| p != 0)
+                            .ok_or_else(|| {
+                                bootstrap_error("MASTER_PORT", &p, "not a port number (1..=65535)")
+                            })?,
+                    };
+                    Some(Rendezvous::Tcp { host, port })
+                }
+                None => None,
+            }
+        };
+        Ok(LaunchEnv {
+            launcher: l.launcher,
+            rank,
+            world,
+            local_rank,
+            local_world,
+            rendezvous,
+        })
+    }
+}
+
+/// The first host of a Slurm node list, when it is a plain name (`node7`, `a,b`) or has one
+/// bracket range (`gpu[01-04,09]-ib` → `gpu01-ib`); `None` for anything else.
+fn first_host(list: &str) -> Option<String> {
+    let list = list.trim();
+    // The first entry ends at the first comma outside brackets.
+    let mut depth = 0i32;
+    let end = list
+        .char_indices()
+        .find(|&(_, c)| {
+            match c {
+                '[' => depth += 1,
+                ']' => depth -= 1,
+                _ => {}
+            }
+            c == ',' && depth == 0
+        })
+        .map_or(list.len(), |(i, _)| i);
+    let first = &list[..end];
+    let name_ok = |s: &str| {
+        !s.is_empty()
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.' || c == '_')
+    };
+    match (first.find('['), first.find(']')) {
+        (None, None) => name_ok(first).then(|| first.to_string()),
+        (Some(open), Some(close)) if open < close => {
+            let (prefix, suffix) = (&first[..open], &first[close + 1..]);
+            if suffix.contains('[') || suffix.contains(']') {
+                return None;
+            }
+            let first_num = first[open + 1..close].split([',', '-']).next()?;
+            if first_num.is_empty() || !first_num.chars().all(|c| c.is_ascii_digit()) {
+                return None;
+            }
+            let host = format!("{prefix}{first_num}{suffix}");
+            name_ok(&host).then_some(host)
+        }
+        _ => None,
+    }
+}
+
+/// Gives every rank the same id: rank 0 calls `make_id` and ships its bytes over `env`'s
+/// rendezvous (an [`IdServer`] on `MASTER_ADDR:MASTER_PORT`, or the rendezvous file); the
+/// other ranks fetch them. A group of one just calls `make_id`. Every rank returns within
+/// about `timeout`.
+///
+/// # Errors
+/// `make_id`'s error (rank 0); [`DistError::Bootstrap`] when a group of several has no
+/// rendezvous; [`DistError::Store`] when rank 0 cannot listen or write, or a peer is
+/// refused, gets a bad answer, or sees nothing within `timeout` (on rank 0: not every peer
+/// came).
+pub fn exchange_id<const N: usize>(
+    env: &LaunchEnv,
+    make_id: impl FnOnce() -> Result<[u8; N], DistError>,
+    timeout: Duration,
+) -> Result<[u8; N], DistError> {
+    if env.world == 1 {
+        return make_id();
+    }
+    let Some(rdv) = &env.rendezvous else {
+        return Err(bootstrap_error(
+            "MASTER_ADDR",
+            "",
+            format!(
+                "a group of {} ranks needs a rendezvous: set MASTER_ADDR (and MASTER_PORT) \
+                 or {RENDEZVOUS_FILE_ENV}",
+                env.world
+            ),
+        ));
+    };
+    match (rdv, env.rank) {
+        (Rendezvous::Tcp { host, port }, 0) => {
+            // Every interface, as torch's store does: MASTER_ADDR may name this host by an
+            // address it cannot bind (NAT), or resolve here to a loopback alias (127.0.1.1).
+            let any = if host.parse::<std::net::Ipv6Addr>().is_ok() || host.starts_with('[') {
+                format!("[::]:{port}")
+            } else {
+                format!("0.0.0.0:{port}")
+            };
+            // Listen before making the id: peers that connect early are queued, not refused.
+            let server = IdServer::bind(&any, env.world)?;
+            let id = make_id()?;
+            server.serve(&id, timeout)?;
+            Ok(id)
+        }
+        (Rendezvous::Tcp { .. }, rank) => fetch_id(&rdv.addr(), rank, env.world, timeout),
+        (Rendezvous::File(path), 0) => {
+            let id = make_id()?;
+            write_id_file(path, env.world, &id)?;
+            Ok(id)
+        }
+        (Rendezvous::File(path), _) => read_id_file(path, env.world, timeout),
+    }
+}
+
+fn store_error(addr: impl std::fmt::Display, problem: impl Into<String>) -> DistError {
+    DistError::Store {
+        addr: addr.to_string(),
+        problem: problem.into(),
+    }
+}
+
+/// Rank 0's side of the TCP store: a listening socket that hands the id to each other rank.
+#[derive(Debug)]
+pub struct IdServer {
+    listener: TcpListener,
+    addr: SocketAddr,
+    world: usize,
+}
+
+impl IdServer {
+    /// Listens on `addr` (`host:port`; port 0 picks a free one, see
+    /// [`IdServer::local_addr`]) for a group of `world` ranks.
+    ///
+    /// # Errors
+    /// [`DistError::EmptyGroup`] for `world == 0`; [`DistError::Store`] when the address
+    /// does not resolve or cannot be bound.
+    pub fn bind(addr: &str, world: usize) -> Result<Self, DistError> {
+        if world == 0 {
+            return Err(DistError::EmptyGroup);
+        }
+        let listener = TcpListener::bind(addr)
+            .map_err(|e| store_error(addr, format!("rank 0 cannot listen: {e}")))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| store_error(addr, format!("rank 0 cannot listen: {e}")))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| store_error(local, format!("rank 0 cannot listen: {e}")))?;
+        Ok(IdServer {
+            listener,
+            addr: local,
+            world,
+        })
+    }
+
+    /// The address it listens on (with the port picked when bound to port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Hands `id` to every rank `1..world` that asks (a rank asking twice is served twice,
+    /// counted once), refusing peers with another world size, id length, magic or version,
+    /// until all have it or `timeout` has passed.
+    ///
+    /// # Errors
+    /// [`DistError::Store`] naming the ranks that never came.
+    pub fn serve(self, id: &[u8], timeout: Duration) -> Result<(), DistError> {
+        let deadline = Instant::now() + timeout;
+        let mut served = vec![false; self.world];
+        served[0] = true;
+        let mut last_refusal = String::new();
+        while served.iter().any(|s| !s) {
+            let now = Instant::now();
+            if now >= deadline {
+                let missing: Vec<usize> = (0..self.world).filter(|&r| !served[r]).collect();
+                let mut problem =
+                    format!("ranks {missing:?} did not fetch the id within {timeout:?}");
+                if !last_refusal.is_empty() {
+                    problem.push_str(&format!(" (last peer refused: {last_refusal})"));
+                }
+                return Err(store_error(self.addr, problem));
+            }
+            match self.listener.accept() {
+                Ok((stream, _)) => {
+                    // A peer that stalls holds rank 0 up for at most this long.
+                    let io_limit = (deadline - now).min(Duration::from_secs(10));
+                    match self.answer(stream, id, io_limit) {
+                        Ok(rank) => served[rank] = true,
+                        Err(why) => last_refusal = why,
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    last_refusal = format!("accept failed: {e}");
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads one peer's header and answers it; the served rank, or why it was refused.
+    fn answer(&self, mut s: TcpStream, id: &[u8], limit: Duration) -> Result<usize, String> {
+        let setup = s
+            .set_nonblocking(false)
+            .and_then(|()| s.set_read_timeout(Some(limit)))
+            .and_then(|()| s.set_write_timeout(Some(limit)));
+        setup.map_err(|e| format!("socket setup: {e}"))?;
+        let mut hello = [0u8; 8 + 2 + 4 + 4 + 4];
+        s.read_exact(&mut hello)
+            .map_err(|e| format!("reading the peer's header: {e}"))?;
+        let verdict = check_hello(&hello, self.world, id.len());
+        let mut reply = Vec::with_capacity(8 + 2 + 1 + 4 + id.len());
+        reply.extend_from_slice(MAGIC);
+        reply.extend_from_slice(&VERSION.to_le_bytes());
+        match &verdict {
+            Ok(_) => {
+                reply.push(0);
+                reply.extend_from_slice(&(id.len() as u32).to_le_bytes());
+                reply.extend_from_slice(id);
+            }
+            Err(why) => {
+                reply.push(1);
+                reply.extend_from_slice(&(why.len() as u32).to_le_bytes());
+                reply.extend_from_slice(why.as_bytes());
+            }
+        }
+        let sent = s.write_all(&reply).and_then(|()| s.flush());
+        let rank = verdict?;
+        sent.map_err(|e| format!("sending the id to rank {rank}: {e}"))?;
+        Ok(rank)
+    }
+}
+
+/// A peer's header: magic, version, rank, world size, id length (little-endian).
+fn hello(rank: usize, world: usize, id_len: usize) -> Vec<u8> {
+    let mut h = Vec::with_capacity(22);
+    h.extend_from_slice(MAGIC);
+    h.extend_from_slice(&VERSION.to_le_bytes());
+    for v in [rank, world, id_len] {
+        h.extend_from_slice(&u32::try_from(v).unwrap_or(u32::MAX).to_le_bytes());
+    }
+    h
+}
+
+fn u32_at(b: &[u8], at: usize) -> usize {
+    let mut w = [0u8; 4];
+    w.copy_from_slice(&b[at..at + 4]);
+    u32::from_le_bytes(w) as usize
+}
+
+fn check_hello(h: &[u8; 22], world: usize, id_len: usize) -> Result<usize, String> {
+    if &h[..8] != MAGIC {
+        return Err(format!(
+            "bad magic {:?} (not a cudnn-cbr rank)",
+            String::from_utf8_lossy(&h[..8])
+        ));
+    }
+    let version = u16::from_le_bytes([h[8], h[9]]);
+    if version != VERSION {
+        return Err(format!(
+            "protocol version {version}, rank 0 speaks {VERSION}"
+        ));
+    }
+    let (rank, their_world, their_len) = (u32_at(h, 10), u32_at(h, 14), u32_at(h, 18));
+    if their_world != world {
+        return Err(format!(
+            "rank {rank} was launched with world size {their_world}, rank 0 with {world}"
+        ));
+    }
+    if rank == 0 || rank >= world {
+        return Err(format!(
+            "rank {rank} is not a peer of rank 0 in a group of {world}"
+        ));
+    }
+    if their_len != id_len {
+        return Err(format!(
+            "rank {rank} expects a {their_len}-byte id, rank 0 has {id_len} bytes"
+        ));
+    }
+    Ok(rank)
+}
+
+/// A peer's side of the TCP store: connects to rank 0 at `addr` (retrying while it is not
+/// up yet) and fetches the id.
+///
+/// # Errors
+/// [`DistError::Store`]: rank 0 refused this peer (its reason), answered with a bad
+/// header, or did not answer within `timeout`.
+pub fn fetch_id<const N: usize>(
+    addr: &str,
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+) -> Result<[u8; N], DistError> {
+    let deadline = Instant::now() + timeout;
+    let mut last = String::from("no attempt");
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(store_error(
+                addr,
+                format!("rank 0 did not hand out the id within {timeout:?} (last: {last})"),
+            ));
+        }
+        match try_fetch::<N>(addr, rank, world, left) {
+            Ok(id) => return Ok(id),
+            Err(Fetch::Refused(why)) => return Err(store_error(addr, why)),
+            Err(Fetch::Retry(why)) => {
+                last = why;
+                let pause = Duration::from_millis(50)
+                    .min(deadline.saturating_duration_since(Instant::now()));
+                std::thread::sleep(pause);
+            }
+        }
+    }
+}
+
+/// Why one attempt to fetch failed.
+enum Fetch {
+    /// Not listening yet, or the connection broke: try again.
+    Retry(String),
+    /// Rank 0 (or something at its address) answered, and not with the id: give up.
+    Refused(String),
+}
+
+fn try_fetch<const N: usize>(
+    addr: &str,
+    rank: usize,
+    world: usize,
+    left: Duration,
+) -> Result<[u8; N], Fetch> {
+    let targets: Vec<SocketAddr> = addr
+        .to_socket_addrs()
+        .map_err(|e| Fetch::Retry(format!("resolving: {e}")))?
+        .collect();
+    let mut stream = None;
+    let mut last = String::from("the name resolves to no address");
+    for t in &targets {
+        match TcpStream::connect_timeout(t, left.min(Duration::from_secs(5))) {
+            Ok(s) => {
+                stream = Some(s);
+                break;
+            }
+            Err(e) => last = format!("connecting to {t}: {e}"),
+        }
+    }
+    let mut s = stream.ok_or(Fetch::Retry(last))?;
+    let io = |e: std::io::Error| Fetch::Retry(format!("talking to rank 0: {e}"));
+    s.set_read_timeout(Some(left)).map_err(io)?;
+    s.set_write_timeout(Some(left)).map_err(io)?;
+    s.write_all(&hello(rank, world, N)).map_err(io)?;
+    let mut head = [0u8; 8 + 2 + 1 + 4];
+    s.read_exact(&mut head).map_err(io)?;
+    if &head[..8] != MAGIC {
+        return Err(Fetch::Refused(format!(
+            "the answer is not from a cudnn-cbr rank 0 (magic {:?})",
+            String::from_utf8_lossy(&head[..8])
+        )));
+    }
+    let version = u16::from_le_bytes([head[8], head[9]]);
+    if version != VERSION {
+        return Err(Fetch::Refused(format!(
+            "rank 0 speaks protocol version {version}, this rank {VERSION}"
+        )));
+    }
+    let len = u32_at(&head, 11);
+    if len > MAX_ID {
+        return Err(Fetch::Refused(format!("rank 0 announced {len} bytes")));
+    }
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).map_err(io)?;
+    match head[10] {
+        0 => body.try_into().map_err(|b: Vec<u8>| {
+            Fetch::Refused(format!("rank 0 sent {} id bytes, expected {N}", b.len()))
+        }),
+        1 => Err(Fetch::Refused(format!(
+            "rank 0 refused rank {rank}: {}",
+            String::from_utf8_lossy(&body)
+        ))),
+        other => Err(Fetch::Refused(format!(
+            "rank 0 answered with status {other}"
+        ))),
+    }
+}
+
+/// Writes the rendezvous file for a group of `world` ranks: the id with a header (magic,
+/// version, world size, length), to a temporary file next to `path` renamed over it, so a
+/// reader never sees half of it.
+///
+/// The file is not removed afterwards: use a fresh path per job (e.g. with
+/// `$SLURM_JOB_ID` in it), or a later job's ranks may read this job's id.
+///
+/// # Errors
+/// [`DistError::Store`] when the file cannot be written or renamed.
+pub fn write_id_file(path: &Path, world: usize, id: &[u8]) -> Result<(), DistError> {
+    let mut bytes = hello(0, world, id.len());
+    bytes.extend_from_slice(id);
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    };
+    write().map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        store_error(path.display(), format!("rank 0 cannot write the id: {e}"))
+    })
+}
+
+/// Waits (polling) for rank 0's rendezvous file at `path` and reads the id from it.
+///
+/// # Errors
+/// [`DistError::Store`]: no file within `timeout`, or one with a bad header, another world
+/// size or another id length.
+pub fn read_id_file<const N: usize>(
+    path: &Path,
+    world: usize,
+    timeout: Duration,
+) -> Result<[u8; N], DistError> {
+    let deadline = Instant::now() + timeout;
+    let bytes = loop {
+        match std::fs::read(path) {
+            Ok(b) => break b,
+            Err(e) if Instant::now() >= deadline => {
+                return Err(store_error(
+                    path.display(),
+                    format!("rank 0 did not write the id within {timeout:?} ({e})"),
+                ))
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    };
+    let bad = |why: String| store_error(path.display(), why);
+    let head: &[u8; 22] = bytes
+        .get(..22)
+        .and_then(|h| h.try_into().ok())
+        .ok_or_else(|| bad(format!("{} bytes: too short for the header", bytes.len())))?;
+    if &head[..8] != MAGIC {
+        return Err(bad("not a rendezvous file of cudnn-cbr (bad magic)".into()));
+    }
+    let version = u16::from_le_bytes([head[8], head[9]]);
+    if version != VERSION {
+        return Err(bad(format!(
+            "format version {version}, this rank reads {VERSION}"
+        )));
+    }
+    let (their_world, len) = (u32_at(head, 14), u32_at(head, 18));
+    if their_world != world {
+        return Err(bad(format!(
+            "written for world size {their_world}, this rank has {world} (a stale file?)"
+        )));
+    }
+    if len != N || bytes.len() != 22 + N {
+        return Err(bad(format!(
+            "holds a {len}-byte id in {} bytes, expected {N} bytes",
+            bytes.len()
+        )));
+    }
+    let mut id = [0u8; N];
+    id.copy_from_slice(&bytes[22..]);
+    Ok(id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slurm_node_lists_give_their_first_host_when_simple() {
+        assert_eq!(first_host("node7").as_deref(), Some("node7"));
+        assert_eq!(first_host("a01,b02").as_deref(), Some("a01"));
+        assert_eq!(first_host("gpu[01-04]").as_deref(), Some("gpu01"));
+        assert_eq!(
+            first_host("gpu[09,11-12]-ib,cpu3").as_deref(),
+            Some("gpu09-ib")
+        );
+        assert_eq!(first_host("x[1-2]y[3-4]"), None);
+        assert_eq!(first_host("gpu[a-b]"), None);
+        assert_eq!(first_host(""), None);
+    }
+
+    #[test]
+    fn headers_are_checked_field_by_field() {
+        let good: [u8; 22] = hello(3, 4, 128).try_into().unwrap();
+        assert_eq!(check_hello(&good, 4, 128), Ok(3));
+        assert!(check_hello(&good, 8, 128)
+            .unwrap_err()
+            .contains("world size 4"));
+        assert!(check_hello(&good, 4, 64).unwrap_err().contains("128-byte"));
+        let zero: [u8; 22] = hello(0, 4, 128).try_into().unwrap();
+        assert!(check_hello(&zero, 4, 128)
+            .unwrap_err()
+            .contains("not a peer"));
+        let mut v2 = good;
+        v2[8] = 2;
+        assert!(check_hello(&v2, 4, 128).unwrap_err().contains("version 2"));
+        let mut magic = good;
+        magic[0] = b'X';
+        assert!(check_hello(&magic, 4, 128)
+            .unwrap_err()
+            .contains("bad magic"));
+    }
+
+    #[test]
+    fn a_store_for_no_ranks_is_refused_and_one_for_one_rank_is_done_at_once() {
+        assert_eq!(
+            IdServer::bind("127.0.0.1:0", 0).unwrap_err(),
+            DistError::EmptyGroup
+        );
+        let alone = IdServer::bind("127.0.0.1:0", 1).unwrap();
+        assert_eq!(alone.serve(&[1, 2, 3], Duration::ZERO), Ok(()));
+    }
+
+    #[test]
+    fn ipv6_hosts_get_brackets() {
+        let r = Rendezvous::Tcp {
+            host: "::1".into(),
+            port: 7,
+        };
+        assert_eq!(r.addr(), "[::1]:7");
+        let r = Rendezvous::Tcp {
+            host: "h".into(),
+            port: 7,
+        };
+        assert_eq!(r.addr(), "h:7");
+    }
+}
