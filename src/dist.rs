@@ -16,8 +16,8 @@
 //! use cudnn_cbr::net::{compile, Preset, RoutePolicy};
 //! use cudnn_cbr::{CpuClassifier, SgdConfig, StepConfig};
 //! let ranks = 2;
-//! let grads = CpuGroup::new(ranks)?;
-//! let bn = CpuGroup::new(ranks)?; // synchronized BN (leave out for local BN)
+//! let grads = CpuGroup::ranks(ranks)?;
+//! let bn = CpuGroup::ranks(ranks)?; // synchronized BN (leave out for local BN)
 //! std::thread::scope(|s| {
 //!     for (grads, bn) in grads.into_iter().zip(bn) {
 //!         s.spawn(move || -> Result<(), cudnn_cbr::ClassifierError> {

@@ -40,9 +40,9 @@ impl DataParallelTrainer {
         executor: ExecutorInfo,
     ) -> Result<TrainReport, TrainError> {
         let cfg = self.cfg;
-        let grads = CpuGroup::new(cfg.ranks).map_err(AmpError::from)?;
+        let grads = CpuGroup::ranks(cfg.ranks).map_err(AmpError::from)?;
         let mut bn: Vec<Option<CpuComm>> = match cfg.sync_bn {
-            true => CpuGroup::new(cfg.ranks)
+            true => CpuGroup::ranks(cfg.ranks)
                 .map_err(AmpError::from)?
                 .into_iter()
                 .map(Some)

@@ -29,15 +29,15 @@ impl CpuGroup {
     ///
     /// # Errors
     /// [`DistError::EmptyGroup`] for `world == 0`.
-    pub fn new(world: usize) -> Result<Vec<CpuComm>, DistError> {
-        Self::with_timeout(world, DEFAULT_TIMEOUT)
+    pub fn ranks(world: usize) -> Result<Vec<CpuComm>, DistError> {
+        Self::ranks_with_timeout(world, DEFAULT_TIMEOUT)
     }
 
-    /// As [`CpuGroup::new`], with collectives that wait at most `timeout` for the others.
+    /// As [`CpuGroup::ranks`], with collectives that wait at most `timeout` for the others.
     ///
     /// # Errors
     /// [`DistError::EmptyGroup`] for `world == 0`.
-    pub fn with_timeout(world: usize, timeout: Duration) -> Result<Vec<CpuComm>, DistError> {
+    pub fn ranks_with_timeout(world: usize, timeout: Duration) -> Result<Vec<CpuComm>, DistError> {
         if world == 0 {
             return Err(DistError::EmptyGroup);
         }
