@@ -150,7 +150,6 @@ impl CpuReplica {
         Ok(HeadMetrics {
             loss: v[0] / n,
             accuracy: v[1] / n,
-            ..local
         })
     }
 

@@ -78,11 +78,12 @@ fn scalars_round_trip_through_the_s_image() {
         &5e-4f32.to_le_bytes()
     );
     assert_eq!(Scalars::from_bytes(&bytes).unwrap(), s);
+    assert_eq!(&bytes[s_layout::RANKS..][..4], &3u32.to_le_bytes());
     assert_eq!(
-        Scalars::from_bytes(&bytes[..31]).unwrap_err(),
+        Scalars::from_bytes(&bytes[..35]).unwrap_err(),
         RangeOpError::ScalarsTooShort {
-            got: 31,
-            needed: 32
+            got: 35,
+            needed: 36
         }
     );
     let fresh = Scalars::default();

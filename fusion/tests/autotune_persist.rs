@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 /// The H200 fixture: from the repository root (a bundled binary on the GPU machine runs in a
 /// copy of the repository at another path), from this crate's folder (cargo runs tests
 /// there), else where the test was built.
-fn h200() -> PathBuf {
+fn h200_path() -> PathBuf {
     const REL: &str = "tests/fixtures/devprops/h200-sm90.json";
     [PathBuf::from(REL), Path::new("..").join(REL)]
         .into_iter()
@@ -42,12 +42,12 @@ fn cudnn_or_skip(test: &str) -> bool {
 }
 
 fn h200() -> Target {
-    Target::deviceless_from_file(h200()).unwrap()
+    Target::deviceless_from_file(h200_path()).unwrap()
 }
 
 /// The H200 document with edits: a target cuDNN has no engine for (sm_50), or another identity.
 fn edited_target(edits: &[(&str, &str)]) -> Target {
-    let mut text = std::fs::read_to_string(h200()).unwrap();
+    let mut text = std::fs::read_to_string(h200_path()).unwrap();
     for (from, to) in edits {
         assert!(text.contains(from), "the fixture has no {from}");
         text = text.replace(from, to);

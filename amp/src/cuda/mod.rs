@@ -36,6 +36,7 @@
 
 mod compile;
 mod dev_range;
+pub mod dist_grads;
 mod head_kernels;
 mod launch;
 pub(crate) mod nccl;

@@ -13,6 +13,7 @@
 //! | [`Collective`] | all-reduce and broadcast over one kind of buffer | this module |
 //! | [`cpu::CpuGroup`] | ranks as threads of one process, fixed reduction order | [`cpu`] |
 //! | [`grads`] | the gradient all-reduce and the shared overflow flag of a CPU step | [`grads`] |
+//! | [`crate::cuda::dist_grads`] | the same over CUDA regions with NCCL, on the communicator's stream | [`crate::cuda::dist_grads`] |
 //! | [`nccl::NcclComm`] | one rank of an NCCL communicator, over device buffers | [`nccl`] |
 //! | [`bootstrap::LaunchEnv`], [`bootstrap::exchange_id`] | rank and world from torchrun, MPI or Slurm; rank 0's id to every rank | [`bootstrap`] |
 //!
