@@ -36,7 +36,7 @@ for line in sys.stdin:
 ' | while read -r kind name exe; do
       # The CPU benches (plan_build, reference) are measured here, not there.
       case "$kind-$name" in
-        test-*|bench-cbr_layers|bench-range_ops) cp "$exe" "$bundle/$kind-$name" ;;
+        test-*|bench-cbr_layers|bench-range_ops|bench-allreduce) cp "$exe" "$bundle/$kind-$name" ;;
       esac
     done
   # The examples as programs (`cargo test` builds them as test harnesses); the same package
@@ -163,7 +163,7 @@ run)
   if stage "custom_trainer (the worked example)" 20; then
     step custom_trainer custom_trainer.txt 120 "$bundle/example-custom_trainer" --steps 60
   fi
-  for name in cbr_layers range_ops; do
+  for name in cbr_layers range_ops allreduce; do
     if stage "bench $name" 30; then
       OUT="$out" step "$name" "bench-$name.txt" 240 "$bundle/bench-$name" --bench
     fi
