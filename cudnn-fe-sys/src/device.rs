@@ -30,3 +30,23 @@ pub fn cuda_device(ordinal: usize) -> Result<Arc<CudaContext>, NoCudaDevice> {
         reason: format!("CUDA device {ordinal} cannot be opened: {e}"),
     })
 }
+
+/// How many CUDA devices this process sees (after `CUDA_VISIBLE_DEVICES`), without the panic
+/// cudarc gives where no driver library exists.
+///
+/// # Errors
+/// [`NoCudaDevice`] when there is no driver library, or the driver refuses.
+pub fn cuda_device_count() -> Result<usize, NoCudaDevice> {
+    // SAFETY: is_culib_present only tries to dlopen the driver library by name.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(NoCudaDevice {
+            reason: "no CUDA driver library (libcuda) on this machine".into(),
+        });
+    }
+    match CudaContext::device_count() {
+        Ok(n) => Ok(usize::try_from(n).unwrap_or(0)),
+        Err(e) => Err(NoCudaDevice {
+            reason: format!("the CUDA driver cannot count its devices: {e}"),
+        }),
+    }
+}

@@ -40,7 +40,7 @@ pub mod wheels;
 pub mod bindings;
 
 pub use bindings::*;
-pub use device::{cuda_device, NoCudaDevice};
+pub use device::{cuda_device, cuda_device_count, NoCudaDevice};
 pub use loader::{
     library, load_from, Library, LoadAttempt, LoadError, SearchPaths, DEVICELESS_MIN_VERSION,
     MIN_VERSION,

@@ -98,6 +98,17 @@ fn main() -> ExitCode {
         }
     };
     let info = trainer.executor().clone();
+    // Under a launcher (one process per GPU) only rank 0 reports.
+    let (rank, _) = trainer.process_rank();
+    if rank != 0 {
+        return match trainer.run(usize::MAX, |_| {}) {
+            Ok(_) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("train_cbr (rank {rank}): {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let kind = match info.kind {
         ExecutorKind::Cpu => "cpu",
         ExecutorKind::Cuda => "cuda",

@@ -41,6 +41,14 @@
 //! is allocated inside the capture either. The per-thread stream belongs to the thread that made
 //! the executor, so [`CudaTrainer`] is not `Send`.
 //!
+//! **Many GPUs.** Started by a launcher (torchrun, `mpirun`, Slurm: one process per GPU,
+//! [`cudnn_cbr::amp::dist::bootstrap`]), each process is a [`CudaTrainer::launched`] rank: it
+//! takes GPU `local_rank`, gets rank 0's NCCL id through the TCP store or rendezvous file,
+//! trains on its shard of each global batch, and between backward and SGD sums the gradients
+//! bucket by bucket and shares the overflow flag over NCCL on a communication stream
+//! ([`cudnn_cbr::amp::cuda::dist_grads`]). Those steps run eagerly. Synchronized BN is not
+//! built on the GPU yet (`--sync-bn` is the CPU executor's).
+//!
 //! **Logging without syncs.** Loss and accuracy never leave the device during a step: the
 //! metrics kernel appends them to a log (one entry per step). Every few steps the loop asks
 //! for an asynchronous copy of the log and of S into page-locked memory and polls for it
@@ -57,9 +65,11 @@ pub use crate::snapshot::Snapshot;
 use cudnn_cbr::amp::cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudnn_cbr::amp::cuda::cudarc::driver::{CudaGraph, DriverError};
 use cudnn_cbr::amp::cuda::{
-    AmpKernels, CudaContext, CudaRegions, CudaSlice, CudaStepGraph, CudaStream, DevRange,
-    DevRangeMut, Readback, Upload,
+    dist_grads, AmpKernels, CudaContext, CudaRegions, CudaSlice, CudaStepGraph, CudaStream,
+    DevRange, DevRangeMut, Readback, Upload,
 };
+use cudnn_cbr::amp::dist::bootstrap::{exchange_id, LaunchEnv};
+use cudnn_cbr::amp::dist::nccl::{NcclComm, NcclId};
 use cudnn_cbr::amp::plan::{ByteRange, Region};
 use cudnn_cbr::amp::range::{metrics_log_bytes, metrics_log_read, HeadShape, MetricsLog};
 use cudnn_cbr::amp::step::{AmpStep, StepConfig, StepGraph};
@@ -82,6 +92,9 @@ pub const WARMUP_STEPS: usize = 3;
 /// Where built cuDNN plans are persisted (relative to the working directory), so that a rerun
 /// restores them in about a millisecond each instead of running cuDNN's runtime compilation.
 pub const PLAN_CACHE_DIR: &str = "target/plan-cache";
+
+/// How long the ranks of a launched run wait for each other to share the NCCL id.
+pub const RENDEZVOUS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
 
 fn driver(what: &str, e: DriverError) -> TrainError {
     TrainError::Driver {
@@ -175,8 +188,18 @@ pub struct CudaTrainer {
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
     device_name: String,
+    /// This process's place in a data-parallel group started by a launcher (module docs).
+    dist: Option<GpuGroup>,
     /// The per-thread stream is this thread's: keep the executor on it.
     _not_send: PhantomData<*const ()>,
+}
+
+/// One process of a multi-GPU run: its rank and the NCCL communicator (on a stream of its
+/// own) that sums the gradients.
+struct GpuGroup {
+    rank: usize,
+    world: usize,
+    comm: NcclComm,
 }
 
 impl fmt::Debug for CudaTrainer {
@@ -199,9 +222,32 @@ impl CudaTrainer {
     /// [`TrainError::NoRoute`] when the executor cannot run here; [`TrainError::Config`] for
     /// a bad configuration; any failure of the setup.
     pub fn new(cfg: &TrainConfig) -> Result<Self, TrainError> {
+        Self::launched(cfg, None)
+    }
+
+    /// [`CudaTrainer::new`] as one process of a data-parallel group a launcher started
+    /// (`launch`, from [`LaunchEnv::from_env`], with more than one rank): this process takes
+    /// GPU `local_rank` (modulo the GPUs it sees), trains on its shard of each global batch
+    /// of `world × batch` images, sums the gradients over NCCL after the backward pass and
+    /// shares the overflow flag before SGD. Rank 0's initial weights are broadcast. The step
+    /// runs eagerly (the collectives sit between the amp step's check and SGD).
+    ///
+    /// # Errors
+    /// As [`CudaTrainer::new`]; [`TrainError::Amp`] with a `DistError` when the group
+    /// cannot meet (rendezvous, NCCL).
+    pub fn launched(cfg: &TrainConfig, launch: Option<LaunchEnv>) -> Result<Self, TrainError> {
         cfg.validate()?;
         cfg.check_host_memory(false)?;
-        let ctx = cuda_device(0).map_err(|e| TrainError::NoDevice { reason: e.reason })?;
+        let launch = launch.filter(|l| l.world > 1);
+        let ordinal = match &launch {
+            Some(l) => {
+                let seen = cudnn_cbr::amp::cuda::cuda_device_count()
+                    .map_err(|e| TrainError::NoDevice { reason: e.reason })?;
+                l.local_rank.unwrap_or(l.rank) % seen.max(1)
+            }
+            None => 0,
+        };
+        let ctx = cuda_device(ordinal).map_err(|e| TrainError::NoDevice { reason: e.reason })?;
         cudnn_cbr::sys::library().map_err(|e| TrainError::NoCudnn {
             reason: e.to_string().lines().next().unwrap_or_default().to_string(),
         })?;
@@ -231,6 +277,32 @@ impl CudaTrainer {
         }
         let kernels = regions.kernels().clone();
         let mut step = AmpStep::new(regions, StepConfig::new(cfg.sgd())).map_err(amp_error)?;
+        let dist = match launch {
+            None => None,
+            Some(l) => {
+                let id = exchange_id(
+                    &l,
+                    || NcclId::generate().map(|id| id.to_bytes()),
+                    RENDEZVOUS_TIMEOUT,
+                )
+                .and_then(|b| NcclId::from_bytes(&b))
+                .map_err(|e| amp_error(e.into()))?;
+                let link = ctx
+                    .new_stream()
+                    .map_err(|e| driver("create the communication stream", e))?;
+                let mut comm =
+                    NcclComm::new(link, l.rank, l.world, &id).map_err(|e| amp_error(e.into()))?;
+                dist_grads::broadcast_weights(step.executor_mut(), &mut comm).map_err(amp_error)?;
+                let ranks = u32::try_from(l.world)
+                    .map_err(|_| TrainError::Config(format!("{} ranks", l.world)))?;
+                step.set_ranks(ranks).map_err(amp_error)?;
+                Some(GpuGroup {
+                    rank: l.rank,
+                    world: l.world,
+                    comm,
+                })
+            }
+        };
         step.init_weights().map_err(amp_error)?;
 
         let amp_plan = Some(step.executor().plan_arc().clone());
@@ -271,6 +343,7 @@ impl CudaTrainer {
             stream,
             ctx,
             device_name,
+            dist,
             _not_send: PhantomData,
         })
     }
@@ -292,6 +365,7 @@ impl CudaTrainer {
             })
             .collect();
         let graphs = match self.cfg.cuda_graph {
+            _ if self.dist.is_some() => "eager steps (NCCL between the check and SGD)".into(),
             CudaGraphMode::Off => "no CUDA graphs".to_string(),
             CudaGraphMode::Finish => {
                 format!("amp finish op list as a CUDA graph after {WARMUP_STEPS} warm-up steps")
@@ -300,8 +374,17 @@ impl CudaTrainer {
                 format!("whole step as one CUDA graph after {WARMUP_STEPS} warm-up steps")
             }
         };
+        let group = match &self.dist {
+            Some(g) => format!(
+                "rank {} of {} (NCCL {}); ",
+                g.rank,
+                g.world,
+                g.comm.library().version()
+            ),
+            None => String::new(),
+        };
         format!(
-            "cuda:{} {}; routes: {}; {graphs}; amp kernels as {}",
+            "{group}cuda:{} {}; routes: {}; {graphs}; amp kernels as {}",
             self.ctx.ordinal(),
             self.device_name,
             routes.join(", "),
@@ -471,9 +554,34 @@ impl CudaTrainer {
                 .as_ref()
                 .ok_or_else(|| TrainError::Config("no finish graph has been captured".into()))?;
             self.step.replay(g).map_err(amp_error)
+        } else if let Some(g) = self.dist.as_mut() {
+            let comm = &mut g.comm;
+            dist_grads::all_reduce_gradients(self.step.executor_mut(), comm).map_err(amp_error)?;
+            self.step
+                .finish_with(|r| dist_grads::all_reduce_overflow(r, comm))
+                .map_err(amp_error)
         } else {
             self.step.finish().map_err(amp_error)
         }
+    }
+
+    /// This process's rank and the group's size (0 of 1 without a launcher).
+    pub fn rank(&self) -> (usize, usize) {
+        self.dist.as_ref().map_or((0, 1), |g| (g.rank, g.world))
+    }
+
+    /// This rank's shard of a global batch of `world × batch` images.
+    fn shard(&self, (images, labels): (Vec<f16>, Vec<i32>)) -> (Vec<f16>, Vec<i32>) {
+        let (rank, world) = self.rank();
+        if world == 1 {
+            return (images, labels);
+        }
+        let b = self.cfg.batch;
+        let per = images.len() / labels.len().max(1);
+        (
+            images[rank * b * per..(rank + 1) * b * per].to_vec(),
+            labels[rank * b..(rank + 1) * b].to_vec(),
+        )
     }
 
     /// One training step on the uploaded batch, as [`CudaTrainer::graph_state`] says: the
@@ -514,7 +622,7 @@ impl CudaTrainer {
     /// A failure to capture the finish op list; a failed whole-step capture is not an error
     /// (the state falls back to the finish graph and records why).
     pub fn capture(&mut self, mode: CudaGraphMode) -> Result<(), TrainError> {
-        if mode == CudaGraphMode::Off {
+        if mode == CudaGraphMode::Off || self.dist.is_some() {
             self.state = GraphState::Eager;
             return Ok(());
         }
@@ -650,6 +758,7 @@ impl CudaTrainer {
     ) -> Result<TrainReport, TrainError> {
         let cfg = self.cfg;
         let every = every.max(1);
+        let world = self.rank().1;
         let start = Instant::now();
         let mut reported = 0usize;
         let emit = |log: &MetricsLog,
@@ -669,12 +778,12 @@ impl CudaTrainer {
                 accuracy: window.iter().map(|m| m.accuracy).sum::<f32>() / n,
                 loss_scale: scale,
                 skipped,
-                images_per_sec: (done * cfg.batch) as f64 / start.elapsed().as_secs_f64(),
+                images_per_sec: (done * cfg.batch * world) as f64 / start.elapsed().as_secs_f64(),
             });
             *reported = done;
         };
         for i in 0..cfg.steps {
-            let (images, labels) = self.data.batch(cfg.batch, i as u64, 0);
+            let (images, labels) = self.shard(self.data.batch(cfg.batch * world, i as u64, 0));
             self.upload_batch(&images, &labels)?;
             self.step()?;
             if i + 1 == WARMUP_STEPS {
@@ -698,7 +807,7 @@ impl CudaTrainer {
         self.stream
             .synchronize()
             .map_err(|e| driver("synchronize after the last step", e))?;
-        let images_per_sec = (cfg.steps * cfg.batch) as f64 / start.elapsed().as_secs_f64();
+        let images_per_sec = (cfg.steps * cfg.batch * world) as f64 / start.elapsed().as_secs_f64();
         self.request_readback()?;
         let bytes = self
             .log_readback
@@ -716,7 +825,7 @@ impl CudaTrainer {
 
         // Held-out batches, forward only (BN in training mode, like the CPU executor).
         for i in 0..HELD_OUT_BATCHES {
-            let (images, labels) = self.data.batch(cfg.batch, i, 1);
+            let (images, labels) = self.shard(self.data.batch(cfg.batch * world, i, 1));
             self.upload_batch(&images, &labels)?;
             self.forward()?;
             let h = &mut self.head;

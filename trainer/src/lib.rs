@@ -523,8 +523,25 @@ impl Trainer {
                 exec: Exec::Cpu(Box::new(cpu::CpuTrainer::new(cfg)?)),
             })
         };
+        let launch = launch_env()?;
+        if let Some(l) = &launch {
+            let why = if cfg.data_parallel() {
+                Some("--ranks and --sync-bn run CPU ranks as threads in one process")
+            } else if cfg.device == Device::Cpu {
+                Some("the CPU executor does not join a launched group")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(TrainError::Config(format!(
+                    "this process was launched as rank {} of {} ({:?}): {why}; run \
+                     --device cuda, one process per GPU",
+                    l.rank, l.world, l.launcher
+                )));
+            }
+        }
         let cuda = |reason: &str| -> Result<Trainer, TrainError> {
-            let t = cuda::CudaTrainer::new(cfg)?;
+            let t = cuda::CudaTrainer::launched(cfg, launch.clone())?;
             Ok(Trainer {
                 cfg: *cfg,
                 info: ExecutorInfo {
@@ -575,9 +592,18 @@ impl Trainer {
             Device::Cpu => cpu("requested (device cpu)".into()),
             Device::Cuda => cuda("requested (device cuda)"),
             Device::Auto => match cuda("auto: a CUDA device, cuDNN and NVRTC are usable") {
-                Err(e) if e.is_unavailable() => cpu(format!("auto: {e}")),
+                Err(e) if e.is_unavailable() && launch.is_none() => cpu(format!("auto: {e}")),
                 other => other,
             },
+        }
+    }
+
+    /// This process's rank and the number of processes of its group (0 of 1 unless a
+    /// launcher started several: [`cuda::CudaTrainer::launched`]). Only rank 0 need report.
+    pub fn process_rank(&self) -> (usize, usize) {
+        match &self.exec {
+            Exec::Cuda(t) => t.rank(),
+            _ => (0, 1),
         }
     }
 
@@ -621,6 +647,25 @@ pub fn train(
     progress: impl FnMut(&Progress),
 ) -> Result<TrainReport, TrainError> {
     Trainer::new(cfg)?.run(every, progress)
+}
+
+/// The launcher's description of this process when one started several
+/// ([`cudnn_cbr::amp::dist::bootstrap`] lists the variables read); `None` without a launcher
+/// or for a group of one.
+///
+/// # Errors
+/// [`TrainError::Config`] when a launcher's variables are set but wrong.
+fn launch_env() -> Result<Option<cudnn_cbr::amp::dist::bootstrap::LaunchEnv>, TrainError> {
+    const RANK_VARS: [&str; 4] = ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"];
+    if !RANK_VARS
+        .iter()
+        .any(|v| std::env::var(v).is_ok_and(|s| !s.is_empty()))
+    {
+        return Ok(None);
+    }
+    let env = cudnn_cbr::amp::dist::bootstrap::LaunchEnv::from_env()
+        .map_err(|e| TrainError::Config(format!("the launcher's environment: {e}")))?;
+    Ok((env.world > 1).then_some(env))
 }
 
 /// Held-out batches evaluated after training.

@@ -110,3 +110,78 @@ fn bad_data_parallel_configurations_are_typed_errors() {
         "overflows",
     );
 }
+
+/// `train_cbr` run with a launcher's environment (as torchrun or Slurm would start it).
+fn launched_with(env: &[(&str, &str)], args: &[&str], driver_path: bool) -> (Option<i32>, String) {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap();
+    let bin = [
+        dir.join("../examples/train_cbr"),
+        dir.join("example-train_cbr"),
+    ]
+    .into_iter()
+    .find(|p| p.is_file())
+    .expect("train_cbr is built (`cargo build --workspace --examples`)");
+    let mut cmd = std::process::Command::new(bin);
+    for v in [
+        "RANK",
+        "WORLD_SIZE",
+        "OMPI_COMM_WORLD_RANK",
+        "PMI_RANK",
+        "SLURM_PROCID",
+    ] {
+        cmd.env_remove(v);
+    }
+    if !driver_path {
+        // Not even the test machines' stand-in driver: the libraries are not found at all.
+        cmd.env_remove("LD_LIBRARY_PATH");
+    }
+    let out = cmd.envs(env.iter().copied()).args(args).output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
+}
+
+fn launched(env: &[(&str, &str)], args: &[&str]) -> (Option<i32>, String) {
+    launched_with(env, args, true)
+}
+
+/// Under a launcher a process joins a group of GPUs; what cannot join says why (a typed
+/// error, exit 1), and a group of one is an ordinary run.
+#[test]
+fn a_launched_process_that_cannot_join_says_why() {
+    let two = [
+        ("RANK", "1"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "127.0.0.1"),
+    ];
+    let (code, text) = launched(&two, &["--device", "cpu", "--steps", "1"]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("rank 1 of 2") && text.contains("--device cuda"),
+        "{text}"
+    );
+    let (code, text) = launched(&two, &["--ranks", "2", "--steps", "1"]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("threads"), "{text}");
+    // No GPU here: CUDA is unavailable, and a launched rank must not fall back to training
+    // alone on the CPU.
+    let (code, text) = launched(&two, &["--device", "auto", "--steps", "1"]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(!text.contains("summary"), "{text}");
+    let (code, text) = launched_with(&two, &["--device", "cuda", "--steps", "1"], false);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("CUDA") && !text.contains("panicked"),
+        "{text}"
+    );
+    let (code, text) = launched(&[("RANK", "x"), ("WORLD_SIZE", "2")], &["--steps", "1"]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("RANK"), "{text}");
+    let (code, text) = launched(&[("RANK", "0"), ("WORLD_SIZE", "1")], &["--steps", "2"]);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.contains("summary"), "{text}");
+}

@@ -101,7 +101,7 @@ pub fn check_device_memory(ctx: &CudaContext, what: &str, need: u128) -> Result<
 
 /// Opens CUDA device `ordinal`, or says why there is none (the workspace's one opener;
 /// its error converts into [`AmpError::NoDevice`]).
-pub use cudnn_fe_sys::{cuda_device, NoCudaDevice};
+pub use cudnn_fe_sys::{cuda_device, cuda_device_count, NoCudaDevice};
 
 /// The directory NVRTC gets as include path: the first of [`crate::kernels::cuda_include_dir`],
 /// `$CUDA_HOME/include`, `$CUDA_PATH/include`, `/usr/local/cuda/include` (and its
