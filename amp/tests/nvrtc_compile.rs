@@ -201,3 +201,43 @@ fn every_source_compiles_to_machine_code_without_a_device() {
         println!("nvrtc_compile: {} cubins for {sm}", cubins.len());
     }
 }
+
+/// The disk cache of the machine code: the first build compiles and stores, the second loads
+/// the same bytes without NVRTC compiling anything, another architecture is another entry.
+/// (The times printed are for the note, not asserted.)
+#[test]
+fn machine_code_comes_back_from_the_kernel_cache() {
+    use cudnn_cbr_amp::kernel_cache::{CacheOutcome, KernelCache};
+    if let Err(reason) = environment() {
+        return unavailable(&reason);
+    }
+    let dir = std::env::temp_dir().join(format!("cbr-kernel-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cache = KernelCache::at(&dir);
+    let timed = |sm| {
+        let t = Instant::now();
+        let r = cudnn_cbr_amp::cuda::compile_cubin_cached(sm, Some(&cache)).unwrap();
+        (r, t.elapsed())
+    };
+    let ((cold, first), t_cold) = timed("sm_90");
+    assert_eq!(first, CacheOutcome::Stored);
+    let ((warm, second), t_warm) = timed("sm_90");
+    assert_eq!(second, CacheOutcome::Hit);
+    assert_eq!(cold.len(), kernels::ALL.len());
+    for ((s1, c1), (s2, c2)) in cold.iter().zip(&warm) {
+        assert_eq!(s1.file, s2.file);
+        assert_eq!(c1, c2, "{}: the cached cubin differs", s1.file);
+    }
+    let ((_, other), _) = timed("sm_80");
+    assert_eq!(
+        other,
+        CacheOutcome::Stored,
+        "another architecture, another entry"
+    );
+    println!(
+        "nvrtc_compile: amp machine code for sm_90 compiled in {:.2} s, from the kernel cache in {:.1} ms",
+        t_cold.as_secs_f64(),
+        t_warm.as_secs_f64() * 1e3
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

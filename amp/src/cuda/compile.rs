@@ -11,6 +11,7 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, Ptx};
 use crate::cuda::launch::{AmpKernels, Functions, BLOCKS_PER_SM};
 use crate::cuda::{cuda_include_dir, driver_error, nvrtc_library_present};
 use crate::error::{AmpError, CudaError};
+use crate::kernel_cache::{CacheOutcome, KernelCache};
 use crate::kernels::{self, entry, CudaArch, KernelSource};
 
 /// Compiled kernels per CUDA context (keyed by the context handle; each entry holds an `Arc`
@@ -139,6 +140,51 @@ pub fn compile_cubin(real_arch: &'static str) -> Result<Vec<(KernelSource, Vec<u
         .collect()
 }
 
+/// [`compile_cubin`] through a disk cache ([`KernelCache`]): loaded from `cache` when the
+/// same sources were compiled with the same flags, architecture and NVRTC before, else
+/// compiled and stored. Needs NVRTC either way (its version is part of the key).
+///
+/// # Errors
+/// As [`compile_cubin`].
+pub fn compile_cubin_cached(
+    real_arch: &'static str,
+    cache: Option<&KernelCache>,
+) -> Result<(Vec<(KernelSource, Vec<u8>)>, CacheOutcome), AmpError> {
+    require_nvrtc()?;
+    let include = cuda_include_dir().and_then(|d| d.into_os_string().into_string().ok());
+    let mut parts: Vec<Vec<u8>> = vec![
+        b"amp cubins v1".to_vec(),
+        nvrtc_version().into_bytes(),
+        real_arch.as_bytes().to_vec(),
+    ];
+    parts.extend(
+        kernels::cubin_flags(real_arch, include.as_deref())
+            .into_iter()
+            .map(String::into_bytes),
+    );
+    for source in kernels::ALL {
+        parts.push(source.file.as_bytes().to_vec());
+        parts.push(source.program().into_bytes());
+    }
+    let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+    let key = KernelCache::key(&refs);
+    let (images, outcome) = KernelCache::get_or_compile(
+        cache,
+        &format!("amp-{real_arch}"),
+        key,
+        kernels::ALL.len(),
+        || {
+            Ok::<_, AmpError>(
+                compile_cubin(real_arch)?
+                    .into_iter()
+                    .map(|(_, c)| c)
+                    .collect(),
+            )
+        },
+    )?;
+    Ok((kernels::ALL.iter().copied().zip(images).collect(), outcome))
+}
+
 /// The loaded NVRTC's version, e.g. `"13.0"` (`"unknown"` if it does not say). Call only
 /// after [`nvrtc_library_present`] returned true.
 fn nvrtc_version() -> String {
@@ -154,7 +200,8 @@ fn nvrtc_version() -> String {
 
 impl AmpKernels {
     /// The kernels for `ctx`: compiled and loaded on the first call for a context, shared
-    /// afterwards. The first call takes about a second (NVRTC).
+    /// afterwards. The first call takes about a second (NVRTC) unless the machine code is in
+    /// the disk cache ([`crate::kernel_cache`]; [`AmpKernels::code`] says which).
     ///
     /// # Errors
     /// [`AmpError::NoNvrtc`] without the NVRTC library, [`CudaError::UnsupportedArch`] below
@@ -188,13 +235,32 @@ impl AmpKernels {
         // the driver to JIT (see `kernels::real_arch` for why machine code comes first).
         let real = cc.and_then(|(ma, mi)| kernels::real_arch(ma, mi));
         let (images, code): (Vec<(KernelSource, Ptx)>, String) = match real {
-            Some(sm) => (
-                compile_cubin(sm)?
-                    .into_iter()
-                    .map(|(s, c)| (s, Ptx::from_binary(c)))
-                    .collect(),
-                format!("{sm} machine code"),
-            ),
+            Some(sm) => {
+                let cache = KernelCache::from_env();
+                let (cubins, outcome) = compile_cubin_cached(sm, cache.as_ref())?;
+                let from = match (outcome, &cache) {
+                    (CacheOutcome::Hit, Some(c)) => {
+                        format!("from the kernel cache {}", c.dir().display())
+                    }
+                    (CacheOutcome::Stored, Some(c)) => {
+                        format!("compiled, cached in {}", c.dir().display())
+                    }
+                    (CacheOutcome::NotStored, Some(c)) => {
+                        format!(
+                            "compiled; the kernel cache {} could not be written",
+                            c.dir().display()
+                        )
+                    }
+                    _ => "compiled, no kernel cache".to_string(),
+                };
+                (
+                    cubins
+                        .into_iter()
+                        .map(|(s, c)| (s, Ptx::from_binary(c)))
+                        .collect(),
+                    format!("{sm} machine code ({from})"),
+                )
+            }
             None => (
                 compile_ptx(arch)?
                     .into_iter()
