@@ -76,7 +76,7 @@ pub fn compile_ptx(arch: CudaArch) -> Result<Vec<(KernelSource, String)>, AmpErr
 ///
 /// # Errors
 /// As [`compile_ptx`].
-pub fn compile_cubin(real_arch: &'static str) -> Result<Vec<(KernelSource, Vec<u8>)>, AmpError> {
+pub fn compile_cubin(real_arch: &'static str) -> Result<Cubins, AmpError> {
     use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
     use std::ffi::CString;
     require_nvrtc()?;
@@ -140,6 +140,9 @@ pub fn compile_cubin(real_arch: &'static str) -> Result<Vec<(KernelSource, Vec<u
         .collect()
 }
 
+/// One machine-code image per kernel source.
+pub type Cubins = Vec<(KernelSource, Vec<u8>)>;
+
 /// [`compile_cubin`] through a disk cache ([`KernelCache`]): loaded from `cache` when the
 /// same sources were compiled with the same flags, architecture and NVRTC before, else
 /// compiled and stored. Needs NVRTC either way (its version is part of the key).
@@ -149,7 +152,7 @@ pub fn compile_cubin(real_arch: &'static str) -> Result<Vec<(KernelSource, Vec<u
 pub fn compile_cubin_cached(
     real_arch: &'static str,
     cache: Option<&KernelCache>,
-) -> Result<(Vec<(KernelSource, Vec<u8>)>, CacheOutcome), AmpError> {
+) -> Result<(Cubins, CacheOutcome), AmpError> {
     require_nvrtc()?;
     let include = cuda_include_dir().and_then(|d| d.into_os_string().into_string().ok());
     let mut parts: Vec<Vec<u8>> = vec![

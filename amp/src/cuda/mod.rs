@@ -49,7 +49,7 @@ mod upload;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub use compile::{compile_cubin, compile_cubin_cached, compile_ptx};
+pub use compile::{compile_cubin, compile_cubin_cached, compile_ptx, Cubins};
 pub use cudarc;
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 pub use dev_range::{DevRange, DevRangeMut};
