@@ -6,7 +6,7 @@
 
 use super::{
     data, net::compile_net, net::cpu_policy, summarize, ExecutorInfo, MasterWeights, Progress,
-    TrainConfig, TrainError, TrainReport, HELD_OUT_BATCHES,
+    TrainConfig, TrainError, TrainReport, Window, HELD_OUT_BATCHES,
 };
 use cudnn_cbr::amp::dist::DistError;
 use cudnn_cbr::amp::plan::Region;
@@ -121,27 +121,17 @@ fn run_rank(
     };
     let start = Instant::now();
     let mut metrics = Vec::with_capacity(cfg.steps);
-    let (mut window_loss, mut window_acc, mut window_n) = (0f32, 0f32, 0usize);
+    let mut window = Window::default();
     for i in 0..cfg.steps {
         let (images, labels) = shard(data.batch(cfg.batch * ranks, i as u64, 0));
         let m = replica.step(&images, &labels)?;
         metrics.push(m);
-        (window_loss, window_acc, window_n) =
-            (window_loss + m.loss, window_acc + m.accuracy, window_n + 1);
+        window.add(m);
         if rank == 0 && ((i + 1) % every.max(1) == 0 || i + 1 == cfg.steps) {
             let step = replica.model_mut().step_mut();
             step.request_scalars()?;
             let s = step.poll_scalars()?.unwrap_or_default();
-            progress(&Progress {
-                step: i + 1,
-                loss: window_loss / window_n as f32,
-                accuracy: window_acc / window_n as f32,
-                loss_scale: s.loss_scale,
-                skipped: s.skipped,
-                images_per_sec: ((i + 1) * cfg.batch * ranks) as f64
-                    / start.elapsed().as_secs_f64(),
-            });
-            (window_loss, window_acc, window_n) = (0.0, 0.0, 0);
+            progress(&window.report(i + 1, cfg.batch * ranks, start, s));
         }
     }
     let images_per_sec = (cfg.steps * cfg.batch * ranks) as f64 / start.elapsed().as_secs_f64();

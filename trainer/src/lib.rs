@@ -668,6 +668,44 @@ fn launch_env() -> Result<Option<cudnn_cbr::amp::dist::bootstrap::LaunchEnv>, Tr
     Ok((env.world > 1).then_some(env))
 }
 
+/// Loss and accuracy of the steps since the last progress report (the CPU executors').
+#[derive(Debug, Default)]
+pub(crate) struct Window {
+    loss: f32,
+    accuracy: f32,
+    n: usize,
+}
+
+impl Window {
+    pub(crate) fn add(&mut self, m: HeadMetrics) {
+        self.loss += m.loss;
+        self.accuracy += m.accuracy;
+        self.n += 1;
+    }
+
+    /// The report after `step` steps of `images_per_step` images since `start`, with S's
+    /// scale and skip count; empties the window.
+    pub(crate) fn report(
+        &mut self,
+        step: usize,
+        images_per_step: usize,
+        start: std::time::Instant,
+        s: cudnn_cbr::amp::range::Scalars,
+    ) -> Progress {
+        let n = self.n.max(1) as f32;
+        let p = Progress {
+            step,
+            loss: self.loss / n,
+            accuracy: self.accuracy / n,
+            loss_scale: s.loss_scale,
+            skipped: s.skipped,
+            images_per_sec: (step * images_per_step) as f64 / start.elapsed().as_secs_f64(),
+        };
+        *self = Window::default();
+        p
+    }
+}
+
 /// Held-out batches evaluated after training.
 pub(crate) const HELD_OUT_BATCHES: u64 = 8;
 
