@@ -168,23 +168,50 @@ impl PixelMap {
         PixelMap::Dgrad(*p)
     }
 
-    /// For column row `row`, the flat source pixel of every tap, or [`NO_PIXEL`].
-    fn row(&self, row: usize, out: &mut [usize]) {
-        if self.interior(row, out) {
+    /// The row space: (batch, rows, columns) of the pixels the column rows stand for.
+    fn dims(&self) -> (usize, usize) {
+        match self {
+            PixelMap::Fprop(p) => (p.out_h(), p.out_w()),
+            PixelMap::Dgrad(p) => (p.h, p.w),
+        }
+    }
+
+    /// Column row `row`'s pixel `(n, i, j)` in the row space.
+    fn coords(&self, row: usize) -> [usize; 3] {
+        let (h, w) = self.dims();
+        let (n, rem) = (row / (h * w), row % (h * w));
+        [n, rem / w, rem % w]
+    }
+
+    /// The next row's pixel after `at`.
+    fn advance(&self, at: &mut [usize; 3]) {
+        let (h, w) = self.dims();
+        at[2] += 1;
+        if at[2] == w {
+            at[2] = 0;
+            at[1] += 1;
+            if at[1] == h {
+                at[1] = 0;
+                at[0] += 1;
+            }
+        }
+    }
+
+    /// For the column row of pixel `at` ([`PixelMap::coords`]), the flat source pixel of every
+    /// tap, or [`NO_PIXEL`].
+    fn row(&self, at: [usize; 3], out: &mut [usize]) {
+        if self.interior(at, out) {
             return;
         }
-        self.row_general(row, out);
+        self.row_general(at, out);
     }
 
     /// [`PixelMap::row`] for a row none of whose taps falls outside the source (or, in
     /// dgrad, between the strided output pixels): every tap's pixel is the row's first plus a
     /// fixed offset. Returns false, leaving `out` as it was, for other rows.
-    fn interior(&self, row: usize, out: &mut [usize]) -> bool {
+    fn interior(&self, [n, op, oq]: [usize; 3], out: &mut [usize]) -> bool {
         match *self {
             PixelMap::Fprop(p) => {
-                let (out_h, out_w) = (p.out_h(), p.out_w());
-                let (n, rem) = (row / (out_h * out_w), row % (out_h * out_w));
-                let (op, oq) = (rem / out_w, rem % out_w);
                 let (Some(ih), Some(iw)) = (
                     (op * p.stride_h).checked_sub(p.pad_h),
                     (oq * p.stride_w).checked_sub(p.pad_w),
@@ -208,8 +235,7 @@ impl PixelMap {
                     return false;
                 }
                 let (out_h, out_w) = (p.out_h(), p.out_w());
-                let (n, rem) = (row / (p.h * p.w), row % (p.h * p.w));
-                let (ih, iw) = (rem / p.w, rem % p.w);
+                let (ih, iw) = (op, oq);
                 // Tap (r, s) reads output pixel (ih + pad_h - r·dil_h, iw + pad_w - s·dil_w).
                 let (th, tw) = (ih + p.pad_h, iw + p.pad_w);
                 if th < (p.r - 1) * p.dil_h
@@ -232,7 +258,7 @@ impl PixelMap {
     }
 
     /// [`PixelMap::row`] for any row.
-    fn row_general(&self, row: usize, out: &mut [usize]) {
+    fn row_general(&self, [n, i, j]: [usize; 3], out: &mut [usize]) {
         // Rows and columns of the filter are independent: find each tap row's source row and
         // each tap column's source column once, then combine.
         let mut cols = [NO_PIXEL; 16];
@@ -248,9 +274,7 @@ impl PixelMap {
         };
         match *self {
             PixelMap::Fprop(_) => {
-                let (out_h, out_w) = (p.out_h(), p.out_w());
-                let (n, rem) = (row / (out_h * out_w), row % (out_h * out_w));
-                let (op, oq) = (rem / out_w, rem % out_w);
+                let (op, oq) = (i, j);
                 for (s, c) in cols.iter_mut().enumerate() {
                     *c = (oq * p.stride_w + s * p.dil_w)
                         .checked_sub(p.pad_w)
@@ -271,8 +295,7 @@ impl PixelMap {
             }
             PixelMap::Dgrad(_) => {
                 let (out_h, out_w) = (p.out_h(), p.out_w());
-                let (n, rem) = (row / (p.h * p.w), row % (p.h * p.w));
-                let (ih, iw) = (rem / p.w, rem % p.w);
+                let (ih, iw) = (i, j);
                 let along =
                     |i: usize, pad: usize, t: usize, dil: usize, stride: usize, o: usize| {
                         (i + pad)
@@ -314,15 +337,51 @@ fn gather<A: Real>(
     col.resize(n_rows * taps * cin, A::ZERO);
     col.truncate(n_rows * taps * cin);
     let mut pixels = vec![NO_PIXEL; taps];
-    for (i, row) in col.chunks_exact_mut(taps * cin).enumerate() {
-        map.row(first + i, &mut pixels);
-        for (dst, &pix) in row.chunks_exact_mut(cin).zip(&pixels) {
+    let mut at = map.coords(first);
+    for row in col.chunks_exact_mut(taps * cin) {
+        map.row(at, &mut pixels);
+        map.advance(&mut at);
+        // Runs of taps that read consecutive pixels (a filter row in fprop) are one copy.
+        let mut t = 0;
+        while t < taps {
+            let pix = pixels[t];
+            let mut run = 1;
+            if pix != NO_PIXEL {
+                while t + run < taps && pixels[t + run] == pix + run {
+                    run += 1;
+                }
+            }
+            let dst = &mut row[t * cin..(t + run) * cin];
             if pix == NO_PIXEL {
                 dst.fill(A::ZERO);
             } else {
-                dst.copy_from_slice(&src[pix * cin..][..cin]);
+                copy_pixels(dst, &src[pix * cin..(pix + run) * cin]);
             }
+            t += run;
         }
+    }
+}
+
+/// `dst.copy_from_slice(src)`, inlined for a single pixel of the usual channel counts.
+#[inline]
+fn copy_pixels<A: Real>(dst: &mut [A], src: &[A]) {
+    fn fixed<A: Copy, const N: usize>(dst: &mut [A], src: &[A]) -> bool {
+        match (<&mut [A; N]>::try_from(dst), <&[A; N]>::try_from(src)) {
+            (Ok(d), Ok(s)) => {
+                *d = *s;
+                true
+            }
+            _ => false,
+        }
+    }
+    let done = match src.len() {
+        8 => fixed::<A, 8>(dst, src),
+        16 => fixed::<A, 16>(dst, src),
+        32 => fixed::<A, 32>(dst, src),
+        _ => false,
+    };
+    if !done {
+        dst.copy_from_slice(src);
     }
 }
 
