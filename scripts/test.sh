@@ -36,6 +36,8 @@ step "GPU-check scripts: syntax, and their no-GPU paths"
 bash -n scripts/gpu-check.sh
 python3 -m py_compile benches/torch_cbr.py
 python3 benches/torch_cbr.py --out target/bench
+python3 -m py_compile benches/torch_cpu.py
+python3 benches/torch_cpu.py
 
 if [ -n "${CI:-}" ]; then
   # The CPU half of the GPU check: release-build and bundle every binary a GPU machine runs

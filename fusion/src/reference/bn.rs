@@ -34,7 +34,7 @@
 
 use super::element::{Element, Real};
 use super::error::{ReferenceError, Result};
-use super::parallel::{channel_sums, map_channels};
+use super::parallel::{channel_sums, map_blocks};
 use super::params::{check_len, BnParams, Nhwc};
 use super::pointwise::dbn_apply;
 
@@ -98,11 +98,16 @@ pub fn genstats<T: Element>(shape: &Nhwc, y: &[T]) -> Result<ChannelStats<T::Acc
     shape.validate("y")?;
     check_len("y", y, shape.elems())?;
     let c = shape.c;
-    let sums = channel_sums::<2, _>(shape.pixels(), c, |row, acc| {
-        for (a, v) in acc.iter_mut().zip(&y[row * c..(row + 1) * c]) {
-            let v = v.to_f64();
-            a[0] += v;
-            a[1] += v * v;
+    let sums = channel_sums::<2, Vec<T::Acc>, _>(shape.pixels(), c, |rows, yv, acc| {
+        let chunk = &y[rows.start * c..rows.end * c];
+        yv.resize(chunk.len(), T::Acc::ZERO);
+        T::widen_into(chunk, yv);
+        for yp in yv.chunks_exact(c) {
+            for (a, v) in acc.iter_mut().zip(yp) {
+                let v = v.to_f64();
+                a[0] += v;
+                a[1] += v * v;
+            }
         }
     });
     Ok(ChannelStats {
@@ -176,14 +181,15 @@ pub fn bn_fwd_train<T: Element>(
         .iter()
         .map(|m| T::Acc::from_f64(m.inv_std))
         .collect();
-    let out = map_channels(y.len(), shape.c, |i, ch| {
-        T::from_acc(bn_recompute(
-            y[i].to_acc(),
-            mean[ch],
-            inv_std[ch],
-            gamma[ch],
-            beta[ch],
-        ))
+    let c = shape.c;
+    let out = map_blocks(y.len(), c, |first, ins, out| {
+        let yv = &mut ins[..out.len()];
+        T::widen_into(&y[first..first + out.len()], yv);
+        for (o, yp) in out.chunks_exact_mut(c).zip(yv.chunks_exact(c)) {
+            for k in 0..c {
+                o[k] = bn_recompute(yp[k], mean[k], inv_std[k], gamma[k], beta[k]);
+            }
+        }
     });
     Ok(BnForward {
         out,
@@ -247,17 +253,22 @@ impl<A: Real> BnBwdCoefficients<A> {
         gamma: &[A],
     ) -> Self {
         let ch = shape.c;
-        let sums = channel_sums::<2, _>(shape.pixels(), ch, |row, acc| {
-            let range = row * ch..(row + 1) * ch;
-            for (k, (a, (yv, dv))) in acc
-                .iter_mut()
-                .zip(y[range.clone()].iter().zip(&dz[range]))
-                .enumerate()
-            {
-                let x_hat = (yv.to_f64() - mean[k].to_f64()) * inv_std[k].to_f64();
-                let d = dv.to_f64();
-                a[0] += d * x_hat;
-                a[1] += d;
+        let mean64: Vec<f64> = mean.iter().map(|v| v.to_f64()).collect();
+        let inv_std64: Vec<f64> = inv_std.iter().map(|v| v.to_f64()).collect();
+        let sums = channel_sums::<2, Vec<A>, _>(shape.pixels(), ch, |rows, buf, acc| {
+            let range = rows.start * ch..rows.end * ch;
+            let n = range.len();
+            buf.resize(2 * n, A::ZERO);
+            let (yv, dv) = buf.split_at_mut(n);
+            T::widen_into(&y[range.clone()], yv);
+            T::widen_into(&dz[range], dv);
+            for (yp, dp) in yv.chunks_exact(ch).zip(dv.chunks_exact(ch)) {
+                for k in 0..ch {
+                    let x_hat = (yp[k].to_f64() - mean64[k]) * inv_std64[k];
+                    let d = dp[k].to_f64();
+                    acc[k][0] += d * x_hat;
+                    acc[k][1] += d;
+                }
             }
         });
         let m = shape.pixels() as f64;

@@ -72,7 +72,7 @@ pub(crate) fn fprop_acc<A: Real>(p: &ConvParams, x: &[A], w: &[A]) -> Result<Vec
         col_stride: depth,
     };
     let rows = p.n * p.out_h() * p.out_w();
-    gather_gemm(rows, x, p.c, p.r * p.s, fprop_pixel(p), w_t, p.k)
+    gather_gemm(rows, x, p.c, p.r * p.s, PixelMap::fprop(p), w_t, p.k)
 }
 
 /// dgrad in the arithmetic type, unrounded. `p` validated, lengths checked.
@@ -91,7 +91,7 @@ pub(crate) fn dgrad_acc<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result<Ve
         dy,
         p.k,
         taps,
-        dgrad_pixel(p),
+        PixelMap::dgrad(p),
         Mat::row_major(&w_r, p.c),
         p.c,
     )
@@ -105,7 +105,7 @@ pub(crate) fn wgrad_acc<A: Real>(p: &ConvParams, x: &[A], dy: &[A]) -> Result<Ve
     let tiles = rows.div_ceil(TILE_ROWS);
     let tiles_per_group = tiles.div_ceil(WGRAD_GROUPS);
     let groups = tiles.div_ceil(tiles_per_group);
-    let pixel = fprop_pixel(p);
+    let map = PixelMap::fprop(p);
     let partials = (0..groups)
         .into_par_iter()
         .map(|group| {
@@ -115,7 +115,7 @@ pub(crate) fn wgrad_acc<A: Real>(p: &ConvParams, x: &[A], dy: &[A]) -> Result<Ve
             for tile in group * tiles_per_group..last_tile {
                 let first = tile * TILE_ROWS;
                 let n_rows = TILE_ROWS.min(rows - first);
-                gather(x, p.c, taps, first, n_rows, &pixel, &mut col);
+                gather(x, p.c, taps, first, n_rows, &map, &mut col);
                 // dyᵀ of this tile as a [k, n_rows] matrix.
                 let dy_t = Mat {
                     data: &dy[first * k..(first + n_rows) * k],
@@ -145,80 +145,243 @@ pub(crate) fn wgrad_acc<A: Real>(p: &ConvParams, x: &[A], dy: &[A]) -> Result<Ve
     Ok(dw)
 }
 
-/// Where fprop's (and wgrad's) column row `row` (output pixel `(n, p, q)`) reads filter tap
-/// `tap = r*s_dim + s`: the input pixel index `(n*h + ih)*w + iw`, or `None` in the padding.
-fn fprop_pixel(p: &ConvParams) -> impl Fn(usize, usize) -> Option<usize> + Sync + Send {
-    let ConvParams {
-        h,
-        w,
-        s,
-        pad_h,
-        pad_w,
-        stride_h,
-        stride_w,
-        dil_h,
-        dil_w,
-        ..
-    } = *p;
-    let (out_h, out_w) = (p.out_h(), p.out_w());
-    move |row, tap| {
-        let (n, rem) = (row / (out_h * out_w), row % (out_h * out_w));
-        let (op, oq) = (rem / out_w, rem % out_w);
-        let ih = (op * stride_h + (tap / s) * dil_h).checked_sub(pad_h)?;
-        let iw = (oq * stride_w + (tap % s) * dil_w).checked_sub(pad_w)?;
-        (ih < h && iw < w).then_some((n * h + ih) * w + iw)
-    }
+/// Marks a filter tap that reads padding (zeros) in [`PixelMap::row`].
+const NO_PIXEL: usize = usize::MAX;
+
+/// Where each column row reads each filter tap `tap = r*s_dim + s`.
+#[derive(Debug, Clone, Copy)]
+enum PixelMap {
+    /// fprop's (and wgrad's) rows: output pixels `(n, p, q)`, reading input pixel
+    /// `(n, p*stride_h - pad_h + r*dil_h, q*stride_w - pad_w + s*dil_w)`.
+    Fprop(ConvParams),
+    /// dgrad's rows: input pixels `(n, ih, iw)`, reading the output pixel `(op, oq)` with
+    /// `op*stride_h = ih + pad_h - r*dil_h` (and the same for `w`), where there is one.
+    Dgrad(ConvParams),
 }
 
-/// Where dgrad's column row `row` (input pixel `(n, ih, iw)`) reads filter tap `(r, s)`: the
-/// output pixel `(op, oq)` with `op*stride_h = ih + pad_h - r*dil_h` (and the same for `w`),
-/// or `None` where no output pixel reads `(ih, iw)` through that tap.
-fn dgrad_pixel(p: &ConvParams) -> impl Fn(usize, usize) -> Option<usize> + Sync + Send {
-    let ConvParams {
-        h,
-        w,
-        s,
-        pad_h,
-        pad_w,
-        stride_h,
-        stride_w,
-        dil_h,
-        dil_w,
-        ..
-    } = *p;
-    let (out_h, out_w) = (p.out_h(), p.out_w());
-    move |row, tap| {
-        let (n, rem) = (row / (h * w), row % (h * w));
-        let (ih, iw) = (rem / w, rem % w);
-        let th = (ih + pad_h).checked_sub((tap / s) * dil_h)?;
-        let tw = (iw + pad_w).checked_sub((tap % s) * dil_w)?;
-        if th % stride_h != 0 || tw % stride_w != 0 {
-            return None;
+impl PixelMap {
+    fn fprop(p: &ConvParams) -> Self {
+        PixelMap::Fprop(*p)
+    }
+
+    fn dgrad(p: &ConvParams) -> Self {
+        PixelMap::Dgrad(*p)
+    }
+
+    /// The row space: (batch, rows, columns) of the pixels the column rows stand for.
+    fn dims(&self) -> (usize, usize) {
+        match self {
+            PixelMap::Fprop(p) => (p.out_h(), p.out_w()),
+            PixelMap::Dgrad(p) => (p.h, p.w),
         }
-        let (op, oq) = (th / stride_h, tw / stride_w);
-        (op < out_h && oq < out_w).then_some((n * out_h + op) * out_w + oq)
+    }
+
+    /// Column row `row`'s pixel `(n, i, j)` in the row space.
+    fn coords(&self, row: usize) -> [usize; 3] {
+        let (h, w) = self.dims();
+        let (n, rem) = (row / (h * w), row % (h * w));
+        [n, rem / w, rem % w]
+    }
+
+    /// The next row's pixel after `at`.
+    fn advance(&self, at: &mut [usize; 3]) {
+        let (h, w) = self.dims();
+        at[2] += 1;
+        if at[2] == w {
+            at[2] = 0;
+            at[1] += 1;
+            if at[1] == h {
+                at[1] = 0;
+                at[0] += 1;
+            }
+        }
+    }
+
+    /// For the column row of pixel `at` ([`PixelMap::coords`]), the flat source pixel of every
+    /// tap, or [`NO_PIXEL`].
+    fn row(&self, at: [usize; 3], out: &mut [usize]) {
+        if self.interior(at, out) {
+            return;
+        }
+        self.row_general(at, out);
+    }
+
+    /// [`PixelMap::row`] for a row none of whose taps falls outside the source (or, in
+    /// dgrad, between the strided output pixels): every tap's pixel is the row's first plus a
+    /// fixed offset. Returns false, leaving `out` as it was, for other rows.
+    fn interior(&self, [n, op, oq]: [usize; 3], out: &mut [usize]) -> bool {
+        match *self {
+            PixelMap::Fprop(p) => {
+                let (Some(ih), Some(iw)) = (
+                    (op * p.stride_h).checked_sub(p.pad_h),
+                    (oq * p.stride_w).checked_sub(p.pad_w),
+                ) else {
+                    return false;
+                };
+                if ih + (p.r - 1) * p.dil_h >= p.h || iw + (p.s - 1) * p.dil_w >= p.w {
+                    return false;
+                }
+                let base = (n * p.h + ih) * p.w + iw;
+                for (r, taps) in out.chunks_exact_mut(p.s).enumerate() {
+                    let row_base = base + r * p.dil_h * p.w;
+                    for (s, t) in taps.iter_mut().enumerate() {
+                        *t = row_base + s * p.dil_w;
+                    }
+                }
+                true
+            }
+            PixelMap::Dgrad(p) => {
+                if p.stride_h != 1 || p.stride_w != 1 {
+                    return false;
+                }
+                let (out_h, out_w) = (p.out_h(), p.out_w());
+                let (ih, iw) = (op, oq);
+                // Tap (r, s) reads output pixel (ih + pad_h - r·dil_h, iw + pad_w - s·dil_w).
+                let (th, tw) = (ih + p.pad_h, iw + p.pad_w);
+                if th < (p.r - 1) * p.dil_h
+                    || tw < (p.s - 1) * p.dil_w
+                    || th >= out_h
+                    || tw >= out_w
+                {
+                    return false;
+                }
+                let base = (n * out_h + th) * out_w + tw;
+                for (r, taps) in out.chunks_exact_mut(p.s).enumerate() {
+                    let row_base = base - r * p.dil_h * out_w;
+                    for (s, t) in taps.iter_mut().enumerate() {
+                        *t = row_base - s * p.dil_w;
+                    }
+                }
+                true
+            }
+        }
+    }
+
+    /// [`PixelMap::row`] for any row.
+    fn row_general(&self, [n, i, j]: [usize; 3], out: &mut [usize]) {
+        // Rows and columns of the filter are independent: find each tap row's source row and
+        // each tap column's source column once, then combine.
+        let mut cols = [NO_PIXEL; 16];
+        let mut cols_vec;
+        let (p, s) = match self {
+            PixelMap::Fprop(p) | PixelMap::Dgrad(p) => (*p, p.s),
+        };
+        let cols: &mut [usize] = if s <= cols.len() {
+            &mut cols[..s]
+        } else {
+            cols_vec = vec![NO_PIXEL; s];
+            &mut cols_vec
+        };
+        match *self {
+            PixelMap::Fprop(_) => {
+                let (op, oq) = (i, j);
+                for (s, c) in cols.iter_mut().enumerate() {
+                    *c = (oq * p.stride_w + s * p.dil_w)
+                        .checked_sub(p.pad_w)
+                        .filter(|&iw| iw < p.w)
+                        .unwrap_or(NO_PIXEL);
+                }
+                for (r, taps) in out.chunks_exact_mut(p.s).enumerate() {
+                    let ih = (op * p.stride_h + r * p.dil_h)
+                        .checked_sub(p.pad_h)
+                        .filter(|&ih| ih < p.h);
+                    for (t, &iw) in taps.iter_mut().zip(cols.iter()) {
+                        *t = match ih {
+                            Some(ih) if iw != NO_PIXEL => (n * p.h + ih) * p.w + iw,
+                            _ => NO_PIXEL,
+                        };
+                    }
+                }
+            }
+            PixelMap::Dgrad(_) => {
+                let (out_h, out_w) = (p.out_h(), p.out_w());
+                let (ih, iw) = (i, j);
+                let along =
+                    |i: usize, pad: usize, t: usize, dil: usize, stride: usize, o: usize| {
+                        (i + pad)
+                            .checked_sub(t * dil)
+                            .filter(|th| th % stride == 0)
+                            .map(|th| th / stride)
+                            .filter(|&op| op < o)
+                    };
+                for (s, c) in cols.iter_mut().enumerate() {
+                    *c = along(iw, p.pad_w, s, p.dil_w, p.stride_w, out_w).unwrap_or(NO_PIXEL);
+                }
+                for (r, taps) in out.chunks_exact_mut(p.s).enumerate() {
+                    let op = along(ih, p.pad_h, r, p.dil_h, p.stride_h, out_h);
+                    for (t, &oq) in taps.iter_mut().zip(cols.iter()) {
+                        *t = match op {
+                            Some(op) if oq != NO_PIXEL => (n * out_h + op) * out_w + oq,
+                            _ => NO_PIXEL,
+                        };
+                    }
+                }
+            }
+        }
     }
 }
 
-/// Fills `col` with rows `first..first + n_rows` of the column matrix `[rows, taps*cin]`:
-/// row `i`, tap `t` holds the `cin` values of `src`'s pixel `pixel(i, t)`, or zeros.
+/// Fills `col` with rows `first..first + n_rows` of the column matrix `[rows, taps*cin]`: row
+/// `i`, tap `t` holds the `cin` values of `src`'s pixel for that tap ([`PixelMap::row`]), or
+/// zeros.
 fn gather<A: Real>(
     src: &[A],
     cin: usize,
     taps: usize,
     first: usize,
     n_rows: usize,
-    pixel: &(impl Fn(usize, usize) -> Option<usize> + Sync),
+    map: &PixelMap,
     col: &mut Vec<A>,
 ) {
-    col.clear();
+    // Every element is written below (a copy or zeros); resizing only grows the buffer.
     col.resize(n_rows * taps * cin, A::ZERO);
-    for (i, row) in col.chunks_exact_mut(taps * cin).enumerate() {
-        for (tap, dst) in row.chunks_exact_mut(cin).enumerate() {
-            if let Some(pix) = pixel(first + i, tap) {
-                dst.copy_from_slice(&src[pix * cin..][..cin]);
+    col.truncate(n_rows * taps * cin);
+    let mut pixels = vec![NO_PIXEL; taps];
+    let mut at = map.coords(first);
+    for row in col.chunks_exact_mut(taps * cin) {
+        map.row(at, &mut pixels);
+        map.advance(&mut at);
+        // Runs of taps that read consecutive pixels (a filter row in fprop) are one copy.
+        let mut t = 0;
+        while t < taps {
+            let pix = pixels[t];
+            let mut run = 1;
+            if pix != NO_PIXEL {
+                while t + run < taps && pixels[t + run] == pix + run {
+                    run += 1;
+                }
             }
+            let dst = &mut row[t * cin..(t + run) * cin];
+            if pix == NO_PIXEL {
+                dst.fill(A::ZERO);
+            } else {
+                copy_pixels(dst, &src[pix * cin..(pix + run) * cin]);
+            }
+            t += run;
         }
+    }
+}
+
+/// `dst.copy_from_slice(src)`, inlined for a single pixel of the usual channel counts.
+#[inline]
+fn copy_pixels<A: Real>(dst: &mut [A], src: &[A]) {
+    fn fixed<A: Copy, const N: usize>(dst: &mut [A], src: &[A]) -> bool {
+        match (<&mut [A; N]>::try_from(dst), <&[A; N]>::try_from(src)) {
+            (Ok(d), Ok(s)) => {
+                *d = *s;
+                true
+            }
+            _ => false,
+        }
+    }
+    let done = match src.len() {
+        8 => fixed::<A, 8>(dst, src),
+        16 => fixed::<A, 16>(dst, src),
+        32 => fixed::<A, 32>(dst, src),
+        _ => false,
+    };
+    if !done {
+        dst.copy_from_slice(src);
     }
 }
 
@@ -229,7 +392,7 @@ fn gather_gemm<A: Real>(
     src: &[A],
     cin: usize,
     taps: usize,
-    pixel: impl Fn(usize, usize) -> Option<usize> + Sync + Send,
+    map: PixelMap,
     weights: Mat<'_, A>,
     cout: usize,
 ) -> Result<Vec<A>> {
@@ -239,7 +402,7 @@ fn gather_gemm<A: Real>(
         .enumerate()
         .try_for_each_init(Vec::new, |col, (tile, out_tile)| {
             let n_rows = out_tile.len() / cout;
-            gather(src, cin, taps, tile * TILE_ROWS, n_rows, &pixel, col);
+            gather(src, cin, taps, tile * TILE_ROWS, n_rows, &map, col);
             A::gemm(
                 n_rows,
                 depth,

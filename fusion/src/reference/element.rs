@@ -54,6 +54,20 @@ pub trait Element:
     fn store_slice(src: &[Self::Acc]) -> Vec<Self> {
         src.iter().map(|&v| Self::from_acc(v)).collect()
     }
+
+    /// Widens `src` into `dst` (equal lengths; the same values as [`Element::to_acc`]).
+    fn widen_into(src: &[Self], dst: &mut [Self::Acc]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = s.to_acc();
+        }
+    }
+
+    /// Stores `src` into `dst` (equal lengths; the same values as [`Element::from_acc`]).
+    fn store_into(src: &[Self::Acc], dst: &mut [Self]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = Self::from_acc(s);
+        }
+    }
 }
 
 /// The arithmetic type (FP32 on the GPU): `f32` or `f64`.
@@ -101,10 +115,12 @@ pub trait Real:
 impl Element for f16 {
     type Acc = f32;
 
+    #[inline]
     fn to_acc(self) -> f32 {
         self.to_f32()
     }
 
+    #[inline]
     fn from_acc(value: f32) -> Self {
         f16::from_f32(value)
     }
@@ -122,15 +138,29 @@ impl Element for f16 {
         out.convert_from_f32_slice(src);
         out
     }
+
+    // The slice conversions use F16C where the CPU has it (exact widening; round to nearest
+    // even, as `f16::from_f32`).
+    #[inline]
+    fn widen_into(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+
+    #[inline]
+    fn store_into(src: &[f32], dst: &mut [Self]) {
+        dst.convert_from_f32_slice(src);
+    }
 }
 
 impl Element for f64 {
     type Acc = f64;
 
+    #[inline]
     fn to_acc(self) -> f64 {
         self
     }
 
+    #[inline]
     fn from_acc(value: f64) -> Self {
         value
     }
@@ -146,6 +176,16 @@ impl Element for f64 {
     fn store_slice(src: &[f64]) -> Vec<Self> {
         src.to_vec()
     }
+
+    #[inline]
+    fn widen_into(src: &[Self], dst: &mut [f64]) {
+        dst.copy_from_slice(src);
+    }
+
+    #[inline]
+    fn store_into(src: &[f64], dst: &mut [Self]) {
+        dst.copy_from_slice(src);
+    }
 }
 
 impl Real for f32 {
@@ -153,10 +193,12 @@ impl Real for f32 {
     const ZERO: Self = 0.0;
     const ONE: Self = 1.0;
 
+    #[inline]
     fn from_f64(value: f64) -> Self {
         value as f32
     }
 
+    #[inline]
     fn to_f64(self) -> f64 {
         f64::from(self)
     }

@@ -16,7 +16,7 @@ use super::bn::{bn_recompute, genstats, BnBwdCoefficients, ChannelStats};
 use super::conv::{dgrad_acc, fprop_acc, wgrad_acc};
 use super::element::{Element, Real};
 use super::error::Result;
-use super::parallel::map_channels;
+use super::parallel::map_blocks;
 use super::params::{check_len, ConvParams};
 use super::pointwise::{bn_apply, Activation, Residual};
 
@@ -212,16 +212,36 @@ pub fn dgrad_drelu_dbn<T: Element>(
     }
     let dxc = dgrad_acc(p, &T::widen_slice(dy), &T::widen_slice(w))?;
     let zero = T::Acc::ZERO;
-    let dz = map_channels(dxc.len(), p.c, |i, ch| {
-        let grad = dxc[i] + join.dy_branch.map_or(zero, |d| d[i].to_acc());
-        let z = bn_recompute(
-            y_prev[i].to_acc(),
-            bn.mean[ch],
-            bn.inv_std[ch],
-            bn.gamma[ch],
-            bn.beta[ch],
-        ) + join.resid.map_or(zero, |r| r[i].to_acc());
-        T::from_acc(if z > zero { grad } else { zero })
+    let ch = p.c;
+    let dz = map_blocks(dxc.len(), ch, |first, ins, out| {
+        let n = out.len();
+        let range = first..first + n;
+        let (yv, rest) = ins.split_at_mut(n);
+        let (bv, rv) = rest.split_at_mut(n);
+        T::widen_into(&y_prev[range.clone()], yv);
+        // Absent joins add an FP32 zero, as the graph's virtual add would.
+        match join.dy_branch {
+            Some(d) => T::widen_into(&d[range.clone()], bv),
+            None => bv.fill(zero),
+        }
+        match join.resid {
+            Some(r) => T::widen_into(&r[range.clone()], &mut rv[..n]),
+            None => rv[..n].fill(zero),
+        }
+        let rows = out
+            .chunks_exact_mut(ch)
+            .zip(dxc[range].chunks_exact(ch))
+            .zip(yv.chunks_exact(ch))
+            .zip(bv.chunks_exact(ch))
+            .zip(rv[..n].chunks_exact(ch));
+        for ((((o, gp), yp), bp), rp) in rows {
+            for k in 0..ch {
+                let grad = gp[k] + bp[k];
+                let z =
+                    bn_recompute(yp[k], bn.mean[k], bn.inv_std[k], bn.gamma[k], bn.beta[k]) + rp[k];
+                o[k] = if z > zero { grad } else { zero };
+            }
+        }
     });
     let co =
         BnBwdCoefficients::compute(&p.input_shape(), y_prev, &dz, bn.mean, bn.inv_std, bn.gamma);

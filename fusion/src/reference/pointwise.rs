@@ -8,7 +8,7 @@
 
 use super::element::{Element, Real};
 use super::error::Result;
-use super::parallel::map_channels;
+use super::parallel::{fill_blocks, map_blocks};
 use super::params::{check_len, Nhwc};
 
 /// Whether an apply ends with a ReLU.
@@ -21,6 +21,7 @@ pub enum Activation {
 }
 
 impl Activation {
+    #[inline]
     fn apply<A: Real>(self, v: A) -> A {
         match self {
             Activation::Relu => v.relu(),
@@ -68,14 +69,35 @@ pub fn bn_apply<T: Element>(
     check_len("scale", scale, shape.c)?;
     check_len("bias", bias, shape.c)?;
     let (s, b) = (T::widen_slice(scale), T::widen_slice(bias));
+    let c = shape.c;
+    let act = move |v: T::Acc| activation.apply(v);
     let out = match residual {
-        Residual::None => map_channels(y.len(), shape.c, |i, ch| {
-            T::from_acc(activation.apply(y[i].to_acc() * s[ch] + b[ch]))
+        Residual::None => map_blocks(y.len(), c, |first, ins, out| {
+            let yv = &mut ins[..out.len()];
+            T::widen_into(&y[first..first + out.len()], yv);
+            for (o, yp) in out.chunks_exact_mut(c).zip(yv.chunks_exact(c)) {
+                for k in 0..c {
+                    o[k] = act(yp[k] * s[k] + b[k]);
+                }
+            }
         }),
         Residual::Add(r) => {
             check_len("residual", r, shape.elems())?;
-            map_channels(y.len(), shape.c, |i, ch| {
-                T::from_acc(activation.apply(y[i].to_acc() * s[ch] + b[ch] + r[i].to_acc()))
+            map_blocks(y.len(), c, |first, ins, out| {
+                let n = out.len();
+                let (yv, rv) = ins.split_at_mut(n);
+                let rv = &mut rv[..n];
+                T::widen_into(&y[first..first + n], yv);
+                T::widen_into(&r[first..first + n], rv);
+                for ((o, yp), rp) in out
+                    .chunks_exact_mut(c)
+                    .zip(yv.chunks_exact(c))
+                    .zip(rv.chunks_exact(c))
+                {
+                    for k in 0..c {
+                        o[k] = act(yp[k] * s[k] + b[k] + rp[k]);
+                    }
+                }
             })
         }
         Residual::ScaleBias { r, scale, bias } => {
@@ -83,10 +105,23 @@ pub fn bn_apply<T: Element>(
             check_len("residual_scale", scale, shape.c)?;
             check_len("residual_bias", bias, shape.c)?;
             let (s2, b2) = (T::widen_slice(scale), T::widen_slice(bias));
-            map_channels(y.len(), shape.c, |i, ch| {
-                let main = y[i].to_acc() * s[ch] + b[ch];
-                let shortcut = r[i].to_acc() * s2[ch] + b2[ch];
-                T::from_acc(activation.apply(main + shortcut))
+            map_blocks(y.len(), c, |first, ins, out| {
+                let n = out.len();
+                let (yv, rv) = ins.split_at_mut(n);
+                let rv = &mut rv[..n];
+                T::widen_into(&y[first..first + n], yv);
+                T::widen_into(&r[first..first + n], rv);
+                for ((o, yp), rp) in out
+                    .chunks_exact_mut(c)
+                    .zip(yv.chunks_exact(c))
+                    .zip(rv.chunks_exact(c))
+                {
+                    for k in 0..c {
+                        let main = yp[k] * s[k] + b[k];
+                        let shortcut = rp[k] * s2[k] + b2[k];
+                        o[k] = act(main + shortcut);
+                    }
+                }
             })
         }
     };
@@ -97,8 +132,12 @@ pub fn bn_apply<T: Element>(
 pub fn relu_fwd<T: Element>(shape: &Nhwc, x: &[T]) -> Result<Vec<T>> {
     shape.validate("x")?;
     check_len("x", x, shape.elems())?;
-    Ok(map_channels(x.len(), shape.c, |i, _| {
-        T::from_acc(x[i].to_acc().relu())
+    Ok(map_blocks(x.len(), shape.c, |first, ins, out| {
+        let xv = &mut ins[..out.len()];
+        T::widen_into(&x[first..first + out.len()], xv);
+        for (o, v) in out.iter_mut().zip(xv.iter()) {
+            *o = v.relu();
+        }
     }))
 }
 
@@ -109,13 +148,19 @@ pub fn relu_bwd<T: Element>(shape: &Nhwc, dy: &[T], x: &[T]) -> Result<Vec<T>> {
     shape.validate("dy")?;
     check_len("dy", dy, shape.elems())?;
     check_len("x", x, shape.elems())?;
-    Ok(map_channels(dy.len(), shape.c, |i, _| {
-        if x[i].to_acc() > T::Acc::ZERO {
-            dy[i]
-        } else {
-            T::default()
+    // The gradient is passed through as stored (no round trip through the arithmetic type).
+    let mut out = vec![T::default(); dy.len()];
+    fill_blocks(&mut out, shape.c, |first, ins, dst: &mut [T]| {
+        let n = dst.len();
+        let xv = &mut ins[..n];
+        T::widen_into(&x[first..first + n], xv);
+        for ((o, v), d) in dst.iter_mut().zip(xv.iter()).zip(&dy[first..first + n]) {
+            if *v > T::Acc::ZERO {
+                *o = *d;
+            }
         }
-    }))
+    });
+    Ok(out)
 }
 
 /// `out = a + b`, computed in `T::Acc` and rounded to `T` once.
@@ -123,8 +168,15 @@ pub fn add<T: Element>(shape: &Nhwc, a: &[T], b: &[T]) -> Result<Vec<T>> {
     shape.validate("a")?;
     check_len("a", a, shape.elems())?;
     check_len("b", b, shape.elems())?;
-    Ok(map_channels(a.len(), shape.c, |i, _| {
-        T::from_acc(a[i].to_acc() + b[i].to_acc())
+    Ok(map_blocks(a.len(), shape.c, |first, ins, out| {
+        let n = out.len();
+        let (av, bv) = ins.split_at_mut(n);
+        let bv = &mut bv[..n];
+        T::widen_into(&a[first..first + n], av);
+        T::widen_into(&b[first..first + n], bv);
+        for ((o, x), y) in out.iter_mut().zip(av.iter()).zip(bv.iter()) {
+            *o = *x + *y;
+        }
     }))
 }
 
@@ -147,7 +199,21 @@ pub fn dbn_apply<T: Element>(
     check_len("a", a, shape.c)?;
     check_len("b", b, shape.c)?;
     check_len("c", c, shape.c)?;
-    Ok(map_channels(dz.len(), shape.c, |i, ch| {
-        T::from_acc(dz[i].to_acc() * a[ch] + y_prev[i].to_acc() * b[ch] + c[ch])
+    let ch = shape.c;
+    Ok(map_blocks(dz.len(), ch, |first, ins, out| {
+        let n = out.len();
+        let (dv, yv) = ins.split_at_mut(n);
+        let yv = &mut yv[..n];
+        T::widen_into(&dz[first..first + n], dv);
+        T::widen_into(&y_prev[first..first + n], yv);
+        for ((o, dp), yp) in out
+            .chunks_exact_mut(ch)
+            .zip(dv.chunks_exact(ch))
+            .zip(yv.chunks_exact(ch))
+        {
+            for k in 0..ch {
+                o[k] = dp[k] * a[k] + yp[k] * b[k] + c[k];
+            }
+        }
     }))
 }

@@ -4,6 +4,7 @@
 
 mod chains;
 mod errors;
+mod fast_paths;
 mod gradcheck;
 mod naive;
 mod ops;

@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""PyTorch CPU side-by-side for the main job on the CPU executor: trains the same network
+(trainer/src, `--net mini`: a 3x3 stem to `width` channels, a basic block of `width`, a basic
+block of 2*width with stride 2 and a 1x1 projection shortcut, global average pool, FC) on
+`batch` images of hw x hw x 8 (8 classes) with SGD (lr, momentum 0.9, weight decay 5e-4) in
+eager float32, channels_last, on `--threads` threads; then runs our main job
+(`train_cbr --device cpu` with the same shapes, steps and thread count) and prints one table
+with both throughputs and their ratio.
+
+PyTorch trains on a fixed pool of random batches made before timing; the first `--warmup`
+steps are not timed. Ours generates its synthetic batches inside its loop and reports images
+per second over all its steps (its own summary line). Without PyTorch it prints one SKIP line
+and exits 0; without the train_cbr binary it says how to build it and exits 0.
+
+    python3 benches/torch_cpu.py [--steps 200] [--threads 2] [--batch 32] [--hw 16]
+        [--width 16] [--bin target/release/examples/train_cbr]
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+
+DEFAULT_BIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "target",
+                           "release", "examples", "train_cbr")
+CHANNELS, CLASSES = 8, 8
+
+
+def torch_net(torch, width, classes):
+    nn = torch.nn
+
+    def cbr(cin, cout, stride):
+        return [nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False),
+                nn.BatchNorm2d(cout)]
+
+    class Basic(nn.Module):
+        def __init__(self, cin, cout, stride):
+            super().__init__()
+            c1, b1 = cbr(cin, cout, stride)
+            c2, b2 = cbr(cout, cout, 1)
+            self.conv1, self.bn1, self.conv2, self.bn2 = c1, b1, c2, b2
+            self.short = None
+            if cin != cout or stride != 1:
+                self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False),
+                                           nn.BatchNorm2d(cout))
+
+        def forward(self, x):
+            y = torch.relu(self.bn1(self.conv1(x)))
+            y = self.bn2(self.conv2(y))
+            s = x if self.short is None else self.short(x)
+            return torch.relu(y + s)
+
+    stem = cbr(CHANNELS, width, 1)
+    return nn.Sequential(stem[0], stem[1], nn.ReLU(), Basic(width, width, 1),
+                         Basic(width, 2 * width, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(2 * width, classes))
+
+
+def run_torch(torch, args):
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(1)
+    model = torch_net(torch, args.width, CLASSES).to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    pool = [(torch.randn(args.batch, CHANNELS, args.hw, args.hw)
+             .contiguous(memory_format=torch.channels_last),
+             torch.randint(0, CLASSES, (args.batch,))) for _ in range(8)]
+
+    def step(i):
+        x, y = pool[i % len(pool)]
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    for i in range(args.warmup):
+        step(i)
+    start = time.perf_counter()
+    for i in range(args.steps):
+        loss = step(i)
+    loss.item()
+    return args.steps * args.batch / (time.perf_counter() - start)
+
+
+def run_ours(args):
+    cmd = [args.bin, "--device", "cpu", "--steps", str(args.steps), "--batch", str(args.batch),
+           "--hw", str(args.hw), "--width", str(args.width), "--lr", str(args.lr)]
+    env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"torch_cpu: {' '.join(cmd)} failed ({out.returncode}):\n{out.stderr}")
+    m = re.search(r"train_cbr summary:.* ([0-9.]+) img/s on cpu", out.stdout)
+    if not m:
+        sys.exit(f"torch_cpu: no summary line in the output of {' '.join(cmd)}:\n{out.stdout}")
+    return float(m.group(1))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--hw", type=int, default=16)
+    ap.add_argument("--width", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--bin", default=DEFAULT_BIN, help="our train_cbr example binary")
+    args = ap.parse_args()
+    try:
+        import torch
+    except ImportError as e:
+        print(f"SKIP torch_cpu: PyTorch is not installed ({e})")
+        return 0
+    if not os.path.exists(args.bin):
+        print(f"SKIP torch_cpu: no train_cbr binary at {args.bin}; build it with "
+              "`cargo build --release -p cudnn-cbr-trainer --example train_cbr` "
+              "or pass --bin")
+        return 0
+    print(f"torch {torch.__version__}; mini net width {args.width}, {args.hw}x{args.hw}x"
+          f"{CHANNELS} inputs, {CLASSES} classes, batch {args.batch}, {args.steps} steps, "
+          f"{args.threads} threads")
+    theirs = run_torch(torch, args)
+    ours = run_ours(args)
+    print(f"{'executor':<44} {'img/s':>8}")
+    print(f"{'PyTorch eager fp32 channels_last':<44} {theirs:>8.0f}")
+    print(f"{'cudnn-cbr CPU executor (FP16 storage)':<44} {ours:>8.0f}")
+    print(f"{'ratio (ours / PyTorch)':<44} {ours / theirs:>8.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

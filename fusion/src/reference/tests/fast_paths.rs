@@ -1,0 +1,541 @@
+//! The CPU executor's fast paths against the straightforward implementations they replaced,
+//! kept here as the oracle: FP16 results must be identical bit for bit (the same values are
+//! rounded at the same points, and every sum runs in the same order), on shapes that cross the
+//! blocking and threading thresholds and on data with zeros of both signs, subnormals,
+//! infinities and NaNs (compared as "a NaN": see [`bits`]).
+
+use half::f16;
+use rayon::prelude::*;
+
+use super::util::Rng;
+use crate::reference::bn::{bn_recompute, BnBwdCoefficients};
+use crate::reference::conv::{dgrad_acc, fprop_acc, wgrad_acc};
+use crate::reference::element::private::Gemm;
+use crate::reference::element::{Mat, Real};
+use crate::reference::{
+    add, bn_apply, bn_bwd, bn_fwd_train, dbn_apply, dgrad_drelu_dbn, genstats, relu_bwd, relu_fwd,
+    Activation, BnParams, ConvParams, Element, Nhwc, ReluJoin, Residual, RunningStats, SavedBn,
+};
+
+/// FP16 data in [-2, 2) with every 17th value special (±0, a subnormal, ±inf, NaN).
+fn data(rng: &mut Rng, len: usize) -> Vec<f16> {
+    let specials = [
+        f16::ZERO,
+        f16::NEG_ZERO,
+        f16::from_bits(0x0003),
+        f16::INFINITY,
+        f16::NEG_INFINITY,
+        f16::NAN,
+    ];
+    (0..len)
+        .map(|i| {
+            if i % 17 == 5 {
+                specials[(rng.next_u64() % 6) as usize]
+            } else {
+                f16::from_f64(rng.uniform(-2.0, 2.0))
+            }
+        })
+        .collect()
+}
+
+/// Finite FP16 data (the convolutions' operands: the GEMM's handling of non-finite values is
+/// its own business).
+fn finite(rng: &mut Rng, len: usize) -> Vec<f16> {
+    rng.halfs(len, -2.0, 2.0)
+}
+
+/// The bits of each value, every NaN as one canonical NaN: Rust leaves the sign and payload
+/// of a NaN result unspecified (the compiler may swap the operands of an addition, and which
+/// NaN propagates with them), so only "a NaN" is comparable.
+fn bits(v: &[f16]) -> Vec<u16> {
+    v.iter()
+        .map(|x| if x.is_nan() { 0x7E00 } else { x.to_bits() })
+        .collect()
+}
+
+/// [`bits`] for FP32.
+fn bits32(v: &[f32]) -> Vec<u32> {
+    v.iter()
+        .map(|x| if x.is_nan() { 0x7FC0_0000 } else { x.to_bits() })
+        .collect()
+}
+
+/// Shapes on both sides of the block (1024 elements) and task (16K elements) sizes, with
+/// channel counts that do and do not divide them.
+fn shapes() -> Vec<Nhwc> {
+    vec![
+        Nhwc::new(1, 1, 1, 1),
+        Nhwc::new(2, 3, 5, 3),
+        Nhwc::new(2, 7, 9, 17),
+        Nhwc::new(8, 16, 16, 16),
+        Nhwc::new(3, 11, 13, 32),
+        Nhwc::new(4, 10, 10, 1000),
+    ]
+}
+
+// ---- The replaced implementations -------------------------------------------------------
+
+fn old_map<U: Send>(len: usize, c: usize, f: impl Fn(usize, usize) -> U + Sync + Send) -> Vec<U> {
+    (0..len)
+        .into_par_iter()
+        .with_min_len(4096)
+        .map(|i| f(i, i % c))
+        .collect()
+}
+
+fn old_channel_sums<const V: usize>(
+    rows: usize,
+    c: usize,
+    add_row: impl Fn(usize, &mut [[f64; V]]) + Sync + Send,
+) -> Vec<[f64; V]> {
+    let chunks = rows.div_ceil(512);
+    let partials: Vec<Vec<[f64; V]>> = (0..chunks)
+        .into_par_iter()
+        .map(|chunk| {
+            let mut acc = vec![[0.0; V]; c];
+            for row in chunk * 512..((chunk + 1) * 512).min(rows) {
+                add_row(row, &mut acc);
+            }
+            acc
+        })
+        .collect();
+    let mut total = vec![[0.0; V]; c];
+    for partial in &partials {
+        for (t, p) in total.iter_mut().zip(partial) {
+            for (tv, pv) in t.iter_mut().zip(p) {
+                *tv += pv;
+            }
+        }
+    }
+    total
+}
+
+fn old_bn_apply(
+    y: &[f16],
+    s: &[f16],
+    b: &[f16],
+    residual: Residual<'_, f16>,
+    act: Activation,
+) -> Vec<f16> {
+    let c = s.len();
+    let (s, b) = (f16::widen_slice(s), f16::widen_slice(b));
+    let act = |v: f32| match act {
+        Activation::Relu => v.relu(),
+        Activation::Identity => v,
+    };
+    old_map(y.len(), c, |i, ch| {
+        let main = y[i].to_acc() * s[ch] + b[ch];
+        f16::from_acc(act(match residual {
+            Residual::None => main,
+            Residual::Add(r) => main + r[i].to_acc(),
+            Residual::ScaleBias { r, scale, bias } => {
+                main + (r[i].to_acc() * scale[ch].to_acc() + bias[ch].to_acc())
+            }
+        }))
+    })
+}
+
+fn old_genstats(shape: &Nhwc, y: &[f16]) -> (Vec<f32>, Vec<f32>) {
+    let c = shape.c;
+    let sums = old_channel_sums::<2>(shape.pixels(), c, |row, acc| {
+        for (a, v) in acc.iter_mut().zip(&y[row * c..(row + 1) * c]) {
+            let v = v.to_f64();
+            a[0] += v;
+            a[1] += v * v;
+        }
+    });
+    (
+        sums.iter().map(|s| s[0] as f32).collect(),
+        sums.iter().map(|s| s[1] as f32).collect(),
+    )
+}
+
+/// dγ, dβ, a, b, c as `BnBwdCoefficients::compute` computed them.
+fn old_coefficients(
+    shape: &Nhwc,
+    y: &[f16],
+    dz: &[f16],
+    mean: &[f32],
+    inv_std: &[f32],
+    gamma: &[f32],
+) -> [Vec<f32>; 5] {
+    let ch = shape.c;
+    let sums = old_channel_sums::<2>(shape.pixels(), ch, |row, acc| {
+        for k in 0..ch {
+            let i = row * ch + k;
+            let x_hat = (y[i].to_f64() - f64::from(mean[k])) * f64::from(inv_std[k]);
+            let d = dz[i].to_f64();
+            acc[k][0] += d * x_hat;
+            acc[k][1] += d;
+        }
+    });
+    let m = shape.pixels() as f64;
+    let mut out: [Vec<f32>; 5] = Default::default();
+    for (k, [dgamma, dbeta]) in sums.into_iter().enumerate() {
+        let (g, is, mu) = (
+            f64::from(gamma[k]),
+            f64::from(inv_std[k]),
+            f64::from(mean[k]),
+        );
+        let a = g * is;
+        let b = -g * is * is * dgamma / m;
+        let c = -g * is * dbeta / m - b * mu;
+        for (o, v) in out.iter_mut().zip([dgamma, dbeta, a, b, c]) {
+            o.push(v as f32);
+        }
+    }
+    out
+}
+
+fn old_dbn_apply(dz: &[f16], y: &[f16], a: &[f32], b: &[f32], c: &[f32]) -> Vec<f16> {
+    old_map(dz.len(), a.len(), |i, ch| {
+        f16::from_acc(dz[i].to_acc() * a[ch] + y[i].to_acc() * b[ch] + c[ch])
+    })
+}
+
+/// The replaced column gather and GEMM of the convolutions (per-tap pixel closures).
+fn old_gather(
+    src: &[f32],
+    cin: usize,
+    taps: usize,
+    first: usize,
+    n_rows: usize,
+    pixel: &(impl Fn(usize, usize) -> Option<usize> + Sync),
+) -> Vec<f32> {
+    let mut col = vec![0f32; n_rows * taps * cin];
+    for (i, row) in col.chunks_exact_mut(taps * cin).enumerate() {
+        for (tap, dst) in row.chunks_exact_mut(cin).enumerate() {
+            if let Some(pix) = pixel(first + i, tap) {
+                dst.copy_from_slice(&src[pix * cin..][..cin]);
+            }
+        }
+    }
+    col
+}
+
+fn old_fprop_pixel(p: ConvParams) -> impl Fn(usize, usize) -> Option<usize> + Sync {
+    move |row, tap| {
+        let (out_h, out_w) = (p.out_h(), p.out_w());
+        let (n, rem) = (row / (out_h * out_w), row % (out_h * out_w));
+        let (op, oq) = (rem / out_w, rem % out_w);
+        let ih = (op * p.stride_h + (tap / p.s) * p.dil_h).checked_sub(p.pad_h)?;
+        let iw = (oq * p.stride_w + (tap % p.s) * p.dil_w).checked_sub(p.pad_w)?;
+        (ih < p.h && iw < p.w).then_some((n * p.h + ih) * p.w + iw)
+    }
+}
+
+fn old_dgrad_pixel(p: ConvParams) -> impl Fn(usize, usize) -> Option<usize> + Sync {
+    move |row, tap| {
+        let (out_h, out_w) = (p.out_h(), p.out_w());
+        let (n, rem) = (row / (p.h * p.w), row % (p.h * p.w));
+        let (ih, iw) = (rem / p.w, rem % p.w);
+        let th = (ih + p.pad_h).checked_sub((tap / p.s) * p.dil_h)?;
+        let tw = (iw + p.pad_w).checked_sub((tap % p.s) * p.dil_w)?;
+        if th % p.stride_h != 0 || tw % p.stride_w != 0 {
+            return None;
+        }
+        let (op, oq) = (th / p.stride_h, tw / p.stride_w);
+        (op < out_h && oq < out_w).then_some((n * out_h + op) * out_w + oq)
+    }
+}
+
+fn old_gather_gemm(
+    rows: usize,
+    src: &[f32],
+    cin: usize,
+    taps: usize,
+    pixel: impl Fn(usize, usize) -> Option<usize> + Sync,
+    weights: Mat<'_, f32>,
+    cout: usize,
+) -> Vec<f32> {
+    let depth = taps * cin;
+    let mut out = vec![0f32; rows * cout];
+    for (tile, out_tile) in out.chunks_mut(128 * cout).enumerate() {
+        let n_rows = out_tile.len() / cout;
+        let col = old_gather(src, cin, taps, tile * 128, n_rows, &pixel);
+        f32::gemm(
+            n_rows,
+            depth,
+            cout,
+            Mat::row_major(&col, depth),
+            weights,
+            0.0,
+            out_tile,
+        )
+        .unwrap();
+    }
+    out
+}
+
+fn old_fprop(p: &ConvParams, x: &[f32], w: &[f32]) -> Vec<f32> {
+    let depth = p.r * p.s * p.c;
+    let w_t = Mat {
+        data: w,
+        row_stride: 1,
+        col_stride: depth,
+    };
+    let rows = p.n * p.out_h() * p.out_w();
+    old_gather_gemm(rows, x, p.c, p.r * p.s, old_fprop_pixel(*p), w_t, p.k)
+}
+
+fn old_dgrad(p: &ConvParams, dy: &[f32], w: &[f32]) -> Vec<f32> {
+    let taps = p.r * p.s;
+    let mut w_r = vec![0f32; taps * p.k * p.c];
+    for (k, filter) in w.chunks_exact(taps * p.c).enumerate() {
+        for (tap, weights) in filter.chunks_exact(p.c).enumerate() {
+            w_r[(tap * p.k + k) * p.c..][..p.c].copy_from_slice(weights);
+        }
+    }
+    let rows = p.n * p.h * p.w;
+    let w_r = Mat::row_major(&w_r, p.c);
+    old_gather_gemm(rows, dy, p.k, taps, old_dgrad_pixel(*p), w_r, p.c)
+}
+
+fn old_wgrad(p: &ConvParams, x: &[f32], dy: &[f32]) -> Vec<f32> {
+    let (k, taps) = (p.k, p.r * p.s);
+    let depth = taps * p.c;
+    let rows = p.n * p.out_h() * p.out_w();
+    let tiles = rows.div_ceil(128);
+    let tiles_per_group = tiles.div_ceil(8);
+    let groups = tiles.div_ceil(tiles_per_group);
+    let pixel = old_fprop_pixel(*p);
+    let mut total: Option<Vec<f32>> = None;
+    for group in 0..groups {
+        let mut dw = vec![0f32; k * depth];
+        for tile in group * tiles_per_group..((group + 1) * tiles_per_group).min(tiles) {
+            let first = tile * 128;
+            let n_rows = 128.min(rows - first);
+            let col = old_gather(x, p.c, taps, first, n_rows, &pixel);
+            let dy_t = Mat {
+                data: &dy[first * k..(first + n_rows) * k],
+                row_stride: 1,
+                col_stride: k,
+            };
+            f32::gemm(
+                k,
+                n_rows,
+                depth,
+                dy_t,
+                Mat::row_major(&col, depth),
+                1.0,
+                &mut dw,
+            )
+            .unwrap();
+        }
+        match &mut total {
+            None => total = Some(dw),
+            Some(t) => t.iter_mut().zip(dw).for_each(|(t, v)| *t += v),
+        }
+    }
+    total.unwrap()
+}
+
+// ---- The tests --------------------------------------------------------------------------
+
+#[test]
+fn element_wise_ops_match_the_per_element_maps_bit_for_bit() {
+    let mut rng = Rng::new(0xB10C);
+    for shape in shapes() {
+        let (len, c) = (shape.elems(), shape.c);
+        let (y, r, dz) = (
+            data(&mut rng, len),
+            data(&mut rng, len),
+            data(&mut rng, len),
+        );
+        let (s, b, s2, b2) = (
+            data(&mut rng, c),
+            data(&mut rng, c),
+            data(&mut rng, c),
+            data(&mut rng, c),
+        );
+        for act in [Activation::Relu, Activation::Identity] {
+            let residuals = [
+                Residual::None,
+                Residual::Add(&r),
+                Residual::ScaleBias {
+                    r: &r,
+                    scale: &s2,
+                    bias: &b2,
+                },
+            ];
+            for residual in residuals {
+                let got = bn_apply(&shape, &y, &s, &b, residual, act).unwrap();
+                let want = old_bn_apply(&y, &s, &b, residual, act);
+                assert_eq!(bits(&got), bits(&want), "bn_apply {shape:?} {act:?}");
+            }
+        }
+        let want = old_map(len, c, |i, _| f16::from_acc(y[i].to_acc().relu()));
+        assert_eq!(
+            bits(&relu_fwd(&shape, &y).unwrap()),
+            bits(&want),
+            "relu_fwd"
+        );
+        let want = old_map(len, c, |i, _| {
+            if y[i].to_acc() > 0.0 {
+                dz[i]
+            } else {
+                f16::ZERO
+            }
+        });
+        assert_eq!(
+            bits(&relu_bwd(&shape, &dz, &y).unwrap()),
+            bits(&want),
+            "relu_bwd"
+        );
+        let want = old_map(len, c, |i, _| f16::from_acc(y[i].to_acc() + r[i].to_acc()));
+        assert_eq!(bits(&add(&shape, &y, &r).unwrap()), bits(&want), "add");
+        let (a, bb, cc) = (
+            rng.floats(c, -2.0, 2.0),
+            rng.floats(c, -2.0, 2.0),
+            rng.floats(c, -2.0, 2.0),
+        );
+        let got = dbn_apply(&shape, &dz, &y, &a, &bb, &cc).unwrap();
+        let want = old_dbn_apply(&dz, &y, &a, &bb, &cc);
+        assert_eq!(bits(&got), bits(&want), "dbn_apply {shape:?}");
+    }
+}
+
+#[test]
+fn channel_sums_and_bn_ops_match_the_per_row_sums_bit_for_bit() {
+    let mut rng = Rng::new(0x5u64);
+    for shape in shapes() {
+        let (len, c) = (shape.elems(), shape.c);
+        // Finite statistics inputs (a NaN would make every comparison below vacuous).
+        let (y, dz) = (finite(&mut rng, len), finite(&mut rng, len));
+        let stats = genstats(&shape, &y).unwrap();
+        let (sum, sqsum) = old_genstats(&shape, &y);
+        assert_eq!(bits32(&stats.sum), bits32(&sum), "genstats sum {shape:?}");
+        assert_eq!(
+            bits32(&stats.sqsum),
+            bits32(&sqsum),
+            "genstats sqsum {shape:?}"
+        );
+
+        let mean = rng.floats(c, -0.5, 0.5);
+        let inv_std = rng.floats(c, 0.5, 2.0);
+        let gamma = rng.floats(c, 0.5, 1.5);
+        let beta = rng.floats(c, -0.5, 0.5);
+        let co = BnBwdCoefficients::compute(&shape, &y, &dz, &mean, &inv_std, &gamma);
+        let want = old_coefficients(&shape, &y, &dz, &mean, &inv_std, &gamma);
+        for (what, got, want) in [
+            ("dgamma", &co.dgamma, &want[0]),
+            ("dbeta", &co.dbeta, &want[1]),
+            ("a", &co.a, &want[2]),
+            ("b", &co.b, &want[3]),
+            ("c", &co.c, &want[4]),
+        ] {
+            assert_eq!(bits32(got), bits32(want), "{what} {shape:?}");
+        }
+        let back = bn_bwd(&shape, &y, &dz, &mean, &inv_std, &gamma).unwrap();
+        let want_dx = old_dbn_apply(&dz, &y, &want[2], &want[3], &want[4]);
+        assert_eq!(bits(&back.dx), bits(&want_dx), "bn_bwd {shape:?}");
+
+        if shape.pixels() >= 2 {
+            let (mut rm, mut rv) = (vec![0f32; c], vec![1f32; c]);
+            let params = BnParams {
+                epsilon: 1e-5,
+                momentum: 0.1,
+            };
+            let running = RunningStats {
+                mean: &mut rm,
+                var: &mut rv,
+            };
+            let fwd = bn_fwd_train(&shape, &y, &gamma, &beta, running, &params).unwrap();
+            let (m, s) = (&fwd.saved_mean, &fwd.saved_inv_std);
+            let want = old_map(len, c, |i, k| {
+                f16::from_acc(bn_recompute(y[i].to_acc(), m[k], s[k], gamma[k], beta[k]))
+            });
+            assert_eq!(bits(&fwd.out), bits(&want), "bn_fwd_train {shape:?}");
+        }
+    }
+}
+
+/// Conv shapes: the mini network's, strides, dilations, padding wider than the filter's reach,
+/// 1×1 and 7×7 filters, and depths past matrixmultiply's 256-deep blocks.
+fn conv_shapes() -> Vec<ConvParams> {
+    vec![
+        ConvParams::new(4, 8, 16, 16, 16, 3, 3).with_padding(1, 1),
+        ConvParams::new(2, 16, 16, 16, 32, 3, 3)
+            .with_padding(1, 1)
+            .with_stride(2, 2),
+        ConvParams::new(2, 16, 16, 16, 32, 1, 1).with_stride(2, 2),
+        ConvParams::new(2, 32, 8, 8, 32, 3, 3).with_padding(1, 1),
+        ConvParams::new(2, 3, 19, 17, 5, 7, 7)
+            .with_padding(3, 3)
+            .with_stride(2, 2),
+        ConvParams::new(3, 5, 9, 11, 7, 3, 2)
+            .with_padding(2, 0)
+            .with_dilation(2, 3),
+        ConvParams::new(1, 3, 4, 4, 2, 3, 3).with_padding(4, 4),
+    ]
+}
+
+#[test]
+fn convolutions_match_the_per_tap_gather_bit_for_bit() {
+    let mut rng = Rng::new(0xC0);
+    for p in conv_shapes() {
+        p.validate().unwrap();
+        let x = f16::widen_slice(&finite(&mut rng, p.x_elems()));
+        let w = f16::widen_slice(&finite(&mut rng, p.w_elems()));
+        let dy = f16::widen_slice(&finite(&mut rng, p.y_elems()));
+        let got = fprop_acc(&p, &x, &w).unwrap();
+        assert_eq!(bits32(&got), bits32(&old_fprop(&p, &x, &w)), "fprop {p:?}");
+        let got = dgrad_acc(&p, &dy, &w).unwrap();
+        assert_eq!(bits32(&got), bits32(&old_dgrad(&p, &dy, &w)), "dgrad {p:?}");
+        let got = wgrad_acc(&p, &x, &dy).unwrap();
+        assert_eq!(bits32(&got), bits32(&old_wgrad(&p, &x, &dy)), "wgrad {p:?}");
+    }
+}
+
+#[test]
+fn dgrad_drelu_dbn_matches_the_per_element_map_bit_for_bit() {
+    let mut rng = Rng::new(0xD2);
+    for p in conv_shapes() {
+        let (c, n) = (p.c, p.x_elems());
+        let dy = finite(&mut rng, p.y_elems());
+        let w = finite(&mut rng, p.w_elems());
+        let y_prev = data(&mut rng, n);
+        let (resid, branch) = (data(&mut rng, n), data(&mut rng, n));
+        let mean = rng.floats(c, -0.5, 0.5);
+        let inv_std = rng.floats(c, 0.5, 2.0);
+        let gamma = rng.floats(c, 0.5, 1.5);
+        let beta = rng.floats(c, -0.5, 0.5);
+        let bn = SavedBn {
+            mean: &mean,
+            inv_std: &inv_std,
+            gamma: &gamma,
+            beta: &beta,
+        };
+        let joins = [
+            ReluJoin::default(),
+            ReluJoin {
+                resid: Some(&resid),
+                dy_branch: None,
+            },
+            ReluJoin {
+                resid: None,
+                dy_branch: Some(&branch),
+            },
+            ReluJoin {
+                resid: Some(&resid),
+                dy_branch: Some(&branch),
+            },
+        ];
+        let dxc = dgrad_acc(&p, &f16::widen_slice(&dy), &f16::widen_slice(&w)).unwrap();
+        for join in joins {
+            let got = dgrad_drelu_dbn(&p, &dy, &w, &y_prev, &bn, &join).unwrap();
+            let want = old_map(n, c, |i, ch| {
+                let grad = dxc[i] + join.dy_branch.map_or(0.0, |d| d[i].to_acc());
+                let z = bn_recompute(
+                    y_prev[i].to_acc(),
+                    mean[ch],
+                    inv_std[ch],
+                    gamma[ch],
+                    beta[ch],
+                ) + join.resid.map_or(0.0, |r| r[i].to_acc());
+                f16::from_acc(if z > 0.0 { grad } else { 0.0 })
+            });
+            assert_eq!(bits(&got.dz), bits(&want), "dz {p:?}");
+        }
+    }
+}
