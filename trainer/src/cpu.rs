@@ -8,7 +8,8 @@ use super::{
 };
 use cudnn_cbr::amp::plan::Region;
 use cudnn_cbr::amp::range;
-use cudnn_cbr::amp::step::{CpuRegions, StepConfig};
+use cudnn_cbr::amp::range::HeadMetrics;
+use cudnn_cbr::amp::step::{AmpStep, CpuRegions, StepConfig};
 use cudnn_cbr::amp::AmpError;
 use cudnn_cbr::classifier::CpuClassifier;
 use half::f16;
@@ -90,28 +91,48 @@ impl CpuTrainer {
             // accuracy = correct / batch exactly (batch < 2^24), so this recovers the count.
             correct += (m.accuracy * cfg.batch as f32).round() as usize;
         }
-        let step = self.model.step_mut();
-        step.request_scalars()?;
-        let s = step.poll_scalars()?.unwrap_or_default();
-        let (first_loss, last_loss, last_accuracy, step_losses) = summarize(&metrics);
-        let regions = step.executor();
-        let weights = MasterWeights::read(regions.plan_arc(), |p| {
-            regions.param_f32(p.name(), Region::W).map(<[f32]>::to_vec)
-        })?;
-        Ok(TrainReport {
-            first_loss,
-            last_loss,
-            last_accuracy,
-            held_out_accuracy: correct as f32 / (HELD_OUT_BATCHES as usize * cfg.batch) as f32,
-            skipped: s.skipped,
-            loss_scale: s.loss_scale,
+        let held_out = correct as f32 / (HELD_OUT_BATCHES as usize * cfg.batch) as f32;
+        report(
+            self.model.step_mut(),
+            &metrics,
+            held_out,
             images_per_sec,
-            step_losses,
-            weights,
             executor,
             trace,
-        })
+        )
     }
+}
+
+/// The report of a CPU run from its amp step (scalars, master weights W) and per-step
+/// metrics; both CPU executors end with it.
+pub(crate) fn report(
+    step: &mut AmpStep<CpuRegions>,
+    metrics: &[HeadMetrics],
+    held_out_accuracy: f32,
+    images_per_sec: f64,
+    executor: ExecutorInfo,
+    trace: Vec<StepTrace>,
+) -> Result<TrainReport, TrainError> {
+    step.request_scalars()?;
+    let s = step.poll_scalars()?.unwrap_or_default();
+    let (first_loss, last_loss, last_accuracy, step_losses) = summarize(metrics);
+    let regions = step.executor();
+    let weights = MasterWeights::read(regions.plan_arc(), |p| {
+        regions.param_f32(p.name(), Region::W).map(<[f32]>::to_vec)
+    })?;
+    Ok(TrainReport {
+        first_loss,
+        last_loss,
+        last_accuracy,
+        held_out_accuracy,
+        skipped: s.skipped,
+        loss_scale: s.loss_scale,
+        images_per_sec,
+        step_losses,
+        weights,
+        executor,
+        trace,
+    })
 }
 
 /// Overwrites one gradient element (chosen by `h`) with NaN, +Inf or −Inf: in G16 (the conv

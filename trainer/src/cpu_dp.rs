@@ -5,11 +5,10 @@
 //! global batch's.
 
 use super::{
-    data, net::compile_net, net::cpu_policy, summarize, ExecutorInfo, MasterWeights, Progress,
-    TrainConfig, TrainError, TrainReport, Window, HELD_OUT_BATCHES,
+    data, net::compile_net, net::cpu_policy, ExecutorInfo, Progress, TrainConfig, TrainError,
+    TrainReport, Window, HELD_OUT_BATCHES,
 };
 use cudnn_cbr::amp::dist::DistError;
-use cudnn_cbr::amp::plan::Region;
 use cudnn_cbr::amp::range;
 use cudnn_cbr::amp::step::StepConfig;
 use cudnn_cbr::amp::AmpError;
@@ -58,10 +57,13 @@ impl DataParallelTrainer {
                 .map(|(g, b)| {
                     std::thread::Builder::new()
                         .name(format!("rank {}", g.rank()))
-                        .spawn_scoped(s, move || run_rank(&cfg, g, b, every, &mut |_| {}))
+                        .spawn_scoped(s, {
+                            let executor = executor.clone();
+                            move || run_rank(&cfg, g, b, every, &mut |_| {}, &executor)
+                        })
                 })
                 .collect();
-            let first = run_rank(&cfg, g0, b0, every, &mut progress);
+            let first = run_rank(&cfg, g0, b0, every, &mut progress, &executor);
             let mut results = vec![first];
             for h in others {
                 results.push(match h {
@@ -87,10 +89,7 @@ impl DataParallelTrainer {
                     .unwrap_or_else(|| TrainError::Config("a rank failed".into())));
             }
             match results.swap_remove(0) {
-                Ok(Some(mut report)) => {
-                    report.executor = executor;
-                    Ok(report)
-                }
+                Ok(Some(report)) => Ok(report),
                 Ok(None) => Err(TrainError::Config("rank 0 made no report".into())),
                 Err(e) => Err(e),
             }
@@ -105,6 +104,7 @@ fn run_rank(
     bn: Option<CpuComm>,
     every: usize,
     progress: &mut dyn FnMut(&Progress),
+    executor: &ExecutorInfo,
 ) -> Result<Option<TrainReport>, TrainError> {
     let (rank, ranks) = (grads.rank(), cfg.ranks);
     let data = data::Synthetic::new(cfg.hw, cfg.channels, cfg.classes, cfg.seed);
@@ -151,29 +151,14 @@ fn run_rank(
     if rank != 0 {
         return Ok(None);
     }
-    let step = replica.model_mut().step_mut();
-    step.request_scalars()?;
-    let s = step.poll_scalars()?.unwrap_or_default();
-    let (first_loss, last_loss, last_accuracy, step_losses) = summarize(&metrics);
-    let regions = step.executor();
-    let weights = MasterWeights::read(regions.plan_arc(), |p| {
-        regions.param_f32(p.name(), Region::W).map(<[f32]>::to_vec)
-    })?;
-    Ok(Some(TrainReport {
-        first_loss,
-        last_loss,
-        last_accuracy,
-        held_out_accuracy: correct[0] / (HELD_OUT_BATCHES as usize * cfg.batch * ranks) as f32,
-        skipped: s.skipped,
-        loss_scale: s.loss_scale,
+    let held_out = correct[0] / (HELD_OUT_BATCHES as usize * cfg.batch * ranks) as f32;
+    super::cpu::report(
+        replica.model_mut().step_mut(),
+        &metrics,
+        held_out,
         images_per_sec,
-        step_losses,
-        weights,
-        executor: ExecutorInfo {
-            kind: super::ExecutorKind::Cpu,
-            reason: String::new(),
-            detail: String::new(),
-        },
-        trace: Vec::new(),
-    }))
+        executor.clone(),
+        Vec::new(),
+    )
+    .map(Some)
 }
