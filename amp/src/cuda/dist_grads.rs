@@ -77,8 +77,7 @@ pub fn all_reduce_gradients(
                     comm.all_reduce(&mut view, ReduceOp::Sum)?;
                 }
             }
-            let rest =
-                ByteRange::new(b.conv16().end.max(b.span16().start), b.span16().end).to_fp32();
+            let rest = crate::dist::grads::g_rest(b);
             if !rest.is_empty() {
                 let mut bytes = typed::<f32>(regions, Region::G, rest)?;
                 // SAFETY: G holds FP32 gradients; the range is a whole number of them from a

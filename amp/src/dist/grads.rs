@@ -13,7 +13,7 @@ use half::f16;
 
 use super::{Collective, ReduceOp};
 use crate::error::AmpError;
-use crate::plan::{ByteRange, DataType, Region};
+use crate::plan::{BucketInfo, ByteRange, DataType, Region};
 use crate::step::{AmpExecutor, CpuRegions};
 
 /// Sums the step's gradients over the group, bucket by bucket from the last declared (the
@@ -36,13 +36,19 @@ where
                 comm.all_reduce(v, ReduceOp::Sum)?;
             }
         }
-        let rest = ByteRange::new(b.conv16().end.max(b.span16().start), b.span16().end).to_fp32();
+        let rest = g_rest(b);
         if !rest.is_empty() {
             let v = &mut regions.f32_region_mut(Region::G)?[rest.elem_range(DataType::Float)];
             comm.all_reduce(v, ReduceOp::Sum)?;
         }
     }
     Ok(())
+}
+
+/// The bytes of G that a bucket's all-reduce sends in FP32: its slots after the conv run (BN
+/// parameters, FC); the conv slots of G are the cast's, from G16.
+pub(crate) fn g_rest(b: &BucketInfo) -> ByteRange {
+    ByteRange::new(b.conv16().end.max(b.span16().start), b.span16().end).to_fp32()
 }
 
 /// The overflow flag of S, the maximum over the group: if any rank's check found NaN or Inf,
