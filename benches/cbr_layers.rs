@@ -9,6 +9,7 @@
 
 use cudarc::driver::CudaStream;
 use cudnn_cbr::fusion::cache::PlanCache;
+use cudnn_cbr::fusion::cbr::kernels::Pointwise;
 use cudnn_cbr::fusion::cbr::{
     graphs, resnet50, CbrConfig, CbrLayer, ConvShape, HostBuffer, OwnedDeviceBuffers, Pass, Src,
 };
@@ -189,7 +190,18 @@ fn run(stream: Arc<CudaStream>, full: bool) -> Res<()> {
     for (label, config) in &layers {
         for fused in [true, false] {
             match bench_layer(
-                label, *config, fused, &handle, &target, &cache, &stream, peak, bw, warmup, iters,
+                label,
+                *config,
+                fused,
+                Pointwise::Own,
+                &handle,
+                &target,
+                &cache,
+                &stream,
+                peak,
+                bw,
+                warmup,
+                iters,
             ) {
                 Ok(row) => {
                     println!(
@@ -230,6 +242,69 @@ fn run(stream: Arc<CudaStream>, full: bool) -> Res<()> {
         );
     }
     write_outputs(&rows, &speedups, true)?;
+    pointwise_table(
+        &layers,
+        &handle,
+        &target,
+        &cache,
+        &stream,
+        (peak, bw),
+        (warmup, iters),
+    )
+}
+
+/// The fused route's forward + backward with our element-wise kernels against the same route
+/// with cuDNN's runtime-compiled graphs, per layer that has such a step (ratio > 1: ours are
+/// faster).
+fn pointwise_table(
+    layers: &[(&'static str, CbrConfig)],
+    handle: &Handle,
+    target: &Target,
+    cache: &PlanCache,
+    stream: &Arc<CudaStream>,
+    (peak, bw): (f64, f64),
+    (warmup, iters): (usize, usize),
+) -> Res<()> {
+    println!("\nelement-wise steps on the fused route: our kernels vs cuDNN's graphs (fwd + bwd)");
+    println!(
+        "{:<12} {:<30} {:>10} {:>10} {:>8}",
+        "layer", "shape", "ours ms", "cuDNN ms", "ratio"
+    );
+    let mut ratios = Vec::new();
+    for (label, config) in layers {
+        let time = |pointwise| {
+            bench_layer(
+                label, *config, true, pointwise, handle, target, cache, stream, peak, bw, warmup,
+                iters,
+            )
+            .map(|r| r.fwd_ms + r.bwd_ms)
+        };
+        match (time(Pointwise::Own), time(Pointwise::Cudnn)) {
+            (Ok(own), Ok(cudnn)) => {
+                println!(
+                    "{label:<12} {:<30} {own:>10.3} {cudnn:>10.3} {:>7.2}x",
+                    config.shape.label(),
+                    cudnn / own
+                );
+                ratios.push(cudnn / own);
+            }
+            (a, b) => println!(
+                "{label:<12} {:<30} unavailable: {}",
+                config.shape.label(),
+                a.err()
+                    .or(b.err())
+                    .map(|e| e.to_string())
+                    .unwrap_or_default()
+            ),
+        }
+    }
+    if !ratios.is_empty() {
+        let geo = (ratios.iter().map(|r| r.ln()).sum::<f64>() / ratios.len() as f64).exp();
+        println!(
+            "{:<12} {geo:>51.2}x (geometric mean, cuDNN / ours)",
+            "summary"
+        );
+    }
     Ok(())
 }
 
@@ -252,6 +327,7 @@ fn bench_layer(
     label: &'static str,
     config: CbrConfig,
     fused: bool,
+    pointwise: Pointwise,
     handle: &Handle,
     target: &Target,
     cache: &PlanCache,
@@ -261,7 +337,7 @@ fn bench_layer(
     warmup: usize,
     iters: usize,
 ) -> Res<Row> {
-    let layer = CbrLayer::plan_route(config, target, cache, fused)?;
+    let layer = CbrLayer::plan_route_with(config, target, cache, fused, pointwise)?;
     let mut this = OwnedDeviceBuffers::alloc(layer.buffers(), stream)?;
     let mut prev = OwnedDeviceBuffers::alloc(layer.prev_buffers(), stream)?;
     random_buffers(&mut this, layer.buffers(), stream, 1)?;

@@ -8,6 +8,7 @@
 //! Under `cargo test` (no `--bench` flag) it runs one quick pass as a smoke test.
 
 use cudnn_cbr::fusion::cache::{PlanCache, PlanKey};
+use cudnn_cbr::fusion::cbr::kernels::{self, Pointwise};
 use cudnn_cbr::fusion::cbr::{graphs, ConvShape, RouteKind};
 use cudnn_cbr::fusion::graph::{DataType, Graph};
 use cudnn_cbr::fusion::lower::OperationGraph;
@@ -105,6 +106,10 @@ fn main() {
 }
 
 /// Whole-network planning: the fused route with its fallbacks, as a training step plans it.
+/// Each cold row starts from an empty plan cache and an empty kernel cache folder; the warm
+/// row restores plans from the folder the prewarm row filled and our kernels from a copy of
+/// its kernel cache (as a new process would). The last row plans cuDNN's runtime-compiled
+/// element-wise graphs instead of our kernels: the time to first step before them.
 fn network_table(target: &Target) {
     let net: Preset = std::env::var("PLAN_BUILD_NET")
         .ok()
@@ -119,42 +124,147 @@ fn network_table(target: &Target) {
         let policy = RoutePolicy::Planned { target, cache };
         compile(&spec, batch, 224, &policy).map(|n| n.layers.len())
     };
-    let dir = std::env::temp_dir().join(format!("cudnn-cbr-bench-net-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    println!("\nwhole network: {net} at batch {batch}, 224x224, fused route with fallbacks");
-    println!(
-        "{:<44} {:>9} {:>8} {:>8}",
-        "how", "seconds", "built", "ratio"
-    );
+    let tmp = std::env::temp_dir().join(format!("cudnn-cbr-bench-net-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let dir = |name: &str| tmp.join(name);
+    // Set before any thread of ours runs; read by the planner on this thread and the prewarm
+    // threads it starts later.
+    let set = |var: &str, value: &std::path::Path| std::env::set_var(var, value);
+    let kernel_cache = cudnn_cbr::fusion::kernel_cache::KERNEL_CACHE_ENV;
+    let pointwise = cudnn_cbr::fusion::cbr::kernels::POINTWISE_ENV;
+    let mut rows: Vec<(String, f64, u64)> = Vec::new();
+
+    set(pointwise, "own".as_ref());
+    set(kernel_cache, &dir("kernels-a"));
     let t = Instant::now();
     let sequential = PlanCache::new();
     let layers = plan_all(&sequential).expect("the network plans");
-    let cold = t.elapsed().as_secs_f64();
-    let row = |how: &str, secs: f64, built: u64| {
-        println!("{how:<44} {secs:>9.2} {built:>8} {:>7.2}x", cold / secs);
-    };
-    row(
-        &format!("cold, layer by layer ({layers} layers)"),
-        cold,
+    rows.push((
+        format!("cold, layer by layer ({layers} layers)"),
+        t.elapsed().as_secs_f64(),
         sequential.stats().built,
-    );
+    ));
+
+    set(kernel_cache, &dir("kernels-b"));
     let t = Instant::now();
-    let parallel = PlanCache::persistent(&dir).expect("plan folder");
+    let parallel = PlanCache::persistent(dir("plans")).expect("plan folder");
     let warm = prewarm(&spec, batch, 224, &[RouteKind::Fused], target, &parallel, 0)
         .expect("the network compiles");
     plan_all(&parallel).expect("the network plans");
-    row(
-        &format!("cold, prewarm on {} threads first", warm.threads),
+    rows.push((
+        format!("cold, prewarm on {} threads first", warm.threads),
         t.elapsed().as_secs_f64(),
         parallel.stats().built,
-    );
+    ));
+
+    let copy = dir("kernels-c");
+    std::fs::create_dir_all(&copy).expect("kernel cache copy");
+    for entry in std::fs::read_dir(dir("kernels-b"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let _ = std::fs::copy(entry.path(), copy.join(entry.file_name()));
+    }
+    set(kernel_cache, &copy);
     let t = Instant::now();
-    let restored = PlanCache::persistent(&dir).expect("plan folder");
+    let restored = PlanCache::persistent(dir("plans")).expect("plan folder");
     plan_all(&restored).expect("the network plans");
-    row(
-        "warm: every plan restored from the folder",
+    rows.push((
+        "warm: plans and kernels from their folders".into(),
         t.elapsed().as_secs_f64(),
         restored.stats().built,
+    ));
+
+    set(pointwise, "cudnn".as_ref());
+    let t = Instant::now();
+    let before = PlanCache::new();
+    let warm = prewarm(&spec, batch, 224, &[RouteKind::Fused], target, &before, 0)
+        .expect("the network compiles");
+    plan_all(&before).expect("the network plans");
+    let reference = t.elapsed().as_secs_f64();
+    rows.push((
+        format!(
+            "cold, prewarm on {} threads, cuDNN element-wise",
+            warm.threads
+        ),
+        reference,
+        before.stats().built,
+    ));
+    set(pointwise, "own".as_ref());
+    let _ = std::fs::remove_dir_all(&tmp);
+
+    println!("\nwhole network: {net} at batch {batch}, 224x224, fused route with fallbacks");
+    println!("our element-wise kernels unless the row says cuDNN; ratio: the last row / this row");
+    println!(
+        "{:<48} {:>9} {:>8} {:>8}",
+        "how", "seconds", "built", "ratio"
     );
-    let _ = std::fs::remove_dir_all(&dir);
+    for (how, secs, built) in rows {
+        println!(
+            "{how:<48} {secs:>9.2} {built:>8} {:>7.2}x",
+            reference / secs
+        );
+    }
+    breakdown(&spec, batch, target);
+}
+
+/// Where the cold time goes: every distinct graph of the routes the layers chose, built once
+/// more from an empty cache, summed by graph name (one name covers every shape and variant),
+/// and our element-wise kernels' compile (no kernel cache) where they replace graphs.
+fn breakdown(spec: &cudnn_cbr::net::NetSpec, batch: usize, target: &Target) {
+    let cache = PlanCache::new();
+    let policy = RoutePolicy::Planned {
+        target,
+        cache: &cache,
+    };
+    let Ok(net) = compile(spec, batch, 224, &policy) else {
+        return;
+    };
+    let mut seen = std::collections::HashSet::new();
+    // name → (graphs, seconds, runtime-compiled graphs)
+    let mut rows: std::collections::BTreeMap<String, (usize, f64, usize)> = Default::default();
+    let fresh = PlanCache::new();
+    let arch = kernels::arch_for(target, Pointwise::Own);
+    if let Some(arch) = arch {
+        let c = kernels::compile_uncached(arch, None).expect("our kernels compile");
+        rows.insert(format!("our kernels ({arch} module)"), (1, c.seconds, 1));
+    }
+    for l in &net.layers {
+        for g in cudnn_cbr::fusion::cbr::route_graphs(l.layer.config(), l.layer.route().kind()) {
+            if arch.is_some() && kernels::OwnKernel::for_graph(&g.graph).is_some() {
+                continue;
+            }
+            let Ok(sig) = g.graph.signature() else {
+                continue;
+            };
+            if !seen.insert(sig.text().to_string()) {
+                continue;
+            }
+            let t = Instant::now();
+            let rtc = fresh
+                .get_or_build(&g.graph, target)
+                .map(|p| p.is_runtime_compiled())
+                .unwrap_or(false);
+            let row = rows.entry(g.graph.name().to_string()).or_default();
+            row.0 += 1;
+            row.1 += t.elapsed().as_secs_f64();
+            row.2 += usize::from(rtc);
+        }
+    }
+    let total: f64 = rows.values().map(|r| r.1).sum();
+    println!("\nper graph, cold, one thread (each distinct shape built once)");
+    println!(
+        "{:<40} {:>7} {:>9} {:>7} {:>7}",
+        "graph", "shapes", "seconds", "share", "rtc"
+    );
+    let mut sorted: Vec<_> = rows.into_iter().collect();
+    sorted.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+    for (name, (n, secs, rtc)) in sorted {
+        println!(
+            "{name:<40} {n:>7} {secs:>9.2} {:>6.0}% {rtc:>7}",
+            100.0 * secs / total
+        );
+    }
+    println!("{:<40} {:>7} {total:>9.2}", "total", "");
 }

@@ -293,26 +293,7 @@ pub fn compile_options(
     }
 }
 
-/// The real architecture `sm_XY` of a device of compute capability `major.minor`, for which
-/// NVRTC can emit machine code (a cubin), or `None` for one this list does not know (the
-/// kernels then go to the driver as PTX).
-///
-/// Machine code is preferred because the driver JIT-compiles PTX only up to its own PTX
-/// version: PTX from an NVRTC newer than the driver does not load, while a cubin for the
-/// device's architecture from any NVRTC of the same major version does.
-pub const fn real_arch(major: u32, minor: u32) -> Option<&'static str> {
-    Some(match (major, minor) {
-        (8, 0) => "sm_80",
-        (8, 6) => "sm_86",
-        (8, 7) => "sm_87",
-        (8, 9) => "sm_89",
-        (9, 0) => "sm_90",
-        (10, 0) => "sm_100",
-        (10, 3) => "sm_103",
-        (12, 0) => "sm_120",
-        _ => return None,
-    })
-}
+pub use cudnn_cbr_fusion::rtc::real_arch;
 
 /// NVRTC's command-line flags for machine code for `real_arch` (see [`real_arch`]): the same
 /// arithmetic flags as [`compile_options`], with the include directory when given.

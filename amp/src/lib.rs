@@ -31,7 +31,7 @@
 pub mod cuda;
 pub mod dist;
 pub mod error;
-pub mod kernel_cache;
+pub use cudnn_cbr_fusion::kernel_cache;
 pub mod kernels;
 pub mod memory;
 pub mod plan;

@@ -129,6 +129,14 @@ pub enum Error {
         /// What is wrong.
         problem: String,
     },
+    /// One of our own kernels could not be compiled, loaded or launched.
+    #[error("kernel {kernel}: {problem}")]
+    Kernel {
+        /// The kernel (its entry point) or module.
+        kernel: String,
+        /// What went wrong.
+        problem: String,
+    },
     /// Synchronized BN could not sum its statistics over the replicas.
     #[error("synchronized BN: {0}")]
     BnSync(String),

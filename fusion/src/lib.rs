@@ -16,10 +16,12 @@ pub mod cbr;
 mod error;
 pub mod exec;
 pub mod graph;
+pub mod kernel_cache;
 pub mod lower;
 pub mod plan;
 pub mod probe;
 pub mod reference;
+pub mod rtc;
 mod target;
 
 pub use error::{BindingProblem, Error, Result};

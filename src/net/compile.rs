@@ -107,9 +107,10 @@ impl NetLayer {
             .layer
             .steps()
             .iter()
-            .map(|s| match &s.plan {
-                Some(p) => format!("{:?}:{}:{}", s.role, p.graph_name(), p.engine_tag()),
-                None => format!("{:?}", s.role),
+            .map(|s| match (&s.plan, &s.kernel) {
+                (Some(p), _) => format!("{:?}:{}:{}", s.role, p.graph_name(), p.engine_tag()),
+                (None, Some(k)) => format!("{:?}:own:{}", s.role, k.kernel().entry()),
+                (None, None) => format!("{:?}", s.role),
             })
             .collect();
         format!(

@@ -6,6 +6,7 @@
 use super::compile::{compile, RoutePolicy};
 use super::spec::NetSpec;
 use cudnn_cbr_fusion::cache::PlanCache;
+use cudnn_cbr_fusion::cbr::kernels::{self, OwnKernel, Pointwise};
 use cudnn_cbr_fusion::cbr::{route_graphs, RouteKind};
 use cudnn_cbr_fusion::graph::Graph;
 use cudnn_cbr_fusion::{Result, Target};
@@ -16,7 +17,8 @@ use std::time::{Duration, Instant};
 /// What [`prewarm`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Prewarmed {
-    /// Distinct graphs of the network on the routes asked for.
+    /// Distinct graphs of the network on the routes asked for that cuDNN plans (those our
+    /// own kernels run are not among them).
     pub graphs: usize,
     /// Of those, the ones that have a plan in the cache now.
     pub planned: usize,
@@ -45,11 +47,16 @@ pub fn prewarm(
 ) -> Result<Prewarmed> {
     let start = Instant::now();
     let net = compile(spec, batch, hw, &RoutePolicy::Uniform(RouteKind::Fused))?;
+    // Graphs our kernels run are not planned; the kernels' compile is one more work item.
+    let arch = kernels::arch_for(target, Pointwise::from_env()?);
     let mut seen = HashSet::new();
     let mut graphs: Vec<Graph> = Vec::new();
     for layer in &net.layers {
         for &route in routes {
             for g in route_graphs(layer.layer.config(), route) {
+                if arch.is_some() && OwnKernel::for_graph(&g.graph).is_some() {
+                    continue;
+                }
                 if let Ok(sig) = g.graph.signature() {
                     if seen.insert(sig.text().to_string()) {
                         graphs.push(g.graph);
@@ -62,13 +69,24 @@ pub fn prewarm(
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     }
-    .min(graphs.len().max(1));
+    .min(graphs.len() + usize::from(arch.is_some()))
+    .max(1);
     let next = AtomicUsize::new(0);
     let planned = AtomicUsize::new(0);
     std::thread::scope(|s| {
         for _ in 0..threads {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
+                // Our kernels first: the longest single item. Their failure shows when the
+                // compile that follows plans the layers.
+                let i = match (i, arch) {
+                    (0, Some(arch)) => {
+                        let _ = kernels::compile(arch);
+                        continue;
+                    }
+                    (i, Some(_)) => i - 1,
+                    (i, None) => i,
+                };
                 let Some(g) = graphs.get(i) else { break };
                 if cache.get_or_build(g, target).is_ok() {
                     planned.fetch_add(1, Ordering::Relaxed);

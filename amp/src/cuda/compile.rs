@@ -13,6 +13,7 @@ use crate::cuda::{cuda_include_dir, driver_error, nvrtc_library_present};
 use crate::error::{AmpError, CudaError};
 use crate::kernel_cache::{CacheOutcome, KernelCache};
 use crate::kernels::{self, entry, CudaArch, KernelSource};
+use cudnn_cbr_fusion::rtc::nvrtc_version;
 
 /// Compiled kernels per CUDA context (keyed by the context handle; each entry holds an `Arc`
 /// to its context, so a handle in the map can never be reused by another context).
@@ -77,65 +78,22 @@ pub fn compile_ptx(arch: CudaArch) -> Result<Vec<(KernelSource, String)>, AmpErr
 /// # Errors
 /// As [`compile_ptx`].
 pub fn compile_cubin(real_arch: &'static str) -> Result<Cubins, AmpError> {
-    use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
-    use std::ffi::CString;
     require_nvrtc()?;
     let include = cuda_include_dir().and_then(|d| d.into_os_string().into_string().ok());
     let flags = kernels::cubin_flags(real_arch, include.as_deref());
-    let fail = |file: &'static str, log: String| -> AmpError {
-        CudaError::Compile {
-            file,
-            arch: real_arch,
-            log,
-        }
-        .into()
-    };
-    /// Destroys the NVRTC program on every path.
-    struct Program(nvrtc_sys::nvrtcProgram);
-    impl Drop for Program {
-        fn drop(&mut self) {
-            // SAFETY: the program was created by nvrtcCreateProgram and is destroyed once.
-            let _ = unsafe { nvrtc::destroy_program(self.0) };
-        }
-    }
     kernels::ALL
         .iter()
         .map(|source| {
-            // The sources are ours and hold no NUL byte.
-            let text =
-                CString::new(source.program()).map_err(|e| fail(source.file, e.to_string()))?;
-            let name = CString::new(source.file).map_err(|e| fail(source.file, e.to_string()))?;
-            let prog = Program(
-                nvrtc::create_program(&text, Some(&name))
-                    .map_err(|e| fail(source.file, format!("{e:?}")))?,
-            );
-            // SAFETY: `prog.0` is a live program (dropped only after this block).
-            if let Err(e) = unsafe { nvrtc::compile_program(prog.0, &flags) } {
-                // SAFETY: as above; the log exists after a failed compile.
-                let log = unsafe { nvrtc::get_program_log(prog.0) }
-                    .map(|l| {
-                        let bytes: Vec<u8> = l.iter().map(|&c| c as u8).collect();
-                        String::from_utf8_lossy(&bytes)
-                            .trim_end_matches('\0')
-                            .to_owned()
-                    })
-                    .unwrap_or_default();
-                return Err(fail(source.file, format!("{e:?}\n{log}")));
-            }
-            let mut size = 0usize;
-            // SAFETY: `prog.0` compiled successfully; `size` is a valid out-pointer.
-            unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog.0, &mut size) }
-                .result()
-                .map_err(|e| fail(source.file, format!("nvrtcGetCUBINSize: {e:?}")))?;
-            if size == 0 {
-                return Err(fail(source.file, "NVRTC produced an empty cubin".into()));
-            }
-            let mut cubin = vec![0u8; size];
-            // SAFETY: `cubin` has exactly the `size` bytes NVRTC asked for.
-            unsafe { nvrtc_sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr().cast()) }
-                .result()
-                .map_err(|e| fail(source.file, format!("nvrtcGetCUBIN: {e:?}")))?;
-            Ok((*source, cubin))
+            cudnn_cbr_fusion::rtc::compile_cubin(source.file, &source.program(), &flags)
+                .map(|cubin| (*source, cubin))
+                .map_err(|log| {
+                    CudaError::Compile {
+                        file: source.file,
+                        arch: real_arch,
+                        log,
+                    }
+                    .into()
+                })
         })
         .collect()
 }
@@ -186,19 +144,6 @@ pub fn compile_cubin_cached(
         },
     )?;
     Ok((kernels::ALL.iter().copied().zip(images).collect(), outcome))
-}
-
-/// The loaded NVRTC's version, e.g. `"13.0"` (`"unknown"` if it does not say). Call only
-/// after [`nvrtc_library_present`] returned true.
-fn nvrtc_version() -> String {
-    let (mut major, mut minor) = (0, 0);
-    // SAFETY: NVRTC is loaded (the caller checked); both out-pointers are valid.
-    let rc = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
-    if rc == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
-        format!("{major}.{minor}")
-    } else {
-        "unknown".into()
-    }
 }
 
 impl AmpKernels {

@@ -70,14 +70,7 @@ pub fn driver_library_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
-/// Whether the NVRTC library can be loaded (never panics). Where the loader's path lacks it
-/// but a CUDA wheel (a PyTorch virtualenv's) has it, it is loaded from there first
-/// ([`cudnn_fe_sys::wheels::ensure_loadable`]).
-pub fn nvrtc_library_present() -> bool {
-    // SAFETY: as in `driver_library_present`: a dlopen attempt of NVRTC under its known names.
-    let present = || unsafe { cudarc::nvrtc::sys::is_culib_present() };
-    present() || (cudnn_fe_sys::wheels::ensure_loadable("libnvrtc.so.13").is_ok() && present())
-}
+pub use cudnn_cbr_fusion::rtc::nvrtc_library_present;
 
 /// Checks that `need` bytes fit in the device memory `ctx` has free, before allocating: a
 /// request too large is a typed error naming the sizes, not a driver failure halfway through.

@@ -23,6 +23,7 @@
 //! [`CbrLayer::route`] says which and why.
 
 use super::graphs::{self, ApplyResidual, BackwardResidual};
+use super::kernels::{self, KernelStep, Pointwise};
 use super::ConvShape;
 use crate::autotune::PlanOptions;
 use crate::cache::PlanCache;
@@ -867,13 +868,16 @@ pub fn route_buffers(graphs: &[LayerGraph]) -> (Vec<BufferSpec>, Vec<BufferSpec>
     (this, prev)
 }
 
-/// One step of a planned layer: a plan and its bindings.
+/// One step of a planned layer: a cuDNN plan or one of our kernels, and its bindings.
 #[derive(Debug, Clone)]
 pub struct LayerStep {
     /// What the step does.
     pub role: GraphRole,
-    /// The plan (None for a layer made for the CPU executor only).
+    /// The cuDNN plan (None where our kernel runs the step, and in a layer made for the CPU
+    /// executor only).
     pub plan: Option<Arc<ExecutionPlan>>,
+    /// Our kernel for the step ([`super::kernels`]), where it replaces a cuDNN plan.
+    pub kernel: Option<KernelStep>,
     /// Real tensor → buffer.
     pub bindings: Vec<(TensorId, Src)>,
 }
@@ -908,14 +912,23 @@ impl CbrLayer {
         options: &PlanOptions,
     ) -> Result<Self> {
         config.validate()?;
-        let fused = match build_route(&config, target, cache, RouteKind::Fused, options) {
+        let pointwise = Pointwise::from_env()?;
+        let fused = match build_route(&config, target, cache, RouteKind::Fused, options, pointwise)
+        {
             Ok(built) => return Ok(Self::from_built(config, Route::Fused, built)),
             Err(e @ (Error::NoEngine { .. } | Error::NoPlan { .. })) => e.to_string(),
             Err(e) => return Err(e),
         };
         // cuDNN 9.28 on sm_90 has no engine for NormForward / NormBackward either when the
         // channel count is not a multiple of 8; the generic route needs none of them.
-        let unfused = match build_route(&config, target, cache, RouteKind::Unfused, options) {
+        let unfused = match build_route(
+            &config,
+            target,
+            cache,
+            RouteKind::Unfused,
+            options,
+            pointwise,
+        ) {
             Ok(built) => {
                 let route = Route::Unfused { reason: fused };
                 return Ok(Self::from_built(config, route, built));
@@ -923,7 +936,14 @@ impl CbrLayer {
             Err(e @ Error::AutotuneNeedsDevice { .. }) => return Err(e),
             Err(e) => e.to_string(),
         };
-        match build_route(&config, target, cache, RouteKind::Generic, options) {
+        match build_route(
+            &config,
+            target,
+            cache,
+            RouteKind::Generic,
+            options,
+            pointwise,
+        ) {
             Ok(built) => {
                 let route = Route::Generic {
                     reason: format!("fused: {fused}; unfused: {unfused}"),
@@ -948,9 +968,28 @@ impl CbrLayer {
         cache: &PlanCache,
         route: impl Into<RouteKind>,
     ) -> Result<Self> {
+        Self::plan_route_with(config, target, cache, route, Pointwise::from_env()?)
+    }
+
+    /// [`CbrLayer::plan_route`] with the element-wise steps run as `pointwise` says: our
+    /// kernels or cuDNN's graphs (for parity tests and benchmarks that compare the two).
+    pub fn plan_route_with(
+        config: CbrConfig,
+        target: &Target,
+        cache: &PlanCache,
+        route: impl Into<RouteKind>,
+        pointwise: Pointwise,
+    ) -> Result<Self> {
         let kind = route.into();
         config.validate()?;
-        let built = build_route(&config, target, cache, kind, &PlanOptions::Heuristics)?;
+        let built = build_route(
+            &config,
+            target,
+            cache,
+            kind,
+            &PlanOptions::Heuristics,
+            pointwise,
+        )?;
         Ok(Self::from_built(
             config,
             Route::chosen(kind, "requested"),
@@ -969,6 +1008,7 @@ impl CbrLayer {
             .map(|lg| LayerStep {
                 role: lg.role,
                 plan: None,
+                kernel: None,
                 bindings: lg.bindings.clone(),
             })
             .collect();
@@ -1005,14 +1045,22 @@ impl CbrLayer {
         &self.steps
     }
 
-    /// Plans in execution order.
+    /// The steps our kernels run instead of a cuDNN plan, in execution order.
+    pub fn kernels(&self) -> impl Iterator<Item = (GraphRole, &KernelStep)> {
+        self.steps
+            .iter()
+            .filter_map(|s| s.kernel.as_ref().map(|k| (s.role, k)))
+    }
+
+    /// cuDNN plans in execution order (the steps our kernels run have none:
+    /// [`CbrLayer::kernels`]).
     pub fn plans(&self) -> impl Iterator<Item = (GraphRole, &Arc<ExecutionPlan>)> {
         self.steps
             .iter()
             .filter_map(|s| s.plan.as_ref().map(|p| (s.role, p)))
     }
 
-    /// The plan of one role, if the route has it.
+    /// The cuDNN plan of one role, if the route has it and cuDNN runs it.
     pub fn plan_for(&self, role: GraphRole) -> Option<&Arc<ExecutionPlan>> {
         self.steps
             .iter()
@@ -1052,14 +1100,22 @@ fn build_route(
     cache: &PlanCache,
     kind: RouteKind,
     options: &PlanOptions,
+    pointwise: Pointwise,
 ) -> Result<Built> {
     let graphs = route_graphs(config, kind);
+    let arch = kernels::prepare(target, pointwise)?;
     let steps = graphs
         .iter()
         .map(|lg| {
+            let kernel = arch.and_then(|a| KernelStep::for_graph(lg, a));
+            let plan = match kernel {
+                Some(_) => None,
+                None => Some(cache.get_with(&lg.graph, target, options)?),
+            };
             Ok(LayerStep {
                 role: lg.role,
-                plan: Some(cache.get_with(&lg.graph, target, options)?),
+                plan,
+                kernel,
                 bindings: lg.bindings.clone(),
             })
         })

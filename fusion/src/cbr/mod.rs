@@ -4,6 +4,7 @@ mod bn_sync;
 mod buffers;
 mod device_buffers;
 pub mod graphs;
+pub mod kernels;
 pub mod keys;
 mod layer;
 pub mod resnet50;

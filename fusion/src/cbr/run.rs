@@ -55,21 +55,31 @@ impl CbrLayer {
     pub fn run_gpu(&self, pass: Pass, handle: &Handle, io: &mut DeviceBuffers<'_>) -> Result<()> {
         let prev_given = io.has_prev().then_some(());
         self.check_prev(&prev_given)?;
-        let plans = self
+        let cpu_only = |step: &LayerStep| {
+            Error::CudnnMessage(format!(
+                "layer {} was made for the CPU executor: its {:?} step has no cuDNN plan",
+                self.config().shape.label(),
+                step.role
+            ))
+        };
+        // Refused before anything is enqueued, so a pass never runs halfway.
+        if let Some(step) = self
             .pass_steps(pass)
-            .map(|step| {
-                let plan = step.plan.as_ref().ok_or_else(|| {
-                    Error::CudnnMessage(format!(
-                        "layer {} was made for the CPU executor: it has no cuDNN plans",
-                        self.config().shape.label()
-                    ))
-                })?;
-                Ok((step, plan))
-            })
-            .collect::<Result<Vec<_>>>()?;
+            .find(|s| s.plan.is_none() && s.kernel.is_none())
+        {
+            return Err(cpu_only(step));
+        }
         let stream = handle.stream().clone();
         let r = io.resolve(&stream);
-        for (step, plan) in plans {
+        for step in self.pass_steps(pass) {
+            let plan = match (&step.plan, &step.kernel) {
+                (Some(plan), _) => plan,
+                (None, Some(kernel)) => {
+                    kernel.launch(handle, &r)?;
+                    continue;
+                }
+                (None, None) => return Err(cpu_only(step)),
+            };
             // Per-channel reductions (GenStats' sums, BN_BWD_WEIGHTS' and the reductions' dγ/dβ)
             // may be split across CTAs that accumulate into their outputs; zero those first so
             // a step never adds to the previous step's values (a cheap memset, and harmless

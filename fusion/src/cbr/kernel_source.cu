@@ -1,0 +1,121 @@
+// The element-wise steps of a CBR layer: BN apply (+ residual forms), ReLU backward, dBN apply.
+//
+// FP16 NHWC tensors, FP32 arithmetic in the op order of the cuDNN graph each one replaces (and
+// of the CPU reference ops), one rounding to FP16 per output; compiled with --fmad=false so no
+// multiply-add is contracted. No headers: the FP16 conversions are single PTX instructions, so
+// NVRTC compiles the whole module in a fraction of a second, once per architecture.
+
+typedef unsigned short h16;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ float h2f(h16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ h16 f2h(float f) {
+    h16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// max(v, 0) with NaN -> 0, as cuDNN's RELU_FWD and the reference's relu.
+__device__ __forceinline__ float relu(float v) { return v > 0.0f ? v : 0.0f; }
+
+union Pack8 {
+    uint4 u;
+    h16 h[8];
+};
+
+// out[e] = op(a[e], b[e], channel of e) over n elements of an NHWC tensor with c channels.
+// `vec`: the host checked that c % 8 == 0 and every pointer is 16-byte aligned, so eight
+// elements (one channel run) move as one 16-byte access.
+template <class Op>
+__device__ void elementwise(const Op& op, const h16* a, const h16* b, h16* out, u64 n,
+                            unsigned c, int vec) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    const u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (vec) {
+        for (u64 v = t; v < n / 8; v += stride) {
+            const u64 e = v * 8;
+            const unsigned k = (unsigned)(e % c);
+            Pack8 va, vb, vo;
+            va.u = *(const uint4*)(a + e);
+            vb.u = b ? *(const uint4*)(b + e) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) vo.h[j] = op(va.h[j], vb.h[j], k + j);
+            *(uint4*)(out + e) = vo.u;
+        }
+    } else {
+        for (u64 e = t; e < n; e += stride) {
+            out[e] = op(a[e], b ? b[e] : (h16)0, (unsigned)(e % c));
+        }
+    }
+}
+
+struct ApplyRelu {
+    const h16 *s, *bias;
+    __device__ h16 operator()(h16 y, h16, unsigned k) const {
+        return f2h(relu(h2f(y) * h2f(s[k]) + h2f(bias[k])));
+    }
+};
+
+struct ApplyAddRelu {
+    const h16 *s, *bias;
+    __device__ h16 operator()(h16 y, h16 r, unsigned k) const {
+        return f2h(relu(h2f(y) * h2f(s[k]) + h2f(bias[k]) + h2f(r)));
+    }
+};
+
+struct ApplyDualRelu {
+    const h16 *s, *bias, *s2, *bias2;
+    __device__ h16 operator()(h16 y, h16 r, unsigned k) const {
+        const float main = h2f(y) * h2f(s[k]) + h2f(bias[k]);
+        const float shortcut = h2f(r) * h2f(s2[k]) + h2f(bias2[k]);
+        return f2h(relu(main + shortcut));
+    }
+};
+
+// dx = dy where x > 0, else +0; the gradient passes through as stored.
+struct ReluBackward {
+    __device__ h16 operator()(h16 dy, h16 x, unsigned) const {
+        return h2f(x) > 0.0f ? dy : (h16)0;
+    }
+};
+
+// dy_prev = (dz*A + y_prev*B) + C with FP32 per-channel coefficients.
+struct DbnApply {
+    const float *ca, *cb, *cc;
+    __device__ h16 operator()(h16 dz, h16 y, unsigned k) const {
+        return f2h(h2f(dz) * ca[k] + h2f(y) * cb[k] + cc[k]);
+    }
+};
+
+extern "C" __global__ void cbr_apply_relu(const h16* y, const h16* s, const h16* b, h16* out,
+                                          u64 n, unsigned c, int vec) {
+    elementwise(ApplyRelu{s, b}, y, nullptr, out, n, c, vec);
+}
+
+extern "C" __global__ void cbr_apply_add_relu(const h16* y, const h16* r, const h16* s,
+                                              const h16* b, h16* out, u64 n, unsigned c,
+                                              int vec) {
+    elementwise(ApplyAddRelu{s, b}, y, r, out, n, c, vec);
+}
+
+extern "C" __global__ void cbr_apply_dual_relu(const h16* y, const h16* r, const h16* s,
+                                               const h16* b, const h16* s2, const h16* b2,
+                                               h16* out, u64 n, unsigned c, int vec) {
+    elementwise(ApplyDualRelu{s, b, s2, b2}, y, r, out, n, c, vec);
+}
+
+extern "C" __global__ void cbr_relu_backward(const h16* dy, const h16* x, h16* out, u64 n,
+                                             unsigned c, int vec) {
+    elementwise(ReluBackward{}, dy, x, out, n, c, vec);
+}
+
+extern "C" __global__ void cbr_dbn_apply(const h16* dz, const h16* y_prev, const float* a,
+                                         const float* b, const float* cc, h16* out, u64 n,
+                                         unsigned c, int vec) {
+    elementwise(DbnApply{a, b, cc}, dz, y_prev, out, n, c, vec);
+}

@@ -1,0 +1,191 @@
+//! Tier 4 (GPU): our element-wise kernels on the device. A two-layer chain (the second layer
+//! takes the first's BN as its prologue and ends with a BN apply plus a residual) runs one
+//! training pass with our kernels, and each kernel's output is compared bit for bit with the
+//! CPU reference op evaluated on the very inputs the GPU used (both compute in FP32 in the same
+//! op order and round to FP16 once). The same pass with cuDNN's graphs is then compared with
+//! ours. Prints one SKIP line where there is no usable CUDA device or cuDNN.
+
+mod common;
+
+use cudnn_cbr::fusion::cache::PlanCache;
+use cudnn_cbr::fusion::cbr::graphs::ApplyResidual;
+use cudnn_cbr::fusion::cbr::kernels::Pointwise;
+use cudnn_cbr::fusion::cbr::{
+    CbrConfig, CbrLayer, ConvShape, HostBuffer, HostBuffers, OwnedDeviceBuffers, Pass, RouteKind,
+};
+use cudnn_cbr::fusion::exec::Handle;
+use cudnn_cbr::fusion::reference::{self as r, Activation, Nhwc, Residual};
+use half::f16;
+
+fn random(n: usize, seed: &mut u64, scale: f32, base: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| base + common::uniform(seed) * scale)
+        .collect()
+}
+
+fn half(v: Vec<f32>) -> HostBuffer {
+    HostBuffer::F16(v.into_iter().map(f16::from_f32).collect())
+}
+
+/// The layer's buffers after one forward and backward pass, for (layer 1, layer 2).
+type Downloaded = (HostBuffers, HostBuffers);
+
+fn run(pointwise: Pointwise, shapes: (ConvShape, ConvShape)) -> Option<Downloaded> {
+    let ctx = common::gpu_or_skip("gpu_own_kernels")?;
+    let stream = ctx.default_stream();
+    let handle = Handle::new(stream.clone()).unwrap();
+    let target = handle.target().unwrap();
+    let cache = PlanCache::new();
+    let (s1, s2) = shapes;
+    let plan = |c: CbrConfig| {
+        CbrLayer::plan_route_with(c, &target, &cache, RouteKind::Fused, pointwise).unwrap()
+    };
+    let l1 = plan(CbrConfig::first(s1));
+    let l2 = plan(CbrConfig::new(s2).with_apply(ApplyResidual::Add));
+    let mut seed = 7u64;
+    let mut d1 = OwnedDeviceBuffers::alloc(l1.buffers(), &stream).unwrap();
+    let mut d2 = OwnedDeviceBuffers::alloc(l2.buffers(), &stream).unwrap();
+    let set = |d: &mut OwnedDeviceBuffers, name: &str, b: HostBuffer| {
+        d.upload(name, &b, &stream).unwrap();
+    };
+    let x_elems = (s1.n * s1.c * s1.h * s1.w) as usize;
+    let y2_elems = (s2.n * s2.k * s2.p() * s2.q()) as usize;
+    set(&mut d1, "x", half(random(x_elems, &mut seed, 1.0, 0.0)));
+    for (d, s) in [(&mut d1, s1), (&mut d2, s2)] {
+        let w = random((s.k * s.c * s.r * s.s) as usize, &mut seed, 0.25, 0.0);
+        set(d, "w", half(w));
+        let k = s.k as usize;
+        set(d, "gamma", HostBuffer::F32(random(k, &mut seed, 0.2, 1.0)));
+        set(d, "beta", HostBuffer::F32(random(k, &mut seed, 0.2, 0.0)));
+        set(d, "running_var", HostBuffer::F32(vec![1.0; k]));
+    }
+    set(
+        &mut d2,
+        "residual",
+        half(random(y2_elems, &mut seed, 1.0, 0.0)),
+    );
+    set(&mut d2, "da", half(random(y2_elems, &mut seed, 1.0, 0.0)));
+    let mut io1 = d1.io(None).unwrap();
+    l1.run_gpu(Pass::Forward, &handle, &mut io1).unwrap();
+    drop(io1);
+    let mut io2 = d2.io(Some(&mut d1)).unwrap();
+    l2.run_gpu(Pass::Forward, &handle, &mut io2).unwrap();
+    l2.run_gpu(Pass::Backward, &handle, &mut io2).unwrap();
+    drop(io2);
+    l1.run_gpu(Pass::Backward, &handle, &mut d1.io(None).unwrap())
+        .unwrap();
+    stream.synchronize().unwrap();
+    let download = |l: &CbrLayer, d: &OwnedDeviceBuffers| {
+        let mut h = HostBuffers::zeros(l.buffers());
+        for spec in l.buffers() {
+            h.set(spec.name, d.download(spec, &stream).unwrap());
+        }
+        h
+    };
+    Some((download(&l1, &d1), download(&l2, &d2)))
+}
+
+fn f16s<'a>(h: &'a HostBuffers, name: &str) -> &'a [f16] {
+    match h.get(name) {
+        Some(HostBuffer::F16(v)) => v,
+        other => panic!("{name}: expected FP16, got {other:?}"),
+    }
+}
+
+fn f32s<'a>(h: &'a HostBuffers, name: &str) -> &'a [f32] {
+    match h.get(name) {
+        Some(HostBuffer::F32(v)) => v,
+        other => panic!("{name}: expected FP32, got {other:?}"),
+    }
+}
+
+fn bits(v: &[f16]) -> Vec<u16> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Elements that differ, and the largest difference in units of the FP16 spacing at the
+/// reference value.
+fn compare(ours: &[f16], reference: &[f16]) -> (usize, f32) {
+    let mut differ = 0;
+    let mut worst = 0f32;
+    for (a, b) in ours.iter().zip(reference) {
+        if a.to_bits() != b.to_bits() {
+            differ += 1;
+            let ulp = (b.to_f32().abs().max(6.1e-5) * 2f32.powi(-10)).max(f32::MIN_POSITIVE);
+            worst = worst.max((a.to_f32() - b.to_f32()).abs() / ulp);
+        }
+    }
+    (differ, worst)
+}
+
+#[test]
+fn our_kernels_match_the_reference_ops_bit_for_bit_and_cudnn_within_an_ulp() {
+    // 64 channels: the 16-byte path; 12 channels: the element-by-element path.
+    let cases = [
+        (
+            ConvShape::square(4, 32, 14, 64, 3, 1, 1),
+            ConvShape::square(4, 64, 14, 64, 3, 1, 1),
+        ),
+        (
+            ConvShape::square(2, 8, 9, 24, 3, 1, 1),
+            ConvShape::square(2, 24, 9, 24, 1, 0, 1),
+        ),
+    ];
+    for shapes in cases {
+        let Some((h1, h2)) = run(Pointwise::Own, shapes) else {
+            return;
+        };
+        let (s1, s2) = shapes;
+        let y2 = Nhwc::new(
+            s2.n as usize,
+            s2.p() as usize,
+            s2.q() as usize,
+            s2.k as usize,
+        );
+        let y1 = Nhwc::new(
+            s1.n as usize,
+            s1.p() as usize,
+            s1.q() as usize,
+            s1.k as usize,
+        );
+        let apply = r::bn_apply(
+            &y2,
+            f16s(&h2, "y"),
+            f16s(&h2, "eq_scale"),
+            f16s(&h2, "eq_bias"),
+            Residual::Add(f16s(&h2, "residual")),
+            Activation::Relu,
+        )
+        .unwrap();
+        assert_eq!(bits(f16s(&h2, "a")), bits(&apply), "apply {}", s2.label());
+        let relu = r::relu_bwd(&y2, f16s(&h2, "da"), f16s(&h2, "a")).unwrap();
+        assert_eq!(bits(f16s(&h2, "dpre")), bits(&relu), "relu backward");
+        let dbn = r::dbn_apply(
+            &y1,
+            f16s(&h2, "dz_prev"),
+            f16s(&h1, "y"),
+            f32s(&h2, "dbn_a"),
+            f32s(&h2, "dbn_b"),
+            f32s(&h2, "dbn_c"),
+        )
+        .unwrap();
+        assert_eq!(bits(f16s(&h1, "dy")), bits(&dbn), "dBN apply");
+        println!(
+            "{} -> {}: our kernels equal the reference ops",
+            s1.label(),
+            s2.label()
+        );
+
+        // cuDNN's graphs on the same inputs: everything before the first element-wise step is
+        // the same plan, so `a` compares directly. cuDNN may contract y·s + b into one
+        // multiply-add (one rounding fewer), which moves an FP16 result by at most one unit.
+        let (_, c2) = run(Pointwise::Cudnn, shapes).expect("the device is still there");
+        let (differ, worst) = compare(f16s(&h2, "a"), f16s(&c2, "a"));
+        println!("apply vs cuDNN: {differ} elements differ, at most {worst:.2} FP16 units");
+        assert!(
+            worst <= 1.0,
+            "apply differs from cuDNN by {worst} FP16 units"
+        );
+        assert_eq!(bits(f16s(&h2, "dpre")), bits(f16s(&c2, "dpre")));
+    }
+}
