@@ -19,7 +19,9 @@ use std::hint::black_box;
 use std::time::Instant;
 
 fn main() {
+    let start = Instant::now();
     let full = std::env::args().any(|a| a == "--bench");
+    let child = std::env::var(CHILD_ENV).ok();
     if let Err(e) = cudnn_cbr::sys::library() {
         println!(
             "SKIP plan_build: cuDNN not loadable ({})",
@@ -41,6 +43,10 @@ fn main() {
             std::process::exit(1);
         }
     };
+    if let Some(how) = child {
+        network_row(&how, &target, start);
+        return;
+    }
     let shape = if full {
         ConvShape::RESNET_3X3
     } else {
@@ -105,12 +111,10 @@ fn main() {
     }
 }
 
-/// Whole-network planning: the fused route with its fallbacks, as a training step plans it.
-/// Each cold row starts from an empty plan cache and an empty kernel cache folder; the warm
-/// row restores plans from the folder the prewarm row filled and our kernels from a copy of
-/// its kernel cache (as a new process would). The last row plans cuDNN's runtime-compiled
-/// element-wise graphs instead of our kernels: the time to first step before them.
-fn network_table(target: &Target) {
+/// The variable that makes this binary a child measuring one row of the network table.
+const CHILD_ENV: &str = "PLAN_BUILD_ROW";
+
+fn net_and_batch() -> (Preset, usize) {
     let net: Preset = std::env::var("PLAN_BUILD_NET")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -119,83 +123,107 @@ fn network_table(target: &Target) {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(256);
+    (net, batch)
+}
+
+/// One row, in a child process: plans the whole network (through the plan folder
+/// `PLAN_BUILD_PLANS`, layer by layer or after the parallel prewarm) and prints the seconds
+/// since the process started (loading cuDNN included, as a user's first step pays it) and the
+/// plans built.
+fn network_row(how: &str, target: &Target, start: Instant) {
+    let (net, batch) = net_and_batch();
     let spec = net.spec(3, 1000, 16);
-    let plan_all = |cache: &PlanCache| {
-        let policy = RoutePolicy::Planned { target, cache };
-        compile(&spec, batch, 224, &policy).map(|n| n.layers.len())
+    let cache = match std::env::var_os("PLAN_BUILD_PLANS") {
+        Some(dir) => PlanCache::persistent(dir).expect("plan folder"),
+        None => PlanCache::new(),
     };
+    let mut threads = 1;
+    if how == "prewarm" {
+        threads = prewarm(&spec, batch, 224, &[RouteKind::Fused], target, &cache, 0)
+            .expect("the network compiles")
+            .threads;
+    }
+    let policy = RoutePolicy::Planned {
+        target,
+        cache: &cache,
+    };
+    let layers = compile(&spec, batch, 224, &policy)
+        .expect("the network plans")
+        .layers
+        .len();
+    println!(
+        "{} {} {layers} {threads}",
+        start.elapsed().as_secs_f64(),
+        cache.stats().built
+    );
+}
+
+/// Whole-network planning: the fused route with its fallbacks, as a training step plans it.
+/// Each row runs in a process of its own (so no row profits from another's in-process caches,
+/// cuDNN's included), from an empty plan folder and an empty kernel cache folder, except the
+/// warm row, which finds the prewarm row's. The last row plans cuDNN's runtime-compiled
+/// element-wise graphs instead of our kernels: the time to first step before them.
+fn network_table(target: &Target) {
+    let (net, batch) = net_and_batch();
     let tmp = std::env::temp_dir().join(format!("cudnn-cbr-bench-net-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
-    let dir = |name: &str| tmp.join(name);
-    // Set before any thread of ours runs; read by the planner on this thread and the prewarm
-    // threads it starts later.
-    let set = |var: &str, value: &std::path::Path| std::env::set_var(var, value);
-    let kernel_cache = cudnn_cbr::fusion::kernel_cache::KERNEL_CACHE_ENV;
-    let pointwise = cudnn_cbr::fusion::cbr::kernels::POINTWISE_ENV;
-    let mut rows: Vec<(String, f64, u64)> = Vec::new();
-
-    set(pointwise, "own".as_ref());
-    set(kernel_cache, &dir("kernels-a"));
-    let t = Instant::now();
-    let sequential = PlanCache::new();
-    let layers = plan_all(&sequential).expect("the network plans");
+    let exe = std::env::current_exe().expect("this bench's path");
+    let row = |how: &str, pointwise: &str, plans: &str, kernels: &str| {
+        let out = std::process::Command::new(&exe)
+            .env(CHILD_ENV, how)
+            .env(cudnn_cbr::fusion::cbr::kernels::POINTWISE_ENV, pointwise)
+            .env("PLAN_BUILD_PLANS", tmp.join(plans))
+            .env(
+                cudnn_cbr::fusion::kernel_cache::KERNEL_CACHE_ENV,
+                tmp.join(kernels),
+            )
+            .output()
+            .expect("the bench runs itself");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let v: Vec<f64> = text
+            .split_whitespace()
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        match (out.status.success(), v.as_slice()) {
+            (true, [secs, built, layers, threads]) => (*secs, *built, *layers, *threads),
+            _ => panic!(
+                "row {how} failed: {text}{}",
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        }
+    };
+    let mut rows = Vec::new();
+    let (secs, built, layers, _) = row("sequential", "own", "plans-a", "kernels-a");
     rows.push((
         format!("cold, layer by layer ({layers} layers)"),
-        t.elapsed().as_secs_f64(),
-        sequential.stats().built,
+        secs,
+        built,
     ));
-
-    set(kernel_cache, &dir("kernels-b"));
-    let t = Instant::now();
-    let parallel = PlanCache::persistent(dir("plans")).expect("plan folder");
-    let warm = prewarm(&spec, batch, 224, &[RouteKind::Fused], target, &parallel, 0)
-        .expect("the network compiles");
-    plan_all(&parallel).expect("the network plans");
+    let (secs, built, _, threads) = row("prewarm", "own", "plans-b", "kernels-b");
     rows.push((
-        format!("cold, prewarm on {} threads first", warm.threads),
-        t.elapsed().as_secs_f64(),
-        parallel.stats().built,
+        format!("cold, prewarm on {threads} threads first"),
+        secs,
+        built,
     ));
-
-    let copy = dir("kernels-c");
-    std::fs::create_dir_all(&copy).expect("kernel cache copy");
-    for entry in std::fs::read_dir(dir("kernels-b"))
-        .into_iter()
-        .flatten()
-        .flatten()
-    {
-        let _ = std::fs::copy(entry.path(), copy.join(entry.file_name()));
-    }
-    set(kernel_cache, &copy);
-    let t = Instant::now();
-    let restored = PlanCache::persistent(dir("plans")).expect("plan folder");
-    plan_all(&restored).expect("the network plans");
+    let (secs, built, ..) = row("sequential", "own", "plans-b", "kernels-b");
     rows.push((
         "warm: plans and kernels from their folders".into(),
-        t.elapsed().as_secs_f64(),
-        restored.stats().built,
+        secs,
+        built,
     ));
-
-    set(pointwise, "cudnn".as_ref());
-    let t = Instant::now();
-    let before = PlanCache::new();
-    let warm = prewarm(&spec, batch, 224, &[RouteKind::Fused], target, &before, 0)
-        .expect("the network compiles");
-    plan_all(&before).expect("the network plans");
-    let reference = t.elapsed().as_secs_f64();
+    let (reference, built, _, threads) = row("prewarm", "cudnn", "plans-c", "kernels-c");
     rows.push((
-        format!(
-            "cold, prewarm on {} threads, cuDNN element-wise",
-            warm.threads
-        ),
+        format!("cold, prewarm on {threads} threads, cuDNN element-wise"),
         reference,
-        before.stats().built,
+        built,
     ));
-    set(pointwise, "own".as_ref());
     let _ = std::fs::remove_dir_all(&tmp);
 
     println!("\nwhole network: {net} at batch {batch}, 224x224, fused route with fallbacks");
-    println!("our element-wise kernels unless the row says cuDNN; ratio: the last row / this row");
+    println!(
+        "one process per row, seconds from its start (loading cuDNN included); our element-wise"
+    );
+    println!("kernels unless the row says cuDNN; ratio: the last row / this row");
     println!(
         "{:<48} {:>9} {:>8} {:>8}",
         "how", "seconds", "built", "ratio"
@@ -206,7 +234,7 @@ fn network_table(target: &Target) {
             reference / secs
         );
     }
-    breakdown(&spec, batch, target);
+    breakdown(&net.spec(3, 1000, 16), batch, target);
 }
 
 /// Where the cold time goes: every distinct graph of the routes the layers chose, built once

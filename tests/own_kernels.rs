@@ -140,6 +140,50 @@ fn planned_layers_run_their_element_wise_steps_on_our_kernels() {
     assert_eq!(kernels::arch_for(&turing, Pointwise::Own), None);
 }
 
+#[test]
+fn a_stem_computes_its_statistics_in_a_step_of_its_own() {
+    if common::cudnn_or_skip("a_stem_computes_its_statistics_in_a_step_of_its_own").is_none() {
+        return;
+    }
+    require_nvrtc();
+    let target = h200();
+    let cache = PlanCache::new();
+    // ResNet's stem: 3 input channels, where conv + GenStats has only a runtime-compiled
+    // engine. The fused route runs a plain conv, then the statistics on our kernel.
+    let stem =
+        CbrConfig::first(ConvShape::square(8, 3, 32, 64, 7, 3, 2)).with_apply(ApplyResidual::None);
+    let plan = |pointwise| {
+        CbrLayer::plan_route_with(stem, &target, &cache, RouteKind::Fused, pointwise).unwrap()
+    };
+    let own = plan(Pointwise::Own);
+    let forward: Vec<_> = roles(&own).into_iter().take(4).collect();
+    assert_eq!(
+        forward,
+        vec![
+            (GraphRole::Conv, None, true),
+            (GraphRole::Stats, Some("cbr_channel_stats"), false),
+            (GraphRole::Finalize, None, true),
+            (GraphRole::Apply, Some("cbr_apply_relu"), false),
+        ]
+    );
+    let conv = own.plan_for(GraphRole::Conv).unwrap();
+    assert!(!conv.is_runtime_compiled(), "{}", conv.engine_tag());
+    // cuDNN's reduction graph plans too (the parity reference), runtime-compiled.
+    let reference = plan(Pointwise::Cudnn);
+    let stats = reference
+        .plan_for(GraphRole::Stats)
+        .expect("cuDNN plans channel_stats");
+    assert_eq!(stats.graph_name(), "channel_stats");
+    // A first conv with 8k input channels keeps conv + GenStats in one graph.
+    let first = CbrConfig::first(ConvShape::square(8, 16, 32, 64, 3, 1, 1));
+    assert!(route_graphs(&first, RouteKind::Fused)
+        .iter()
+        .any(|g| g.role == GraphRole::ConvStats));
+    assert!(!route_graphs(&first, RouteKind::Fused)
+        .iter()
+        .any(|g| g.role == GraphRole::Stats));
+}
+
 fn graph_named(config: &CbrConfig, kind: RouteKind, role: GraphRole) -> LayerGraph {
     route_graphs(config, kind)
         .into_iter()
@@ -168,6 +212,16 @@ fn each_apply_form_and_backward_graph_maps_to_its_kernel() {
         KernelStep::for_graph(&lg, "sm_90").unwrap().kernel(),
         OwnKernel::DbnApply
     );
+    let stem = CbrConfig::first(ConvShape::square(4, 3, 16, 64, 7, 3, 2));
+    let lg = graph_named(&stem, RouteKind::Fused, GraphRole::Stats);
+    assert_eq!(
+        KernelStep::for_graph(&lg, "sm_90").unwrap().kernel(),
+        OwnKernel::ChannelStats
+    );
+    // More channels than a block's shared memory holds accumulators for: cuDNN's graph.
+    let wide = CbrConfig::first(ConvShape::square(1, 3, 4, 8192, 1, 0, 1));
+    let lg = graph_named(&wide, RouteKind::Fused, GraphRole::Stats);
+    assert!(KernelStep::for_graph(&lg, "sm_90").is_none());
     // Graphs no kernel of ours computes stay with cuDNN.
     for role in [GraphRole::ConvStats, GraphRole::Finalize, GraphRole::Wgrad] {
         let lg = graph_named(&config, RouteKind::Fused, role);

@@ -54,7 +54,7 @@ pub(super) fn synced_step<T: Element, I: LayerIo<T> + ?Sized>(
     let ys = Nhwc::new(s.n as usize, s.p() as usize, s.q() as usize, s.k as usize);
     let global = |shape: &Nhwc| shape.pixels() * replicas;
     match role {
-        GraphRole::ConvStats => {
+        GraphRole::ConvStats | GraphRole::Stats => {
             cpu_step(layer, role, io, replicas)?;
             let mut sums = io.float(This("sum"))?.to_vec();
             sums.extend_from_slice(io.float(This("sq_sum"))?);

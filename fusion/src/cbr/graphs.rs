@@ -585,6 +585,23 @@ pub fn dbn_reduce(dims: [i64; 4]) -> (Graph, DbnReduceTensors) {
     )
 }
 
+/// Per-channel `Σy` and `Σy²` of a stored conv output `[N,K,P,Q]` by two reductions (FP32
+/// `[1,K,1,1]`): the statistics of a first conv whose fused conv + GenStats graph has only a
+/// runtime-compiled engine (an input channel count that is not a multiple of 8, as a stem's 3,
+/// measured with cuDNN 9.28 on sm_90). Returns (graph, y, sum, sq_sum).
+pub fn channel_stats(dims: [i64; 4]) -> (Graph, [TensorId; 3]) {
+    let k = dims[1];
+    let mut g = Graph::new("channel_stats");
+    let y = g.tensor(TensorAttrs::new("Y", dims));
+    let sum = g.reduce_sum_per_channel(y, k);
+    let squares = g.mul(y, y);
+    let sq_sum = g.reduce_sum_per_channel(squares, k);
+    for t in [sum, sq_sum] {
+        g.set_output(t, Some(DataType::Float)).expect("in graph");
+    }
+    (g, [y, sum, sq_sum])
+}
+
 /// Real tensors of the dBN-coefficient graph.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DbnCoefficientTensors {

@@ -119,3 +119,26 @@ extern "C" __global__ void cbr_dbn_apply(const h16* dz, const h16* y_prev, const
                                          unsigned c, int vec) {
     elementwise(DbnApply{a, b, cc}, dz, y_prev, out, n, c, vec);
 }
+
+// Per-channel sum and sum of squares of y (FP32) into `sum` and `sq` (zeroed by the caller):
+// each block accumulates in shared memory (2·c floats, sized at launch), then adds its
+// partial sums to the outputs. Consecutive threads take consecutive channels, so the shared
+// atomics rarely collide. `vec` is unused (the element-wise kernels' argument list).
+extern "C" __global__ void cbr_channel_stats(const h16* y, float* sum, float* sq, u64 n,
+                                             unsigned c, int vec) {
+    extern __shared__ float acc[];
+    for (unsigned i = threadIdx.x; i < 2 * c; i += blockDim.x) acc[i] = 0.0f;
+    __syncthreads();
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += stride) {
+        const float v = h2f(y[e]);
+        const unsigned k = (unsigned)(e % c);
+        atomicAdd(&acc[k], v);
+        atomicAdd(&acc[c + k], v * v);
+    }
+    __syncthreads();
+    for (unsigned i = threadIdx.x; i < c; i += blockDim.x) {
+        atomicAdd(&sum[i], acc[i]);
+        atomicAdd(&sq[i], acc[c + i]);
+    }
+}

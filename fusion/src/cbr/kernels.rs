@@ -1,5 +1,6 @@
 //! Our own kernels for a layer's element-wise steps: the BN apply with its residual forms,
-//! the ReLU backward and the dBN apply (`kernel_source.cu`).
+//! the ReLU backward, the dBN apply, and the per-channel statistics of a stored conv output
+//! (`kernel_source.cu`).
 //!
 //! cuDNN runs these as runtime-compiled pointwise graphs: NVRTC once per *shape*, about
 //! 0.5–0.9 s each on 2 cores, which is most of a network's cold planning time. Ours take the
@@ -18,7 +19,7 @@ use super::graphs::ApplyResidual;
 use super::layer::{LayerGraph, Src};
 use crate::error::{Error, Result};
 use crate::exec::Handle;
-use crate::graph::{DataType, Graph, TensorId};
+use crate::graph::{DataType, Graph, Node, TensorId};
 use crate::kernel_cache::{CacheOutcome, KernelCache};
 use crate::rtc;
 use crate::Target;
@@ -83,6 +84,8 @@ pub enum OwnKernel {
     ReluBackward,
     /// `dy_prev = dz·A + y_prev·B + C`: [`super::graphs::dbn_apply`].
     DbnApply,
+    /// Per-channel `Σy` and `Σy²` in FP32: [`super::graphs::channel_stats`].
+    ChannelStats,
 }
 
 /// A kernel argument: a graph tensor (by name) and the element type the kernel reads.
@@ -110,12 +113,13 @@ const fn vector(name: &'static str, dtype: DataType) -> Param {
 
 impl OwnKernel {
     /// Every kernel.
-    pub const ALL: [OwnKernel; 5] = [
+    pub const ALL: [OwnKernel; 6] = [
         OwnKernel::Apply(ApplyResidual::None),
         OwnKernel::Apply(ApplyResidual::Add),
         OwnKernel::Apply(ApplyResidual::DualScaleBias),
         OwnKernel::ReluBackward,
         OwnKernel::DbnApply,
+        OwnKernel::ChannelStats,
     ];
 
     /// The kernel that computes `graph`, by the graph's name (the builders in
@@ -127,6 +131,7 @@ impl OwnKernel {
             "dual_scale_bias_add_relu" => OwnKernel::Apply(ApplyResidual::DualScaleBias),
             "relu_backward" => OwnKernel::ReluBackward,
             "dbn_apply" => OwnKernel::DbnApply,
+            "channel_stats" => OwnKernel::ChannelStats,
             _ => return None,
         })
     }
@@ -139,6 +144,7 @@ impl OwnKernel {
             OwnKernel::Apply(ApplyResidual::DualScaleBias) => "cbr_apply_dual_relu",
             OwnKernel::ReluBackward => "cbr_relu_backward",
             OwnKernel::DbnApply => "cbr_dbn_apply",
+            OwnKernel::ChannelStats => "cbr_channel_stats",
         }
     }
 
@@ -157,6 +163,7 @@ impl OwnKernel {
             vector("bias2", H),
         ];
         const RELU_BACKWARD: &[Param] = &[full("dA"), full("X")];
+        const STATS: &[Param] = &[full("Y")];
         const DBN_APPLY: &[Param] = &[
             full("dZ"),
             full("Yprev"),
@@ -170,9 +177,13 @@ impl OwnKernel {
             OwnKernel::Apply(ApplyResidual::DualScaleBias) => APPLY_DUAL,
             OwnKernel::ReluBackward => RELU_BACKWARD,
             OwnKernel::DbnApply => DBN_APPLY,
+            OwnKernel::ChannelStats => STATS,
         }
     }
 }
+
+/// The shared memory a block of the statistics kernel may use (the default per-block limit).
+const STATS_SHARED_LIMIT: usize = 48 * 1024;
 
 /// One argument of a planned kernel step.
 #[derive(Debug, Clone, PartialEq)]
@@ -225,32 +236,58 @@ impl KernelStep {
                 elems: elems_of(t)?,
             });
         }
-        // The output: the one bound tensor that is not an input.
-        let mut outputs = lg.bindings.iter().filter(|(t, _)| !inputs.contains(t));
-        let (out, out_src) = *outputs.next()?;
-        if outputs.next().is_some() || g.dtype(out)? != DataType::Half {
-            return None;
-        }
-        let dims = &g.get(out)?.dims;
-        let elems = elems_of(out)?;
-        let channels = u32::try_from(*dims.get(1)?).ok()?;
-        // Every full tensor has the output's size; every vector one entry per channel.
-        let sizes_agree = args.iter().zip(kernel.params()).all(|(a, p)| {
-            a.elems
-                == if p.per_channel {
-                    channels as usize
-                } else {
-                    elems
+        // Sizes come from the first input, a full tensor in every kernel.
+        let dims = &g.get(*inputs.first()?)?.dims;
+        let elems = elems_of(inputs[0])?;
+        let channels = u32::try_from(*dims.get(1)?).ok().filter(|&c| c > 0)?;
+        let per_channel = channels as usize;
+        let sizes_agree = args
+            .iter()
+            .zip(kernel.params())
+            .all(|(a, p)| a.elems == if p.per_channel { per_channel } else { elems });
+        // The outputs, in argument order: for the statistics Σy then Σy² (the reduction that
+        // reads Y itself comes first), FP32 per channel; otherwise the one bound tensor that is
+        // not an input, FP16 like the inputs.
+        let outputs: Vec<(TensorId, DataType, usize)> = match kernel {
+            OwnKernel::ChannelStats => {
+                let reductions: Vec<(TensorId, TensorId)> = g
+                    .nodes()
+                    .iter()
+                    .filter_map(|n| match n {
+                        Node::Reduction { x, y, .. } => Some((*x, *y)),
+                        _ => None,
+                    })
+                    .collect();
+                let sum = reductions.iter().find(|(x, _)| *x == inputs[0])?.1;
+                let sq = reductions.iter().find(|(x, _)| *x != inputs[0])?.1;
+                // Two FP32 accumulators per channel in a block's shared memory.
+                if reductions.len() != 2 || per_channel * 8 > STATS_SHARED_LIMIT {
+                    return None;
                 }
-        });
-        if !sizes_agree || channels == 0 {
+                vec![
+                    (sum, DataType::Float, per_channel),
+                    (sq, DataType::Float, per_channel),
+                ]
+            }
+            _ => {
+                let mut rest = lg.bindings.iter().filter(|(t, _)| !inputs.contains(t));
+                let (out, _) = *rest.next()?;
+                vec![(out, DataType::Half, elems)]
+            }
+        };
+        if !sizes_agree || lg.bindings.len() != inputs.len() + outputs.len() {
             return None;
         }
-        args.push(Arg {
-            src: out_src,
-            dtype: DataType::Half,
-            elems,
-        });
+        for (t, dtype, n) in outputs {
+            if g.dtype(t)? != dtype || elems_of(t)? != n {
+                return None;
+            }
+            args.push(Arg {
+                src: src_of(t)?,
+                dtype,
+                elems: n,
+            });
+        }
         Some(KernelStep {
             kernel,
             arch,
@@ -322,16 +359,19 @@ impl KernelStep {
         }
         // Eight elements per 16-byte access when each access stays in one channel run and
         // every address is aligned to it.
-        let vec = self.channels % 8 == 0 && ptrs.iter().all(|p| p % 16 == 0);
+        let stats = self.kernel == OwnKernel::ChannelStats;
+        let vec = !stats && self.channels % 8 == 0 && ptrs.iter().all(|p| p % 16 == 0);
         let work = if vec { self.elems / 8 } else { self.elems };
         const THREADS: u32 = 256;
+        // The statistics flush 2·c atomics per block: fewer, fuller blocks.
+        let per_sm = if stats { 2 } else { 8 };
         let blocks = work
             .div_ceil(u64::from(THREADS))
-            .clamp(1, u64::from(loaded.sms) * 8) as u32;
+            .clamp(1, u64::from(loaded.sms) * per_sm) as u32;
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: if stats { 8 * self.channels } else { 0 },
         };
         let vec = i32::from(vec);
         let mut b = stream.launch_builder(f);

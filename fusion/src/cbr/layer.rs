@@ -264,6 +264,9 @@ pub enum GraphRole {
     /// Conv + GenStats, with the previous BN as prologue on the fused route (without it on the
     /// generic route).
     ConvStats,
+    /// Per-channel statistics of the stored conv output (after a plain [`GraphRole::Conv`]),
+    /// where the fused conv + GenStats graph has only a runtime-compiled engine.
+    Stats,
     /// BN finalize.
     Finalize,
     /// The layer's own apply (when materialized).
@@ -386,16 +389,21 @@ pub fn route_graphs(config: &CbrConfig, route: impl Into<RouteKind>) -> Vec<Laye
             // runtime-compiled engine where ConvBNfprop has none). Both then run BN finalize.
             let prologue = kind == RouteKind::Fused && through_bn;
             let conv_in = if prologue { Prev("y") } else { plain_in };
-            let (g, t) = graphs::conv_fprop(s, prologue, true);
-            let mut b = vec![(t.x, conv_in), (t.w, This("w")), (t.y, This("y"))];
-            if let Some((sc, bi)) = t.prologue {
-                b.extend([(sc, Prev("eq_scale")), (bi, Prev("eq_bias"))]);
+            if kind == RouteKind::Fused && split_stats(config) {
+                out.extend(conv_then_stats(config, conv_in));
+                out.push(finalize(config));
+            } else {
+                let (g, t) = graphs::conv_fprop(s, prologue, true);
+                let mut b = vec![(t.x, conv_in), (t.w, This("w")), (t.y, This("y"))];
+                if let Some((sc, bi)) = t.prologue {
+                    b.extend([(sc, Prev("eq_scale")), (bi, Prev("eq_bias"))]);
+                }
+                if let Some((sum, sq)) = t.stats {
+                    b.extend([(sum, This("sum")), (sq, This("sq_sum"))]);
+                }
+                out.push(lg(GraphRole::ConvStats, g, b));
+                out.push(finalize(config));
             }
-            if let Some((sum, sq)) = t.stats {
-                b.extend([(sum, This("sum")), (sq, This("sq_sum"))]);
-            }
-            out.push(lg(GraphRole::ConvStats, g, b));
-            out.push(finalize(config));
         }
         RouteKind::Unfused => {
             let (g, t) = graphs::conv_fprop(s, false, false);
@@ -547,6 +555,32 @@ pub fn route_graphs(config: &CbrConfig, route: impl Into<RouteKind>) -> Vec<Laye
         }
     }
     out
+}
+
+/// Whether the fused route computes a first conv's statistics in a step of their own: cuDNN
+/// 9.28 on sm_90 has only a runtime-compiled engine (about 2 s of NVRTC per shape) for conv +
+/// GenStats when the input channel count is not a multiple of 8 (a stem's 3), while the plain
+/// conv has precompiled ones and the statistics are one reduction over the stored output.
+fn split_stats(config: &CbrConfig) -> bool {
+    config.input == InputKind::Raw && config.shape.c % 8 != 0
+}
+
+/// A plain conv storing `y`, then its per-channel statistics from `y`.
+fn conv_then_stats(config: &CbrConfig, conv_in: Src) -> [LayerGraph; 2] {
+    let s = &config.shape;
+    let (g, t) = graphs::conv_fprop(s, false, false);
+    let conv = lg(
+        GraphRole::Conv,
+        g,
+        vec![(t.x, conv_in), (t.w, This("w")), (t.y, This("y"))],
+    );
+    let (g, [y, sum, sq_sum]) = graphs::channel_stats(s.y_dims());
+    let stats = lg(
+        GraphRole::Stats,
+        g,
+        vec![(y, This("y")), (sum, This("sum")), (sq_sum, This("sq_sum"))],
+    );
+    [conv, stats]
 }
 
 /// BN finalize with the layer's buffers (fused and generic routes).

@@ -85,7 +85,7 @@ impl CbrLayer {
             // a step never adds to the previous step's values (a cheap memset, and harmless
             // where cuDNN overwrites them).
             let accumulated: &[&str] = match step.role {
-                GraphRole::ConvStats => &["sum", "sq_sum"],
+                GraphRole::ConvStats | GraphRole::Stats => &["sum", "sq_sum"],
                 GraphRole::DgradDreluDbn | GraphRole::DbnReduce | GraphRole::ApplyDbnReduce => {
                     &["dgamma", "dbeta"]
                 }
@@ -321,6 +321,11 @@ pub(super) fn cpu_step<T: Element, I: LayerIo<T> + ?Sized>(
             io.set_half(This("y"), out.y)?;
             io.set_float(This("sum"), out.stats.sum)?;
             io.set_float(This("sq_sum"), out.stats.sqsum)?;
+        }
+        GraphRole::Stats => {
+            let stats = r::genstats(&p.output_shape(), io.half(This("y"))?)?;
+            io.set_float(This("sum"), stats.sum)?;
+            io.set_float(This("sq_sum"), stats.sqsum)?;
         }
         GraphRole::Finalize => {
             let stats = ChannelStats {
