@@ -207,6 +207,62 @@ fn our_kernels_match_the_reference_ops_bit_for_bit_and_cudnn_within_an_ulp() {
                 );
             }
         }
+        // The activation's BN backward on the fused route: dγ, dβ by our reduction (FP32 sums
+        // in the GPU's order; bound as for the statistics above), the coefficients in the
+        // dbn_coefficients graph's FP32 op order (bit for bit: no contraction), then the dBN
+        // apply (bit for bit).
+        let (dpre, y) = (f16s(&h2, "dpre"), f16s(&h2, "y"));
+        let (mean, inv_std) = (f32s(&h2, "saved_mean"), f32s(&h2, "saved_inv_std"));
+        let k2 = s2.k as usize;
+        for k in 0..k2 {
+            let (mut dg, mut db, mut scale) = (0f64, 0f64, 0f64);
+            for (d, v) in dpre.iter().zip(y).skip(k).step_by(k2) {
+                let x_hat = (v.to_f32() - mean[k]) * inv_std[k];
+                dg += f64::from(d.to_f32() * x_hat);
+                db += f64::from(d.to_f32());
+                scale += f64::from((d.to_f32() * x_hat).abs()) + f64::from(d.to_f32().abs());
+            }
+            let (gdg, gdb) = (f32s(&h2, "dgamma")[k], f32s(&h2, "dbeta")[k]);
+            let bound = 1e-5 * scale.max(1e-30);
+            assert!(
+                (f64::from(gdg) - dg).abs() <= bound,
+                "dgamma[{k}]: {gdg} vs {dg}"
+            );
+            assert!(
+                (f64::from(gdb) - db).abs() <= bound,
+                "dbeta[{k}]: {gdb} vs {db}"
+            );
+            let gamma = f32s(&h2, "gamma")[k];
+            let m = (s2.n * s2.p() * s2.q()) as f64;
+            let nm = (-1.0 / m) as f32;
+            let a = gamma * inv_std[k];
+            let b = ((a * inv_std[k]) * gdg) * nm;
+            let c = ((a * gdb) * nm) - b * mean[k];
+            let got = [
+                f32s(&h2, "apply_dbn_a")[k],
+                f32s(&h2, "apply_dbn_b")[k],
+                f32s(&h2, "apply_dbn_c")[k],
+            ];
+            assert_eq!(
+                got.map(f32::to_bits),
+                [a, b, c].map(f32::to_bits),
+                "coefficients[{k}]"
+            );
+        }
+        let dy2 = r::dbn_apply(
+            &y2,
+            dpre,
+            y,
+            f32s(&h2, "apply_dbn_a"),
+            f32s(&h2, "apply_dbn_b"),
+            f32s(&h2, "apply_dbn_c"),
+        )
+        .unwrap();
+        assert_eq!(
+            bits(f16s(&h2, "dy")),
+            bits(&dy2),
+            "the activation's dBN apply"
+        );
         println!(
             "{} -> {}: our kernels equal the reference ops",
             s1.label(),

@@ -9,9 +9,11 @@ mod common;
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::graphs::{self, ApplyResidual, BackwardResidual};
 use cudnn_cbr::fusion::cbr::kernels::{self, KernelStep, OwnKernel, Pointwise};
+use cudnn_cbr::fusion::cbr::Src::{self, This};
 use cudnn_cbr::fusion::cbr::{
     route_graphs, CbrConfig, CbrLayer, ConvShape, GraphRole, LayerGraph, RouteKind,
 };
+use cudnn_cbr::fusion::exec::Scalar;
 use cudnn_cbr::fusion::graph::DataType;
 use cudnn_cbr::fusion::kernel_cache::{CacheOutcome, KernelCache};
 use cudnn_cbr::fusion::{rtc, DeviceProps, Error, Target};
@@ -105,7 +107,59 @@ fn planned_layers_run_their_element_wise_steps_on_our_kernels() {
         vec![
             (GraphRole::Apply, "cbr_apply_add_relu", false),
             (GraphRole::ApplyReluBackward, "cbr_relu_backward", false),
+            (GraphRole::ApplyDbnReduce, "cbr_dbn_reduce", false),
+            (
+                GraphRole::ApplyDbnCoefficients,
+                "cbr_dbn_coefficients",
+                false
+            ),
+            (GraphRole::ApplyDbnApply, "cbr_dbn_apply", false),
             (GraphRole::DbnApply, "cbr_dbn_apply", false),
+        ]
+    );
+    // Each argument comes from the buffer the layer binds to the graph tensor it stands for.
+    let sources = |role| {
+        own.steps()
+            .iter()
+            .find(|s| s.role == role)
+            .and_then(|s| s.kernel.as_ref())
+            .unwrap()
+            .sources()
+    };
+    assert_eq!(
+        sources(GraphRole::ApplyDbnReduce),
+        [
+            This("y"),
+            This("dpre"),
+            This("saved_mean"),
+            This("saved_inv_std")
+        ]
+        .into_iter()
+        .chain([This("dgamma"), This("dbeta")])
+        .collect::<Vec<_>>()
+    );
+    let coefficients = sources(GraphRole::ApplyDbnCoefficients);
+    assert_eq!(
+        coefficients[..5],
+        [
+            This("gamma"),
+            This("saved_inv_std"),
+            This("saved_mean"),
+            This("dgamma"),
+            This("dbeta")
+        ]
+    );
+    // −1/M with M = N·P·Q = 8·14·14.
+    assert_eq!(
+        coefficients[5],
+        Src::Scalar(Scalar::F32((-1.0f64 / (8.0 * 14.0 * 14.0)) as f32))
+    );
+    assert_eq!(
+        coefficients[6..],
+        [
+            This("apply_dbn_a"),
+            This("apply_dbn_b"),
+            This("apply_dbn_c")
         ]
     );
     // Every other step has its cuDNN plan.
@@ -238,10 +292,10 @@ fn a_graph_with_other_element_types_stays_with_cudnn() {
         role: GraphRole::Apply,
         graph,
         bindings: vec![
-            (t.y, cudnn_cbr::fusion::cbr::Src::This("y")),
-            (t.scale, cudnn_cbr::fusion::cbr::Src::This("eq_scale")),
-            (t.bias, cudnn_cbr::fusion::cbr::Src::This("eq_bias")),
-            (t.a, cudnn_cbr::fusion::cbr::Src::This("a")),
+            (t.y, This("y")),
+            (t.scale, This("eq_scale")),
+            (t.bias, This("eq_bias")),
+            (t.a, This("a")),
         ],
     };
     assert!(KernelStep::for_graph(&lg, "sm_90").is_none());
@@ -249,10 +303,10 @@ fn a_graph_with_other_element_types_stays_with_cudnn() {
     let lg = LayerGraph {
         graph,
         bindings: vec![
-            (t.y, cudnn_cbr::fusion::cbr::Src::This("y")),
-            (t.scale, cudnn_cbr::fusion::cbr::Src::This("eq_scale")),
-            (t.bias, cudnn_cbr::fusion::cbr::Src::This("eq_bias")),
-            (t.a, cudnn_cbr::fusion::cbr::Src::This("a")),
+            (t.y, This("y")),
+            (t.scale, This("eq_scale")),
+            (t.bias, This("eq_bias")),
+            (t.a, This("a")),
         ],
         ..lg
     };

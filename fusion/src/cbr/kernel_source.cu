@@ -142,3 +142,44 @@ extern "C" __global__ void cbr_channel_stats(const h16* y, float* sum, float* sq
         atomicAdd(&sq[i], acc[c + i]);
     }
 }
+
+// A BN's weight gradients by reduction: dgamma = sum dz*((y - mean)*inv_std), dbeta = sum dz
+// per channel (FP32; zeroed by the caller), accumulated like cbr_channel_stats.
+extern "C" __global__ void cbr_dbn_reduce(const h16* y, const h16* dz, const float* mean,
+                                          const float* inv_std, float* dgamma, float* dbeta,
+                                          u64 n, unsigned c, int vec) {
+    extern __shared__ float acc[];
+    for (unsigned i = threadIdx.x; i < 2 * c; i += blockDim.x) acc[i] = 0.0f;
+    __syncthreads();
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += stride) {
+        const unsigned k = (unsigned)(e % c);
+        const float d = h2f(dz[e]);
+        const float x_hat = (h2f(y[e]) - mean[k]) * inv_std[k];
+        atomicAdd(&acc[k], d * x_hat);
+        atomicAdd(&acc[c + k], d);
+    }
+    __syncthreads();
+    for (unsigned i = threadIdx.x; i < c; i += blockDim.x) {
+        atomicAdd(&dgamma[i], acc[i]);
+        atomicAdd(&dbeta[i], acc[c + i]);
+    }
+}
+
+// The coefficients of dy = A*dz + B*y + C from the reduced weight gradients, in the op order of
+// the dbn_coefficients graph: a = gamma*inv_std; B = ((a*inv_std)*dgamma)*(-1/M);
+// C = ((a*dbeta)*(-1/M)) - B*mean; A = a. One thread per channel (n = c).
+extern "C" __global__ void cbr_dbn_coefficients(const float* gamma, const float* inv_std,
+                                                const float* mean, const float* dgamma,
+                                                const float* dbeta, float neg_inv_count,
+                                                float* A, float* B, float* C, u64 n,
+                                                unsigned c, int vec) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 k = (u64)blockIdx.x * blockDim.x + threadIdx.x; k < c; k += stride) {
+        const float a = gamma[k] * inv_std[k];
+        const float b = ((a * inv_std[k]) * dgamma[k]) * neg_inv_count;
+        C[k] = ((a * dbeta[k]) * neg_inv_count) - b * mean[k];
+        A[k] = a;
+        B[k] = b;
+    }
+}

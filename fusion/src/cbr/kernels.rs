@@ -1,6 +1,6 @@
 //! Our own kernels for a layer's element-wise steps: the BN apply with its residual forms,
-//! the ReLU backward, the dBN apply, and the per-channel statistics of a stored conv output
-//! (`kernel_source.cu`).
+//! the ReLU backward, the dBN apply, the per-channel statistics of a stored conv output, and
+//! a BN backward's weight gradients and dBN-apply coefficients (`kernel_source.cu`).
 //!
 //! cuDNN runs these as runtime-compiled pointwise graphs: NVRTC once per *shape*, about
 //! 0.5–0.9 s each on 2 cores, which is most of a network's cold planning time. Ours take the
@@ -18,7 +18,7 @@ use super::device_buffers::{Resolved, Side};
 use super::graphs::ApplyResidual;
 use super::layer::{LayerGraph, Src};
 use crate::error::{Error, Result};
-use crate::exec::Handle;
+use crate::exec::{Handle, Scalar};
 use crate::graph::{DataType, Graph, Node, TensorId};
 use crate::kernel_cache::{CacheOutcome, KernelCache};
 use crate::rtc;
@@ -86,20 +86,32 @@ pub enum OwnKernel {
     DbnApply,
     /// Per-channel `Σy` and `Σy²` in FP32: [`super::graphs::channel_stats`].
     ChannelStats,
+    /// A BN's `dγ = Σ dz·x̂` and `dβ = Σ dz` in FP32: [`super::graphs::dbn_reduce`].
+    DbnReduce,
+    /// The dBN-apply coefficients A, B, C from `dγ`, `dβ`: [`super::graphs::dbn_coefficients`].
+    DbnCoefficients,
 }
 
-/// A kernel argument: a graph tensor (by name) and the element type the kernel reads.
+/// A kernel argument: a graph tensor (by name), the element type the kernel reads, and its
+/// size: the full tensor, one value per channel, or one by-value FP32 scalar.
 struct Param {
     name: &'static str,
     dtype: DataType,
-    per_channel: bool,
+    size: Size,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Size {
+    Full,
+    PerChannel,
+    Scalar,
 }
 
 const fn full(name: &'static str) -> Param {
     Param {
         name,
         dtype: DataType::Half,
-        per_channel: false,
+        size: Size::Full,
     }
 }
 
@@ -107,19 +119,29 @@ const fn vector(name: &'static str, dtype: DataType) -> Param {
     Param {
         name,
         dtype,
-        per_channel: true,
+        size: Size::PerChannel,
+    }
+}
+
+const fn scalar(name: &'static str) -> Param {
+    Param {
+        name,
+        dtype: DataType::Float,
+        size: Size::Scalar,
     }
 }
 
 impl OwnKernel {
     /// Every kernel.
-    pub const ALL: [OwnKernel; 6] = [
+    pub const ALL: [OwnKernel; 8] = [
         OwnKernel::Apply(ApplyResidual::None),
         OwnKernel::Apply(ApplyResidual::Add),
         OwnKernel::Apply(ApplyResidual::DualScaleBias),
         OwnKernel::ReluBackward,
         OwnKernel::DbnApply,
         OwnKernel::ChannelStats,
+        OwnKernel::DbnReduce,
+        OwnKernel::DbnCoefficients,
     ];
 
     /// The kernel that computes `graph`, by the graph's name (the builders in
@@ -132,6 +154,8 @@ impl OwnKernel {
             "relu_backward" => OwnKernel::ReluBackward,
             "dbn_apply" => OwnKernel::DbnApply,
             "channel_stats" => OwnKernel::ChannelStats,
+            "dbn_reduce" => OwnKernel::DbnReduce,
+            "dbn_coefficients" => OwnKernel::DbnCoefficients,
             _ => return None,
         })
     }
@@ -145,6 +169,8 @@ impl OwnKernel {
             OwnKernel::ReluBackward => "cbr_relu_backward",
             OwnKernel::DbnApply => "cbr_dbn_apply",
             OwnKernel::ChannelStats => "cbr_channel_stats",
+            OwnKernel::DbnReduce => "cbr_dbn_reduce",
+            OwnKernel::DbnCoefficients => "cbr_dbn_coefficients",
         }
     }
 
@@ -164,6 +190,20 @@ impl OwnKernel {
         ];
         const RELU_BACKWARD: &[Param] = &[full("dA"), full("X")];
         const STATS: &[Param] = &[full("Y")];
+        const DBN_REDUCE: &[Param] = &[
+            full("Y"),
+            full("dZ"),
+            vector("mean", F),
+            vector("inv_std", F),
+        ];
+        const DBN_COEFFICIENTS: &[Param] = &[
+            vector("gamma", F),
+            vector("inv_std", F),
+            vector("mean", F),
+            vector("dgamma", F),
+            vector("dbeta", F),
+            scalar("neg_inv_count"),
+        ];
         const DBN_APPLY: &[Param] = &[
             full("dZ"),
             full("Yprev"),
@@ -178,6 +218,8 @@ impl OwnKernel {
             OwnKernel::ReluBackward => RELU_BACKWARD,
             OwnKernel::DbnApply => DBN_APPLY,
             OwnKernel::ChannelStats => STATS,
+            OwnKernel::DbnReduce => DBN_REDUCE,
+            OwnKernel::DbnCoefficients => DBN_COEFFICIENTS,
         }
     }
 }
@@ -211,12 +253,6 @@ impl KernelStep {
     pub fn for_graph(lg: &LayerGraph, arch: &'static str) -> Option<Self> {
         let kernel = OwnKernel::for_graph(&lg.graph)?;
         let g = &lg.graph;
-        let id_of = |name: &str| {
-            g.tensors()
-                .iter()
-                .position(|t| t.name == name && !t.is_virtual)
-                .map(|i| TensorId(i as u32))
-        };
         let src_of = |t: TensorId| lg.bindings.iter().find(|(b, _)| *b == t).map(|(_, s)| *s);
         let elems_of = |t: TensorId| {
             g.get(t)
@@ -225,7 +261,11 @@ impl KernelStep {
         let mut args = Vec::new();
         let mut inputs = Vec::new();
         for p in kernel.params() {
-            let t = id_of(p.name)?;
+            let t = g
+                .tensors()
+                .iter()
+                .position(|a| a.name == p.name && !a.is_virtual)
+                .map(|i| TensorId(i as u32))?;
             if g.dtype(t)? != p.dtype {
                 return None;
             }
@@ -233,7 +273,11 @@ impl KernelStep {
             args.push(Arg {
                 src: src_of(t)?,
                 dtype: p.dtype,
-                elems: elems_of(t)?,
+                elems: if p.size == Size::Scalar {
+                    1
+                } else {
+                    elems_of(t)?
+                },
             });
         }
         // Sizes come from the first input, a full tensor in every kernel.
@@ -241,34 +285,51 @@ impl KernelStep {
         let elems = elems_of(inputs[0])?;
         let channels = u32::try_from(*dims.get(1)?).ok().filter(|&c| c > 0)?;
         let per_channel = channels as usize;
-        let sizes_agree = args
-            .iter()
-            .zip(kernel.params())
-            .all(|(a, p)| a.elems == if p.per_channel { per_channel } else { elems });
+        let sizes_agree = args.iter().zip(kernel.params()).all(|(a, p)| match p.size {
+            Size::Full => a.elems == elems,
+            Size::PerChannel => a.elems == per_channel,
+            Size::Scalar => matches!(a.src, Src::Scalar(Scalar::F32(_))),
+        });
         // The outputs, in argument order: for the statistics Σy then Σy² (the reduction that
-        // reads Y itself comes first), FP32 per channel; otherwise the one bound tensor that is
-        // not an input, FP16 like the inputs.
+        // reads Y itself comes first); for the dBN reduction dγ then dβ (the reduction that
+        // reads dZ itself is dβ); for the coefficients A, B, C as the layer binds them; all
+        // FP32 per channel. Otherwise the one bound tensor that is not an input, FP16 like the
+        // inputs.
+        let reductions: Vec<(TensorId, TensorId)> = g
+            .nodes()
+            .iter()
+            .filter_map(|n| match n {
+                Node::Reduction { x, y, .. } => Some((*x, *y)),
+                _ => None,
+            })
+            .collect();
+        let vector_out = |t: TensorId| (t, DataType::Float, per_channel);
         let outputs: Vec<(TensorId, DataType, usize)> = match kernel {
-            OwnKernel::ChannelStats => {
-                let reductions: Vec<(TensorId, TensorId)> = g
-                    .nodes()
-                    .iter()
-                    .filter_map(|n| match n {
-                        Node::Reduction { x, y, .. } => Some((*x, *y)),
-                        _ => None,
-                    })
-                    .collect();
-                let sum = reductions.iter().find(|(x, _)| *x == inputs[0])?.1;
-                let sq = reductions.iter().find(|(x, _)| *x != inputs[0])?.1;
+            OwnKernel::ChannelStats | OwnKernel::DbnReduce => {
+                // The reduction of an input itself: Σy (statistics) or Σdz = dβ (dBN).
+                let direct = if kernel == OwnKernel::ChannelStats {
+                    inputs[0]
+                } else {
+                    inputs[1]
+                };
+                let own = reductions.iter().find(|(x, _)| *x == direct)?.1;
+                let other = reductions.iter().find(|(x, _)| *x != direct)?.1;
                 // Two FP32 accumulators per channel in a block's shared memory.
                 if reductions.len() != 2 || per_channel * 8 > STATS_SHARED_LIMIT {
                     return None;
                 }
-                vec![
-                    (sum, DataType::Float, per_channel),
-                    (sq, DataType::Float, per_channel),
-                ]
+                if kernel == OwnKernel::ChannelStats {
+                    vec![vector_out(own), vector_out(other)]
+                } else {
+                    vec![vector_out(other), vector_out(own)]
+                }
             }
+            OwnKernel::DbnCoefficients => lg
+                .bindings
+                .iter()
+                .filter(|(t, _)| !inputs.contains(t))
+                .map(|(t, _)| vector_out(*t))
+                .collect(),
             _ => {
                 let mut rest = lg.bindings.iter().filter(|(t, _)| !inputs.contains(t));
                 let (out, _) = *rest.next()?;
@@ -302,6 +363,12 @@ impl KernelStep {
         self.kernel
     }
 
+    /// Where each argument comes from, in the kernel's order: its inputs (buffers and by-value
+    /// scalars), then its outputs.
+    pub fn sources(&self) -> Vec<Src> {
+        self.args.iter().map(|a| a.src).collect()
+    }
+
     /// The architecture its machine code was compiled for (`sm_90`…).
     pub fn arch(&self) -> &'static str {
         self.arch
@@ -317,12 +384,20 @@ impl KernelStep {
             .get(self.kernel.entry())
             .ok_or_else(|| kernel_error(self.kernel, "is not in the loaded module".into()))?;
         let mut ptrs = Vec::with_capacity(self.args.len());
+        let mut values = Vec::with_capacity(self.args.len());
         for a in &self.args {
             let (side, name) = match a.src {
                 Src::This(n) => (Side::This, n),
                 Src::Prev(n) => (Side::Prev, n),
-                Src::Scalar(_) => {
-                    return Err(kernel_error(self.kernel, "got a scalar argument".into()))
+                Src::Scalar(Scalar::F32(v)) => {
+                    values.push(Value::F32(v));
+                    continue;
+                }
+                Src::Scalar(other) => {
+                    return Err(kernel_error(
+                        self.kernel,
+                        format!("takes FP32 scalars, got {other:?}"),
+                    ))
                 }
             };
             let buf = r.get(side, name)?;
@@ -353,13 +428,14 @@ impl KernelStep {
                 });
             }
             ptrs.push(buf.ptr);
+            values.push(Value::Ptr(buf.ptr));
         }
         if self.elems == 0 {
             return Ok(());
         }
         // Eight elements per 16-byte access when each access stays in one channel run and
         // every address is aligned to it.
-        let stats = self.kernel == OwnKernel::ChannelStats;
+        let stats = matches!(self.kernel, OwnKernel::ChannelStats | OwnKernel::DbnReduce);
         let vec = !stats && self.channels % 8 == 0 && ptrs.iter().all(|p| p % 16 == 0);
         let work = if vec { self.elems / 8 } else { self.elems };
         const THREADS: u32 = 256;
@@ -375,12 +451,16 @@ impl KernelStep {
         };
         let vec = i32::from(vec);
         let mut b = stream.launch_builder(f);
-        for p in &ptrs {
-            b.arg(p);
+        for v in &values {
+            match v {
+                Value::Ptr(p) => b.arg(p),
+                Value::F32(x) => b.arg(x),
+            };
         }
         b.arg(&self.elems).arg(&self.channels).arg(&vec);
-        // SAFETY: the arguments match the kernel's parameters in order and type (one device
-        // address per input and the output, then n: u64, c: u32, vec: i32); every address is
+        // SAFETY: the arguments match the kernel's parameters in order and type (a device
+        // address per tensor argument or an f32 per scalar, in the order of `params` and the
+        // outputs, then n: u64, c: u32, vec: i32); every address is
         // memory the resolved table borrows for this pass with at least the bytes the kernel
         // touches (checked above), and the launch is ordered on the handle's stream.
         unsafe { b.launch(cfg) }.map_err(|e| Error::Driver {
@@ -389,6 +469,12 @@ impl KernelStep {
         })?;
         Ok(())
     }
+}
+
+/// A launch argument, in order.
+enum Value {
+    Ptr(u64),
+    F32(f32),
 }
 
 fn kernel_error(kernel: OwnKernel, problem: String) -> Error {

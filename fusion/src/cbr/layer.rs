@@ -294,17 +294,17 @@ pub enum GraphRole {
     BnBackward,
     /// The materialized activation's ReLU backward (dA → dpre).
     ApplyReluBackward,
-    /// The materialized activation's BN backward (NormBackward: dpre → dY, dγ, dβ).
+    /// Unfused: the materialized activation's BN backward (NormBackward: dpre → dY, dγ, dβ).
     ApplyBnBackward,
     /// Generic: the previous BN's dγ = Σ dz·x̂ and dβ = Σ dz, by reduction.
     DbnReduce,
     /// Generic: the previous BN's dBN-apply coefficients A, B, C from dγ and dβ.
     DbnCoefficients,
-    /// Generic: the materialized activation's dγ, dβ by reduction (from dpre).
+    /// Fused and generic: the materialized activation's dγ, dβ by reduction (from dpre).
     ApplyDbnReduce,
-    /// Generic: the materialized activation's dBN-apply coefficients.
+    /// Fused and generic: the materialized activation's dBN-apply coefficients.
     ApplyDbnCoefficients,
-    /// Generic: the materialized activation's dBN apply (dpre → this layer's dY).
+    /// Fused and generic: the materialized activation's dBN apply (dpre → this layer's dY).
     ApplyDbnApply,
 }
 
@@ -749,15 +749,15 @@ struct BnBackwardNames {
     gamma: Src,
     dgamma: Src,
     dbeta: Src,
-    /// The dBN-apply coefficients A, B, C (generic route).
+    /// The dBN-apply coefficients A, B, C (fused and generic routes).
     abc: [Src; 3],
     /// Gradient w.r.t. the BN input.
     dy: Src,
 }
 
 /// A BN's backward over `dims` with the buffers `n` names: NormBackward (`norm_role`) on the
-/// fused and unfused routes, the reduction chain of [`reduction_bn_backward`] (`generic_roles`)
-/// on the generic route.
+/// unfused route, the reduction chain of [`reduction_bn_backward`] (`generic_roles`) on the
+/// fused and generic routes.
 fn bn_backward(
     kind: RouteKind,
     dims: [i64; 4],
@@ -765,7 +765,10 @@ fn bn_backward(
     generic_roles: [GraphRole; 3],
     n: &BnBackwardNames,
 ) -> Vec<LayerGraph> {
-    if kind == RouteKind::Generic {
+    // Only the unfused route (the baseline on cuDNN's BN ops) keeps NormBackward: it is
+    // runtime-compiled per shape (about 1.2 s of NVRTC each), while the reduction form runs on
+    // our kernels, compiled once per architecture.
+    if kind != RouteKind::Unfused {
         return reduction_bn_backward(dims, generic_roles, n);
     }
     let (g, i, o) = graphs::batchnorm_backward(dims);
@@ -785,8 +788,9 @@ fn bn_backward(
     )]
 }
 
-/// Generic route: a BN's backward over `dims` without BN-specific engines: reductions (dγ, dβ) →
-/// coefficients A, B, C → dBN apply `dy = A·dz + B·y + C`, with `roles` for the three graphs.
+/// A BN's backward over `dims` without BN-specific engines (fused and generic routes):
+/// reductions (dγ, dβ) → coefficients A, B, C → dBN apply `dy = A·dz + B·y + C`, with `roles`
+/// for the three graphs.
 fn reduction_bn_backward(
     dims: [i64; 4],
     roles: [GraphRole; 3],
