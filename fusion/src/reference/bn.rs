@@ -102,18 +102,31 @@ pub fn genstats<T: Element>(shape: &Nhwc, y: &[T]) -> Result<ChannelStats<T::Acc
         let chunk = &y[rows.start * c..rows.end * c];
         yv.resize(chunk.len(), T::Acc::ZERO);
         T::widen_into(chunk, yv);
-        for yp in yv.chunks_exact(c) {
-            for (a, v) in acc.iter_mut().zip(yp) {
-                let v = v.to_f64();
-                a[0] += v;
-                a[1] += v * v;
-            }
-        }
+        add_genstats_rows(yv, acc);
     });
-    Ok(ChannelStats {
-        sum: sums.iter().map(|s| T::Acc::from_f64(s[0])).collect(),
-        sqsum: sums.iter().map(|s| T::Acc::from_f64(s[1])).collect(),
-    })
+    Ok(ChannelStats::from_sums(&sums))
+}
+
+/// Adds the pixels of `rows` (NHWC, `acc.len()` channels), in row order, to GenStats' `f64`
+/// sums `acc[channel] = [Σy, Σy²]`.
+pub(crate) fn add_genstats_rows<A: Real>(rows: &[A], acc: &mut [[f64; 2]]) {
+    for yp in rows.chunks_exact(acc.len()) {
+        for (a, v) in acc.iter_mut().zip(yp) {
+            let v = v.to_f64();
+            a[0] += v;
+            a[1] += v * v;
+        }
+    }
+}
+
+impl<A: Real> ChannelStats<A> {
+    /// GenStats' outputs from its `f64` sums `[Σy, Σy²]` per channel (rounded once).
+    pub(crate) fn from_sums(sums: &[[f64; 2]]) -> Self {
+        ChannelStats {
+            sum: sums.iter().map(|s| A::from_f64(s[0])).collect(),
+            sqsum: sums.iter().map(|s| A::from_f64(s[1])).collect(),
+        }
+    }
 }
 
 /// BN finalize: from GenStats sums over `count` elements per channel, `γ`, `β` (FP32 `[C]`) and

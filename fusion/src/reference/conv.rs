@@ -75,6 +75,70 @@ pub(crate) fn fprop_acc<A: Real>(p: &ConvParams, x: &[A], w: &[A]) -> Result<Vec
     gather_gemm(rows, x, p.c, p.r * p.s, PixelMap::fprop(p), w_t, p.k)
 }
 
+/// fprop by chunks of `chunk_rows` output pixels (a multiple of [`TILE_ROWS`]), the chunks in
+/// parallel: each chunk's tiles are gathered and multiplied exactly as [`fprop_acc`] does (the
+/// same tiles, so the same values), and each tile's result `[n_rows, k]` is handed with the
+/// tile's rows of `out` (`k` values per pixel) to `sink(state, tile, out_rows)` while it is in
+/// cache; `tile` is scratch the sink may overwrite. Returns the chunks' states (each from
+/// `init`, then through its tiles in row order), in chunk order. `p` validated, lengths checked.
+pub(crate) fn fprop_chunks<A, O, S, I, F>(
+    p: &ConvParams,
+    x: &[A],
+    w: &[A],
+    out: &mut [O],
+    chunk_rows: usize,
+    init: I,
+    sink: F,
+) -> Result<Vec<S>>
+where
+    A: Real,
+    O: Send,
+    S: Send,
+    I: Fn() -> S + Sync,
+    F: Fn(&mut S, &mut [A], &mut [O]) + Sync,
+{
+    let (k, taps) = (p.k, p.r * p.s);
+    let depth = taps * p.c;
+    let rows = p.n * p.out_h() * p.out_w();
+    if out.len() != rows * k || chunk_rows == 0 || chunk_rows % TILE_ROWS != 0 {
+        return Err(super::error::ReferenceError::Internal {
+            what: "fprop_chunks: output length or chunk size",
+        });
+    }
+    let w_t = Mat {
+        data: w,
+        row_stride: 1,
+        col_stride: depth,
+    };
+    let map = PixelMap::fprop(p);
+    out.par_chunks_mut(chunk_rows * k)
+        .enumerate()
+        .map_init(
+            || (Vec::new(), vec![A::ZERO; TILE_ROWS * k]),
+            |(col, acc), (chunk, out_chunk)| {
+                let mut state = init();
+                for (tile, out_tile) in out_chunk.chunks_mut(TILE_ROWS * k).enumerate() {
+                    let n_rows = out_tile.len() / k;
+                    let first = chunk * chunk_rows + tile * TILE_ROWS;
+                    gather(x, p.c, taps, first, n_rows, &map, col);
+                    let acc = &mut acc[..n_rows * k];
+                    A::gemm(
+                        n_rows,
+                        depth,
+                        k,
+                        Mat::row_major(col, depth),
+                        w_t,
+                        A::ZERO,
+                        acc,
+                    )?;
+                    sink(&mut state, acc, out_tile);
+                }
+                Ok(state)
+            },
+        )
+        .collect()
+}
+
 /// dgrad in the arithmetic type, unrounded. `p` validated, lengths checked.
 pub(crate) fn dgrad_acc<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result<Vec<A>> {
     let taps = p.r * p.s;

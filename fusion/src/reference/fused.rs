@@ -12,13 +12,14 @@
 //! FP16 operands (docs/cudnn-graphs.md §9: a virtual feeding a conv must be HALF for the generic
 //! engines; the specialised engine's internal precision is not documented).
 
-use super::bn::{bn_recompute, genstats, BnBwdCoefficients, ChannelStats};
-use super::conv::{dgrad_acc, fprop_acc, wgrad_acc};
+use rayon::prelude::*;
+
+use super::bn::{add_genstats_rows, bn_recompute, BnBwdCoefficients, ChannelStats};
+use super::conv::{dgrad_acc, fprop_chunks, wgrad_acc};
 use super::element::{Element, Real};
 use super::error::Result;
-use super::parallel::map_blocks;
+use super::parallel::{add_partials, map_blocks, ROWS_PER_CHUNK};
 use super::params::{check_len, ConvParams};
-use super::pointwise::{bn_apply, Activation, Residual};
 
 /// What a conv consumes.
 #[derive(Debug, Clone, Copy)]
@@ -53,16 +54,7 @@ impl<T: Element> ConvInput<'_, T> {
                 check_len("y_prev", y_prev, p.x_elems())?;
                 check_len("scale", scale, p.c)?;
                 check_len("bias", bias, p.c)?;
-                let shape = p.input_shape();
-                let x = bn_apply(
-                    &shape,
-                    y_prev,
-                    scale,
-                    bias,
-                    Residual::None,
-                    Activation::Relu,
-                )?;
-                Ok(T::widen_slice(&x))
+                Ok(prologue_acc(p.c, y_prev, scale, bias))
             }
         }
     }
@@ -93,10 +85,57 @@ pub fn fprop_genstats<T: Element>(
     p.validate()?;
     check_len("w", w, p.w_elems())?;
     let x = input.widen(p)?;
-    let y = T::store_slice(&fprop_acc(p, &x, &T::widen_slice(w))?);
-    let stats = genstats(&p.output_shape(), &y)?;
+    let k = p.k;
+    let mut y = vec![T::default(); p.y_elems()];
+    // The conv's tiles are stored and summed while in cache, chunk by chunk as `genstats`
+    // sums (the same values, added in the same order).
+    let partials = fprop_chunks(
+        p,
+        &x,
+        &T::widen_slice(w),
+        &mut y,
+        ROWS_PER_CHUNK,
+        || vec![[0.0; 2]; k],
+        |acc, tile, out| {
+            T::store_into(tile, out);
+            T::widen_into(out, tile);
+            add_genstats_rows(tile, acc);
+        },
+    )?;
+    let stats = ChannelStats::from_sums(&add_partials(k, &partials));
     Ok(FpropStats { y, stats })
 }
+
+/// The prologue `relu(y_prev·scale + bias)` rounded to `T` (as [`super::bn_apply`] stores it), widened
+/// back to the arithmetic type for the conv: one pass, with `c` channels.
+fn prologue_acc<T: Element>(c: usize, y_prev: &[T], scale: &[T], bias: &[T]) -> Vec<T::Acc> {
+    let (s, b) = (T::widen_slice(scale), T::widen_slice(bias));
+    let mut x = vec![T::Acc::ZERO; y_prev.len()];
+    let block = (PROLOGUE_BLOCK / c).max(1) * c;
+    let run = |first: usize, xb: &mut [T::Acc], stored: &mut Vec<T>| {
+        let n = xb.len();
+        stored.resize(n, T::default());
+        T::widen_into(&y_prev[first..first + n], xb);
+        for px in xb.chunks_exact_mut(c) {
+            for ((v, &s), &b) in px.iter_mut().zip(&s).zip(&b) {
+                *v = (*v * s + b).relu();
+            }
+        }
+        T::store_into(xb, &mut stored[..n]);
+        T::widen_into(&stored[..n], xb);
+    };
+    if x.len() <= block {
+        run(0, &mut x, &mut Vec::new());
+    } else {
+        x.par_chunks_mut(block)
+            .enumerate()
+            .for_each_init(Vec::new, |stored, (i, xb)| run(i * block, xb, stored));
+    }
+    x
+}
+
+/// Elements per task of [`prologue_acc`].
+const PROLOGUE_BLOCK: usize = 16 * 1024;
 
 /// Pattern 4 (ConvBNwgrad): `dw = wgrad(input, dy)`, FP16 KRSC `[k, r, s, c]`.
 ///

@@ -13,8 +13,9 @@ use crate::reference::conv::{dgrad_acc, fprop_acc, wgrad_acc};
 use crate::reference::element::private::Gemm;
 use crate::reference::element::{Mat, Real};
 use crate::reference::{
-    add, bn_apply, bn_bwd, bn_fwd_train, dbn_apply, dgrad_drelu_dbn, genstats, relu_bwd, relu_fwd,
-    Activation, BnParams, ConvParams, Element, Nhwc, ReluJoin, Residual, RunningStats, SavedBn,
+    add, bn_apply, bn_bwd, bn_fwd_train, dbn_apply, dgrad_drelu_dbn, fprop_genstats, genstats,
+    relu_bwd, relu_fwd, wgrad_with_prologue, Activation, BnParams, ConvInput, ConvParams, Element,
+    Nhwc, ReluJoin, Residual, RunningStats, SavedBn,
 };
 
 /// FP16 data in [-2, 2) with every 17th value special (±0, a subnormal, ±inf, NaN).
@@ -536,6 +537,62 @@ fn dgrad_drelu_dbn_matches_the_per_element_map_bit_for_bit() {
                 f16::from_acc(if z > 0.0 { grad } else { 0.0 })
             });
             assert_eq!(bits(&got.dz), bits(&want), "dz {p:?}");
+        }
+    }
+}
+
+#[test]
+fn fprop_genstats_and_the_prologue_match_the_separate_passes_bit_for_bit() {
+    let mut rng = Rng::new(0xF5);
+    for p in conv_shapes() {
+        let c = p.c;
+        let (x, w) = (finite(&mut rng, p.x_elems()), finite(&mut rng, p.w_elems()));
+        let dy = finite(&mut rng, p.y_elems());
+        let scale = finite(&mut rng, c);
+        let bias = finite(&mut rng, c);
+        let inputs = [
+            ConvInput::Plain(&x),
+            ConvInput::Prologue {
+                y_prev: &x,
+                scale: &scale,
+                bias: &bias,
+            },
+        ];
+        for input in inputs {
+            // The replaced composition: the prologue stored as bn_apply stores it, widened,
+            // the conv stored, then GenStats over the stored output.
+            let x_acc = match input {
+                ConvInput::Plain(x) => f16::widen_slice(x),
+                ConvInput::Prologue {
+                    y_prev,
+                    scale,
+                    bias,
+                } => f16::widen_slice(
+                    &bn_apply(
+                        &p.input_shape(),
+                        y_prev,
+                        scale,
+                        bias,
+                        Residual::None,
+                        Activation::Relu,
+                    )
+                    .unwrap(),
+                ),
+            };
+            let y = f16::store_slice(&fprop_acc(&p, &x_acc, &f16::widen_slice(&w)).unwrap());
+            let stats = genstats(&p.output_shape(), &y).unwrap();
+            let got = fprop_genstats(&p, input, &w).unwrap();
+            assert_eq!(bits(&got.y), bits(&y), "y {p:?}");
+            assert_eq!(bits32(&got.stats.sum), bits32(&stats.sum), "sum {p:?}");
+            assert_eq!(
+                bits32(&got.stats.sqsum),
+                bits32(&stats.sqsum),
+                "sqsum {p:?}"
+            );
+
+            let dw = f16::store_slice(&wgrad_acc(&p, &x_acc, &f16::widen_slice(&dy)).unwrap());
+            let got = wgrad_with_prologue(&p, input, &dy).unwrap();
+            assert_eq!(bits(&got), bits(&dw), "wgrad {p:?}");
         }
     }
 }
