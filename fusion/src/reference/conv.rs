@@ -140,7 +140,134 @@ where
 }
 
 /// dgrad in the arithmetic type, unrounded. `p` validated, lengths checked.
+///
+/// A strided conv goes by phases ([`dgrad_phases`]); a stride-1 conv by the gather over all
+/// taps ([`dgrad_all_taps`]).
 pub(crate) fn dgrad_acc<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result<Vec<A>> {
+    if p.stride_h > 1 || p.stride_w > 1 {
+        dgrad_phases(p, dy, w)
+    } else {
+        dgrad_all_taps(p, dy, w)
+    }
+}
+
+/// One phase of a strided dgrad: the input rows `ih` with `(ih + pad_h) % stride_h == a`,
+/// columns likewise for `b`, and the filter taps that reach them (`r·dil_h ≡ a`, `s·dil_w ≡ b`
+/// modulo the stride): every other tap reads between the strided output pixels.
+#[derive(Debug)]
+struct Phase<A> {
+    ihs: Vec<usize>,
+    iws: Vec<usize>,
+    /// `(r, s)` of the taps that reach this phase, in tap order.
+    taps: Vec<(usize, usize)>,
+    /// The weights of those taps as a `[taps·k, c]` matrix (row `t·k + k'` holds filter `k'`'s
+    /// `c` weights at tap `taps[t]`).
+    w: Vec<A>,
+}
+
+/// dgrad of a strided conv by phases (see [`Phase`]): a stride-2 3×3 conv's input pixels read
+/// 1, 2, 2 or 4 of the 9 taps by phase, so its GEMMs are a quarter as deep as the gather over
+/// all taps, whose other taps only add zeros. The same products are summed over fewer terms (the
+/// GEMM's order may differ from [`dgrad_all_taps`]'s in the last bits). Images in parallel.
+/// `p` validated, lengths checked.
+pub(crate) fn dgrad_phases<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result<Vec<A>> {
+    let (c, k) = (p.c, p.k);
+    let (out_h, out_w) = (p.out_h(), p.out_w());
+    let mut phases = Vec::with_capacity(p.stride_h * p.stride_w);
+    for a in 0..p.stride_h {
+        for b in 0..p.stride_w {
+            let ihs: Vec<usize> = (0..p.h)
+                .filter(|ih| (ih + p.pad_h) % p.stride_h == a)
+                .collect();
+            let iws: Vec<usize> = (0..p.w)
+                .filter(|iw| (iw + p.pad_w) % p.stride_w == b)
+                .collect();
+            let mut taps = Vec::new();
+            for r in (0..p.r).filter(|r| (r * p.dil_h) % p.stride_h == a) {
+                for s in (0..p.s).filter(|s| (s * p.dil_w) % p.stride_w == b) {
+                    taps.push((r, s));
+                }
+            }
+            let mut wp = vec![A::ZERO; taps.len() * k * c];
+            for (t, &(r, s)) in taps.iter().enumerate() {
+                for kk in 0..k {
+                    let src = ((kk * p.r + r) * p.s + s) * c;
+                    wp[(t * k + kk) * c..][..c].copy_from_slice(&w[src..src + c]);
+                }
+            }
+            phases.push(Phase {
+                ihs,
+                iws,
+                taps,
+                w: wp,
+            });
+        }
+    }
+    let image = p.h * p.w * c;
+    let mut dx = vec![A::ZERO; p.n * image];
+    if image == 0 {
+        return Ok(dx);
+    }
+    dx.par_chunks_mut(image).enumerate().try_for_each_init(
+        || (Vec::new(), Vec::new()),
+        |(col, out), (n, dx_n)| {
+            let dy_n = &dy[n * out_h * out_w * k..(n + 1) * out_h * out_w * k];
+            for ph in &phases {
+                let (rows, depth) = (ph.ihs.len() * ph.iws.len(), ph.taps.len() * k);
+                if rows == 0 || depth == 0 {
+                    // No tap reaches these pixels: their gradient stays zero.
+                    continue;
+                }
+                col.clear();
+                for &ih in &ph.ihs {
+                    for &iw in &ph.iws {
+                        for &(r, s) in &ph.taps {
+                            // (ih + pad_h - r·dil_h) is a multiple of stride_h here.
+                            let op = (ih + p.pad_h)
+                                .checked_sub(r * p.dil_h)
+                                .map(|t| t / p.stride_h)
+                                .filter(|&op| op < out_h);
+                            let oq = (iw + p.pad_w)
+                                .checked_sub(s * p.dil_w)
+                                .map(|t| t / p.stride_w)
+                                .filter(|&oq| oq < out_w);
+                            match (op, oq) {
+                                (Some(op), Some(oq)) => {
+                                    col.extend_from_slice(&dy_n[(op * out_w + oq) * k..][..k])
+                                }
+                                _ => col.resize(col.len() + k, A::ZERO),
+                            }
+                        }
+                    }
+                }
+                out.resize(rows * c, A::ZERO);
+                A::gemm(
+                    rows,
+                    depth,
+                    c,
+                    Mat::row_major(col, depth),
+                    Mat::row_major(&ph.w, c),
+                    A::ZERO,
+                    &mut out[..rows * c],
+                )?;
+                let mut src = out.chunks_exact(c);
+                for &ih in &ph.ihs {
+                    for &iw in &ph.iws {
+                        if let Some(v) = src.next() {
+                            dx_n[(ih * p.w + iw) * c..][..c].copy_from_slice(v);
+                        }
+                    }
+                }
+            }
+            Ok(())
+        },
+    )?;
+    Ok(dx)
+}
+
+/// dgrad by the gather over all `r·s` taps (each input pixel's column row holds, per tap, the
+/// output pixel it reads or zeros). `p` validated, lengths checked.
+pub(crate) fn dgrad_all_taps<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result<Vec<A>> {
     let taps = p.r * p.s;
     // w rearranged as [r*s, k, c]: row (tap*k + k) holds the c weights of filter k at that tap.
     let mut w_r = vec![A::ZERO; taps * p.k * p.c];
