@@ -19,6 +19,8 @@
 //! accumulate), the GEMMs accumulate in it, and the public ops round the result to the storage
 //! type once, at the end (the GPU stores `y`, `dx`, `dw` as FP16).
 
+use std::borrow::Cow;
+
 use rayon::prelude::*;
 
 use super::element::{Element, Mat, Real};
@@ -110,7 +112,7 @@ where
         row_stride: 1,
         col_stride: depth,
     };
-    let map = PixelMap::fprop(p);
+    let gatherer = Gatherer::new(PixelMap::fprop(p), x, p.c, taps);
     out.par_chunks_mut(chunk_rows * k)
         .enumerate()
         .map_init(
@@ -120,7 +122,7 @@ where
                 for (tile, out_tile) in out_chunk.chunks_mut(TILE_ROWS * k).enumerate() {
                     let n_rows = out_tile.len() / k;
                     let first = chunk * chunk_rows + tile * TILE_ROWS;
-                    gather(x, p.c, taps, first, n_rows, &map, col);
+                    gatherer.gather(first, n_rows, col);
                     let acc = &mut acc[..n_rows * k];
                     A::gemm(
                         n_rows,
@@ -296,7 +298,7 @@ pub(crate) fn wgrad_acc<A: Real>(p: &ConvParams, x: &[A], dy: &[A]) -> Result<Ve
     let tiles = rows.div_ceil(TILE_ROWS);
     let tiles_per_group = tiles.div_ceil(WGRAD_GROUPS);
     let groups = tiles.div_ceil(tiles_per_group);
-    let map = PixelMap::fprop(p);
+    let gatherer = Gatherer::new(PixelMap::fprop(p), x, p.c, taps);
     let partials = (0..groups)
         .into_par_iter()
         .map(|group| {
@@ -306,7 +308,7 @@ pub(crate) fn wgrad_acc<A: Real>(p: &ConvParams, x: &[A], dy: &[A]) -> Result<Ve
             for tile in group * tiles_per_group..last_tile {
                 let first = tile * TILE_ROWS;
                 let n_rows = TILE_ROWS.min(rows - first);
-                gather(x, p.c, taps, first, n_rows, &map, &mut col);
+                gatherer.gather(first, n_rows, &mut col);
                 // dyᵀ of this tile as a [k, n_rows] matrix.
                 let dy_t = Mat {
                     data: &dy[first * k..(first + n_rows) * k],
@@ -512,6 +514,174 @@ impl PixelMap {
     }
 }
 
+/// Gathers rows of a column matrix (see [`gather`]) from a source tensor with `cin` channels.
+#[derive(Debug)]
+enum Gatherer<'a, A: Clone> {
+    /// Through a zero-padded copy of the source, in which every tap of every row reads the
+    /// pixel at a fixed offset from the row's base pixel: no bounds checks, and runs of taps
+    /// that read consecutive pixels (a filter row of fprop) are copied at once. The column
+    /// matrix is the same as [`gather`]'s (padding reads `+0`, as its zero fill).
+    Padded(Padded<'a, A>),
+    /// By [`PixelMap::row`] per row (dgrad of a strided conv, or padding past the filter).
+    General {
+        src: &'a [A],
+        cin: usize,
+        taps: usize,
+        map: PixelMap,
+    },
+}
+
+/// See [`Gatherer::Padded`].
+#[derive(Debug)]
+struct Padded<'a, A: Clone> {
+    /// The source, NHWC `[n, hp, wp, cin]` with its zero border.
+    src: Cow<'a, [A]>,
+    cin: usize,
+    taps: usize,
+    /// Height and width of the padded source.
+    hp: usize,
+    wp: usize,
+    /// The row space's height and width (as [`PixelMap::dims`]).
+    dims: (usize, usize),
+    /// Padded pixels the base moves per row-space step down and across.
+    step: (usize, usize),
+    /// `(first tap, taps, pixel offset from the base)` of each run of taps reading consecutive
+    /// pixels, in tap order.
+    runs: Vec<(usize, usize, usize)>,
+}
+
+impl<'a, A: Real> Gatherer<'a, A> {
+    fn new(map: PixelMap, src: &'a [A], cin: usize, taps: usize) -> Self {
+        let general = Gatherer::General {
+            src,
+            cin,
+            taps,
+            map,
+        };
+        // (padded height, width, top and left border, per-tap offset (r, s) → pixels, steps)
+        let (n, hp, wp, top, left, h, w, step) = match map {
+            PixelMap::Fprop(p) => (
+                p.n,
+                p.h + 2 * p.pad_h,
+                p.w + 2 * p.pad_w,
+                p.pad_h,
+                p.pad_w,
+                p.h,
+                p.w,
+                (p.stride_h, p.stride_w),
+            ),
+            PixelMap::Dgrad(p) => {
+                let (reach_h, reach_w) = ((p.r - 1) * p.dil_h, (p.s - 1) * p.dil_w);
+                if p.stride_h != 1 || p.stride_w != 1 || p.pad_h > reach_h || p.pad_w > reach_w {
+                    return general;
+                }
+                (
+                    p.n,
+                    p.h + reach_h,
+                    p.w + reach_w,
+                    reach_h - p.pad_h,
+                    reach_w - p.pad_w,
+                    p.out_h(),
+                    p.out_w(),
+                    (1, 1),
+                )
+            }
+        };
+        let p = match map {
+            PixelMap::Fprop(p) | PixelMap::Dgrad(p) => p,
+        };
+        // Tap (r, s) reads, relative to the row's base pixel: fprop (r·dil_h, s·dil_w);
+        // dgrad ((r_max − r)·dil_h, (s_max − s)·dil_w) (see `PixelMap::interior`).
+        let offset = |r: usize, s: usize| match map {
+            PixelMap::Fprop(_) => r * p.dil_h * wp + s * p.dil_w,
+            PixelMap::Dgrad(_) => (p.r - 1 - r) * p.dil_h * wp + (p.s - 1 - s) * p.dil_w,
+        };
+        let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+        for t in 0..taps {
+            let off = offset(t / p.s, t % p.s);
+            match runs.last_mut() {
+                Some((_, len, start)) if *start + *len == off => *len += 1,
+                _ => runs.push((t, 1, off)),
+            }
+        }
+        let src = if top == 0 && left == 0 && hp == h && wp == w {
+            Cow::Borrowed(src)
+        } else {
+            let mut padded = vec![A::ZERO; n * hp * wp * cin];
+            for (img, out) in src
+                .chunks_exact(h * w * cin)
+                .zip(padded.chunks_exact_mut(hp * wp * cin))
+            {
+                for (row, line) in img.chunks_exact(w * cin).enumerate() {
+                    let at = ((top + row) * wp + left) * cin;
+                    out[at..at + w * cin].copy_from_slice(line);
+                }
+            }
+            Cow::Owned(padded)
+        };
+        Gatherer::Padded(Padded {
+            src,
+            cin,
+            taps,
+            hp,
+            wp,
+            dims: map.dims(),
+            step,
+            runs,
+        })
+    }
+
+    /// Fills `col` with rows `first..first + n_rows` of the column matrix (see [`gather`]).
+    fn gather(&self, first: usize, n_rows: usize, col: &mut Vec<A>) {
+        match self {
+            Gatherer::General {
+                src,
+                cin,
+                taps,
+                map,
+            } => gather(src, *cin, *taps, first, n_rows, map, col),
+            Gatherer::Padded(g) => g.gather(first, n_rows, col),
+        }
+    }
+}
+
+impl<A: Real> Padded<'_, A> {
+    fn gather(&self, first: usize, n_rows: usize, col: &mut Vec<A>) {
+        let (cin, width) = (self.cin, self.taps * self.cin);
+        // Every element is written below; resizing only grows the buffer.
+        col.resize(n_rows * width, A::ZERO);
+        col.truncate(n_rows * width);
+        if width == 0 {
+            return;
+        }
+        let (h, w) = self.dims;
+        let (sh, sw) = self.step;
+        let base_of = |n: usize, i: usize, j: usize| (n * self.hp + i * sh) * self.wp + j * sw;
+        let (mut n, mut i, mut j) = (first / (h * w), first % (h * w) / w, first % w);
+        let mut base = base_of(n, i, j);
+        for row in col.chunks_exact_mut(width) {
+            for &(t, len, off) in &self.runs {
+                let at = (base + off) * cin;
+                copy_pixels(
+                    &mut row[t * cin..(t + len) * cin],
+                    &self.src[at..at + len * cin],
+                );
+            }
+            j += 1;
+            base += sw;
+            if j == w {
+                j = 0;
+                i += 1;
+                if i == h {
+                    i = 0;
+                    n += 1;
+                }
+                base = base_of(n, i, j);
+            }
+        }
+    }
+}
+
 /// Fills `col` with rows `first..first + n_rows` of the column matrix `[rows, taps*cin]`: row
 /// `i`, tap `t` holds the `cin` values of `src`'s pixel for that tap ([`PixelMap::row`]), or
 /// zeros.
@@ -568,7 +738,10 @@ fn copy_pixels<A: Real>(dst: &mut [A], src: &[A]) {
     let done = match src.len() {
         8 => fixed::<A, 8>(dst, src),
         16 => fixed::<A, 16>(dst, src),
+        24 => fixed::<A, 24>(dst, src),
         32 => fixed::<A, 32>(dst, src),
+        48 => fixed::<A, 48>(dst, src),
+        96 => fixed::<A, 96>(dst, src),
         _ => false,
     };
     if !done {
@@ -588,12 +761,13 @@ fn gather_gemm<A: Real>(
     cout: usize,
 ) -> Result<Vec<A>> {
     let depth = taps * cin;
+    let gatherer = Gatherer::new(map, src, cin, taps);
     let mut out = vec![A::ZERO; rows * cout];
     out.par_chunks_mut(TILE_ROWS * cout)
         .enumerate()
         .try_for_each_init(Vec::new, |col, (tile, out_tile)| {
             let n_rows = out_tile.len() / cout;
-            gather(src, cin, taps, tile * TILE_ROWS, n_rows, &map, col);
+            gatherer.gather(tile * TILE_ROWS, n_rows, col);
             A::gemm(
                 n_rows,
                 depth,
