@@ -198,7 +198,9 @@ pub fn bn_fwd_train<T: Element>(
     let out = map_blocks(y.len(), c, |first, ins, out| {
         let yv = &mut ins[..out.len()];
         T::widen_into(&y[first..first + out.len()], yv);
+        let (mean, inv_std, gamma, beta) = (&mean[..c], &inv_std[..c], &gamma[..c], &beta[..c]);
         for (o, yp) in out.chunks_exact_mut(c).zip(yv.chunks_exact(c)) {
+            let (o, yp) = (&mut o[..c], &yp[..c]);
             for k in 0..c {
                 o[k] = bn_recompute(yp[k], mean[k], inv_std[k], gamma[k], beta[k]);
             }
@@ -275,7 +277,9 @@ impl<A: Real> BnBwdCoefficients<A> {
             let (yv, dv) = buf.split_at_mut(n);
             T::widen_into(&y[range.clone()], yv);
             T::widen_into(&dz[range], dv);
+            let (mean64, inv_std64, acc) = (&mean64[..ch], &inv_std64[..ch], &mut acc[..ch]);
             for (yp, dp) in yv.chunks_exact(ch).zip(dv.chunks_exact(ch)) {
+                let (yp, dp) = (&yp[..ch], &dp[..ch]);
                 for k in 0..ch {
                     let x_hat = (yp[k].to_f64() - mean64[k]) * inv_std64[k];
                     let d = dp[k].to_f64();

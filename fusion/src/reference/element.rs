@@ -37,6 +37,12 @@ pub trait Element:
     /// Stores an arithmetic value: round to nearest even for `f16`, identity for `f64`.
     fn from_acc(value: Self::Acc) -> Self;
 
+    /// `self > 0` (false for zeros of either sign and NaN), as `self.to_acc() > 0`.
+    #[inline]
+    fn is_positive(self) -> bool {
+        self.to_acc() > Self::Acc::ZERO
+    }
+
     /// Widens to `f64` (exact).
     fn to_f64(self) -> f64 {
         self.to_acc().to_f64()
@@ -123,6 +129,12 @@ impl Element for f16 {
     #[inline]
     fn from_acc(value: f32) -> Self {
         f16::from_f32(value)
+    }
+
+    /// On the bits: the positive values are `0x0001..=0x7C00` (up to +inf; NaNs above).
+    #[inline]
+    fn is_positive(self) -> bool {
+        self.to_bits().wrapping_sub(1) < 0x7C00
     }
 
     fn from_f64(value: f64) -> Self {
@@ -387,6 +399,14 @@ mod tests {
             f16::store_slice(&[tie, above]),
             vec![f16::from_acc(tie), f16::from_acc(above)]
         );
+    }
+
+    #[test]
+    fn is_positive_on_the_bits_matches_the_comparison_for_every_f16() {
+        for h in 0..=u16::MAX {
+            let v = f16::from_bits(h);
+            assert_eq!(v.is_positive(), v.to_f32() > 0.0, "{h:#06x}");
+        }
     }
 
     #[test]

@@ -273,11 +273,17 @@ pub fn dgrad_drelu_dbn<T: Element>(
             .zip(yv.chunks_exact(ch))
             .zip(bv.chunks_exact(ch))
             .zip(rv[..n].chunks_exact(ch));
+        let (mean, inv_std, gamma, beta) = (
+            &bn.mean[..ch],
+            &bn.inv_std[..ch],
+            &bn.gamma[..ch],
+            &bn.beta[..ch],
+        );
         for ((((o, gp), yp), bp), rp) in rows {
+            let (o, gp, yp, bp, rp) = (&mut o[..ch], &gp[..ch], &yp[..ch], &bp[..ch], &rp[..ch]);
             for k in 0..ch {
                 let grad = gp[k] + bp[k];
-                let z =
-                    bn_recompute(yp[k], bn.mean[k], bn.inv_std[k], bn.gamma[k], bn.beta[k]) + rp[k];
+                let z = bn_recompute(yp[k], mean[k], inv_std[k], gamma[k], beta[k]) + rp[k];
                 o[k] = if z > zero { grad } else { zero };
             }
         }
