@@ -302,37 +302,46 @@ pub(crate) fn wgrad_acc<A: Real>(p: &ConvParams, x: &[A], dy: &[A]) -> Result<Ve
     let partials = (0..groups)
         .into_par_iter()
         .map(|group| {
-            let mut dw = vec![A::ZERO; k * depth];
+            // dwᵀ [depth, k]: the GEMM's long side is the filter depth, not the few output
+            // channels (the faster orientation for the skinny shapes).
+            let mut dw_t = vec![A::ZERO; depth * k];
             let mut col = Vec::new();
             let last_tile = ((group + 1) * tiles_per_group).min(tiles);
             for tile in group * tiles_per_group..last_tile {
                 let first = tile * TILE_ROWS;
                 let n_rows = TILE_ROWS.min(rows - first);
                 gatherer.gather(first, n_rows, &mut col);
-                // dyᵀ of this tile as a [k, n_rows] matrix.
-                let dy_t = Mat {
-                    data: &dy[first * k..(first + n_rows) * k],
+                // colᵀ of this tile as a [depth, n_rows] matrix.
+                let col_t = Mat {
+                    data: &col,
                     row_stride: 1,
-                    col_stride: k,
+                    col_stride: depth,
                 };
                 A::gemm(
-                    k,
-                    n_rows,
                     depth,
-                    dy_t,
-                    Mat::row_major(&col, depth),
+                    n_rows,
+                    k,
+                    col_t,
+                    Mat::row_major(&dy[first * k..(first + n_rows) * k], k),
                     A::ONE,
-                    &mut dw,
+                    &mut dw_t,
                 )?;
             }
-            Ok(dw)
+            Ok(dw_t)
         })
         .collect::<Result<Vec<Vec<A>>>>()?;
     let mut partials = partials.into_iter();
-    let mut dw = partials.next().unwrap_or_else(|| vec![A::ZERO; k * depth]);
+    let mut dw_t = partials.next().unwrap_or_else(|| vec![A::ZERO; depth * k]);
     for partial in partials {
-        for (d, v) in dw.iter_mut().zip(partial) {
+        for (d, v) in dw_t.iter_mut().zip(partial) {
             *d += v;
+        }
+    }
+    // KRSC: element (kk, j) of dw is element (j, kk) of dwᵀ.
+    let mut dw = vec![A::ZERO; k * depth];
+    for (j, row) in dw_t.chunks_exact(k).enumerate() {
+        for (kk, &v) in row.iter().enumerate() {
+            dw[kk * depth + j] = v;
         }
     }
     Ok(dw)

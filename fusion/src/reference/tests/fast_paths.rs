@@ -483,8 +483,18 @@ fn convolutions_match_the_per_tap_gather_bit_for_bit() {
         assert_eq!(bits32(&got), bits32(&old_fprop(&p, &x, &w)), "fprop {p:?}");
         let got = dgrad_all_taps(&p, &dy, &w).unwrap();
         assert_eq!(bits32(&got), bits32(&old_dgrad(&p, &dy, &w)), "dgrad {p:?}");
+        // wgrad multiplies dwᵀ = colᵀ·dy (the faster orientation) where the old one multiplied
+        // dyᵀ·col: the same products, summed in another order, so equal to FP32 rounding.
         let got = wgrad_acc(&p, &x, &dy).unwrap();
-        assert_eq!(bits32(&got), bits32(&old_wgrad(&p, &x, &dy)), "wgrad {p:?}");
+        let want = old_wgrad(&p, &x, &dy);
+        let scale = want.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+        for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - e).abs() <= 1e-5 * scale,
+                "wgrad {p:?} at {i}: {g} vs {e}"
+            );
+        }
+        assert_eq!(got.len(), want.len(), "wgrad {p:?}");
     }
 }
 
