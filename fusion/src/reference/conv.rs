@@ -85,7 +85,7 @@ pub(crate) fn fprop_acc<A: Real>(p: &ConvParams, x: &[A], w: &[A]) -> Result<Vec
 /// `init`, then through its tiles in row order), in chunk order. `p` validated, lengths checked.
 pub(crate) fn fprop_chunks<A, O, S, I, F>(
     p: &ConvParams,
-    x: &[A],
+    x: Src<'_, A>,
     w: &[A],
     out: &mut [O],
     chunk_rows: usize,
@@ -112,7 +112,7 @@ where
         row_stride: 1,
         col_stride: depth,
     };
-    let gatherer = Gatherer::new(PixelMap::fprop(p), x, p.c, taps);
+    let gatherer = Gatherer::from_src(PixelMap::fprop(p), x, p.c, taps);
     out.par_chunks_mut(chunk_rows * k)
         .enumerate()
         .map_init(
@@ -292,13 +292,18 @@ pub(crate) fn dgrad_all_taps<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Resu
 
 /// wgrad in the arithmetic type, unrounded. `p` validated, lengths checked.
 pub(crate) fn wgrad_acc<A: Real>(p: &ConvParams, x: &[A], dy: &[A]) -> Result<Vec<A>> {
+    wgrad_src(p, Src::Acc(x), dy)
+}
+
+/// [`wgrad_acc`] from any [`Src`].
+pub(crate) fn wgrad_src<A: Real>(p: &ConvParams, x: Src<'_, A>, dy: &[A]) -> Result<Vec<A>> {
     let (k, taps) = (p.k, p.r * p.s);
     let depth = taps * p.c;
     let rows = p.n * p.out_h() * p.out_w();
     let tiles = rows.div_ceil(TILE_ROWS);
     let tiles_per_group = tiles.div_ceil(WGRAD_GROUPS);
     let groups = tiles.div_ceil(tiles_per_group);
-    let gatherer = Gatherer::new(PixelMap::fprop(p), x, p.c, taps);
+    let gatherer = Gatherer::from_src(PixelMap::fprop(p), x, p.c, taps);
     let partials = (0..groups)
         .into_par_iter()
         .map(|group| {
@@ -533,7 +538,7 @@ enum Gatherer<'a, A: Clone> {
     Padded(Padded<'a, A>),
     /// By [`PixelMap::row`] per row (dgrad of a strided conv, or padding past the filter).
     General {
-        src: &'a [A],
+        src: Cow<'a, [A]>,
         cin: usize,
         taps: usize,
         map: PixelMap,
@@ -559,10 +564,53 @@ struct Padded<'a, A: Clone> {
     runs: Vec<(usize, usize, usize)>,
 }
 
+/// A conv's source tensor as the gather reads it, in the arithmetic type.
+#[derive(Clone, Copy)]
+pub(crate) enum Src<'a, A> {
+    /// Already in the arithmetic type.
+    Acc(&'a [A]),
+    /// Computed on the way into the gather's padded copy: `fill(first, dst)` writes the values
+    /// of the `dst.len() / cin` consecutive pixels from flat pixel `first` (the source has
+    /// `pixels` pixels).
+    Fill {
+        pixels: usize,
+        fill: &'a (dyn Fn(usize, &mut [A]) + Sync),
+    },
+}
+
+impl<A> std::fmt::Debug for Src<'_, A> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Src::Acc(v) => write!(f, "Src::Acc({} values)", v.len()),
+            Src::Fill { pixels, .. } => write!(f, "Src::Fill({pixels} pixels)"),
+        }
+    }
+}
+
+impl<'a, A: Real> Src<'a, A> {
+    /// The whole tensor (`cin` channels) in the arithmetic type.
+    fn materialize(self, cin: usize) -> Cow<'a, [A]> {
+        match self {
+            Src::Acc(v) => Cow::Borrowed(v),
+            Src::Fill { pixels, fill } => {
+                let mut v = vec![A::ZERO; pixels * cin];
+                if !v.is_empty() {
+                    fill(0, &mut v);
+                }
+                Cow::Owned(v)
+            }
+        }
+    }
+}
+
 impl<'a, A: Real> Gatherer<'a, A> {
     fn new(map: PixelMap, src: &'a [A], cin: usize, taps: usize) -> Self {
-        let general = Gatherer::General {
-            src,
+        Self::from_src(map, Src::Acc(src), cin, taps)
+    }
+
+    fn from_src(map: PixelMap, src: Src<'a, A>, cin: usize, taps: usize) -> Self {
+        let general = |src: Src<'a, A>| Gatherer::General {
+            src: src.materialize(cin),
             cin,
             taps,
             map,
@@ -582,7 +630,7 @@ impl<'a, A: Real> Gatherer<'a, A> {
             PixelMap::Dgrad(p) => {
                 let (reach_h, reach_w) = ((p.r - 1) * p.dil_h, (p.s - 1) * p.dil_w);
                 if p.stride_h != 1 || p.stride_w != 1 || p.pad_h > reach_h || p.pad_w > reach_w {
-                    return general;
+                    return general(src);
                 }
                 (
                     p.n,
@@ -614,17 +662,25 @@ impl<'a, A: Real> Gatherer<'a, A> {
             }
         }
         let src = if top == 0 && left == 0 && hp == h && wp == w {
-            Cow::Borrowed(src)
+            src.materialize(cin)
         } else {
+            // Each source row is written (copied, or filled) straight into the padded copy.
             let mut padded = vec![A::ZERO; n * hp * wp * cin];
-            for (img, out) in src
-                .chunks_exact(h * w * cin)
-                .zip(padded.chunks_exact_mut(hp * wp * cin))
-            {
-                for (row, line) in img.chunks_exact(w * cin).enumerate() {
-                    let at = ((top + row) * wp + left) * cin;
-                    out[at..at + w * cin].copy_from_slice(line);
-                }
+            if h * w * cin > 0 {
+                padded
+                    .par_chunks_mut(hp * wp * cin)
+                    .enumerate()
+                    .for_each(|(img, out)| {
+                        for row in 0..h {
+                            let at = ((top + row) * wp + left) * cin;
+                            let dst = &mut out[at..at + w * cin];
+                            let first = (img * h + row) * w;
+                            match src {
+                                Src::Acc(v) => dst.copy_from_slice(&v[first * cin..][..w * cin]),
+                                Src::Fill { fill, .. } => fill(first, dst),
+                            }
+                        }
+                    });
             }
             Cow::Owned(padded)
         };

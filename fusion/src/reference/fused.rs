@@ -12,10 +12,8 @@
 //! FP16 operands (docs/cudnn-graphs.md §9: a virtual feeding a conv must be HALF for the generic
 //! engines; the specialised engine's internal precision is not documented).
 
-use rayon::prelude::*;
-
 use super::bn::{add_genstats_rows, bn_recompute, BnBwdCoefficients, ChannelStats};
-use super::conv::{dgrad_acc, fprop_chunks, wgrad_acc};
+use super::conv::{dgrad_acc, fprop_chunks, wgrad_src, Src};
 use super::element::{Element, Real};
 use super::error::Result;
 use super::parallel::{add_partials, map_blocks, ROWS_PER_CHUNK};
@@ -39,12 +37,25 @@ pub enum ConvInput<'a, T> {
 }
 
 impl<T: Element> ConvInput<'_, T> {
-    /// The conv's input `x` widened to `T::Acc`: `x` itself, or the prologue rounded to `T`.
-    fn widen(&self, p: &ConvParams) -> Result<Vec<T::Acc>> {
+    /// Checks the lengths and hands `run` the conv's input `x` in `T::Acc` as a [`Src`] that
+    /// computes it on the way into the gather: `x` widened, or the prologue rounded to `T`
+    /// and widened (the values [`super::bn_apply`] stores, widened).
+    fn with_src<R>(
+        &self,
+        p: &ConvParams,
+        run: impl FnOnce(Src<'_, T::Acc>) -> Result<R>,
+    ) -> Result<R> {
+        let c = p.c;
         match *self {
             ConvInput::Plain(x) => {
                 check_len("x", x, p.x_elems())?;
-                Ok(T::widen_slice(x))
+                let fill = |first: usize, dst: &mut [T::Acc]| {
+                    T::widen_into(&x[first * c..first * c + dst.len()], dst);
+                };
+                run(Src::Fill {
+                    pixels: p.n * p.h * p.w,
+                    fill: &fill,
+                })
             }
             ConvInput::Prologue {
                 y_prev,
@@ -54,10 +65,46 @@ impl<T: Element> ConvInput<'_, T> {
                 check_len("y_prev", y_prev, p.x_elems())?;
                 check_len("scale", scale, p.c)?;
                 check_len("bias", bias, p.c)?;
-                Ok(prologue_acc(p.c, y_prev, scale, bias))
+                let (s, b) = (T::widen_slice(scale), T::widen_slice(bias));
+                let fill = |first: usize, dst: &mut [T::Acc]| {
+                    let mut stored = vec![T::default(); dst.len()];
+                    prologue_into(
+                        c,
+                        &y_prev[first * c..first * c + dst.len()],
+                        &s,
+                        &b,
+                        dst,
+                        &mut stored,
+                    );
+                };
+                run(Src::Fill {
+                    pixels: p.n * p.h * p.w,
+                    fill: &fill,
+                })
             }
         }
     }
+}
+
+/// The prologue of `y` (whole pixels of `c` channels) into `x`: `relu(y·s + b)` rounded to `T`
+/// (through `stored`, as long as `y`) and widened back.
+fn prologue_into<T: Element>(
+    c: usize,
+    y: &[T],
+    s: &[T::Acc],
+    b: &[T::Acc],
+    x: &mut [T::Acc],
+    stored: &mut [T],
+) {
+    T::widen_into(y, x);
+    let (s, b) = (&s[..c], &b[..c]);
+    for px in x.chunks_exact_mut(c) {
+        for ((v, &s), &b) in px.iter_mut().zip(s).zip(b) {
+            *v = (*v * s + b).relu();
+        }
+    }
+    T::store_into(x, stored);
+    T::widen_into(stored, x);
 }
 
 /// The outputs of [`fprop_genstats`].
@@ -84,58 +131,29 @@ pub fn fprop_genstats<T: Element>(
 ) -> Result<FpropStats<T>> {
     p.validate()?;
     check_len("w", w, p.w_elems())?;
-    let x = input.widen(p)?;
     let k = p.k;
     let mut y = vec![T::default(); p.y_elems()];
+    let w = T::widen_slice(w);
     // The conv's tiles are stored and summed while in cache, chunk by chunk as `genstats`
     // sums (the same values, added in the same order).
-    let partials = fprop_chunks(
-        p,
-        &x,
-        &T::widen_slice(w),
-        &mut y,
-        ROWS_PER_CHUNK,
-        || vec![[0.0; 2]; k],
-        |acc, tile, out| {
-            T::store_into(tile, out);
-            T::widen_into(out, tile);
-            add_genstats_rows(tile, acc);
-        },
-    )?;
+    let partials = input.with_src(p, |x| {
+        fprop_chunks(
+            p,
+            x,
+            &w,
+            &mut y,
+            ROWS_PER_CHUNK,
+            || vec![[0.0; 2]; k],
+            |acc, tile, out| {
+                T::store_into(tile, out);
+                T::widen_into(out, tile);
+                add_genstats_rows(tile, acc);
+            },
+        )
+    })?;
     let stats = ChannelStats::from_sums(&add_partials(k, &partials));
     Ok(FpropStats { y, stats })
 }
-
-/// The prologue `relu(y_prev·scale + bias)` rounded to `T` (as [`super::bn_apply`] stores it), widened
-/// back to the arithmetic type for the conv: one pass, with `c` channels.
-fn prologue_acc<T: Element>(c: usize, y_prev: &[T], scale: &[T], bias: &[T]) -> Vec<T::Acc> {
-    let (s, b) = (T::widen_slice(scale), T::widen_slice(bias));
-    let mut x = vec![T::Acc::ZERO; y_prev.len()];
-    let block = (PROLOGUE_BLOCK / c).max(1) * c;
-    let run = |first: usize, xb: &mut [T::Acc], stored: &mut Vec<T>| {
-        let n = xb.len();
-        stored.resize(n, T::default());
-        T::widen_into(&y_prev[first..first + n], xb);
-        for px in xb.chunks_exact_mut(c) {
-            for ((v, &s), &b) in px.iter_mut().zip(&s).zip(&b) {
-                *v = (*v * s + b).relu();
-            }
-        }
-        T::store_into(xb, &mut stored[..n]);
-        T::widen_into(&stored[..n], xb);
-    };
-    if x.len() <= block {
-        run(0, &mut x, &mut Vec::new());
-    } else {
-        x.par_chunks_mut(block)
-            .enumerate()
-            .for_each_init(Vec::new, |stored, (i, xb)| run(i * block, xb, stored));
-    }
-    x
-}
-
-/// Elements per task of [`prologue_acc`].
-const PROLOGUE_BLOCK: usize = 16 * 1024;
 
 /// Pattern 4 (ConvBNwgrad): `dw = wgrad(input, dy)`, FP16 KRSC `[k, r, s, c]`.
 ///
@@ -151,8 +169,9 @@ pub fn wgrad_with_prologue<T: Element>(
 ) -> Result<Vec<T>> {
     p.validate()?;
     check_len("dy", dy, p.y_elems())?;
-    let x = input.widen(p)?;
-    Ok(T::store_slice(&wgrad_acc(p, &x, &T::widen_slice(dy))?))
+    let dy = T::widen_slice(dy);
+    let dw = input.with_src(p, |x| wgrad_src(p, x, &dy))?;
+    Ok(T::store_slice(&dw))
 }
 
 /// The previous BN's saved statistics and learned parameters (FP32 `[c]`), as pattern 5 takes
