@@ -277,18 +277,44 @@ impl<A: Real> BnBwdCoefficients<A> {
             let (yv, dv) = buf.split_at_mut(n);
             T::widen_into(&y[range.clone()], yv);
             T::widen_into(&dz[range], dv);
-            let (mean64, inv_std64, acc) = (&mean64[..ch], &inv_std64[..ch], &mut acc[..ch]);
-            for (yp, dp) in yv.chunks_exact(ch).zip(dv.chunks_exact(ch)) {
-                let (yp, dp) = (&yp[..ch], &dp[..ch]);
-                for k in 0..ch {
-                    let x_hat = (yp[k].to_f64() - mean64[k]) * inv_std64[k];
-                    let d = dp[k].to_f64();
-                    acc[k][0] += d * x_hat;
-                    acc[k][1] += d;
-                }
-            }
+            Self::add_rows(yv, dv, &mean64, &inv_std64, acc);
         });
-        let m = shape.pixels() as f64;
+        Self::from_sums(&sums, shape.pixels(), mean, inv_std, gamma)
+    }
+
+    /// Adds the pixels of `yv` (the BN input) and `dv` (the stored gradient), in row order, to
+    /// the `f64` sums `acc[channel] = [Σ dz·x̂, Σ dz]` (`acc.len()` channels; `mean64`,
+    /// `inv_std64` the saved statistics widened to `f64`).
+    pub(crate) fn add_rows(
+        yv: &[A],
+        dv: &[A],
+        mean64: &[f64],
+        inv_std64: &[f64],
+        acc: &mut [[f64; 2]],
+    ) {
+        let ch = acc.len();
+        let (mean64, inv_std64) = (&mean64[..ch], &inv_std64[..ch]);
+        for (yp, dp) in yv.chunks_exact(ch).zip(dv.chunks_exact(ch)) {
+            let (yp, dp) = (&yp[..ch], &dp[..ch]);
+            for k in 0..ch {
+                let x_hat = (yp[k].to_f64() - mean64[k]) * inv_std64[k];
+                let d = dp[k].to_f64();
+                acc[k][0] += d * x_hat;
+                acc[k][1] += d;
+            }
+        }
+    }
+
+    /// The coefficients from the sums [`Self::add_rows`] made over all `pixels` pixels.
+    pub(crate) fn from_sums(
+        sums: &[[f64; 2]],
+        pixels: usize,
+        mean: &[A],
+        inv_std: &[A],
+        gamma: &[A],
+    ) -> Self {
+        let ch = sums.len();
+        let m = pixels as f64;
         let mut out = BnBwdCoefficients {
             dgamma: Vec::with_capacity(ch),
             dbeta: Vec::with_capacity(ch),
@@ -296,7 +322,7 @@ impl<A: Real> BnBwdCoefficients<A> {
             b: Vec::with_capacity(ch),
             c: Vec::with_capacity(ch),
         };
-        for (k, [dgamma, dbeta]) in sums.into_iter().enumerate() {
+        for (k, &[dgamma, dbeta]) in sums.iter().enumerate() {
             let (g, is, mu) = (gamma[k].to_f64(), inv_std[k].to_f64(), mean[k].to_f64());
             let a = g * is;
             let b = -g * is * is * dgamma / m;

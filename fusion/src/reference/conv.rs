@@ -101,18 +101,97 @@ where
 {
     let (k, taps) = (p.k, p.r * p.s);
     let depth = taps * p.c;
-    let rows = p.n * p.out_h() * p.out_w();
-    if out.len() != rows * k || chunk_rows == 0 || chunk_rows % TILE_ROWS != 0 {
-        return Err(super::error::ReferenceError::Internal {
-            what: "fprop_chunks: output length or chunk size",
-        });
-    }
     let w_t = Mat {
         data: w,
         row_stride: 1,
         col_stride: depth,
     };
     let gatherer = Gatherer::from_src(PixelMap::fprop(p), x, p.c, taps);
+    let rows = p.n * p.out_h() * p.out_w();
+    gemm_chunks(
+        &gatherer,
+        rows,
+        depth,
+        w_t,
+        k,
+        out,
+        chunk_rows,
+        init,
+        |s, _, t, o| sink(s, t, o),
+    )
+}
+
+/// dgrad of a stride-1 conv (see [`dgrad_all_taps`]) by chunks of `chunk_rows` input pixels,
+/// as [`fprop_chunks`]: each tile `[n_rows, c]` of the unrounded dgrad is handed with its first
+/// pixel and its rows of `out` (`c` values per pixel) to `sink(state, first, tile, out_rows)`.
+/// The same tiles, so the same values, as [`dgrad_all_taps`]. `None` for a strided conv (see
+/// [`dgrad_phases`]). `p` validated, lengths checked.
+pub(crate) fn dgrad_chunks<A, O, S, I, F>(
+    p: &ConvParams,
+    dy: &[A],
+    w: &[A],
+    out: &mut [O],
+    chunk_rows: usize,
+    init: I,
+    sink: F,
+) -> Result<Option<Vec<S>>>
+where
+    A: Real,
+    O: Send,
+    S: Send,
+    I: Fn() -> S + Sync,
+    F: Fn(&mut S, usize, &mut [A], &mut [O]) + Sync,
+{
+    if p.stride_h > 1 || p.stride_w > 1 {
+        return Ok(None);
+    }
+    let taps = p.r * p.s;
+    let w_r = dgrad_weights(p, w);
+    let gatherer = Gatherer::new(PixelMap::dgrad(p), dy, p.k, taps);
+    let (rows, w_r) = (p.n * p.h * p.w, Mat::row_major(&w_r, p.c));
+    gemm_chunks(
+        &gatherer,
+        rows,
+        taps * p.k,
+        w_r,
+        p.c,
+        out,
+        chunk_rows,
+        init,
+        sink,
+    )
+    .map(Some)
+}
+
+/// `out [rows, cout] = col [rows, depth] · weights [depth, cout]` by chunks of `chunk_rows`
+/// rows (a multiple of [`TILE_ROWS`]) in parallel, each by tiles of [`TILE_ROWS`] rows (the
+/// tiles of [`gather_gemm`]) handed to `sink(state, first_row, tile, out_rows)`; returns the
+/// chunks' states in chunk order.
+#[allow(clippy::too_many_arguments)]
+fn gemm_chunks<A, O, S, I, F>(
+    gatherer: &Gatherer<'_, A>,
+    rows: usize,
+    depth: usize,
+    weights: Mat<'_, A>,
+    k: usize,
+    out: &mut [O],
+    chunk_rows: usize,
+    init: I,
+    sink: F,
+) -> Result<Vec<S>>
+where
+    A: Real,
+    O: Send,
+    S: Send,
+    I: Fn() -> S + Sync,
+    F: Fn(&mut S, usize, &mut [A], &mut [O]) + Sync,
+{
+    if out.len() != rows * k || k == 0 || chunk_rows == 0 || chunk_rows % TILE_ROWS != 0 {
+        return Err(super::error::ReferenceError::Internal {
+            what: "gemm_chunks: output length or chunk size",
+        });
+    }
+    let w_t = weights;
     out.par_chunks_mut(chunk_rows * k)
         .enumerate()
         .map_init(
@@ -133,7 +212,7 @@ where
                         A::ZERO,
                         acc,
                     )?;
-                    sink(&mut state, acc, out_tile);
+                    sink(&mut state, first, acc, out_tile);
                 }
                 Ok(state)
             },
@@ -271,13 +350,7 @@ pub(crate) fn dgrad_phases<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result
 /// output pixel it reads or zeros). `p` validated, lengths checked.
 pub(crate) fn dgrad_all_taps<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result<Vec<A>> {
     let taps = p.r * p.s;
-    // w rearranged as [r*s, k, c]: row (tap*k + k) holds the c weights of filter k at that tap.
-    let mut w_r = vec![A::ZERO; taps * p.k * p.c];
-    for (k, filter) in w.chunks_exact(taps * p.c).enumerate() {
-        for (tap, weights) in filter.chunks_exact(p.c).enumerate() {
-            w_r[(tap * p.k + k) * p.c..][..p.c].copy_from_slice(weights);
-        }
-    }
+    let w_r = dgrad_weights(p, w);
     let rows = p.n * p.h * p.w;
     gather_gemm(
         rows,
@@ -288,6 +361,19 @@ pub(crate) fn dgrad_all_taps<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Resu
         Mat::row_major(&w_r, p.c),
         p.c,
     )
+}
+
+/// `w` rearranged for dgrad as `[r*s, k, c]`: row `tap*k + k'` holds the `c` weights of filter
+/// `k'` at that tap.
+fn dgrad_weights<A: Real>(p: &ConvParams, w: &[A]) -> Vec<A> {
+    let taps = p.r * p.s;
+    let mut w_r = vec![A::ZERO; taps * p.k * p.c];
+    for (k, filter) in w.chunks_exact(taps * p.c).enumerate() {
+        for (tap, weights) in filter.chunks_exact(p.c).enumerate() {
+            w_r[(tap * p.k + k) * p.c..][..p.c].copy_from_slice(weights);
+        }
+    }
+    w_r
 }
 
 /// wgrad in the arithmetic type, unrounded. `p` validated, lengths checked.

@@ -13,7 +13,7 @@
 //! engines; the specialised engine's internal precision is not documented).
 
 use super::bn::{add_genstats_rows, bn_recompute, BnBwdCoefficients, ChannelStats};
-use super::conv::{dgrad_acc, fprop_chunks, wgrad_src, Src};
+use super::conv::{dgrad_acc, dgrad_chunks, fprop_chunks, wgrad_src, Src};
 use super::element::{Element, Real};
 use super::error::Result;
 use super::parallel::{add_partials, map_blocks, ROWS_PER_CHUNK};
@@ -82,6 +82,59 @@ impl<T: Element> ConvInput<'_, T> {
                     fill: &fill,
                 })
             }
+        }
+    }
+}
+
+/// dReLU of the recomputed BN output (plus the join) for elements `first..first + dxc.len()`
+/// (whole pixels of `ch` channels): `res = (z > 0) ? dxc + dy_branch : 0` with
+/// `z = bn_recompute(y_prev) + resid`, the graph's op order; `ins` is scratch of `3·len`
+/// (its first third left holding `y_prev` widened).
+#[allow(clippy::too_many_arguments)]
+fn drelu_dbn_rows<T: Element>(
+    ch: usize,
+    first: usize,
+    dxc: &[T::Acc],
+    y_prev: &[T],
+    bn: &SavedBn<'_, T::Acc>,
+    join: &ReluJoin<'_, T>,
+    ins: &mut [T::Acc],
+    res: &mut [T::Acc],
+) {
+    let zero = T::Acc::ZERO;
+    let n = dxc.len();
+    let range = first..first + n;
+    let (yv, rest) = ins.split_at_mut(n);
+    let (bv, rv) = rest.split_at_mut(n);
+    let rv = &mut rv[..n];
+    T::widen_into(&y_prev[range.clone()], yv);
+    // Absent joins add an FP32 zero, as the graph's virtual add would.
+    match join.dy_branch {
+        Some(d) => T::widen_into(&d[range.clone()], bv),
+        None => bv.fill(zero),
+    }
+    match join.resid {
+        Some(r) => T::widen_into(&r[range], rv),
+        None => rv.fill(zero),
+    }
+    let rows = res[..n]
+        .chunks_exact_mut(ch)
+        .zip(dxc.chunks_exact(ch))
+        .zip(yv.chunks_exact(ch))
+        .zip(bv.chunks_exact(ch))
+        .zip(rv.chunks_exact(ch));
+    let (mean, inv_std, gamma, beta) = (
+        &bn.mean[..ch],
+        &bn.inv_std[..ch],
+        &bn.gamma[..ch],
+        &bn.beta[..ch],
+    );
+    for ((((o, gp), yp), bp), rp) in rows {
+        let (o, gp, yp, bp, rp) = (&mut o[..ch], &gp[..ch], &yp[..ch], &bp[..ch], &rp[..ch]);
+        for k in 0..ch {
+            let grad = gp[k] + bp[k];
+            let z = bn_recompute(yp[k], mean[k], inv_std[k], gamma[k], beta[k]) + rp[k];
+            o[k] = if z > zero { grad } else { zero };
         }
     }
 }
@@ -268,47 +321,59 @@ pub fn dgrad_drelu_dbn<T: Element>(
     if let Some(dy_branch) = join.dy_branch {
         check_len("dy_branch", dy_branch, p.x_elems())?;
     }
-    let dxc = dgrad_acc(p, &T::widen_slice(dy), &T::widen_slice(w))?;
-    let zero = T::Acc::ZERO;
+    let (dy, w) = (T::widen_slice(dy), T::widen_slice(w));
     let ch = p.c;
-    let dz = map_blocks(dxc.len(), ch, |first, ins, out| {
-        let n = out.len();
-        let range = first..first + n;
-        let (yv, rest) = ins.split_at_mut(n);
-        let (bv, rv) = rest.split_at_mut(n);
-        T::widen_into(&y_prev[range.clone()], yv);
-        // Absent joins add an FP32 zero, as the graph's virtual add would.
-        match join.dy_branch {
-            Some(d) => T::widen_into(&d[range.clone()], bv),
-            None => bv.fill(zero),
+    let mean64: Vec<f64> = bn.mean.iter().map(|v| v.to_f64()).collect();
+    let inv_std64: Vec<f64> = bn.inv_std.iter().map(|v| v.to_f64()).collect();
+    let mut dz = vec![T::default(); p.x_elems()];
+    // Stride 1: each dgrad tile becomes dz and is summed (BN_BWD_WEIGHTS) while in cache, in
+    // the chunks and order of `BnBwdCoefficients::compute` (the same values and sums).
+    let chunked = dgrad_chunks(
+        p,
+        &dy,
+        &w,
+        &mut dz,
+        ROWS_PER_CHUNK,
+        || (vec![[0.0; 2]; ch], Vec::new()),
+        |(acc, scratch): &mut (Vec<[f64; 2]>, Vec<T::Acc>), first, tile, out| {
+            let n = tile.len();
+            scratch.resize(4 * n, T::Acc::ZERO);
+            let (ins, res) = scratch.split_at_mut(3 * n);
+            drelu_dbn_rows(ch, first * ch, tile, y_prev, bn, join, ins, res);
+            T::store_into(res, out);
+            T::widen_into(out, res);
+            BnBwdCoefficients::add_rows(&ins[..n], res, &mean64, &inv_std64, acc);
+        },
+    )?;
+    let co = match chunked {
+        Some(partials) => {
+            let partials: Vec<Vec<[f64; 2]>> = partials.into_iter().map(|(acc, _)| acc).collect();
+            BnBwdCoefficients::from_sums(
+                &add_partials(ch, &partials),
+                p.n * p.h * p.w,
+                bn.mean,
+                bn.inv_std,
+                bn.gamma,
+            )
         }
-        match join.resid {
-            Some(r) => T::widen_into(&r[range.clone()], &mut rv[..n]),
-            None => rv[..n].fill(zero),
+        None => {
+            let dxc = dgrad_acc(p, &dy, &w)?;
+            dz = map_blocks(dxc.len(), ch, |first, ins, out| {
+                let n = out.len();
+                drelu_dbn_rows(
+                    ch,
+                    first,
+                    &dxc[first..first + n],
+                    y_prev,
+                    bn,
+                    join,
+                    ins,
+                    out,
+                );
+            });
+            BnBwdCoefficients::compute(&p.input_shape(), y_prev, &dz, bn.mean, bn.inv_std, bn.gamma)
         }
-        let rows = out
-            .chunks_exact_mut(ch)
-            .zip(dxc[range].chunks_exact(ch))
-            .zip(yv.chunks_exact(ch))
-            .zip(bv.chunks_exact(ch))
-            .zip(rv[..n].chunks_exact(ch));
-        let (mean, inv_std, gamma, beta) = (
-            &bn.mean[..ch],
-            &bn.inv_std[..ch],
-            &bn.gamma[..ch],
-            &bn.beta[..ch],
-        );
-        for ((((o, gp), yp), bp), rp) in rows {
-            let (o, gp, yp, bp, rp) = (&mut o[..ch], &gp[..ch], &yp[..ch], &bp[..ch], &rp[..ch]);
-            for k in 0..ch {
-                let grad = gp[k] + bp[k];
-                let z = bn_recompute(yp[k], mean[k], inv_std[k], gamma[k], beta[k]) + rp[k];
-                o[k] = if z > zero { grad } else { zero };
-            }
-        }
-    });
-    let co =
-        BnBwdCoefficients::compute(&p.input_shape(), y_prev, &dz, bn.mean, bn.inv_std, bn.gamma);
+    };
     Ok(DgradDreluDbn {
         dz,
         dgamma: co.dgamma,

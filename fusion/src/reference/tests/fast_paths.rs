@@ -501,12 +501,25 @@ fn convolutions_match_the_per_tap_gather_bit_for_bit() {
 #[test]
 fn dgrad_drelu_dbn_matches_the_per_element_map_bit_for_bit() {
     let mut rng = Rng::new(0xD2);
-    for p in conv_shapes() {
+    // Each shape twice: with special values in y_prev (and the joins), and all finite (where
+    // the BN-backward sums are not NaN, so their comparison means something).
+    for (p, specials) in conv_shapes()
+        .into_iter()
+        .flat_map(|p| [(p, true), (p, false)])
+    {
         let (c, n) = (p.c, p.x_elems());
         let dy = finite(&mut rng, p.y_elems());
         let w = finite(&mut rng, p.w_elems());
-        let y_prev = data(&mut rng, n);
-        let (resid, branch) = (data(&mut rng, n), data(&mut rng, n));
+        let y_prev = if specials {
+            data(&mut rng, n)
+        } else {
+            finite(&mut rng, n)
+        };
+        let (resid, branch) = if specials {
+            (data(&mut rng, n), data(&mut rng, n))
+        } else {
+            (finite(&mut rng, n), finite(&mut rng, n))
+        };
         let mean = rng.floats(c, -0.5, 0.5);
         let inv_std = rng.floats(c, 0.5, 2.0);
         let gamma = rng.floats(c, 0.5, 1.5);
@@ -547,6 +560,24 @@ fn dgrad_drelu_dbn_matches_the_per_element_map_bit_for_bit() {
                 f16::from_acc(if z > 0.0 { grad } else { 0.0 })
             });
             assert_eq!(bits(&got.dz), bits(&want), "dz {p:?}");
+            // The coefficients summed tile by tile equal the separate pass over the stored dz.
+            let co = BnBwdCoefficients::compute(
+                &p.input_shape(),
+                &y_prev,
+                &want,
+                &mean,
+                &inv_std,
+                &gamma,
+            );
+            for (what, g, e) in [
+                ("dgamma", &got.dgamma, &co.dgamma),
+                ("dbeta", &got.dbeta, &co.dbeta),
+                ("a", &got.a, &co.a),
+                ("b", &got.b, &co.b),
+                ("c", &got.c, &co.c),
+            ] {
+                assert_eq!(bits32(g), bits32(e), "{what} {p:?}");
+            }
         }
     }
 }
