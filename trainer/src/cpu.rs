@@ -52,15 +52,24 @@ impl CpuTrainer {
         let mut window = Window::default();
         let (mut trace, mut skipped_before) = (Vec::new(), 0u32);
         for i in 0..cfg.steps {
-            let (images, labels) = self.data.batch(cfg.batch, i as u64, 0);
-            self.model.step_mut().begin()?;
-            let m = self.model.forward_backward(&images, &labels)?;
-            let step = self.model.step_mut();
             let poison = cfg.drill.and_then(|d| d.poisons(i));
-            if let Some(h) = poison {
-                poison_gradient(step.executor_mut(), h)?;
-            }
-            step.finish()?;
+            let (data, model) = (&mut self.data, &mut self.model);
+            // The step runs on a worker of rayon's pool, so the reference ops' parallel loops
+            // start there (their tasks are pushed to that worker's deque and stolen by the
+            // others) instead of each being handed over from this thread, which would sleep
+            // until it is done: one hand-over per step instead of one per loop.
+            let m = rayon::scope(|_| -> Result<HeadMetrics, TrainError> {
+                let (images, labels) = data.batch(cfg.batch, i as u64, 0);
+                model.step_mut().begin()?;
+                let m = model.forward_backward(&images, &labels)?;
+                let step = model.step_mut();
+                if let Some(h) = poison {
+                    poison_gradient(step.executor_mut(), h)?;
+                }
+                step.finish()?;
+                Ok(m)
+            })?;
+            let step = self.model.step_mut();
             if cfg.drill.is_some() {
                 let s = step.executor().scalars();
                 trace.push(StepTrace {

@@ -102,18 +102,31 @@ pub fn genstats<T: Element>(shape: &Nhwc, y: &[T]) -> Result<ChannelStats<T::Acc
         let chunk = &y[rows.start * c..rows.end * c];
         yv.resize(chunk.len(), T::Acc::ZERO);
         T::widen_into(chunk, yv);
-        for yp in yv.chunks_exact(c) {
-            for (a, v) in acc.iter_mut().zip(yp) {
-                let v = v.to_f64();
-                a[0] += v;
-                a[1] += v * v;
-            }
-        }
+        add_genstats_rows(yv, acc);
     });
-    Ok(ChannelStats {
-        sum: sums.iter().map(|s| T::Acc::from_f64(s[0])).collect(),
-        sqsum: sums.iter().map(|s| T::Acc::from_f64(s[1])).collect(),
-    })
+    Ok(ChannelStats::from_sums(&sums))
+}
+
+/// Adds the pixels of `rows` (NHWC, `acc.len()` channels), in row order, to GenStats' `f64`
+/// sums `acc[channel] = [Σy, Σy²]`.
+pub(crate) fn add_genstats_rows<A: Real>(rows: &[A], acc: &mut [[f64; 2]]) {
+    for yp in rows.chunks_exact(acc.len()) {
+        for (a, v) in acc.iter_mut().zip(yp) {
+            let v = v.to_f64();
+            a[0] += v;
+            a[1] += v * v;
+        }
+    }
+}
+
+impl<A: Real> ChannelStats<A> {
+    /// GenStats' outputs from its `f64` sums `[Σy, Σy²]` per channel (rounded once).
+    pub(crate) fn from_sums(sums: &[[f64; 2]]) -> Self {
+        ChannelStats {
+            sum: sums.iter().map(|s| A::from_f64(s[0])).collect(),
+            sqsum: sums.iter().map(|s| A::from_f64(s[1])).collect(),
+        }
+    }
 }
 
 /// BN finalize: from GenStats sums over `count` elements per channel, `γ`, `β` (FP32 `[C]`) and
@@ -185,7 +198,9 @@ pub fn bn_fwd_train<T: Element>(
     let out = map_blocks(y.len(), c, |first, ins, out| {
         let yv = &mut ins[..out.len()];
         T::widen_into(&y[first..first + out.len()], yv);
+        let (mean, inv_std, gamma, beta) = (&mean[..c], &inv_std[..c], &gamma[..c], &beta[..c]);
         for (o, yp) in out.chunks_exact_mut(c).zip(yv.chunks_exact(c)) {
+            let (o, yp) = (&mut o[..c], &yp[..c]);
             for k in 0..c {
                 o[k] = bn_recompute(yp[k], mean[k], inv_std[k], gamma[k], beta[k]);
             }
@@ -262,16 +277,44 @@ impl<A: Real> BnBwdCoefficients<A> {
             let (yv, dv) = buf.split_at_mut(n);
             T::widen_into(&y[range.clone()], yv);
             T::widen_into(&dz[range], dv);
-            for (yp, dp) in yv.chunks_exact(ch).zip(dv.chunks_exact(ch)) {
-                for k in 0..ch {
-                    let x_hat = (yp[k].to_f64() - mean64[k]) * inv_std64[k];
-                    let d = dp[k].to_f64();
-                    acc[k][0] += d * x_hat;
-                    acc[k][1] += d;
-                }
-            }
+            Self::add_rows(yv, dv, &mean64, &inv_std64, acc);
         });
-        let m = shape.pixels() as f64;
+        Self::from_sums(&sums, shape.pixels(), mean, inv_std, gamma)
+    }
+
+    /// Adds the pixels of `yv` (the BN input) and `dv` (the stored gradient), in row order, to
+    /// the `f64` sums `acc[channel] = [Σ dz·x̂, Σ dz]` (`acc.len()` channels; `mean64`,
+    /// `inv_std64` the saved statistics widened to `f64`).
+    pub(crate) fn add_rows(
+        yv: &[A],
+        dv: &[A],
+        mean64: &[f64],
+        inv_std64: &[f64],
+        acc: &mut [[f64; 2]],
+    ) {
+        let ch = acc.len();
+        let (mean64, inv_std64) = (&mean64[..ch], &inv_std64[..ch]);
+        for (yp, dp) in yv.chunks_exact(ch).zip(dv.chunks_exact(ch)) {
+            let (yp, dp) = (&yp[..ch], &dp[..ch]);
+            for k in 0..ch {
+                let x_hat = (yp[k].to_f64() - mean64[k]) * inv_std64[k];
+                let d = dp[k].to_f64();
+                acc[k][0] += d * x_hat;
+                acc[k][1] += d;
+            }
+        }
+    }
+
+    /// The coefficients from the sums [`Self::add_rows`] made over all `pixels` pixels.
+    pub(crate) fn from_sums(
+        sums: &[[f64; 2]],
+        pixels: usize,
+        mean: &[A],
+        inv_std: &[A],
+        gamma: &[A],
+    ) -> Self {
+        let ch = sums.len();
+        let m = pixels as f64;
         let mut out = BnBwdCoefficients {
             dgamma: Vec::with_capacity(ch),
             dbeta: Vec::with_capacity(ch),
@@ -279,7 +322,7 @@ impl<A: Real> BnBwdCoefficients<A> {
             b: Vec::with_capacity(ch),
             c: Vec::with_capacity(ch),
         };
-        for (k, [dgamma, dbeta]) in sums.into_iter().enumerate() {
+        for (k, &[dgamma, dbeta]) in sums.iter().enumerate() {
             let (g, is, mu) = (gamma[k].to_f64(), inv_std[k].to_f64(), mean[k].to_f64());
             let a = g * is;
             let b = -g * is * is * dgamma / m;

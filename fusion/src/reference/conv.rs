@@ -19,6 +19,8 @@
 //! accumulate), the GEMMs accumulate in it, and the public ops round the result to the storage
 //! type once, at the end (the GPU stores `y`, `dx`, `dw` as FP16).
 
+use std::borrow::Cow;
+
 use rayon::prelude::*;
 
 use super::element::{Element, Mat, Real};
@@ -75,16 +77,280 @@ pub(crate) fn fprop_acc<A: Real>(p: &ConvParams, x: &[A], w: &[A]) -> Result<Vec
     gather_gemm(rows, x, p.c, p.r * p.s, PixelMap::fprop(p), w_t, p.k)
 }
 
-/// dgrad in the arithmetic type, unrounded. `p` validated, lengths checked.
-pub(crate) fn dgrad_acc<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result<Vec<A>> {
+/// fprop by chunks of `chunk_rows` output pixels (a multiple of [`TILE_ROWS`]), the chunks in
+/// parallel: each chunk's tiles are gathered and multiplied exactly as [`fprop_acc`] does (the
+/// same tiles, so the same values), and each tile's result `[n_rows, k]` is handed with the
+/// tile's rows of `out` (`k` values per pixel) to `sink(state, tile, out_rows)` while it is in
+/// cache; `tile` is scratch the sink may overwrite. Returns the chunks' states (each from
+/// `init`, then through its tiles in row order), in chunk order. `p` validated, lengths checked.
+pub(crate) fn fprop_chunks<A, O, S, I, F>(
+    p: &ConvParams,
+    x: Src<'_, A>,
+    w: &[A],
+    out: &mut [O],
+    chunk_rows: usize,
+    init: I,
+    sink: F,
+) -> Result<Vec<S>>
+where
+    A: Real,
+    O: Send,
+    S: Send,
+    I: Fn() -> S + Sync,
+    F: Fn(&mut S, &mut [A], &mut [O]) + Sync,
+{
+    let (k, taps) = (p.k, p.r * p.s);
+    let depth = taps * p.c;
+    let w_t = Mat {
+        data: w,
+        row_stride: 1,
+        col_stride: depth,
+    };
+    let gatherer = Gatherer::from_src(PixelMap::fprop(p), x, p.c, taps);
+    let rows = p.n * p.out_h() * p.out_w();
+    gemm_chunks(
+        &gatherer,
+        rows,
+        depth,
+        w_t,
+        k,
+        out,
+        chunk_rows,
+        init,
+        |s, _, t, o| sink(s, t, o),
+    )
+}
+
+/// dgrad of a stride-1 conv (see [`dgrad_all_taps`]) by chunks of `chunk_rows` input pixels,
+/// as [`fprop_chunks`]: each tile `[n_rows, c]` of the unrounded dgrad is handed with its first
+/// pixel and its rows of `out` (`c` values per pixel) to `sink(state, first, tile, out_rows)`.
+/// The same tiles, so the same values, as [`dgrad_all_taps`]. `None` for a strided conv (see
+/// [`dgrad_phases`]). `p` validated, lengths checked.
+pub(crate) fn dgrad_chunks<A, O, S, I, F>(
+    p: &ConvParams,
+    dy: &[A],
+    w: &[A],
+    out: &mut [O],
+    chunk_rows: usize,
+    init: I,
+    sink: F,
+) -> Result<Option<Vec<S>>>
+where
+    A: Real,
+    O: Send,
+    S: Send,
+    I: Fn() -> S + Sync,
+    F: Fn(&mut S, usize, &mut [A], &mut [O]) + Sync,
+{
+    if p.stride_h > 1 || p.stride_w > 1 {
+        return Ok(None);
+    }
     let taps = p.r * p.s;
-    // w rearranged as [r*s, k, c]: row (tap*k + k) holds the c weights of filter k at that tap.
-    let mut w_r = vec![A::ZERO; taps * p.k * p.c];
-    for (k, filter) in w.chunks_exact(taps * p.c).enumerate() {
-        for (tap, weights) in filter.chunks_exact(p.c).enumerate() {
-            w_r[(tap * p.k + k) * p.c..][..p.c].copy_from_slice(weights);
+    let w_r = dgrad_weights(p, w);
+    let gatherer = Gatherer::new(PixelMap::dgrad(p), dy, p.k, taps);
+    let (rows, w_r) = (p.n * p.h * p.w, Mat::row_major(&w_r, p.c));
+    gemm_chunks(
+        &gatherer,
+        rows,
+        taps * p.k,
+        w_r,
+        p.c,
+        out,
+        chunk_rows,
+        init,
+        sink,
+    )
+    .map(Some)
+}
+
+/// `out [rows, cout] = col [rows, depth] · weights [depth, cout]` by chunks of `chunk_rows`
+/// rows (a multiple of [`TILE_ROWS`]) in parallel, each by tiles of [`TILE_ROWS`] rows (the
+/// tiles of [`gather_gemm`]) handed to `sink(state, first_row, tile, out_rows)`; returns the
+/// chunks' states in chunk order.
+#[allow(clippy::too_many_arguments)]
+fn gemm_chunks<A, O, S, I, F>(
+    gatherer: &Gatherer<'_, A>,
+    rows: usize,
+    depth: usize,
+    weights: Mat<'_, A>,
+    k: usize,
+    out: &mut [O],
+    chunk_rows: usize,
+    init: I,
+    sink: F,
+) -> Result<Vec<S>>
+where
+    A: Real,
+    O: Send,
+    S: Send,
+    I: Fn() -> S + Sync,
+    F: Fn(&mut S, usize, &mut [A], &mut [O]) + Sync,
+{
+    if out.len() != rows * k || k == 0 || chunk_rows == 0 || chunk_rows % TILE_ROWS != 0 {
+        return Err(super::error::ReferenceError::Internal {
+            what: "gemm_chunks: output length or chunk size",
+        });
+    }
+    let w_t = weights;
+    out.par_chunks_mut(chunk_rows * k)
+        .enumerate()
+        .map_init(
+            || (Vec::new(), vec![A::ZERO; TILE_ROWS * k]),
+            |(col, acc), (chunk, out_chunk)| {
+                let mut state = init();
+                for (tile, out_tile) in out_chunk.chunks_mut(TILE_ROWS * k).enumerate() {
+                    let n_rows = out_tile.len() / k;
+                    let first = chunk * chunk_rows + tile * TILE_ROWS;
+                    gatherer.gather(first, n_rows, col);
+                    let acc = &mut acc[..n_rows * k];
+                    A::gemm(
+                        n_rows,
+                        depth,
+                        k,
+                        Mat::row_major(col, depth),
+                        w_t,
+                        A::ZERO,
+                        acc,
+                    )?;
+                    sink(&mut state, first, acc, out_tile);
+                }
+                Ok(state)
+            },
+        )
+        .collect()
+}
+
+/// dgrad in the arithmetic type, unrounded. `p` validated, lengths checked.
+///
+/// A strided conv goes by phases ([`dgrad_phases`]); a stride-1 conv by the gather over all
+/// taps ([`dgrad_all_taps`]).
+pub(crate) fn dgrad_acc<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result<Vec<A>> {
+    if p.stride_h > 1 || p.stride_w > 1 {
+        dgrad_phases(p, dy, w)
+    } else {
+        dgrad_all_taps(p, dy, w)
+    }
+}
+
+/// One phase of a strided dgrad: the input rows `ih` with `(ih + pad_h) % stride_h == a`,
+/// columns likewise for `b`, and the filter taps that reach them (`r·dil_h ≡ a`, `s·dil_w ≡ b`
+/// modulo the stride): every other tap reads between the strided output pixels.
+#[derive(Debug)]
+struct Phase<A> {
+    ihs: Vec<usize>,
+    iws: Vec<usize>,
+    /// `(r, s)` of the taps that reach this phase, in tap order.
+    taps: Vec<(usize, usize)>,
+    /// The weights of those taps as a `[taps·k, c]` matrix (row `t·k + k'` holds filter `k'`'s
+    /// `c` weights at tap `taps[t]`).
+    w: Vec<A>,
+}
+
+/// dgrad of a strided conv by phases (see [`Phase`]): a stride-2 3×3 conv's input pixels read
+/// 1, 2, 2 or 4 of the 9 taps by phase, so its GEMMs are a quarter as deep as the gather over
+/// all taps, whose other taps only add zeros. The same products are summed over fewer terms (the
+/// GEMM's order may differ from [`dgrad_all_taps`]'s in the last bits). Images in parallel.
+/// `p` validated, lengths checked.
+pub(crate) fn dgrad_phases<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result<Vec<A>> {
+    let (c, k) = (p.c, p.k);
+    let (out_h, out_w) = (p.out_h(), p.out_w());
+    let mut phases = Vec::with_capacity(p.stride_h * p.stride_w);
+    for a in 0..p.stride_h {
+        for b in 0..p.stride_w {
+            let ihs: Vec<usize> = (0..p.h)
+                .filter(|ih| (ih + p.pad_h) % p.stride_h == a)
+                .collect();
+            let iws: Vec<usize> = (0..p.w)
+                .filter(|iw| (iw + p.pad_w) % p.stride_w == b)
+                .collect();
+            let mut taps = Vec::new();
+            for r in (0..p.r).filter(|r| (r * p.dil_h) % p.stride_h == a) {
+                for s in (0..p.s).filter(|s| (s * p.dil_w) % p.stride_w == b) {
+                    taps.push((r, s));
+                }
+            }
+            let mut wp = vec![A::ZERO; taps.len() * k * c];
+            for (t, &(r, s)) in taps.iter().enumerate() {
+                for kk in 0..k {
+                    let src = ((kk * p.r + r) * p.s + s) * c;
+                    wp[(t * k + kk) * c..][..c].copy_from_slice(&w[src..src + c]);
+                }
+            }
+            phases.push(Phase {
+                ihs,
+                iws,
+                taps,
+                w: wp,
+            });
         }
     }
+    let image = p.h * p.w * c;
+    let mut dx = vec![A::ZERO; p.n * image];
+    if image == 0 {
+        return Ok(dx);
+    }
+    dx.par_chunks_mut(image).enumerate().try_for_each_init(
+        || (Vec::new(), Vec::new()),
+        |(col, out), (n, dx_n)| {
+            let dy_n = &dy[n * out_h * out_w * k..(n + 1) * out_h * out_w * k];
+            for ph in &phases {
+                let (rows, depth) = (ph.ihs.len() * ph.iws.len(), ph.taps.len() * k);
+                if rows == 0 || depth == 0 {
+                    // No tap reaches these pixels: their gradient stays zero.
+                    continue;
+                }
+                col.clear();
+                for &ih in &ph.ihs {
+                    for &iw in &ph.iws {
+                        for &(r, s) in &ph.taps {
+                            // (ih + pad_h - r·dil_h) is a multiple of stride_h here.
+                            let op = (ih + p.pad_h)
+                                .checked_sub(r * p.dil_h)
+                                .map(|t| t / p.stride_h)
+                                .filter(|&op| op < out_h);
+                            let oq = (iw + p.pad_w)
+                                .checked_sub(s * p.dil_w)
+                                .map(|t| t / p.stride_w)
+                                .filter(|&oq| oq < out_w);
+                            match (op, oq) {
+                                (Some(op), Some(oq)) => {
+                                    col.extend_from_slice(&dy_n[(op * out_w + oq) * k..][..k])
+                                }
+                                _ => col.resize(col.len() + k, A::ZERO),
+                            }
+                        }
+                    }
+                }
+                out.resize(rows * c, A::ZERO);
+                A::gemm(
+                    rows,
+                    depth,
+                    c,
+                    Mat::row_major(col, depth),
+                    Mat::row_major(&ph.w, c),
+                    A::ZERO,
+                    &mut out[..rows * c],
+                )?;
+                let mut src = out.chunks_exact(c);
+                for &ih in &ph.ihs {
+                    for &iw in &ph.iws {
+                        if let Some(v) = src.next() {
+                            dx_n[(ih * p.w + iw) * c..][..c].copy_from_slice(v);
+                        }
+                    }
+                }
+            }
+            Ok(())
+        },
+    )?;
+    Ok(dx)
+}
+
+/// dgrad by the gather over all `r·s` taps (each input pixel's column row holds, per tap, the
+/// output pixel it reads or zeros). `p` validated, lengths checked.
+pub(crate) fn dgrad_all_taps<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result<Vec<A>> {
+    let taps = p.r * p.s;
+    let w_r = dgrad_weights(p, w);
     let rows = p.n * p.h * p.w;
     gather_gemm(
         rows,
@@ -97,49 +363,76 @@ pub(crate) fn dgrad_acc<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result<Ve
     )
 }
 
+/// `w` rearranged for dgrad as `[r*s, k, c]`: row `tap*k + k'` holds the `c` weights of filter
+/// `k'` at that tap.
+fn dgrad_weights<A: Real>(p: &ConvParams, w: &[A]) -> Vec<A> {
+    let taps = p.r * p.s;
+    let mut w_r = vec![A::ZERO; taps * p.k * p.c];
+    for (k, filter) in w.chunks_exact(taps * p.c).enumerate() {
+        for (tap, weights) in filter.chunks_exact(p.c).enumerate() {
+            w_r[(tap * p.k + k) * p.c..][..p.c].copy_from_slice(weights);
+        }
+    }
+    w_r
+}
+
 /// wgrad in the arithmetic type, unrounded. `p` validated, lengths checked.
 pub(crate) fn wgrad_acc<A: Real>(p: &ConvParams, x: &[A], dy: &[A]) -> Result<Vec<A>> {
+    wgrad_src(p, Src::Acc(x), dy)
+}
+
+/// [`wgrad_acc`] from any [`Src`].
+pub(crate) fn wgrad_src<A: Real>(p: &ConvParams, x: Src<'_, A>, dy: &[A]) -> Result<Vec<A>> {
     let (k, taps) = (p.k, p.r * p.s);
     let depth = taps * p.c;
     let rows = p.n * p.out_h() * p.out_w();
     let tiles = rows.div_ceil(TILE_ROWS);
     let tiles_per_group = tiles.div_ceil(WGRAD_GROUPS);
     let groups = tiles.div_ceil(tiles_per_group);
-    let map = PixelMap::fprop(p);
+    let gatherer = Gatherer::from_src(PixelMap::fprop(p), x, p.c, taps);
     let partials = (0..groups)
         .into_par_iter()
         .map(|group| {
-            let mut dw = vec![A::ZERO; k * depth];
+            // dwᵀ [depth, k]: the GEMM's long side is the filter depth, not the few output
+            // channels (the faster orientation for the skinny shapes).
+            let mut dw_t = vec![A::ZERO; depth * k];
             let mut col = Vec::new();
             let last_tile = ((group + 1) * tiles_per_group).min(tiles);
             for tile in group * tiles_per_group..last_tile {
                 let first = tile * TILE_ROWS;
                 let n_rows = TILE_ROWS.min(rows - first);
-                gather(x, p.c, taps, first, n_rows, &map, &mut col);
-                // dyᵀ of this tile as a [k, n_rows] matrix.
-                let dy_t = Mat {
-                    data: &dy[first * k..(first + n_rows) * k],
+                gatherer.gather(first, n_rows, &mut col);
+                // colᵀ of this tile as a [depth, n_rows] matrix.
+                let col_t = Mat {
+                    data: &col,
                     row_stride: 1,
-                    col_stride: k,
+                    col_stride: depth,
                 };
                 A::gemm(
-                    k,
-                    n_rows,
                     depth,
-                    dy_t,
-                    Mat::row_major(&col, depth),
+                    n_rows,
+                    k,
+                    col_t,
+                    Mat::row_major(&dy[first * k..(first + n_rows) * k], k),
                     A::ONE,
-                    &mut dw,
+                    &mut dw_t,
                 )?;
             }
-            Ok(dw)
+            Ok(dw_t)
         })
         .collect::<Result<Vec<Vec<A>>>>()?;
     let mut partials = partials.into_iter();
-    let mut dw = partials.next().unwrap_or_else(|| vec![A::ZERO; k * depth]);
+    let mut dw_t = partials.next().unwrap_or_else(|| vec![A::ZERO; depth * k]);
     for partial in partials {
-        for (d, v) in dw.iter_mut().zip(partial) {
+        for (d, v) in dw_t.iter_mut().zip(partial) {
             *d += v;
+        }
+    }
+    // KRSC: element (kk, j) of dw is element (j, kk) of dwᵀ.
+    let mut dw = vec![A::ZERO; k * depth];
+    for (j, row) in dw_t.chunks_exact(k).enumerate() {
+        for (kk, &v) in row.iter().enumerate() {
+            dw[kk * depth + j] = v;
         }
     }
     Ok(dw)
@@ -321,6 +614,225 @@ impl PixelMap {
     }
 }
 
+/// Gathers rows of a column matrix (see [`gather`]) from a source tensor with `cin` channels.
+#[derive(Debug)]
+enum Gatherer<'a, A: Clone> {
+    /// Through a zero-padded copy of the source, in which every tap of every row reads the
+    /// pixel at a fixed offset from the row's base pixel: no bounds checks, and runs of taps
+    /// that read consecutive pixels (a filter row of fprop) are copied at once. The column
+    /// matrix is the same as [`gather`]'s (padding reads `+0`, as its zero fill).
+    Padded(Padded<'a, A>),
+    /// By [`PixelMap::row`] per row (dgrad of a strided conv, or padding past the filter).
+    General {
+        src: Cow<'a, [A]>,
+        cin: usize,
+        taps: usize,
+        map: PixelMap,
+    },
+}
+
+/// See [`Gatherer::Padded`].
+#[derive(Debug)]
+struct Padded<'a, A: Clone> {
+    /// The source, NHWC `[n, hp, wp, cin]` with its zero border.
+    src: Cow<'a, [A]>,
+    cin: usize,
+    taps: usize,
+    /// Height and width of the padded source.
+    hp: usize,
+    wp: usize,
+    /// The row space's height and width (as [`PixelMap::dims`]).
+    dims: (usize, usize),
+    /// Padded pixels the base moves per row-space step down and across.
+    step: (usize, usize),
+    /// `(first tap, taps, pixel offset from the base)` of each run of taps reading consecutive
+    /// pixels, in tap order.
+    runs: Vec<(usize, usize, usize)>,
+}
+
+/// A conv's source tensor as the gather reads it, in the arithmetic type.
+#[derive(Clone, Copy)]
+pub(crate) enum Src<'a, A> {
+    /// Already in the arithmetic type.
+    Acc(&'a [A]),
+    /// Computed on the way into the gather's padded copy: `fill(first, dst)` writes the values
+    /// of the `dst.len() / cin` consecutive pixels from flat pixel `first` (the source has
+    /// `pixels` pixels).
+    Fill {
+        pixels: usize,
+        fill: &'a (dyn Fn(usize, &mut [A]) + Sync),
+    },
+}
+
+impl<A> std::fmt::Debug for Src<'_, A> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Src::Acc(v) => write!(f, "Src::Acc({} values)", v.len()),
+            Src::Fill { pixels, .. } => write!(f, "Src::Fill({pixels} pixels)"),
+        }
+    }
+}
+
+impl<'a, A: Real> Src<'a, A> {
+    /// The whole tensor (`cin` channels) in the arithmetic type.
+    fn materialize(self, cin: usize) -> Cow<'a, [A]> {
+        match self {
+            Src::Acc(v) => Cow::Borrowed(v),
+            Src::Fill { pixels, fill } => {
+                let mut v = vec![A::ZERO; pixels * cin];
+                if !v.is_empty() {
+                    fill(0, &mut v);
+                }
+                Cow::Owned(v)
+            }
+        }
+    }
+}
+
+impl<'a, A: Real> Gatherer<'a, A> {
+    fn new(map: PixelMap, src: &'a [A], cin: usize, taps: usize) -> Self {
+        Self::from_src(map, Src::Acc(src), cin, taps)
+    }
+
+    fn from_src(map: PixelMap, src: Src<'a, A>, cin: usize, taps: usize) -> Self {
+        let general = |src: Src<'a, A>| Gatherer::General {
+            src: src.materialize(cin),
+            cin,
+            taps,
+            map,
+        };
+        // (padded height, width, top and left border, per-tap offset (r, s) → pixels, steps)
+        let (n, hp, wp, top, left, h, w, step) = match map {
+            PixelMap::Fprop(p) => (
+                p.n,
+                p.h + 2 * p.pad_h,
+                p.w + 2 * p.pad_w,
+                p.pad_h,
+                p.pad_w,
+                p.h,
+                p.w,
+                (p.stride_h, p.stride_w),
+            ),
+            PixelMap::Dgrad(p) => {
+                let (reach_h, reach_w) = ((p.r - 1) * p.dil_h, (p.s - 1) * p.dil_w);
+                if p.stride_h != 1 || p.stride_w != 1 || p.pad_h > reach_h || p.pad_w > reach_w {
+                    return general(src);
+                }
+                (
+                    p.n,
+                    p.h + reach_h,
+                    p.w + reach_w,
+                    reach_h - p.pad_h,
+                    reach_w - p.pad_w,
+                    p.out_h(),
+                    p.out_w(),
+                    (1, 1),
+                )
+            }
+        };
+        let p = match map {
+            PixelMap::Fprop(p) | PixelMap::Dgrad(p) => p,
+        };
+        // Tap (r, s) reads, relative to the row's base pixel: fprop (r·dil_h, s·dil_w);
+        // dgrad ((r_max − r)·dil_h, (s_max − s)·dil_w) (see `PixelMap::interior`).
+        let offset = |r: usize, s: usize| match map {
+            PixelMap::Fprop(_) => r * p.dil_h * wp + s * p.dil_w,
+            PixelMap::Dgrad(_) => (p.r - 1 - r) * p.dil_h * wp + (p.s - 1 - s) * p.dil_w,
+        };
+        let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+        for t in 0..taps {
+            let off = offset(t / p.s, t % p.s);
+            match runs.last_mut() {
+                Some((_, len, start)) if *start + *len == off => *len += 1,
+                _ => runs.push((t, 1, off)),
+            }
+        }
+        let src = if top == 0 && left == 0 && hp == h && wp == w {
+            src.materialize(cin)
+        } else {
+            // Each source row is written (copied, or filled) straight into the padded copy.
+            let mut padded = vec![A::ZERO; n * hp * wp * cin];
+            if h * w * cin > 0 {
+                padded
+                    .par_chunks_mut(hp * wp * cin)
+                    .enumerate()
+                    .for_each(|(img, out)| {
+                        for row in 0..h {
+                            let at = ((top + row) * wp + left) * cin;
+                            let dst = &mut out[at..at + w * cin];
+                            let first = (img * h + row) * w;
+                            match src {
+                                Src::Acc(v) => dst.copy_from_slice(&v[first * cin..][..w * cin]),
+                                Src::Fill { fill, .. } => fill(first, dst),
+                            }
+                        }
+                    });
+            }
+            Cow::Owned(padded)
+        };
+        Gatherer::Padded(Padded {
+            src,
+            cin,
+            taps,
+            hp,
+            wp,
+            dims: map.dims(),
+            step,
+            runs,
+        })
+    }
+
+    /// Fills `col` with rows `first..first + n_rows` of the column matrix (see [`gather`]).
+    fn gather(&self, first: usize, n_rows: usize, col: &mut Vec<A>) {
+        match self {
+            Gatherer::General {
+                src,
+                cin,
+                taps,
+                map,
+            } => gather(src, *cin, *taps, first, n_rows, map, col),
+            Gatherer::Padded(g) => g.gather(first, n_rows, col),
+        }
+    }
+}
+
+impl<A: Real> Padded<'_, A> {
+    fn gather(&self, first: usize, n_rows: usize, col: &mut Vec<A>) {
+        let (cin, width) = (self.cin, self.taps * self.cin);
+        // Every element is written below; resizing only grows the buffer.
+        col.resize(n_rows * width, A::ZERO);
+        col.truncate(n_rows * width);
+        if width == 0 {
+            return;
+        }
+        let (h, w) = self.dims;
+        let (sh, sw) = self.step;
+        let base_of = |n: usize, i: usize, j: usize| (n * self.hp + i * sh) * self.wp + j * sw;
+        let (mut n, mut i, mut j) = (first / (h * w), first % (h * w) / w, first % w);
+        let mut base = base_of(n, i, j);
+        for row in col.chunks_exact_mut(width) {
+            for &(t, len, off) in &self.runs {
+                let at = (base + off) * cin;
+                copy_pixels(
+                    &mut row[t * cin..(t + len) * cin],
+                    &self.src[at..at + len * cin],
+                );
+            }
+            j += 1;
+            base += sw;
+            if j == w {
+                j = 0;
+                i += 1;
+                if i == h {
+                    i = 0;
+                    n += 1;
+                }
+                base = base_of(n, i, j);
+            }
+        }
+    }
+}
+
 /// Fills `col` with rows `first..first + n_rows` of the column matrix `[rows, taps*cin]`: row
 /// `i`, tap `t` holds the `cin` values of `src`'s pixel for that tap ([`PixelMap::row`]), or
 /// zeros.
@@ -377,7 +889,10 @@ fn copy_pixels<A: Real>(dst: &mut [A], src: &[A]) {
     let done = match src.len() {
         8 => fixed::<A, 8>(dst, src),
         16 => fixed::<A, 16>(dst, src),
+        24 => fixed::<A, 24>(dst, src),
         32 => fixed::<A, 32>(dst, src),
+        48 => fixed::<A, 48>(dst, src),
+        96 => fixed::<A, 96>(dst, src),
         _ => false,
     };
     if !done {
@@ -397,12 +912,13 @@ fn gather_gemm<A: Real>(
     cout: usize,
 ) -> Result<Vec<A>> {
     let depth = taps * cin;
+    let gatherer = Gatherer::new(map, src, cin, taps);
     let mut out = vec![A::ZERO; rows * cout];
     out.par_chunks_mut(TILE_ROWS * cout)
         .enumerate()
         .try_for_each_init(Vec::new, |col, (tile, out_tile)| {
             let n_rows = out_tile.len() / cout;
-            gather(src, cin, taps, tile * TILE_ROWS, n_rows, &map, col);
+            gatherer.gather(tile * TILE_ROWS, n_rows, col);
             A::gemm(
                 n_rows,
                 depth,

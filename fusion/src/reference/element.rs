@@ -37,6 +37,12 @@ pub trait Element:
     /// Stores an arithmetic value: round to nearest even for `f16`, identity for `f64`.
     fn from_acc(value: Self::Acc) -> Self;
 
+    /// `self > 0` (false for zeros of either sign and NaN), as `self.to_acc() > 0`.
+    #[inline]
+    fn is_positive(self) -> bool {
+        self.to_acc() > Self::Acc::ZERO
+    }
+
     /// Widens to `f64` (exact).
     fn to_f64(self) -> f64 {
         self.to_acc().to_f64()
@@ -123,6 +129,12 @@ impl Element for f16 {
     #[inline]
     fn from_acc(value: f32) -> Self {
         f16::from_f32(value)
+    }
+
+    /// On the bits: the positive values are `0x0001..=0x7C00` (up to +inf; NaNs above).
+    #[inline]
+    fn is_positive(self) -> bool {
+        self.to_bits().wrapping_sub(1) < 0x7C00
     }
 
     fn from_f64(value: f64) -> Self {
@@ -263,7 +275,7 @@ pub(crate) mod private {
     }
 }
 
-/// Implements the GEMM for `f32`/`f64` through ndarray's safe front end to matrixmultiply
+/// Implements the GEMM for `f64` through ndarray's safe front end to matrixmultiply
 /// (matrixmultiply's own `sgemm`/`dgemm` are `unsafe fn`, which this crate does not call).
 macro_rules! impl_gemm {
     ($t:ty) => {
@@ -293,8 +305,82 @@ macro_rules! impl_gemm {
         }
     };
 }
-impl_gemm!(f32);
 impl_gemm!(f64);
+
+impl private::Gemm for f32 {
+    /// Through the `gemm` crate (faer's kernels), which multiplies the conv's skinny shapes
+    /// (8-32 output channels, 72-288 deep) about twice as fast as matrixmultiply; each
+    /// operand's extent is checked against its slice first.
+    fn gemm(
+        m: usize,
+        k: usize,
+        n: usize,
+        a: Mat<'_, Self>,
+        b: Mat<'_, Self>,
+        beta: Self,
+        c: &mut [Self],
+    ) -> Result<()> {
+        let bad = ReferenceError::Internal {
+            what: "GEMM operand does not match its shape",
+        };
+        // The largest index a strided matrix reads, if it fits in isize strides.
+        let fits = |mat: &Mat<'_, f32>, rows: usize, cols: usize| {
+            let last = (rows - 1)
+                .checked_mul(mat.row_stride)
+                .zip((cols - 1).checked_mul(mat.col_stride))
+                .and_then(|(r, c)| r.checked_add(c));
+            last.is_some_and(|last| last < mat.data.len())
+                && isize::try_from(mat.row_stride).is_ok()
+                && isize::try_from(mat.col_stride).is_ok()
+        };
+        if c.len() != m.checked_mul(n).ok_or(bad.clone())? {
+            return Err(bad);
+        }
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            for v in c.iter_mut() {
+                *v = if beta == 0.0 { 0.0 } else { beta * *v };
+            }
+            return Ok(());
+        }
+        if !fits(&a, m, k) || !fits(&b, k, n) || isize::try_from(n).is_err() {
+            return Err(bad);
+        }
+        // `gemm` computes dst = alpha·dst + beta·lhs·rhs (dst read only if asked), with
+        // element (i, j) of an operand at i·rs + j·cs.
+        #[allow(unsafe_code)]
+        // SAFETY: every index the call reads or writes lies in its slice: `a` (m x k) and
+        // `b` (k x n) were checked above to keep their largest strided index below their
+        // length, and `c` is exactly m x n row-major (row stride n, column stride 1); `c` is
+        // borrowed mutably, so it aliases neither operand; the strides fit in isize.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                c.as_mut_ptr(),
+                1,
+                n as isize,
+                beta != 0.0,
+                a.data.as_ptr(),
+                a.col_stride as isize,
+                a.row_stride as isize,
+                b.data.as_ptr(),
+                b.col_stride as isize,
+                b.row_stride as isize,
+                beta,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+        Ok(())
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -316,6 +402,14 @@ mod tests {
     }
 
     #[test]
+    fn is_positive_on_the_bits_matches_the_comparison_for_every_f16() {
+        for h in 0..=u16::MAX {
+            let v = f16::from_bits(h);
+            assert_eq!(v.is_positive(), v.to_f32() > 0.0, "{h:#06x}");
+        }
+    }
+
+    #[test]
     fn gemm_handles_strided_operands() {
         // a = [[1, 2], [3, 4]] stored column-major, b = identity; c = a.
         let a = [1.0f64, 3.0, 2.0, 4.0];
@@ -328,5 +422,52 @@ mod tests {
         };
         <f64 as private::Gemm>::gemm(2, 2, 2, a, Mat::row_major(&b, 2), 0.0, &mut c).unwrap();
         assert_eq!(c, [1.0, 2.0, 3.0, 4.0]);
+    }
+
+    #[test]
+    fn f32_gemm_matches_the_naive_product_and_checks_its_operands() {
+        // Small integers: every product and sum is exact in f32, whatever the order.
+        let (m, k, n) = (37, 19, 23);
+        let a: Vec<f32> = (0..m * k).map(|i| ((i * 7) % 11) as f32 - 5.0).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| ((i * 5) % 13) as f32 - 6.0).collect();
+        // a as stored column-major (row stride 1, column stride m); b row-major.
+        let a_t: Vec<f32> = (0..m * k).map(|i| a[(i % m) * k + i / m]).collect();
+        let a_cm = Mat {
+            data: &a_t,
+            row_stride: 1,
+            col_stride: m,
+        };
+        for beta in [0.0f32, 1.0, 2.0] {
+            let mut c: Vec<f32> = (0..m * n)
+                .map(|i| if beta == 0.0 { f32::NAN } else { i as f32 })
+                .collect();
+            let want: Vec<f32> = (0..m * n)
+                .map(|idx| {
+                    let (i, j) = (idx / n, idx % n);
+                    let dot: f32 = (0..k).map(|l| a[i * k + l] * b[l * n + j]).sum();
+                    dot + if beta == 0.0 { 0.0 } else { beta * idx as f32 }
+                })
+                .collect();
+            <f32 as private::Gemm>::gemm(m, k, n, a_cm, Mat::row_major(&b, n), beta, &mut c)
+                .unwrap();
+            assert_eq!(c, want, "beta {beta}");
+        }
+        // An operand shorter than its shape, or a wrong output length, is refused.
+        let mut c = vec![0.0f32; m * n];
+        let short = Mat::row_major(&a[..m * k - 1], k);
+        assert!(
+            <f32 as private::Gemm>::gemm(m, k, n, short, Mat::row_major(&b, n), 0.0, &mut c)
+                .is_err()
+        );
+        assert!(<f32 as private::Gemm>::gemm(
+            m,
+            k,
+            n,
+            Mat::row_major(&a, k),
+            Mat::row_major(&b, n),
+            0.0,
+            &mut c[1..]
+        )
+        .is_err());
     }
 }

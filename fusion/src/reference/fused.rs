@@ -12,13 +12,12 @@
 //! FP16 operands (docs/cudnn-graphs.md §9: a virtual feeding a conv must be HALF for the generic
 //! engines; the specialised engine's internal precision is not documented).
 
-use super::bn::{bn_recompute, genstats, BnBwdCoefficients, ChannelStats};
-use super::conv::{dgrad_acc, fprop_acc, wgrad_acc};
+use super::bn::{add_genstats_rows, bn_recompute, BnBwdCoefficients, ChannelStats};
+use super::conv::{dgrad_acc, dgrad_chunks, fprop_chunks, wgrad_src, Src};
 use super::element::{Element, Real};
 use super::error::Result;
-use super::parallel::map_blocks;
+use super::parallel::{add_partials, map_blocks, ROWS_PER_CHUNK};
 use super::params::{check_len, ConvParams};
-use super::pointwise::{bn_apply, Activation, Residual};
 
 /// What a conv consumes.
 #[derive(Debug, Clone, Copy)]
@@ -38,12 +37,25 @@ pub enum ConvInput<'a, T> {
 }
 
 impl<T: Element> ConvInput<'_, T> {
-    /// The conv's input `x` widened to `T::Acc`: `x` itself, or the prologue rounded to `T`.
-    fn widen(&self, p: &ConvParams) -> Result<Vec<T::Acc>> {
+    /// Checks the lengths and hands `run` the conv's input `x` in `T::Acc` as a [`Src`] that
+    /// computes it on the way into the gather: `x` widened, or the prologue rounded to `T`
+    /// and widened (the values [`super::bn_apply`] stores, widened).
+    fn with_src<R>(
+        &self,
+        p: &ConvParams,
+        run: impl FnOnce(Src<'_, T::Acc>) -> Result<R>,
+    ) -> Result<R> {
+        let c = p.c;
         match *self {
             ConvInput::Plain(x) => {
                 check_len("x", x, p.x_elems())?;
-                Ok(T::widen_slice(x))
+                let fill = |first: usize, dst: &mut [T::Acc]| {
+                    T::widen_into(&x[first * c..first * c + dst.len()], dst);
+                };
+                run(Src::Fill {
+                    pixels: p.n * p.h * p.w,
+                    fill: &fill,
+                })
             }
             ConvInput::Prologue {
                 y_prev,
@@ -53,19 +65,99 @@ impl<T: Element> ConvInput<'_, T> {
                 check_len("y_prev", y_prev, p.x_elems())?;
                 check_len("scale", scale, p.c)?;
                 check_len("bias", bias, p.c)?;
-                let shape = p.input_shape();
-                let x = bn_apply(
-                    &shape,
-                    y_prev,
-                    scale,
-                    bias,
-                    Residual::None,
-                    Activation::Relu,
-                )?;
-                Ok(T::widen_slice(&x))
+                let (s, b) = (T::widen_slice(scale), T::widen_slice(bias));
+                let fill = |first: usize, dst: &mut [T::Acc]| {
+                    let mut stored = vec![T::default(); dst.len()];
+                    prologue_into(
+                        c,
+                        &y_prev[first * c..first * c + dst.len()],
+                        &s,
+                        &b,
+                        dst,
+                        &mut stored,
+                    );
+                };
+                run(Src::Fill {
+                    pixels: p.n * p.h * p.w,
+                    fill: &fill,
+                })
             }
         }
     }
+}
+
+/// dReLU of the recomputed BN output (plus the join) for elements `first..first + dxc.len()`
+/// (whole pixels of `ch` channels): `res = (z > 0) ? dxc + dy_branch : 0` with
+/// `z = bn_recompute(y_prev) + resid`, the graph's op order; `ins` is scratch of `3·len`
+/// (its first third left holding `y_prev` widened).
+#[allow(clippy::too_many_arguments)]
+fn drelu_dbn_rows<T: Element>(
+    ch: usize,
+    first: usize,
+    dxc: &[T::Acc],
+    y_prev: &[T],
+    bn: &SavedBn<'_, T::Acc>,
+    join: &ReluJoin<'_, T>,
+    ins: &mut [T::Acc],
+    res: &mut [T::Acc],
+) {
+    let zero = T::Acc::ZERO;
+    let n = dxc.len();
+    let range = first..first + n;
+    let (yv, rest) = ins.split_at_mut(n);
+    let (bv, rv) = rest.split_at_mut(n);
+    let rv = &mut rv[..n];
+    T::widen_into(&y_prev[range.clone()], yv);
+    // Absent joins add an FP32 zero, as the graph's virtual add would.
+    match join.dy_branch {
+        Some(d) => T::widen_into(&d[range.clone()], bv),
+        None => bv.fill(zero),
+    }
+    match join.resid {
+        Some(r) => T::widen_into(&r[range], rv),
+        None => rv.fill(zero),
+    }
+    let rows = res[..n]
+        .chunks_exact_mut(ch)
+        .zip(dxc.chunks_exact(ch))
+        .zip(yv.chunks_exact(ch))
+        .zip(bv.chunks_exact(ch))
+        .zip(rv.chunks_exact(ch));
+    let (mean, inv_std, gamma, beta) = (
+        &bn.mean[..ch],
+        &bn.inv_std[..ch],
+        &bn.gamma[..ch],
+        &bn.beta[..ch],
+    );
+    for ((((o, gp), yp), bp), rp) in rows {
+        let (o, gp, yp, bp, rp) = (&mut o[..ch], &gp[..ch], &yp[..ch], &bp[..ch], &rp[..ch]);
+        for k in 0..ch {
+            let grad = gp[k] + bp[k];
+            let z = bn_recompute(yp[k], mean[k], inv_std[k], gamma[k], beta[k]) + rp[k];
+            o[k] = if z > zero { grad } else { zero };
+        }
+    }
+}
+
+/// The prologue of `y` (whole pixels of `c` channels) into `x`: `relu(y·s + b)` rounded to `T`
+/// (through `stored`, as long as `y`) and widened back.
+fn prologue_into<T: Element>(
+    c: usize,
+    y: &[T],
+    s: &[T::Acc],
+    b: &[T::Acc],
+    x: &mut [T::Acc],
+    stored: &mut [T],
+) {
+    T::widen_into(y, x);
+    let (s, b) = (&s[..c], &b[..c]);
+    for px in x.chunks_exact_mut(c) {
+        for ((v, &s), &b) in px.iter_mut().zip(s).zip(b) {
+            *v = (*v * s + b).relu();
+        }
+    }
+    T::store_into(x, stored);
+    T::widen_into(stored, x);
 }
 
 /// The outputs of [`fprop_genstats`].
@@ -92,9 +184,27 @@ pub fn fprop_genstats<T: Element>(
 ) -> Result<FpropStats<T>> {
     p.validate()?;
     check_len("w", w, p.w_elems())?;
-    let x = input.widen(p)?;
-    let y = T::store_slice(&fprop_acc(p, &x, &T::widen_slice(w))?);
-    let stats = genstats(&p.output_shape(), &y)?;
+    let k = p.k;
+    let mut y = vec![T::default(); p.y_elems()];
+    let w = T::widen_slice(w);
+    // The conv's tiles are stored and summed while in cache, chunk by chunk as `genstats`
+    // sums (the same values, added in the same order).
+    let partials = input.with_src(p, |x| {
+        fprop_chunks(
+            p,
+            x,
+            &w,
+            &mut y,
+            ROWS_PER_CHUNK,
+            || vec![[0.0; 2]; k],
+            |acc, tile, out| {
+                T::store_into(tile, out);
+                T::widen_into(out, tile);
+                add_genstats_rows(tile, acc);
+            },
+        )
+    })?;
+    let stats = ChannelStats::from_sums(&add_partials(k, &partials));
     Ok(FpropStats { y, stats })
 }
 
@@ -112,8 +222,9 @@ pub fn wgrad_with_prologue<T: Element>(
 ) -> Result<Vec<T>> {
     p.validate()?;
     check_len("dy", dy, p.y_elems())?;
-    let x = input.widen(p)?;
-    Ok(T::store_slice(&wgrad_acc(p, &x, &T::widen_slice(dy))?))
+    let dy = T::widen_slice(dy);
+    let dw = input.with_src(p, |x| wgrad_src(p, x, &dy))?;
+    Ok(T::store_slice(&dw))
 }
 
 /// The previous BN's saved statistics and learned parameters (FP32 `[c]`), as pattern 5 takes
@@ -210,41 +321,59 @@ pub fn dgrad_drelu_dbn<T: Element>(
     if let Some(dy_branch) = join.dy_branch {
         check_len("dy_branch", dy_branch, p.x_elems())?;
     }
-    let dxc = dgrad_acc(p, &T::widen_slice(dy), &T::widen_slice(w))?;
-    let zero = T::Acc::ZERO;
+    let (dy, w) = (T::widen_slice(dy), T::widen_slice(w));
     let ch = p.c;
-    let dz = map_blocks(dxc.len(), ch, |first, ins, out| {
-        let n = out.len();
-        let range = first..first + n;
-        let (yv, rest) = ins.split_at_mut(n);
-        let (bv, rv) = rest.split_at_mut(n);
-        T::widen_into(&y_prev[range.clone()], yv);
-        // Absent joins add an FP32 zero, as the graph's virtual add would.
-        match join.dy_branch {
-            Some(d) => T::widen_into(&d[range.clone()], bv),
-            None => bv.fill(zero),
+    let mean64: Vec<f64> = bn.mean.iter().map(|v| v.to_f64()).collect();
+    let inv_std64: Vec<f64> = bn.inv_std.iter().map(|v| v.to_f64()).collect();
+    let mut dz = vec![T::default(); p.x_elems()];
+    // Stride 1: each dgrad tile becomes dz and is summed (BN_BWD_WEIGHTS) while in cache, in
+    // the chunks and order of `BnBwdCoefficients::compute` (the same values and sums).
+    let chunked = dgrad_chunks(
+        p,
+        &dy,
+        &w,
+        &mut dz,
+        ROWS_PER_CHUNK,
+        || (vec![[0.0; 2]; ch], Vec::new()),
+        |(acc, scratch): &mut (Vec<[f64; 2]>, Vec<T::Acc>), first, tile, out| {
+            let n = tile.len();
+            scratch.resize(4 * n, T::Acc::ZERO);
+            let (ins, res) = scratch.split_at_mut(3 * n);
+            drelu_dbn_rows(ch, first * ch, tile, y_prev, bn, join, ins, res);
+            T::store_into(res, out);
+            T::widen_into(out, res);
+            BnBwdCoefficients::add_rows(&ins[..n], res, &mean64, &inv_std64, acc);
+        },
+    )?;
+    let co = match chunked {
+        Some(partials) => {
+            let partials: Vec<Vec<[f64; 2]>> = partials.into_iter().map(|(acc, _)| acc).collect();
+            BnBwdCoefficients::from_sums(
+                &add_partials(ch, &partials),
+                p.n * p.h * p.w,
+                bn.mean,
+                bn.inv_std,
+                bn.gamma,
+            )
         }
-        match join.resid {
-            Some(r) => T::widen_into(&r[range.clone()], &mut rv[..n]),
-            None => rv[..n].fill(zero),
+        None => {
+            let dxc = dgrad_acc(p, &dy, &w)?;
+            dz = map_blocks(dxc.len(), ch, |first, ins, out| {
+                let n = out.len();
+                drelu_dbn_rows(
+                    ch,
+                    first,
+                    &dxc[first..first + n],
+                    y_prev,
+                    bn,
+                    join,
+                    ins,
+                    out,
+                );
+            });
+            BnBwdCoefficients::compute(&p.input_shape(), y_prev, &dz, bn.mean, bn.inv_std, bn.gamma)
         }
-        let rows = out
-            .chunks_exact_mut(ch)
-            .zip(dxc[range].chunks_exact(ch))
-            .zip(yv.chunks_exact(ch))
-            .zip(bv.chunks_exact(ch))
-            .zip(rv[..n].chunks_exact(ch));
-        for ((((o, gp), yp), bp), rp) in rows {
-            for k in 0..ch {
-                let grad = gp[k] + bp[k];
-                let z =
-                    bn_recompute(yp[k], bn.mean[k], bn.inv_std[k], bn.gamma[k], bn.beta[k]) + rp[k];
-                o[k] = if z > zero { grad } else { zero };
-            }
-        }
-    });
-    let co =
-        BnBwdCoefficients::compute(&p.input_shape(), y_prev, &dz, bn.mean, bn.inv_std, bn.gamma);
+    };
     Ok(DgradDreluDbn {
         dz,
         dgamma: co.dgamma,

@@ -11,7 +11,7 @@ use rayon::prelude::*;
 use super::element::{Element, Real};
 
 /// Rows (pixels) per chunk of a per-channel reduction.
-const ROWS_PER_CHUNK: usize = 512;
+pub(crate) const ROWS_PER_CHUNK: usize = 512;
 
 /// Elements (whole pixels) per block of the blocked maps: a block's inputs are widened into an
 /// arithmetic-type scratch (F16C in FP16 mode) and its output stored from one, so the per-element
@@ -116,7 +116,7 @@ where
 }
 
 /// The chunks' partial sums added in chunk order.
-fn add_partials<const V: usize>(c: usize, partials: &[Vec<[f64; V]>]) -> Vec<[f64; V]> {
+pub(crate) fn add_partials<const V: usize>(c: usize, partials: &[Vec<[f64; V]>]) -> Vec<[f64; V]> {
     let mut total = vec![[0.0; V]; c];
     for partial in partials {
         for (t, p) in total.iter_mut().zip(partial) {

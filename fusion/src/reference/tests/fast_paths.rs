@@ -9,12 +9,13 @@ use rayon::prelude::*;
 
 use super::util::Rng;
 use crate::reference::bn::{bn_recompute, BnBwdCoefficients};
-use crate::reference::conv::{dgrad_acc, fprop_acc, wgrad_acc};
+use crate::reference::conv::{dgrad_acc, dgrad_all_taps, dgrad_phases, fprop_acc, wgrad_acc};
 use crate::reference::element::private::Gemm;
 use crate::reference::element::{Mat, Real};
 use crate::reference::{
-    add, bn_apply, bn_bwd, bn_fwd_train, dbn_apply, dgrad_drelu_dbn, genstats, relu_bwd, relu_fwd,
-    Activation, BnParams, ConvParams, Element, Nhwc, ReluJoin, Residual, RunningStats, SavedBn,
+    add, bn_apply, bn_bwd, bn_fwd_train, dbn_apply, dgrad_drelu_dbn, fprop_genstats, genstats,
+    relu_bwd, relu_fwd, wgrad_with_prologue, Activation, BnParams, ConvInput, ConvParams, Element,
+    Nhwc, ReluJoin, Residual, RunningStats, SavedBn,
 };
 
 /// FP16 data in [-2, 2) with every 17th value special (±0, a subnormal, ±inf, NaN).
@@ -480,22 +481,45 @@ fn convolutions_match_the_per_tap_gather_bit_for_bit() {
         let dy = f16::widen_slice(&finite(&mut rng, p.y_elems()));
         let got = fprop_acc(&p, &x, &w).unwrap();
         assert_eq!(bits32(&got), bits32(&old_fprop(&p, &x, &w)), "fprop {p:?}");
-        let got = dgrad_acc(&p, &dy, &w).unwrap();
+        let got = dgrad_all_taps(&p, &dy, &w).unwrap();
         assert_eq!(bits32(&got), bits32(&old_dgrad(&p, &dy, &w)), "dgrad {p:?}");
+        // wgrad multiplies dwᵀ = colᵀ·dy (the faster orientation) where the old one multiplied
+        // dyᵀ·col: the same products, summed in another order, so equal to FP32 rounding.
         let got = wgrad_acc(&p, &x, &dy).unwrap();
-        assert_eq!(bits32(&got), bits32(&old_wgrad(&p, &x, &dy)), "wgrad {p:?}");
+        let want = old_wgrad(&p, &x, &dy);
+        let scale = want.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+        for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - e).abs() <= 1e-5 * scale,
+                "wgrad {p:?} at {i}: {g} vs {e}"
+            );
+        }
+        assert_eq!(got.len(), want.len(), "wgrad {p:?}");
     }
 }
 
 #[test]
 fn dgrad_drelu_dbn_matches_the_per_element_map_bit_for_bit() {
     let mut rng = Rng::new(0xD2);
-    for p in conv_shapes() {
+    // Each shape twice: with special values in y_prev (and the joins), and all finite (where
+    // the BN-backward sums are not NaN, so their comparison means something).
+    for (p, specials) in conv_shapes()
+        .into_iter()
+        .flat_map(|p| [(p, true), (p, false)])
+    {
         let (c, n) = (p.c, p.x_elems());
         let dy = finite(&mut rng, p.y_elems());
         let w = finite(&mut rng, p.w_elems());
-        let y_prev = data(&mut rng, n);
-        let (resid, branch) = (data(&mut rng, n), data(&mut rng, n));
+        let y_prev = if specials {
+            data(&mut rng, n)
+        } else {
+            finite(&mut rng, n)
+        };
+        let (resid, branch) = if specials {
+            (data(&mut rng, n), data(&mut rng, n))
+        } else {
+            (finite(&mut rng, n), finite(&mut rng, n))
+        };
         let mean = rng.floats(c, -0.5, 0.5);
         let inv_std = rng.floats(c, 0.5, 2.0);
         let gamma = rng.floats(c, 0.5, 1.5);
@@ -536,6 +560,128 @@ fn dgrad_drelu_dbn_matches_the_per_element_map_bit_for_bit() {
                 f16::from_acc(if z > 0.0 { grad } else { 0.0 })
             });
             assert_eq!(bits(&got.dz), bits(&want), "dz {p:?}");
+            // The coefficients summed tile by tile equal the separate pass over the stored dz.
+            let co = BnBwdCoefficients::compute(
+                &p.input_shape(),
+                &y_prev,
+                &want,
+                &mean,
+                &inv_std,
+                &gamma,
+            );
+            for (what, g, e) in [
+                ("dgamma", &got.dgamma, &co.dgamma),
+                ("dbeta", &got.dbeta, &co.dbeta),
+                ("a", &got.a, &co.a),
+                ("b", &got.b, &co.b),
+                ("c", &got.c, &co.c),
+            ] {
+                assert_eq!(bits32(g), bits32(e), "{what} {p:?}");
+            }
         }
+    }
+}
+
+#[test]
+fn fprop_genstats_and_the_prologue_match_the_separate_passes_bit_for_bit() {
+    let mut rng = Rng::new(0xF5);
+    for p in conv_shapes() {
+        let c = p.c;
+        let (x, w) = (finite(&mut rng, p.x_elems()), finite(&mut rng, p.w_elems()));
+        let dy = finite(&mut rng, p.y_elems());
+        let scale = finite(&mut rng, c);
+        let bias = finite(&mut rng, c);
+        let inputs = [
+            ConvInput::Plain(&x),
+            ConvInput::Prologue {
+                y_prev: &x,
+                scale: &scale,
+                bias: &bias,
+            },
+        ];
+        for input in inputs {
+            // The replaced composition: the prologue stored as bn_apply stores it, widened,
+            // the conv stored, then GenStats over the stored output.
+            let x_acc = match input {
+                ConvInput::Plain(x) => f16::widen_slice(x),
+                ConvInput::Prologue {
+                    y_prev,
+                    scale,
+                    bias,
+                } => f16::widen_slice(
+                    &bn_apply(
+                        &p.input_shape(),
+                        y_prev,
+                        scale,
+                        bias,
+                        Residual::None,
+                        Activation::Relu,
+                    )
+                    .unwrap(),
+                ),
+            };
+            let y = f16::store_slice(&fprop_acc(&p, &x_acc, &f16::widen_slice(&w)).unwrap());
+            let stats = genstats(&p.output_shape(), &y).unwrap();
+            let got = fprop_genstats(&p, input, &w).unwrap();
+            assert_eq!(bits(&got.y), bits(&y), "y {p:?}");
+            assert_eq!(bits32(&got.stats.sum), bits32(&stats.sum), "sum {p:?}");
+            assert_eq!(
+                bits32(&got.stats.sqsum),
+                bits32(&stats.sqsum),
+                "sqsum {p:?}"
+            );
+
+            let dw = f16::store_slice(&wgrad_acc(&p, &x_acc, &f16::widen_slice(&dy)).unwrap());
+            let got = wgrad_with_prologue(&p, input, &dy).unwrap();
+            assert_eq!(bits(&got), bits(&dw), "wgrad {p:?}");
+        }
+    }
+}
+
+/// The strided dgrad by phases sums the same products as the gather over all taps, without
+/// the taps that only add zeros: equal up to the GEMM's summation order (f64: to 1e-12 of the
+/// largest magnitude; FP32: to 1e-5), on every conv shape (stride 1 included: one phase).
+#[test]
+fn strided_dgrad_by_phases_matches_the_gather_over_all_taps() {
+    let mut rng = Rng::new(0xD9);
+    let mut shapes = conv_shapes();
+    shapes.push(
+        ConvParams::new(3, 4, 9, 10, 6, 3, 3)
+            .with_padding(1, 2)
+            .with_stride(3, 2),
+    );
+    shapes.push(
+        ConvParams::new(2, 4, 11, 9, 5, 3, 3)
+            .with_padding(2, 2)
+            .with_stride(2, 2)
+            .with_dilation(2, 1),
+    );
+    for p in shapes {
+        p.validate().unwrap();
+        let w16 = finite(&mut rng, p.w_elems());
+        let dy16 = finite(&mut rng, p.y_elems());
+        let (w64, dy64): (Vec<f64>, Vec<f64>) = (
+            w16.iter().map(|v| v.to_f64()).collect(),
+            dy16.iter().map(|v| v.to_f64()).collect(),
+        );
+        let want = dgrad_all_taps(&p, &dy64, &w64).unwrap();
+        let got = dgrad_phases(&p, &dy64, &w64).unwrap();
+        let scale = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+        for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - e).abs() <= 1e-12 * scale,
+                "f64 {p:?} at {i}: {g} vs {e}"
+            );
+        }
+        let (w32, dy32) = (f16::widen_slice(&w16), f16::widen_slice(&dy16));
+        let got = dgrad_phases(&p, &dy32, &w32).unwrap();
+        for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+            let g = f64::from(*g);
+            assert!(
+                (g - e).abs() <= 1e-5 * scale,
+                "f32 {p:?} at {i}: {g} vs {e}"
+            );
+        }
+        assert_eq!(got.len(), dgrad_acc(&p, &dy32, &w32).unwrap().len());
     }
 }
