@@ -9,6 +9,7 @@ use super::layer::{CbrLayer, GraphRole, InputKind, LayerStep, RouteKind, Src};
 use crate::error::{Error, Result};
 use crate::exec::{Bindings, Handle, Workspace};
 use crate::reference::bn::bn_recompute;
+use crate::reference::parallel::channel_sums;
 use crate::reference::params::check_len;
 use crate::reference::{
     self as r, Activation, BnParams, ChannelStats, ConvInput, Nhwc, ReluJoin, Residual,
@@ -644,19 +645,29 @@ pub(super) fn dbn_reduce<T: Element>(
     check_len("saved_mean", mean, shape.c)?;
     check_len("saved_inv_std", inv_std, shape.c)?;
     let c = shape.c;
-    let mut dgamma = vec![0f64; c];
-    let mut dbeta = vec![0f64; c];
-    for (yp, dp) in y.chunks_exact(c).zip(dz.chunks_exact(c)) {
-        for k in 0..c {
-            let x_hat = (yp[k].to_acc() - mean[k]) * inv_std[k];
-            let d = dp[k].to_acc();
-            dgamma[k] += (d * x_hat).to_f64();
-            dbeta[k] += d.to_f64();
+    // Blocks of pixels in parallel, each widened a slice at a time; the FP32 products are the
+    // graph's, summed in f64 (chunk by chunk, in row order within a chunk).
+    let sums = channel_sums::<2, Vec<T::Acc>, _>(shape.pixels(), c, |rows, buf, acc| {
+        let range = rows.start * c..rows.end * c;
+        let n = range.len();
+        buf.resize(2 * n, T::Acc::ZERO);
+        let (yv, dv) = buf.split_at_mut(n);
+        T::widen_into(&y[range.clone()], yv);
+        T::widen_into(&dz[range], dv);
+        let (mean, inv_std) = (&mean[..c], &inv_std[..c]);
+        let acc = &mut acc[..c];
+        for (yp, dp) in yv.chunks_exact(c).zip(dv.chunks_exact(c)) {
+            let (yp, dp) = (&yp[..c], &dp[..c]);
+            for k in 0..c {
+                let x_hat = (yp[k] - mean[k]) * inv_std[k];
+                acc[k][0] += (dp[k] * x_hat).to_f64();
+                acc[k][1] += dp[k].to_f64();
+            }
         }
-    }
+    });
     Ok([
-        dgamma.into_iter().map(T::Acc::from_f64).collect(),
-        dbeta.into_iter().map(T::Acc::from_f64).collect(),
+        sums.iter().map(|s| T::Acc::from_f64(s[0])).collect(),
+        sums.iter().map(|s| T::Acc::from_f64(s[1])).collect(),
     ])
 }
 

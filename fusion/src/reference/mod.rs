@@ -58,7 +58,7 @@ pub mod conv;
 pub mod element;
 pub mod error;
 pub mod fused;
-mod parallel;
+pub(crate) mod parallel;
 pub mod params;
 pub mod pointwise;
 
