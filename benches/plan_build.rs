@@ -133,6 +133,7 @@ fn net_and_batch() -> (Preset, usize) {
 fn network_row(how: &str, target: &Target, start: Instant) {
     let (net, batch) = net_and_batch();
     let spec = net.spec(3, 1000, 16);
+    let planning = Instant::now();
     let cache = match std::env::var_os("PLAN_BUILD_PLANS") {
         Some(dir) => PlanCache::persistent(dir).expect("plan folder"),
         None => PlanCache::new(),
@@ -152,9 +153,10 @@ fn network_row(how: &str, target: &Target, start: Instant) {
         .layers
         .len();
     println!(
-        "{} {} {layers} {threads}",
+        "{} {} {layers} {threads} {}",
         start.elapsed().as_secs_f64(),
-        cache.stats().built
+        cache.stats().built,
+        planning.elapsed().as_secs_f64()
     );
 }
 
@@ -185,7 +187,9 @@ fn network_table(target: &Target) {
             .filter_map(|w| w.parse().ok())
             .collect();
         match (out.status.success(), v.as_slice()) {
-            (true, [secs, built, layers, threads]) => (*secs, *built, *layers, *threads),
+            (true, [secs, built, layers, threads, planning]) => {
+                (*secs, *built, *layers, *threads, *planning)
+            }
             _ => panic!(
                 "row {how} failed: {text}{}",
                 String::from_utf8_lossy(&out.stderr)
@@ -193,44 +197,49 @@ fn network_table(target: &Target) {
         }
     };
     let mut rows = Vec::new();
-    let (secs, built, layers, _) = row("sequential", "own", "plans-a", "kernels-a");
+    let (secs, built, layers, _, planning) = row("sequential", "own", "plans-a", "kernels-a");
     rows.push((
         format!("cold, layer by layer ({layers} layers)"),
         secs,
+        planning,
         built,
     ));
-    let (secs, built, _, threads) = row("prewarm", "own", "plans-b", "kernels-b");
+    let (secs, built, _, threads, planning) = row("prewarm", "own", "plans-b", "kernels-b");
     rows.push((
         format!("cold, prewarm on {threads} threads first"),
         secs,
+        planning,
         built,
     ));
-    let (secs, built, ..) = row("sequential", "own", "plans-b", "kernels-b");
+    let (secs, built, _, _, planning) = row("sequential", "own", "plans-b", "kernels-b");
     rows.push((
         "warm: plans and kernels from their folders".into(),
         secs,
+        planning,
         built,
     ));
-    let (reference, built, _, threads) = row("prewarm", "cudnn", "plans-c", "kernels-c");
+    let (reference, built, _, threads, planning) = row("prewarm", "cudnn", "plans-c", "kernels-c");
     rows.push((
         format!("cold, prewarm on {threads} threads, cuDNN element-wise"),
         reference,
+        planning,
         built,
     ));
     let _ = std::fs::remove_dir_all(&tmp);
 
     println!("\nwhole network: {net} at batch {batch}, 224x224, fused route with fallbacks");
     println!(
-        "one process per row, seconds from its start (loading cuDNN included); our element-wise"
+        "one process per row: seconds from its start (loading cuDNN and the device properties"
     );
-    println!("kernels unless the row says cuDNN; ratio: the last row / this row");
+    println!("included), and of those the planning; our element-wise kernels unless the row says");
+    println!("cuDNN; ratio: the last row's seconds / this row's");
     println!(
-        "{:<48} {:>9} {:>8} {:>8}",
-        "how", "seconds", "built", "ratio"
+        "{:<48} {:>9} {:>9} {:>8} {:>8}",
+        "how", "seconds", "planning", "built", "ratio"
     );
-    for (how, secs, built) in rows {
+    for (how, secs, planning, built) in rows {
         println!(
-            "{how:<48} {secs:>9.2} {built:>8} {:>7.2}x",
+            "{how:<48} {secs:>9.2} {planning:>9.2} {built:>8} {:>7.2}x",
             reference / secs
         );
     }
