@@ -269,7 +269,7 @@ fn breakdown(spec: &cudnn_cbr::net::NetSpec, batch: usize, target: &Target) {
     }
     for l in &net.layers {
         for g in cudnn_cbr::fusion::cbr::route_graphs(l.layer.config(), l.layer.route().kind()) {
-            if arch.is_some() && kernels::OwnKernel::for_graph(&g.graph).is_some() {
+            if arch.is_some_and(|a| kernels::KernelStep::for_graph(&g, a).is_some()) {
                 continue;
             }
             let Ok(sig) = g.graph.signature() else {

@@ -295,19 +295,8 @@ pub fn compile_options(
 
 pub use cudnn_cbr_fusion::rtc::real_arch;
 
-/// NVRTC's command-line flags for machine code for `real_arch` (see [`real_arch`]): the same
-/// arithmetic flags as [`compile_options`], with the include directory when given.
-pub fn cubin_flags(real_arch: &str, cuda_include: Option<&str>) -> Vec<String> {
-    let mut flags = vec![
-        "--ftz=false".to_owned(),
-        "--prec-sqrt=true".to_owned(),
-        "--prec-div=true".to_owned(),
-        "--fmad=false".to_owned(),
-    ];
-    flags.extend(cuda_include.map(|d| format!("--include-path={d}")));
-    flags.push(format!("--gpu-architecture={real_arch}"));
-    flags
-}
+/// NVRTC's flags for machine code: the same arithmetic flags as [`compile_options`].
+pub use cudnn_cbr_fusion::rtc::cubin_flags;
 
 /// The CUDA include directory from [`CUDA_INCLUDE_ENV`], if set and non-empty.
 pub fn cuda_include_dir() -> Option<PathBuf> {

@@ -262,7 +262,7 @@ fn bind_context(stream: &CudaStream) -> Result<()> {
         .map_err(|e| driver("bind the CUDA context", e))
 }
 
-fn driver(what: &str, e: cudarc::driver::DriverError) -> Error {
+pub(crate) fn driver(what: &str, e: cudarc::driver::DriverError) -> Error {
     Error::Driver {
         what: what.into(),
         message: e.to_string(),

@@ -54,6 +54,21 @@ pub const fn real_arch(major: u32, minor: u32) -> Option<&'static str> {
     })
 }
 
+/// NVRTC's flags for machine code for `real_arch` (see [`real_arch`]): IEEE arithmetic as
+/// written (no flush to zero, exact division and square root, no contracted multiply-add), so
+/// a kernel computes what its CPU twin computes; `include` adds a header folder.
+pub fn cubin_flags(real_arch: &str, include: Option<&str>) -> Vec<String> {
+    let mut flags = vec![
+        "--ftz=false".to_owned(),
+        "--prec-sqrt=true".to_owned(),
+        "--prec-div=true".to_owned(),
+        "--fmad=false".to_owned(),
+    ];
+    flags.extend(include.map(|d| format!("--include-path={d}")));
+    flags.push(format!("--gpu-architecture={real_arch}"));
+    flags
+}
+
 /// Destroys an NVRTC program on every path.
 struct Program(nvrtc_sys::nvrtcProgram);
 

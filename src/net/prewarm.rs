@@ -6,7 +6,7 @@
 use super::compile::{compile, RoutePolicy};
 use super::spec::NetSpec;
 use cudnn_cbr_fusion::cache::PlanCache;
-use cudnn_cbr_fusion::cbr::kernels::{self, OwnKernel, Pointwise};
+use cudnn_cbr_fusion::cbr::kernels::{self, KernelStep, Pointwise};
 use cudnn_cbr_fusion::cbr::{route_graphs, RouteKind};
 use cudnn_cbr_fusion::graph::Graph;
 use cudnn_cbr_fusion::{Result, Target};
@@ -54,7 +54,7 @@ pub fn prewarm(
     for layer in &net.layers {
         for &route in routes {
             for g in route_graphs(layer.layer.config(), route) {
-                if arch.is_some() && OwnKernel::for_graph(&g.graph).is_some() {
+                if arch.is_some_and(|a| KernelStep::for_graph(&g, a).is_some()) {
                     continue;
                 }
                 if let Ok(sig) = g.graph.signature() {

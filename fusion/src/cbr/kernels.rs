@@ -18,7 +18,7 @@ use super::device_buffers::{Resolved, Side};
 use super::graphs::ApplyResidual;
 use super::layer::{LayerGraph, Src};
 use crate::error::{Error, Result};
-use crate::exec::{Handle, Scalar};
+use crate::exec::{driver, Handle, Scalar};
 use crate::graph::{DataType, Graph, Node, TensorId};
 use crate::kernel_cache::{CacheOutcome, KernelCache};
 use crate::rtc;
@@ -383,7 +383,6 @@ impl KernelStep {
             .functions
             .get(self.kernel.entry())
             .ok_or_else(|| kernel_error(self.kernel, "is not in the loaded module".into()))?;
-        let mut ptrs = Vec::with_capacity(self.args.len());
         let mut values = Vec::with_capacity(self.args.len());
         for a in &self.args {
             let (side, name) = match a.src {
@@ -427,7 +426,6 @@ impl KernelStep {
                     ),
                 });
             }
-            ptrs.push(buf.ptr);
             values.push(Value::Ptr(buf.ptr));
         }
         if self.elems == 0 {
@@ -436,7 +434,10 @@ impl KernelStep {
         // Eight elements per 16-byte access when each access stays in one channel run and
         // every address is aligned to it.
         let stats = matches!(self.kernel, OwnKernel::ChannelStats | OwnKernel::DbnReduce);
-        let vec = !stats && self.channels % 8 == 0 && ptrs.iter().all(|p| p % 16 == 0);
+        let aligned = values
+            .iter()
+            .all(|v| !matches!(v, Value::Ptr(p) if p % 16 != 0));
+        let vec = !stats && self.channels % 8 == 0 && aligned;
         let work = if vec { self.elems / 8 } else { self.elems };
         const THREADS: u32 = 256;
         // The statistics flush 2·c atomics per block: fewer, fuller blocks.
@@ -458,15 +459,13 @@ impl KernelStep {
             };
         }
         b.arg(&self.elems).arg(&self.channels).arg(&vec);
-        // SAFETY: the arguments match the kernel's parameters in order and type (a device
-        // address per tensor argument or an f32 per scalar, in the order of `params` and the
-        // outputs, then n: u64, c: u32, vec: i32); every address is
-        // memory the resolved table borrows for this pass with at least the bytes the kernel
-        // touches (checked above), and the launch is ordered on the handle's stream.
-        unsafe { b.launch(cfg) }.map_err(|e| Error::Driver {
-            what: format!("launch {}", self.kernel.entry()),
-            message: format!("{e:?}"),
-        })?;
+        // The arguments are a device address per tensor argument or an f32 per scalar, in the
+        // order of `params` and the outputs, then n: u64, c: u32, vec: i32: the kernel's
+        // parameters in order and type. Every address is memory the resolved table borrows for
+        // this pass, with at least the bytes the kernel touches (checked above).
+        // SAFETY: arguments as above; the launch is ordered on the handle's stream.
+        unsafe { b.launch(cfg) }
+            .map_err(|e| driver(&format!("launch {}", self.kernel.entry()), e))?;
         Ok(())
     }
 }
@@ -495,16 +494,6 @@ pub struct Compiled {
     pub outcome: CacheOutcome,
     /// Seconds spent compiling or loading it.
     pub seconds: f64,
-}
-
-fn compile_flags(arch: &str) -> Vec<String> {
-    vec![
-        "--fmad=false".into(),
-        "--ftz=false".into(),
-        "--prec-div=true".into(),
-        "--prec-sqrt=true".into(),
-        format!("--gpu-architecture={arch}"),
-    ]
 }
 
 /// Compiles [`SOURCE`] for `arch` (`sm_90`…) with NVRTC, through the disk kernel cache the
@@ -546,7 +535,8 @@ pub fn compile_uncached(arch: &'static str, cache: Option<&KernelCache>) -> Resu
         return Err(fail("the NVRTC library (libnvrtc) cannot be loaded".into()));
     }
     let start = Instant::now();
-    let flags = compile_flags(arch);
+    // No headers to include: the source declares what it uses.
+    let flags = rtc::cubin_flags(arch, None);
     let version = rtc::nvrtc_version();
     let mut parts: Vec<&[u8]> = vec![b"cbr kernels v1", version.as_bytes(), arch.as_bytes()];
     parts.extend(flags.iter().map(|f| f.as_bytes()));
@@ -591,13 +581,31 @@ pub fn arch_for(target: &Target, pointwise: Pointwise) -> Option<&'static str> {
 /// The module loaded into one CUDA context.
 struct Loaded {
     _ctx: Arc<CudaContext>,
+    /// The device's architecture.
+    arch: &'static str,
     functions: HashMap<&'static str, CudaFunction>,
     sms: u32,
 }
 
 impl Loaded {
-    /// Loaded once per context (the map holds the context, so its handle is never reused).
+    /// Loaded once per context (the map holds the context, so its handle is never reused);
+    /// refused for a step planned for another architecture than the device's.
     fn for_context(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Arc<Loaded>> {
+        let loaded = Self::load(ctx)?;
+        if loaded.arch != arch {
+            return Err(Error::Kernel {
+                kernel: format!("module for {arch}"),
+                problem: format!(
+                    "the layer was planned for {arch}, but this device is {}: plan it for this \
+                     device",
+                    loaded.arch
+                ),
+            });
+        }
+        Ok(loaded)
+    }
+
+    fn load(ctx: &Arc<CudaContext>) -> Result<Arc<Loaded>> {
         static LOADED: OnceLock<Mutex<HashMap<usize, Arc<Loaded>>>> = OnceLock::new();
         let key = ctx.cu_ctx() as usize;
         let mut map = LOADED
@@ -607,26 +615,20 @@ impl Loaded {
         if let Some(l) = map.get(&key) {
             return Ok(l.clone());
         }
-        let driver = |what: &str, e: cudarc::driver::DriverError| Error::Driver {
-            what: what.into(),
-            message: format!("{e:?}"),
-        };
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| driver("query the compute capability", e))?;
-        let device_arch = u32::try_from(major)
+        let arch = u32::try_from(major)
             .ok()
             .zip(u32::try_from(minor).ok())
-            .and_then(|(ma, mi)| rtc::real_arch(ma, mi));
-        if device_arch != Some(arch) {
-            return Err(Error::Kernel {
-                kernel: format!("module for {arch}"),
+            .and_then(|(ma, mi)| rtc::real_arch(ma, mi))
+            .ok_or_else(|| Error::Kernel {
+                kernel: "module".into(),
                 problem: format!(
-                    "the layer was planned for {arch}, but this device is compute capability \
-                     {major}.{minor}: plan it for this device"
+                    "compute capability {major}.{minor} has no machine-code target here; plan \
+                     the layer for this device (cuDNN then runs every step)"
                 ),
-            });
-        }
+            })?;
         let compiled = compile(arch)?;
         let module = ctx
             .load_module(Ptx::from_binary(compiled.cubin.clone()))
@@ -643,6 +645,7 @@ impl Loaded {
             .map_err(|e| driver("query the SM count", e))?;
         let l = Arc::new(Loaded {
             _ctx: ctx.clone(),
+            arch,
             functions,
             sms: u32::try_from(sms).unwrap_or(1).max(1),
         });

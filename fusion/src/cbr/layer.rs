@@ -391,7 +391,6 @@ pub fn route_graphs(config: &CbrConfig, route: impl Into<RouteKind>) -> Vec<Laye
             let conv_in = if prologue { Prev("y") } else { plain_in };
             if kind == RouteKind::Fused && split_stats(config) {
                 out.extend(conv_then_stats(config, conv_in));
-                out.push(finalize(config));
             } else {
                 let (g, t) = graphs::conv_fprop(s, prologue, true);
                 let mut b = vec![(t.x, conv_in), (t.w, This("w")), (t.y, This("y"))];
@@ -402,8 +401,8 @@ pub fn route_graphs(config: &CbrConfig, route: impl Into<RouteKind>) -> Vec<Laye
                     b.extend([(sum, This("sum")), (sq, This("sq_sum"))]);
                 }
                 out.push(lg(GraphRole::ConvStats, g, b));
-                out.push(finalize(config));
             }
+            out.push(finalize(config));
         }
         RouteKind::Unfused => {
             let (g, t) = graphs::conv_fprop(s, false, false);
