@@ -44,6 +44,7 @@ use crate::amp::range::HeadMetrics;
 use crate::amp::AmpError;
 use crate::classifier::{ClassifierError, CpuClassifier};
 use crate::fusion::cbr::BnSync;
+use crate::net::{grad_schedule, GradSchedule};
 use half::f16;
 
 /// A communicator as the CPU executor's synchronized-BN reducer.
@@ -68,6 +69,8 @@ impl<A, C: Collective<[A]>> BnSync<A> for CommBnSync<C> {
 pub struct CpuReplica {
     model: CpuClassifier,
     comm: CpuComm,
+    /// When each gradient bucket is final in the backward pass.
+    schedule: GradSchedule,
 }
 
 impl CpuReplica {
@@ -103,7 +106,12 @@ impl CpuReplica {
         grads::broadcast_weights(step.executor_mut(), &mut comm)?;
         step.init_weights()?;
         step.set_ranks(ranks)?;
-        Ok(CpuReplica { model, comm })
+        let schedule = grad_schedule(model.net(), model.step().executor().plan_arc())?;
+        Ok(CpuReplica {
+            model,
+            comm,
+            schedule,
+        })
     }
 
     /// One data-parallel training step on this rank's shard (`images`, `labels`: the
@@ -116,7 +124,14 @@ impl CpuReplica {
     pub fn step(&mut self, images: &[f16], labels: &[i32]) -> Result<HeadMetrics, ClassifierError> {
         let step = self.model.step_mut();
         step.begin()?;
-        let local = match self.model.forward_backward(images, labels) {
+        // Each bucket is summed as soon as backward has made it final, the deepest first.
+        let comm = &mut self.comm;
+        let local = match self.model.forward_backward_reduced(
+            images,
+            labels,
+            &self.schedule,
+            &mut |regions, bucket| grads::all_reduce_bucket(regions, comm, bucket),
+        ) {
             Ok(m) => m,
             Err(e) => {
                 // Tell the others at once rather than at their next collective's timeout.
@@ -126,7 +141,6 @@ impl CpuReplica {
         };
         let comm = &mut self.comm;
         let step = self.model.step_mut();
-        grads::all_reduce_gradients(step.executor_mut(), comm)?;
         step.finish_with(|regions| grads::all_reduce_overflow(regions, comm))?;
         self.global_metrics(local)
     }

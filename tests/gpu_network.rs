@@ -1,14 +1,15 @@
 //! Tier 4 (GPU): one bottleneck block with a projection shortcut (after a stem), compiled for
 //! the device on the fused route (with its fallbacks) and on the unfused route, run forward and
 //! backward by the CUDA executor ([`CudaNet`]) and by the CPU executor on the same routes and
-//! inputs; every buffer of the network compared. Prints one SKIP line without a usable CUDA
-//! device or cuDNN.
+//! inputs; every buffer of the network compared; then the fused route again with synchronized
+//! BN over two identical replicas on both executors. Prints one SKIP line without a usable
+//! CUDA device or cuDNN.
 
 mod common;
 
 use cudnn_cbr::amp::cuda::AmpKernels;
 use cudnn_cbr::fusion::cache::PlanCache;
-use cudnn_cbr::fusion::cbr::RouteKind;
+use cudnn_cbr::fusion::cbr::{BnSync, DeviceBnSync, RouteKind};
 use cudnn_cbr::fusion::exec::Handle;
 use cudnn_cbr::fusion::graph::DataType;
 use cudnn_cbr::net::{
@@ -55,6 +56,42 @@ fn decode(bytes: &[u8], dtype: DataType) -> Vec<f64> {
     }
 }
 
+/// Synchronized BN over two replicas that hold the same batch, on the host: every sum is
+/// twice the local one (exact in FP32). The GPU run with [`DeviceTwin`] must match it, which
+/// exercises the GPU's collectives points, global counts and recomputed coefficients against
+/// the CPU executor's (whose synchronized BN the data-parallel tests check against one rank
+/// with the whole batch).
+struct HostTwin;
+
+impl BnSync<f32> for HostTwin {
+    fn replicas(&self) -> usize {
+        2
+    }
+    fn all_reduce_sum(&mut self, values: &mut [f32]) -> cudnn_cbr::fusion::Result<()> {
+        values.iter_mut().for_each(|v| *v *= 2.0);
+        Ok(())
+    }
+}
+
+/// [`HostTwin`] on the device (through the host: a test, not a collective).
+struct DeviceTwin;
+
+impl DeviceBnSync for DeviceTwin {
+    fn replicas(&self) -> usize {
+        2
+    }
+    fn all_reduce_sum(
+        &mut self,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+        values: &mut cudarc::driver::CudaSlice<f32>,
+    ) -> cudnn_cbr::fusion::Result<()> {
+        let fail = |e: cudarc::driver::DriverError| cudnn_cbr::fusion::Error::BnSync(e.to_string());
+        let mut host = stream.clone_dtoh(values).map_err(fail)?;
+        host.iter_mut().for_each(|v| *v *= 2.0);
+        stream.memcpy_htod(&host, values).map_err(fail)
+    }
+}
+
 /// Forward + backward passes per side before comparing (an engine that accumulated into an
 /// output instead of overwriting it would differ on the second).
 const PASSES: usize = 2;
@@ -71,7 +108,8 @@ fn a_bottleneck_block_with_projection_matches_the_cpu_executor() {
     let kernels = AmpKernels::for_context(&ctx).unwrap();
     let cache = PlanCache::new();
     let (batch, hw) = (8, 16);
-    for fused in [true, false] {
+    // (fused, synchronized BN over two identical replicas)
+    for (fused, synced) in [(true, false), (false, false), (true, true)] {
         let policy = if fused {
             RoutePolicy::Planned {
                 target: &target,
@@ -103,6 +141,10 @@ fn a_bottleneck_block_with_projection_matches_the_cpu_executor() {
         .unwrap();
         let mut cpu: CpuNet<f16> = CpuNet::new(cpu_net);
         let mut gpu = CudaNet::new(on_gpu, handle.clone(), kernels.clone(), None).unwrap();
+        if synced {
+            cpu.set_bn_sync(Box::new(HostTwin));
+            gpu.set_bn_sync(Box::new(DeviceTwin)).unwrap();
+        }
         // The same parameters, images and output gradient on both sides.
         let mut seed = 7u64;
         let buffers = cpu.net().buffers.clone();
@@ -167,7 +209,11 @@ fn a_bottleneck_block_with_projection_matches_the_cpu_executor() {
             let err = rel_l2(&on_gpu, &on_cpu);
             println!(
                 "{:<8} {:<28} rel L2 {err:.2e}",
-                if fused { "fused" } else { "unfused" },
+                match (fused, synced) {
+                    (true, true) => "synced",
+                    (true, false) => "fused",
+                    _ => "unfused",
+                },
                 b.name
             );
             // FP16 stores on both sides with FP32 accumulation in different orders: forward

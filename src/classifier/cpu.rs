@@ -3,10 +3,41 @@
 //! [`CpuRegions`].
 
 use super::{check_batch, ClassifierError};
+use crate::amp::plan::Bucket;
 use crate::amp::plan::Region;
 use crate::amp::range::{self, softmax_xent_backward, HeadMetrics, HeadShape};
 use crate::amp::step::{AmpStep, CpuRegions, StepConfig};
-use crate::net::{initial_weights, memory_plan, CompiledNet, CpuNet};
+use crate::amp::AmpError;
+use crate::net::{initial_weights, memory_plan, CompiledNet, CpuNet, GradSchedule};
+
+/// What a data-parallel step does with a gradient bucket once it is in the regions
+/// ([`CpuClassifier::forward_backward_reduced`]).
+pub type BucketReduce<'a> =
+    dyn FnMut(&mut CpuRegions, Bucket) -> std::result::Result<(), AmpError> + 'a;
+
+/// Copies layer `name`'s gradients of the parameters `suffixes` (`w`, `gamma`, `beta`) from
+/// the network's buffers into the regions (G16 for the weight, G for the BN parameters).
+fn copy_grads(
+    net: &CpuNet<f16>,
+    regions: &mut CpuRegions,
+    name: &str,
+    suffixes: &[&str],
+) -> Result<()> {
+    for &p in suffixes {
+        if p == "w" {
+            let dw = net.half(&format!("{name}.dw"))?;
+            regions
+                .param_f16_mut(&format!("{name}.w"), Region::G16)?
+                .copy_from_slice(dw);
+        } else {
+            let g = net.float(&format!("{name}.d{p}"))?;
+            regions
+                .param_f32_mut(&format!("{name}.{p}"), Region::G)?
+                .copy_from_slice(g);
+        }
+    }
+    Ok(())
+}
 use half::f16;
 
 type Result<T> = std::result::Result<T, ClassifierError>;
@@ -50,6 +81,11 @@ impl CpuClassifier {
     /// The amp step (begin, finish, capture, replay, learning rate, loss scale).
     pub fn step(&self) -> &AmpStep<CpuRegions> {
         &self.step
+    }
+
+    /// The compiled network.
+    pub fn net(&self) -> &CompiledNet {
+        self.net.net()
     }
 
     /// The amp step, to drive it.
@@ -126,6 +162,32 @@ impl CpuClassifier {
     /// # Errors
     /// [`ClassifierError::Input`] for a batch of the wrong size or a label out of range.
     pub fn forward_backward(&mut self, images: &[f16], labels: &[i32]) -> Result<HeadMetrics> {
+        self.forward_backward_with(images, labels, None)
+    }
+
+    /// [`CpuClassifier::forward_backward`] for a data-parallel step: each gradient bucket is
+    /// written to the regions and handed to `reduce` as soon as the backward pass has made it
+    /// final (`schedule`, from [`crate::net::grad_schedule`] for this classifier's network and
+    /// plan), the deepest first, while the shallower layers' backward is still to run.
+    ///
+    /// # Errors
+    /// As [`CpuClassifier::forward_backward`]; `reduce`'s error (the pass stops there).
+    pub fn forward_backward_reduced(
+        &mut self,
+        images: &[f16],
+        labels: &[i32],
+        schedule: &GradSchedule,
+        reduce: &mut BucketReduce<'_>,
+    ) -> Result<HeadMetrics> {
+        self.forward_backward_with(images, labels, Some((schedule, reduce)))
+    }
+
+    fn forward_backward_with(
+        &mut self,
+        images: &[f16],
+        labels: &[i32],
+        reduced: Option<(&GradSchedule, &mut BucketReduce<'_>)>,
+    ) -> Result<HeadMetrics> {
         let (batch, classes) = (self.shape.batch, self.shape.classes);
         let want = self.net.net().buffers[self.net.net().input].elems;
         check_batch(images.len(), want, labels, batch, classes)?;
@@ -165,19 +227,56 @@ impl CpuClassifier {
             .copy_from_slice(&db);
         let mut da = vec![f16::ZERO; self.shape.activation_elems()];
         range::gap_backward(&self.shape, &dpooled, &mut da)?;
-        self.net.backward(da)?;
-        for name in &self.layers {
-            let dw = self.net.half(&format!("{name}.dw"))?;
-            regions
-                .param_f16_mut(&format!("{name}.w"), Region::G16)?
-                .copy_from_slice(dw);
-            for p in ["gamma", "beta"] {
-                let g = self.net.float(&format!("{name}.d{p}"))?;
-                regions
-                    .param_f32_mut(&format!("{name}.{p}"), Region::G)?
-                    .copy_from_slice(g);
+        let Some((schedule, reduce)) = reduced else {
+            self.net.backward(da)?;
+            for name in &self.layers {
+                copy_grads(&self.net, regions, name, &["w", "gamma", "beta"])?;
             }
+            return Ok(metrics);
+        };
+        let plan = regions.plan_arc().clone();
+        let layers = &self.layers;
+        // The bucket's network gradients into the regions, then its sum.
+        let mut release = |net: &CpuNet<f16>, regions: &mut CpuRegions, bucket: Bucket| {
+            let info = plan.buckets().get(bucket.index()).ok_or_else(|| {
+                ClassifierError::Input(format!("the schedule names bucket {}", bucket.index()))
+            })?;
+            for p in &plan.params()[info.params()] {
+                if let Some((layer, suffix)) = p.name().rsplit_once('.') {
+                    if layers.iter().any(|l| l == layer) {
+                        copy_grads(net, regions, layer, &[suffix])?;
+                    }
+                }
+            }
+            reduce(regions, bucket).map_err(ClassifierError::from)
+        };
+        for &b in &schedule.before {
+            release(&self.net, regions, b)?;
         }
-        Ok(metrics)
+        if schedule.after.len() != self.net.net().backward.len() {
+            return Err(ClassifierError::Input(format!(
+                "the gradient schedule has {} backward steps, the network {}",
+                schedule.after.len(),
+                self.net.net().backward.len()
+            )));
+        }
+        // The first failure of a release, kept while the pass stops.
+        let mut failed: Option<ClassifierError> = None;
+        let pass = self.net.backward_observed(da, &mut |net, i| {
+            for &b in &schedule.after[i] {
+                if let Err(e) = release(net, regions, b) {
+                    failed = Some(e);
+                    return Err(crate::fusion::Error::BnSync(
+                        "a gradient bucket's all-reduce failed".into(),
+                    ));
+                }
+            }
+            Ok(())
+        });
+        match (failed, pass) {
+            (Some(e), _) => Err(e),
+            (None, Err(e)) => Err(e.into()),
+            (None, Ok(())) => Ok(metrics),
+        }
     }
 }

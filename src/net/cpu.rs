@@ -2,7 +2,7 @@
 //! reference ops, in FP16 storage (`T = f16`, the GPU's rounding points) or exact `f64`.
 
 use super::compile::{BufId, CompiledNet};
-use super::exec::{run_pass, NetExecutor};
+use super::exec::{run_pass, run_pass_observed, AfterStep, NetExecutor};
 use super::spec::PoolSpec;
 use cudnn_cbr_fusion::cbr::{BnSync, LayerIo, Pass, Src};
 use cudnn_cbr_fusion::graph::DataType;
@@ -154,6 +154,19 @@ impl<T: Element> CpuNet<T> {
         let name = self.net.buffers[id].name.clone();
         set(&mut self.bufs[id], &name, Buf::Half(d_output))?;
         run_pass(self, true)
+    }
+
+    /// [`CpuNet::backward`], calling `after(net, i)` once backward step `i` has run (where a
+    /// data-parallel step sums the gradient buckets that are final: [`super::GradSchedule`]).
+    pub fn backward_observed(
+        &mut self,
+        d_output: Vec<T>,
+        after: &mut AfterStep<'_, Self>,
+    ) -> Result<()> {
+        let id = self.net.output_grad;
+        let name = self.net.buffers[id].name.clone();
+        set(&mut self.bufs[id], &name, Buf::Half(d_output))?;
+        run_pass_observed(self, true, after)
     }
 
     fn half_id(&self, id: BufId) -> Result<&[T]> {

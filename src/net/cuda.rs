@@ -14,16 +14,19 @@
 //! The stem's max-pool runs on amp's pool kernels (`amp_pool.cu`, the same choice rule as the
 //! CPU executor).
 
+use super::buckets::GradSchedule;
 use super::compile::{BufId, BufferRole, CompiledNet, NetBuffer};
-use super::exec::{run_pass, NetExecutor};
+use super::exec::{run_pass, run_pass_observed, NetExecutor};
 use super::spec::PoolSpec;
 use crate::amp::cuda::{
     check_device_memory, AmpKernels, CudaRegions, CudaSlice, CudaStream, DevRange, DevRangeMut,
 };
-use crate::amp::plan::{ByteRange, DataType, MemoryPlan, Region};
+use crate::amp::plan::{Bucket, ByteRange, DataType, MemoryPlan, Region};
 use crate::amp::range::PoolShape;
 use crate::amp::AmpError;
-use cudnn_cbr_fusion::cbr::{ArenaId, DeviceBuffers, Pass, Side};
+use cudnn_cbr_fusion::cbr::{
+    sync_action, ArenaId, DeviceBnSync, DeviceBuffers, Pass, Side, SyncAction,
+};
 use cudnn_cbr_fusion::exec::Handle;
 use cudnn_cbr_fusion::reference::Nhwc;
 use half::f16;
@@ -227,6 +230,17 @@ pub struct CudaNet {
     handle: Arc<Handle>,
     stream: Arc<CudaStream>,
     kernels: Arc<AmpKernels>,
+    /// Synchronized BN's reducer ([`CudaNet::set_bn_sync`]); `None`: local BN.
+    bn_sync: Option<SyncSlot>,
+}
+
+/// The synchronized-BN reducer of a data-parallel rank.
+struct SyncSlot(Box<dyn DeviceBnSync + Send>);
+
+impl std::fmt::Debug for SyncSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceBnSync({} replicas)", self.0.replicas())
+    }
 }
 
 impl CudaNet {
@@ -288,7 +302,22 @@ impl CudaNet {
             handle,
             stream,
             kernels,
+            bn_sync: None,
         })
+    }
+
+    /// Turns on synchronized BN: every layer's statistics (forward) and BN-backward
+    /// coefficients come from the batch of all of `sync`'s replicas
+    /// ([`CbrLayer::run_gpu_synced`](cudnn_cbr_fusion::cbr::CbrLayer::run_gpu_synced)).
+    /// Every replica runs the same network and calls the same passes.
+    ///
+    /// # Errors
+    /// [`CudaNetError::Fusion`] with [`cudnn_cbr_fusion::Error::BnSync`] naming the first
+    /// layer whose route sums its BN statistics inside one graph (the unfused route).
+    pub fn set_bn_sync(&mut self, sync: Box<dyn DeviceBnSync + Send>) -> Result<()> {
+        check_bn_sync(&self.net)?;
+        self.bn_sync = Some(SyncSlot(sync));
+        Ok(())
     }
 
     /// The network it runs.
@@ -369,6 +398,56 @@ impl CudaNet {
     /// The backward pass with the parameters and their gradients in `regions`.
     pub fn backward_with(&mut self, regions: &mut CudaRegions) -> Result<()> {
         self.run(Some(regions), None, true)
+    }
+
+    /// The backward pass with the parameters and their gradients in `regions` (and the
+    /// caller's `input`, as for [`CudaNet::backward_from`]), calling `reduce(regions, bucket,
+    /// stream)` for each bucket as soon as the steps that write its gradients are enqueued on
+    /// `stream` (`schedule`, from [`super::grad_schedule`] for the regions' plan): the
+    /// data-parallel step enqueues the bucket's sum on another stream, after `stream`'s work so
+    /// far, and it runs while the backward of the shallower layers does.
+    ///
+    /// # Errors
+    /// As [`CudaNet::backward_with`]; `reduce`'s error; a schedule for another network.
+    pub fn backward_overlapped(
+        &mut self,
+        regions: &mut CudaRegions,
+        input: Option<&mut CudaSlice<f16>>,
+        schedule: &GradSchedule,
+        reduce: &mut dyn FnMut(&mut CudaRegions, Bucket, &CudaStream) -> Result<()>,
+    ) -> Result<()> {
+        if schedule.after.len() != self.net.backward.len() {
+            return Err(CudaNetError::Binding(format!(
+                "the gradient schedule has {} backward steps, network `{}` has {}",
+                schedule.after.len(),
+                self.net.spec.name,
+                self.net.backward.len()
+            )));
+        }
+        let stream = self.stream.clone();
+        for &b in &schedule.before {
+            reduce(regions, b, &stream)?;
+        }
+        {
+            let mut pass = self.pass(Some(&mut *regions), input)?;
+            run_pass_observed(&mut pass, true, &mut |pass: &mut NetPass<'_>, i| {
+                let regions = pass
+                    .regions
+                    .as_deref_mut()
+                    .ok_or_else(|| CudaNetError::Binding("the pass has no amp regions".into()))?;
+                for &b in &schedule.after[i] {
+                    reduce(regions, b, &stream)?;
+                }
+                Ok(())
+            })?;
+        }
+        if !Arc::ptr_eq(regions.stream(), &self.stream) {
+            regions
+                .stream()
+                .join(&self.stream)
+                .map_err(|e| driver("order the amp stream after the pass".into(), e))?;
+        }
+        Ok(())
     }
 
     /// The forward pass reading the caller's `input` (NHWC FP16, at least the network's input
@@ -561,8 +640,41 @@ impl CudaNet {
             };
             io.place(side, name, arena, offset, bytes, b.dtype)?;
         }
-        Ok(l.layer.run_gpu(pass, &self.handle, &mut io)?)
+        match &mut self.bn_sync {
+            Some(sync) => l
+                .layer
+                .run_gpu_synced(pass, &self.handle, &mut io, sync.0.as_mut())?,
+            None => l.layer.run_gpu(pass, &self.handle, &mut io)?,
+        }
+        Ok(())
     }
+}
+
+/// Whether synchronized BN can run on the GPU for `net` (no device involved): every layer on
+/// a route whose BN sums can be reduced between its steps (fused or generic).
+///
+/// # Errors
+/// [`cudnn_cbr_fusion::Error::BnSync`] naming the first layer whose route sums its BN
+/// statistics inside one graph (the unfused route's NormForward / NormBackward).
+pub fn check_bn_sync(net: &CompiledNet) -> Result<()> {
+    for l in &net.layers {
+        let split = l
+            .layer
+            .steps()
+            .iter()
+            .find(|s| sync_action(s.role) == SyncAction::Split);
+        if let Some(step) = split {
+            return Err(cudnn_cbr_fusion::Error::BnSync(format!(
+                "layer `{}` runs the {} route, whose {:?} graph sums its BN statistics inside \
+                 itself; synchronized BN on the GPU needs the fused or generic route",
+                l.name,
+                l.layer.route().name(),
+                step.role
+            ))
+            .into());
+        }
+    }
+    Ok(())
 }
 
 /// What one layer's pass binds: each of its buffer names (this layer's, and the previous

@@ -46,6 +46,20 @@ pub trait NetExecutor {
 /// Runs the compiled network's forward pass (`backward == false`) or backward pass on `exec`.
 /// The backward pass expects the output's gradient ([`CompiledNet::output_grad`]) written.
 pub fn run_pass<E: NetExecutor + ?Sized>(exec: &mut E, backward: bool) -> Result<(), E::Error> {
+    run_pass_observed(exec, backward, &mut |_, _| Ok(()))
+}
+
+/// What [`run_pass_observed`] calls after each step: the executor and the step's index.
+pub type AfterStep<'a, E> = dyn FnMut(&mut E, usize) -> Result<(), <E as NetExecutor>::Error> + 'a;
+
+/// [`run_pass`], calling `after(exec, i)` once step `i` of the pass has run (been enqueued, on
+/// a GPU): where a data-parallel step starts summing the gradients that are final
+/// ([`super::GradSchedule`]).
+pub fn run_pass_observed<E: NetExecutor + ?Sized>(
+    exec: &mut E,
+    backward: bool,
+    after: &mut AfterStep<'_, E>,
+) -> Result<(), E::Error> {
     let count = pass_steps(exec.compiled(), backward).len();
     for i in 0..count {
         // Steps are small copies: read one, then let the executor borrow itself mutably.
@@ -67,6 +81,7 @@ pub fn run_pass<E: NetExecutor + ?Sized>(exec: &mut E, backward: bool) -> Result
                 grad_input,
             } => exec.max_pool_backward(&pool, &shape, input, grad_output, grad_input)?,
         }
+        after(exec, i)?;
     }
     Ok(())
 }

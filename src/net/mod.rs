@@ -8,6 +8,7 @@
 //! 3. Run it through one interface ([`NetExecutor`], walked by [`run_pass`]): [`CpuNet`] on
 //!    the CPU reference executor (FP16 storage, or exact `f64`), [`CudaNet`] on a GPU.
 
+pub mod buckets;
 pub mod compile;
 pub mod cpu;
 pub mod cuda;
@@ -17,13 +18,14 @@ pub mod params;
 pub mod prewarm;
 pub mod spec;
 
+pub use buckets::{grad_schedule, GradSchedule};
 pub use compile::{
     compile, validate, BufId, BufferRole, CompiledNet, LayerRole, NetBuffer, NetLayer, RoutePolicy,
     Step,
 };
 pub use cpu::CpuNet;
 pub use cuda::{CudaNet, CudaNetError};
-pub use exec::{run_pass, NetExecutor};
+pub use exec::{run_pass, run_pass_observed, NetExecutor};
 pub use params::{initial_weights, memory_plan, memory_plan_with_buffers};
 pub use prewarm::{prewarm, Prewarmed};
 pub use spec::{BlockKind, BlockSpec, NetSpec, PoolSpec, Preset, StemSpec};

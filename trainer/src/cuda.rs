@@ -44,10 +44,14 @@
 //! **Many GPUs.** Started by a launcher (torchrun, `mpirun`, Slurm: one process per GPU,
 //! [`cudnn_cbr::amp::dist::bootstrap`]), each process is a [`CudaTrainer::launched`] rank: it
 //! takes GPU `local_rank`, gets rank 0's NCCL id through the TCP store or rendezvous file,
-//! trains on its shard of each global batch, and between backward and SGD sums the gradients
-//! bucket by bucket and shares the overflow flag over NCCL on a communication stream
-//! ([`cudnn_cbr::amp::cuda::dist_grads`]). Those steps run eagerly. Synchronized BN is not
-//! built on the GPU yet (`--sync-bn` is the CPU executor's).
+//! trains on its shard of each global batch. Each gradient bucket's NCCL sum is enqueued on a
+//! communication stream as soon as backward has written it ([`cudnn_cbr::net::GradSchedule`]),
+//! so it overlaps the shallower layers' backward; the overflow flag is shared between the
+//! check and SGD ([`cudnn_cbr::amp::cuda::dist_grads`]). With `--sync-bn` every layer's BN
+//! uses the global batch's statistics (the sums over NCCL between the layer's steps:
+//! [`cudnn_cbr::amp::cuda::dist_grads::NcclBnSync`]). All collectives go through one
+//! communicator in the same order on every rank. Those steps run eagerly. The summary's loss
+//! and accuracies are the global batch's; progress lines are rank 0's shard.
 //!
 //! **Logging without syncs.** Loss and accuracy never leave the device during a step: the
 //! metrics kernel appends them to a log (one entry per step). Every few steps the loop asks
@@ -64,25 +68,29 @@ use super::{
 pub use crate::snapshot::Snapshot;
 use cudnn_cbr::amp::cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudnn_cbr::amp::cuda::cudarc::driver::{CudaGraph, DriverError};
+use cudnn_cbr::amp::cuda::dist_grads::{NcclBnSync, SharedComm};
 use cudnn_cbr::amp::cuda::{
     dist_grads, AmpKernels, CudaContext, CudaRegions, CudaSlice, CudaStepGraph, CudaStream,
     DevRange, DevRangeMut, Readback, Upload,
 };
 use cudnn_cbr::amp::dist::bootstrap::{exchange_id, LaunchEnv};
 use cudnn_cbr::amp::dist::nccl::{NcclComm, NcclId};
+use cudnn_cbr::amp::dist::{Collective, ReduceOp};
 use cudnn_cbr::amp::plan::{ByteRange, Region};
-use cudnn_cbr::amp::range::{metrics_log_bytes, metrics_log_read, HeadShape, MetricsLog};
+use cudnn_cbr::amp::range::{
+    metrics_log_bytes, metrics_log_read, HeadMetrics, HeadShape, MetricsLog,
+};
 use cudnn_cbr::amp::step::{AmpStep, StepConfig, StepGraph};
 use cudnn_cbr::amp::AmpError;
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::fusion::exec::{cuda_device, Handle};
 use cudnn_cbr::net::cuda::{running_stats, CudaNet, CudaNetError};
-use cudnn_cbr::net::{CompiledNet, RoutePolicy};
+use cudnn_cbr::net::{grad_schedule, CompiledNet, GradSchedule, RoutePolicy};
 use half::f16;
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// Eager steps before the capture (cuDNN's lazy loading, the workspace pool and the first
@@ -199,7 +207,10 @@ pub struct CudaTrainer {
 struct GpuGroup {
     rank: usize,
     world: usize,
-    comm: NcclComm,
+    /// Shared with synchronized BN's reducer, when on.
+    comm: SharedComm,
+    /// When each gradient bucket is final in the backward pass (its sum overlaps the rest).
+    schedule: GradSchedule,
 }
 
 impl fmt::Debug for CudaTrainer {
@@ -293,6 +304,7 @@ impl CudaTrainer {
                 let mut comm =
                     NcclComm::new(link, l.rank, l.world, &id).map_err(|e| amp_error(e.into()))?;
                 dist_grads::broadcast_weights(step.executor_mut(), &mut comm).map_err(amp_error)?;
+                let comm = Arc::new(Mutex::new(comm));
                 let ranks = u32::try_from(l.world)
                     .map_err(|_| TrainError::Config(format!("{} ranks", l.world)))?;
                 step.set_ranks(ranks).map_err(amp_error)?;
@@ -300,13 +312,18 @@ impl CudaTrainer {
                     rank: l.rank,
                     world: l.world,
                     comm,
+                    schedule: grad_schedule(&net, step.executor().plan_arc()).map_err(net_error)?,
                 })
             }
         };
         step.init_weights().map_err(amp_error)?;
 
         let amp_plan = Some(step.executor().plan_arc().clone());
-        let net = CudaNet::new(net, handle, kernels.clone(), amp_plan).map_err(net_error)?;
+        let mut net = CudaNet::new(net, handle, kernels.clone(), amp_plan).map_err(net_error)?;
+        if let (Some(g), true) = (&dist, cfg.sync_bn) {
+            net.set_bn_sync(Box::new(NcclBnSync::new(g.comm.clone())))
+                .map_err(net_error)?;
+        }
         let (out_hw, features) = (net.compiled().out_hw, net.compiled().features);
         let shape = HeadShape::new(cfg.batch, out_hw * out_hw, features, cfg.classes);
         let alloc = |bytes: usize, what: &str| {
@@ -364,22 +381,27 @@ impl CudaTrainer {
                 }
             })
             .collect();
-        let graphs = match self.cfg.cuda_graph {
-            _ if self.dist.is_some() => "eager steps (NCCL between the check and SGD)".into(),
-            CudaGraphMode::Off => "no CUDA graphs".to_string(),
-            CudaGraphMode::Finish => {
-                format!("amp finish op list as a CUDA graph after {WARMUP_STEPS} warm-up steps")
-            }
-            CudaGraphMode::Step => {
-                format!("whole step as one CUDA graph after {WARMUP_STEPS} warm-up steps")
-            }
-        };
+        let graphs =
+            match self.cfg.cuda_graph {
+                _ if self.dist.is_some() => format!(
+                "eager steps (NCCL: gradient buckets during backward, the overflow flag between \
+                 the check and SGD; {} BN)",
+                if self.cfg.sync_bn { "synchronized" } else { "local" }
+            ),
+                CudaGraphMode::Off => "no CUDA graphs".to_string(),
+                CudaGraphMode::Finish => {
+                    format!("amp finish op list as a CUDA graph after {WARMUP_STEPS} warm-up steps")
+                }
+                CudaGraphMode::Step => {
+                    format!("whole step as one CUDA graph after {WARMUP_STEPS} warm-up steps")
+                }
+            };
         let group = match &self.dist {
             Some(g) => format!(
                 "rank {} of {} (NCCL {}); ",
                 g.rank,
                 g.world,
-                g.comm.library().version()
+                dist_grads::lock(&g.comm).library().version()
             ),
             None => String::new(),
         };
@@ -528,11 +550,31 @@ impl CudaTrainer {
             .map_err(amp_error)
     }
 
-    /// Backward through the network, with the gradient joins at block inputs.
+    /// Backward through the network, with the gradient joins at block inputs; in a group,
+    /// each gradient bucket's NCCL sum is enqueued as soon as backward has written it, on the
+    /// communication stream, so it overlaps the shallower layers' backward.
     fn backward(&mut self) -> Result<(), TrainError> {
-        self.net
-            .backward_with(self.step.executor_mut())
-            .map_err(net_error)
+        match &self.dist {
+            None => self
+                .net
+                .backward_with(self.step.executor_mut())
+                .map_err(net_error),
+            Some(g) => {
+                let comm = g.comm.clone();
+                self.net
+                    .backward_overlapped(
+                        self.step.executor_mut(),
+                        None,
+                        &g.schedule,
+                        &mut |regions, bucket, after| {
+                            let mut comm = dist_grads::lock(&comm);
+                            dist_grads::all_reduce_bucket(regions, &mut comm, bucket, after)
+                                .map_err(CudaNetError::from)
+                        },
+                    )
+                    .map_err(net_error)
+            }
+        }
     }
 
     /// Steps 1–6 of the module table: zero the gradients, forward, head, backward.
@@ -555,14 +597,48 @@ impl CudaTrainer {
                 .ok_or_else(|| TrainError::Config("no finish graph has been captured".into()))?;
             self.step.replay(g).map_err(amp_error)
         } else if let Some(g) = self.dist.as_mut() {
-            let comm = &mut g.comm;
-            dist_grads::all_reduce_gradients(self.step.executor_mut(), comm).map_err(amp_error)?;
+            // The buckets' sums were enqueued during backward: the step waits for them.
+            let mut comm = dist_grads::lock(&g.comm);
+            dist_grads::join_gradients(self.step.executor_mut(), &mut comm).map_err(amp_error)?;
             self.step
-                .finish_with(|r| dist_grads::all_reduce_overflow(r, comm))
+                .finish_with(|r| dist_grads::all_reduce_overflow(r, &mut comm))
                 .map_err(amp_error)
         } else {
             self.step.finish().map_err(amp_error)
         }
+    }
+
+    /// Each entry's mean over the group's ranks (their shards are the same size), through one
+    /// NCCL sum; `entries` as they are without a group. Every rank calls it with as many.
+    ///
+    /// # Errors
+    /// [`TrainError::Amp`] from NCCL; a driver error.
+    fn global_metrics(&mut self, entries: &[HeadMetrics]) -> Result<Vec<HeadMetrics>, TrainError> {
+        let Some(g) = self.dist.as_ref() else {
+            return Ok(entries.to_vec());
+        };
+        let flat: Vec<f32> = entries.iter().flat_map(|m| [m.loss, m.accuracy]).collect();
+        if flat.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut comm = dist_grads::lock(&g.comm);
+        let link = comm.stream().clone();
+        let mut sums = link
+            .clone_htod(&flat)
+            .map_err(|e| driver("upload the metrics to sum", e))?;
+        comm.all_reduce(&mut sums, ReduceOp::Sum)
+            .map_err(|e| amp_error(e.into()))?;
+        let sums = link
+            .clone_dtoh(&sums)
+            .map_err(|e| driver("download the summed metrics", e))?;
+        let n = g.world as f32;
+        Ok(sums
+            .chunks_exact(2)
+            .map(|p| HeadMetrics {
+                loss: p[0] / n,
+                accuracy: p[1] / n,
+            })
+            .collect())
     }
 
     /// This process's rank and the group's size (0 of 1 without a launcher).
@@ -815,13 +891,16 @@ impl CudaTrainer {
             .map_err(amp_error)?
             .map(<[u8]>::to_vec)
             .unwrap_or_default();
-        let log = metrics_log_read(&bytes).map_err(AmpError::from)?;
+        let mut log = metrics_log_read(&bytes).map_err(AmpError::from)?;
         let s = self
             .step
             .executor()
             .read_scalars_blocking()
             .map_err(amp_error)?;
         emit(&log, s.loss_scale, s.skipped, &mut reported, &mut progress);
+        // The summary is the global batch's: each step's mean over the ranks' shards (the
+        // progress lines above are rank 0's shard).
+        log.entries = self.global_metrics(&log.entries)?;
 
         // Held-out batches, forward only (BN in training mode, like the CPU executor).
         for i in 0..HELD_OUT_BATCHES {
@@ -845,10 +924,10 @@ impl CudaTrainer {
             .clone_dtoh(&self.head.eval_log)
             .map_err(|e| driver("download the held-out log", e))?;
         let eval = metrics_log_read(&eval).map_err(AmpError::from)?;
+        let eval = self.global_metrics(&eval.entries)?;
         let correct: usize = eval
-            .entries
             .iter()
-            .map(|m| (m.accuracy * cfg.batch as f32).round() as usize)
+            .map(|m| (m.accuracy * (cfg.batch * world) as f32).round() as usize)
             .sum();
         let (first_loss, last_loss, last_accuracy, step_losses) = summarize(&log.entries);
         let weights = self.master_weights()?;
@@ -857,7 +936,8 @@ impl CudaTrainer {
             first_loss,
             last_loss,
             last_accuracy,
-            held_out_accuracy: correct as f32 / (HELD_OUT_BATCHES as usize * cfg.batch) as f32,
+            held_out_accuracy: correct as f32
+                / (HELD_OUT_BATCHES as usize * cfg.batch * world) as f32,
             skipped: s.skipped,
             loss_scale: s.loss_scale,
             images_per_sec,

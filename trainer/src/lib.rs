@@ -525,8 +525,8 @@ impl Trainer {
         };
         let launch = launch_env()?;
         if let Some(l) = &launch {
-            let why = if cfg.data_parallel() {
-                Some("--ranks and --sync-bn run CPU ranks as threads in one process")
+            let why = if cfg.ranks > 1 {
+                Some("--ranks runs CPU ranks as threads in one process")
             } else if cfg.device == Device::Cpu {
                 Some("the CPU executor does not join a launched group")
             } else {
@@ -552,11 +552,13 @@ impl Trainer {
                 exec: Exec::Cuda(Box::new(t)),
             })
         };
-        if cfg.data_parallel() {
+        // Under a launcher, --sync-bn synchronizes the GPU ranks (one process each).
+        if cfg.data_parallel() && launch.is_none() {
             if cfg.device == Device::Cuda {
                 return Err(TrainError::Config(
-                    "--ranks and --sync-bn run CPU ranks as threads; the CUDA executor trains \
-                     on one GPU (multi-GPU data parallelism is not built yet)"
+                    "--ranks and --sync-bn run CPU ranks as threads; the CUDA executor runs \
+                     data-parallel as one process per GPU under a launcher (torchrun, mpirun, \
+                     srun), with --sync-bn and without --ranks"
                         .into(),
                 ));
             }

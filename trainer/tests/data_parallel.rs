@@ -90,6 +90,15 @@ fn bad_data_parallel_configurations_are_typed_errors() {
         },
         "CUDA",
     );
+    // Synchronized BN on GPUs is a launched group's (one process per GPU).
+    bad(
+        TrainConfig {
+            sync_bn: true,
+            device: Device::Cuda,
+            ..TrainConfig::default()
+        },
+        "launcher",
+    );
     bad(
         TrainConfig {
             ranks: 2,

@@ -11,10 +11,14 @@ use half::f16;
 
 use super::nccl::NcclComm;
 use super::{driver_error, CudaRegions};
+use crate::dist::Communicator;
 use crate::dist::{Collective, ReduceOp};
 use crate::error::AmpError;
 use crate::plan::{ByteRange, Region};
 use crate::range::s_layout;
+use cudarc::driver::{CudaSlice, CudaStream};
+use cudnn_cbr_fusion::cbr::DeviceBnSync;
+use std::sync::{Arc, Mutex};
 
 /// `region`'s bytes `range` as `len` elements of `T` (the region holds `T`s there).
 fn typed<T>(
@@ -63,32 +67,120 @@ pub fn all_reduce_gradients(
     comm: &mut NcclComm,
 ) -> Result<(), AmpError> {
     let plan = regions.plan_arc().clone();
-    joined(regions, comm, "the gradient all-reduce", |regions, comm| {
-        for b in plan.buckets().iter().rev() {
-            if plan.has_region(Region::G16) {
-                let g16 = plan.bucket_range(b.bucket(), Region::G16)?;
-                if !g16.is_empty() {
-                    let mut bytes = typed::<f16>(regions, Region::G16, g16)?;
-                    // SAFETY: a bucket's conv run of G16 holds FP16 gradients, its length is a
-                    // whole number of FP16 elements (checked in `typed`) and it starts on a
-                    // 256-byte slot.
-                    let view = unsafe { bytes.transmute_mut::<f16>(g16.len() / 2) };
-                    let Some(mut view) = view else { continue };
-                    comm.all_reduce(&mut view, ReduceOp::Sum)?;
-                }
-            }
-            let rest = crate::dist::grads::g_rest(b);
-            if !rest.is_empty() {
-                let mut bytes = typed::<f32>(regions, Region::G, rest)?;
-                // SAFETY: G holds FP32 gradients; the range is a whole number of them from a
-                // 256-byte slot (checked in `typed`).
-                let view = unsafe { bytes.transmute_mut::<f32>(rest.len() / 4) };
-                let Some(mut view) = view else { continue };
+    let after = regions.stream().clone();
+    for b in plan.buckets().iter().rev() {
+        all_reduce_bucket(regions, comm, b.bucket(), &after)?;
+    }
+    join_gradients(regions, comm)
+}
+
+/// Enqueues the sum of one bucket's gradients (its conv run of G16 in FP16, the rest of its
+/// slots in G in FP32) on the communicator's stream, after the work enqueued on `after` so far
+/// (the stream whose backward wrote them: the collective overlaps what that stream does
+/// next). Call [`join_gradients`] after the last bucket, before the amp step reads them.
+///
+/// # Errors
+/// [`AmpError::Dist`] from NCCL; a plan error for an unknown bucket; a driver error ordering
+/// the streams.
+pub fn all_reduce_bucket(
+    regions: &mut CudaRegions,
+    comm: &mut NcclComm,
+    bucket: crate::plan::Bucket,
+    after: &CudaStream,
+) -> Result<(), AmpError> {
+    let plan = regions.plan_arc().clone();
+    let b = plan.buckets().iter().find(|b| b.bucket() == bucket).ok_or(
+        crate::PlanError::NoSuchBucket {
+            bucket: bucket.index(),
+        },
+    )?;
+    comm.stream()
+        .join(after)
+        .map_err(|e| driver_error("order a bucket's all-reduce after its gradients", e))?;
+    if plan.has_region(Region::G16) {
+        let g16 = plan.bucket_range(b.bucket(), Region::G16)?;
+        if !g16.is_empty() {
+            let mut bytes = typed::<f16>(regions, Region::G16, g16)?;
+            // SAFETY: a bucket's conv run of G16 holds FP16 gradients, its length is a whole
+            // number of FP16 elements (checked in `typed`) and it starts on a 256-byte slot.
+            if let Some(mut view) = unsafe { bytes.transmute_mut::<f16>(g16.len() / 2) } {
                 comm.all_reduce(&mut view, ReduceOp::Sum)?;
             }
         }
-        Ok(())
-    })
+    }
+    let rest = crate::dist::grads::g_rest(b);
+    if !rest.is_empty() {
+        let mut bytes = typed::<f32>(regions, Region::G, rest)?;
+        // SAFETY: G holds FP32 gradients; the range is a whole number of them from a 256-byte
+        // slot (checked in `typed`).
+        if let Some(mut view) = unsafe { bytes.transmute_mut::<f32>(rest.len() / 4) } {
+            comm.all_reduce(&mut view, ReduceOp::Sum)?;
+        }
+    }
+    Ok(())
+}
+
+/// Orders the regions' stream after every collective enqueued on the communicator's stream
+/// (the end of [`all_reduce_bucket`]'s series).
+///
+/// # Errors
+/// A driver error ordering the streams.
+pub fn join_gradients(regions: &mut CudaRegions, comm: &mut NcclComm) -> Result<(), AmpError> {
+    regions
+        .stream()
+        .join(comm.stream())
+        .map_err(|e| driver_error("order the step after the gradient all-reduce", e))
+}
+
+/// A rank's NCCL communicator, shared by its gradient collectives and its synchronized BN:
+/// one communicator whose collectives every rank enqueues in the same order on one stream.
+pub type SharedComm = Arc<Mutex<NcclComm>>;
+
+/// Synchronized BN over NCCL ([`DeviceBnSync`]): each sum is enqueued on the communicator's
+/// stream between events joining it with the layer's stream (after any gradient bucket
+/// already enqueued there: the ranks issue both in the same order).
+#[derive(Debug, Clone)]
+pub struct NcclBnSync {
+    comm: SharedComm,
+    world: usize,
+}
+
+impl NcclBnSync {
+    /// The reducer over `comm`'s group.
+    pub fn new(comm: SharedComm) -> Self {
+        let world = lock(&comm).world();
+        NcclBnSync { comm, world }
+    }
+}
+
+/// The communicator, also after a thread panicked while holding it (its calls leave no
+/// half-made state behind on the host).
+pub fn lock(comm: &SharedComm) -> std::sync::MutexGuard<'_, NcclComm> {
+    comm.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl DeviceBnSync for NcclBnSync {
+    fn replicas(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce_sum(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        values: &mut CudaSlice<f32>,
+    ) -> cudnn_cbr_fusion::Result<()> {
+        let mut comm = lock(&self.comm);
+        let link = comm.stream().clone();
+        let fail = |e: String| cudnn_cbr_fusion::Error::BnSync(e);
+        link.join(stream)
+            .map_err(|e| fail(format!("order the sum after the statistics: {e}")))?;
+        comm.all_reduce(values, ReduceOp::Sum)
+            .map_err(|e| fail(e.to_string()))?;
+        stream
+            .join(&link)
+            .map_err(|e| fail(format!("order the layer after the sum: {e}")))
+    }
 }
 
 /// The overflow flag in S, the maximum over the group (between the check and SGD, as

@@ -13,7 +13,7 @@ use half::f16;
 
 use super::{Collective, ReduceOp};
 use crate::error::AmpError;
-use crate::plan::{BucketInfo, ByteRange, DataType, Region};
+use crate::plan::{Bucket, BucketInfo, ByteRange, DataType, Region};
 use crate::step::{AmpExecutor, CpuRegions};
 
 /// Sums the step's gradients over the group, bucket by bucket from the last declared (the
@@ -29,18 +29,44 @@ where
 {
     let plan = regions.plan_arc().clone();
     for b in plan.buckets().iter().rev() {
-        if plan.has_region(Region::G16) {
-            let g16 = plan.bucket_range(b.bucket(), Region::G16)?;
-            if !g16.is_empty() {
-                let v = &mut regions.f16_region_mut(Region::G16)?[g16.elem_range(DataType::Half)];
-                comm.all_reduce(v, ReduceOp::Sum)?;
-            }
-        }
-        let rest = g_rest(b);
-        if !rest.is_empty() {
-            let v = &mut regions.f32_region_mut(Region::G)?[rest.elem_range(DataType::Float)];
+        all_reduce_bucket(regions, comm, b.bucket())?;
+    }
+    Ok(())
+}
+
+/// Sums one bucket's gradients over the group: its conv run of G16 in FP16, then the rest of
+/// its slots in G in FP32 (what [`all_reduce_gradients`] does for each bucket; a step that
+/// overlaps the sums with its backward calls it per bucket as backward finishes them).
+///
+/// # Errors
+/// [`AmpError::Dist`] from the collectives; a plan error for an unknown bucket or a plan
+/// without G.
+pub fn all_reduce_bucket<C>(
+    regions: &mut CpuRegions,
+    comm: &mut C,
+    bucket: Bucket,
+) -> Result<(), AmpError>
+where
+    C: Collective<[f16]> + Collective<[f32]>,
+{
+    let plan = regions.plan_arc().clone();
+    let b = plan
+        .buckets()
+        .get(bucket.index())
+        .ok_or(crate::PlanError::NoSuchBucket {
+            bucket: bucket.index(),
+        })?;
+    if plan.has_region(Region::G16) {
+        let g16 = plan.bucket_range(b.bucket(), Region::G16)?;
+        if !g16.is_empty() {
+            let v = &mut regions.f16_region_mut(Region::G16)?[g16.elem_range(DataType::Half)];
             comm.all_reduce(v, ReduceOp::Sum)?;
         }
+    }
+    let rest = g_rest(b);
+    if !rest.is_empty() {
+        let v = &mut regions.f32_region_mut(Region::G)?[rest.elem_range(DataType::Float)];
+        comm.all_reduce(v, ReduceOp::Sum)?;
     }
     Ok(())
 }

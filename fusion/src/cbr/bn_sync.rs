@@ -35,6 +35,96 @@ use super::layer::{CbrLayer, GraphRole};
 use super::run::{bn_activation, cpu_step, dbn_coefficients, dbn_reduce, residual_of, LayerIo};
 use crate::reference::bn::bn_recompute;
 use crate::reference::{self as r, BnParams, Element, Nhwc, RunningStats};
+use cudarc::driver::{CudaSlice, CudaStream};
+use std::sync::Arc;
+
+/// Sums device FP32 values over the replicas of a data-parallel group: synchronized BN on
+/// the GPU ([`super::CbrLayer::run_gpu_synced`]).
+///
+/// Every replica makes the same calls in the same order with the same lengths.
+pub trait DeviceBnSync {
+    /// How many replicas' batches make one BN batch (1: local BN).
+    fn replicas(&self) -> usize;
+
+    /// Enqueues the replacement of `values` by their elementwise sum over the replicas, ordered
+    /// after the work enqueued on `stream` so far and before what is enqueued there next (no
+    /// host wait).
+    ///
+    /// # Errors
+    /// [`crate::Error::BnSync`] when the collective cannot be enqueued or the group failed.
+    fn all_reduce_sum(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        values: &mut CudaSlice<f32>,
+    ) -> Result<()>;
+}
+
+/// The BN whose statistics a synchronized step reads: this layer's own (its materialized
+/// activation) or the previous layer's (read through the prologue).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BnSide {
+    /// This layer's BN.
+    This,
+    /// The previous layer's BN.
+    Prev,
+}
+
+/// What synchronized BN does with one step of a layer's pass, the same on both executors
+/// ([`sync_action`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncAction {
+    /// The step runs as with local BN.
+    Local,
+    /// After the step, this layer's `[Σy, Σy²]` (`sum`, `sq_sum`) are summed over the replicas.
+    ReduceStats,
+    /// The BN finalize divides by the global element count (the local count × replicas).
+    GlobalCount,
+    /// The dBN-apply coefficients of `side`'s BN come from its `dγ`, `dβ` summed over the
+    /// replicas (a copy: the layer's own buffers keep the local sums) and the global count,
+    /// into this layer's `outputs`. With `after_step` the step runs first (cuDNN's fused graph
+    /// writes the local sums and local coefficients, which are then replaced); otherwise the
+    /// synchronized computation replaces the step.
+    Coefficients {
+        /// Whose BN.
+        side: BnSide,
+        /// This layer's buffers for A, B, C.
+        outputs: [&'static str; 3],
+        /// Whether the step itself runs first.
+        after_step: bool,
+    },
+    /// A whole-BN graph (the unfused route's NormForward / NormBackward) that sums inside
+    /// itself: the CPU executor splits it into reduce, synchronize and apply; the GPU cannot.
+    Split,
+}
+
+/// What synchronized BN does with a step of `role`.
+pub fn sync_action(role: GraphRole) -> SyncAction {
+    const DBN: [&str; 3] = ["dbn_a", "dbn_b", "dbn_c"];
+    const APPLY_DBN: [&str; 3] = ["apply_dbn_a", "apply_dbn_b", "apply_dbn_c"];
+    match role {
+        GraphRole::ConvStats | GraphRole::Stats => SyncAction::ReduceStats,
+        GraphRole::Finalize => SyncAction::GlobalCount,
+        GraphRole::DgradDreluDbn => SyncAction::Coefficients {
+            side: BnSide::Prev,
+            outputs: DBN,
+            after_step: true,
+        },
+        GraphRole::DbnCoefficients => SyncAction::Coefficients {
+            side: BnSide::Prev,
+            outputs: DBN,
+            after_step: false,
+        },
+        GraphRole::ApplyDbnCoefficients => SyncAction::Coefficients {
+            side: BnSide::This,
+            outputs: APPLY_DBN,
+            after_step: false,
+        },
+        GraphRole::BnForward | GraphRole::BnBackward | GraphRole::ApplyBnBackward => {
+            SyncAction::Split
+        }
+        _ => SyncAction::Local,
+    }
+}
 
 /// Which layer's BN a step synchronizes: this layer's own (its materialized activation) or
 /// the previous layer's (read through the prologue).
@@ -53,8 +143,15 @@ pub(super) fn synced_step<T: Element, I: LayerIo<T> + ?Sized>(
     let xs = Nhwc::new(s.n as usize, s.h as usize, s.w as usize, s.c as usize);
     let ys = Nhwc::new(s.n as usize, s.p() as usize, s.q() as usize, s.k as usize);
     let global = |shape: &Nhwc| shape.pixels() * replicas;
-    match role {
-        GraphRole::ConvStats | GraphRole::Stats => {
+    let side_of = |side: BnSide| -> Side {
+        match side {
+            BnSide::This => This,
+            BnSide::Prev => Prev,
+        }
+    };
+    match sync_action(role) {
+        SyncAction::Local | SyncAction::GlobalCount => cpu_step(layer, role, io, replicas)?,
+        SyncAction::ReduceStats => {
             cpu_step(layer, role, io, replicas)?;
             let mut sums = io.float(This("sum"))?.to_vec();
             sums.extend_from_slice(io.float(This("sq_sum"))?);
@@ -63,25 +160,27 @@ pub(super) fn synced_step<T: Element, I: LayerIo<T> + ?Sized>(
             io.set_float(This("sum"), sums)?;
             io.set_float(This("sq_sum"), sq)?;
         }
-        GraphRole::BnForward => bn_forward(layer, &ys, io, sync)?,
-        GraphRole::DgradDreluDbn => {
-            cpu_step(layer, role, io, replicas)?;
-            let abc = coefficients(io, sync, Prev, global(&xs))?;
-            put_coefficients(io, This, ["dbn_a", "dbn_b", "dbn_c"], abc)?;
+        SyncAction::Coefficients {
+            side,
+            outputs,
+            after_step,
+        } => {
+            if after_step {
+                cpu_step(layer, role, io, replicas)?;
+            }
+            let count = match side {
+                BnSide::Prev => global(&xs),
+                BnSide::This => global(&ys),
+            };
+            let abc = coefficients(io, sync, side_of(side), count)?;
+            put_coefficients(io, This, outputs, abc)?;
         }
-        GraphRole::DbnCoefficients => {
-            let abc = coefficients(io, sync, Prev, global(&xs))?;
-            put_coefficients(io, This, ["dbn_a", "dbn_b", "dbn_c"], abc)?;
-        }
-        GraphRole::ApplyDbnCoefficients => {
-            let abc = coefficients(io, sync, This, global(&ys))?;
-            put_coefficients(io, This, ["apply_dbn_a", "apply_dbn_b", "apply_dbn_c"], abc)?;
-        }
-        // The unfused route's BN backward of the previous layer's BN, and the materialized
-        // activation's: reduce, synchronize, apply (one cuDNN graph locally).
-        GraphRole::BnBackward => bn_backward(io, sync, &xs, Prev, This("dz_prev"), replicas)?,
-        GraphRole::ApplyBnBackward => bn_backward(io, sync, &ys, This, This("dpre"), replicas)?,
-        _ => cpu_step(layer, role, io, replicas)?,
+        // The unfused route's whole-BN graphs: reduce, synchronize, apply.
+        SyncAction::Split => match role {
+            GraphRole::BnForward => bn_forward(layer, &ys, io, sync)?,
+            GraphRole::BnBackward => bn_backward(io, sync, &xs, Prev, This("dz_prev"), replicas)?,
+            _ => bn_backward(io, sync, &ys, This, This("dpre"), replicas)?,
+        },
     }
     Ok(())
 }

@@ -511,3 +511,130 @@ impl OwnedDeviceBuffers {
         })
     }
 }
+
+/// Synchronized BN's device scratch ([`super::CbrLayer::run_gpu_synced`]): two runs of
+/// per-channel FP32 values copied out of a layer's buffers, summed over the replicas in place,
+/// then copied back or read by our coefficients kernel. The layer's own buffers are never
+/// handed to the collective.
+pub(crate) struct SyncScratch {
+    values: CudaSlice<f32>,
+    stream: Arc<CudaStream>,
+}
+
+impl SyncScratch {
+    /// `len` zeroed FP32 values on `stream`.
+    pub(crate) fn new(stream: &Arc<CudaStream>, len: usize) -> Result<Self> {
+        let values = stream
+            .alloc_zeros::<f32>(len.max(1))
+            .map_err(|e| crate::exec::driver("allocate synchronized BN's scratch", e))?;
+        Ok(SyncScratch {
+            values,
+            stream: stream.clone(),
+        })
+    }
+
+    /// The values, for the collective.
+    pub(crate) fn slice_mut(&mut self) -> &mut CudaSlice<f32> {
+        &mut self.values
+    }
+
+    /// The two per-channel FP32 buffers `runs` (`n` values each) checked against the scratch,
+    /// each with its byte offset in it.
+    fn runs(
+        &self,
+        r: &Resolved<'_>,
+        runs: [(Side, &'static str); 2],
+        n: usize,
+    ) -> Result<[(DeviceBuffer, usize); 2]> {
+        if 2 * n > self.values.len() {
+            return Err(missing(
+                "synchronized BN's scratch",
+                &format!("holds {} values, {} asked", self.values.len(), 2 * n),
+            ));
+        }
+        let mut out = [
+            (r.get(runs[0].0, runs[0].1)?, 0),
+            (r.get(runs[1].0, runs[1].1)?, 0),
+        ];
+        for (i, ((buf, at), (_, name))) in out.iter_mut().zip(runs).enumerate() {
+            if buf.dtype != DataType::Float || buf.bytes < 4 * n {
+                return Err(missing(
+                    name,
+                    &format!(
+                        "must hold {n} FP32 values, has {} bytes of {}",
+                        buf.bytes, buf.dtype
+                    ),
+                ));
+            }
+            *at = 4 * n * i;
+        }
+        Ok(out)
+    }
+
+    /// Copies the two buffers `runs` (`n` FP32 values each) into the scratch, one after the
+    /// other, on the handle's stream.
+    pub(crate) fn gather(
+        &mut self,
+        handle: &Handle,
+        r: &Resolved<'_>,
+        runs: [(Side, &'static str); 2],
+        n: usize,
+    ) -> Result<()> {
+        let checked = self.runs(r, runs, n)?;
+        let (base, _record) = self.values.device_ptr_mut(&self.stream);
+        for (buf, at) in checked {
+            // SAFETY: the source is borrowed memory of the table holding at least `4n` bytes
+            // (checked in `runs`); the destination is the scratch this value owns, `2n` values
+            // long (checked); they cannot overlap; the copy is ordered on the handle's stream,
+            // which cudarc's guard `_record` marks as the scratch's last writer.
+            unsafe { handle.copy_device_bytes(base + at as u64, buf.ptr, 4 * n) }?;
+        }
+        Ok(())
+    }
+
+    /// Copies the scratch's two runs back over the buffers `runs`.
+    pub(crate) fn scatter(
+        &mut self,
+        handle: &Handle,
+        r: &Resolved<'_>,
+        runs: [(Side, &'static str); 2],
+        n: usize,
+    ) -> Result<()> {
+        let checked = self.runs(r, runs, n)?;
+        let (base, _record) = self.values.device_ptr_mut(&self.stream);
+        for (buf, at) in checked {
+            // SAFETY: as in `gather`, the other way round.
+            unsafe { handle.copy_device_bytes(buf.ptr, base + at as u64, 4 * n) }?;
+        }
+        Ok(())
+    }
+
+    /// Our `cbr_dbn_coefficients` kernel over `inputs` (γ, 1/σ, μ), the scratch's two runs as
+    /// the summed dγ and dβ, and `-1/count`, into `outputs` (A, B, C), `n` channels.
+    pub(crate) fn coefficients(
+        &mut self,
+        handle: &Handle,
+        inputs: [DeviceBuffer; 3],
+        neg_inv_count: f32,
+        outputs: [DeviceBuffer; 3],
+        n: usize,
+    ) -> Result<()> {
+        if 2 * n > self.values.len() {
+            return Err(missing("synchronized BN's scratch", "is too short"));
+        }
+        let (base, _record) = self.values.device_ptr_mut(&self.stream);
+        let run = |i: u64| DeviceBuffer {
+            ptr: base + 4 * n as u64 * i,
+            bytes: 4 * n,
+            dtype: DataType::Float,
+        };
+        let [gamma, inv_std, mean] = inputs;
+        super::kernels::launch_dbn_coefficients(
+            handle,
+            [gamma, inv_std, mean, run(0), run(1)],
+            neg_inv_count,
+            outputs,
+            n,
+        )
+    }
+}

@@ -14,7 +14,7 @@
 // stated where it is made.
 #![allow(unsafe_code)]
 
-use super::device_buffers::{Resolved, Side};
+use super::device_buffers::{DeviceBuffer, Resolved, Side};
 use super::graphs::ApplyResidual;
 use super::layer::{LayerGraph, Src};
 use crate::error::{Error, Result};
@@ -24,7 +24,7 @@ use crate::kernel_cache::{CacheOutcome, KernelCache};
 use crate::rtc;
 use crate::Target;
 use cudarc::driver::sys::CUdevice_attribute;
-use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -428,17 +428,41 @@ impl KernelStep {
             }
             values.push(Value::Ptr(buf.ptr));
         }
-        if self.elems == 0 {
+        enqueue(
+            self.kernel,
+            &loaded,
+            stream,
+            f,
+            &values,
+            self.elems,
+            self.channels,
+        )
+    }
+}
+
+/// Enqueues `kernel` (`f`, from `loaded`) on `stream` with `values` (addresses checked by the
+/// caller to hold what the kernel touches), over `elems` elements of `channels` channels.
+fn enqueue(
+    kernel: OwnKernel,
+    loaded: &Loaded,
+    stream: &CudaStream,
+    f: &CudaFunction,
+    values: &[Value],
+    elems: u64,
+    channels: u32,
+) -> Result<()> {
+    {
+        if elems == 0 {
             return Ok(());
         }
         // Eight elements per 16-byte access when each access stays in one channel run and
         // every address is aligned to it.
-        let stats = matches!(self.kernel, OwnKernel::ChannelStats | OwnKernel::DbnReduce);
+        let stats = matches!(kernel, OwnKernel::ChannelStats | OwnKernel::DbnReduce);
         let aligned = values
             .iter()
             .all(|v| !matches!(v, Value::Ptr(p) if p % 16 != 0));
-        let vec = !stats && self.channels % 8 == 0 && aligned;
-        let work = if vec { self.elems / 8 } else { self.elems };
+        let vec = !stats && channels % 8 == 0 && aligned;
+        let work = if vec { elems / 8 } else { elems };
         const THREADS: u32 = 256;
         // The statistics flush 2·c atomics per block: fewer, fuller blocks.
         let per_sm = if stats { 2 } else { 8 };
@@ -448,26 +472,71 @@ impl KernelStep {
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: if stats { 8 * self.channels } else { 0 },
+            shared_mem_bytes: if stats { 8 * channels } else { 0 },
         };
         let vec = i32::from(vec);
         let mut b = stream.launch_builder(f);
-        for v in &values {
+        for v in values {
             match v {
                 Value::Ptr(p) => b.arg(p),
                 Value::F32(x) => b.arg(x),
             };
         }
-        b.arg(&self.elems).arg(&self.channels).arg(&vec);
+        b.arg(&elems).arg(&channels).arg(&vec);
         // The arguments are a device address per tensor argument or an f32 per scalar, in the
         // order of `params` and the outputs, then n: u64, c: u32, vec: i32: the kernel's
         // parameters in order and type. Every address is memory the resolved table borrows for
         // this pass, with at least the bytes the kernel touches (checked above).
         // SAFETY: arguments as above; the launch is ordered on the handle's stream.
-        unsafe { b.launch(cfg) }
-            .map_err(|e| driver(&format!("launch {}", self.kernel.entry()), e))?;
+        unsafe { b.launch(cfg) }.map_err(|e| driver(&format!("launch {}", kernel.entry()), e))?;
         Ok(())
     }
+}
+
+/// Enqueues `cbr_dbn_coefficients` on the handle's stream over explicit buffers: `inputs`
+/// γ, 1/σ, μ, dγ, dβ and `neg_inv_count`, into `outputs` A, B, C, `channels` FP32 values
+/// each (synchronized BN's recomputation from the summed dγ and dβ). The module is the one
+/// compiled for the device's architecture.
+///
+/// # Errors
+/// [`Error::Buffer`] for a buffer that is not FP32 or too short; [`Error::Kernel`] when the
+/// module cannot be compiled or loaded.
+pub(crate) fn launch_dbn_coefficients(
+    handle: &Handle,
+    inputs: [DeviceBuffer; 5],
+    neg_inv_count: f32,
+    outputs: [DeviceBuffer; 3],
+    channels: usize,
+) -> Result<()> {
+    const NAMES: [&str; 8] = ["gamma", "inv_std", "mean", "dgamma", "dbeta", "A", "B", "C"];
+    let kernel = OwnKernel::DbnCoefficients;
+    let c = u32::try_from(channels)
+        .map_err(|_| kernel_error(kernel, format!("{channels} channels")))?;
+    let mut values = Vec::with_capacity(9);
+    for (i, buf) in inputs.iter().chain(&outputs).enumerate() {
+        if buf.dtype != DataType::Float || buf.bytes < 4 * channels {
+            return Err(Error::Buffer {
+                name: NAMES[i].into(),
+                problem: format!(
+                    "has {} bytes of {}; kernel {} needs {channels} FP32 values",
+                    buf.bytes,
+                    buf.dtype,
+                    kernel.entry()
+                ),
+            });
+        }
+        values.push(Value::Ptr(buf.ptr));
+        if i == 4 {
+            values.push(Value::F32(neg_inv_count));
+        }
+    }
+    let stream = handle.stream();
+    let loaded = Loaded::load(stream.context())?;
+    let f = loaded
+        .functions
+        .get(kernel.entry())
+        .ok_or_else(|| kernel_error(kernel, "is not in the loaded module".into()))?;
+    enqueue(kernel, &loaded, stream, f, &values, c.into(), c)
 }
 
 /// A launch argument, in order.

@@ -11,7 +11,7 @@ pub mod resnet50;
 mod run;
 mod shape;
 
-pub use bn_sync::BnSync;
+pub use bn_sync::{sync_action, BnSide, BnSync, DeviceBnSync, SyncAction};
 pub use buffers::{HostBuffer, HostBuffers};
 pub use device_buffers::{ArenaId, DeviceBuffer, DeviceBuffers, OwnedDeviceBuffers, Side};
 pub use keys::Key;

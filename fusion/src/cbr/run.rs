@@ -1,13 +1,13 @@
 //! Running a planned layer: on a GPU through its cuDNN plans, or on the CPU through the
 //! reference ops, over the same named buffers and in the same step order.
 
-use super::bn_sync::{synced_step, BnSync};
+use super::bn_sync::{sync_action, synced_step, BnSide, BnSync, DeviceBnSync, SyncAction};
 use super::buffers::{HostBuffer, HostBuffers};
-use super::device_buffers::{DeviceBuffers, Side};
+use super::device_buffers::{DeviceBuffers, Resolved, Side, SyncScratch};
 use super::graphs::{ApplyResidual, BackwardResidual};
 use super::layer::{CbrLayer, GraphRole, InputKind, LayerStep, RouteKind, Src};
 use crate::error::{Error, Result};
-use crate::exec::{Bindings, Handle, Workspace};
+use crate::exec::{Bindings, Handle, Scalar, Workspace};
 use crate::reference::bn::bn_recompute;
 use crate::reference::parallel::channel_sums;
 use crate::reference::params::check_len;
@@ -56,60 +56,17 @@ impl CbrLayer {
     pub fn run_gpu(&self, pass: Pass, handle: &Handle, io: &mut DeviceBuffers<'_>) -> Result<()> {
         let prev_given = io.has_prev().then_some(());
         self.check_prev(&prev_given)?;
-        let cpu_only = |step: &LayerStep| {
-            Error::CudnnMessage(format!(
-                "layer {} was made for the CPU executor: its {:?} step has no cuDNN plan",
-                self.config().shape.label(),
-                step.role
-            ))
-        };
         // Refused before anything is enqueued, so a pass never runs halfway.
         if let Some(step) = self
             .pass_steps(pass)
             .find(|s| s.plan.is_none() && s.kernel.is_none())
         {
-            return Err(cpu_only(step));
+            return Err(self.cpu_only(step));
         }
         let stream = handle.stream().clone();
         let r = io.resolve(&stream);
         for step in self.pass_steps(pass) {
-            let plan = match (&step.plan, &step.kernel) {
-                (Some(plan), _) => plan,
-                (None, Some(kernel)) => {
-                    kernel.launch(handle, &r)?;
-                    continue;
-                }
-                (None, None) => return Err(cpu_only(step)),
-            };
-            // Per-channel reductions (GenStats' sums, BN_BWD_WEIGHTS' and the reductions' dγ/dβ)
-            // may be split across CTAs that accumulate into their outputs; zero those first so
-            // a step never adds to the previous step's values (a cheap memset, and harmless
-            // where cuDNN overwrites them).
-            let accumulated: &[&str] = match step.role {
-                GraphRole::ConvStats | GraphRole::Stats => &["sum", "sq_sum"],
-                GraphRole::DgradDreluDbn | GraphRole::DbnReduce | GraphRole::ApplyDbnReduce => {
-                    &["dgamma", "dbeta"]
-                }
-                _ => &[],
-            };
-            for (_, src) in &step.bindings {
-                match src {
-                    This(n) if accumulated.contains(n) => r.zero(handle, Side::This, n)?,
-                    Prev(n) if accumulated.contains(n) => r.zero(handle, Side::Prev, n)?,
-                    _ => {}
-                }
-            }
-            let mut b = Bindings::new(plan);
-            for (t, src) in &step.bindings {
-                match src {
-                    This(name) => r.bind(&mut b, *t, Side::This, name)?,
-                    Prev(name) => r.bind(&mut b, *t, Side::Prev, name)?,
-                    Src::Scalar(v) => {
-                        b.bind_scalar(*t, *v)?;
-                    }
-                }
-            }
-            plan.execute(handle, &b, Workspace::Pooled)?;
+            self.gpu_step(step, handle, &r, 1)?;
         }
         if pass == Pass::Forward {
             for (next, cur) in RUNNING_COPIES {
@@ -117,6 +74,162 @@ impl CbrLayer {
             }
         }
         Ok(())
+    }
+
+    /// [`CbrLayer::run_gpu`] with synchronized BN ([`DeviceBnSync`], module
+    /// [`super::bn_sync`]): the statistics and the BN-backward coefficients of the global
+    /// batch, each step treated as [`sync_action`] says, the collectives enqueued on the
+    /// handle's stream between the steps. With one replica it is [`CbrLayer::run_gpu`].
+    ///
+    /// # Errors
+    /// As [`CbrLayer::run_gpu`]; [`Error::BnSync`] for a route whose BN graphs sum inside
+    /// themselves (the unfused route: plan the fused or generic one) or when the group fails;
+    /// [`Error::Kernel`] when our coefficients kernel cannot be loaded.
+    pub fn run_gpu_synced(
+        &self,
+        pass: Pass,
+        handle: &Handle,
+        io: &mut DeviceBuffers<'_>,
+        sync: &mut dyn DeviceBnSync,
+    ) -> Result<()> {
+        let replicas = sync.replicas();
+        if replicas <= 1 {
+            return self.run_gpu(pass, handle, io);
+        }
+        let prev_given = io.has_prev().then_some(());
+        self.check_prev(&prev_given)?;
+        // Refused before anything is enqueued, so a pass never runs halfway.
+        for step in self.pass_steps(pass) {
+            if step.plan.is_none() && step.kernel.is_none() {
+                return Err(self.cpu_only(step));
+            }
+            if sync_action(step.role) == SyncAction::Split {
+                return Err(Error::BnSync(format!(
+                    "layer {} runs the {} route, whose {:?} graph sums its BN statistics inside \
+                     itself; synchronized BN on the GPU needs the fused or generic route",
+                    self.config().shape.label(),
+                    self.route().name(),
+                    step.role
+                )));
+            }
+        }
+        let s = &self.config().shape;
+        let (c, k) = (s.c as usize, s.k as usize);
+        let stream = handle.stream().clone();
+        let mut scratch = SyncScratch::new(&stream, 2 * c.max(k))?;
+        let r = io.resolve(&stream);
+        for step in self.pass_steps(pass) {
+            match sync_action(step.role) {
+                SyncAction::Local | SyncAction::Split => self.gpu_step(step, handle, &r, 1)?,
+                SyncAction::GlobalCount => self.gpu_step(step, handle, &r, replicas)?,
+                SyncAction::ReduceStats => {
+                    self.gpu_step(step, handle, &r, 1)?;
+                    let sums = [(Side::This, "sum"), (Side::This, "sq_sum")];
+                    scratch.gather(handle, &r, sums, k)?;
+                    sync.all_reduce_sum(&stream, scratch.slice_mut())?;
+                    scratch.scatter(handle, &r, sums, k)?;
+                }
+                SyncAction::Coefficients {
+                    side,
+                    outputs,
+                    after_step,
+                } => {
+                    if after_step {
+                        self.gpu_step(step, handle, &r, 1)?;
+                    }
+                    let (side, channels, pixels) = match side {
+                        BnSide::Prev => (Side::Prev, c, s.n * s.h * s.w),
+                        BnSide::This => (Side::This, k, s.n * s.p() * s.q()),
+                    };
+                    scratch.gather(handle, &r, [(side, "dgamma"), (side, "dbeta")], channels)?;
+                    sync.all_reduce_sum(&stream, scratch.slice_mut())?;
+                    let count = pixels as f64 * replicas as f64;
+                    let inputs = [
+                        r.get(side, "gamma")?,
+                        r.get(side, "saved_inv_std")?,
+                        r.get(side, "saved_mean")?,
+                    ];
+                    let outputs = outputs.map(|n| r.get(Side::This, n));
+                    let [a, b, cc] = outputs;
+                    scratch.coefficients(
+                        handle,
+                        inputs,
+                        (-1.0 / count) as f32,
+                        [a?, b?, cc?],
+                        channels,
+                    )?;
+                }
+            }
+        }
+        if pass == Pass::Forward {
+            for (next, cur) in RUNNING_COPIES {
+                r.copy(handle, cur, next)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn cpu_only(&self, step: &LayerStep) -> Error {
+        Error::CudnnMessage(format!(
+            "layer {} was made for the CPU executor: its {:?} step has no cuDNN plan",
+            self.config().shape.label(),
+            step.role
+        ))
+    }
+
+    /// Enqueues one step: our kernel, or its cuDNN plan over the resolved buffers. A BN
+    /// finalize divides by the local element count times `replicas`.
+    fn gpu_step(
+        &self,
+        step: &LayerStep,
+        handle: &Handle,
+        r: &Resolved<'_>,
+        replicas: usize,
+    ) -> Result<()> {
+        let plan = match (&step.plan, &step.kernel) {
+            (Some(plan), _) => plan,
+            (None, Some(kernel)) => return kernel.launch(handle, r),
+            (None, None) => return Err(self.cpu_only(step)),
+        };
+        // Per-channel reductions (GenStats' sums, BN_BWD_WEIGHTS' and the reductions' dγ/dβ)
+        // may be split across CTAs that accumulate into their outputs; zero those first so
+        // a step never adds to the previous step's values (a cheap memset, and harmless
+        // where cuDNN overwrites them).
+        let accumulated: &[&str] = match step.role {
+            GraphRole::ConvStats | GraphRole::Stats => &["sum", "sq_sum"],
+            GraphRole::DgradDreluDbn | GraphRole::DbnReduce | GraphRole::ApplyDbnReduce => {
+                &["dgamma", "dbeta"]
+            }
+            _ => &[],
+        };
+        for (_, src) in &step.bindings {
+            match src {
+                This(n) if accumulated.contains(n) => r.zero(handle, Side::This, n)?,
+                Prev(n) if accumulated.contains(n) => r.zero(handle, Side::Prev, n)?,
+                _ => {}
+            }
+        }
+        let mut b = Bindings::new(plan);
+        for (t, src) in &step.bindings {
+            match src {
+                This(name) => r.bind(&mut b, *t, Side::This, name)?,
+                Prev(name) => r.bind(&mut b, *t, Side::Prev, name)?,
+                // The finalize's element count, the one by-value integer of a layer's graphs.
+                Src::Scalar(Scalar::I64(n)) if step.role == GraphRole::Finalize => {
+                    let global = i64::try_from(replicas)
+                        .ok()
+                        .and_then(|k| n.checked_mul(k))
+                        .ok_or_else(|| {
+                            Error::BnSync(format!("{n} elements × {replicas} replicas overflow"))
+                        })?;
+                    b.bind_scalar(*t, Scalar::I64(global))?;
+                }
+                Src::Scalar(v) => {
+                    b.bind_scalar(*t, *v)?;
+                }
+            }
+        }
+        plan.execute(handle, &b, Workspace::Pooled)
     }
 
     /// Runs one pass on the CPU with the reference ops (FP16 storage, FP32 arithmetic), over
