@@ -67,6 +67,7 @@ use super::{
 };
 pub use crate::snapshot::Snapshot;
 use cudnn_cbr::amp::cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudnn_cbr::amp::cuda::cudarc::driver::CudaEvent;
 use cudnn_cbr::amp::cuda::cudarc::driver::{CudaGraph, DriverError};
 use cudnn_cbr::amp::cuda::dist_grads::{NcclBnSync, SharedComm};
 use cudnn_cbr::amp::cuda::{
@@ -75,7 +76,8 @@ use cudnn_cbr::amp::cuda::{
 };
 use cudnn_cbr::amp::dist::bootstrap::{exchange_id, LaunchEnv};
 use cudnn_cbr::amp::dist::nccl::{NcclComm, NcclId};
-use cudnn_cbr::amp::dist::{Collective, ReduceOp};
+use cudnn_cbr::amp::dist::watchdog::{timeout_from_env, Health, Watchdog};
+use cudnn_cbr::amp::dist::{Collective, DistError, ReduceOp};
 use cudnn_cbr::amp::plan::{ByteRange, Region};
 use cudnn_cbr::amp::range::{
     metrics_log_bytes, metrics_log_read, HeadMetrics, HeadShape, MetricsLog,
@@ -88,9 +90,12 @@ use cudnn_cbr::fusion::exec::{cuda_device, Handle};
 use cudnn_cbr::net::cuda::{running_stats, CudaNet, CudaNetError};
 use cudnn_cbr::net::{grad_schedule, CompiledNet, GradSchedule, RoutePolicy};
 use half::f16;
+use std::collections::VecDeque;
 use std::fmt;
 use std::marker::PhantomData;
+use std::sync::PoisonError;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use std::time::Instant;
 
 /// Eager steps before the capture (cuDNN's lazy loading, the workspace pool and the first
@@ -211,6 +216,65 @@ struct GpuGroup {
     comm: SharedComm,
     /// When each gradient bucket is final in the backward pass (its sum overlaps the rest).
     schedule: GradSchedule,
+    /// An event after each step's collectives, until the watchdog sees it complete.
+    pending: Arc<Mutex<VecDeque<CudaEvent>>>,
+    /// Aborts the communicator when the steps stop completing (a peer hung or died) or NCCL
+    /// reports an asynchronous error.
+    watchdog: Watchdog,
+}
+
+impl GpuGroup {
+    /// Records an event after the step enqueued so far on `stream`, for the watchdog.
+    fn mark_step(&self, stream: &CudaStream) -> Result<(), TrainError> {
+        let event = stream
+            .record_event(None)
+            .map_err(|e| driver("record the step's event", e))?;
+        self.pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push_back(event);
+        Ok(())
+    }
+}
+
+/// The watchdog of a rank's communicator: it probes NCCL's asynchronous error and the events
+/// of the steps enqueued ([`GpuGroup::mark_step`]), and aborts the communicator after the
+/// timeout of pending steps without progress.
+fn watch(
+    comm: &NcclComm,
+    pending: Arc<Mutex<VecDeque<CudaEvent>>>,
+) -> Result<Watchdog, TrainError> {
+    let timeout = timeout_from_env().map_err(TrainError::Config)?;
+    let (health, abort) = (comm.abort_handle(), comm.abort_handle());
+    let ctx = comm.stream().context().clone();
+    let probe = move || {
+        if let Some(why) = health.async_error() {
+            return Health::Failed(why);
+        }
+        if let Err(e) = ctx.bind_to_thread() {
+            return Health::Failed(format!("the watchdog cannot bind the CUDA context: {e}"));
+        }
+        let mut q = pending.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut advanced = false;
+        while let Some(event) = q.front() {
+            match event.try_is_complete() {
+                Ok(true) => {
+                    q.pop_front();
+                    advanced = true;
+                }
+                Ok(false) => break,
+                Err(e) => return Health::Failed(format!("a step failed on the device: {e}")),
+            }
+        }
+        match (advanced, q.is_empty()) {
+            (true, _) => Health::Advancing,
+            (false, true) => Health::Idle,
+            (false, false) => Health::Waiting,
+        }
+    };
+    let tick = (timeout / 20).clamp(Duration::from_millis(10), Duration::from_secs(1));
+    Watchdog::spawn(timeout, tick, probe, move |why| abort.abort(why))
+        .map_err(|e| TrainError::Config(format!("cannot start the NCCL watchdog thread: {e}")))
 }
 
 impl fmt::Debug for CudaTrainer {
@@ -304,6 +368,8 @@ impl CudaTrainer {
                 let mut comm =
                     NcclComm::new(link, l.rank, l.world, &id).map_err(|e| amp_error(e.into()))?;
                 dist_grads::broadcast_weights(step.executor_mut(), &mut comm).map_err(amp_error)?;
+                let pending = Arc::new(Mutex::new(VecDeque::new()));
+                let watchdog = watch(&comm, pending.clone())?;
                 let comm = Arc::new(Mutex::new(comm));
                 let ranks = u32::try_from(l.world)
                     .map_err(|_| TrainError::Config(format!("{} ranks", l.world)))?;
@@ -313,6 +379,8 @@ impl CudaTrainer {
                     world: l.world,
                     comm,
                     schedule: grad_schedule(&net, step.executor().plan_arc()).map_err(net_error)?,
+                    pending,
+                    watchdog,
                 })
             }
         };
@@ -398,10 +466,11 @@ impl CudaTrainer {
             };
         let group = match &self.dist {
             Some(g) => format!(
-                "rank {} of {} (NCCL {}); ",
+                "rank {} of {} (NCCL {}, watchdog {:.0} s); ",
                 g.rank,
                 g.world,
-                dist_grads::lock(&g.comm).library().version()
+                dist_grads::lock(&g.comm).library().version(),
+                g.watchdog.timeout().as_secs_f64()
             ),
             None => String::new(),
         };
@@ -602,7 +671,8 @@ impl CudaTrainer {
             dist_grads::join_gradients(self.step.executor_mut(), &mut comm).map_err(amp_error)?;
             self.step
                 .finish_with(|r| dist_grads::all_reduce_overflow(r, &mut comm))
-                .map_err(amp_error)
+                .map_err(amp_error)?;
+            g.mark_step(&self.stream)
         } else {
             self.step.finish().map_err(amp_error)
         }
@@ -828,6 +898,30 @@ impl CudaTrainer {
     /// The training loop (see [`super::Trainer::run`] for the reporting rules).
     pub(crate) fn run(
         mut self,
+        every: usize,
+        progress: impl FnMut(&Progress),
+        executor: ExecutorInfo,
+    ) -> Result<TrainReport, TrainError> {
+        let out = self.run_steps(every, progress, executor);
+        out.map_err(|e| self.explain(e))
+    }
+
+    /// `e`, or, once the watchdog has aborted the group, the abort that caused it.
+    fn explain(&self, e: TrainError) -> TrainError {
+        match &self.dist {
+            Some(g) => match g.watchdog.fired() {
+                Some(reason) => amp_error(AmpError::Dist(DistError::Aborted {
+                    me: g.rank,
+                    reason: format!("{reason} (then: {e})"),
+                })),
+                None => e,
+            },
+            None => e,
+        }
+    }
+
+    fn run_steps(
+        &mut self,
         every: usize,
         mut progress: impl FnMut(&Progress),
         mut executor: ExecutorInfo,

@@ -2,7 +2,7 @@
 //! [`NcclComm`]. See that module for where the library is looked for and how ranks meet.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut, DevicePtrMut};
 use cudarc::nccl::sys::{ncclComm_t, ncclUniqueId};
@@ -258,17 +258,109 @@ unsafe fn c_str(p: *const c_char) -> String {
 /// [`NcclComm::destroy`] waits for the stream and frees the communicator; dropping it
 /// instead aborts whatever is still pending (`ncclCommAbort`, which never waits for peers).
 pub struct NcclComm {
-    comm: ncclComm_t,
+    /// The communicator, shared with its [`NcclAbort`] handles.
+    live: Arc<Mutex<Live>>,
     lib: &'static NcclLibrary,
     stream: Arc<CudaStream>,
     rank: usize,
     world: usize,
 }
 
+/// An NCCL communicator handle.
+struct RawComm(ncclComm_t);
+
 // SAFETY: an NCCL communicator may be used from any thread as long as no two threads use it
-// at once; `NcclComm` is not `Sync` (raw pointer), and every call binds the stream's CUDA
-// context to the calling thread first.
-unsafe impl Send for NcclComm {}
+// at once: it is only reached through the `Mutex<Live>` that holds it, locked for each call,
+// and every call binds the stream's CUDA context to the calling thread first.
+unsafe impl Send for RawComm {}
+
+/// The communicator's state.
+enum Live {
+    /// In use.
+    Comm(RawComm),
+    /// Aborted by an [`NcclAbort`] (the watchdog), with why.
+    Aborted(String),
+    /// Destroyed or dropped.
+    Freed,
+}
+
+impl Live {
+    /// The live communicator, or why there is none.
+    fn comm(&self, op: &'static str) -> Result<ncclComm_t, DistError> {
+        match self {
+            Live::Comm(c) => Ok(c.0),
+            Live::Aborted(why) => Err(DistError::Nccl {
+                op,
+                code: None,
+                message: format!("the communicator was aborted: {why}"),
+            }),
+            Live::Freed => Err(DistError::Nccl {
+                op,
+                code: None,
+                message: "the communicator was destroyed".into(),
+            }),
+        }
+    }
+}
+
+fn lock_live(live: &Mutex<Live>) -> std::sync::MutexGuard<'_, Live> {
+    live.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A handle that aborts an [`NcclComm`] from another thread (a watchdog's), or reads NCCL's
+/// asynchronous error without the communicator.
+#[derive(Clone)]
+pub struct NcclAbort {
+    live: Arc<Mutex<Live>>,
+    lib: &'static NcclLibrary,
+    stream: Arc<CudaStream>,
+}
+
+impl std::fmt::Debug for NcclAbort {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclAbort").finish_non_exhaustive()
+    }
+}
+
+impl NcclAbort {
+    /// Aborts the communicator (`ncclCommAbort`: pending collectives return, peers are not
+    /// waited for); later calls on it fail naming `reason`. Does nothing to one already
+    /// aborted or freed.
+    pub fn abort(&self, reason: &str) {
+        let mut live = lock_live(&self.live);
+        if let Live::Comm(c) = &*live {
+            let _ = self.stream.context().bind_to_thread();
+            // SAFETY: the communicator is live and held under the lock, so no other call
+            // uses it meanwhile; abort frees it, and it is never reached again (replaced
+            // below).
+            unsafe { (self.lib.comm_abort)(c.0) };
+            *live = Live::Aborted(reason.to_string());
+        }
+    }
+
+    /// NCCL's asynchronous error on the communicator, if any (`ncclCommGetAsyncError`); `None`
+    /// once it is aborted or freed.
+    pub fn async_error(&self) -> Option<String> {
+        let live = lock_live(&self.live);
+        let Live::Comm(c) = &*live else {
+            return None;
+        };
+        async_error(self.lib, c.0).err().map(|e| e.to_string())
+    }
+}
+
+/// `ncclCommGetAsyncError` on a live communicator.
+fn async_error(lib: &NcclLibrary, comm: ncclComm_t) -> Result<(), DistError> {
+    let mut state: c_int = 0;
+    // SAFETY: `comm` is live (the caller holds its lock); NCCL writes one int into the local.
+    let code = unsafe { (lib.async_error)(comm, &mut state) };
+    lib.check("ncclCommGetAsyncError", code, Some(comm))?;
+    // 7: ncclInProgress, only for non-blocking communicators (not made here).
+    if state == 7 {
+        return Ok(());
+    }
+    lib.check("an enqueued collective", state, Some(comm))
+}
 
 impl std::fmt::Debug for NcclComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -335,12 +427,21 @@ impl NcclComm {
             });
         }
         Ok(NcclComm {
-            comm,
+            live: Arc::new(Mutex::new(Live::Comm(RawComm(comm)))),
             lib,
             stream,
             rank,
             world,
         })
+    }
+
+    /// A handle that can abort this communicator from another thread ([`NcclAbort`]).
+    pub fn abort_handle(&self) -> NcclAbort {
+        NcclAbort {
+            live: self.live.clone(),
+            lib: self.lib,
+            stream: self.stream.clone(),
+        }
     }
 
     /// The stream the collectives are enqueued on.
@@ -359,17 +460,8 @@ impl NcclComm {
     /// # Errors
     /// [`DistError::Nccl`] with NCCL's error.
     pub fn check_async(&self) -> Result<(), DistError> {
-        let mut state: c_int = 0;
-        // SAFETY: `self.comm` is live (owned by `self`); NCCL writes one int into the local.
-        let code = unsafe { (self.lib.async_error)(self.comm, &mut state) };
-        self.lib
-            .check("ncclCommGetAsyncError", code, Some(self.comm))?;
-        // 7: ncclInProgress, only for non-blocking communicators (not made here).
-        if state == 7 {
-            return Ok(());
-        }
-        self.lib
-            .check("an enqueued collective", state, Some(self.comm))
+        let live = lock_live(&self.live);
+        async_error(self.lib, live.comm("ncclCommGetAsyncError")?)
     }
 
     /// Waits for the stream (every enqueued collective), then frees the communicator
@@ -378,8 +470,13 @@ impl NcclComm {
     /// # Errors
     /// [`DistError::Nccl`]: the stream's wait failed (the communicator is then aborted) or
     /// NCCL's own error.
-    pub fn destroy(mut self) -> Result<(), DistError> {
-        let comm = std::mem::replace(&mut self.comm, std::ptr::null_mut());
+    pub fn destroy(self) -> Result<(), DistError> {
+        let comm = {
+            let mut live = lock_live(&self.live);
+            let comm = live.comm("ncclCommDestroy")?;
+            *live = Live::Freed;
+            comm
+        };
         let synced = bind(&self.stream, "ncclCommDestroy").and_then(|()| {
             self.stream.synchronize().map_err(|e| DistError::Nccl {
                 op: "ncclCommDestroy",
@@ -409,11 +506,13 @@ impl NcclComm {
             ReduceOp::Sum => cudarc::nccl::sys::ncclRedOp_t::ncclSum,
             ReduceOp::Max => cudarc::nccl::sys::ncclRedOp_t::ncclMax,
         } as c_int;
+        let live = lock_live(&self.live);
+        let comm = live.comm("ncclAllReduce")?;
         let (ptr, _record) = buf.device_ptr_mut(&self.stream);
         // SAFETY: `ptr` addresses `count` elements of `T` in the stream's context (checked
         // above), which the stream now waits for and which stay borrowed until `_record`
-        // marks the collective's end on the stream; in place is allowed by NCCL; `self.comm`
-        // is live and the context is current.
+        // marks the collective's end on the stream; in place is allowed by NCCL; `comm` is
+        // live (its lock held through the call) and the context is current.
         let code = unsafe {
             (self.lib.all_reduce)(
                 ptr as *const c_void,
@@ -421,11 +520,11 @@ impl NcclComm {
                 count,
                 T::as_nccl_type() as c_int,
                 red,
-                self.comm,
+                comm,
                 self.stream.cu_stream() as *mut c_void,
             )
         };
-        self.lib.check("ncclAllReduce", code, Some(self.comm))
+        self.lib.check("ncclAllReduce", code, Some(comm))
     }
 
     fn broadcast_on<T: NcclType, B: DevicePtrMut<T>>(
@@ -443,6 +542,8 @@ impl NcclComm {
         self.same_context(buf.stream(), "ncclBroadcast")?;
         bind(&self.stream, "ncclBroadcast")?;
         let count = buf.len();
+        let live = lock_live(&self.live);
+        let comm = live.comm("ncclBroadcast")?;
         let (ptr, _record) = buf.device_ptr_mut(&self.stream);
         // SAFETY: as in `all_reduce_on`; `root` < world <= c_int::MAX (checked in `new`).
         let code = unsafe {
@@ -452,11 +553,11 @@ impl NcclComm {
                 count,
                 T::as_nccl_type() as c_int,
                 root as c_int,
-                self.comm,
+                comm,
                 self.stream.cu_stream() as *mut c_void,
             )
         };
-        self.lib.check("ncclBroadcast", code, Some(self.comm))
+        self.lib.check("ncclBroadcast", code, Some(comm))
     }
 
     fn same_context(&self, theirs: &Arc<CudaStream>, op: &'static str) -> Result<(), DistError> {
@@ -489,13 +590,15 @@ fn bind(stream: &CudaStream, op: &'static str) -> Result<(), DistError> {
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
-        if self.comm.is_null() {
-            return;
+        let mut live = lock_live(&self.live);
+        if let Live::Comm(c) = &*live {
+            let _ = self.stream.context().bind_to_thread();
+            // SAFETY: the communicator is live and held under the lock, so nothing else uses
+            // it; abort frees it without waiting for peers (the result is ignored: nothing is
+            // left to report it to), and it is never reached again (replaced below).
+            unsafe { (self.lib.comm_abort)(c.0) };
         }
-        let _ = self.stream.context().bind_to_thread();
-        // SAFETY: `self.comm` is live and used by nothing else; abort frees it without
-        // waiting for peers (the result is ignored: nothing is left to report it to).
-        unsafe { (self.lib.comm_abort)(self.comm) };
+        *live = Live::Freed;
     }
 }
 

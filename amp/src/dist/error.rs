@@ -20,6 +20,15 @@ pub enum DistError {
         /// What the failed rank reported.
         reason: String,
     },
+    /// The watchdog aborted the group: collectives on the device made no progress within its
+    /// timeout, or the backend reported an asynchronous error ([`super::watchdog`]).
+    #[error("rank {me}: the data-parallel group was aborted by its watchdog: {reason}")]
+    Aborted {
+        /// This rank.
+        me: usize,
+        /// Why.
+        reason: String,
+    },
     /// Not every rank reached the collective within the group's timeout.
     #[error("{op} on rank {me}: ranks {missing:?} did not arrive within {waited:?}")]
     Timeout {

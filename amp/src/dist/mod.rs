@@ -27,6 +27,7 @@ pub mod cpu;
 mod error;
 pub mod grads;
 pub mod nccl;
+pub mod watchdog;
 
 pub use error::DistError;
 
