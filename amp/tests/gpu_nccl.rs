@@ -12,6 +12,7 @@ use cudnn_cbr_amp::dist::{Collective, ReduceOp};
 use cudnn_cbr_amp::plan::{MemoryPlan, MemoryPlanBuilder, ParamKind, Region};
 use cudnn_cbr_amp::range::SgdConfig;
 use cudnn_cbr_amp::step::{AmpStep, StepConfig};
+use cudnn_cbr_fusion::cbr::DeviceBnSync;
 use half::f16;
 
 mod common;
@@ -35,6 +36,16 @@ fn plan() -> Arc<MemoryPlan> {
 /// A step over fresh regions with the same weights and gradients; `comm` runs the
 /// collectives of a data-parallel step around it. Returns W, A and S after the step.
 fn step(stream: &Arc<CudaStream>, comm: Option<&mut NcclComm>) -> Vec<Vec<u8>> {
+    step_with(stream, comm, false)
+}
+
+/// [`step`]; with `per_bucket`, the gradients summed one bucket at a time (each after the
+/// regions' stream, as an overlapped backward releases them) and then joined.
+fn step_with(
+    stream: &Arc<CudaStream>,
+    comm: Option<&mut NcclComm>,
+    per_bucket: bool,
+) -> Vec<Vec<u8>> {
     let plan = plan();
     let mut regions = CudaRegions::new(plan.clone(), stream.clone()).unwrap();
     let mut rng = Rng(42);
@@ -62,6 +73,16 @@ fn step(stream: &Arc<CudaStream>, comm: Option<&mut NcclComm>) -> Vec<Vec<u8>> {
     }
     match comm {
         None => step.finish().unwrap(),
+        Some(comm) if per_bucket => {
+            let after = step.executor().stream().clone();
+            for b in plan.buckets().iter().rev() {
+                dist_grads::all_reduce_bucket(step.executor_mut(), comm, b.bucket(), &after)
+                    .unwrap();
+            }
+            dist_grads::join_gradients(step.executor_mut(), comm).unwrap();
+            step.finish_with(|r| dist_grads::all_reduce_overflow(r, comm))
+                .unwrap();
+        }
         Some(comm) => {
             dist_grads::all_reduce_gradients(step.executor_mut(), comm).unwrap();
             step.finish_with(|r| dist_grads::all_reduce_overflow(r, comm))
@@ -109,6 +130,57 @@ fn gpu_a_one_rank_nccl_step_equals_the_step_without_a_communicator() {
             .map(|l| l.version())
             .unwrap_or(0)
     );
+}
+
+#[test]
+fn gpu_per_bucket_sums_on_one_rank_equal_the_step_without_a_communicator() {
+    const TEST: &str = "gpu_per_bucket_sums_on_one_rank_equal_the_step_without_a_communicator";
+    let Some((stream, _)) = device(TEST) else {
+        return;
+    };
+    let Some(mut comm) = nccl_or_skip(TEST, &stream) else {
+        return;
+    };
+    let plain = step(&stream, None);
+    let with = step_with(&stream, Some(&mut comm), true);
+    comm.check_async().unwrap();
+    for (name, (a, b)) in ["W", "A", "S"].iter().zip(plain.iter().zip(&with)) {
+        assert_eq!(a, b, "region {name}");
+    }
+    // Synchronized BN's reducer over the same one-rank group leaves values as they are.
+    let shared = Arc::new(std::sync::Mutex::new(comm));
+    let mut bn = dist_grads::NcclBnSync::new(shared.clone());
+    assert_eq!(bn.replicas(), 1);
+    let host: Vec<f32> = (0..64).map(|i| i as f32 * 0.5).collect();
+    let mut values = stream.clone_htod(&host).unwrap();
+    bn.all_reduce_sum(&stream, &mut values).unwrap();
+    assert_eq!(stream.clone_dtoh(&values).unwrap(), host);
+    println!("{TEST}: per-bucket sums and the BN reducer leave one rank's step unchanged");
+}
+
+#[test]
+fn gpu_an_aborted_communicator_refuses_later_collectives() {
+    const TEST: &str = "gpu_an_aborted_communicator_refuses_later_collectives";
+    let Some((stream, _)) = device(TEST) else {
+        return;
+    };
+    let Some(mut comm) = nccl_or_skip(TEST, &stream) else {
+        return;
+    };
+    let handle = comm.abort_handle();
+    assert_eq!(handle.async_error(), None);
+    handle.abort("the test's watchdog fired");
+    let mut buf = stream.clone_htod(&[1f32; 16]).unwrap();
+    let e = comm
+        .all_reduce(&mut buf, ReduceOp::Sum)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("aborted: the test's watchdog fired"), "{e}");
+    assert!(comm.check_async().is_err());
+    // A second abort and the drop after it free nothing twice.
+    handle.abort("again");
+    drop(comm);
+    println!("{TEST}: refused after abort: {e}");
 }
 
 #[test]
