@@ -9,6 +9,7 @@ mod common;
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::fusion::Target;
+use cudnn_cbr::net::cuda::check_bn_sync;
 use cudnn_cbr::net::{compile, CompiledNet, LayerRole, NetLayer, Preset, RoutePolicy, Step};
 use std::time::Instant;
 
@@ -63,6 +64,10 @@ fn resnet50_plans_on_every_fixture_and_route() {
                     l.name
                 );
             }
+            // Synchronized BN on GPUs needs every layer on a route that sums between steps:
+            // the fused route and its fallbacks give one here; the unfused route does not.
+            let sync = check_bn_sync(&net);
+            assert_eq!(sync.is_ok(), route.is_none(), "{label} {route:?}: {sync:?}");
             match route {
                 None if label.starts_with("H200") => {
                     assert_eq!(pairs, expected_pairs, "{label}");
