@@ -210,6 +210,10 @@ pub struct CudaTrainer {
 /// One process of a multi-GPU run: its rank and the NCCL communicator (on a stream of its
 /// own) that sums the gradients.
 struct GpuGroup {
+    /// Aborts the communicator when the steps stop completing (a peer hung or died) or NCCL
+    /// reports an asynchronous error. First, so that it stops before the communicator is
+    /// dropped (fields drop in order).
+    watchdog: Watchdog,
     rank: usize,
     world: usize,
     /// Shared with synchronized BN's reducer, when on.
@@ -218,9 +222,6 @@ struct GpuGroup {
     schedule: GradSchedule,
     /// An event after each step's collectives, until the watchdog sees it complete.
     pending: Arc<Mutex<VecDeque<CudaEvent>>>,
-    /// Aborts the communicator when the steps stop completing (a peer hung or died) or NCCL
-    /// reports an asynchronous error.
-    watchdog: Watchdog,
 }
 
 impl GpuGroup {

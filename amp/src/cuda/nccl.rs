@@ -2,6 +2,7 @@
 //! [`NcclComm`]. See that module for where the library is looked for and how ranks meet.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut, DevicePtrMut};
@@ -259,59 +260,66 @@ unsafe fn c_str(p: *const c_char) -> String {
 /// instead aborts whatever is still pending (`ncclCommAbort`, which never waits for peers).
 pub struct NcclComm {
     /// The communicator, shared with its [`NcclAbort`] handles.
-    live: Arc<Mutex<Live>>,
+    shared: Arc<Shared>,
     lib: &'static NcclLibrary,
     stream: Arc<CudaStream>,
     rank: usize,
     world: usize,
 }
 
-/// An NCCL communicator handle.
-struct RawComm(ncclComm_t);
-
-// SAFETY: an NCCL communicator may be used from any thread as long as no two threads use it
-// at once: it is only reached through the `Mutex<Live>` that holds it, locked for each call,
-// and every call binds the stream's CUDA context to the calling thread first.
-unsafe impl Send for RawComm {}
-
-/// The communicator's state.
-enum Live {
-    /// In use.
-    Comm(RawComm),
-    /// Aborted by an [`NcclAbort`] (the watchdog), with why.
-    Aborted(String),
-    /// Destroyed or dropped.
-    Freed,
+/// A communicator's state, shared by the [`NcclComm`] and its [`NcclAbort`] handles.
+///
+/// Calls through the communicator take `calls` (one at a time, as NCCL requires) and load the
+/// handle; an abort does not wait for `calls`: NCCL's abort exists to end a call that hangs in
+/// another thread (a collective waiting on a dead peer, or its connection setup), so it swaps
+/// the handle out and aborts it at once, and every later call finds it gone.
+struct Shared {
+    /// The `ncclComm_t`; null once aborted, destroyed or dropped.
+    comm: AtomicPtr<c_void>,
+    /// Why it was aborted.
+    reason: Mutex<Option<String>>,
+    /// Held through each call made with the handle.
+    calls: Mutex<()>,
 }
 
-impl Live {
-    /// The live communicator, or why there is none.
+impl Shared {
+    /// The live handle, or why there is none.
     fn comm(&self, op: &'static str) -> Result<ncclComm_t, DistError> {
-        match self {
-            Live::Comm(c) => Ok(c.0),
-            Live::Aborted(why) => Err(DistError::Nccl {
-                op,
-                code: None,
-                message: format!("the communicator was aborted: {why}"),
-            }),
-            Live::Freed => Err(DistError::Nccl {
-                op,
-                code: None,
-                message: "the communicator was destroyed".into(),
-            }),
+        let p = self.comm.load(Ordering::Acquire);
+        if !p.is_null() {
+            return Ok(p.cast());
         }
+        let message = match &*lock(&self.reason) {
+            Some(why) => format!("the communicator was aborted: {why}"),
+            None => "the communicator was destroyed".into(),
+        };
+        Err(DistError::Nccl {
+            op,
+            code: None,
+            message,
+        })
+    }
+
+    /// Takes the handle out (null afterwards), recording `reason` if it is the first.
+    fn take(&self, reason: Option<&str>) -> ncclComm_t {
+        if let Some(why) = reason {
+            lock(&self.reason).get_or_insert_with(|| why.to_string());
+        }
+        self.comm
+            .swap(std::ptr::null_mut(), Ordering::AcqRel)
+            .cast()
     }
 }
 
-fn lock_live(live: &Mutex<Live>) -> std::sync::MutexGuard<'_, Live> {
-    live.lock().unwrap_or_else(PoisonError::into_inner)
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// A handle that aborts an [`NcclComm`] from another thread (a watchdog's), or reads NCCL's
-/// asynchronous error without the communicator.
+/// asynchronous error. Stop the threads that use it before the communicator is dropped.
 #[derive(Clone)]
 pub struct NcclAbort {
-    live: Arc<Mutex<Live>>,
+    shared: Arc<Shared>,
     lib: &'static NcclLibrary,
     stream: Arc<CudaStream>,
 }
@@ -323,36 +331,33 @@ impl std::fmt::Debug for NcclAbort {
 }
 
 impl NcclAbort {
-    /// Aborts the communicator (`ncclCommAbort`: pending collectives return, peers are not
-    /// waited for); later calls on it fail naming `reason`. Does nothing to one already
-    /// aborted or freed.
+    /// Aborts the communicator (`ncclCommAbort`: its pending and hanging calls return, peers
+    /// are not waited for); later calls on it fail naming `reason`. Does nothing to one
+    /// already aborted or freed.
     pub fn abort(&self, reason: &str) {
-        let mut live = lock_live(&self.live);
-        if let Live::Comm(c) = &*live {
-            let _ = self.stream.context().bind_to_thread();
-            // SAFETY: the communicator is live and held under the lock, so no other call
-            // uses it meanwhile; abort frees it, and it is never reached again (replaced
-            // below).
-            unsafe { (self.lib.comm_abort)(c.0) };
-            *live = Live::Aborted(reason.to_string());
+        let comm = self.shared.take(Some(reason));
+        if comm.is_null() {
+            return;
         }
+        let _ = self.stream.context().bind_to_thread();
+        // SAFETY: `comm` was live and is now out of `shared`, so this is its only abort or
+        // destroy; a call already inside NCCL with it is what the abort ends.
+        unsafe { (self.lib.comm_abort)(comm) };
     }
 
     /// NCCL's asynchronous error on the communicator, if any (`ncclCommGetAsyncError`); `None`
     /// once it is aborted or freed.
     pub fn async_error(&self) -> Option<String> {
-        let live = lock_live(&self.live);
-        let Live::Comm(c) = &*live else {
-            return None;
-        };
-        async_error(self.lib, c.0).err().map(|e| e.to_string())
+        let comm = self.shared.comm("ncclCommGetAsyncError").ok()?;
+        async_error(self.lib, comm).err().map(|e| e.to_string())
     }
 }
 
 /// `ncclCommGetAsyncError` on a live communicator.
 fn async_error(lib: &NcclLibrary, comm: ncclComm_t) -> Result<(), DistError> {
     let mut state: c_int = 0;
-    // SAFETY: `comm` is live (the caller holds its lock); NCCL writes one int into the local.
+    // SAFETY: `comm` is live (only an abort or the owner's drop frees it, and the owner stops
+    // its watchdog first); NCCL writes one int into the local.
     let code = unsafe { (lib.async_error)(comm, &mut state) };
     lib.check("ncclCommGetAsyncError", code, Some(comm))?;
     // 7: ncclInProgress, only for non-blocking communicators (not made here).
@@ -427,7 +432,11 @@ impl NcclComm {
             });
         }
         Ok(NcclComm {
-            live: Arc::new(Mutex::new(Live::Comm(RawComm(comm)))),
+            shared: Arc::new(Shared {
+                comm: AtomicPtr::new(comm.cast()),
+                reason: Mutex::new(None),
+                calls: Mutex::new(()),
+            }),
             lib,
             stream,
             rank,
@@ -438,7 +447,7 @@ impl NcclComm {
     /// A handle that can abort this communicator from another thread ([`NcclAbort`]).
     pub fn abort_handle(&self) -> NcclAbort {
         NcclAbort {
-            live: self.live.clone(),
+            shared: self.shared.clone(),
             lib: self.lib,
             stream: self.stream.clone(),
         }
@@ -460,8 +469,8 @@ impl NcclComm {
     /// # Errors
     /// [`DistError::Nccl`] with NCCL's error.
     pub fn check_async(&self) -> Result<(), DistError> {
-        let live = lock_live(&self.live);
-        async_error(self.lib, live.comm("ncclCommGetAsyncError")?)
+        let _calls = lock(&self.shared.calls);
+        async_error(self.lib, self.shared.comm("ncclCommGetAsyncError")?)
     }
 
     /// Waits for the stream (every enqueued collective), then frees the communicator
@@ -471,12 +480,13 @@ impl NcclComm {
     /// [`DistError::Nccl`]: the stream's wait failed (the communicator is then aborted) or
     /// NCCL's own error.
     pub fn destroy(self) -> Result<(), DistError> {
-        let comm = {
-            let mut live = lock_live(&self.live);
-            let comm = live.comm("ncclCommDestroy")?;
-            *live = Live::Freed;
-            comm
-        };
+        let _calls = lock(&self.shared.calls);
+        self.shared.comm("ncclCommDestroy")?;
+        let comm = self.shared.take(None);
+        if comm.is_null() {
+            // Aborted in between.
+            return self.shared.comm("ncclCommDestroy").map(|_| ());
+        }
         let synced = bind(&self.stream, "ncclCommDestroy").and_then(|()| {
             self.stream.synchronize().map_err(|e| DistError::Nccl {
                 op: "ncclCommDestroy",
@@ -506,13 +516,14 @@ impl NcclComm {
             ReduceOp::Sum => cudarc::nccl::sys::ncclRedOp_t::ncclSum,
             ReduceOp::Max => cudarc::nccl::sys::ncclRedOp_t::ncclMax,
         } as c_int;
-        let live = lock_live(&self.live);
-        let comm = live.comm("ncclAllReduce")?;
+        let _calls = lock(&self.shared.calls);
+        let comm = self.shared.comm("ncclAllReduce")?;
         let (ptr, _record) = buf.device_ptr_mut(&self.stream);
         // SAFETY: `ptr` addresses `count` elements of `T` in the stream's context (checked
         // above), which the stream now waits for and which stay borrowed until `_record`
         // marks the collective's end on the stream; in place is allowed by NCCL; `comm` is
-        // live (its lock held through the call) and the context is current.
+        // live (calls are serialized; only an abort may end it meanwhile, which is what abort
+        // is for) and the context is current.
         let code = unsafe {
             (self.lib.all_reduce)(
                 ptr as *const c_void,
@@ -542,8 +553,8 @@ impl NcclComm {
         self.same_context(buf.stream(), "ncclBroadcast")?;
         bind(&self.stream, "ncclBroadcast")?;
         let count = buf.len();
-        let live = lock_live(&self.live);
-        let comm = live.comm("ncclBroadcast")?;
+        let _calls = lock(&self.shared.calls);
+        let comm = self.shared.comm("ncclBroadcast")?;
         let (ptr, _record) = buf.device_ptr_mut(&self.stream);
         // SAFETY: as in `all_reduce_on`; `root` < world <= c_int::MAX (checked in `new`).
         let code = unsafe {
@@ -590,15 +601,16 @@ fn bind(stream: &CudaStream, op: &'static str) -> Result<(), DistError> {
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
-        let mut live = lock_live(&self.live);
-        if let Live::Comm(c) = &*live {
-            let _ = self.stream.context().bind_to_thread();
-            // SAFETY: the communicator is live and held under the lock, so nothing else uses
-            // it; abort frees it without waiting for peers (the result is ignored: nothing is
-            // left to report it to), and it is never reached again (replaced below).
-            unsafe { (self.lib.comm_abort)(c.0) };
+        let _calls = lock(&self.shared.calls);
+        let comm = self.shared.take(None);
+        if comm.is_null() {
+            return;
         }
-        *live = Live::Freed;
+        let _ = self.stream.context().bind_to_thread();
+        // SAFETY: `comm` was live and is now out of `shared`, so nothing reaches it again;
+        // abort frees it without waiting for peers (the result is ignored: nothing is left to
+        // report it to).
+        unsafe { (self.lib.comm_abort)(comm) };
     }
 }
 
