@@ -580,16 +580,7 @@ impl SyncScratch {
         runs: [(Side, &'static str); 2],
         n: usize,
     ) -> Result<()> {
-        let checked = self.runs(r, runs, n)?;
-        let (base, _record) = self.values.device_ptr_mut(&self.stream);
-        for (buf, at) in checked {
-            // SAFETY: the source is borrowed memory of the table holding at least `4n` bytes
-            // (checked in `runs`); the destination is the scratch this value owns, `2n` values
-            // long (checked); they cannot overlap; the copy is ordered on the handle's stream,
-            // which cudarc's guard `_record` marks as the scratch's last writer.
-            unsafe { handle.copy_device_bytes(base + at as u64, buf.ptr, 4 * n) }?;
-        }
-        Ok(())
+        self.transfer(handle, r, runs, n, true)
     }
 
     /// Copies the scratch's two runs back over the buffers `runs`.
@@ -600,11 +591,31 @@ impl SyncScratch {
         runs: [(Side, &'static str); 2],
         n: usize,
     ) -> Result<()> {
+        self.transfer(handle, r, runs, n, false)
+    }
+
+    fn transfer(
+        &mut self,
+        handle: &Handle,
+        r: &Resolved<'_>,
+        runs: [(Side, &'static str); 2],
+        n: usize,
+        inward: bool,
+    ) -> Result<()> {
         let checked = self.runs(r, runs, n)?;
         let (base, _record) = self.values.device_ptr_mut(&self.stream);
         for (buf, at) in checked {
-            // SAFETY: as in `gather`, the other way round.
-            unsafe { handle.copy_device_bytes(buf.ptr, base + at as u64, 4 * n) }?;
+            let scratch = base + at as u64;
+            let (dst, src) = if inward {
+                (scratch, buf.ptr)
+            } else {
+                (buf.ptr, scratch)
+            };
+            // SAFETY: the buffer is borrowed memory of the table holding at least `4n` bytes
+            // (checked in `runs`); the scratch run is this value's own allocation, `2n` values
+            // long (checked); they cannot overlap; the copy is ordered on the handle's stream,
+            // which cudarc's guard `_record` marks as the scratch's last user.
+            unsafe { handle.copy_device_bytes(dst, src, 4 * n) }?;
         }
         Ok(())
     }
