@@ -184,6 +184,32 @@ fn gpu_an_aborted_communicator_refuses_later_collectives() {
 }
 
 #[test]
+fn gpu_a_group_that_never_forms_times_out_instead_of_hanging() {
+    const TEST: &str = "gpu_a_group_that_never_forms_times_out_instead_of_hanging";
+    let Some((stream, _)) = device(TEST) else {
+        return;
+    };
+    let id = match NcclId::generate() {
+        Ok(id) => id,
+        Err(e) => {
+            println!("SKIP {TEST}: {e}");
+            return;
+        }
+    };
+    // Rank 0 of two, and rank 1 never comes.
+    let start = std::time::Instant::now();
+    let link = stream.context().new_stream().unwrap();
+    let timeout = std::time::Duration::from_secs(2);
+    let e = NcclComm::new_within(link, 0, 2, &id, Some(timeout))
+        .unwrap_err()
+        .to_string();
+    let waited = start.elapsed();
+    assert!(e.contains("did not form within 2 s"), "{e}");
+    assert!(waited >= timeout && waited < timeout * 5, "{waited:?}");
+    println!("{TEST}: {e} after {:.1} s", waited.as_secs_f64());
+}
+
+#[test]
 fn gpu_nccl_sums_across_every_gpu_like_the_cpu_group() {
     const TEST: &str = "gpu_nccl_sums_across_every_gpu_like_the_cpu_group";
     let Some((stream, _)) = device(TEST) else {

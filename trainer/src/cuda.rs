@@ -367,7 +367,8 @@ impl CudaTrainer {
                     .new_stream()
                     .map_err(|e| driver("create the communication stream", e))?;
                 let mut comm =
-                    NcclComm::new(link, l.rank, l.world, &id).map_err(|e| amp_error(e.into()))?;
+                    NcclComm::new_within(link, l.rank, l.world, &id, Some(RENDEZVOUS_TIMEOUT))
+                        .map_err(|e| amp_error(e.into()))?;
                 dist_grads::broadcast_weights(step.executor_mut(), &mut comm).map_err(amp_error)?;
                 let pending = Arc::new(Mutex::new(VecDeque::new()));
                 let watchdog = watch(&comm, pending.clone())?;

@@ -4,6 +4,7 @@
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::Duration;
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut, DevicePtrMut};
 use cudarc::nccl::sys::{ncclComm_t, ncclUniqueId};
@@ -267,6 +268,13 @@ pub struct NcclComm {
     world: usize,
 }
 
+/// A communicator handle moved from the initialisation thread.
+struct RawComm(ncclComm_t);
+
+// SAFETY: a communicator may be used from any thread, one at a time; this one is handed over
+// whole (the initialising thread keeps no copy).
+unsafe impl Send for RawComm {}
+
 /// A communicator's state, shared by the [`NcclComm`] and its [`NcclAbort`] handles.
 ///
 /// Calls through the communicator take `calls` (one at a time, as NCCL requires) and load the
@@ -383,9 +391,10 @@ impl NcclComm {
     /// `stream` (its CUDA context's device is this rank's GPU). Every rank calls this with
     /// the same `id` and `world`; it returns once all of them have. NCCL's blocking
     /// initialisation has no timeout of its own: a rank that never calls this holds the
-    /// others here. [`crate::dist::bootstrap::exchange_id`] over TCP returns on rank 0 only
-    /// once every rank has fetched the id (within its timeout), which narrows that window to
-    /// a rank failing between the exchange and this call.
+    /// others here ([`NcclComm::new_within`] bounds the wait).
+    /// [`crate::dist::bootstrap::exchange_id`] over TCP returns on rank 0 only once every
+    /// rank has fetched the id (within its timeout), which narrows that window to a rank
+    /// failing between the exchange and this call.
     ///
     /// # Errors
     /// [`DistError::NcclUnavailable`] without the library (checked before the stream is
@@ -396,6 +405,23 @@ impl NcclComm {
         rank: usize,
         world: usize,
         id: &NcclId,
+    ) -> Result<Self, DistError> {
+        Self::new_within(stream, rank, world, id, None)
+    }
+
+    /// [`NcclComm::new`], giving up after `timeout` (when given): NCCL's initialisation then
+    /// runs on a thread of its own, and a rank whose peers do not all arrive in time gets
+    /// [`DistError::Nccl`] saying so instead of waiting forever (a communicator made after
+    /// that is aborted as soon as it exists).
+    ///
+    /// # Errors
+    /// As [`NcclComm::new`]; [`DistError::Nccl`] when the group did not form in time.
+    pub fn new_within(
+        stream: Arc<CudaStream>,
+        rank: usize,
+        world: usize,
+        id: &NcclId,
+        timeout: Option<Duration>,
     ) -> Result<Self, DistError> {
         let lib = nccl_library()?;
         if world == 0 {
@@ -419,11 +445,50 @@ impl NcclComm {
         for (dst, src) in raw.internal.iter_mut().zip(id.to_bytes()) {
             *dst = src as c_char;
         }
-        let mut comm: ncclComm_t = std::ptr::null_mut();
-        // SAFETY: `comm` is a live local NCCL writes the new communicator into; the id is
-        // passed by value as NCCL declares; the stream's context is current on this thread.
-        let code = unsafe { (lib.comm_init_rank)(&mut comm, n, raw, r) };
-        lib.check("ncclCommInitRank", code, None)?;
+        let init = move || -> Result<RawComm, DistError> {
+            let mut comm: ncclComm_t = std::ptr::null_mut();
+            // SAFETY: `comm` is a live local NCCL writes the new communicator into; the id is
+            // passed by value as NCCL declares; the stream's context is current on this thread.
+            let code = unsafe { (lib.comm_init_rank)(&mut comm, n, raw, r) };
+            lib.check("ncclCommInitRank", code, None)?;
+            Ok(RawComm(comm))
+        };
+        let comm = match timeout {
+            None => init()?.0,
+            Some(timeout) => {
+                let (tx, rx) = std::sync::mpsc::channel();
+                let theirs = stream.clone();
+                std::thread::Builder::new()
+                    .name("nccl-init".into())
+                    .spawn(move || {
+                        let made = bind(&theirs, "ncclCommInitRank").and_then(|()| init());
+                        if let Err(std::sync::mpsc::SendError(Ok(late))) = tx.send(made) {
+                            // The caller gave up: nothing will use this communicator.
+                            // SAFETY: `late` is a live communicator no one else holds.
+                            unsafe { (lib.comm_abort)(late.0) };
+                        }
+                    })
+                    .map_err(|e| DistError::Nccl {
+                        op: "ncclCommInitRank",
+                        code: None,
+                        message: format!("cannot start the initialisation thread: {e}"),
+                    })?;
+                match rx.recv_timeout(timeout) {
+                    Ok(made) => made?.0,
+                    Err(_) => {
+                        return Err(DistError::Nccl {
+                            op: "ncclCommInitRank",
+                            code: None,
+                            message: format!(
+                                "rank {rank}: the group of {world} did not form within {:.0} s \
+                                 (a rank did not start, or failed before joining)",
+                                timeout.as_secs_f64()
+                            ),
+                        })
+                    }
+                }
+            }
+        };
         if comm.is_null() {
             return Err(DistError::Nccl {
                 op: "ncclCommInitRank",
