@@ -74,6 +74,14 @@ pub trait Element:
             *d = Self::from_acc(s);
         }
     }
+
+    /// The raw bits, for exact comparisons (zeros of both signs and NaN payloads told apart).
+    fn bits(self) -> u64;
+
+    /// Whether `a` and `b` hold the same bits, element for element.
+    fn same_bits(a: &[Self], b: &[Self]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(p, q)| p.bits() == q.bits())
+    }
 }
 
 /// The arithmetic type (FP32 on the GPU): `f32` or `f64`.
@@ -131,6 +139,16 @@ impl Element for f16 {
         f16::from_f32(value)
     }
 
+    #[inline]
+    fn bits(self) -> u64 {
+        u64::from(self.to_bits())
+    }
+
+    fn same_bits(a: &[Self], b: &[Self]) -> bool {
+        // The bits as `u16` slices, compared as bytes.
+        a.reinterpret_cast() == b.reinterpret_cast()
+    }
+
     /// On the bits: the positive values are `0x0001..=0x7C00` (up to +inf; NaNs above).
     #[inline]
     fn is_positive(self) -> bool {
@@ -166,6 +184,11 @@ impl Element for f16 {
 
 impl Element for f64 {
     type Acc = f64;
+
+    #[inline]
+    fn bits(self) -> u64 {
+        self.to_bits()
+    }
 
     #[inline]
     fn to_acc(self) -> f64 {
