@@ -187,13 +187,7 @@ pub fn relu_bwd_into<T: Element>(
     fill_blocks(&mut out, shape.c, |first, _, dst: &mut [T]| {
         let n = dst.len();
         // A select on the stored values (not a conditional store), so the loop vectorizes.
-        for ((o, v), d) in dst
-            .iter_mut()
-            .zip(&x[first..first + n])
-            .zip(&dy[first..first + n])
-        {
-            *o = if v.is_positive() { *d } else { T::default() };
-        }
+        T::relu_select(&dy[first..first + n], &x[first..first + n], dst);
     });
     Ok(out)
 }

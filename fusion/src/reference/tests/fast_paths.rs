@@ -869,3 +869,24 @@ fn element_wise_ops_into_reused_storage_match_bit_for_bit() {
         }
     }
 }
+
+/// ReLU backward's select on the FP16 bits against the select on the values, over every FP16
+/// bit pattern of `x` (both zeros, subnormals, infinities, NaNs) and gradients of every kind
+/// (NaN payloads kept): the same bits exactly.
+#[test]
+fn relu_select_on_bits_matches_the_select_on_values_for_every_fp16() {
+    let x: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+    for shift in [0u16, 1, 0x7C01, 0x8000, 0xFFFF] {
+        let dy: Vec<f16> = (0..=u16::MAX)
+            .map(|b| f16::from_bits(b.wrapping_mul(31).wrapping_add(shift)))
+            .collect();
+        let want: Vec<u16> = x
+            .iter()
+            .zip(&dy)
+            .map(|(v, d)| if v.to_f32() > 0.0 { d.to_bits() } else { 0 })
+            .collect();
+        let mut got = vec![f16::NAN; x.len()];
+        f16::relu_select(&dy, &x, &mut got);
+        assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want);
+    }
+}
