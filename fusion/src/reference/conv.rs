@@ -99,8 +99,10 @@ pub(crate) fn dgrad_store<T: Element>(
         )?
     };
     if chunked.is_none() {
-        let dx = dgrad_phases(p, &T::widen_slice(dy), &w)?;
-        T::store_into(&dx, &mut out);
+        // Strided: by phases, each image's `dy` widened and its `dx` stored in turn (the
+        // values of `dgrad_phases`).
+        let phases = phases_of(p, &w);
+        phases_by_image(p, &phases, dy, T::widen_into, &mut out, T::store_into)?;
     }
     Ok(out)
 }
@@ -334,8 +336,24 @@ struct Phase<A> {
 /// GEMM's order may differ from [`dgrad_all_taps`]'s in the last bits). Images in parallel.
 /// `p` validated, lengths checked.
 pub(crate) fn dgrad_phases<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result<Vec<A>> {
+    let phases = phases_of(p, w);
+    let c = p.c;
+    let image = p.h * p.w * c;
+    let mut dx = vec![A::ZERO; p.n * image];
+    phases_by_image(
+        p,
+        &phases,
+        dy,
+        |src, dst| dst.copy_from_slice(src),
+        &mut dx,
+        |img, dst| dst.copy_from_slice(img),
+    )?;
+    Ok(dx)
+}
+
+/// The phases of a strided dgrad (see [`Phase`]), with their weights from `w` (KRSC).
+fn phases_of<A: Real>(p: &ConvParams, w: &[A]) -> Vec<Phase<A>> {
     let (c, k) = (p.c, p.k);
-    let (out_h, out_w) = (p.out_h(), p.out_w());
     let mut phases = Vec::with_capacity(p.stride_h * p.stride_w);
     for a in 0..p.stride_h {
         for b in 0..p.stride_w {
@@ -366,19 +384,45 @@ pub(crate) fn dgrad_phases<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result
             });
         }
     }
+    phases
+}
+
+/// The image loop of [`dgrad_phases`] over `dy` of any element type `S` (each image's part
+/// widened by `widen` into a buffer of the arithmetic type): each image's `dx` is made in a
+/// buffer of its own and handed to `sink(image_dx, out_image)` with its part of `out`.
+fn phases_by_image<A, S, O, W, F>(
+    p: &ConvParams,
+    phases: &[Phase<A>],
+    dy: &[S],
+    widen: W,
+    out: &mut [O],
+    sink: F,
+) -> Result<()>
+where
+    A: Real,
+    S: Sync,
+    O: Send,
+    W: Fn(&[S], &mut [A]) + Sync,
+    F: Fn(&[A], &mut [O]) + Sync,
+{
+    let (c, k) = (p.c, p.k);
+    let (out_h, out_w) = (p.out_h(), p.out_w());
     let image = p.h * p.w * c;
-    let mut dx = vec![A::ZERO; p.n * image];
     if image == 0 {
-        return Ok(dx);
+        return Ok(());
     }
-    dx.par_chunks_mut(image).enumerate().try_for_each_init(
-        || (Vec::new(), Vec::new()),
-        |(col, out), (n, dx_n)| {
-            let dy_n = &dy[n * out_h * out_w * k..(n + 1) * out_h * out_w * k];
-            for ph in &phases {
+    out.par_chunks_mut(image).enumerate().try_for_each_init(
+        || (Vec::new(), Vec::new(), Vec::new(), Vec::new()),
+        |(col, res, dy_n, dx_n), (n, out_n)| {
+            let len = out_h * out_w * k;
+            dy_n.resize(len, A::ZERO);
+            widen(&dy[n * len..(n + 1) * len], &mut dy_n[..len]);
+            // Pixels no tap reaches keep a zero gradient.
+            dx_n.clear();
+            dx_n.resize(image, A::ZERO);
+            for ph in phases {
                 let (rows, depth) = (ph.ihs.len() * ph.iws.len(), ph.taps.len() * k);
                 if rows == 0 || depth == 0 {
-                    // No tap reaches these pixels: their gradient stays zero.
                     continue;
                 }
                 col.clear();
@@ -403,7 +447,7 @@ pub(crate) fn dgrad_phases<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result
                         }
                     }
                 }
-                out.resize(rows * c, A::ZERO);
+                res.resize(rows * c, A::ZERO);
                 A::gemm(
                     rows,
                     depth,
@@ -411,9 +455,9 @@ pub(crate) fn dgrad_phases<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result
                     Mat::row_major(col, depth),
                     Mat::row_major(&ph.w, c),
                     A::ZERO,
-                    &mut out[..rows * c],
+                    &mut res[..rows * c],
                 )?;
-                let mut src = out.chunks_exact(c);
+                let mut src = res.chunks_exact(c);
                 for &ih in &ph.ihs {
                     for &iw in &ph.iws {
                         if let Some(v) = src.next() {
@@ -422,10 +466,10 @@ pub(crate) fn dgrad_phases<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result
                     }
                 }
             }
+            sink(dx_n, out_n);
             Ok(())
         },
-    )?;
-    Ok(dx)
+    )
 }
 
 /// dgrad by the gather over all `r·s` taps (each input pixel's column row holds, per tap, the

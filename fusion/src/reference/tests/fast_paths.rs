@@ -333,6 +333,110 @@ fn old_wgrad(p: &ConvParams, x: &[f32], dy: &[f32]) -> Vec<f32> {
     total.unwrap()
 }
 
+/// One phase of the replaced strided dgrad.
+struct OldPhase {
+    ihs: Vec<usize>,
+    iws: Vec<usize>,
+    taps: Vec<(usize, usize)>,
+    w: Vec<f32>,
+}
+
+/// The strided dgrad by phases as it was: the whole `dx` in FP32, images in parallel.
+fn old_dgrad_phases(p: &ConvParams, dy: &[f32], w: &[f32]) -> Vec<f32> {
+    let (c, k) = (p.c, p.k);
+    let (out_h, out_w) = (p.out_h(), p.out_w());
+    let mut phases = Vec::with_capacity(p.stride_h * p.stride_w);
+    for a in 0..p.stride_h {
+        for b in 0..p.stride_w {
+            let ihs: Vec<usize> = (0..p.h)
+                .filter(|ih| (ih + p.pad_h) % p.stride_h == a)
+                .collect();
+            let iws: Vec<usize> = (0..p.w)
+                .filter(|iw| (iw + p.pad_w) % p.stride_w == b)
+                .collect();
+            let mut taps = Vec::new();
+            for r in (0..p.r).filter(|r| (r * p.dil_h) % p.stride_h == a) {
+                for s in (0..p.s).filter(|s| (s * p.dil_w) % p.stride_w == b) {
+                    taps.push((r, s));
+                }
+            }
+            let mut wp = vec![0.0; taps.len() * k * c];
+            for (t, &(r, s)) in taps.iter().enumerate() {
+                for kk in 0..k {
+                    let src = ((kk * p.r + r) * p.s + s) * c;
+                    wp[(t * k + kk) * c..][..c].copy_from_slice(&w[src..src + c]);
+                }
+            }
+            phases.push(OldPhase {
+                ihs,
+                iws,
+                taps,
+                w: wp,
+            });
+        }
+    }
+    let image = p.h * p.w * c;
+    let mut dx = vec![0.0; p.n * image];
+    if image == 0 {
+        return dx;
+    }
+    dx.par_chunks_mut(image).enumerate().for_each_init(
+        || (Vec::new(), Vec::new()),
+        |(col, out), (n, dx_n)| {
+            let dy_n = &dy[n * out_h * out_w * k..(n + 1) * out_h * out_w * k];
+            for ph in &phases {
+                let (rows, depth) = (ph.ihs.len() * ph.iws.len(), ph.taps.len() * k);
+                if rows == 0 || depth == 0 {
+                    // No tap reaches these pixels: their gradient stays zero.
+                    continue;
+                }
+                col.clear();
+                for &ih in &ph.ihs {
+                    for &iw in &ph.iws {
+                        for &(r, s) in &ph.taps {
+                            // (ih + pad_h - r·dil_h) is a multiple of stride_h here.
+                            let op = (ih + p.pad_h)
+                                .checked_sub(r * p.dil_h)
+                                .map(|t| t / p.stride_h)
+                                .filter(|&op| op < out_h);
+                            let oq = (iw + p.pad_w)
+                                .checked_sub(s * p.dil_w)
+                                .map(|t| t / p.stride_w)
+                                .filter(|&oq| oq < out_w);
+                            match (op, oq) {
+                                (Some(op), Some(oq)) => {
+                                    col.extend_from_slice(&dy_n[(op * out_w + oq) * k..][..k])
+                                }
+                                _ => col.resize(col.len() + k, 0.0),
+                            }
+                        }
+                    }
+                }
+                out.resize(rows * c, 0.0);
+                f32::gemm(
+                    rows,
+                    depth,
+                    c,
+                    Mat::row_major(col, depth),
+                    Mat::row_major(&ph.w, c),
+                    0.0,
+                    &mut out[..rows * c],
+                )
+                .unwrap();
+                let mut src = out.chunks_exact(c);
+                for &ih in &ph.ihs {
+                    for &iw in &ph.iws {
+                        if let Some(v) = src.next() {
+                            dx_n[(ih * p.w + iw) * c..][..c].copy_from_slice(v);
+                        }
+                    }
+                }
+            }
+        },
+    );
+    dx
+}
+
 // ---- The tests --------------------------------------------------------------------------
 
 #[test]
@@ -888,5 +992,34 @@ fn relu_select_on_bits_matches_the_select_on_values_for_every_fp16() {
         let mut got = vec![f16::NAN; x.len()];
         f16::relu_select(&dy, &x, &mut got);
         assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want);
+    }
+}
+
+/// The strided dgrad (by phases, now each image's `dx` made in a buffer of its own and stored
+/// from it) against the implementation it replaced, bit for bit, in FP32 and through the
+/// public FP16 op.
+#[test]
+fn strided_dgrad_by_image_matches_the_replaced_phases_bit_for_bit() {
+    let mut rng = Rng::new(0xB3);
+    let mut shapes: Vec<ConvParams> = conv_shapes()
+        .into_iter()
+        .filter(|p| p.stride_h > 1 || p.stride_w > 1)
+        .collect();
+    shapes.push(
+        ConvParams::new(3, 4, 9, 10, 6, 3, 3)
+            .with_padding(1, 2)
+            .with_stride(3, 2),
+    );
+    for p in shapes {
+        let (w, dy) = (finite(&mut rng, p.w_elems()), finite(&mut rng, p.y_elems()));
+        let (wa, dya) = (f16::widen_slice(&w), f16::widen_slice(&dy));
+        let want = old_dgrad_phases(&p, &dya, &wa);
+        assert_eq!(
+            bits32(&dgrad_phases(&p, &dya, &wa).unwrap()),
+            bits32(&want),
+            "{p:?}"
+        );
+        let got = conv_dgrad_into(&p, &dy, &w, garbage(5)).unwrap();
+        assert_eq!(bits(&got), bits(&f16::store_slice(&want)), "fp16 {p:?}");
     }
 }
