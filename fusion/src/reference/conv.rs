@@ -1092,23 +1092,29 @@ fn gather<A: Real>(
     }
 }
 
-/// `dst.copy_from_slice(src)` for the gather's short runs (a pixel or a filter row of pixels,
-/// tens of values), inlined: blocks of 8 values as vector moves rather than a call to `memcpy`
-/// per run (which the gather made for every run of more than a few pixels).
+/// `dst.copy_from_slice(src)`, inlined for a single pixel of the usual channel counts.
 #[inline]
 fn copy_pixels<A: Real>(dst: &mut [A], src: &[A]) {
-    if dst.len() != src.len() || src.len() > 256 {
-        dst.copy_from_slice(src);
-        return;
-    }
-    let (mut d, mut s) = (dst.chunks_exact_mut(8), src.chunks_exact(8));
-    for (d8, s8) in (&mut d).zip(&mut s) {
-        if let (Ok(d8), Ok(s8)) = (<&mut [A; 8]>::try_from(d8), <&[A; 8]>::try_from(s8)) {
-            *d8 = *s8;
+    fn fixed<A: Copy, const N: usize>(dst: &mut [A], src: &[A]) -> bool {
+        match (<&mut [A; N]>::try_from(dst), <&[A; N]>::try_from(src)) {
+            (Ok(d), Ok(s)) => {
+                *d = *s;
+                true
+            }
+            _ => false,
         }
     }
-    for (d1, s1) in d.into_remainder().iter_mut().zip(s.remainder()) {
-        *d1 = *s1;
+    let done = match src.len() {
+        8 => fixed::<A, 8>(dst, src),
+        16 => fixed::<A, 16>(dst, src),
+        24 => fixed::<A, 24>(dst, src),
+        32 => fixed::<A, 32>(dst, src),
+        48 => fixed::<A, 48>(dst, src),
+        96 => fixed::<A, 96>(dst, src),
+        _ => false,
+    };
+    if !done {
+        dst.copy_from_slice(src);
     }
 }
 
