@@ -65,7 +65,7 @@ pub(crate) fn dgrad_store<T: Element>(
     p: &ConvParams,
     dy: &[T],
     w: &[T],
-    pad_buf: Option<&mut Vec<T::Acc>>,
+    pad_buf: Option<&mut PadBuf<T::Acc>>,
     mut out: Vec<T>,
 ) -> Result<Vec<T>> {
     p.validate()?;
@@ -189,14 +189,15 @@ where
 /// (resized; storage kept from an earlier call is reused, only the border zeroed): the
 /// [`Src::Padded`] form of `x` for [`fprop_chunks`] and [`wgrad_src`], which then gather the
 /// same column matrix as from `x` itself. `p` validated, lengths checked.
-pub(crate) fn pad_fprop_input<A: Real>(p: &ConvParams, x: Src<'_, A>, out: &mut Vec<A>) {
+pub(crate) fn pad_fprop_input<A: Real>(p: &ConvParams, x: Src<'_, A>, out: &mut PadBuf<A>) {
     let taps = p.r * p.s;
     // An fprop map always has a padded layout.
     if let Some(layout) = Layout::of(PixelMap::fprop(p), p.c, taps) {
         match x {
             Src::Padded(v) => {
-                out.clear();
-                out.extend_from_slice(v);
+                out.clean = None;
+                out.data.clear();
+                out.data.extend_from_slice(v);
             }
             x => layout.fill(x, out),
         }
@@ -215,7 +216,7 @@ pub(crate) fn dgrad_chunks<A, O, S, I, F>(
     w: &[A],
     out: &mut [O],
     chunk_rows: usize,
-    pad_buf: Option<&mut Vec<A>>,
+    pad_buf: Option<&mut PadBuf<A>>,
     init: I,
     sink: F,
 ) -> Result<Option<Vec<S>>>
@@ -868,33 +869,43 @@ impl Layout {
     }
 
     /// Writes the padded copy of `src` (not [`Src::Padded`]) into `out`, resized to
-    /// [`Layout::elems`]: each source row copied (or filled) straight into place, and only the
-    /// border zeroed, so storage kept from an earlier call is reused without clearing it first.
-    fn fill<A: Real>(&self, src: Src<'_, A>, out: &mut Vec<A>) {
+    /// [`Layout::elems`]: each source row copied (or filled) straight into place, and the
+    /// border zeroed unless `out` already holds this layout's zero border (storage kept from
+    /// an earlier call is reused without clearing it first).
+    fn fill<A: Real>(&self, src: Src<'_, A>, out: &mut PadBuf<A>) {
         let cin = self.cin;
         let (hp, wp, top, left, h, w) = (self.hp, self.wp, self.top, self.left, self.h, self.w);
-        out.resize(self.elems(), A::ZERO);
-        out.truncate(self.elems());
+        // Only this function writes a `PadBuf`, and it leaves the border of `clean` zero.
+        let clean = out.clean.as_ref() == Some(self) && out.data.len() == self.elems();
+        out.clean = None;
+        let data = &mut out.data;
+        data.resize(self.elems(), A::ZERO);
+        data.truncate(self.elems());
         let image = hp * wp * cin;
         if image == 0 {
             return;
         }
         if h * w * cin == 0 {
-            out.fill(A::ZERO);
+            data.fill(A::ZERO);
+            out.clean = Some(self.clone());
             return;
         }
-        out.par_chunks_mut(image)
+        data.par_chunks_mut(image)
             .enumerate()
             .for_each(|(img, out)| {
                 let (above, rest) = out.split_at_mut(top * wp * cin);
-                above.fill(A::ZERO);
                 let (rows, below) = rest.split_at_mut(h * wp * cin);
-                below.fill(A::ZERO);
+                if !clean {
+                    above.fill(A::ZERO);
+                    below.fill(A::ZERO);
+                }
                 for (row, line) in rows.chunks_exact_mut(wp * cin).enumerate() {
                     let (before, line) = line.split_at_mut(left * cin);
-                    before.fill(A::ZERO);
                     let (dst, after) = line.split_at_mut(w * cin);
-                    after.fill(A::ZERO);
+                    if !clean {
+                        before.fill(A::ZERO);
+                        after.fill(A::ZERO);
+                    }
                     let first = (img * h + row) * w;
                     match src {
                         // (`Src::Padded` is used as it is, never refilled: see `from_src_in`.)
@@ -905,7 +916,17 @@ impl Layout {
                     }
                 }
             });
+        out.clean = Some(self.clone());
     }
+}
+
+/// Storage for a padded copy kept from call to call ([`Layout::fill`]), with the layout whose
+/// zero border it holds, if any (a refill of the same layout then rewrites only the interior).
+#[derive(Debug, Default)]
+pub(crate) struct PadBuf<A> {
+    /// The padded copy.
+    pub(crate) data: Vec<A>,
+    clean: Option<Layout>,
 }
 
 /// A conv's source tensor as the gather reads it, in the arithmetic type.
@@ -969,7 +990,7 @@ impl<'a, A: Real> Gatherer<'a, A> {
         src: Src<'a, A>,
         cin: usize,
         taps: usize,
-        buf: Option<&'a mut Vec<A>>,
+        buf: Option<&'a mut PadBuf<A>>,
     ) -> Self {
         let Some(layout) = Layout::of(map, cin, taps) else {
             return Gatherer::General {
@@ -987,12 +1008,12 @@ impl<'a, A: Real> Gatherer<'a, A> {
             src => match buf {
                 Some(buf) => {
                     layout.fill(src, buf);
-                    Cow::Borrowed(&buf[..])
+                    Cow::Borrowed(&buf.data[..])
                 }
                 None => {
-                    let mut padded = Vec::new();
+                    let mut padded = PadBuf::default();
                     layout.fill(src, &mut padded);
-                    Cow::Owned(padded)
+                    Cow::Owned(padded.data)
                 }
             },
         };

@@ -14,7 +14,7 @@
 
 use super::bn::{add_genstats_rows, bn_recompute, BnBwdCoefficients, ChannelStats};
 use super::conv::{
-    dgrad_acc, dgrad_chunks, dgrad_store, fprop_chunks, pad_fprop_input, wgrad_src, Src,
+    dgrad_acc, dgrad_chunks, dgrad_store, fprop_chunks, pad_fprop_input, wgrad_src, PadBuf, Src,
 };
 use super::element::{Element, Real};
 use super::error::Result;
@@ -97,11 +97,13 @@ impl<T: Element> ConvInput<'_, T> {
 #[derive(Debug, Default)]
 pub struct ConvScratch<T: Element> {
     /// The forward conv's input, padded ([`Src::Padded`]).
-    input: Vec<T::Acc>,
+    input: PadBuf<T::Acc>,
     /// What `input` holds, if anything.
     key: Option<InputKey<T>>,
     /// Storage for the padded copy of the dgrad's `dy`.
-    dy: Vec<T::Acc>,
+    dy: PadBuf<T::Acc>,
+    /// Storage for the wgrad's `dy` in the arithmetic type.
+    dy_acc: Vec<T::Acc>,
 }
 
 /// How a [`ConvScratch`] tells that a wgrad's input is the one its forward conv read.
@@ -313,7 +315,7 @@ pub fn fprop_genstats_with<T: Element>(
     // sums (the same values, added in the same order).
     let partials = fprop_chunks(
         p,
-        Src::Padded(&scratch.input),
+        Src::Padded(&scratch.input.data),
         &w,
         &mut y,
         ROWS_PER_CHUNK,
@@ -356,17 +358,22 @@ pub fn wgrad_with_prologue_with<T: Element>(
 ) -> Result<Vec<T>> {
     p.validate()?;
     check_len("dy", dy, p.y_elems())?;
-    let dy = T::widen_slice(dy);
+    let mut dy_acc = std::mem::take(&mut scratch.dy_acc);
+    dy_acc.resize(dy.len(), T::Acc::ZERO);
+    dy_acc.truncate(dy.len());
+    T::widen_into(dy, &mut dy_acc);
+    let dy = dy_acc;
     let cached = scratch
         .key
         .as_ref()
         .is_some_and(|k| k.matches(p, &input, stamp));
     let dw = if cached {
-        wgrad_src(p, Src::Padded(&scratch.input), &dy)?
+        wgrad_src(p, Src::Padded(&scratch.input.data), &dy)
     } else {
-        input.with_src(p, |x| wgrad_src(p, x, &dy))?
+        input.with_src(p, |x| wgrad_src(p, x, &dy))
     };
-    Ok(T::store_slice(&dw))
+    scratch.dy_acc = dy;
+    Ok(T::store_slice(&dw?))
 }
 
 /// [`super::conv_dgrad_into`] with the padded copy of `dy` kept in `scratch` (storage reused
