@@ -1,12 +1,12 @@
 //! The CPU executor of a compiled network: every buffer in host memory, every step on the
 //! reference ops, in FP16 storage (`T = f16`, the GPU's rounding points) or exact `f64`.
 
-use super::compile::{BufId, CompiledNet};
+use super::compile::{BufId, CompiledNet, NetBuffer};
 use super::exec::{run_pass, run_pass_observed, AfterStep, NetExecutor};
 use super::spec::PoolSpec;
 use cudnn_cbr_fusion::cbr::{BnSync, LayerIo, Pass, Src};
 use cudnn_cbr_fusion::graph::DataType;
-use cudnn_cbr_fusion::reference::{Element, Nhwc, Real};
+use cudnn_cbr_fusion::reference::{ConvScratch, Element, Nhwc, Real};
 use cudnn_cbr_fusion::{Error, Result};
 use std::collections::BTreeMap;
 
@@ -24,6 +24,12 @@ pub enum Buf<T: Element> {
 pub struct CpuNet<T: Element> {
     net: CompiledNet,
     bufs: Vec<Buf<T>>,
+    /// Each layer's conv scratch, kept from step to step ([`ConvScratch`]).
+    scratch: Vec<ConvScratch<T>>,
+    /// Per buffer, the write clock's value at its last write ([`LayerIo::stamp`]).
+    versions: Vec<u64>,
+    /// Counts writes to any buffer.
+    clock: u64,
     sync: Option<SyncSlot<T::Acc>>,
 }
 
@@ -75,9 +81,16 @@ impl<T: Element> CpuNet<T> {
                 }
             })
             .collect();
+        let scratch = net.layers.iter().map(|_| ConvScratch::default()).collect();
+        // Every buffer starts with a stamp of its own.
+        let versions: Vec<u64> = (1..=net.buffers.len() as u64).collect();
+        let clock = net.buffers.len() as u64;
         CpuNet {
             net,
             bufs,
+            scratch,
+            versions,
+            clock,
             sync: None,
         }
     }
@@ -114,13 +127,15 @@ impl<T: Element> CpuNet<T> {
     /// Sets a `Half` buffer (its length must match).
     pub fn set_half(&mut self, name: &str, v: Vec<T>) -> Result<()> {
         let id = self.id(name)?;
-        set(&mut self.bufs[id], name, Buf::Half(v))
+        touch(&mut self.versions, &mut self.clock, id);
+        set(&mut self.bufs[id], &self.net.buffers[id], Buf::Half(v))
     }
 
     /// Sets a `Float` buffer (its length must match).
     pub fn set_float(&mut self, name: &str, v: Vec<T::Acc>) -> Result<()> {
         let id = self.id(name)?;
-        set(&mut self.bufs[id], name, Buf::Float(v))
+        touch(&mut self.versions, &mut self.clock, id);
+        set(&mut self.bufs[id], &self.net.buffers[id], Buf::Float(v))
     }
 
     /// A buffer widened to `f64`, whatever its kind.
@@ -142,18 +157,19 @@ impl<T: Element> CpuNet<T> {
     /// The forward pass on `images` (NHWC). The output is in [`CpuNet::output`].
     pub fn forward(&mut self, images: &[T]) -> Result<()> {
         let input = self.net.input;
-        let name = self.net.buffers[input].name.clone();
-        set(&mut self.bufs[input], &name, Buf::Half(images.to_vec()))?;
+        touch(&mut self.versions, &mut self.clock, input);
+        set(
+            &mut self.bufs[input],
+            &self.net.buffers[input],
+            Buf::Half(images.to_vec()),
+        )?;
         run_pass(self, false)
     }
 
     /// The backward pass from the gradient of the output (the head's backward). Leaves every
     /// layer's `dw`, `dgamma`, `dbeta` in its buffers.
     pub fn backward(&mut self, d_output: Vec<T>) -> Result<()> {
-        let id = self.net.output_grad;
-        let name = self.net.buffers[id].name.clone();
-        set(&mut self.bufs[id], &name, Buf::Half(d_output))?;
-        run_pass(self, true)
+        self.backward_observed(d_output, &mut |_, _| Ok(()))
     }
 
     /// [`CpuNet::backward`], calling `after(net, i)` once backward step `i` has run (where a
@@ -164,8 +180,12 @@ impl<T: Element> CpuNet<T> {
         after: &mut AfterStep<'_, Self>,
     ) -> Result<()> {
         let id = self.net.output_grad;
-        let name = self.net.buffers[id].name.clone();
-        set(&mut self.bufs[id], &name, Buf::Half(d_output))?;
+        touch(&mut self.versions, &mut self.clock, id);
+        set(
+            &mut self.bufs[id],
+            &self.net.buffers[id],
+            Buf::Half(d_output),
+        )?;
         run_pass_observed(self, true, after)
     }
 
@@ -177,8 +197,8 @@ impl<T: Element> CpuNet<T> {
     }
 
     fn put(&mut self, id: BufId, v: Buf<T>) -> Result<()> {
-        let name = self.net.buffers[id].name.clone();
-        set(&mut self.bufs[id], &name, v)
+        touch(&mut self.versions, &mut self.clock, id);
+        set(&mut self.bufs[id], &self.net.buffers[id], v)
     }
 }
 
@@ -197,6 +217,9 @@ impl<T: Element> NetExecutor for CpuNet<T> {
             this: &l.table,
             prev: l.prev.map(|p| &self.net.layers[p].table),
             layer: &l.name,
+            scratch: &mut self.scratch[layer],
+            versions: &mut self.versions,
+            clock: &mut self.clock,
         };
         let sync = self
             .sync
@@ -217,7 +240,14 @@ impl<T: Element> NetExecutor for CpuNet<T> {
         let sum = if x.is_empty() {
             Vec::new()
         } else {
-            cudnn_cbr_fusion::reference::add(&Nhwc::new(x.len(), 1, 1, 1), x, y)?
+            // The output's storage reused (every element is overwritten), unless the output
+            // is also an operand.
+            let storage = match &mut self.bufs[out] {
+                Buf::Half(v) if out != a && out != b => std::mem::take(v),
+                _ => Vec::new(),
+            };
+            let (x, y) = (self.half_id(a)?, self.half_id(b)?);
+            cudnn_cbr_fusion::reference::add_into(&Nhwc::new(x.len(), 1, 1, 1), x, y, storage)?
         };
         self.put(out, Buf::Half(sum))
     }
@@ -251,6 +281,13 @@ impl<T: Element> NetExecutor for CpuNet<T> {
     }
 }
 
+/// Records a write to buffer `id`: a new value of the write clock, so a buffer's stamp is the
+/// same only while its contents are.
+fn touch(versions: &mut [u64], clock: &mut u64, id: BufId) {
+    *clock += 1;
+    versions[id] = *clock;
+}
+
 fn at_layer(layer: &str, e: Error) -> Error {
     match e {
         Error::Buffer { name, problem } => Error::Buffer {
@@ -261,13 +298,16 @@ fn at_layer(layer: &str, e: Error) -> Error {
     }
 }
 
-fn set<T: Element>(slot: &mut Buf<T>, name: &str, v: Buf<T>) -> Result<()> {
+/// Replaces `slot` (the storage of `buf`) with `v`, of `buf`'s kind and declared size (checked
+/// against the declaration, not the slot: its storage may be out on loan).
+fn set<T: Element>(slot: &mut Buf<T>, buf: &NetBuffer, v: Buf<T>) -> Result<()> {
+    let name = &buf.name;
     match (&*slot, &v) {
-        (Buf::Half(old), Buf::Half(new)) if old.len() != new.len() => {
-            Err(wrong_len(name, new.len(), old.len()))
+        (Buf::Half(_), Buf::Half(new)) if new.len() != buf.elems => {
+            Err(wrong_len(name, new.len(), buf.elems))
         }
-        (Buf::Float(old), Buf::Float(new)) if old.len() != new.len() => {
-            Err(wrong_len(name, new.len(), old.len()))
+        (Buf::Float(_), Buf::Float(new)) if new.len() != buf.elems => {
+            Err(wrong_len(name, new.len(), buf.elems))
         }
         (Buf::Half(_), Buf::Half(_)) | (Buf::Float(_), Buf::Float(_)) => {
             *slot = v;
@@ -281,10 +321,13 @@ fn set<T: Element>(slot: &mut Buf<T>, name: &str, v: Buf<T>) -> Result<()> {
 /// One layer's view of the network's buffers: its own names and its prologue layer's.
 struct NetIo<'a, T: Element> {
     bufs: &'a mut Vec<Buf<T>>,
-    buffers: &'a [super::compile::NetBuffer],
+    buffers: &'a [NetBuffer],
     this: &'a BTreeMap<&'static str, BufId>,
     prev: Option<&'a BTreeMap<&'static str, BufId>>,
     layer: &'a str,
+    scratch: &'a mut ConvScratch<T>,
+    versions: &'a mut [u64],
+    clock: &'a mut u64,
 }
 
 impl<T: Element> NetIo<'_, T> {
@@ -325,11 +368,30 @@ impl<T: Element> LayerIo<T> for NetIo<'_, T> {
     }
     fn set_half(&mut self, src: Src, v: Vec<T>) -> Result<()> {
         let id = self.resolve(src)?;
-        set(&mut self.bufs[id], &self.buffers[id].name, Buf::Half(v))
+        touch(self.versions, self.clock, id);
+        set(&mut self.bufs[id], &self.buffers[id], Buf::Half(v))
     }
     fn set_float(&mut self, src: Src, v: Vec<T::Acc>) -> Result<()> {
         let id = self.resolve(src)?;
-        set(&mut self.bufs[id], &self.buffers[id].name, Buf::Float(v))
+        touch(self.versions, self.clock, id);
+        set(&mut self.bufs[id], &self.buffers[id], Buf::Float(v))
+    }
+    fn take_half(&mut self, src: Src) -> Result<Vec<T>> {
+        let id = self.resolve(src)?;
+        touch(self.versions, self.clock, id);
+        match &mut self.bufs[id] {
+            Buf::Half(v) => Ok(std::mem::take(v)),
+            Buf::Float(_) => Err(wrong_kind(&self.buffers[id].name, "FP16")),
+        }
+    }
+    fn stamp(&self, src: Src) -> Option<u64> {
+        self.resolve(src).ok().map(|id| self.versions[id])
+    }
+    fn take_scratch(&mut self) -> ConvScratch<T> {
+        std::mem::take(self.scratch)
+    }
+    fn put_scratch(&mut self, scratch: ConvScratch<T>) {
+        *self.scratch = scratch;
     }
 }
 

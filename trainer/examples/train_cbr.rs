@@ -87,26 +87,7 @@ impl Args {
     }
 }
 
-/// Keeps freed memory in the process: the CPU executor allocates and frees the same
-/// half-megabyte tensors every step, and glibc's defaults (large blocks mapped and unmapped,
-/// the heap's top trimmed back to the system) made every step fault in and zero ~1,200 fresh
-/// pages (a fifth of its time). A 32 MiB mapping threshold (glibc's largest) and no trimming
-/// keep those blocks on the heap for reuse.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn keep_freed_memory() {
-    // SAFETY: mallopt only sets glibc malloc's tuning parameters (under its own lock); it is
-    // called before any thread of ours starts and touches no memory the program holds.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
-    }
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn keep_freed_memory() {}
-
 fn main() -> ExitCode {
-    keep_freed_memory();
     // Usage errors exit 2 and `--help` exits 0 (clap's conventions).
     let cfg = Args::parse().config();
     let trainer = match Trainer::new(&cfg) {

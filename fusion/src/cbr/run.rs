@@ -12,8 +12,8 @@ use crate::reference::bn::bn_recompute;
 use crate::reference::parallel::channel_sums;
 use crate::reference::params::check_len;
 use crate::reference::{
-    self as r, Activation, BnParams, ChannelStats, ConvInput, Nhwc, ReluJoin, Residual,
-    RunningStats, SavedBn,
+    self as r, Activation, BnParams, ChannelStats, ConvInput, ConvScratch, InputStamp, Nhwc,
+    ReluJoin, Residual, RunningStats, SavedBn,
 };
 use crate::reference::{Element, Real};
 use half::f16;
@@ -306,6 +306,35 @@ pub trait LayerIo<T: Element> {
     fn set_half(&mut self, src: Src, v: Vec<T>) -> Result<()>;
     /// Replaces a `Float` buffer's contents.
     fn set_float(&mut self, src: Src, v: Vec<T::Acc>) -> Result<()>;
+
+    /// Lends a `Half` buffer's storage to the op about to replace its contents (any length;
+    /// the op overwrites every element and hands it back through [`LayerIo::set_half`]), so a
+    /// step allocates no new output. Until then the buffer may read as empty. A table that
+    /// lends nothing returns an empty vector (the default): the op then allocates.
+    fn take_half(&mut self, src: Src) -> Result<Vec<T>> {
+        let _ = src;
+        Ok(Vec::new())
+    }
+
+    /// A stamp of a buffer's contents: a value that changes whenever they may have (a write
+    /// counter), unique to the buffer; `None` (the default) where the table keeps none. The
+    /// conv scratch then knows the forward's input by stamps instead of keeping copies.
+    fn stamp(&self, src: Src) -> Option<u64> {
+        let _ = src;
+        None
+    }
+
+    /// Lends the layer's [`ConvScratch`] (storage its conv steps keep from one step to the
+    /// next), until [`LayerIo::put_scratch`]. A table that keeps none returns an empty one
+    /// (the default): nothing is then reused, and no value changes either way.
+    fn take_scratch(&mut self) -> ConvScratch<T> {
+        ConvScratch::default()
+    }
+
+    /// Takes back the scratch lent by [`LayerIo::take_scratch`] (the default drops it).
+    fn put_scratch(&mut self, scratch: ConvScratch<T>) {
+        drop(scratch);
+    }
 }
 
 /// A layer's own host buffers and, when its input comes through the previous BN, the
@@ -380,6 +409,24 @@ fn prologue_input<T: Element, I: LayerIo<T> + ?Sized>(io: &I) -> Result<ConvInpu
     })
 }
 
+/// The stamps of a conv's input buffers ([`InputStamp`]): the prologue's `y_prev`,
+/// `eq_scale` and `eq_bias`, or the plain input's; `None` unless the table stamps all of them.
+fn input_stamp<T: Element, I: LayerIo<T> + ?Sized>(
+    io: &I,
+    prologue: bool,
+    plain_in: Src,
+) -> InputStamp {
+    if prologue {
+        Some([
+            io.stamp(Prev("y"))?,
+            io.stamp(Prev("eq_scale"))?,
+            io.stamp(Prev("eq_bias"))?,
+        ])
+    } else {
+        Some([io.stamp(plain_in)?, 0, 0])
+    }
+}
+
 /// The residual of a layer's activation, as its config names it.
 pub(super) fn residual_of<'a, T: Element, I: LayerIo<T> + ?Sized>(
     io: &'a I,
@@ -426,12 +473,20 @@ pub(super) fn cpu_step<T: Element, I: LayerIo<T> + ?Sized>(
     match role {
         GraphRole::ConvStats => {
             // The generic route convolves the materialized activation (no prologue).
-            let input = if through_bn && kind != RouteKind::Generic {
+            let y = io.take_half(This("y"))?;
+            let mut scratch = io.take_scratch();
+            let prologue = through_bn && kind != RouteKind::Generic;
+            let input = if prologue {
                 prologue_input(io)?
             } else {
                 ConvInput::Plain(io.half(plain_in)?)
             };
-            let out = r::fprop_genstats(&p, input, io.half(This("w"))?)?;
+            // The conv's input stays in the scratch for this layer's wgrad.
+            let stamp = input_stamp(io, prologue, plain_in);
+            let w = io.half(This("w"))?;
+            let out = r::fprop_genstats_with(&p, input, w, &mut scratch, stamp, y);
+            io.put_scratch(scratch);
+            let out = out?;
             io.set_half(This("y"), out.y)?;
             io.set_float(This("sum"), out.stats.sum)?;
             io.set_float(This("sq_sum"), out.stats.sqsum)?;
@@ -467,18 +522,21 @@ pub(super) fn cpu_step<T: Element, I: LayerIo<T> + ?Sized>(
             io.set_float(This("saved_inv_std"), out.saved_inv_std)?;
         }
         GraphRole::Apply => {
-            let a = r::bn_apply(
+            let out = io.take_half(This("a"))?;
+            let a = r::bn_apply_into(
                 &ys,
                 io.half(This("y"))?,
                 io.half(This("eq_scale"))?,
                 io.half(This("eq_bias"))?,
                 residual_of(io, cfg.apply)?,
                 Activation::Relu,
+                out,
             )?;
             io.set_half(This("a"), a)?;
         }
         GraphRole::ApplyReluBackward => {
-            let d = r::relu_bwd(&ys, io.half(This("da"))?, io.half(This("a"))?)?;
+            let out = io.take_half(This("dpre"))?;
+            let d = r::relu_bwd_into(&ys, io.half(This("da"))?, io.half(This("a"))?, out)?;
             io.set_half(This("dpre"), d)?;
         }
         GraphRole::ApplyBnBackward => {
@@ -495,6 +553,8 @@ pub(super) fn cpu_step<T: Element, I: LayerIo<T> + ?Sized>(
             io.set_float(This("dbeta"), out.dbeta)?;
         }
         GraphRole::DgradDreluDbn => {
+            let dz = io.take_half(This("dz_prev"))?;
+            let mut scratch = io.take_scratch();
             let join = match cfg.backward_residual {
                 BackwardResidual::None => ReluJoin::default(),
                 BackwardResidual::FuseAdd => ReluJoin {
@@ -502,7 +562,7 @@ pub(super) fn cpu_step<T: Element, I: LayerIo<T> + ?Sized>(
                     dy_branch: Some(io.half(This("dy_branch"))?),
                 },
             };
-            let out = r::dgrad_drelu_dbn(
+            let out = r::dgrad_drelu_dbn_with(
                 &p,
                 io.half(This("dy"))?,
                 io.half(This("w"))?,
@@ -514,7 +574,11 @@ pub(super) fn cpu_step<T: Element, I: LayerIo<T> + ?Sized>(
                     beta: io.float(Prev("beta"))?,
                 },
                 &join,
-            )?;
+                &mut scratch,
+                dz,
+            );
+            io.put_scratch(scratch);
+            let out = out?;
             io.set_float(Prev("dgamma"), out.dgamma)?;
             io.set_float(Prev("dbeta"), out.dbeta)?;
             io.set_half(This("dz_prev"), out.dz)?;
@@ -523,34 +587,46 @@ pub(super) fn cpu_step<T: Element, I: LayerIo<T> + ?Sized>(
             io.set_float(This("dbn_c"), out.c)?;
         }
         GraphRole::Wgrad => {
-            let dw = if through_bn && kind == RouteKind::Fused {
-                r::wgrad_with_prologue(&p, prologue_input(io)?, io.half(This("dy"))?)?
+            let mut scratch = io.take_scratch();
+            let prologue = through_bn && kind == RouteKind::Fused;
+            let input = if prologue {
+                prologue_input(io)?
             } else {
-                r::conv_wgrad(&p, io.half(plain_in)?, io.half(This("dy"))?)?
+                ConvInput::Plain(io.half(plain_in)?)
             };
-            io.set_half(This("dw"), dw)?;
+            // The forward's input where the scratch holds this very input, else recomputed:
+            // `conv_wgrad`'s values either way.
+            let stamp = input_stamp(io, prologue, plain_in);
+            let dy = io.half(This("dy"))?;
+            let dw = r::wgrad_with_prologue_with(&p, input, dy, &mut scratch, stamp);
+            io.put_scratch(scratch);
+            io.set_half(This("dw"), dw?)?;
         }
         GraphRole::DbnApply => {
-            let d = r::dbn_apply(
+            let out = io.take_half(Prev("dy"))?;
+            let d = r::dbn_apply_into(
                 &xs,
                 io.half(This("dz_prev"))?,
                 io.half(Prev("y"))?,
                 io.float(This("dbn_a"))?,
                 io.float(This("dbn_b"))?,
                 io.float(This("dbn_c"))?,
+                out,
             )?;
             io.set_half(Prev("dy"), d)?;
         }
         GraphRole::Dgrad => {
-            let d = r::conv_dgrad(&p, io.half(This("dy"))?, io.half(This("w"))?)?;
-            io.set_half(
-                if through_bn {
-                    This("da_prev")
-                } else {
-                    This("dx")
-                },
-                d,
-            )?;
+            let dst = if through_bn {
+                This("da_prev")
+            } else {
+                This("dx")
+            };
+            let out = io.take_half(dst)?;
+            let mut scratch = io.take_scratch();
+            let (dy, w) = (io.half(This("dy"))?, io.half(This("w"))?);
+            let d = r::conv_dgrad_with(&p, dy, w, &mut scratch, out);
+            io.put_scratch(scratch);
+            io.set_half(dst, d?)?;
         }
         GraphRole::ApplyPrev => {
             let a = if kind == RouteKind::Unfused {
@@ -685,13 +761,15 @@ pub(super) fn cpu_step<T: Element, I: LayerIo<T> + ?Sized>(
             io.set_float(This("apply_dbn_c"), c)?;
         }
         GraphRole::ApplyDbnApply => {
-            let d = r::dbn_apply(
+            let out = io.take_half(This("dy"))?;
+            let d = r::dbn_apply_into(
                 &ys,
                 io.half(This("dpre"))?,
                 io.half(This("y"))?,
                 io.float(This("apply_dbn_a"))?,
                 io.float(This("apply_dbn_b"))?,
                 io.float(This("apply_dbn_c"))?,
+                out,
             )?;
             io.set_half(This("dy"), d)?;
         }

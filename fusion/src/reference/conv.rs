@@ -46,11 +46,65 @@ pub fn conv_fprop<T: Element>(p: &ConvParams, x: &[T], w: &[T]) -> Result<Vec<T>
 /// `dx = ∂(Σ dy·y)/∂x` for `y = conv(x, w)`: `dy` NHWC `[n, out_h, out_w, k]`, `w` KRSC →
 /// `dx` NHWC `[n, h, w, c]`, accumulated in `T::Acc` and rounded once to `T`.
 pub fn conv_dgrad<T: Element>(p: &ConvParams, dy: &[T], w: &[T]) -> Result<Vec<T>> {
+    conv_dgrad_into(p, dy, w, Vec::new())
+}
+
+/// [`conv_dgrad`] into `out`'s storage (any length; its contents are overwritten), returned as
+/// `dx`: a caller that keeps its `dx` buffer from step to step allocates nothing.
+pub fn conv_dgrad_into<T: Element>(
+    p: &ConvParams,
+    dy: &[T],
+    w: &[T],
+    out: Vec<T>,
+) -> Result<Vec<T>> {
+    dgrad_store(p, dy, w, None, out)
+}
+
+/// [`conv_dgrad_into`], with the padded copy of `dy` (stride 1) in `pad_buf` when given.
+pub(crate) fn dgrad_store<T: Element>(
+    p: &ConvParams,
+    dy: &[T],
+    w: &[T],
+    pad_buf: Option<&mut PadBuf<T::Acc>>,
+    mut out: Vec<T>,
+) -> Result<Vec<T>> {
     p.validate()?;
     check_len("dy", dy, p.y_elems())?;
     check_len("w", w, p.w_elems())?;
-    let dx = dgrad_acc(p, &T::widen_slice(dy), &T::widen_slice(w))?;
-    Ok(T::store_slice(&dx))
+    let w = T::widen_slice(w);
+    out.resize(p.x_elems(), T::default());
+    out.truncate(p.x_elems());
+    // Stride 1: `dy` widened straight into the gather's padded copy, and each tile stored
+    // while in cache (the tiles of `dgrad_all_taps`, so the same values).
+    let k = p.k;
+    let fill = |first: usize, dst: &mut [T::Acc]| {
+        T::widen_into(&dy[first * k..first * k + dst.len()], dst);
+    };
+    let dy_src = Src::Fill {
+        pixels: p.n * p.out_h() * p.out_w(),
+        fill: &fill,
+    };
+    let chunked = if out.is_empty() {
+        Some(Vec::new())
+    } else {
+        dgrad_chunks(
+            p,
+            dy_src,
+            &w,
+            &mut out,
+            TILE_ROWS,
+            pad_buf,
+            || (),
+            |_, _, tile, dst| T::store_into(tile, dst),
+        )?
+    };
+    if chunked.is_none() {
+        // Strided: by phases, each image's `dy` widened and its `dx` stored in turn (the
+        // values of `dgrad_phases`).
+        let phases = phases_of(p, &w);
+        phases_by_image(p, &phases, dy, T::widen_into, &mut out, T::store_into)?;
+    }
+    Ok(out)
 }
 
 /// `dw = ∂(Σ dy·y)/∂w` for `y = conv(x, w)`: `x` NHWC, `dy` NHWC `[n, out_h, out_w, k]` →
@@ -60,7 +114,17 @@ pub fn conv_wgrad<T: Element>(p: &ConvParams, x: &[T], dy: &[T]) -> Result<Vec<T
     p.validate()?;
     check_len("x", x, p.x_elems())?;
     check_len("dy", dy, p.y_elems())?;
-    let dw = wgrad_acc(p, &T::widen_slice(x), &T::widen_slice(dy))?;
+    // `x` widened straight into the gather's padded copy (the same values as widening it
+    // first).
+    let c = p.c;
+    let fill = |first: usize, dst: &mut [T::Acc]| {
+        T::widen_into(&x[first * c..first * c + dst.len()], dst);
+    };
+    let x_src = Src::Fill {
+        pixels: p.n * p.h * p.w,
+        fill: &fill,
+    };
+    let dw = wgrad_src(p, x_src, &T::widen_slice(dy))?;
     Ok(T::store_slice(&dw))
 }
 
@@ -121,17 +185,38 @@ where
     )
 }
 
+/// Writes `x` in the padded layout the fprop (and wgrad) gather of `p` reads, into `out`
+/// (resized; storage kept from an earlier call is reused, only the border zeroed): the
+/// [`Src::Padded`] form of `x` for [`fprop_chunks`] and [`wgrad_src`], which then gather the
+/// same column matrix as from `x` itself. `p` validated, lengths checked.
+pub(crate) fn pad_fprop_input<A: Real>(p: &ConvParams, x: Src<'_, A>, out: &mut PadBuf<A>) {
+    let taps = p.r * p.s;
+    // An fprop map always has a padded layout.
+    if let Some(layout) = Layout::of(PixelMap::fprop(p), p.c, taps) {
+        match x {
+            Src::Padded(v) => {
+                out.clean = None;
+                out.data.clear();
+                out.data.extend_from_slice(v);
+            }
+            x => layout.fill(x, out),
+        }
+    }
+}
+
 /// dgrad of a stride-1 conv (see [`dgrad_all_taps`]) by chunks of `chunk_rows` input pixels,
 /// as [`fprop_chunks`]: each tile `[n_rows, c]` of the unrounded dgrad is handed with its first
 /// pixel and its rows of `out` (`c` values per pixel) to `sink(state, first, tile, out_rows)`.
 /// The same tiles, so the same values, as [`dgrad_all_taps`]. `None` for a strided conv (see
 /// [`dgrad_phases`]). `p` validated, lengths checked.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn dgrad_chunks<A, O, S, I, F>(
     p: &ConvParams,
-    dy: &[A],
+    dy: Src<'_, A>,
     w: &[A],
     out: &mut [O],
     chunk_rows: usize,
+    pad_buf: Option<&mut PadBuf<A>>,
     init: I,
     sink: F,
 ) -> Result<Option<Vec<S>>>
@@ -147,7 +232,7 @@ where
     }
     let taps = p.r * p.s;
     let w_r = dgrad_weights(p, w);
-    let gatherer = Gatherer::new(PixelMap::dgrad(p), dy, p.k, taps);
+    let gatherer = Gatherer::from_src_in(PixelMap::dgrad(p), dy, p.k, taps, pad_buf);
     let (rows, w_r) = (p.n * p.h * p.w, Mat::row_major(&w_r, p.c));
     gemm_chunks(
         &gatherer,
@@ -252,8 +337,24 @@ struct Phase<A> {
 /// GEMM's order may differ from [`dgrad_all_taps`]'s in the last bits). Images in parallel.
 /// `p` validated, lengths checked.
 pub(crate) fn dgrad_phases<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result<Vec<A>> {
+    let phases = phases_of(p, w);
+    let c = p.c;
+    let image = p.h * p.w * c;
+    let mut dx = vec![A::ZERO; p.n * image];
+    phases_by_image(
+        p,
+        &phases,
+        dy,
+        |src, dst| dst.copy_from_slice(src),
+        &mut dx,
+        |img, dst| dst.copy_from_slice(img),
+    )?;
+    Ok(dx)
+}
+
+/// The phases of a strided dgrad (see [`Phase`]), with their weights from `w` (KRSC).
+fn phases_of<A: Real>(p: &ConvParams, w: &[A]) -> Vec<Phase<A>> {
     let (c, k) = (p.c, p.k);
-    let (out_h, out_w) = (p.out_h(), p.out_w());
     let mut phases = Vec::with_capacity(p.stride_h * p.stride_w);
     for a in 0..p.stride_h {
         for b in 0..p.stride_w {
@@ -284,19 +385,45 @@ pub(crate) fn dgrad_phases<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result
             });
         }
     }
+    phases
+}
+
+/// The image loop of [`dgrad_phases`] over `dy` of any element type `S` (each image's part
+/// widened by `widen` into a buffer of the arithmetic type): each image's `dx` is made in a
+/// buffer of its own and handed to `sink(image_dx, out_image)` with its part of `out`.
+fn phases_by_image<A, S, O, W, F>(
+    p: &ConvParams,
+    phases: &[Phase<A>],
+    dy: &[S],
+    widen: W,
+    out: &mut [O],
+    sink: F,
+) -> Result<()>
+where
+    A: Real,
+    S: Sync,
+    O: Send,
+    W: Fn(&[S], &mut [A]) + Sync,
+    F: Fn(&[A], &mut [O]) + Sync,
+{
+    let (c, k) = (p.c, p.k);
+    let (out_h, out_w) = (p.out_h(), p.out_w());
     let image = p.h * p.w * c;
-    let mut dx = vec![A::ZERO; p.n * image];
     if image == 0 {
-        return Ok(dx);
+        return Ok(());
     }
-    dx.par_chunks_mut(image).enumerate().try_for_each_init(
-        || (Vec::new(), Vec::new()),
-        |(col, out), (n, dx_n)| {
-            let dy_n = &dy[n * out_h * out_w * k..(n + 1) * out_h * out_w * k];
-            for ph in &phases {
+    out.par_chunks_mut(image).enumerate().try_for_each_init(
+        || (Vec::new(), Vec::new(), Vec::new(), Vec::new()),
+        |(col, res, dy_n, dx_n), (n, out_n)| {
+            let len = out_h * out_w * k;
+            dy_n.resize(len, A::ZERO);
+            widen(&dy[n * len..(n + 1) * len], &mut dy_n[..len]);
+            // Pixels no tap reaches keep a zero gradient.
+            dx_n.clear();
+            dx_n.resize(image, A::ZERO);
+            for ph in phases {
                 let (rows, depth) = (ph.ihs.len() * ph.iws.len(), ph.taps.len() * k);
                 if rows == 0 || depth == 0 {
-                    // No tap reaches these pixels: their gradient stays zero.
                     continue;
                 }
                 col.clear();
@@ -321,7 +448,7 @@ pub(crate) fn dgrad_phases<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result
                         }
                     }
                 }
-                out.resize(rows * c, A::ZERO);
+                res.resize(rows * c, A::ZERO);
                 A::gemm(
                     rows,
                     depth,
@@ -329,9 +456,9 @@ pub(crate) fn dgrad_phases<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result
                     Mat::row_major(col, depth),
                     Mat::row_major(&ph.w, c),
                     A::ZERO,
-                    &mut out[..rows * c],
+                    &mut res[..rows * c],
                 )?;
-                let mut src = out.chunks_exact(c);
+                let mut src = res.chunks_exact(c);
                 for &ih in &ph.ihs {
                     for &iw in &ph.iws {
                         if let Some(v) = src.next() {
@@ -340,10 +467,10 @@ pub(crate) fn dgrad_phases<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Result
                     }
                 }
             }
+            sink(dx_n, out_n);
             Ok(())
         },
-    )?;
-    Ok(dx)
+    )
 }
 
 /// dgrad by the gather over all `r·s` taps (each input pixel's column row holds, per tap, the
@@ -377,6 +504,7 @@ fn dgrad_weights<A: Real>(p: &ConvParams, w: &[A]) -> Vec<A> {
 }
 
 /// wgrad in the arithmetic type, unrounded. `p` validated, lengths checked.
+#[cfg(test)]
 pub(crate) fn wgrad_acc<A: Real>(p: &ConvParams, x: &[A], dy: &[A]) -> Result<Vec<A>> {
     wgrad_src(p, Src::Acc(x), dy)
 }
@@ -392,19 +520,19 @@ pub(crate) fn wgrad_src<A: Real>(p: &ConvParams, x: Src<'_, A>, dy: &[A]) -> Res
     let gatherer = Gatherer::from_src(PixelMap::fprop(p), x, p.c, taps);
     let partials = (0..groups)
         .into_par_iter()
-        .map(|group| {
+        // A column buffer per rayon job, reused by its groups.
+        .map_init(Vec::new, |col, group| {
             // dwᵀ [depth, k]: the GEMM's long side is the filter depth, not the few output
             // channels (the faster orientation for the skinny shapes).
             let mut dw_t = vec![A::ZERO; depth * k];
-            let mut col = Vec::new();
             let last_tile = ((group + 1) * tiles_per_group).min(tiles);
             for tile in group * tiles_per_group..last_tile {
                 let first = tile * TILE_ROWS;
                 let n_rows = TILE_ROWS.min(rows - first);
-                gatherer.gather(first, n_rows, &mut col);
+                gatherer.gather(first, n_rows, col);
                 // colᵀ of this tile as a [depth, n_rows] matrix.
                 let col_t = Mat {
-                    data: &col,
+                    data: col,
                     row_stride: 1,
                     col_stride: depth,
                 };
@@ -636,11 +764,25 @@ enum Gatherer<'a, A: Clone> {
 struct Padded<'a, A: Clone> {
     /// The source, NHWC `[n, hp, wp, cin]` with its zero border.
     src: Cow<'a, [A]>,
+    layout: Layout,
+}
+
+/// The geometry of a [`Gatherer::Padded`] source.
+#[derive(Debug, Clone, PartialEq)]
+struct Layout {
     cin: usize,
     taps: usize,
+    /// Images of the source.
+    n: usize,
     /// Height and width of the padded source.
     hp: usize,
     wp: usize,
+    /// Zero rows above and zero columns left of the source in its padded copy.
+    top: usize,
+    left: usize,
+    /// Height and width of the source.
+    h: usize,
+    w: usize,
     /// The row space's height and width (as [`PixelMap::dims`]).
     dims: (usize, usize),
     /// Padded pixels the base moves per row-space step down and across.
@@ -650,58 +792,11 @@ struct Padded<'a, A: Clone> {
     runs: Vec<(usize, usize, usize)>,
 }
 
-/// A conv's source tensor as the gather reads it, in the arithmetic type.
-#[derive(Clone, Copy)]
-pub(crate) enum Src<'a, A> {
-    /// Already in the arithmetic type.
-    Acc(&'a [A]),
-    /// Computed on the way into the gather's padded copy: `fill(first, dst)` writes the values
-    /// of the `dst.len() / cin` consecutive pixels from flat pixel `first` (the source has
-    /// `pixels` pixels).
-    Fill {
-        pixels: usize,
-        fill: &'a (dyn Fn(usize, &mut [A]) + Sync),
-    },
-}
-
-impl<A> std::fmt::Debug for Src<'_, A> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Src::Acc(v) => write!(f, "Src::Acc({} values)", v.len()),
-            Src::Fill { pixels, .. } => write!(f, "Src::Fill({pixels} pixels)"),
-        }
-    }
-}
-
-impl<'a, A: Real> Src<'a, A> {
-    /// The whole tensor (`cin` channels) in the arithmetic type.
-    fn materialize(self, cin: usize) -> Cow<'a, [A]> {
-        match self {
-            Src::Acc(v) => Cow::Borrowed(v),
-            Src::Fill { pixels, fill } => {
-                let mut v = vec![A::ZERO; pixels * cin];
-                if !v.is_empty() {
-                    fill(0, &mut v);
-                }
-                Cow::Owned(v)
-            }
-        }
-    }
-}
-
-impl<'a, A: Real> Gatherer<'a, A> {
-    fn new(map: PixelMap, src: &'a [A], cin: usize, taps: usize) -> Self {
-        Self::from_src(map, Src::Acc(src), cin, taps)
-    }
-
-    fn from_src(map: PixelMap, src: Src<'a, A>, cin: usize, taps: usize) -> Self {
-        let general = |src: Src<'a, A>| Gatherer::General {
-            src: src.materialize(cin),
-            cin,
-            taps,
-            map,
-        };
-        // (padded height, width, top and left border, per-tap offset (r, s) → pixels, steps)
+impl Layout {
+    /// The padded layout of `map`'s source, or `None` where the gather goes by
+    /// [`PixelMap::row`] (dgrad of a strided conv, or padding past the filter's reach).
+    fn of(map: PixelMap, cin: usize, taps: usize) -> Option<Layout> {
+        // (images, padded height, width, top and left border, source height, width, steps)
         let (n, hp, wp, top, left, h, w, step) = match map {
             PixelMap::Fprop(p) => (
                 p.n,
@@ -716,7 +811,7 @@ impl<'a, A: Real> Gatherer<'a, A> {
             PixelMap::Dgrad(p) => {
                 let (reach_h, reach_w) = ((p.r - 1) * p.dil_h, (p.s - 1) * p.dil_w);
                 if p.stride_h != 1 || p.stride_w != 1 || p.pad_h > reach_h || p.pad_w > reach_w {
-                    return general(src);
+                    return None;
                 }
                 (
                     p.n,
@@ -747,39 +842,182 @@ impl<'a, A: Real> Gatherer<'a, A> {
                 _ => runs.push((t, 1, off)),
             }
         }
-        let src = if top == 0 && left == 0 && hp == h && wp == w {
-            src.materialize(cin)
-        } else {
-            // Each source row is written (copied, or filled) straight into the padded copy.
-            let mut padded = vec![A::ZERO; n * hp * wp * cin];
-            if h * w * cin > 0 {
-                padded
-                    .par_chunks_mut(hp * wp * cin)
-                    .enumerate()
-                    .for_each(|(img, out)| {
-                        for row in 0..h {
-                            let at = ((top + row) * wp + left) * cin;
-                            let dst = &mut out[at..at + w * cin];
-                            let first = (img * h + row) * w;
-                            match src {
-                                Src::Acc(v) => dst.copy_from_slice(&v[first * cin..][..w * cin]),
-                                Src::Fill { fill, .. } => fill(first, dst),
-                            }
-                        }
-                    });
-            }
-            Cow::Owned(padded)
-        };
-        Gatherer::Padded(Padded {
-            src,
+        Some(Layout {
             cin,
             taps,
+            n,
             hp,
             wp,
+            top,
+            left,
+            h,
+            w,
             dims: map.dims(),
             step,
             runs,
         })
+    }
+
+    /// Whether the padded copy is the source itself (no zero border).
+    fn borderless(&self) -> bool {
+        self.top == 0 && self.left == 0 && self.hp == self.h && self.wp == self.w
+    }
+
+    /// Elements of the padded copy.
+    fn elems(&self) -> usize {
+        self.n * self.hp * self.wp * self.cin
+    }
+
+    /// Writes the padded copy of `src` (not [`Src::Padded`]) into `out`, resized to
+    /// [`Layout::elems`]: each source row copied (or filled) straight into place, and the
+    /// border zeroed unless `out` already holds this layout's zero border (storage kept from
+    /// an earlier call is reused without clearing it first).
+    fn fill<A: Real>(&self, src: Src<'_, A>, out: &mut PadBuf<A>) {
+        let cin = self.cin;
+        let (hp, wp, top, left, h, w) = (self.hp, self.wp, self.top, self.left, self.h, self.w);
+        // Only this function writes a `PadBuf`, and it leaves the border of `clean` zero.
+        let clean = out.clean.as_ref() == Some(self) && out.data.len() == self.elems();
+        out.clean = None;
+        let data = &mut out.data;
+        data.resize(self.elems(), A::ZERO);
+        data.truncate(self.elems());
+        let image = hp * wp * cin;
+        if image == 0 {
+            return;
+        }
+        if h * w * cin == 0 {
+            data.fill(A::ZERO);
+            out.clean = Some(self.clone());
+            return;
+        }
+        data.par_chunks_mut(image)
+            .enumerate()
+            .for_each(|(img, out)| {
+                let (above, rest) = out.split_at_mut(top * wp * cin);
+                let (rows, below) = rest.split_at_mut(h * wp * cin);
+                if !clean {
+                    above.fill(A::ZERO);
+                    below.fill(A::ZERO);
+                }
+                for (row, line) in rows.chunks_exact_mut(wp * cin).enumerate() {
+                    let (before, line) = line.split_at_mut(left * cin);
+                    let (dst, after) = line.split_at_mut(w * cin);
+                    if !clean {
+                        before.fill(A::ZERO);
+                        after.fill(A::ZERO);
+                    }
+                    let first = (img * h + row) * w;
+                    match src {
+                        // (`Src::Padded` is used as it is, never refilled: see `from_src_in`.)
+                        Src::Acc(v) | Src::Padded(v) => {
+                            dst.copy_from_slice(&v[first * cin..][..w * cin])
+                        }
+                        Src::Fill { fill, .. } => fill(first, dst),
+                    }
+                }
+            });
+        out.clean = Some(self.clone());
+    }
+}
+
+/// Storage for a padded copy kept from call to call ([`Layout::fill`]), with the layout whose
+/// zero border it holds, if any (a refill of the same layout then rewrites only the interior).
+#[derive(Debug, Default)]
+pub(crate) struct PadBuf<A> {
+    /// The padded copy.
+    pub(crate) data: Vec<A>,
+    clean: Option<Layout>,
+}
+
+/// A conv's source tensor as the gather reads it, in the arithmetic type.
+#[derive(Clone, Copy)]
+pub(crate) enum Src<'a, A> {
+    /// Already in the arithmetic type.
+    Acc(&'a [A]),
+    /// Computed on the way into the gather's padded copy: `fill(first, dst)` writes the values
+    /// of the `dst.len() / cin` consecutive pixels from flat pixel `first` (the source has
+    /// `pixels` pixels).
+    Fill {
+        pixels: usize,
+        fill: &'a (dyn Fn(usize, &mut [A]) + Sync),
+    },
+    /// An fprop (or wgrad) source already in its gather's padded layout, as
+    /// [`pad_fprop_input`] wrote it for the same conv shape.
+    Padded(&'a [A]),
+}
+
+impl<A> std::fmt::Debug for Src<'_, A> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Src::Acc(v) => write!(f, "Src::Acc({} values)", v.len()),
+            Src::Fill { pixels, .. } => write!(f, "Src::Fill({pixels} pixels)"),
+            Src::Padded(v) => write!(f, "Src::Padded({} values)", v.len()),
+        }
+    }
+}
+
+impl<'a, A: Real> Src<'a, A> {
+    /// The whole tensor (`cin` channels) in the arithmetic type.
+    fn materialize(self, cin: usize) -> Cow<'a, [A]> {
+        match self {
+            // Only fprop sources come padded, and fprop always gathers through the padded
+            // layout (`Layout::of`): never reached.
+            Src::Acc(v) | Src::Padded(v) => Cow::Borrowed(v),
+            Src::Fill { pixels, fill } => {
+                let mut v = vec![A::ZERO; pixels * cin];
+                if !v.is_empty() {
+                    fill(0, &mut v);
+                }
+                Cow::Owned(v)
+            }
+        }
+    }
+}
+
+impl<'a, A: Real> Gatherer<'a, A> {
+    fn new(map: PixelMap, src: &'a [A], cin: usize, taps: usize) -> Self {
+        Self::from_src(map, Src::Acc(src), cin, taps)
+    }
+
+    fn from_src(map: PixelMap, src: Src<'a, A>, cin: usize, taps: usize) -> Self {
+        Self::from_src_in(map, src, cin, taps, None)
+    }
+
+    /// [`Gatherer::from_src`], writing a padded copy (where one is made) into `buf` when given
+    /// (storage kept for reuse) instead of a new vector.
+    fn from_src_in(
+        map: PixelMap,
+        src: Src<'a, A>,
+        cin: usize,
+        taps: usize,
+        buf: Option<&'a mut PadBuf<A>>,
+    ) -> Self {
+        let Some(layout) = Layout::of(map, cin, taps) else {
+            return Gatherer::General {
+                src: src.materialize(cin),
+                cin,
+                taps,
+                map,
+            };
+        };
+        let src = match src {
+            // Already in the padded layout (an fprop source: its layout always exists).
+            Src::Padded(v) => Cow::Borrowed(v),
+            // No border: the source itself.
+            Src::Acc(v) if layout.borderless() => Cow::Borrowed(v),
+            src => match buf {
+                Some(buf) => {
+                    layout.fill(src, buf);
+                    Cow::Borrowed(&buf.data[..])
+                }
+                None => {
+                    let mut padded = PadBuf::default();
+                    layout.fill(src, &mut padded);
+                    Cow::Owned(padded.data)
+                }
+            },
+        };
+        Gatherer::Padded(Padded { src, layout })
     }
 
     /// Fills `col` with rows `first..first + n_rows` of the column matrix (see [`gather`]).
@@ -798,20 +1036,21 @@ impl<'a, A: Real> Gatherer<'a, A> {
 
 impl<A: Real> Padded<'_, A> {
     fn gather(&self, first: usize, n_rows: usize, col: &mut Vec<A>) {
-        let (cin, width) = (self.cin, self.taps * self.cin);
+        let l = &self.layout;
+        let (cin, width) = (l.cin, l.taps * l.cin);
         // Every element is written below; resizing only grows the buffer.
         col.resize(n_rows * width, A::ZERO);
         col.truncate(n_rows * width);
         if width == 0 {
             return;
         }
-        let (h, w) = self.dims;
-        let (sh, sw) = self.step;
-        let base_of = |n: usize, i: usize, j: usize| (n * self.hp + i * sh) * self.wp + j * sw;
+        let (h, w) = l.dims;
+        let (sh, sw) = l.step;
+        let base_of = |n: usize, i: usize, j: usize| (n * l.hp + i * sh) * l.wp + j * sw;
         let (mut n, mut i, mut j) = (first / (h * w), first % (h * w) / w, first % w);
         let mut base = base_of(n, i, j);
         for row in col.chunks_exact_mut(width) {
-            for &(t, len, off) in &self.runs {
+            for &(t, len, off) in &l.runs {
                 let at = (base + off) * cin;
                 copy_pixels(
                     &mut row[t * cin..(t + len) * cin],

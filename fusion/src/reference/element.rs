@@ -74,6 +74,22 @@ pub trait Element:
             *d = Self::from_acc(s);
         }
     }
+
+    /// ReLU backward's select: `out[i] = dy[i]` where `x[i]` [`Element::is_positive`], else
+    /// `+0` (equal lengths).
+    fn relu_select(dy: &[Self], x: &[Self], out: &mut [Self]) {
+        for ((o, v), d) in out.iter_mut().zip(x).zip(dy) {
+            *o = if v.is_positive() { *d } else { Self::default() };
+        }
+    }
+
+    /// The raw bits, for exact comparisons (zeros of both signs and NaN payloads told apart).
+    fn bits(self) -> u64;
+
+    /// Whether `a` and `b` hold the same bits, element for element.
+    fn same_bits(a: &[Self], b: &[Self]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(p, q)| p.bits() == q.bits())
+    }
 }
 
 /// The arithmetic type (FP32 on the GPU): `f32` or `f64`.
@@ -131,6 +147,29 @@ impl Element for f16 {
         f16::from_f32(value)
     }
 
+    #[inline]
+    fn bits(self) -> u64 {
+        u64::from(self.to_bits())
+    }
+
+    /// On the bits, as a mask (`dy`'s bits or all zeros), which vectorizes where the
+    /// generic select on `f16` values did not.
+    fn relu_select(dy: &[Self], x: &[Self], out: &mut [Self]) {
+        let n = out.len().min(x.len()).min(dy.len());
+        let (dy, x) = (&dy.reinterpret_cast()[..n], &x.reinterpret_cast()[..n]);
+        let out = &mut out.reinterpret_cast_mut()[..n];
+        for i in 0..n {
+            // `is_positive`: bits 0x0001..=0x7C00.
+            let keep = u16::from(x[i].wrapping_sub(1) < 0x7C00);
+            out[i] = dy[i] & keep.wrapping_neg();
+        }
+    }
+
+    fn same_bits(a: &[Self], b: &[Self]) -> bool {
+        // The bits as `u16` slices, compared as bytes.
+        a.reinterpret_cast() == b.reinterpret_cast()
+    }
+
     /// On the bits: the positive values are `0x0001..=0x7C00` (up to +inf; NaNs above).
     #[inline]
     fn is_positive(self) -> bool {
@@ -166,6 +205,11 @@ impl Element for f16 {
 
 impl Element for f64 {
     type Acc = f64;
+
+    #[inline]
+    fn bits(self) -> u64 {
+        self.to_bits()
+    }
 
     #[inline]
     fn to_acc(self) -> f64 {

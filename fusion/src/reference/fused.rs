@@ -13,10 +13,12 @@
 //! engines; the specialised engine's internal precision is not documented).
 
 use super::bn::{add_genstats_rows, bn_recompute, BnBwdCoefficients, ChannelStats};
-use super::conv::{dgrad_acc, dgrad_chunks, fprop_chunks, wgrad_src, Src};
+use super::conv::{
+    dgrad_acc, dgrad_chunks, dgrad_store, fprop_chunks, pad_fprop_input, wgrad_src, PadBuf, Src,
+};
 use super::element::{Element, Real};
 use super::error::Result;
-use super::parallel::{add_partials, map_blocks, ROWS_PER_CHUNK};
+use super::parallel::{add_partials, map_blocks_into, ROWS_PER_CHUNK};
 use super::params::{check_len, ConvParams};
 
 /// What a conv consumes.
@@ -82,6 +84,104 @@ impl<T: Element> ConvInput<'_, T> {
                     fill: &fill,
                 })
             }
+        }
+    }
+}
+
+/// Storage one conv layer's CPU steps keep from one training step to the next: the forward
+/// conv's input in the arithmetic type, laid out (padded) for its gather, which the backward's
+/// wgrad reads again instead of recomputing it from the same FP16 tensors, and the padded copy
+/// of the backward's `dy`. Reuse changes no value: the cached input is used only for the very
+/// input it was computed from (see [`InputStamp`]), so the wgrad gathers exactly the column
+/// matrix it would have made itself.
+#[derive(Debug, Default)]
+pub struct ConvScratch<T: Element> {
+    /// The forward conv's input, padded ([`Src::Padded`]).
+    input: PadBuf<T::Acc>,
+    /// What `input` holds, if anything.
+    key: Option<InputKey<T>>,
+    /// Storage for the padded copy of the dgrad's `dy`.
+    dy: PadBuf<T::Acc>,
+    /// Storage for the wgrad's `dy` in the arithmetic type.
+    dy_acc: Vec<T::Acc>,
+}
+
+/// How a [`ConvScratch`] tells that a wgrad's input is the one its forward conv read.
+///
+/// `Some(stamps)`: the caller's identity of the input's FP16 tensors (`x` or `y_prev`, then
+/// `scale` and `bias` for a prologue, zeros for absent ones), such as write counters of the
+/// buffers holding them; the caller guarantees that equal stamps mean equal contents. `None`:
+/// the scratch keeps copies of the tensors and compares them bit for bit.
+pub type InputStamp = Option<[u64; 3]>;
+
+/// The conv shape and FP16 tensors a [`ConvScratch`] input was computed from.
+#[derive(Debug)]
+struct InputKey<T> {
+    p: ConvParams,
+    prologue: bool,
+    /// The caller's stamps, or `None` with the tensors' copies below.
+    stamp: InputStamp,
+    x: Vec<T>,
+    scale: Vec<T>,
+    bias: Vec<T>,
+}
+
+impl<T: Element> InputKey<T> {
+    /// The key refilled for `input` (reusing its copies' storage).
+    fn set(
+        key: &mut Option<InputKey<T>>,
+        p: &ConvParams,
+        input: &ConvInput<'_, T>,
+        stamp: InputStamp,
+    ) {
+        let (x, scale, bias, prologue): (&[T], &[T], &[T], bool) = match *input {
+            ConvInput::Plain(x) => (x, &[], &[], false),
+            ConvInput::Prologue {
+                y_prev,
+                scale,
+                bias,
+            } => (y_prev, scale, bias, true),
+        };
+        let k = key.get_or_insert_with(|| InputKey {
+            p: *p,
+            prologue,
+            stamp,
+            x: Vec::new(),
+            scale: Vec::new(),
+            bias: Vec::new(),
+        });
+        k.p = *p;
+        k.prologue = prologue;
+        k.stamp = stamp;
+        for (dst, src) in [(&mut k.x, x), (&mut k.scale, scale), (&mut k.bias, bias)] {
+            dst.clear();
+            if stamp.is_none() {
+                dst.extend_from_slice(src);
+            }
+        }
+    }
+
+    /// Whether `input` to a conv of shape `p` is what the key was made from.
+    fn matches(&self, p: &ConvParams, input: &ConvInput<'_, T>, stamp: InputStamp) -> bool {
+        let prologue = matches!(input, ConvInput::Prologue { .. });
+        if self.p != *p || self.prologue != prologue {
+            return false;
+        }
+        match (self.stamp, stamp) {
+            (Some(kept), Some(given)) => kept == given,
+            (None, None) => match *input {
+                ConvInput::Plain(x) => T::same_bits(&self.x, x),
+                ConvInput::Prologue {
+                    y_prev,
+                    scale,
+                    bias,
+                } => {
+                    T::same_bits(&self.scale, scale)
+                        && T::same_bits(&self.bias, bias)
+                        && T::same_bits(&self.x, y_prev)
+                }
+            },
+            _ => false,
         }
     }
 }
@@ -182,28 +282,50 @@ pub fn fprop_genstats<T: Element>(
     input: ConvInput<'_, T>,
     w: &[T],
 ) -> Result<FpropStats<T>> {
+    fprop_genstats_with(p, input, w, &mut ConvScratch::default(), None, Vec::new())
+}
+
+/// [`fprop_genstats`] with storage kept across steps: the conv's input is left in `scratch`
+/// (known by `stamp`, see [`InputStamp`]) for [`wgrad_with_prologue_with`], and `y` is written
+/// into `y`'s storage (any length; its contents are overwritten). The same values as
+/// [`fprop_genstats`].
+pub fn fprop_genstats_with<T: Element>(
+    p: &ConvParams,
+    input: ConvInput<'_, T>,
+    w: &[T],
+    scratch: &mut ConvScratch<T>,
+    stamp: InputStamp,
+    mut y: Vec<T>,
+) -> Result<FpropStats<T>> {
     p.validate()?;
     check_len("w", w, p.w_elems())?;
     let k = p.k;
-    let mut y = vec![T::default(); p.y_elems()];
+    y.resize(p.y_elems(), T::default());
+    y.truncate(p.y_elems());
     let w = T::widen_slice(w);
+    // The input is computed once into the scratch's padded copy (the values the gather would
+    // compute on its way in), and kept for the backward's wgrad.
+    scratch.key = None;
+    input.with_src(p, |x| {
+        pad_fprop_input(p, x, &mut scratch.input);
+        Ok(())
+    })?;
+    InputKey::set(&mut scratch.key, p, &input, stamp);
     // The conv's tiles are stored and summed while in cache, chunk by chunk as `genstats`
     // sums (the same values, added in the same order).
-    let partials = input.with_src(p, |x| {
-        fprop_chunks(
-            p,
-            x,
-            &w,
-            &mut y,
-            ROWS_PER_CHUNK,
-            || vec![[0.0; 2]; k],
-            |acc, tile, out| {
-                T::store_into(tile, out);
-                T::widen_into(out, tile);
-                add_genstats_rows(tile, acc);
-            },
-        )
-    })?;
+    let partials = fprop_chunks(
+        p,
+        Src::Padded(&scratch.input.data),
+        &w,
+        &mut y,
+        ROWS_PER_CHUNK,
+        || vec![[0.0; 2]; k],
+        |acc, tile, out| {
+            T::store_into(tile, out);
+            T::widen_into(out, tile);
+            add_genstats_rows(tile, acc);
+        },
+    )?;
     let stats = ChannelStats::from_sums(&add_partials(k, &partials));
     Ok(FpropStats { y, stats })
 }
@@ -220,11 +342,50 @@ pub fn wgrad_with_prologue<T: Element>(
     input: ConvInput<'_, T>,
     dy: &[T],
 ) -> Result<Vec<T>> {
+    wgrad_with_prologue_with(p, input, dy, &mut ConvScratch::default(), None)
+}
+
+/// [`wgrad_with_prologue`] reading the conv's input from `scratch` where
+/// [`fprop_genstats_with`] left it for this very input (same shape, and the same `stamp` or
+/// the same FP16 tensors bit for bit: [`InputStamp`]), else computing it as
+/// [`wgrad_with_prologue`] does: the same values either way.
+pub fn wgrad_with_prologue_with<T: Element>(
+    p: &ConvParams,
+    input: ConvInput<'_, T>,
+    dy: &[T],
+    scratch: &mut ConvScratch<T>,
+    stamp: InputStamp,
+) -> Result<Vec<T>> {
     p.validate()?;
     check_len("dy", dy, p.y_elems())?;
-    let dy = T::widen_slice(dy);
-    let dw = input.with_src(p, |x| wgrad_src(p, x, &dy))?;
-    Ok(T::store_slice(&dw))
+    let mut dy_acc = std::mem::take(&mut scratch.dy_acc);
+    dy_acc.resize(dy.len(), T::Acc::ZERO);
+    dy_acc.truncate(dy.len());
+    T::widen_into(dy, &mut dy_acc);
+    let dy = dy_acc;
+    let cached = scratch
+        .key
+        .as_ref()
+        .is_some_and(|k| k.matches(p, &input, stamp));
+    let dw = if cached {
+        wgrad_src(p, Src::Padded(&scratch.input.data), &dy)
+    } else {
+        input.with_src(p, |x| wgrad_src(p, x, &dy))
+    };
+    scratch.dy_acc = dy;
+    Ok(T::store_slice(&dw?))
+}
+
+/// [`super::conv_dgrad_into`] with the padded copy of `dy` kept in `scratch` (storage reused
+/// from step to step). The same values as [`super::conv_dgrad`].
+pub fn conv_dgrad_with<T: Element>(
+    p: &ConvParams,
+    dy: &[T],
+    w: &[T],
+    scratch: &mut ConvScratch<T>,
+    out: Vec<T>,
+) -> Result<Vec<T>> {
+    dgrad_store(p, dy, w, Some(&mut scratch.dy), out)
 }
 
 /// The previous BN's saved statistics and learned parameters (FP32 `[c]`), as pattern 5 takes
@@ -303,6 +464,32 @@ pub fn dgrad_drelu_dbn<T: Element>(
     bn: &SavedBn<'_, T::Acc>,
     join: &ReluJoin<'_, T>,
 ) -> Result<DgradDreluDbn<T>> {
+    dgrad_drelu_dbn_with(
+        p,
+        dy,
+        w,
+        y_prev,
+        bn,
+        join,
+        &mut ConvScratch::default(),
+        Vec::new(),
+    )
+}
+
+/// [`dgrad_drelu_dbn`] with storage kept across steps: the padded copy of `dy` in `scratch`,
+/// and `dz` written into `dz`'s storage (any length; its contents are overwritten). The same
+/// values as [`dgrad_drelu_dbn`].
+#[allow(clippy::too_many_arguments)]
+pub fn dgrad_drelu_dbn_with<T: Element>(
+    p: &ConvParams,
+    dy: &[T],
+    w: &[T],
+    y_prev: &[T],
+    bn: &SavedBn<'_, T::Acc>,
+    join: &ReluJoin<'_, T>,
+    scratch: &mut ConvScratch<T>,
+    mut dz: Vec<T>,
+) -> Result<DgradDreluDbn<T>> {
     p.validate()?;
     check_len("dy", dy, p.y_elems())?;
     check_len("w", w, p.w_elems())?;
@@ -321,19 +508,30 @@ pub fn dgrad_drelu_dbn<T: Element>(
     if let Some(dy_branch) = join.dy_branch {
         check_len("dy_branch", dy_branch, p.x_elems())?;
     }
-    let (dy, w) = (T::widen_slice(dy), T::widen_slice(w));
+    let w = T::widen_slice(w);
     let ch = p.c;
     let mean64: Vec<f64> = bn.mean.iter().map(|v| v.to_f64()).collect();
     let inv_std64: Vec<f64> = bn.inv_std.iter().map(|v| v.to_f64()).collect();
-    let mut dz = vec![T::default(); p.x_elems()];
+    dz.resize(p.x_elems(), T::default());
+    dz.truncate(p.x_elems());
+    // `dy` widened straight into the gather's padded copy (the same values).
+    let k = p.k;
+    let fill = |first: usize, dst: &mut [T::Acc]| {
+        T::widen_into(&dy[first * k..first * k + dst.len()], dst);
+    };
+    let dy_src = Src::Fill {
+        pixels: p.n * p.out_h() * p.out_w(),
+        fill: &fill,
+    };
     // Stride 1: each dgrad tile becomes dz and is summed (BN_BWD_WEIGHTS) while in cache, in
     // the chunks and order of `BnBwdCoefficients::compute` (the same values and sums).
     let chunked = dgrad_chunks(
         p,
-        &dy,
+        dy_src,
         &w,
         &mut dz,
         ROWS_PER_CHUNK,
+        Some(&mut scratch.dy),
         || (vec![[0.0; 2]; ch], Vec::new()),
         |(acc, scratch): &mut (Vec<[f64; 2]>, Vec<T::Acc>), first, tile, out| {
             let n = tile.len();
@@ -357,8 +555,8 @@ pub fn dgrad_drelu_dbn<T: Element>(
             )
         }
         None => {
-            let dxc = dgrad_acc(p, &dy, &w)?;
-            dz = map_blocks(dxc.len(), ch, |first, ins, out| {
+            let dxc = dgrad_acc(p, &T::widen_slice(dy), &w)?;
+            dz = map_blocks_into(dz, dxc.len(), ch, |first, ins, out| {
                 let n = out.len();
                 drelu_dbn_rows(
                     ch,

@@ -73,12 +73,16 @@ pub use chain::{
     weighted_sum_loss, CbrChain, CbrLayer, ChainForward, ChainGrads, LayerForward, LayerGrads,
     Route,
 };
-pub use conv::{conv_dgrad, conv_fprop, conv_wgrad};
+pub use conv::{conv_dgrad, conv_dgrad_into, conv_fprop, conv_wgrad};
 pub use element::{Element, Real};
 pub use error::{ReferenceError, Result};
 pub use fused::{
-    dgrad_drelu_dbn, fprop_genstats, wgrad_with_prologue, ConvInput, DgradDreluDbn, FpropStats,
-    ReluJoin, SavedBn,
+    conv_dgrad_with, dgrad_drelu_dbn, dgrad_drelu_dbn_with, fprop_genstats, fprop_genstats_with,
+    wgrad_with_prologue, wgrad_with_prologue_with, ConvInput, ConvScratch, DgradDreluDbn,
+    FpropStats, InputStamp, ReluJoin, SavedBn,
 };
 pub use params::{BnParams, ConvParams, Nhwc};
-pub use pointwise::{add, bn_apply, dbn_apply, relu_bwd, relu_fwd, Activation, Residual};
+pub use pointwise::{
+    add, add_into, bn_apply, bn_apply_into, dbn_apply, dbn_apply_into, relu_bwd, relu_bwd_into,
+    relu_fwd, Activation, Residual,
+};

@@ -68,7 +68,17 @@ where
     T: Element,
     F: Fn(usize, &mut [T::Acc], &mut [T::Acc]) + Sync + Send,
 {
-    let mut out = vec![T::default(); len];
+    map_blocks_into(Vec::new(), len, c, f)
+}
+
+/// [`map_blocks`] into `out`'s storage (resized to `len`; every element is overwritten).
+pub(crate) fn map_blocks_into<T, F>(mut out: Vec<T>, len: usize, c: usize, f: F) -> Vec<T>
+where
+    T: Element,
+    F: Fn(usize, &mut [T::Acc], &mut [T::Acc]) + Sync + Send,
+{
+    out.resize(len, T::default());
+    out.truncate(len);
     fill_blocks(&mut out, c, |first, scratch, dst: &mut [T]| {
         let n = dst.len();
         // The last third of the scratch holds the block's results before they are stored.

@@ -8,7 +8,7 @@
 
 use super::element::{Element, Real};
 use super::error::Result;
-use super::parallel::{fill_blocks, map_blocks};
+use super::parallel::{fill_blocks, map_blocks, map_blocks_into};
 use super::params::{check_len, Nhwc};
 
 /// Whether an apply ends with a ReLU.
@@ -64,6 +64,20 @@ pub fn bn_apply<T: Element>(
     residual: Residual<'_, T>,
     activation: Activation,
 ) -> Result<Vec<T>> {
+    bn_apply_into(shape, y, scale, bias, residual, activation, Vec::new())
+}
+
+/// [`bn_apply`] into `out`'s storage (any length; its contents are overwritten), returned as
+/// the activation: a caller that keeps that buffer from step to step allocates nothing.
+pub fn bn_apply_into<T: Element>(
+    shape: &Nhwc,
+    y: &[T],
+    scale: &[T],
+    bias: &[T],
+    residual: Residual<'_, T>,
+    activation: Activation,
+    out: Vec<T>,
+) -> Result<Vec<T>> {
     shape.validate("y")?;
     check_len("y", y, shape.elems())?;
     check_len("scale", scale, shape.c)?;
@@ -72,7 +86,7 @@ pub fn bn_apply<T: Element>(
     let c = shape.c;
     let act = move |v: T::Acc| activation.apply(v);
     let out = match residual {
-        Residual::None => map_blocks(y.len(), c, |first, ins, out| {
+        Residual::None => map_blocks_into(out, y.len(), c, |first, ins, out| {
             let yv = &mut ins[..out.len()];
             T::widen_into(&y[first..first + out.len()], yv);
             // (Every slice indexed below has exactly `c` values: no bounds checks, so the
@@ -87,7 +101,7 @@ pub fn bn_apply<T: Element>(
         }),
         Residual::Add(r) => {
             check_len("residual", r, shape.elems())?;
-            map_blocks(y.len(), c, |first, ins, out| {
+            map_blocks_into(out, y.len(), c, |first, ins, out| {
                 let n = out.len();
                 let (yv, rv) = ins.split_at_mut(n);
                 let rv = &mut rv[..n];
@@ -111,7 +125,7 @@ pub fn bn_apply<T: Element>(
             check_len("residual_scale", scale, shape.c)?;
             check_len("residual_bias", bias, shape.c)?;
             let (s2, b2) = (T::widen_slice(scale), T::widen_slice(bias));
-            map_blocks(y.len(), c, |first, ins, out| {
+            map_blocks_into(out, y.len(), c, |first, ins, out| {
                 let n = out.len();
                 let (yv, rv) = ins.split_at_mut(n);
                 let rv = &mut rv[..n];
@@ -153,31 +167,43 @@ pub fn relu_fwd<T: Element>(shape: &Nhwc, x: &[T]) -> Result<Vec<T>> {
 /// 0 is 0). `x` is the ReLU's input, or equally its output (both are positive at the same
 /// places; the unfused route uses the stored output as cuDNN's boolean mask `A > 0`).
 pub fn relu_bwd<T: Element>(shape: &Nhwc, dy: &[T], x: &[T]) -> Result<Vec<T>> {
+    relu_bwd_into(shape, dy, x, Vec::new())
+}
+
+/// [`relu_bwd`] into `out`'s storage (any length; its contents are overwritten), returned as
+/// `dx`: a caller that keeps that buffer from step to step allocates nothing.
+pub fn relu_bwd_into<T: Element>(
+    shape: &Nhwc,
+    dy: &[T],
+    x: &[T],
+    mut out: Vec<T>,
+) -> Result<Vec<T>> {
     shape.validate("dy")?;
     check_len("dy", dy, shape.elems())?;
     check_len("x", x, shape.elems())?;
     // The gradient is passed through as stored (no round trip through the arithmetic type).
-    let mut out = vec![T::default(); dy.len()];
+    out.resize(dy.len(), T::default());
+    out.truncate(dy.len());
     fill_blocks(&mut out, shape.c, |first, _, dst: &mut [T]| {
         let n = dst.len();
         // A select on the stored values (not a conditional store), so the loop vectorizes.
-        for ((o, v), d) in dst
-            .iter_mut()
-            .zip(&x[first..first + n])
-            .zip(&dy[first..first + n])
-        {
-            *o = if v.is_positive() { *d } else { T::default() };
-        }
+        T::relu_select(&dy[first..first + n], &x[first..first + n], dst);
     });
     Ok(out)
 }
 
 /// `out = a + b`, computed in `T::Acc` and rounded to `T` once.
 pub fn add<T: Element>(shape: &Nhwc, a: &[T], b: &[T]) -> Result<Vec<T>> {
+    add_into(shape, a, b, Vec::new())
+}
+
+/// [`add`] into `out`'s storage (any length; its contents are overwritten), returned as
+/// the sum: a caller that keeps that buffer from step to step allocates nothing.
+pub fn add_into<T: Element>(shape: &Nhwc, a: &[T], b: &[T], out: Vec<T>) -> Result<Vec<T>> {
     shape.validate("a")?;
     check_len("a", a, shape.elems())?;
     check_len("b", b, shape.elems())?;
-    Ok(map_blocks(a.len(), shape.c, |first, ins, out| {
+    Ok(map_blocks_into(out, a.len(), shape.c, |first, ins, out| {
         let n = out.len();
         let (av, bv) = ins.split_at_mut(n);
         let bv = &mut bv[..n];
@@ -202,6 +228,20 @@ pub fn dbn_apply<T: Element>(
     b: &[T::Acc],
     c: &[T::Acc],
 ) -> Result<Vec<T>> {
+    dbn_apply_into(shape, dz, y_prev, a, b, c, Vec::new())
+}
+
+/// [`dbn_apply`] into `out`'s storage (any length; its contents are overwritten), returned as
+/// `d_y_prev`: a caller that keeps that buffer from step to step allocates nothing.
+pub fn dbn_apply_into<T: Element>(
+    shape: &Nhwc,
+    dz: &[T],
+    y_prev: &[T],
+    a: &[T::Acc],
+    b: &[T::Acc],
+    c: &[T::Acc],
+    out: Vec<T>,
+) -> Result<Vec<T>> {
     shape.validate("dz")?;
     check_len("dz", dz, shape.elems())?;
     check_len("y_prev", y_prev, shape.elems())?;
@@ -209,7 +249,7 @@ pub fn dbn_apply<T: Element>(
     check_len("b", b, shape.c)?;
     check_len("c", c, shape.c)?;
     let ch = shape.c;
-    Ok(map_blocks(dz.len(), ch, |first, ins, out| {
+    Ok(map_blocks_into(out, dz.len(), ch, |first, ins, out| {
         let n = out.len();
         let (dv, yv) = ins.split_at_mut(n);
         let yv = &mut yv[..n];

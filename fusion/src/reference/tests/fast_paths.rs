@@ -13,9 +13,11 @@ use crate::reference::conv::{dgrad_acc, dgrad_all_taps, dgrad_phases, fprop_acc,
 use crate::reference::element::private::Gemm;
 use crate::reference::element::{Mat, Real};
 use crate::reference::{
-    add, bn_apply, bn_bwd, bn_fwd_train, dbn_apply, dgrad_drelu_dbn, fprop_genstats, genstats,
-    relu_bwd, relu_fwd, wgrad_with_prologue, Activation, BnParams, ConvInput, ConvParams, Element,
-    Nhwc, ReluJoin, Residual, RunningStats, SavedBn,
+    add, add_into, bn_apply, bn_apply_into, bn_bwd, bn_fwd_train, conv_dgrad, conv_dgrad_into,
+    conv_dgrad_with, conv_wgrad, dbn_apply, dbn_apply_into, dgrad_drelu_dbn, dgrad_drelu_dbn_with,
+    fprop_genstats, fprop_genstats_with, genstats, relu_bwd, relu_bwd_into, relu_fwd,
+    wgrad_with_prologue, wgrad_with_prologue_with, Activation, BnParams, ConvInput, ConvParams,
+    ConvScratch, Element, Nhwc, ReluJoin, Residual, RunningStats, SavedBn,
 };
 
 /// FP16 data in [-2, 2) with every 17th value special (±0, a subnormal, ±inf, NaN).
@@ -329,6 +331,110 @@ fn old_wgrad(p: &ConvParams, x: &[f32], dy: &[f32]) -> Vec<f32> {
         }
     }
     total.unwrap()
+}
+
+/// One phase of the replaced strided dgrad.
+struct OldPhase {
+    ihs: Vec<usize>,
+    iws: Vec<usize>,
+    taps: Vec<(usize, usize)>,
+    w: Vec<f32>,
+}
+
+/// The strided dgrad by phases as it was: the whole `dx` in FP32, images in parallel.
+fn old_dgrad_phases(p: &ConvParams, dy: &[f32], w: &[f32]) -> Vec<f32> {
+    let (c, k) = (p.c, p.k);
+    let (out_h, out_w) = (p.out_h(), p.out_w());
+    let mut phases = Vec::with_capacity(p.stride_h * p.stride_w);
+    for a in 0..p.stride_h {
+        for b in 0..p.stride_w {
+            let ihs: Vec<usize> = (0..p.h)
+                .filter(|ih| (ih + p.pad_h) % p.stride_h == a)
+                .collect();
+            let iws: Vec<usize> = (0..p.w)
+                .filter(|iw| (iw + p.pad_w) % p.stride_w == b)
+                .collect();
+            let mut taps = Vec::new();
+            for r in (0..p.r).filter(|r| (r * p.dil_h) % p.stride_h == a) {
+                for s in (0..p.s).filter(|s| (s * p.dil_w) % p.stride_w == b) {
+                    taps.push((r, s));
+                }
+            }
+            let mut wp = vec![0.0; taps.len() * k * c];
+            for (t, &(r, s)) in taps.iter().enumerate() {
+                for kk in 0..k {
+                    let src = ((kk * p.r + r) * p.s + s) * c;
+                    wp[(t * k + kk) * c..][..c].copy_from_slice(&w[src..src + c]);
+                }
+            }
+            phases.push(OldPhase {
+                ihs,
+                iws,
+                taps,
+                w: wp,
+            });
+        }
+    }
+    let image = p.h * p.w * c;
+    let mut dx = vec![0.0; p.n * image];
+    if image == 0 {
+        return dx;
+    }
+    dx.par_chunks_mut(image).enumerate().for_each_init(
+        || (Vec::new(), Vec::new()),
+        |(col, out), (n, dx_n)| {
+            let dy_n = &dy[n * out_h * out_w * k..(n + 1) * out_h * out_w * k];
+            for ph in &phases {
+                let (rows, depth) = (ph.ihs.len() * ph.iws.len(), ph.taps.len() * k);
+                if rows == 0 || depth == 0 {
+                    // No tap reaches these pixels: their gradient stays zero.
+                    continue;
+                }
+                col.clear();
+                for &ih in &ph.ihs {
+                    for &iw in &ph.iws {
+                        for &(r, s) in &ph.taps {
+                            // (ih + pad_h - r·dil_h) is a multiple of stride_h here.
+                            let op = (ih + p.pad_h)
+                                .checked_sub(r * p.dil_h)
+                                .map(|t| t / p.stride_h)
+                                .filter(|&op| op < out_h);
+                            let oq = (iw + p.pad_w)
+                                .checked_sub(s * p.dil_w)
+                                .map(|t| t / p.stride_w)
+                                .filter(|&oq| oq < out_w);
+                            match (op, oq) {
+                                (Some(op), Some(oq)) => {
+                                    col.extend_from_slice(&dy_n[(op * out_w + oq) * k..][..k])
+                                }
+                                _ => col.resize(col.len() + k, 0.0),
+                            }
+                        }
+                    }
+                }
+                out.resize(rows * c, 0.0);
+                f32::gemm(
+                    rows,
+                    depth,
+                    c,
+                    Mat::row_major(col, depth),
+                    Mat::row_major(&ph.w, c),
+                    0.0,
+                    &mut out[..rows * c],
+                )
+                .unwrap();
+                let mut src = out.chunks_exact(c);
+                for &ih in &ph.ihs {
+                    for &iw in &ph.iws {
+                        if let Some(v) = src.next() {
+                            dx_n[(ih * p.w + iw) * c..][..c].copy_from_slice(v);
+                        }
+                    }
+                }
+            }
+        },
+    );
+    dx
 }
 
 // ---- The tests --------------------------------------------------------------------------
@@ -683,5 +789,237 @@ fn strided_dgrad_by_phases_matches_the_gather_over_all_taps() {
             );
         }
         assert_eq!(got.len(), dgrad_acc(&p, &dy32, &w32).unwrap().len());
+    }
+}
+
+/// Storage of the wrong size full of garbage (NaNs and large values), as a reused buffer may
+/// hold: every op writing into it must overwrite all of it.
+fn garbage(len: usize) -> Vec<f16> {
+    (0..len)
+        .map(|i| {
+            if i % 2 == 0 {
+                f16::NAN
+            } else {
+                f16::from_f32(-1000.0)
+            }
+        })
+        .collect()
+}
+
+/// The public convolutions against the composition they replaced (the input widened, then the
+/// unrounded op, then stored): `conv_dgrad` (each tile now stored as it is made, and `dy`
+/// widened into the gather's padded copy) and `conv_wgrad` (`x` widened into it), bit for bit,
+/// into fresh and into reused (garbage-filled, wrongly sized) storage.
+#[test]
+fn conv_dgrad_and_wgrad_match_the_widen_then_convolve_composition_bit_for_bit() {
+    let mut rng = Rng::new(0xA7);
+    // One scratch through every shape, as storage is reused.
+    let mut scratch = ConvScratch::default();
+    for p in conv_shapes() {
+        let x = finite(&mut rng, p.x_elems());
+        let w = finite(&mut rng, p.w_elems());
+        let dy = finite(&mut rng, p.y_elems());
+        let (wa, dya) = (f16::widen_slice(&w), f16::widen_slice(&dy));
+        let want = f16::store_slice(&dgrad_acc(&p, &dya, &wa).unwrap());
+        assert_eq!(
+            bits(&conv_dgrad(&p, &dy, &w).unwrap()),
+            bits(&want),
+            "dgrad {p:?}"
+        );
+        for storage in [garbage(want.len()), garbage(want.len() + 7), garbage(3)] {
+            let got = conv_dgrad_into(&p, &dy, &w, storage.clone()).unwrap();
+            assert_eq!(bits(&got), bits(&want), "dgrad into {p:?}");
+            // The scratch's padded `dy` reused (from the previous shape's and this one's).
+            let got = conv_dgrad_with(&p, &dy, &w, &mut scratch, storage).unwrap();
+            assert_eq!(bits(&got), bits(&want), "dgrad with scratch {p:?}");
+        }
+        let want = f16::store_slice(&wgrad_acc(&p, &f16::widen_slice(&x), &dya).unwrap());
+        assert_eq!(
+            bits(&conv_wgrad(&p, &x, &dy).unwrap()),
+            bits(&want),
+            "wgrad {p:?}"
+        );
+    }
+}
+
+/// The conv steps with a scratch kept across calls equal the plain ops bit for bit: fprop
+/// leaves its (padded) input in the scratch, a wgrad of the same input reads it (by stamp, or
+/// by comparing kept copies), a wgrad of any other input (another tensor, a changed value, a
+/// stale stamp, another shape) recomputes its own; reused padded storage (from a larger
+/// shape, with garbage in the border) changes nothing.
+#[test]
+fn conv_scratch_reuse_matches_the_plain_ops_bit_for_bit() {
+    let mut rng = Rng::new(0x5C);
+    let mut scratch = ConvScratch::<f16>::default();
+    // One scratch through every shape (large to small and back), as storage is reused.
+    let mut shapes = conv_shapes();
+    shapes.extend(conv_shapes().into_iter().rev());
+    for (i, p) in shapes.into_iter().enumerate() {
+        let c = p.c;
+        let x = finite(&mut rng, p.x_elems());
+        let mut other = x.clone();
+        other[x.len() / 2] = f16::from_f32(other[x.len() / 2].to_f32() + 0.5);
+        let w = finite(&mut rng, p.w_elems());
+        let dy = finite(&mut rng, p.y_elems());
+        let (scale, bias) = (finite(&mut rng, c), finite(&mut rng, c));
+        let prologue = |y_prev| ConvInput::Prologue {
+            y_prev,
+            scale: &scale,
+            bias: &bias,
+        };
+        for (input, changed) in [
+            (ConvInput::Plain(&x), ConvInput::Plain(&other)),
+            (prologue(&x), prologue(&other)),
+        ] {
+            let want = fprop_genstats(&p, input, &w).unwrap();
+            let want_dw = wgrad_with_prologue(&p, input, &dy).unwrap();
+            let want_other = wgrad_with_prologue(&p, changed, &dy).unwrap();
+            for stamp in [None, Some([i as u64, 1, 2])] {
+                let y = garbage(i % 5);
+                let got = fprop_genstats_with(&p, input, &w, &mut scratch, stamp, y).unwrap();
+                assert_eq!(bits(&got.y), bits(&want.y), "y {p:?}");
+                assert_eq!(bits32(&got.stats.sum), bits32(&want.stats.sum), "sum {p:?}");
+                assert_eq!(bits32(&got.stats.sqsum), bits32(&want.stats.sqsum));
+                // The same input: from the scratch.
+                let dw = wgrad_with_prologue_with(&p, input, &dy, &mut scratch, stamp).unwrap();
+                assert_eq!(bits(&dw), bits(&want_dw), "wgrad {p:?} {stamp:?}");
+                // Another input (with a new stamp where stamps are used): recomputed.
+                let new = stamp.map(|[a, b, c]| [a + 1000, b, c]);
+                let dw = wgrad_with_prologue_with(&p, changed, &dy, &mut scratch, new).unwrap();
+                assert_eq!(bits(&dw), bits(&want_other), "changed {p:?} {stamp:?}");
+                // A stamp where the forward kept copies, or none where it kept a stamp:
+                // recomputed, not trusted.
+                let mixed = if stamp.is_some() {
+                    None
+                } else {
+                    Some([7, 7, 7])
+                };
+                let dw = wgrad_with_prologue_with(&p, changed, &dy, &mut scratch, mixed).unwrap();
+                assert_eq!(bits(&dw), bits(&want_other), "mixed {p:?} {stamp:?}");
+            }
+        }
+        // A wgrad of another shape never reads this one's input.
+        let q = ConvParams::new(1, c, 5, 4, 3, 3, 3).with_padding(1, 1);
+        let xq = finite(&mut rng, q.x_elems());
+        let dyq = finite(&mut rng, q.y_elems());
+        let want = wgrad_with_prologue(&q, ConvInput::Plain(&xq), &dyq).unwrap();
+        let got =
+            wgrad_with_prologue_with(&q, ConvInput::Plain(&xq), &dyq, &mut scratch, None).unwrap();
+        assert_eq!(bits(&got), bits(&want), "other shape {q:?}");
+
+        // dgrad_drelu_dbn through the scratch's reused `dy` storage, into reused `dz` storage.
+        let y_prev = finite(&mut rng, p.x_elems());
+        let (mean, inv_std) = (rng.floats(c, -0.5, 0.5), rng.floats(c, 0.5, 2.0));
+        let (gamma, beta) = (rng.floats(c, 0.5, 1.5), rng.floats(c, -0.5, 0.5));
+        let bn = SavedBn {
+            mean: &mean,
+            inv_std: &inv_std,
+            gamma: &gamma,
+            beta: &beta,
+        };
+        let join = ReluJoin::default();
+        let want = dgrad_drelu_dbn(&p, &dy, &w, &y_prev, &bn, &join).unwrap();
+        let dz = garbage(p.x_elems() + 3);
+        let got = dgrad_drelu_dbn_with(&p, &dy, &w, &y_prev, &bn, &join, &mut scratch, dz).unwrap();
+        assert_eq!(bits(&got.dz), bits(&want.dz), "dz {p:?}");
+        for (g, e) in [
+            (&got.dgamma, &want.dgamma),
+            (&got.dbeta, &want.dbeta),
+            (&got.a, &want.a),
+            (&got.b, &want.b),
+            (&got.c, &want.c),
+        ] {
+            assert_eq!(bits32(g), bits32(e), "dbn {p:?}");
+        }
+    }
+}
+
+/// The element-wise ops into reused storage (garbage, of any length) equal the ops into fresh
+/// storage bit for bit.
+#[test]
+fn element_wise_ops_into_reused_storage_match_bit_for_bit() {
+    let mut rng = Rng::new(0xE1);
+    for shape in shapes() {
+        let (n, c) = (shape.elems(), shape.c);
+        let (a, b, y) = (data(&mut rng, n), data(&mut rng, n), data(&mut rng, n));
+        let (s, t) = (data(&mut rng, c), data(&mut rng, c));
+        let (ca, cb, cc) = (
+            rng.floats(c, -2.0, 2.0),
+            rng.floats(c, -2.0, 2.0),
+            rng.floats(c, -2.0, 2.0),
+        );
+        for len in [0, n, n + 5] {
+            let want = bn_apply(&shape, &y, &s, &t, Residual::Add(&a), Activation::Relu).unwrap();
+            let got = bn_apply_into(
+                &shape,
+                &y,
+                &s,
+                &t,
+                Residual::Add(&a),
+                Activation::Relu,
+                garbage(len),
+            )
+            .unwrap();
+            assert_eq!(bits(&got), bits(&want), "bn_apply {shape:?}");
+            let want = relu_bwd(&shape, &a, &b).unwrap();
+            let got = relu_bwd_into(&shape, &a, &b, garbage(len)).unwrap();
+            assert_eq!(bits(&got), bits(&want), "relu_bwd {shape:?}");
+            let want = add(&shape, &a, &b).unwrap();
+            let got = add_into(&shape, &a, &b, garbage(len)).unwrap();
+            assert_eq!(bits(&got), bits(&want), "add {shape:?}");
+            let want = dbn_apply(&shape, &a, &y, &ca, &cb, &cc).unwrap();
+            let got = dbn_apply_into(&shape, &a, &y, &ca, &cb, &cc, garbage(len)).unwrap();
+            assert_eq!(bits(&got), bits(&want), "dbn_apply {shape:?}");
+        }
+    }
+}
+
+/// ReLU backward's select on the FP16 bits against the select on the values, over every FP16
+/// bit pattern of `x` (both zeros, subnormals, infinities, NaNs) and gradients of every kind
+/// (NaN payloads kept): the same bits exactly.
+#[test]
+fn relu_select_on_bits_matches_the_select_on_values_for_every_fp16() {
+    let x: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+    for shift in [0u16, 1, 0x7C01, 0x8000, 0xFFFF] {
+        let dy: Vec<f16> = (0..=u16::MAX)
+            .map(|b| f16::from_bits(b.wrapping_mul(31).wrapping_add(shift)))
+            .collect();
+        let want: Vec<u16> = x
+            .iter()
+            .zip(&dy)
+            .map(|(v, d)| if v.to_f32() > 0.0 { d.to_bits() } else { 0 })
+            .collect();
+        let mut got = vec![f16::NAN; x.len()];
+        f16::relu_select(&dy, &x, &mut got);
+        assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want);
+    }
+}
+
+/// The strided dgrad (by phases, now each image's `dx` made in a buffer of its own and stored
+/// from it) against the implementation it replaced, bit for bit, in FP32 and through the
+/// public FP16 op.
+#[test]
+fn strided_dgrad_by_image_matches_the_replaced_phases_bit_for_bit() {
+    let mut rng = Rng::new(0xB3);
+    let mut shapes: Vec<ConvParams> = conv_shapes()
+        .into_iter()
+        .filter(|p| p.stride_h > 1 || p.stride_w > 1)
+        .collect();
+    shapes.push(
+        ConvParams::new(3, 4, 9, 10, 6, 3, 3)
+            .with_padding(1, 2)
+            .with_stride(3, 2),
+    );
+    for p in shapes {
+        let (w, dy) = (finite(&mut rng, p.w_elems()), finite(&mut rng, p.y_elems()));
+        let (wa, dya) = (f16::widen_slice(&w), f16::widen_slice(&dy));
+        let want = old_dgrad_phases(&p, &dya, &wa);
+        assert_eq!(
+            bits32(&dgrad_phases(&p, &dya, &wa).unwrap()),
+            bits32(&want),
+            "{p:?}"
+        );
+        let got = conv_dgrad_into(&p, &dy, &w, garbage(5)).unwrap();
+        assert_eq!(bits(&got), bits(&f16::store_slice(&want)), "fp16 {p:?}");
     }
 }
