@@ -73,7 +73,6 @@ pub(crate) fn dgrad_store<T: Element>(
     check_len("w", w, p.w_elems())?;
     let w = T::widen_slice(w);
     out.resize(p.x_elems(), T::default());
-    out.truncate(p.x_elems());
     // Stride 1: `dy` widened straight into the gather's padded copy, and each tile stored
     // while in cache (the tiles of `dgrad_all_taps`, so the same values).
     let k = p.k;
@@ -880,7 +879,6 @@ impl Layout {
         out.clean = None;
         let data = &mut out.data;
         data.resize(self.elems(), A::ZERO);
-        data.truncate(self.elems());
         let image = hp * wp * cin;
         if image == 0 {
             return;
@@ -1040,7 +1038,6 @@ impl<A: Real> Padded<'_, A> {
         let (cin, width) = (l.cin, l.taps * l.cin);
         // Every element is written below; resizing only grows the buffer.
         col.resize(n_rows * width, A::ZERO);
-        col.truncate(n_rows * width);
         if width == 0 {
             return;
         }
@@ -1086,7 +1083,6 @@ fn gather<A: Real>(
 ) {
     // Every element is written below (a copy or zeros); resizing only grows the buffer.
     col.resize(n_rows * taps * cin, A::ZERO);
-    col.truncate(n_rows * taps * cin);
     let mut pixels = vec![NO_PIXEL; taps];
     let mut at = map.coords(first);
     for row in col.chunks_exact_mut(taps * cin) {

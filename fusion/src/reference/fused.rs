@@ -301,7 +301,6 @@ pub fn fprop_genstats_with<T: Element>(
     check_len("w", w, p.w_elems())?;
     let k = p.k;
     y.resize(p.y_elems(), T::default());
-    y.truncate(p.y_elems());
     let w = T::widen_slice(w);
     // The input is computed once into the scratch's padded copy (the values the gather would
     // compute on its way in), and kept for the backward's wgrad.
@@ -360,7 +359,6 @@ pub fn wgrad_with_prologue_with<T: Element>(
     check_len("dy", dy, p.y_elems())?;
     let mut dy_acc = std::mem::take(&mut scratch.dy_acc);
     dy_acc.resize(dy.len(), T::Acc::ZERO);
-    dy_acc.truncate(dy.len());
     T::widen_into(dy, &mut dy_acc);
     let dy = dy_acc;
     let cached = scratch
@@ -513,7 +511,6 @@ pub fn dgrad_drelu_dbn_with<T: Element>(
     let mean64: Vec<f64> = bn.mean.iter().map(|v| v.to_f64()).collect();
     let inv_std64: Vec<f64> = bn.inv_std.iter().map(|v| v.to_f64()).collect();
     dz.resize(p.x_elems(), T::default());
-    dz.truncate(p.x_elems());
     // `dy` widened straight into the gather's padded copy (the same values).
     let k = p.k;
     let fill = |first: usize, dst: &mut [T::Acc]| {

@@ -78,7 +78,6 @@ where
     F: Fn(usize, &mut [T::Acc], &mut [T::Acc]) + Sync + Send,
 {
     out.resize(len, T::default());
-    out.truncate(len);
     fill_blocks(&mut out, c, |first, scratch, dst: &mut [T]| {
         let n = dst.len();
         // The last third of the scratch holds the block's results before they are stored.

@@ -183,7 +183,6 @@ pub fn relu_bwd_into<T: Element>(
     check_len("x", x, shape.elems())?;
     // The gradient is passed through as stored (no round trip through the arithmetic type).
     out.resize(dy.len(), T::default());
-    out.truncate(dy.len());
     fill_blocks(&mut out, shape.c, |first, _, dst: &mut [T]| {
         let n = dst.len();
         // A select on the stored values (not a conditional store), so the loop vectorizes.
