@@ -24,9 +24,7 @@ use crate::amp::cuda::{
 use crate::amp::plan::{Bucket, ByteRange, DataType, MemoryPlan, Region};
 use crate::amp::range::PoolShape;
 use crate::amp::AmpError;
-use cudnn_cbr_fusion::cbr::{
-    sync_action, ArenaId, DeviceBnSync, DeviceBuffers, Pass, Side, SyncAction,
-};
+use cudnn_cbr_fusion::cbr::{ArenaId, DeviceBnSync, DeviceBuffers, Pass, Side};
 use cudnn_cbr_fusion::exec::Handle;
 use cudnn_cbr_fusion::reference::Nhwc;
 use half::f16;
@@ -658,21 +656,12 @@ impl CudaNet {
 /// statistics inside one graph (the unfused route's NormForward / NormBackward).
 pub fn check_bn_sync(net: &CompiledNet) -> Result<()> {
     for l in &net.layers {
-        let split = l
-            .layer
-            .steps()
-            .iter()
-            .find(|s| sync_action(s.role) == SyncAction::Split);
-        if let Some(step) = split {
-            return Err(cudnn_cbr_fusion::Error::BnSync(format!(
-                "layer `{}` runs the {} route, whose {:?} graph sums its BN statistics inside \
-                 itself; synchronized BN on the GPU needs the fused or generic route",
-                l.name,
-                l.layer.route().name(),
-                step.role
-            ))
-            .into());
-        }
+        l.layer.check_gpu_bn_sync().map_err(|e| match e {
+            cudnn_cbr_fusion::Error::BnSync(m) => {
+                cudnn_cbr_fusion::Error::BnSync(format!("`{}`: {m}", l.name))
+            }
+            other => other,
+        })?;
     }
     Ok(())
 }

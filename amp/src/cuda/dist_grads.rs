@@ -89,11 +89,12 @@ pub fn all_reduce_bucket(
     after: &CudaStream,
 ) -> Result<(), AmpError> {
     let plan = regions.plan_arc().clone();
-    let b = plan.buckets().iter().find(|b| b.bucket() == bucket).ok_or(
-        crate::PlanError::NoSuchBucket {
+    let b = plan
+        .buckets()
+        .get(bucket.index())
+        .ok_or(crate::PlanError::NoSuchBucket {
             bucket: bucket.index(),
-        },
-    )?;
+        })?;
     comm.stream()
         .join(after)
         .map_err(|e| driver_error("order a bucket's all-reduce after its gradients", e))?;

@@ -546,10 +546,9 @@ impl NcclComm {
     /// NCCL's own error.
     pub fn destroy(self) -> Result<(), DistError> {
         let _calls = lock(&self.shared.calls);
-        self.shared.comm("ncclCommDestroy")?;
         let comm = self.shared.take(None);
         if comm.is_null() {
-            // Aborted in between.
+            // Aborted: the reason.
             return self.shared.comm("ncclCommDestroy").map(|_| ());
         }
         let synced = bind(&self.stream, "ncclCommDestroy").and_then(|()| {

@@ -54,26 +54,7 @@ impl CbrLayer {
     /// [`DeviceBuffers::bind_prev`]). Every binding is checked (present, type, size,
     /// alignment) before its graph runs. Nothing waits for the GPU.
     pub fn run_gpu(&self, pass: Pass, handle: &Handle, io: &mut DeviceBuffers<'_>) -> Result<()> {
-        let prev_given = io.has_prev().then_some(());
-        self.check_prev(&prev_given)?;
-        // Refused before anything is enqueued, so a pass never runs halfway.
-        if let Some(step) = self
-            .pass_steps(pass)
-            .find(|s| s.plan.is_none() && s.kernel.is_none())
-        {
-            return Err(self.cpu_only(step));
-        }
-        let stream = handle.stream().clone();
-        let r = io.resolve(&stream);
-        for step in self.pass_steps(pass) {
-            self.gpu_step(step, handle, &r, 1)?;
-        }
-        if pass == Pass::Forward {
-            for (next, cur) in RUNNING_COPIES {
-                r.copy(handle, cur, next)?;
-            }
-        }
-        Ok(())
+        self.run_gpu_with(pass, handle, io, None)
     }
 
     /// [`CbrLayer::run_gpu`] with synchronized BN ([`DeviceBnSync`], module
@@ -83,8 +64,8 @@ impl CbrLayer {
     ///
     /// # Errors
     /// As [`CbrLayer::run_gpu`]; [`Error::BnSync`] for a route whose BN graphs sum inside
-    /// themselves (the unfused route: plan the fused or generic one) or when the group fails;
-    /// [`Error::Kernel`] when our coefficients kernel cannot be loaded.
+    /// themselves ([`CbrLayer::check_gpu_bn_sync`]) or when the group fails; [`Error::Kernel`]
+    /// when our coefficients kernel cannot be loaded.
     pub fn run_gpu_synced(
         &self,
         pass: Pass,
@@ -92,33 +73,67 @@ impl CbrLayer {
         io: &mut DeviceBuffers<'_>,
         sync: &mut dyn DeviceBnSync,
     ) -> Result<()> {
-        let replicas = sync.replicas();
-        if replicas <= 1 {
-            return self.run_gpu(pass, handle, io);
+        let sync = (sync.replicas() > 1).then_some(sync);
+        self.run_gpu_with(pass, handle, io, sync)
+    }
+
+    /// Whether synchronized BN can run this layer on the GPU: its route sums its BN
+    /// statistics between steps (fused, generic), not inside one graph.
+    ///
+    /// # Errors
+    /// [`Error::BnSync`] naming the layer, its route and the graph (the unfused route's
+    /// NormForward / NormBackward).
+    pub fn check_gpu_bn_sync(&self) -> Result<()> {
+        match self
+            .steps()
+            .iter()
+            .find(|s| sync_action(s.role) == SyncAction::Split)
+        {
+            Some(step) => Err(Error::BnSync(format!(
+                "layer {} runs the {} route, whose {:?} graph sums its BN statistics inside \
+                 itself; synchronized BN on the GPU needs the fused or generic route",
+                self.config().shape.label(),
+                self.route().name(),
+                step.role
+            ))),
+            None => Ok(()),
         }
+    }
+
+    /// One pass, local or (with `sync`, of more than one replica) synchronized.
+    fn run_gpu_with(
+        &self,
+        pass: Pass,
+        handle: &Handle,
+        io: &mut DeviceBuffers<'_>,
+        mut sync: Option<&mut dyn DeviceBnSync>,
+    ) -> Result<()> {
         let prev_given = io.has_prev().then_some(());
         self.check_prev(&prev_given)?;
         // Refused before anything is enqueued, so a pass never runs halfway.
-        for step in self.pass_steps(pass) {
-            if step.plan.is_none() && step.kernel.is_none() {
-                return Err(self.cpu_only(step));
-            }
-            if sync_action(step.role) == SyncAction::Split {
-                return Err(Error::BnSync(format!(
-                    "layer {} runs the {} route, whose {:?} graph sums its BN statistics inside \
-                     itself; synchronized BN on the GPU needs the fused or generic route",
-                    self.config().shape.label(),
-                    self.route().name(),
-                    step.role
-                )));
-            }
+        if let Some(step) = self
+            .pass_steps(pass)
+            .find(|s| s.plan.is_none() && s.kernel.is_none())
+        {
+            return Err(self.cpu_only(step));
+        }
+        if sync.is_some() {
+            self.check_gpu_bn_sync()?;
         }
         let s = &self.config().shape;
         let (c, k) = (s.c as usize, s.k as usize);
         let stream = handle.stream().clone();
-        let mut scratch = SyncScratch::new(&stream, 2 * c.max(k))?;
+        let mut scratch = match sync {
+            Some(_) => Some(SyncScratch::new(&stream, 2 * c.max(k))?),
+            None => None,
+        };
         let r = io.resolve(&stream);
         for step in self.pass_steps(pass) {
+            let (Some(sync), Some(scratch)) = (sync.as_deref_mut(), scratch.as_mut()) else {
+                self.gpu_step(step, handle, &r, 1)?;
+                continue;
+            };
+            let replicas = sync.replicas();
             match sync_action(step.role) {
                 SyncAction::Local | SyncAction::Split => self.gpu_step(step, handle, &r, 1)?,
                 SyncAction::GlobalCount => self.gpu_step(step, handle, &r, replicas)?,
@@ -149,8 +164,7 @@ impl CbrLayer {
                         r.get(side, "saved_inv_std")?,
                         r.get(side, "saved_mean")?,
                     ];
-                    let outputs = outputs.map(|n| r.get(Side::This, n));
-                    let [a, b, cc] = outputs;
+                    let [a, b, cc] = outputs.map(|n| r.get(Side::This, n));
                     scratch.coefficients(
                         handle,
                         inputs,
