@@ -89,17 +89,12 @@ pub fn all_reduce_bucket(
     after: &CudaStream,
 ) -> Result<(), AmpError> {
     let plan = regions.plan_arc().clone();
-    let b = plan
-        .buckets()
-        .get(bucket.index())
-        .ok_or(crate::PlanError::NoSuchBucket {
-            bucket: bucket.index(),
-        })?;
+    let b = plan.bucket_info(bucket)?;
     comm.stream()
         .join(after)
         .map_err(|e| driver_error("order a bucket's all-reduce after its gradients", e))?;
     if plan.has_region(Region::G16) {
-        let g16 = plan.bucket_range(b.bucket(), Region::G16)?;
+        let g16 = plan.bucket_range(bucket, Region::G16)?;
         if !g16.is_empty() {
             let mut bytes = typed::<f16>(regions, Region::G16, g16)?;
             // SAFETY: a bucket's conv run of G16 holds FP16 gradients, its length is a whole

@@ -50,14 +50,9 @@ where
     C: Collective<[f16]> + Collective<[f32]>,
 {
     let plan = regions.plan_arc().clone();
-    let b = plan
-        .buckets()
-        .get(bucket.index())
-        .ok_or(crate::PlanError::NoSuchBucket {
-            bucket: bucket.index(),
-        })?;
+    let b = plan.bucket_info(bucket)?;
     if plan.has_region(Region::G16) {
-        let g16 = plan.bucket_range(b.bucket(), Region::G16)?;
+        let g16 = plan.bucket_range(bucket, Region::G16)?;
         if !g16.is_empty() {
             let v = &mut regions.f16_region_mut(Region::G16)?[g16.elem_range(DataType::Half)];
             comm.all_reduce(v, ReduceOp::Sum)?;

@@ -409,7 +409,11 @@ impl MemoryPlan {
             .collect()
     }
 
-    fn bucket_info(&self, bucket: Bucket) -> Result<&BucketInfo, PlanError> {
+    /// The layout of `bucket`.
+    ///
+    /// # Errors
+    /// [`PlanError::NoSuchBucket`].
+    pub fn bucket_info(&self, bucket: Bucket) -> Result<&BucketInfo, PlanError> {
         self.buckets
             .get(bucket.0)
             .ok_or(PlanError::NoSuchBucket { bucket: bucket.0 })
