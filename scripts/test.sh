@@ -25,14 +25,16 @@ step "test dependencies"
 # shellcheck source=/dev/null
 source "${CUDNN_CBR_DEPS_DIR:-.deps}/env.sh"
 
-# The bindings check needs libclang. CI installs it from the distribution when it can;
-# elsewhere, and where that fails, the check prints a SKIP line naming why.
-if [ -n "${CI:-}" ] && ! ldconfig -p 2>/dev/null | grep -q 'libclang.*\.so' \
+# The bindings check needs libclang itself (libclang.so or libclang-N.so, not libclang-cpp,
+# which some machines have without it). In CI a check that cannot run is a failure, so CI
+# installs it from the distribution and stops when it cannot; elsewhere the check prints a SKIP
+# line naming why.
+if [ -n "${CI:-}" ] && ! ldconfig -p 2>/dev/null | grep -Eq 'libclang(-[0-9.]+)?\.so' \
    && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   step "installing libclang for the bindings check"
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
       --no-install-recommends libclang1-14 libclang-common-14-dev >/dev/null; } \
-    || echo "could not install libclang; the bindings check will be skipped"
+    || { echo "could not install libclang, which CI's bindings check needs" >&2; exit 1; }
 fi
 
 step "cargo fmt --check"
