@@ -1,6 +1,8 @@
 //! Runtime compilation with NVRTC, shared by our own kernels ([`crate::cbr::kernels`]) and the
-//! amp layer's: whether the library loads, its version, and one source to machine code (a
-//! cubin) for a real architecture. Needs no device.
+//! amp layer's: whether the library loads, its version, one source to machine code (a
+//! cubin) for a real architecture (with its PTX), and the PTX entries' parameter lists that
+//! launches are checked against ([`ptx_entry_params`], [`check_launch_params`]). Needs no
+//! device.
 
 // The thin NVRTC layer: each call's contract is stated where it is made.
 #![allow(unsafe_code)]

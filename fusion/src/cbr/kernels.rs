@@ -1108,6 +1108,44 @@ mod tests {
         assert!(matches!(e, Error::Kernel { ref kernel, .. } if kernel == "cbr_dbn_coefficients"));
     }
 
+    /// The trailing arguments and the grid: eight-wide access only for 8k channels at
+    /// 16-byte-aligned addresses and never for a reduction, whose blocks get 2·c FP32
+    /// accumulators of shared memory.
+    #[test]
+    fn the_trailing_arguments_and_the_grid_follow_the_shape() {
+        let ptrs = |base: u64| vec![KernelArg::Ptr(base); 4];
+        let apply = OwnKernel::Apply(ApplyResidual::None);
+        let l = Launch::new(apply, ptrs(0x1000), 64 * 100, 64);
+        assert_eq!(
+            l.args()[4..],
+            [KernelArg::U64(6400), KernelArg::U32(64), KernelArg::I32(1)]
+        );
+        assert_eq!(l.config(132).shared_mem_bytes, 0);
+        // 6400 / 8 groups over 256 threads: 4 blocks.
+        assert_eq!(l.config(132).grid_dim.0, 4);
+        for (values, c) in [(ptrs(0x1008), 64), (ptrs(0x1000), 20)] {
+            let l = Launch::new(apply, values, u64::from(c) * 100, c);
+            assert_eq!(l.args()[6], KernelArg::I32(0));
+        }
+        let stats = Launch::new(
+            OwnKernel::ChannelStats,
+            ptrs(0x1000)[..3].to_vec(),
+            6400,
+            64,
+        );
+        assert_eq!(stats.args()[5], KernelArg::I32(0));
+        let cfg = stats.config(132);
+        assert_eq!(cfg.shared_mem_bytes, 8 * 64);
+        // Capped at two blocks per SM.
+        let big = Launch::new(
+            OwnKernel::ChannelStats,
+            ptrs(0x1000)[..3].to_vec(),
+            1 << 30,
+            64,
+        );
+        assert_eq!(big.config(132).grid_dim.0, 264);
+    }
+
     /// The reading of the source the zeroing test relies on finds the two reductions'
     /// accumulators and nothing else.
     #[test]
