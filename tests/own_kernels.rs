@@ -9,6 +9,7 @@ mod common;
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::graphs::{self, ApplyResidual, BackwardResidual};
 use cudnn_cbr::fusion::cbr::kernels::{self, KernelStep, OwnKernel, Pointwise};
+use cudnn_cbr::fusion::cbr::Side;
 use cudnn_cbr::fusion::cbr::Src::{self, This};
 use cudnn_cbr::fusion::cbr::{
     route_graphs, CbrConfig, CbrLayer, ConvShape, GraphRole, LayerGraph, RouteKind,
@@ -222,6 +223,24 @@ fn a_stem_computes_its_statistics_in_a_step_of_its_own() {
     );
     let conv = own.plan_for(GraphRole::Conv).unwrap();
     assert!(!conv.is_runtime_compiled(), "{}", conv.engine_tag());
+    // Our statistics kernel adds into Σy and Σy²: the GPU path zeroes them before it runs,
+    // as it does for the backward's reductions into dγ and dβ (every planned route and
+    // configuration: the zeroing test in fusion/src/cbr/run.rs).
+    let zeroed = |role| {
+        own.steps()
+            .iter()
+            .find(|s| s.role == role)
+            .map(|s| s.outputs_to_zero())
+            .unwrap()
+    };
+    assert_eq!(
+        zeroed(GraphRole::Stats),
+        [(Side::This, "sum"), (Side::This, "sq_sum")]
+    );
+    assert_eq!(
+        zeroed(GraphRole::ApplyDbnReduce),
+        [(Side::This, "dgamma"), (Side::This, "dbeta")]
+    );
     // cuDNN's reduction graph plans too (the parity reference), runtime-compiled.
     let reference = plan(Pointwise::Cudnn);
     let stats = reference

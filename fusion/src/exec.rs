@@ -189,7 +189,8 @@ impl Handle {
     /// the pool cannot grow during a capture.
     pub fn reserve_workspace(&self, bytes: usize) -> Result<()> {
         self.ready()?;
-        self.pooled_workspace(bytes, false).map(|_| ())
+        let mut pool = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
+        self.grow_pool(&mut pool, bytes, false)
     }
 
     /// Whether the handle's stream is capturing a CUDA graph now.
@@ -202,10 +203,9 @@ impl Handle {
         Ok(status != S::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
-    /// A device pointer to at least `bytes` of pooled workspace (grows, never shrinks).
-    /// `for_graph`: the address goes into a CUDA graph (pinned until the handle drops).
-    fn pooled_workspace(&self, bytes: usize, for_graph: bool) -> Result<u64> {
-        let mut pool = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
+    /// Grows the pool to at least `bytes` (never shrinks). `for_graph`: the address goes into
+    /// a CUDA graph (pinned until the handle drops).
+    fn grow_pool(&self, pool: &mut WorkspacePool, bytes: usize, for_graph: bool) -> Result<()> {
         let have = pool.current.as_ref().map_or(0, |w| w.len());
         if have < bytes.max(1) {
             if self.capturing()? {
@@ -228,9 +228,26 @@ impl Handle {
         if !pool.pinned && (for_graph || self.capturing()?) {
             pool.pinned = true;
         }
-        let ws = pool.current.as_ref().expect("allocated above");
-        let (ptr, _sync) = ws.device_ptr(&self.stream);
-        Ok(ptr)
+        Ok(())
+    }
+
+    /// Runs `enqueue` with the address of at least `bytes` of pooled workspace (grown as
+    /// [`Handle::grow_pool`] grows it), holding the pool and the workspace's ordering guard
+    /// until `enqueue` has returned ([`enqueue_holding`]).
+    fn with_pooled_workspace<R>(
+        &self,
+        bytes: usize,
+        for_graph: bool,
+        enqueue: impl FnOnce(u64) -> Result<R>,
+    ) -> Result<R> {
+        let mut pool = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
+        self.grow_pool(&mut pool, bytes, for_graph)?;
+        let ws = pool.current.as_ref().ok_or_else(|| Error::Driver {
+            what: "allocate workspace".into(),
+            message: "the pool holds no buffer after growing".into(),
+        })?;
+        let (ptr, guard) = ws.device_ptr(&self.stream);
+        enqueue_holding(guard, || enqueue(ptr))
     }
 
     /// Refuses work from a thread whose per-thread stream is not the handle's.
@@ -544,12 +561,23 @@ pub enum Workspace<'a> {
 }
 
 impl ExecutionPlan {
-    fn workspace_ptr(&self, handle: &Handle, ws: Workspace<'_>, for_graph: bool) -> Result<u64> {
+    /// Runs `enqueue` with the address of the workspace this plan needs (0 for none), holding
+    /// the workspace's cudarc ordering guard until `enqueue` has returned: the guard records
+    /// the workspace's use on the handle's stream when it drops, and work on other streams
+    /// that later touches the buffer waits for that event, so it must be recorded after
+    /// cuDNN's work is enqueued, not before ([`enqueue_holding`]).
+    fn with_workspace<R>(
+        &self,
+        handle: &Handle,
+        ws: Workspace<'_>,
+        for_graph: bool,
+        enqueue: impl FnOnce(u64) -> Result<R>,
+    ) -> Result<R> {
         handle.ready()?;
         let need = self.workspace_size();
         match ws {
-            Workspace::Pooled if need == 0 => Ok(0),
-            Workspace::Pooled => handle.pooled_workspace(need, for_graph),
+            Workspace::Pooled if need == 0 => enqueue(0),
+            Workspace::Pooled => handle.with_pooled_workspace(need, for_graph, enqueue),
             Workspace::Buffer(buf) => {
                 if buf.len() < need {
                     return Err(Error::WorkspaceTooSmall {
@@ -558,8 +586,8 @@ impl ExecutionPlan {
                         got: buf.len(),
                     });
                 }
-                let (ptr, _sync) = buf.device_ptr(handle.stream());
-                Ok(ptr)
+                let (ptr, guard) = buf.device_ptr(handle.stream());
+                enqueue_holding(guard, || enqueue(ptr))
             }
         }
     }
@@ -572,17 +600,19 @@ impl ExecutionPlan {
         bindings: &Bindings<'_>,
         ws: Workspace<'_>,
     ) -> Result<()> {
-        let workspace = self.workspace_ptr(handle, ws, false)?;
-        let vp = bindings.variant_pack(workspace)?;
-        bind_context(&handle.stream)?;
-        // SAFETY: the plan and variant pack are finalized descriptors; every pointer in the pack
-        // was checked non-null, aligned, of the right type and large enough; the caller keeps the
-        // buffers alive until the stream reaches this work (Bindings' contract).
-        unsafe {
-            (handle.lib.api.cudnnBackendExecute)(handle.raw, self.descriptor().raw(), vp.raw())
-        }
-        .result()
-        .map_err(|e| Error::cudnn(format!("execute plan `{}`", self.graph_name()), e))
+        self.with_workspace(handle, ws, false, |workspace| {
+            let vp = bindings.variant_pack(workspace)?;
+            bind_context(&handle.stream)?;
+            // SAFETY: the plan and variant pack are finalized descriptors; every pointer in the
+            // pack was checked non-null, aligned, of the right type and large enough; the
+            // caller keeps the buffers alive until the stream reaches this work (Bindings'
+            // contract), and the workspace's guard is held until this call has returned.
+            unsafe {
+                (handle.lib.api.cudnnBackendExecute)(handle.raw, self.descriptor().raw(), vp.raw())
+            }
+            .result()
+            .map_err(|e| Error::cudnn(format!("execute plan `{}`", self.graph_name()), e))
+        })
     }
 
     fn require_cuda_graph_api(&self) -> Result<()> {
@@ -604,7 +634,17 @@ impl ExecutionPlan {
         bindings: &Bindings<'_>,
     ) -> Result<CudaGraph> {
         self.require_cuda_graph_api()?;
-        let workspace = self.workspace_ptr(handle, Workspace::Pooled, true)?;
+        self.with_workspace(handle, Workspace::Pooled, true, |workspace| {
+            self.populate_with(handle, bindings, workspace)
+        })
+    }
+
+    fn populate_with(
+        &self,
+        handle: &Handle,
+        bindings: &Bindings<'_>,
+        workspace: u64,
+    ) -> Result<CudaGraph> {
         let vp = bindings.variant_pack(workspace)?;
         let mut graph: cudarc::driver::sys::CUgraph = std::ptr::null_mut();
         // SAFETY: valid out-pointer; flags must be 0.
@@ -642,24 +682,25 @@ impl ExecutionPlan {
         graph: &mut CudaGraph,
     ) -> Result<()> {
         self.require_cuda_graph_api()?;
-        let workspace = self.workspace_ptr(handle, Workspace::Pooled, true)?;
-        let vp = bindings.variant_pack(workspace)?;
-        // SAFETY: handle, plan and pack are live and finalized; `graph` was populated from this
-        // plan and is exclusively borrowed.
-        unsafe {
-            (handle.lib.api.cudnnBackendUpdateCudaGraph)(
-                handle.raw,
-                self.descriptor().raw(),
-                vp.raw(),
-                graph.raw as sys::cudaGraph_t,
-            )
-        }
-        .result()
-        .map_err(|e| {
-            Error::cudnn(
-                format!("update the CUDA graph of `{}`", self.graph_name()),
-                e,
-            )
+        self.with_workspace(handle, Workspace::Pooled, true, |workspace| {
+            let vp = bindings.variant_pack(workspace)?;
+            // SAFETY: handle, plan and pack are live and finalized; `graph` was populated from
+            // this plan and is exclusively borrowed.
+            unsafe {
+                (handle.lib.api.cudnnBackendUpdateCudaGraph)(
+                    handle.raw,
+                    self.descriptor().raw(),
+                    vp.raw(),
+                    graph.raw as sys::cudaGraph_t,
+                )
+            }
+            .result()
+            .map_err(|e| {
+                Error::cudnn(
+                    format!("update the CUDA graph of `{}`", self.graph_name()),
+                    e,
+                )
+            })
         })
     }
 }
@@ -681,5 +722,53 @@ impl Drop for CudaGraph {
     fn drop(&mut self) {
         // SAFETY: `raw` came from cuGraphCreate and is destroyed once.
         let _ = unsafe { cudarc::driver::sys::cuGraphDestroy(self.raw) };
+    }
+}
+
+/// Runs `enqueue` while holding `guards` (cudarc's ordering guards of the memory the work
+/// uses), dropping them only after it returns, on success and on error alike: a guard records
+/// the memory's use on the stream when it drops, so dropped before the work is enqueued it
+/// would order later users after nothing. Every address handed to cuDNN goes through here or
+/// through [`Bindings`], which hold their guards until they drop.
+fn enqueue_holding<G, R>(guards: G, enqueue: impl FnOnce() -> R) -> R {
+    let out = enqueue();
+    drop(guards);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+
+    /// A guard that logs when it drops.
+    struct Logged<'a>(&'a RefCell<Vec<&'static str>>);
+
+    impl Drop for Logged<'_> {
+        fn drop(&mut self) {
+            self.0.borrow_mut().push("guard dropped");
+        }
+    }
+
+    /// The workspace's guard outlives the enqueue, whether it succeeds or fails.
+    #[test]
+    fn guards_drop_only_after_the_work_is_enqueued() {
+        for ok in [true, false] {
+            let log = RefCell::new(Vec::new());
+            let out: std::result::Result<u64, &str> = enqueue_holding(Logged(&log), || {
+                log.borrow_mut().push("enqueued");
+                if ok {
+                    Ok(7)
+                } else {
+                    Err("refused")
+                }
+            });
+            assert_eq!(out.is_ok(), ok);
+            assert_eq!(*log.borrow(), ["enqueued", "guard dropped"]);
+        }
+        // cudarc's own guard type goes through unchanged (a guard with no event to record,
+        // as cudarc hands out where tracking is off).
+        let out = enqueue_holding(SyncOnDrop::Record(None), || 3);
+        assert_eq!(out, 3);
     }
 }

@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 use crate::exec::{driver, Handle, Scalar};
 use crate::graph::{DataType, Graph, Node, TensorId};
 use crate::kernel_cache::{CacheOutcome, KernelCache};
-use crate::rtc;
+use crate::rtc::{self, PtxParam};
 use crate::Target;
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
@@ -158,6 +158,12 @@ impl OwnKernel {
             "dbn_coefficients" => OwnKernel::DbnCoefficients,
             _ => return None,
         })
+    }
+
+    /// Whether it reduces over the tensor into per-channel sums (shared-memory accumulators,
+    /// added into its outputs).
+    fn reduces(self) -> bool {
+        matches!(self, OwnKernel::ChannelStats | OwnKernel::DbnReduce)
     }
 
     /// The kernel's entry point in [`SOURCE`].
@@ -369,27 +375,44 @@ impl KernelStep {
         self.args.iter().map(|a| a.src).collect()
     }
 
+    /// How many of [`KernelStep::sources`] are outputs (the last ones).
+    pub fn output_count(&self) -> usize {
+        self.args.len() - self.kernel.params().len()
+    }
+
     /// The architecture its machine code was compiled for (`sm_90`…).
     pub fn arch(&self) -> &'static str {
         self.arch
     }
 
     /// Enqueues the kernel on the handle's stream over the resolved buffers, after checking
-    /// each one (present, element type, size).
+    /// each one (present, element type, size) and the argument list against the compiled
+    /// kernel's parameters.
     pub(crate) fn launch(&self, handle: &Handle, r: &Resolved<'_>) -> Result<()> {
+        let launch = self.launch_with(|side, name| r.get(side, name))?;
         let stream = handle.stream();
         let loaded = Loaded::for_context(stream.context(), self.arch)?;
-        let f = loaded
-            .functions
-            .get(self.kernel.entry())
-            .ok_or_else(|| kernel_error(self.kernel, "is not in the loaded module".into()))?;
+        enqueue(&loaded, stream, &launch)
+    }
+
+    /// The launch of this step over the buffers `buffer` gives for each (side, name): the
+    /// arguments in the kernel's order, each buffer checked first (element type, size). No
+    /// device is needed: this is the list [`KernelStep::launch`] pushes to the driver.
+    ///
+    /// # Errors
+    /// `buffer`'s error for a buffer it lacks; [`Error::Buffer`] for one of another element
+    /// type or too short; [`Error::Kernel`] for a by-value scalar that is not FP32.
+    pub fn launch_with(
+        &self,
+        buffer: impl Fn(Side, &'static str) -> Result<DeviceBuffer>,
+    ) -> Result<Launch> {
         let mut values = Vec::with_capacity(self.args.len());
         for a in &self.args {
             let (side, name) = match a.src {
                 Src::This(n) => (Side::This, n),
                 Src::Prev(n) => (Side::Prev, n),
                 Src::Scalar(Scalar::F32(v)) => {
-                    values.push(Value::F32(v));
+                    values.push(KernelArg::F32(v));
                     continue;
                 }
                 Src::Scalar(other) => {
@@ -399,7 +422,7 @@ impl KernelStep {
                     ))
                 }
             };
-            let buf = r.get(side, name)?;
+            let buf = buffer(side, name)?;
             let shown = || match side {
                 Side::This => name.to_string(),
                 Side::Prev => format!("prev.{name}"),
@@ -426,71 +449,159 @@ impl KernelStep {
                     ),
                 });
             }
-            values.push(Value::Ptr(buf.ptr));
+            values.push(KernelArg::Ptr(buf.ptr));
         }
-        enqueue(
-            self.kernel,
-            &loaded,
-            stream,
-            f,
-            &values,
-            self.elems,
-            self.channels,
-        )
+        Ok(Launch::new(self.kernel, values, self.elems, self.channels))
     }
 }
 
-/// Enqueues `kernel` (`f`, from `loaded`) on `stream` with `values` (addresses checked by the
-/// caller to hold what the kernel touches), over `elems` elements of `channels` channels.
-fn enqueue(
+/// One launch argument, by value: what is pushed to the driver, in the kernel's order.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum KernelArg {
+    /// A device address (a `T*` parameter).
+    Ptr(u64),
+    /// A `float`.
+    F32(f32),
+    /// An `unsigned long long` (`u64` in the source).
+    U64(u64),
+    /// An `unsigned`.
+    U32(u32),
+    /// An `int`.
+    I32(i32),
+}
+
+impl KernelArg {
+    /// How the argument is passed: the PTX parameter it must match.
+    pub fn param(self) -> PtxParam {
+        match self {
+            KernelArg::Ptr(_) | KernelArg::U64(_) => PtxParam::Int64,
+            KernelArg::U32(_) | KernelArg::I32(_) => PtxParam::Int32,
+            KernelArg::F32(_) => PtxParam::F32,
+        }
+    }
+}
+
+/// One launch of one of our kernels, as data: the kernel, every argument in order (the
+/// step's buffers and scalars, then `n: u64`, `c: unsigned`, `vec: int`), and the grid's
+/// inputs. Built without a device ([`KernelStep::launch_with`], [`dbn_coefficients_launch`]),
+/// checked against the compiled kernel's parameters ([`Launch::check`]) before it is pushed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Launch {
     kernel: OwnKernel,
-    loaded: &Loaded,
-    stream: &CudaStream,
-    f: &CudaFunction,
-    values: &[Value],
+    args: Vec<KernelArg>,
     elems: u64,
     channels: u32,
-) -> Result<()> {
-    {
-        if elems == 0 {
-            return Ok(());
-        }
+    vec: bool,
+}
+
+impl Launch {
+    /// The launch of `kernel` with `values` (its buffers and scalars) over `elems` elements
+    /// of `channels` channels.
+    fn new(kernel: OwnKernel, mut values: Vec<KernelArg>, elems: u64, channels: u32) -> Self {
         // Eight elements per 16-byte access when each access stays in one channel run and
         // every address is aligned to it.
-        let stats = matches!(kernel, OwnKernel::ChannelStats | OwnKernel::DbnReduce);
         let aligned = values
             .iter()
-            .all(|v| !matches!(v, Value::Ptr(p) if p % 16 != 0));
-        let vec = !stats && channels % 8 == 0 && aligned;
-        let work = if vec { elems / 8 } else { elems };
+            .all(|v| !matches!(v, KernelArg::Ptr(p) if p % 16 != 0));
+        let vec = !kernel.reduces() && channels % 8 == 0 && aligned;
+        values.extend([
+            KernelArg::U64(elems),
+            KernelArg::U32(channels),
+            KernelArg::I32(i32::from(vec)),
+        ]);
+        Launch {
+            kernel,
+            args: values,
+            elems,
+            channels,
+            vec,
+        }
+    }
+
+    /// The kernel.
+    pub fn kernel(&self) -> OwnKernel {
+        self.kernel
+    }
+
+    /// Every argument, in the kernel's order.
+    pub fn args(&self) -> &[KernelArg] {
+        &self.args
+    }
+
+    /// Checks the arguments against `params`, the parameters of the compiled kernel's PTX
+    /// entry ([`rtc::ptx_entry_params`]), in kind and size.
+    ///
+    /// # Errors
+    /// [`Error::Kernel`] naming the kernel and the first parameter (by index from 0) that
+    /// differs, or both counts.
+    pub fn check(&self, params: &[PtxParam]) -> Result<()> {
+        check_args(self.kernel.entry(), params, &self.args)
+    }
+
+    /// The grid on a device with `sms` multiprocessors.
+    fn config(&self, sms: u32) -> LaunchConfig {
+        let stats = self.kernel.reduces();
+        let work = if self.vec { self.elems / 8 } else { self.elems };
         const THREADS: u32 = 256;
         // The statistics flush 2·c atomics per block: fewer, fuller blocks.
         let per_sm = if stats { 2 } else { 8 };
         let blocks = work
             .div_ceil(u64::from(THREADS))
-            .clamp(1, u64::from(loaded.sms) * per_sm) as u32;
-        let cfg = LaunchConfig {
+            .clamp(1, u64::from(sms) * per_sm) as u32;
+        LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: if stats { 8 * channels } else { 0 },
-        };
-        let vec = i32::from(vec);
-        let mut b = stream.launch_builder(f);
-        for v in values {
-            match v {
-                Value::Ptr(p) => b.arg(p),
-                Value::F32(x) => b.arg(x),
-            };
+            shared_mem_bytes: if stats { 8 * self.channels } else { 0 },
         }
-        b.arg(&elems).arg(&channels).arg(&vec);
-        // The arguments are a device address per tensor argument or an f32 per scalar, in the
-        // order of `params` and the outputs, then n: u64, c: u32, vec: i32: the kernel's
-        // parameters in order and type. Every address is memory the resolved table borrows for
-        // this pass, with at least the bytes the kernel touches (checked above).
-        // SAFETY: arguments as above; the launch is ordered on the handle's stream.
-        unsafe { b.launch(cfg) }.map_err(|e| driver(&format!("launch {}", kernel.entry()), e))?;
-        Ok(())
     }
+}
+
+/// Checks a launch's arguments `args` against the parameters `params` of the compiled entry
+/// `entry`.
+///
+/// # Errors
+/// [`Error::Kernel`] naming the entry and the first parameter that differs (or both counts).
+pub fn check_args(entry: &str, params: &[PtxParam], args: &[KernelArg]) -> Result<()> {
+    let got: Vec<PtxParam> = args.iter().map(|a| a.param()).collect();
+    rtc::check_launch_params(entry, params, &got).map_err(|problem| Error::Kernel {
+        kernel: entry.into(),
+        // The error names the kernel once.
+        problem: problem
+            .strip_prefix(&format!("kernel {entry}: "))
+            .unwrap_or(&problem)
+            .to_string(),
+    })
+}
+
+/// Enqueues `launch` on `stream` (its addresses checked by whoever built it to hold what the
+/// kernel touches), after checking its arguments against the loaded kernel's parameters.
+fn enqueue(loaded: &Loaded, stream: &CudaStream, launch: &Launch) -> Result<()> {
+    let kernel = launch.kernel;
+    let (f, params) = loaded
+        .functions
+        .get(kernel.entry())
+        .ok_or_else(|| kernel_error(kernel, "is not in the loaded module".into()))?;
+    launch.check(params)?;
+    if launch.elems == 0 {
+        return Ok(());
+    }
+    let cfg = launch.config(loaded.sms);
+    let mut b = stream.launch_builder(f);
+    for a in &launch.args {
+        match a {
+            KernelArg::Ptr(v) | KernelArg::U64(v) => b.arg(v),
+            KernelArg::F32(v) => b.arg(v),
+            KernelArg::U32(v) => b.arg(v),
+            KernelArg::I32(v) => b.arg(v),
+        };
+    }
+    // SAFETY: the arguments have the kernel's parameter kinds and sizes in its order (checked
+    // just above against the PTX of the module the function was loaded from); each lives in
+    // `launch` until the launch call returns; every address is memory the caller's table
+    // borrows for this pass, with at least the bytes the kernel touches (checked when the
+    // launch was built). The launch is ordered on the handle's stream.
+    unsafe { b.launch(cfg) }.map_err(|e| driver(&format!("launch {}", kernel.entry()), e))?;
+    Ok(())
 }
 
 /// Enqueues `cbr_dbn_coefficients` on the handle's stream over explicit buffers: `inputs`
@@ -500,7 +611,7 @@ fn enqueue(
 ///
 /// # Errors
 /// [`Error::Buffer`] for a buffer that is not FP32 or too short; [`Error::Kernel`] when the
-/// module cannot be compiled or loaded.
+/// module cannot be compiled or loaded, or the arguments do not match it.
 pub(crate) fn launch_dbn_coefficients(
     handle: &Handle,
     inputs: [DeviceBuffer; 5],
@@ -508,6 +619,23 @@ pub(crate) fn launch_dbn_coefficients(
     outputs: [DeviceBuffer; 3],
     channels: usize,
 ) -> Result<()> {
+    let launch = dbn_coefficients_launch(inputs, neg_inv_count, outputs, channels)?;
+    let stream = handle.stream();
+    let loaded = Loaded::load(stream.context())?;
+    enqueue(&loaded, stream, &launch)
+}
+
+/// The launch [`launch_dbn_coefficients`] enqueues, built and checked without a device.
+///
+/// # Errors
+/// [`Error::Buffer`] for a buffer that is not FP32 or holds fewer than `channels` values;
+/// [`Error::Kernel`] for more channels than a `u32`.
+pub fn dbn_coefficients_launch(
+    inputs: [DeviceBuffer; 5],
+    neg_inv_count: f32,
+    outputs: [DeviceBuffer; 3],
+    channels: usize,
+) -> Result<Launch> {
     const NAMES: [&str; 8] = ["gamma", "inv_std", "mean", "dgamma", "dbeta", "A", "B", "C"];
     let kernel = OwnKernel::DbnCoefficients;
     let c = u32::try_from(channels)
@@ -525,24 +653,12 @@ pub(crate) fn launch_dbn_coefficients(
                 ),
             });
         }
-        values.push(Value::Ptr(buf.ptr));
+        values.push(KernelArg::Ptr(buf.ptr));
         if i == 4 {
-            values.push(Value::F32(neg_inv_count));
+            values.push(KernelArg::F32(neg_inv_count));
         }
     }
-    let stream = handle.stream();
-    let loaded = Loaded::load(stream.context())?;
-    let f = loaded
-        .functions
-        .get(kernel.entry())
-        .ok_or_else(|| kernel_error(kernel, "is not in the loaded module".into()))?;
-    enqueue(kernel, &loaded, stream, f, &values, c.into(), c)
-}
-
-/// A launch argument, in order.
-enum Value {
-    Ptr(u64),
-    F32(f32),
+    Ok(Launch::new(kernel, values, c.into(), c))
 }
 
 fn kernel_error(kernel: OwnKernel, problem: String) -> Error {
@@ -559,6 +675,9 @@ pub struct Compiled {
     pub arch: &'static str,
     /// The machine code.
     pub cubin: Vec<u8>,
+    /// Each entry's parameters in order, from the PTX of the same compilation: what a launch
+    /// must pass ([`Launch::check`]).
+    pub params: HashMap<String, Vec<PtxParam>>,
     /// Whether it came from the disk cache.
     pub outcome: CacheOutcome,
     /// Seconds spent compiling or loading it.
@@ -607,18 +726,35 @@ pub fn compile_uncached(arch: &'static str, cache: Option<&KernelCache>) -> Resu
     // No headers to include: the source declares what it uses.
     let flags = rtc::cubin_flags(arch, None);
     let version = rtc::nvrtc_version();
-    let mut parts: Vec<&[u8]> = vec![b"cbr kernels v1", version.as_bytes(), arch.as_bytes()];
+    // v2: the PTX is kept beside the machine code (its entries' parameter lists).
+    let mut parts: Vec<&[u8]> = vec![b"cbr kernels v2", version.as_bytes(), arch.as_bytes()];
     parts.extend(flags.iter().map(|f| f.as_bytes()));
     parts.push(SOURCE.as_bytes());
     let key = KernelCache::key(&parts);
-    let (mut images, outcome) =
-        KernelCache::get_or_compile(cache, &format!("cbr-{arch}"), key, 1, || {
-            rtc::compile_cubin("kernel_source.cu", SOURCE, &flags).map(|c| vec![c])
+    let (images, outcome) =
+        KernelCache::get_or_compile(cache, &format!("cbr-{arch}"), key, 2, || {
+            rtc::compile_cubin_and_ptx("kernel_source.cu", SOURCE, &flags)
+                .map(|(cubin, ptx)| vec![cubin, ptx.into_bytes()])
         })
         .map_err(fail)?;
+    let [cubin, ptx]: [Vec<u8>; 2] = images
+        .try_into()
+        .map_err(|_| fail("not one machine-code image and its PTX".into()))?;
+    let ptx = String::from_utf8(ptx).map_err(|_| fail("the PTX is not UTF-8".into()))?;
+    let params: HashMap<String, Vec<PtxParam>> = rtc::ptx_entry_params(&ptx)
+        .map_err(fail)?
+        .into_iter()
+        .collect();
+    if let Some(k) = OwnKernel::ALL
+        .iter()
+        .find(|k| !params.contains_key(k.entry()))
+    {
+        return Err(kernel_error(*k, format!("is not in the {arch} PTX")));
+    }
     Ok(Compiled {
         arch,
-        cubin: images.pop().ok_or_else(|| fail("no machine code".into()))?,
+        cubin,
+        params,
         outcome,
         seconds: start.elapsed().as_secs_f64(),
     })
@@ -652,7 +788,8 @@ struct Loaded {
     _ctx: Arc<CudaContext>,
     /// The device's architecture.
     arch: &'static str,
-    functions: HashMap<&'static str, CudaFunction>,
+    /// Each kernel with its PTX parameters (every launch is checked against them).
+    functions: HashMap<&'static str, (CudaFunction, Vec<PtxParam>)>,
     sms: u32,
 }
 
@@ -707,7 +844,11 @@ impl Loaded {
             let f = module
                 .load_function(k.entry())
                 .map_err(|e| driver(&format!("look up kernel {}", k.entry()), e))?;
-            functions.insert(k.entry(), f);
+            let params = compiled
+                .params
+                .get(k.entry())
+                .ok_or_else(|| kernel_error(k, format!("is not in the {arch} PTX")))?;
+            functions.insert(k.entry(), (f, params.clone()));
         }
         let sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -720,5 +861,305 @@ impl Loaded {
         });
         map.insert(key, l.clone());
         Ok(l)
+    }
+}
+
+/// What the deviceless tests of the kernels and of the layer runner share: layer
+/// configurations that select our kernels and cuDNN's graphs, a fake buffer table, and a
+/// reading of [`SOURCE`].
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::super::device_buffers::{DeviceBuffer, Side};
+    use super::super::graphs::{ApplyResidual, BackwardResidual};
+    use super::super::layer::{route_buffers, CbrConfig, LayerGraph};
+    use super::super::shape::ConvShape;
+    use super::SOURCE;
+    use crate::error::{Error, Result};
+
+    /// Layers of every kind the networks plan: 3-channel stems (statistics on our kernel),
+    /// 20-channel layers (no 8-wide vector access), first convs with 8k channels (conv +
+    /// GenStats), inner convs through the previous BN with each apply form and backward
+    /// residual, and a projection shortcut's BN.
+    pub(crate) fn configs() -> Vec<CbrConfig> {
+        let sq = ConvShape::square;
+        vec![
+            CbrConfig::first(sq(8, 3, 32, 64, 7, 3, 2)).with_apply(ApplyResidual::None),
+            CbrConfig::first(sq(2, 3, 16, 20, 3, 1, 1)),
+            CbrConfig::first(sq(2, 16, 16, 32, 3, 1, 1)).with_apply(ApplyResidual::None),
+            CbrConfig::new(sq(2, 20, 8, 20, 3, 1, 1)),
+            CbrConfig::new(sq(2, 20, 8, 20, 3, 1, 1)).with_apply(ApplyResidual::Add),
+            CbrConfig::new(sq(4, 64, 14, 64, 3, 1, 1)),
+            CbrConfig::new(sq(4, 64, 14, 256, 1, 0, 1))
+                .with_apply(ApplyResidual::Add)
+                .with_backward_residual(BackwardResidual::FuseAdd),
+            CbrConfig::new(sq(4, 64, 14, 256, 1, 0, 1)).with_apply(ApplyResidual::DualScaleBias),
+            CbrConfig::new(sq(4, 64, 14, 256, 1, 0, 1)).with_shortcut_bn(),
+            CbrConfig::after_activation(sq(4, 32, 8, 64, 3, 1, 2)).with_apply(ApplyResidual::None),
+        ]
+    }
+
+    /// A buffer table over `graphs`' buffers (this layer's and the previous one's) at
+    /// distinct 256-byte-aligned fake addresses, each its exact size: what a launch is built
+    /// over without a device.
+    pub(crate) fn fake_buffers(
+        graphs: &[LayerGraph],
+    ) -> impl Fn(Side, &'static str) -> Result<DeviceBuffer> {
+        let (this, prev) = route_buffers(graphs);
+        move |side, name| {
+            let (table, base) = match side {
+                Side::This => (&this, 0x7f00_0000_0000u64),
+                Side::Prev => (&prev, 0x7e00_0000_0000u64),
+            };
+            let i = table
+                .iter()
+                .position(|b| b.name == name)
+                .ok_or_else(|| Error::Buffer {
+                    name: name.into(),
+                    problem: "is not a buffer of the route".into(),
+                })?;
+            Ok(DeviceBuffer {
+                ptr: base + ((i as u64) << 32),
+                bytes: table[i].bytes(),
+                dtype: table[i].dtype,
+            })
+        }
+    }
+
+    /// The source's kernels as (entry, parameter names in order, body).
+    pub(crate) fn entries() -> Vec<(String, Vec<String>, String)> {
+        let mut out = Vec::new();
+        let marker = "extern \"C\" __global__ void ";
+        let starts: Vec<usize> = SOURCE.match_indices(marker).map(|(i, _)| i).collect();
+        for (n, &at) in starts.iter().enumerate() {
+            let end = starts.get(n + 1).copied().unwrap_or(SOURCE.len());
+            let text = &SOURCE[at + marker.len()..end];
+            let open = text.find('(').expect("a parameter list");
+            let close = text.find(')').expect("a closed parameter list");
+            let params = text[open + 1..close]
+                .split(',')
+                .map(|p| {
+                    p.trim()
+                        .rsplit(|c: char| c.is_whitespace() || c == '*')
+                        .next()
+                        .unwrap_or_default()
+                        .to_string()
+                })
+                .collect();
+            out.push((
+                text[..open].trim().to_string(),
+                params,
+                text[close..].to_string(),
+            ));
+        }
+        out
+    }
+
+    /// The parameters (by index) of each kernel of the source that it adds into with
+    /// `atomicAdd` (its global-memory accumulators; the shared-memory ones are its own),
+    /// by entry. Panics on an `atomicAdd` it cannot attribute (outside a kernel's own body,
+    /// or into neither a parameter nor a `__shared__` array of that kernel), so a kernel
+    /// rewritten another way fails the tests that use this instead of escaping them.
+    pub(crate) fn accumulated_params() -> Vec<(String, Vec<usize>)> {
+        let entries = entries();
+        let in_bodies: usize = entries
+            .iter()
+            .map(|(_, _, body)| body.matches("atomicAdd(").count())
+            .sum();
+        assert_eq!(
+            in_bodies,
+            SOURCE.matches("atomicAdd(").count(),
+            "an atomicAdd outside a kernel's body: attribute it to a kernel's parameters"
+        );
+        entries
+            .into_iter()
+            .map(|(entry, params, body)| {
+                let mut targets = Vec::new();
+                for (at, _) in body.match_indices("atomicAdd(") {
+                    let arg = body[at + "atomicAdd(".len()..].trim_start();
+                    let arg = arg.strip_prefix('&').unwrap_or(arg).trim_start();
+                    let name: String = arg
+                        .chars()
+                        .take_while(|c| c.is_alphanumeric() || *c == '_')
+                        .collect();
+                    if let Some(i) = params.iter().position(|p| *p == name) {
+                        if !targets.contains(&i) {
+                            targets.push(i);
+                        }
+                    } else {
+                        assert!(
+                            body.contains(&format!("__shared__ float {name}[")),
+                            "{entry}: atomicAdd into `{name}`, neither a parameter nor shared"
+                        );
+                    }
+                }
+                (entry, targets)
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::device_buffers::DeviceBuffer;
+    use super::super::layer::{route_graphs, RouteKind};
+    use super::test_support::{accumulated_params, configs, entries, fake_buffers};
+    use super::*;
+    use std::collections::HashSet;
+
+    /// NVRTC is part of the test dependencies (`.deps/`): its absence is a failure here.
+    fn sm90_params() -> HashMap<String, Vec<PtxParam>> {
+        assert!(
+            rtc::nvrtc_library_present(),
+            "NVRTC cannot be loaded: run scripts/setup-test-deps.sh and `source .deps/env.sh`"
+        );
+        compile_uncached("sm_90", None)
+            .expect("our kernels compile for sm_90")
+            .params
+    }
+
+    fn float_buffer(i: u64, channels: usize) -> DeviceBuffer {
+        DeviceBuffer {
+            ptr: 0x7000_0000_0000 + (i << 20),
+            bytes: 4 * channels,
+            dtype: DataType::Float,
+        }
+    }
+
+    /// Every launch our layers make (each route of each configuration, through the function
+    /// the GPU path pushes from) and synchronized BN's coefficients launch has the compiled
+    /// kernels' parameter kinds and sizes, in order.
+    #[test]
+    fn every_launch_matches_the_compiled_kernel() {
+        let params = sm90_params();
+        // The PTX says what the source says: one entry per kernel, with its parameter count.
+        let source = entries();
+        assert_eq!(source.len(), OwnKernel::ALL.len());
+        for (entry, names, _) in &source {
+            assert_eq!(params[entry].len(), names.len(), "{entry}");
+        }
+        let mut launched = HashSet::new();
+        for config in configs() {
+            for kind in [RouteKind::Fused, RouteKind::Unfused, RouteKind::Generic] {
+                let graphs = route_graphs(&config, kind);
+                let buffers = fake_buffers(&graphs);
+                for lg in &graphs {
+                    let Some(step) = KernelStep::for_graph(lg, "sm_90") else {
+                        continue;
+                    };
+                    let launch = step
+                        .launch_with(&buffers)
+                        .unwrap_or_else(|e| panic!("{:?} {:?}: {e}", kind, lg.role));
+                    let entry = step.kernel().entry();
+                    launch
+                        .check(&params[entry])
+                        .unwrap_or_else(|e| panic!("{} {kind:?}: {e}", config.shape.label()));
+                    launched.insert(entry);
+                }
+            }
+        }
+        let inputs = [0, 1, 2, 3, 4].map(|i| float_buffer(i, 20));
+        let outputs = [5, 6, 7].map(|i| float_buffer(i, 20));
+        let coefficients = dbn_coefficients_launch(inputs, -0.5, outputs, 20).unwrap();
+        coefficients.check(&params["cbr_dbn_coefficients"]).unwrap();
+        launched.insert("cbr_dbn_coefficients");
+        let all: HashSet<_> = OwnKernel::ALL.iter().map(|k| k.entry()).collect();
+        assert_eq!(launched, all, "every kernel is launched by some layer");
+    }
+
+    /// A planted mismatch (an argument pushed with the wrong kind, one left out) is caught,
+    /// naming the kernel and the parameter.
+    #[test]
+    fn a_wrong_argument_list_names_the_kernel_and_the_parameter() {
+        let params = sm90_params();
+        let inputs = [0, 1, 2, 3, 4].map(|i| float_buffer(i, 8));
+        let outputs = [5, 6, 7].map(|i| float_buffer(i, 8));
+        let launch = dbn_coefficients_launch(inputs, -0.25, outputs, 8).unwrap();
+        let expected = &params["cbr_dbn_coefficients"];
+        launch.check(expected).unwrap();
+        let mut args = launch.args().to_vec();
+        // neg_inv_count (parameter 5) pushed as a pointer-sized integer.
+        args[5] = KernelArg::U64(0);
+        let msg = check_args("cbr_dbn_coefficients", expected, &args)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("cbr_dbn_coefficients") && msg.contains("parameter 5"),
+            "{msg}"
+        );
+        // `c` (parameter 10, an unsigned) pushed as an f32: same size, another kind.
+        let mut args = launch.args().to_vec();
+        args[10] = KernelArg::F32(8.0);
+        let msg = check_args("cbr_dbn_coefficients", expected, &args)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("parameter 10"), "{msg}");
+        // The trailing `vec` left out.
+        let args = &launch.args()[..launch.args().len() - 1];
+        let msg = check_args("cbr_dbn_coefficients", expected, args)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("takes 12 parameters") && msg.contains("passes 11"),
+            "{msg}"
+        );
+        // Another kernel's list for this one.
+        let stats = &params["cbr_channel_stats"];
+        let e = launch.check(stats).unwrap_err();
+        assert!(matches!(e, Error::Kernel { ref kernel, .. } if kernel == "cbr_dbn_coefficients"));
+    }
+
+    /// The trailing arguments and the grid: eight-wide access only for 8k channels at
+    /// 16-byte-aligned addresses and never for a reduction, whose blocks get 2·c FP32
+    /// accumulators of shared memory.
+    #[test]
+    fn the_trailing_arguments_and_the_grid_follow_the_shape() {
+        let ptrs = |base: u64| vec![KernelArg::Ptr(base); 4];
+        let apply = OwnKernel::Apply(ApplyResidual::None);
+        let l = Launch::new(apply, ptrs(0x1000), 64 * 100, 64);
+        assert_eq!(
+            l.args()[4..],
+            [KernelArg::U64(6400), KernelArg::U32(64), KernelArg::I32(1)]
+        );
+        assert_eq!(l.config(132).shared_mem_bytes, 0);
+        // 6400 / 8 groups over 256 threads: 4 blocks.
+        assert_eq!(l.config(132).grid_dim.0, 4);
+        for (values, c) in [(ptrs(0x1008), 64), (ptrs(0x1000), 20)] {
+            let l = Launch::new(apply, values, u64::from(c) * 100, c);
+            assert_eq!(l.args()[6], KernelArg::I32(0));
+        }
+        let stats = Launch::new(
+            OwnKernel::ChannelStats,
+            ptrs(0x1000)[..3].to_vec(),
+            6400,
+            64,
+        );
+        assert_eq!(stats.args()[5], KernelArg::I32(0));
+        let cfg = stats.config(132);
+        assert_eq!(cfg.shared_mem_bytes, 8 * 64);
+        // Capped at two blocks per SM.
+        let big = Launch::new(
+            OwnKernel::ChannelStats,
+            ptrs(0x1000)[..3].to_vec(),
+            1 << 30,
+            64,
+        );
+        assert_eq!(big.config(132).grid_dim.0, 264);
+    }
+
+    /// The reading of the source the zeroing test relies on finds the two reductions'
+    /// accumulators and nothing else.
+    #[test]
+    fn the_source_accumulates_only_into_the_reductions_outputs() {
+        let found: Vec<(String, Vec<usize>)> = accumulated_params()
+            .into_iter()
+            .filter(|(_, t)| !t.is_empty())
+            .collect();
+        assert_eq!(
+            found,
+            vec![
+                ("cbr_channel_stats".to_string(), vec![1, 2]),
+                ("cbr_dbn_reduce".to_string(), vec![4, 5]),
+            ]
+        );
     }
 }

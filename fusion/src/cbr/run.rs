@@ -191,8 +191,9 @@ impl CbrLayer {
         ))
     }
 
-    /// Enqueues one step: our kernel, or its cuDNN plan over the resolved buffers. A BN
-    /// finalize divides by the local element count times `replicas`.
+    /// Enqueues one step: our kernel, or its cuDNN plan over the resolved buffers, after
+    /// zeroing the outputs it accumulates into ([`LayerStep::outputs_to_zero`], the same on
+    /// both paths). A BN finalize divides by the local element count times `replicas`.
     fn gpu_step(
         &self,
         step: &LayerStep,
@@ -200,29 +201,17 @@ impl CbrLayer {
         r: &Resolved<'_>,
         replicas: usize,
     ) -> Result<()> {
+        if step.plan.is_none() && step.kernel.is_none() {
+            return Err(self.cpu_only(step));
+        }
+        for (side, name) in step.outputs_to_zero() {
+            r.zero(handle, side, name)?;
+        }
         let plan = match (&step.plan, &step.kernel) {
             (Some(plan), _) => plan,
             (None, Some(kernel)) => return kernel.launch(handle, r),
             (None, None) => return Err(self.cpu_only(step)),
         };
-        // Per-channel reductions (GenStats' sums, BN_BWD_WEIGHTS' and the reductions' dγ/dβ)
-        // may be split across CTAs that accumulate into their outputs; zero those first so
-        // a step never adds to the previous step's values (a cheap memset, and harmless
-        // where cuDNN overwrites them).
-        let accumulated: &[&str] = match step.role {
-            GraphRole::ConvStats | GraphRole::Stats => &["sum", "sq_sum"],
-            GraphRole::DgradDreluDbn | GraphRole::DbnReduce | GraphRole::ApplyDbnReduce => {
-                &["dgamma", "dbeta"]
-            }
-            _ => &[],
-        };
-        for (_, src) in &step.bindings {
-            match src {
-                This(n) if accumulated.contains(n) => r.zero(handle, Side::This, n)?,
-                Prev(n) if accumulated.contains(n) => r.zero(handle, Side::Prev, n)?,
-                _ => {}
-            }
-        }
         let mut b = Bindings::new(plan);
         for (t, src) in &step.bindings {
             match src {
@@ -294,6 +283,41 @@ impl CbrLayer {
             }
         }
         Ok(())
+    }
+}
+
+impl GraphRole {
+    /// The buffers (by name) a step of this role adds into instead of overwriting: the
+    /// per-channel reductions (GenStats' Σy and Σy², the BN-backward weights' and the
+    /// reductions' dγ and dβ), which our kernels (`cbr_channel_stats`, `cbr_dbn_reduce`:
+    /// `atomicAdd` per block) and cuDNN's engines (split across CTAs) may accumulate. The one
+    /// table both GPU paths zero from ([`LayerStep::outputs_to_zero`]); zeroing where cuDNN
+    /// overwrites anyway costs a memset of a few hundred bytes.
+    pub fn accumulated_outputs(self) -> &'static [&'static str] {
+        match self {
+            GraphRole::ConvStats | GraphRole::Stats => &["sum", "sq_sum"],
+            GraphRole::DgradDreluDbn | GraphRole::DbnReduce | GraphRole::ApplyDbnReduce => {
+                &["dgamma", "dbeta"]
+            }
+            _ => &[],
+        }
+    }
+}
+
+impl LayerStep {
+    /// The buffers to zero before this step runs on a GPU, our kernel or its cuDNN plan alike:
+    /// those of its bindings its role accumulates into ([`GraphRole::accumulated_outputs`]),
+    /// with the layer each belongs to.
+    pub fn outputs_to_zero(&self) -> Vec<(Side, &'static str)> {
+        let names = self.role.accumulated_outputs();
+        self.bindings
+            .iter()
+            .filter_map(|(_, src)| match *src {
+                This(n) if names.contains(&n) => Some((Side::This, n)),
+                Prev(n) if names.contains(&n) => Some((Side::Prev, n)),
+                _ => None,
+            })
+            .collect()
     }
 }
 
@@ -910,4 +934,156 @@ pub(super) fn dbn_coefficients<A: Real>(
         out[2].push(cc);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::kernels::test_support::{accumulated_params, configs};
+    use super::super::kernels::KernelStep;
+    use super::super::layer::route_graphs;
+    use super::*;
+    use crate::graph::{Node, TensorId};
+    use std::collections::HashSet;
+
+    fn side_of(src: Src) -> Option<(Side, &'static str)> {
+        match src {
+            This(n) => Some((Side::This, n)),
+            Prev(n) => Some((Side::Prev, n)),
+            Src::Scalar(_) => None,
+        }
+    }
+
+    /// Every step that accumulates into an output has it zeroed before it runs, on every
+    /// route, for layers whose steps run on our kernels and on cuDNN's plans (the steps are
+    /// built as [`CbrLayer::plan`] builds them, without cuDNN). What accumulates is read
+    /// from the kernels themselves: each `atomicAdd` target of our kernels' source (through
+    /// the step's argument list), and for a cuDNN graph the outputs of its reductions
+    /// (Reduction, GenStats, the BN-backward weights' dγ and dβ). Nothing a step reads is
+    /// zeroed.
+    #[test]
+    fn every_accumulated_output_is_zeroed_before_its_step() {
+        let atomics = accumulated_params();
+        let mut kernels_seen = HashSet::new();
+        let mut plans_seen = HashSet::new();
+        for config in configs() {
+            for kind in [RouteKind::Fused, RouteKind::Unfused, RouteKind::Generic] {
+                for lg in route_graphs(&config, kind) {
+                    for arch in [Some("sm_90"), None] {
+                        let kernel = arch.and_then(|a| KernelStep::for_graph(&lg, a));
+                        let step = LayerStep {
+                            role: lg.role,
+                            plan: None,
+                            kernel,
+                            bindings: lg.bindings.clone(),
+                        };
+                        let zeroed = step.outputs_to_zero();
+                        let at = || format!("{} {kind:?} {:?}", config.shape.label(), lg.role);
+                        let (accumulated, inputs): (Vec<_>, Vec<_>) = match &step.kernel {
+                            Some(k) => {
+                                let sources = k.sources();
+                                let targets = &atomics
+                                    .iter()
+                                    .find(|(e, _)| e == k.kernel().entry())
+                                    .expect("the kernel is in the source")
+                                    .1;
+                                if !targets.is_empty() {
+                                    kernels_seen.insert(k.kernel().entry());
+                                }
+                                let acc = targets
+                                    .iter()
+                                    .map(|&i| side_of(sources[i]).expect("a buffer"))
+                                    .collect();
+                                // The arguments before the first output are what it reads.
+                                let n_in = sources.len() - k.output_count();
+                                let ins = sources[..n_in].iter().filter_map(|s| side_of(*s));
+                                (acc, ins.collect())
+                            }
+                            None => {
+                                let g = &lg.graph;
+                                let mut acc_ids = Vec::new();
+                                let mut produced = HashSet::new();
+                                let mut read = HashSet::new();
+                                for node in g.nodes() {
+                                    produced.extend(node.outputs());
+                                    read.extend(node.inputs());
+                                    match node {
+                                        Node::Reduction { y, .. } => acc_ids.push(*y),
+                                        Node::GenStats { sum, sq_sum, .. } => {
+                                            acc_ids.extend([*sum, *sq_sum])
+                                        }
+                                        Node::DbnWeight { outputs, .. } => {
+                                            acc_ids.extend([outputs.dscale, outputs.dbias])
+                                        }
+                                        _ => {}
+                                    }
+                                }
+                                let bound = |ids: &mut dyn Iterator<Item = TensorId>| {
+                                    ids.filter_map(|t| lg.bindings.iter().find(|(b, _)| *b == t))
+                                        .filter_map(|(_, s)| side_of(*s))
+                                        .collect::<Vec<_>>()
+                                };
+                                let acc = bound(&mut acc_ids.clone().into_iter());
+                                if !acc.is_empty() {
+                                    plans_seen.insert(lg.role);
+                                }
+                                let ins =
+                                    bound(&mut read.into_iter().filter(|t| !produced.contains(t)));
+                                (acc, ins)
+                            }
+                        };
+                        for out in &accumulated {
+                            assert!(zeroed.contains(out), "{}: {out:?} not zeroed", at());
+                        }
+                        for z in &zeroed {
+                            assert!(!inputs.contains(z), "{}: zeroes its input {z:?}", at());
+                        }
+                    }
+                }
+            }
+        }
+        // Both of our reductions and every accumulating cuDNN role were among the steps.
+        assert_eq!(
+            kernels_seen,
+            HashSet::from(["cbr_channel_stats", "cbr_dbn_reduce"])
+        );
+        for role in [
+            GraphRole::ConvStats,
+            GraphRole::Stats,
+            GraphRole::DgradDreluDbn,
+            GraphRole::DbnReduce,
+            GraphRole::ApplyDbnReduce,
+        ] {
+            assert!(plans_seen.contains(&role), "no cuDNN step of {role:?}");
+        }
+    }
+
+    /// The zeroing list is the role table's buffers as the step binds them (this layer's or
+    /// the previous one's), and nothing for a role that overwrites.
+    #[test]
+    fn the_zeroing_list_follows_the_step_bindings() {
+        let step = |role, bindings: Vec<(u32, Src)>| LayerStep {
+            role,
+            plan: None,
+            kernel: None,
+            bindings: bindings
+                .into_iter()
+                .map(|(i, s)| (TensorId(i), s))
+                .collect(),
+        };
+        let generic = step(
+            GraphRole::DbnReduce,
+            vec![
+                (0, Prev("y")),
+                (1, This("dz_prev")),
+                (2, Prev("dgamma")),
+                (3, Prev("dbeta")),
+            ],
+        );
+        assert_eq!(
+            generic.outputs_to_zero(),
+            [(Side::Prev, "dgamma"), (Side::Prev, "dbeta")]
+        );
+        let finalize = step(GraphRole::Finalize, vec![(0, This("sum"))]);
+        assert!(finalize.outputs_to_zero().is_empty());
+    }
 }
