@@ -180,7 +180,12 @@ fn our_kernels_match_the_reference_ops_bit_for_bit_and_cudnn_within_an_ulp() {
         let Some(chain) = run(Pointwise::Own, shapes) else {
             return;
         };
-        let (h1, h2) = &chain.gpu;
+        let Chain {
+            l1,
+            l2,
+            start,
+            gpu: (h1, h2),
+        } = chain;
         let (s1, s2) = shapes;
         let y2 = Nhwc::new(
             s2.n as usize,
@@ -319,10 +324,10 @@ fn our_kernels_match_the_reference_ops_bit_for_bit_and_cudnn_within_an_ulp() {
         // gradients go through 2–3 more FP16 stores and near-zero ReLU decisions, so 2e-2
         // (the bounds of tests/gpu_cbr_parity.rs). An output accumulated across the passes
         // is off by its whole size (relative 1 or more).
-        let (c1, c2) = cpu_passes(&chain.l1, &chain.l2, &chain.start);
+        let (c1, c2) = cpu_passes(&l1, &l2, &start);
         for (layer, specs, gpu, cpu) in [
-            ("l1", chain.l1.buffers(), &h1, &c1),
-            ("l2", chain.l2.buffers(), &h2, &c2),
+            ("l1", l1.buffers(), &h1, &c1),
+            ("l2", l2.buffers(), &h2, &c2),
         ] {
             for spec in specs {
                 let g = gpu.get(spec.name).unwrap().to_f32();
@@ -348,12 +353,12 @@ fn our_kernels_match_the_reference_ops_bit_for_bit_and_cudnn_within_an_ulp() {
         // multiply-add (one rounding fewer), which moves an FP16 result by at most one unit.
         let cudnn = run(Pointwise::Cudnn, shapes).expect("the device is still there");
         let c2 = &cudnn.gpu.1;
-        let (differ, worst) = compare(f16s(h2, "a"), f16s(c2, "a"));
+        let (differ, worst) = compare(f16s(&h2, "a"), f16s(c2, "a"));
         println!("apply vs cuDNN: {differ} elements differ, at most {worst:.2} FP16 units");
         assert!(
             worst <= 1.0,
             "apply differs from cuDNN by {worst} FP16 units"
         );
-        assert_eq!(bits(f16s(h2, "dpre")), bits(f16s(c2, "dpre")));
+        assert_eq!(bits(f16s(&h2, "dpre")), bits(f16s(c2, "dpre")));
     }
 }
