@@ -4,7 +4,8 @@
 //! For each size: `time` is the median of `samples` all-reduces, each between two CUDA events
 //! on rank 0's stream, after warm-up. `algbw` = bytes / time; `busbw` = algbw · 2(n−1)/n, the
 //! figure NCCL's own tests print (the traffic a ring moves per link), so it compares across
-//! GPU counts; with one GPU a collective moves nothing and busbw is 0. The rows marked
+//! GPU counts. With one GPU a collective moves nothing between GPUs, so busbw (0 by that
+//! factor) is not printed: the table gives algbw and says busbw needs two or more ranks. The rows marked
 //! `resnet50` are the gradient buckets of ResNet-50's memory plan (G16 conv run in FP16 and
 //! the rest of G in FP32), as a data-parallel step sends them.
 //!
@@ -110,6 +111,12 @@ fn main() {
         all.swap_remove(0)
     });
     println!("NCCL all-reduce (sum, f32, in place), {gpus} GPU(s), median of {samples}:");
+    if gpus < 2 {
+        println!(
+            "busbw needs at least 2 ranks (its factor 2(n-1)/n is 0 for one): algbw only, \
+             a one-rank all-reduce moves no data between GPUs"
+        );
+    }
     println!(
         "{:>28} {:>12} {:>10} {:>10} {:>10}",
         "bucket", "bytes", "time us", "algbw GB/s", "busbw GB/s"
@@ -117,10 +124,14 @@ fn main() {
     let factor = 2.0 * (gpus as f64 - 1.0) / gpus as f64;
     for (label, bytes, ms) in rows {
         let algbw = bytes as f64 / (f64::from(ms) * 1e-3) / 1e9;
+        let busbw = if gpus < 2 {
+            "n/a".to_string()
+        } else {
+            format!("{:.2}", algbw * factor)
+        };
         println!(
-            "{label:>28} {bytes:>12} {:>10.1} {algbw:>10.2} {:>10.2}",
-            ms * 1000.0,
-            algbw * factor
+            "{label:>28} {bytes:>12} {:>10.1} {algbw:>10.2} {busbw:>10}",
+            ms * 1000.0
         );
     }
     println!("done in {:.1} s", started.elapsed().as_secs_f64());

@@ -5,6 +5,8 @@
 //! SVG bar chart next to the table ($OUT, or target/bench/).
 //!
 //! `cargo bench --bench cbr_layers` (GPU). Without a GPU it prints one SKIP line and exits 0.
+//! A layer that cannot be planned or run prints `unavailable` in its row; after the tables
+//! the bench names every such layer and exits 1.
 //! Under `cargo test` (no `--bench` flag) it only checks for a device, or times one small layer.
 
 use cudarc::driver::CudaStream;
@@ -37,9 +39,20 @@ fn main() {
         println!("SKIP cbr_layers: cuDNN not loadable: {e}");
         return;
     }
-    if let Err(e) = run(ctx.default_stream(), full) {
-        eprintln!("cbr_layers failed: {e}");
-        std::process::exit(1);
+    match run(ctx.default_stream(), full) {
+        Err(e) => {
+            eprintln!("cbr_layers failed: {e}");
+            std::process::exit(1);
+        }
+        Ok(failed) if !failed.is_empty() => {
+            eprintln!(
+                "cbr_layers failed: {} layer run(s) unavailable: {}",
+                failed.len(),
+                failed.join("; ")
+            );
+            std::process::exit(1);
+        }
+        Ok(_) => {}
     }
 }
 
@@ -166,7 +179,8 @@ fn pass_bytes(layer: &CbrLayer, pass: Pass) -> usize {
     bytes
 }
 
-fn run(stream: Arc<CudaStream>, full: bool) -> Res<()> {
+/// The tables; returns the layer runs that were unavailable (label, shape, route: why).
+fn run(stream: Arc<CudaStream>, full: bool) -> Res<Vec<String>> {
     let handle = Handle::new(stream.clone())?;
     let target = handle.target()?;
     let batch: i64 = std::env::var("CBR_BENCH_BATCH")
@@ -183,6 +197,7 @@ fn run(stream: Arc<CudaStream>, full: bool) -> Res<()> {
         layers.truncate(2);
     }
     let mut rows = Vec::new();
+    let mut failed = Vec::new();
     println!(
         "{:<12} {:<30} {:<8} {:>9} {:>9} {:>8} {:>8} {:>9}",
         "layer", "shape", "route", "fwd ms", "bwd ms", "TFLOP/s", "GB/s", "roofline"
@@ -217,12 +232,15 @@ fn run(stream: Arc<CudaStream>, full: bool) -> Res<()> {
                     );
                     rows.push(row);
                 }
-                Err(e) => println!(
-                    "{label:<12} {:<30} {:<8} unavailable: {}",
-                    config.shape.label(),
-                    if fused { "fused" } else { "unfused" },
-                    e.to_string().lines().next().unwrap_or("")
-                ),
+                Err(e) => {
+                    let route = if fused { "fused" } else { "unfused" };
+                    let why = e.to_string().lines().next().unwrap_or("").to_string();
+                    println!(
+                        "{label:<12} {:<30} {route:<8} unavailable: {why}",
+                        config.shape.label()
+                    );
+                    failed.push(format!("{label} {} {route}: {why}", config.shape.label()));
+                }
             }
         }
         // Rewritten after every layer, so a run cut short still leaves its rows.
@@ -242,7 +260,7 @@ fn run(stream: Arc<CudaStream>, full: bool) -> Res<()> {
         );
     }
     write_outputs(&rows, &speedups, true)?;
-    pointwise_table(
+    failed.extend(pointwise_table(
         &layers,
         &handle,
         &target,
@@ -250,12 +268,13 @@ fn run(stream: Arc<CudaStream>, full: bool) -> Res<()> {
         &stream,
         (peak, bw),
         (warmup, iters),
-    )
+    )?);
+    Ok(failed)
 }
 
 /// The fused route's forward + backward with our element-wise kernels against the same route
 /// with cuDNN's runtime-compiled graphs, per layer that has such a step (ratio > 1: ours are
-/// faster).
+/// faster). Returns the layers whose runs were unavailable, with why.
 fn pointwise_table(
     layers: &[(&'static str, CbrConfig)],
     handle: &Handle,
@@ -264,13 +283,14 @@ fn pointwise_table(
     stream: &Arc<CudaStream>,
     (peak, bw): (f64, f64),
     (warmup, iters): (usize, usize),
-) -> Res<()> {
+) -> Res<Vec<String>> {
     println!("\nelement-wise steps on the fused route: our kernels vs cuDNN's graphs (fwd + bwd)");
     println!(
         "{:<12} {:<30} {:>10} {:>10} {:>8}",
         "layer", "shape", "ours ms", "cuDNN ms", "ratio"
     );
     let mut ratios = Vec::new();
+    let mut failed = Vec::new();
     for (label, config) in layers {
         let time = |pointwise| {
             bench_layer(
@@ -288,14 +308,21 @@ fn pointwise_table(
                 );
                 ratios.push(cudnn / own);
             }
-            (a, b) => println!(
-                "{label:<12} {:<30} unavailable: {}",
-                config.shape.label(),
-                a.err()
+            (a, b) => {
+                let why = a
+                    .err()
                     .or(b.err())
-                    .map(|e| e.to_string())
-                    .unwrap_or_default()
-            ),
+                    .map(|e| e.to_string().lines().next().unwrap_or("").to_string())
+                    .unwrap_or_default();
+                println!(
+                    "{label:<12} {:<30} unavailable: {why}",
+                    config.shape.label()
+                );
+                failed.push(format!(
+                    "{label} {} element-wise comparison: {why}",
+                    config.shape.label()
+                ));
+            }
         }
     }
     if !ratios.is_empty() {
@@ -305,7 +332,7 @@ fn pointwise_table(
             "summary"
         );
     }
-    Ok(())
+    Ok(failed)
 }
 
 /// (layer, unfused time / fused time, forward + backward) for each layer with both rows.

@@ -1,6 +1,10 @@
 //! Tier 4 (GPU): the data-parallel step's collectives on NCCL. A one-rank NCCL group must
-//! leave a step bit for bit as it is without a communicator; with two or more GPUs, the
-//! ranks' summed gradients must equal the CPU group's sums.
+//! leave a step bit for bit as it is without a communicator. A one-rank sum in place is the
+//! identity whatever datatype, count or op it is given, so the one-rank tests also sum out of
+//! place into sentinel-filled regions: exactly each bucket's ranges must be written, with the
+//! exact values, and every other byte keep the sentinel. With two or more GPUs, the ranks'
+//! sums (and maxima) must equal the host's, per bucket of a plan too; with fewer that test
+//! prints a SKIP line saying two GPUs are needed (one rank cannot tell Sum from Max).
 //!
 //! Without a device, NVRTC or NCCL each test prints one `SKIP <test>: <reason>` line.
 
@@ -9,7 +13,7 @@ use std::sync::Arc;
 use cudnn_cbr_amp::cuda::{dist_grads, CudaRegions, CudaStream};
 use cudnn_cbr_amp::dist::nccl::{NcclComm, NcclId};
 use cudnn_cbr_amp::dist::{Collective, ReduceOp};
-use cudnn_cbr_amp::plan::{MemoryPlan, MemoryPlanBuilder, ParamKind, Region};
+use cudnn_cbr_amp::plan::{ByteRange, MemoryPlan, MemoryPlanBuilder, ParamKind, Region};
 use cudnn_cbr_amp::range::SgdConfig;
 use cudnn_cbr_amp::step::{AmpStep, StepConfig};
 use cudnn_cbr_fusion::cbr::DeviceBnSync;
@@ -158,6 +162,104 @@ fn gpu_per_bucket_sums_on_one_rank_equal_the_step_without_a_communicator() {
     println!("{TEST}: per-bucket sums and the BN reducer leave one rank's step unchanged");
 }
 
+/// The ranges each bucket's sum writes, per region.
+fn summed_ranges(plan: &MemoryPlan) -> Vec<(Region, ByteRange)> {
+    plan.buckets()
+        .iter()
+        .flat_map(|b| dist_grads::bucket_collectives(plan, b.bucket()).unwrap())
+        .map(|c| (c.region, c.range))
+        .collect()
+}
+
+/// Bytes of `region` (its length) holding random finite values of the region's type.
+fn random_region(plan: &MemoryPlan, region: Region, rng: &mut Rng) -> Vec<u8> {
+    let len = plan.region_range(region).unwrap().len();
+    match region {
+        Region::G16 => rng
+            .f16s(len / 2, 8.0)
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect(),
+        _ => rng
+            .f32s(len / 4, 8.0)
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect(),
+    }
+}
+
+/// What the destination regions hold before the sums: afterwards every byte outside the
+/// summed ranges must still be this (the check is bytewise).
+const SENTINEL: u8 = 0xA5;
+
+#[test]
+fn gpu_one_ranks_bucket_sums_write_exactly_their_ranges_with_the_exact_values() {
+    const TEST: &str = "gpu_one_ranks_bucket_sums_write_exactly_their_ranges_with_the_exact_values";
+    let Some((stream, _)) = device(TEST) else {
+        return;
+    };
+    let Some(mut comm) = nccl_or_skip(TEST, &stream) else {
+        return;
+    };
+    let plan = plan();
+    let mut rng = Rng(9);
+    let mut from = CudaRegions::new(plan.clone(), stream.clone()).unwrap();
+    let mut into = CudaRegions::new(plan.clone(), stream.clone()).unwrap();
+    let regions = [Region::G16, Region::G];
+    let mut sent = Vec::new();
+    for region in regions {
+        let bytes = random_region(&plan, region, &mut rng);
+        from.upload_region_bytes(region, &bytes).unwrap();
+        let len = bytes.len();
+        sent.push(bytes);
+        into.upload_region_bytes(region, &vec![SENTINEL; len])
+            .unwrap();
+    }
+    let after = stream.clone();
+    for (i, b) in plan.buckets().iter().rev().enumerate() {
+        dist_grads::all_reduce_bucket_into(&mut from, &mut into, &mut comm, b.bucket(), &after)
+            .unwrap();
+        assert_eq!(into.collectives_in_flight(), i + 1);
+    }
+    dist_grads::join_gradients(&mut into, &mut comm).unwrap();
+    dist_grads::join_gradients(&mut from, &mut comm).unwrap();
+    assert_eq!(into.collectives_in_flight(), 0);
+    comm.check_async().unwrap();
+    let summed = summed_ranges(&plan);
+    let mut written = 0;
+    for (region, sent) in regions.into_iter().zip(&sent) {
+        assert_eq!(
+            &from.download_region_bytes(region).unwrap(),
+            sent,
+            "{region} of the source changed"
+        );
+        let got = into.download_region_bytes(region).unwrap();
+        for (at, (g, s)) in got.iter().zip(sent).enumerate() {
+            let inside = summed
+                .iter()
+                .any(|&(r, b)| r == region && (b.start..b.end).contains(&at));
+            if inside {
+                // One rank's sum is its own value, bit for bit (wrong datatype or count:
+                // a short tail of sentinels, or a neighbour overwritten).
+                assert_eq!(g, s, "{region} byte {at} inside a bucket's sum");
+                written += 1;
+            } else {
+                assert_eq!(
+                    *g, SENTINEL,
+                    "{region} byte {at} outside every bucket's sum was written"
+                );
+            }
+        }
+    }
+    let expect: usize = summed.iter().map(|(_, b)| b.len()).sum();
+    assert_eq!(written, expect);
+    comm.destroy().unwrap();
+    println!(
+        "{TEST}: {written} bytes written by {} calls, none outside them",
+        summed.len()
+    );
+}
+
 #[test]
 fn gpu_an_aborted_communicator_refuses_later_collectives() {
     const TEST: &str = "gpu_an_aborted_communicator_refuses_later_collectives";
@@ -217,6 +319,11 @@ fn gpu_nccl_sums_across_every_gpu_like_the_cpu_group() {
     };
     let count =
         cudnn_cbr_amp::cuda::cudarc::driver::CudaContext::device_count().unwrap_or(1) as usize;
+    if count < 2 {
+        // One rank's sum and maximum are both the identity: nothing here could fail.
+        println!("SKIP {TEST}: needs two GPUs, this machine has {count}");
+        return;
+    }
     let id = match NcclId::generate() {
         Ok(id) => id,
         Err(e) => {
@@ -225,18 +332,46 @@ fn gpu_nccl_sums_across_every_gpu_like_the_cpu_group() {
         }
     };
     drop(stream);
+    let plan = plan();
+    // Small integers: FP16 and FP32 sums of them are exact in any order.
+    let g16 = |rank: usize, i: usize| f16::from_f32(((rank + 1) * (i % 7)) as f32);
+    let g32 = |rank: usize, i: usize| ((rank + 3) * (i % 11)) as f32;
     // One thread per GPU (NCCL's init blocks until every rank has joined).
-    let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+    type Out = (Vec<f32>, Vec<f32>, Vec<u8>, Vec<u8>);
+    let outs: Vec<Out> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..count)
             .map(|rank| {
+                let plan = plan.clone();
                 s.spawn(move || {
                     let ctx = cudnn_cbr_amp::cuda::cuda_device(rank).unwrap();
                     let stream = ctx.new_stream().unwrap();
-                    let mut comm = NcclComm::new(stream.clone(), rank, count, &id).unwrap();
+                    let link = ctx.new_stream().unwrap();
+                    let mut comm = NcclComm::new(link, rank, count, &id).unwrap();
                     let host: Vec<f32> = (0..1000).map(|i| (rank * 1000 + i) as f32).collect();
-                    let mut buf = stream.clone_htod(&host).unwrap();
-                    comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
-                    let out = stream.clone_dtoh(&buf).unwrap();
+                    let mut sum = stream.clone_htod(&host).unwrap();
+                    comm.all_reduce(&mut sum, ReduceOp::Sum).unwrap();
+                    let mut max = stream.clone_htod(&host).unwrap();
+                    comm.all_reduce(&mut max, ReduceOp::Max).unwrap();
+                    // A step's bucket sums over the regions, in place.
+                    let mut regions = CudaRegions::new(plan.clone(), stream.clone()).unwrap();
+                    let n16 = plan.region_range(Region::G16).unwrap().len() / 2;
+                    let n32 = plan.region_range(Region::G).unwrap().len() / 4;
+                    let b16: Vec<u8> = (0..n16).flat_map(|i| g16(rank, i).to_le_bytes()).collect();
+                    let b32: Vec<u8> = (0..n32).flat_map(|i| g32(rank, i).to_le_bytes()).collect();
+                    regions.upload_region_bytes(Region::G16, &b16).unwrap();
+                    regions.upload_region_bytes(Region::G, &b32).unwrap();
+                    let after = stream.clone();
+                    for b in plan.buckets().iter().rev() {
+                        dist_grads::all_reduce_bucket(&mut regions, &mut comm, b.bucket(), &after)
+                            .unwrap();
+                    }
+                    dist_grads::join_gradients(&mut regions, &mut comm).unwrap();
+                    let out = (
+                        stream.clone_dtoh(&sum).unwrap(),
+                        stream.clone_dtoh(&max).unwrap(),
+                        regions.download_region_bytes(Region::G16).unwrap(),
+                        regions.download_region_bytes(Region::G).unwrap(),
+                    );
                     comm.destroy().unwrap();
                     out
                 })
@@ -244,11 +379,40 @@ fn gpu_nccl_sums_across_every_gpu_like_the_cpu_group() {
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    for (rank, v) in sums.iter().enumerate() {
-        for (i, x) in v.iter().enumerate() {
+    let summed = summed_ranges(&plan);
+    let inside = |region: Region, byte: usize| {
+        summed
+            .iter()
+            .any(|&(r, b)| r == region && (b.start..b.end).contains(&byte))
+    };
+    for (rank, (sum, max, r16, r32)) in outs.iter().enumerate() {
+        for (i, (s, m)) in sum.iter().zip(max).enumerate() {
             let want: f32 = (0..count).map(|r| (r * 1000 + i) as f32).sum();
-            assert_eq!(*x, want, "rank {rank} element {i}");
+            assert_eq!(*s, want, "rank {rank} sum element {i}");
+            assert_eq!(
+                *m,
+                ((count - 1) * 1000 + i) as f32,
+                "rank {rank} max element {i}"
+            );
+        }
+        for (i, c) in r16.chunks_exact(2).enumerate() {
+            let got = f16::from_le_bytes([c[0], c[1]]);
+            let want = if inside(Region::G16, 2 * i) {
+                f16::from_f32((0..count).map(|r| g16(r, i).to_f32()).sum())
+            } else {
+                g16(rank, i)
+            };
+            assert_eq!(got.to_bits(), want.to_bits(), "rank {rank} G16 element {i}");
+        }
+        for (i, c) in r32.chunks_exact(4).enumerate() {
+            let got = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            let want = if inside(Region::G, 4 * i) {
+                (0..count).map(|r| g32(r, i)).sum()
+            } else {
+                g32(rank, i)
+            };
+            assert_eq!(got, want, "rank {rank} G element {i}");
         }
     }
-    println!("{TEST}: {count} GPU(s) summed 1000 floats exactly");
+    println!("{TEST}: {count} GPUs summed and maxed 1000 floats and a plan's buckets exactly");
 }

@@ -576,10 +576,7 @@ impl NcclComm {
         self.same_context(buf.stream(), "ncclAllReduce")?;
         bind(&self.stream, "ncclAllReduce")?;
         let count = buf.len();
-        let red = match op {
-            ReduceOp::Sum => cudarc::nccl::sys::ncclRedOp_t::ncclSum,
-            ReduceOp::Max => cudarc::nccl::sys::ncclRedOp_t::ncclMax,
-        } as c_int;
+        let red = nccl_op(op);
         let _calls = lock(&self.shared.calls);
         let comm = self.shared.comm("ncclAllReduce")?;
         let (ptr, _record) = buf.device_ptr_mut(&self.stream);
@@ -595,6 +592,44 @@ impl NcclComm {
                 count,
                 T::as_nccl_type() as c_int,
                 red,
+                comm,
+                self.stream.cu_stream() as *mut c_void,
+            )
+        };
+        self.lib.check("ncclAllReduce", code, Some(comm))
+    }
+
+    /// `ncclAllReduce` of `count` elements of `T` from `send` into `recv` (the same address
+    /// for in place), enqueued on [`NcclComm::stream`] with no cudarc event recorded or
+    /// waited on: the caller orders the stream with the buffers' other users (a gradient
+    /// bucket's sum is ordered by its byte ranges, [`crate::cuda::dist_grads`]).
+    ///
+    /// # Safety
+    /// `send` and `recv` each address `count` elements of `T` in device memory of the
+    /// communicator's context, the same address or ranges that do not overlap; the stream has
+    /// been ordered after every earlier write of `send` and use of `recv`; neither is freed,
+    /// nor `recv` used (or `send` written) on another stream, until that stream is ordered
+    /// after the collective.
+    pub(crate) unsafe fn all_reduce_raw<T: NcclType>(
+        &mut self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        op: ReduceOp,
+    ) -> Result<(), DistError> {
+        bind(&self.stream, "ncclAllReduce")?;
+        let _calls = lock(&self.shared.calls);
+        let comm = self.shared.comm("ncclAllReduce")?;
+        // SAFETY: the addresses and their ordering are the caller's contract; `comm` is live
+        // (calls are serialized; only an abort may end it meanwhile, which is what abort is
+        // for) and the context is current.
+        let code = unsafe {
+            (self.lib.all_reduce)(
+                send as *const c_void,
+                recv as *mut c_void,
+                count,
+                T::as_nccl_type() as c_int,
+                nccl_op(op),
                 comm,
                 self.stream.cu_stream() as *mut c_void,
             )
@@ -649,6 +684,14 @@ impl NcclComm {
             ),
         })
     }
+}
+
+/// NCCL's code for `op`.
+fn nccl_op(op: ReduceOp) -> c_int {
+    (match op {
+        ReduceOp::Sum => cudarc::nccl::sys::ncclRedOp_t::ncclSum,
+        ReduceOp::Max => cudarc::nccl::sys::ncclRedOp_t::ncclMax,
+    }) as c_int
 }
 
 /// Makes the stream's context current on this thread, as NCCL expects.
@@ -708,6 +751,17 @@ impl<T: NcclType> Collective<CudaViewMut<'_, T>> for NcclComm {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reduce_ops_map_to_ncclh_codes() {
+        // nccl.h: ncclSum = 0, ncclProd = 1, ncclMax = 2 (a one-rank group cannot tell them
+        // apart: every op of one rank is the identity).
+        assert_eq!(nccl_op(ReduceOp::Sum), 0);
+        assert_eq!(nccl_op(ReduceOp::Max), 2);
+        // And the element types a bucket's sum is told: ncclFloat16 = 6, ncclFloat32 = 7.
+        assert_eq!(<half::f16 as NcclType>::as_nccl_type() as c_int, 6);
+        assert_eq!(<f32 as NcclType>::as_nccl_type() as c_int, 7);
+    }
 
     #[test]
     fn version_codes_of_both_styles_give_the_major() {

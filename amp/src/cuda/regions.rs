@@ -4,10 +4,13 @@ use std::fmt;
 use std::sync::Arc;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr};
+use cudarc::driver::{
+    CudaEvent, CudaGraph, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
+};
 use half::f16;
 
 use crate::cuda::dev_range::{DevRange, DevRangeMut};
+use crate::cuda::dist_grads::{must_wait_for, op_ranges};
 use crate::cuda::head_kernels::FcParams;
 use crate::cuda::launch::AmpKernels;
 use crate::cuda::readback::Readback;
@@ -48,6 +51,20 @@ pub struct CudaRegions {
     /// The plan's tensor arena (a network's activations, gradients and statistics), when it
     /// has one.
     tensors: Option<CudaSlice<u8>>,
+    /// Collectives enqueued on another stream over byte ranges of these regions (a gradient
+    /// bucket's all-reduce), each with the event recorded after it, until
+    /// [`CudaRegions::join_collectives`]. They bypass cudarc's event tracking, which would
+    /// order every later use of the whole allocation after them: a use waits only for those
+    /// whose ranges it touches ([`must_wait_for`]).
+    in_flight: Vec<InFlight>,
+}
+
+/// A collective in flight on another stream: the region ranges it reads or writes, and the
+/// event recorded after it on that stream.
+#[derive(Debug)]
+struct InFlight {
+    ranges: Vec<(Region, ByteRange)>,
+    event: CudaEvent,
 }
 
 impl fmt::Debug for CudaRegions {
@@ -168,6 +185,7 @@ impl CudaRegions {
             regions,
             tensors,
             s_readback,
+            in_flight: Vec::new(),
         })
     }
 
@@ -196,6 +214,67 @@ impl CudaRegions {
     /// The plan, shared.
     pub fn plan_arc(&self) -> &Arc<MemoryPlan> {
         &self.plan
+    }
+
+    /// Records a collective enqueued on another stream over `ranges` of these regions (raw
+    /// addresses, outside cudarc's event tracking), finished at `event`: later uses of those
+    /// ranges through this executor wait for it, others do not.
+    pub(crate) fn note_collective(&mut self, ranges: Vec<(Region, ByteRange)>, event: CudaEvent) {
+        self.in_flight.push(InFlight { ranges, event });
+    }
+
+    /// How many collectives over these regions are in flight on another stream (noted by
+    /// [`crate::cuda::dist_grads::all_reduce_bucket`], until
+    /// [`CudaRegions::join_collectives`]).
+    pub fn collectives_in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Makes `stream` wait for the collectives in flight that touch bytes `range` of
+    /// `region`, and for no other: e.g. before binding one slot of G16 on the compute stream
+    /// while other buckets' all-reduces still run. [`CudaRegions::region_mut`] and its kin
+    /// hand out whole buffers without waiting: a caller that uses a range a collective is
+    /// still summing orders itself with this first.
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn order_after_collectives(
+        &self,
+        stream: &CudaStream,
+        region: Region,
+        range: ByteRange,
+    ) -> Result<(), AmpError> {
+        if self.in_flight.is_empty() {
+            return Ok(());
+        }
+        let ranges: Vec<Vec<(Region, ByteRange)>> =
+            self.in_flight.iter().map(|f| f.ranges.clone()).collect();
+        for i in must_wait_for(&ranges, region, range) {
+            stream.wait(&self.in_flight[i].event).map_err(|e| {
+                driver_error(format!("order a use of {region} after a collective"), e)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Orders this executor's stream after every collective in flight over its regions and
+    /// forgets them (the step's join point, before the amp step reads the gradients).
+    ///
+    /// # Errors
+    /// A driver error; the collectives stay noted then.
+    pub fn join_collectives(&mut self) -> Result<(), AmpError> {
+        for f in &self.in_flight {
+            self.stream
+                .wait(&f.event)
+                .map_err(|e| driver_error("order the step after the collectives", e))?;
+        }
+        self.in_flight.clear();
+        Ok(())
+    }
+
+    /// The device address of `region`'s first byte (for collectives that order themselves).
+    pub(crate) fn region_addr(&self, region: Region) -> Result<u64, AmpError> {
+        Ok(self.get(region)?.ptr)
     }
 
     fn get(&self, region: Region) -> Result<&DeviceRegion, AmpError> {
@@ -290,6 +369,7 @@ impl CudaRegions {
         bytes: &[u8],
     ) -> Result<(), AmpError> {
         let stream = self.stream.clone();
+        self.order_after_collectives(&stream, region, at)?;
         let buf = &mut self.get_mut(region)?.buf;
         let mut view = buf.slice_mut(at.start..at.end);
         stream
@@ -298,6 +378,7 @@ impl CudaRegions {
     }
 
     fn download_bytes(&self, region: Region, at: ByteRange) -> Result<Vec<u8>, AmpError> {
+        self.order_after_collectives(&self.stream, region, at)?;
         let view = self.get(region)?.buf.slice(at.start..at.end);
         self.stream
             .clone_dtoh(&view)
@@ -616,6 +697,16 @@ impl CudaRegions {
     }
 }
 
+impl Drop for CudaRegions {
+    fn drop(&mut self) {
+        // The buffers are freed on this stream: after the collectives still reading or
+        // writing them on another (their raw addresses are invisible to cudarc's tracking).
+        for f in &self.in_flight {
+            let _ = self.stream.wait(&f.event);
+        }
+    }
+}
+
 impl AmpExecutor for CudaRegions {
     type Graph = CudaStepGraph;
 
@@ -629,11 +720,17 @@ impl AmpExecutor for CudaRegions {
 
     fn run(&mut self, op: &RangeOp) -> Result<(), AmpError> {
         op.validate(&self.plan)?;
+        for (region, range) in op_ranges(op) {
+            self.order_after_collectives(&self.stream, region, range)?;
+        }
         self.launch(op)
     }
 
     fn capture(&mut self, ops: &[RangeOp]) -> Result<CudaStepGraph, AmpError> {
         validate_capture(&self.plan, ops)?;
+        // A graph's replays may touch any range: order after every collective before the
+        // capture (an event recorded outside a capture cannot be waited on inside it).
+        self.join_collectives()?;
         self.stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| driver_error("begin stream capture", e))?;
@@ -662,6 +759,8 @@ impl AmpExecutor for CudaRegions {
 
     fn replay(&mut self, graph: &CudaStepGraph) -> Result<(), AmpError> {
         check_graph_owner(graph.owner, self.id)?;
+        // As for capture: the replay may touch any range.
+        self.join_collectives()?;
         graph
             .graph
             .launch()

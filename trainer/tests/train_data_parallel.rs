@@ -1,5 +1,8 @@
 //! `train_cbr --ranks N [--sync-bn]` on the CPU executor: N ranks × batch B with synchronized
-//! BN train like one rank × N·B; bad data-parallel configurations are typed errors.
+//! BN train like one rank × N·B; bad data-parallel configurations are typed errors; a
+//! launched process that cannot join its group says why, quickly, with or without a GPU.
+//! (Named apart from the workspace's `tests/data_parallel.rs`: test binaries are collected
+//! into one folder by name.)
 
 use cudnn_cbr_trainer::{train, Device, FaultDrill, TrainConfig, TrainError, Trainer};
 
@@ -160,13 +163,29 @@ fn launched(env: &[(&str, &str)], args: &[&str]) -> (Option<i32>, String) {
 
 /// Under a launcher a process joins a group of GPUs; what cannot join says why (a typed
 /// error, exit 1), and a group of one is an ordinary run.
+///
+/// Rank 1 of 2 never has a rank 0 here. Where CUDA is usable it would reach the rendezvous
+/// and wait for rank 0 (five minutes): its rendezvous is a file that already holds something
+/// else, which a peer reads and refuses at once (a typed store error). So every case ends
+/// quickly on a machine with a GPU and on one without, and says why either way.
 #[test]
 fn a_launched_process_that_cannot_join_says_why() {
+    let dir = std::env::temp_dir().join(format!("train-dp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let rendezvous = dir.join("rendezvous");
+    std::fs::write(&rendezvous, b"not a rendezvous file of any rank 0").unwrap();
+    let rendezvous_s = rendezvous.to_str().unwrap().to_owned();
     let two = [
         ("RANK", "1"),
         ("WORLD_SIZE", "2"),
         ("MASTER_ADDR", "127.0.0.1"),
+        ("CUDNN_CBR_RENDEZVOUS_FILE", rendezvous_s.as_str()),
     ];
+    // Without CUDA the reason is CUDA's; with it, the refused rendezvous file.
+    let cannot_join = |text: &str| {
+        text.contains("CUDA") || (text.contains(&rendezvous_s) && text.contains("bad magic"))
+    };
+    let start = std::time::Instant::now();
     let (code, text) = launched(&two, &["--device", "cpu", "--steps", "1"]);
     assert_eq!(code, Some(1), "{text}");
     assert!(
@@ -176,21 +195,24 @@ fn a_launched_process_that_cannot_join_says_why() {
     let (code, text) = launched(&two, &["--ranks", "2", "--steps", "1"]);
     assert_eq!(code, Some(1), "{text}");
     assert!(text.contains("threads"), "{text}");
-    // No GPU here: CUDA is unavailable, and a launched rank must not fall back to training
-    // alone on the CPU.
+    // Whether CUDA is usable or not, a launched rank that cannot join must not fall back to
+    // training alone on the CPU.
     let (code, text) = launched(&two, &["--device", "auto", "--steps", "1"]);
     assert_eq!(code, Some(1), "{text}");
-    assert!(!text.contains("summary"), "{text}");
+    assert!(!text.contains("summary") && cannot_join(&text), "{text}");
+    // Without the loader path (on a machine whose driver is in a system folder CUDA may
+    // still load).
     let (code, text) = launched_with(&two, &["--device", "cuda", "--steps", "1"], false);
     assert_eq!(code, Some(1), "{text}");
-    assert!(
-        text.contains("CUDA") && !text.contains("panicked"),
-        "{text}"
-    );
+    assert!(cannot_join(&text) && !text.contains("panicked"), "{text}");
     let (code, text) = launched(&[("RANK", "x"), ("WORLD_SIZE", "2")], &["--steps", "1"]);
     assert_eq!(code, Some(1), "{text}");
     assert!(text.contains("RANK"), "{text}");
     let (code, text) = launched(&[("RANK", "0"), ("WORLD_SIZE", "1")], &["--steps", "2"]);
     assert_eq!(code, Some(0), "{text}");
     assert!(text.contains("summary"), "{text}");
+    // Planning and two steps take seconds; a rendezvous wait would take 300 s.
+    let took = start.elapsed();
+    assert!(took < std::time::Duration::from_secs(120), "took {took:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
