@@ -15,8 +15,8 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 archive=.gpu-bundle.tar.xz
-# The device tool carries the working tree plus carried paths up to 64 MiB; 48 MiB leaves room
-# for whatever else a session adds to its tree.
+# A GPU machine is sent the working tree plus the archive, 64 MiB at most (docs/gpu-check.md);
+# 48 MiB leaves room for whatever else travels with them.
 limit_mib=${GPU_CHECK_LIMIT_MIB:-48}
 
 # Bytes of what travels: tracked files and untracked ones git does not ignore, plus the archive.
@@ -37,12 +37,12 @@ check_size() {
   awk -v a="$a" -v t="$t" -v l="$limit_mib" -v n="$archive" 'BEGIN {
     printf "gpu-check size: %s %.1f MiB; with the tree that travels %.1f MiB (limit %d MiB)\n", n, a / 1048576, t / 1048576, l }'
   if [ "$t" -gt $(( limit_mib * 1048576 )) ]; then
-    echo "gpu-check size: FAIL: over the limit of $limit_mib MiB (the device tool carries 64 MiB)" >&2
+    echo "gpu-check size: FAIL: over the limit of $limit_mib MiB (the GPU machine is sent 64 MiB at most)" >&2
     return 1
   fi
 }
 
-# Checks $1 against the device tool's limits on what comes back: at most 8 files, 16 MiB each,
+# Checks $1 against the limits on what comes back from a GPU machine: at most 8 files, 16 MiB each,
 # 64 MiB in all, no more than 2 folders deep, names of letters, digits, '.', '_' and '-'.
 check_out() {
   python3 - "$1" <<'EOF'
@@ -52,7 +52,7 @@ bad, files, total = [], [], 0
 for d, dirs, names in os.walk(root):
     for n in dirs + names:
         if not re.fullmatch(r"[A-Za-z0-9._-]+", n):
-            bad.append(f"name {os.path.join(d, n)!r} has characters the device tool refuses")
+            bad.append(f"name {os.path.join(d, n)!r} has characters that do not come back")
     for n in names:
         p = os.path.join(d, n)
         rel = os.path.relpath(p, root)
@@ -67,7 +67,7 @@ for d, dirs, names in os.walk(root):
         if size > 16 << 20:
             bad.append(f"{rel} is {size} bytes, over 16 MiB")
 if len(files) > 8:
-    bad.append(f"{len(files)} files, the device tool brings back 8: {sorted(files)}")
+    bad.append(f"{len(files)} files, only 8 come back: {sorted(files)}")
 if total > 64 << 20:
     bad.append(f"{total} bytes in all, over 64 MiB")
 for b in bad:
@@ -132,7 +132,7 @@ judge() { # rc log name seconds: writes the stage's line; sets $verdict
 stage() {
   local name=$1 need=$2 max=$3 rc s; shift 3
   if [ "$(left)" -lt $(( need + 5 )) ]; then
-    line "NOT RUN" 0 "$name" "needs ~$need s, $(left) s of the budget left"; status=1; return 0
+    line "NOT RUN" 0 "$name" "needs ~$need s, $(left) s of the budget left"; not_run=$((not_run + 1)); return 0
   fi
   s=$(date +%s); rc=0
   timeout -k 5 "$(cap "$max")" "$@" >"$logs/$name.log" 2>&1 || rc=$?
@@ -146,7 +146,7 @@ rerun_failed() {
   local f name cmd tests rc s
   for f in "${failed[@]+"${failed[@]}"}"; do
     name=${f%%|*}; cmd=${f#*|}
-    if [ "$(left)" -lt 20 ]; then line "NOT RUN" 0 "rerun-$name" "$(left) s of the budget left"; continue; fi
+    if [ "$(left)" -lt 20 ]; then line "NOT RUN" 0 "rerun-$name" "$(left) s of the budget left"; not_run=$((not_run + 1)); continue; fi
     tests=$(sed -n 's/^test \(.*\) \.\.\. FAILED$/\1/p' "$logs/$name.log" | tr '\n' ' ')
     s=$(date +%s); rc=0
     # (cmd is the stage's command, quoted by printf %q; test names are Rust paths.)
@@ -185,7 +185,7 @@ for _ in range(40):
               tar.addfile(info, io.BytesIO(data))
           else:
               tar.add(p, arcname=arc)
-  # The device tool brings back files of 16 MiB at most: halve the largest log until it fits.
+  # Files of 16 MiB at most come back: halve the largest log until it fits.
   if buf.tell() <= 15 << 20 or not members:
       break
   big = max(members, key=lambda p: cut.get(p, os.path.getsize(p) // 2))
@@ -266,7 +266,7 @@ run)
   out=$(cd "$out" && pwd)
   summary=$out/summary.txt
   # The summary is the first file written, and grows line by line: a run cut short by the
-  # device tool's limit still brings back every stage that finished.
+  # time limit still brings back every stage that finished.
   : >"$summary"
   logs=target/gpu-check-logs
   rm -rf "$logs" target/plan-cache target/plan-cache-deviceless && mkdir -p "$logs"
@@ -328,7 +328,7 @@ run)
     "$py" -m pip list 2>/dev/null | grep -Ei '^(torch|nvidia-)' || true
   } >"$logs/machine.log" 2>&1
 
-  status=0
+  status=0 not_run=0
   failed=()   # stages to rerun with cuDNN's log: "name|command"
   commit=$(sed -n 's/^commit //p' "$bin/MANIFEST")
   say "gpu-check run $(date -u +%Y-%m-%dT%H:%M:%SZ), bundle of commit $commit, budget $budget s${rehearsal:+, rehearsal without a GPU}"
@@ -453,7 +453,7 @@ EOF
     if [ -z "$sanitizer" ]; then
       line SKIP 0 "memcheck-$t" "compute-sanitizer not found"; continue
     fi
-    stage "memcheck-$t" 20 90 "$sanitizer" --tool memcheck --error-exitcode 86 --print-limit 20 \
+    stage "memcheck-$t" 20 60 "$sanitizer" --tool memcheck --error-exitcode 86 --print-limit 20 \
       "$bin/$t" --nocapture --test-threads=1
   done
   failed=() # a memcheck failure is its own report; rerunning it with cuDNN's log adds nothing
@@ -480,13 +480,16 @@ EOF
   fi
   rerun_failed
 
-  # The summary says what came back; the files are checked against the device tool's limits.
+  # The summary says what came back; the files are checked against the limits on what comes back.
   pack
   cp "$summary" "$logs/summary.txt"
   pack
   oc=$(check_out "$out") || status=1
   if [ -n "$oc" ]; then echo "$oc" | tee -a "$summary"; fi
-  say "done in $(( $(date +%s) - t0 )) s, status $status; files: $(cd "$out" && find . -type f | sed 's|^\./||' | sort | tr '\n' ' ')"
+  # Exit 0: every stage ran and none failed; 1: something failed; 3: nothing failed, but the
+  # budget left stages NOT RUN (raise GPU_CHECK_BUDGET_S).
+  if [ "$status" = 0 ] && [ "$not_run" -gt 0 ]; then status=3; fi
+  say "done in $(( $(date +%s) - t0 )) s, status $status, $not_run NOT RUN; files: $(cd "$out" && find . -type f | sed 's|^\./||' | sort | tr '\n' ' ')"
   exit $status
   ;;
 
@@ -495,7 +498,7 @@ selftest)
   # machine would judge them (a rehearsal cannot reach those branches). No bundle needed.
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' EXIT
-  summary=$tmp/summary.txt logs=$tmp/logs out=$tmp/out py=python3 rehearsal="" status=0
+  summary=$tmp/summary.txt logs=$tmp/logs out=$tmp/out py=python3 rehearsal="" status=0 not_run=0
   failed=() t0=$(date +%s) budget=120
   mkdir -p "$logs" "$out"
   : >"$summary"
@@ -533,6 +536,7 @@ selftest)
     echo "SELFTEST FAILED: the rerun's arguments were: $(tail -1 "$tmp/args")"; errors=$((errors + 1))
   fi
   [ "$status" = 1 ] || { echo "SELFTEST FAILED: status $status after failures"; errors=$((errors + 1)); }
+  [ "$not_run" = 1 ] || { echo "SELFTEST FAILED: $not_run stages NOT RUN, not 1"; errors=$((errors + 1)); }
   # In a rehearsal, a failure for want of a device is a SKIP; a panic stays a failure.
   rehearsal=1
   stage r-nodev 1 10 sh -c 'echo "train_cbr: no usable CUDA device: CUDA_ERROR_NO_DEVICE"; exit 1'
@@ -575,7 +579,7 @@ rehearse)
   check_size
   copy=$(mktemp -d)
   trap 'rm -rf "$copy"' EXIT
-  # What the device tool carries: tracked files and untracked ones git does not ignore.
+  # What travels to a GPU machine: tracked files and untracked ones git does not ignore.
   if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
     git ls-files -z --cached --others --exclude-standard \
       | while IFS= read -r -d '' f; do if [ -e "$f" ]; then printf '%s\0' "$f"; fi; done \
@@ -592,14 +596,16 @@ rehearse)
   echo
   echo "== rehearsal: $(( $(date +%s) - started )) s; run exited $rc; files in $out:"
   (cd "$out" && find . -type f -printf '%P %s bytes\n' | sort)
-  check_out "$out"
-  python3 - "$out" "$rc" "$out.MANIFEST" <<'EOF'
+  outcheck=0
+  check_out "$out" || outcheck=1
+  python3 - "$out" "$rc" "$out.MANIFEST" "$outcheck" <<'EOF'
 import os, re, sys, tarfile
 out, rc, manifest = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 errors = []
 def expect(ok, what):
     if not ok:
         errors.append(what)
+expect(sys.argv[4] == "0", "the files in $OUT break the limits on what comes back (above)")
 files = sorted(os.listdir(out))
 expect("summary.txt" in files, "no summary.txt")
 lines = open(os.path.join(out, "summary.txt")).read().splitlines()
@@ -628,7 +634,7 @@ for b in bundled:
 for n in ("test-gpu_own_kernels", "bench-cbr_layers", "example-train_cbr"):
     expect(n in bundled, f"{n} is not in the bundle")
 done = [l for l in lines if l.startswith("done in ")]
-expect(done and ", status 0;" in done[-1], f"the run's status is not 0: {done}")
+expect(done and ", status 0, 0 NOT RUN;" in done[-1], f"the run's status is not 0: {done}")
 expect(rc == 0, f"the run exited {rc}")
 expect("logs.tar.gz" in files, "no logs.tar.gz")
 if "logs.tar.gz" in files:
