@@ -93,11 +93,11 @@ first_lines() { # log: the failure's first lines, else the log's last ones
 }
 # Why a stage skipped or failed: want of a device (fine in a rehearsal, a failure on the GPU
 # machine), a test a single GPU cannot run (fine on either), or anything else (a failure).
-no_device='no CUDA device|no usable CUDA device|CUDA_ERROR_NO_DEVICE|no CUDA-capable device|PyTorch is not installed|no CUDA GPU|custom_trainer: no GPU \(|no device machine|stand-in'
+no_device='no CUDA device|no usable CUDA device|CUDA_ERROR_NO_DEVICE|no CUDA-capable device|PyTorch is not installed|no CUDA GPU|custom_trainer: no GPU \(|no-driver stand-in'
 one_gpu='one GPU|single GPU|second GPU|[0-9]+ GPUs|two GPUs|more than one'
 expected_skip='this machine has CUDA device|CUDA is usable here'
-judge() { # rc log name seconds: writes the stage's line; sets $verdict
-  local rc=$1 log=$2 name=$3 secs=$4 skips nodev other
+judge() { # rc log name seconds [limit note]: writes the stage's line; sets $verdict
+  local rc=$1 log=$2 name=$3 secs=$4 note=${5:-} skips nodev other
   skips=$(grep -E '(^|\.\.\. )SKIP ' "$log" | grep -Ev "$expected_skip" | sed 's/^test .* \.\.\. //' || true)
   nodev=$(grep -Em1 "$no_device" "$log" | sed 's/^test .* \.\.\. //' | cut -c1-140 || true)
   if [ -n "$rehearsal" ]; then
@@ -106,7 +106,7 @@ judge() { # rc log name seconds: writes the stage's line; sets $verdict
     other=$(echo "$skips" | grep -Ev "$one_gpu" | grep . || true)
   fi
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
-    verdict=FAIL; line FAIL "$secs" "$name" "timed out after $secs s"; first_lines "$log"
+    verdict=FAIL; line FAIL "$secs" "$name" "timed out after $secs s$note"; first_lines "$log"
   elif [ -n "$rehearsal" ] && [ "$rc" != 0 ] && [ -n "$nodev" ] && [ -z "$other" ] \
        && ! grep -q 'panicked' "$log"; then
     verdict=SKIP; line SKIP "$secs" "$name" "no device: $nodev"
@@ -130,13 +130,14 @@ judge() { # rc log name seconds: writes the stage's line; sets $verdict
 # One that would start with less than needs_s of the budget left is NOT RUN, by name, so a
 # run cut short still brings back what matters most.
 stage() {
-  local name=$1 need=$2 max=$3 rc s; shift 3
+  local name=$1 need=$2 max=$3 rc s lim note=""; shift 3
   if [ "$(left)" -lt $(( need + 5 )) ]; then
     line "NOT RUN" 0 "$name" "needs ~$need s, $(left) s of the budget left"; not_run=$((not_run + 1)); return 0
   fi
-  s=$(date +%s); rc=0
-  timeout -k 5 "$(cap "$max")" "$@" >"$logs/$name.log" 2>&1 || rc=$?
-  judge "$rc" "$logs/$name.log" "$name" $(( $(date +%s) - s ))
+  s=$(date +%s); rc=0 lim=$(cap "$max")
+  [ "$lim" -ge "$max" ] || note=", its limit of $max s cut to $lim s by the budget"
+  timeout -k 5 "$lim" "$@" >"$logs/$name.log" 2>&1 || rc=$?
+  judge "$rc" "$logs/$name.log" "$name" $(( $(date +%s) - s )) "$note"
   if [ "$rc" != 0 ] && [ "$rc" != 124 ] && [ "$rc" != 137 ]; then failed+=("$name|$(printf '%q ' "$@")"); fi
   pack
 }
@@ -194,6 +195,103 @@ with open(dest + ".tmp", "wb") as f:
   f.write(buf.getvalue())
 os.replace(dest + ".tmp", dest)
 EOF
+}
+
+# The versions found, against what the bundle needs: cuDNN's minimum is the loader's ($1,
+# cudnn-fe-sys/src/loader.rs), the driver's and NVRTC's the CUDA version cudarc binds ($2,
+# Cargo.toml's cuda-NNNNN feature). Writes $logs/versions.log, the summary's lines, and sets
+# cudnn_version.
+versions_stage() {
+  local s rc=0
+  s=$(date +%s)
+  "$py" - "$1" "$2" >"$logs/versions.log" 2>&1 <<'EOF' || rc=$?
+import ctypes, os, re, subprocess, sys
+fails, nodev, parts = [], [], []
+def const(name):
+    m = re.search(rf"pub const {name}: usize = ([0-9_]+);", open(sys.argv[1]).read())
+    if not m:
+        sys.exit(f"FAIL cannot read {name} from {sys.argv[1]}")
+    return int(m.group(1).replace("_", ""))
+def dotted(v, base=100):
+    return f"{v // (base * base)}.{v // base % base}.{v % base}"
+need, deviceless = const("MIN_VERSION"), const("DEVICELESS_MIN_VERSION")
+cuda = int(re.search(r'"cuda-(\d+)"', open(sys.argv[2]).read()).group(1))
+def load(names):
+    for n in names:
+        try:
+            return ctypes.CDLL(n), n
+        except OSError:
+            pass
+    return None, None
+d = os.environ.get("CUDNN_LIB_DIR")
+lib, path = load(([os.path.join(d, "libcudnn.so.9")] if d else []) + ["libcudnn.so.9"])
+if lib:
+    lib.cudnnGetVersion.restype = ctypes.c_size_t
+    v = lib.cudnnGetVersion()
+    parts.append(f"cuDNN {dotted(v)} ({path})")
+    if v < need:
+        fails.append(f"cuDNN {dotted(v)} at {path} is older than {dotted(need)}, the oldest our graphs need (MIN_VERSION, {sys.argv[1]})")
+    elif v < deviceless:
+        parts.append(f"deviceless planning needs {dotted(deviceless)}")
+    print(f"cudnn_version {v}")
+else:
+    parts.append("cuDNN not found")
+    fails.append(f"no libcudnn.so.9 (CUDNN_LIB_DIR={d})")
+lib, path = load(["libnvrtc.so.13", "libnvrtc.so"])
+if lib:
+    a, b = ctypes.c_int(), ctypes.c_int()
+    lib.nvrtcVersion(ctypes.byref(a), ctypes.byref(b))
+    parts.append(f"NVRTC {a.value}.{b.value}")
+    if a.value * 1000 + b.value * 10 < cuda:
+        fails.append(f"NVRTC {a.value}.{b.value} is older than CUDA {cuda // 1000}.{cuda % 1000 // 10}, which the bundle binds (Cargo.toml)")
+else:
+    parts.append("NVRTC not found"); fails.append("no libnvrtc.so.13 on the loader path")
+lib, path = load(["libnccl.so.2", "libnccl.so"])
+if lib:
+    v = ctypes.c_int(); lib.ncclGetVersion(ctypes.byref(v))
+    parts.append(f"NCCL {v.value // 10000}.{v.value // 100 % 100}.{v.value % 100}")
+else:
+    parts.append("NCCL not found")
+lib, path = load(["libcuda.so.1"])
+v = ctypes.c_int()
+if lib and lib.cuDriverGetVersion(ctypes.byref(v)) == 0 and v.value > 0:
+    drv = ""
+    try:
+        drv = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip().replace("\n", "; ")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    parts.append(f"driver CUDA {v.value // 1000}.{v.value % 1000 // 10} ({drv or 'nvidia-smi gave nothing'})")
+    if v.value < cuda:
+        fails.append(f"the driver supports CUDA {v.value // 1000}.{v.value % 1000 // 10}, older than CUDA {cuda // 1000}.{cuda % 1000 // 10}, which the bundle binds (Cargo.toml)")
+else:
+    parts.append("no driver"); nodev.append("no usable CUDA driver (libcuda.so.1)")
+try:
+    from importlib.metadata import version, PackageNotFoundError
+    try:
+        parts.append(f"torch {version('torch')}")
+    except PackageNotFoundError:
+        parts.append("torch not installed")
+except ImportError:
+    pass
+print("versions: " + " | ".join(parts))
+for f in fails: print("FAIL " + f)
+for n in nodev: print("NODEVICE " + n)
+EOF
+  grep '^versions: ' "$logs/versions.log" | tee -a "$summary" || true
+  if [ "$rc" != 0 ] || grep -q '^FAIL ' "$logs/versions.log"; then
+    status=1; line FAIL $(( $(date +%s) - s )) versions "$(grep -m1 '^FAIL ' "$logs/versions.log" | cut -c6- || true)"
+    grep '^FAIL ' "$logs/versions.log" | tail -n +2 | cut -c6- | sed 's/^/        | /' | tee -a "$summary" || true
+  elif grep -q '^NODEVICE ' "$logs/versions.log"; then
+    if [ -n "$rehearsal" ]; then
+      line SKIP $(( $(date +%s) - s )) versions "no device: $(grep -m1 '^NODEVICE ' "$logs/versions.log" | cut -c10-)"
+    else
+      status=1; line FAIL $(( $(date +%s) - s )) versions "$(grep -m1 '^NODEVICE ' "$logs/versions.log" | cut -c10-)"
+    fi
+  else
+    line PASS $(( $(date +%s) - s )) versions
+  fi
+  cudnn_version=$(sed -n 's/^cudnn_version //p' "$logs/versions.log")
 }
 
 case "${1:-}" in
@@ -334,99 +432,8 @@ run)
   say "gpu-check run $(date -u +%Y-%m-%dT%H:%M:%SZ), bundle of commit $commit, budget $budget s${rehearsal:+, rehearsal without a GPU}"
 
 
-  # 1. The versions found, against what the bundle needs: cuDNN's minimum is the loader's
-  # (cudnn-fe-sys/src/loader.rs), the driver's and NVRTC's the CUDA version cudarc binds
-  # (Cargo.toml's cuda-NNNNN feature).
-  s=$(date +%s); rc=0
-  "$py" - >"$logs/versions.log" 2>&1 <<'EOF' || rc=$?
-import ctypes, os, re, subprocess, sys
-fails, nodev, parts = [], [], []
-def const(name):
-    m = re.search(rf"pub const {name}: usize = ([0-9_]+);", open("cudnn-fe-sys/src/loader.rs").read())
-    if not m:
-        sys.exit(f"FAIL cannot read {name} from cudnn-fe-sys/src/loader.rs")
-    return int(m.group(1).replace("_", ""))
-def dotted(v, base=100):
-    return f"{v // (base * base)}.{v // base % base}.{v % base}"
-need, deviceless = const("MIN_VERSION"), const("DEVICELESS_MIN_VERSION")
-cuda = int(re.search(r'"cuda-(\d+)"', open("Cargo.toml").read()).group(1))
-def load(names):
-    for n in names:
-        try:
-            return ctypes.CDLL(n), n
-        except OSError:
-            pass
-    return None, None
-d = os.environ.get("CUDNN_LIB_DIR")
-lib, path = load(([os.path.join(d, "libcudnn.so.9")] if d else []) + ["libcudnn.so.9"])
-if lib:
-    lib.cudnnGetVersion.restype = ctypes.c_size_t
-    v = lib.cudnnGetVersion()
-    parts.append(f"cuDNN {dotted(v)} ({path})")
-    if v < need:
-        fails.append(f"cuDNN {dotted(v)} at {path} is older than {dotted(need)}, the oldest our graphs need (MIN_VERSION, cudnn-fe-sys/src/loader.rs)")
-    elif v < deviceless:
-        parts.append(f"deviceless planning needs {dotted(deviceless)}")
-    print(f"cudnn_version {v}")
-else:
-    parts.append("cuDNN not found")
-    fails.append(f"no libcudnn.so.9 (CUDNN_LIB_DIR={d})")
-lib, path = load(["libnvrtc.so.13", "libnvrtc.so"])
-if lib:
-    a, b = ctypes.c_int(), ctypes.c_int()
-    lib.nvrtcVersion(ctypes.byref(a), ctypes.byref(b))
-    parts.append(f"NVRTC {a.value}.{b.value}")
-    if a.value * 1000 + b.value * 10 < cuda:
-        fails.append(f"NVRTC {a.value}.{b.value} is older than CUDA {cuda // 1000}.{cuda % 1000 // 10}, which the bundle binds (Cargo.toml)")
-else:
-    parts.append("NVRTC not found"); fails.append("no libnvrtc.so.13 on the loader path")
-lib, path = load(["libnccl.so.2", "libnccl.so"])
-if lib:
-    v = ctypes.c_int(); lib.ncclGetVersion(ctypes.byref(v))
-    parts.append(f"NCCL {v.value // 10000}.{v.value // 100 % 100}.{v.value % 100}")
-else:
-    parts.append("NCCL not found")
-lib, path = load(["libcuda.so.1"])
-v = ctypes.c_int()
-if lib and lib.cuDriverGetVersion(ctypes.byref(v)) == 0 and v.value > 0:
-    drv = ""
-    try:
-        drv = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20).stdout.strip().replace("\n", "; ")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    parts.append(f"driver CUDA {v.value // 1000}.{v.value % 1000 // 10} ({drv or 'nvidia-smi gave nothing'})")
-    if v.value < cuda:
-        fails.append(f"the driver supports CUDA {v.value // 1000}.{v.value % 1000 // 10}, older than CUDA {cuda // 1000}.{cuda % 1000 // 10}, which the bundle binds (Cargo.toml)")
-else:
-    parts.append("no driver"); nodev.append("no usable CUDA driver (libcuda.so.1)")
-try:
-    from importlib.metadata import version, PackageNotFoundError
-    try:
-        parts.append(f"torch {version('torch')}")
-    except PackageNotFoundError:
-        parts.append("torch not installed")
-except ImportError:
-    pass
-print("versions: " + " | ".join(parts))
-for f in fails: print("FAIL " + f)
-for n in nodev: print("NODEVICE " + n)
-EOF
-  grep '^versions: ' "$logs/versions.log" | tee -a "$summary" || true
-  if [ "$rc" != 0 ] || grep -q '^FAIL ' "$logs/versions.log"; then
-    status=1; line FAIL $(( $(date +%s) - s )) versions "$(grep -m1 '^FAIL ' "$logs/versions.log" | cut -c6- || true)"
-    grep '^FAIL ' "$logs/versions.log" | tail -n +2 | cut -c6- | sed 's/^/        | /' | tee -a "$summary" || true
-  elif grep -q '^NODEVICE ' "$logs/versions.log"; then
-    if [ -n "$rehearsal" ]; then
-      line SKIP $(( $(date +%s) - s )) versions "no device: $(grep -m1 '^NODEVICE ' "$logs/versions.log" | cut -c10-)"
-    else
-      status=1; line FAIL $(( $(date +%s) - s )) versions "$(grep -m1 '^NODEVICE ' "$logs/versions.log" | cut -c10-)"
-    fi
-  else
-    line PASS $(( $(date +%s) - s )) versions
-  fi
-  cudnn_version=$(sed -n 's/^cudnn_version //p' "$logs/versions.log")
-
+  # 1. The versions found, against what the bundle needs.
+  versions_stage cudnn-fe-sys/src/loader.rs Cargo.toml
   # 2. The device's properties (the one file besides the summary and the logs).
   stage device_props 5 60 "$bin/example-device_props" "$out/device-props.json" \
     tests/fixtures/devprops/h200-sm90.json
@@ -514,6 +521,9 @@ selftest)
   stage panic 1 10 sh -c 'echo "thread main panicked at src/x.rs:1:2: boom"; exit 101'
   stage slow 1 1 sh -c 'sleep 10'
   stage late 1000 10 true
+  budget=$(( $(date +%s) - t0 + 8 )) # 8 s left: a 60 s stage gets 3
+  stage cut 1 60 sh -c 'sleep 10'
+  budget=120
   # A test binary whose tests a and b fail: the rerun must name them and carry cuDNN's log.
   printf '#!/bin/sh\necho "$* | $CUDNN_LOGLEVEL_DBG $CUDNN_LOGDEST_DBG" >>%s/args\n%s\n' "$tmp" \
     'echo "test a ... FAILED"; echo "test b ... FAILED"; echo "test c ... ok"; exit 101' >"$tmp/fake"
@@ -527,6 +537,7 @@ selftest)
   expect "a CPU fallback fails on the GPU machine" '^FAIL +[0-9]+ s  fallback  \(no device on the GPU machine'
   expect "a panic fails with its first lines" '^        \| thread main panicked at src/x.rs'
   expect "a stage past its time fails" '^FAIL +[0-9]+ s  slow  \(timed out'
+  expect "a stage the budget cuts short says so" '^FAIL +[0-9]+ s  cut  \(timed out after [0-9]+ s, its limit of 60 s cut to 3 s by the budget\)'
   expect "a stage past the budget is NOT RUN" '^NOT RUN +0 s  late  \(needs ~1000 s'
   expect "a failing stage reruns" '^FAIL +[0-9]+ s  rerun-tests'
   expect "a rerun runs the same command" '^FAIL +[0-9]+ s  rerun-panic  \(exit 101\)'
@@ -543,6 +554,15 @@ selftest)
   stage r-panic 1 10 sh -c 'echo "no CUDA device"; echo "thread main panicked at x"; exit 101'
   expect "a rehearsal skips for want of a device" '^SKIP +[0-9]+ s  r-nodev  \(no device: '
   expect "a rehearsal still fails a panic" '^FAIL +[0-9]+ s  r-panic  \(exit 101\)'
+  # The versions: a cuDNN older than the loader's minimum fails with one line naming both; a
+  # loader whose minimum cannot be read fails too. (Needs cuDNN: source .deps/env.sh, as the test
+  # command does.)
+  printf 'pub const MIN_VERSION: usize = 99_00_00;\npub const DEVICELESS_MIN_VERSION: usize = 99_08_00;\n' >"$tmp/old.rs"
+  versions_stage "$tmp/old.rs" Cargo.toml
+  expect "a cuDNN older than the minimum fails, naming both" '^FAIL +[0-9]+ s  versions  \(cuDNN [0-9.]+ at .* is older than 99\.0\.0, the oldest'
+  : >"$tmp/none.rs"
+  versions_stage "$tmp/none.rs" Cargo.toml
+  expect "an unreadable minimum fails" '^FAIL +[0-9]+ s  versions  \(cannot read MIN_VERSION'
   # A log too big to come back is cut to fit; the archive stays one file under 16 MiB.
   head -c $((40 << 20)) /dev/urandom >"$logs/huge.cudnn.log"
   pack
