@@ -559,6 +559,10 @@ selftest)
   # command does.)
   printf 'pub const MIN_VERSION: usize = 99_00_00;\npub const DEVICELESS_MIN_VERSION: usize = 99_08_00;\n' >"$tmp/old.rs"
   versions_stage "$tmp/old.rs" Cargo.toml
+  if grep -q '^versions: cuDNN not found' "$logs/versions.log"; then
+    echo "SELFTEST FAILED: no cuDNN to check the versions stage with (source .deps/env.sh first)"
+    errors=$((errors + 1))
+  fi
   expect "a cuDNN older than the minimum fails, naming both" '^FAIL +[0-9]+ s  versions  \(cuDNN [0-9.]+ at .* is older than 99\.0\.0, the oldest'
   : >"$tmp/none.rs"
   versions_stage "$tmp/none.rs" Cargo.toml
