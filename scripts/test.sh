@@ -47,19 +47,22 @@ cargo clippy --release --workspace --all-targets --locked -- -D warnings
 step "bindings reproduce byte for byte"
 cargo xtask gen-bindings --check
 
-step "GPU-check scripts: syntax, and their no-GPU paths"
+step "GPU-check scripts: syntax, the run's verdicts on made-up stages, and their no-GPU paths"
 bash -n scripts/gpu-check.sh
+./scripts/gpu-check.sh selftest
 python3 -m py_compile benches/torch_cbr.py
 python3 benches/torch_cbr.py --out target/bench
 python3 -m py_compile benches/torch_cpu.py
 python3 benches/torch_cpu.py
 
 if [ -n "${CI:-}" ]; then
-  # The CPU half of the GPU check: release-build and bundle every binary a GPU machine runs
-  # (about 4 minutes on 2 cores; skipped outside CI to keep local runs quick).
-  step "gpu-check bundle (release build of every test, bench and example)"
+  # The CPU half of the GPU check (docs/gpu-check.md): release-build the workspace and pack the
+  # binaries a GPU machine runs into one archive (skipped outside CI to keep local runs quick).
+  step "gpu-check bundle (release build of the workspace; the GPU binaries in one archive)"
   ./scripts/gpu-check.sh bundle
-  step "gpu-check rehearsal (its run half without a GPU, from a copy elsewhere)"
+  step "gpu-check size (the archive and the tree that travel, against the limit)"
+  ./scripts/gpu-check.sh size
+  step "gpu-check rehearsal (its run half without a GPU, from a copy elsewhere, then assertions)"
   ./scripts/gpu-check.sh rehearse
 fi
 
