@@ -1,0 +1,304 @@
+//! The graph interpreter (`fusion::interp`) against the CPU executor, step by step: every
+//! graph of every route (fused, unfused, generic) of a stem + bottleneck-like layer chain,
+//! two training steps, each step's graph run by the interpreter on the inputs the CPU
+//! executor's step saw, every output compared with what the CPU executor wrote. A graph with
+//! two tensors swapped is caught as a mismatch; bad bindings give typed errors.
+
+use cudnn_cbr_fusion::cbr::graphs::{self, ApplyResidual, BackwardResidual};
+use cudnn_cbr_fusion::cbr::{
+    route_graphs, CbrConfig, CbrLayer, ConvShape, GraphRole, HostBuffer, HostBuffers,
+    LayerGraph, Pass, RouteKind, Src,
+};
+use cudnn_cbr_fusion::exec::Scalar;
+use cudnn_cbr_fusion::graph::{DataType, Graph, TensorId};
+use cudnn_cbr_fusion::interp::{execute_host, HostMemory, InterpError, Options, VariantPack};
+use cudnn_cbr_fusion::lower::real_tensor_layout;
+use half::f16;
+use std::collections::HashSet;
+
+/// splitmix64 mapped to `[-1, 1)`.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// The layer chain: a stem (3 input channels), a bottleneck-like 1×1 → 3×3/2 → 1×1 with a
+/// dual scale-bias residual at its output, then a block reading a stored activation whose BN
+/// is a projection shortcut, and a layer joining a shortcut gradient (FuseAdd) with an
+/// identity-residual output. N = 2, 8×8 in.
+fn chain() -> Vec<CbrConfig> {
+    let sq = ConvShape::square;
+    vec![
+        CbrConfig::first(sq(2, 3, 8, 16, 3, 1, 1)),
+        CbrConfig::new(sq(2, 16, 8, 8, 1, 0, 1)),
+        CbrConfig::new(sq(2, 8, 8, 8, 3, 1, 2)),
+        CbrConfig::new(sq(2, 8, 4, 32, 1, 0, 1)).with_apply(ApplyResidual::DualScaleBias),
+        CbrConfig::after_activation(sq(2, 32, 4, 16, 1, 0, 1)).with_shortcut_bn(),
+        CbrConfig::new(sq(2, 16, 4, 16, 3, 1, 1))
+            .with_backward_residual(BackwardResidual::FuseAdd)
+            .with_apply(ApplyResidual::Add),
+    ]
+}
+
+/// Every buffer of a layer filled: FP16 data in [-1, 1) (filters scaled by 1/√fan-in), FP32
+/// statistics and parameters in ranges they can take (positive variances and inverse stds).
+fn fill(layer: &CbrLayer, rng: &mut Rng) -> HostBuffers {
+    let mut b = HostBuffers::zeros(layer.buffers());
+    let s = layer.config().shape;
+    let fan_in = (s.c * s.r * s.s) as f32;
+    let names: Vec<(&'static str, usize, DataType)> = layer
+        .buffers()
+        .iter()
+        .map(|spec| (spec.name, spec.elems, spec.dtype))
+        .collect();
+    for (name, n, dtype) in names {
+        let (base, spread) = match name {
+            "gamma" | "running_var" | "saved_inv_std" | "residual_scale" => (1.0, 0.3),
+            "w" => (0.0, 1.0 / fan_in.sqrt()),
+            _ => (0.0, 1.0),
+        };
+        let v: Vec<f32> = (0..n).map(|_| base + spread * rng.next()).collect();
+        b.set(
+            name,
+            match dtype {
+                DataType::Half => HostBuffer::F16(v.iter().map(|&x| f16::from_f32(x)).collect()),
+                _ => HostBuffer::F32(v),
+            },
+        );
+    }
+    b
+}
+
+fn bytes_of(b: &HostBuffer) -> Vec<u8> {
+    match b {
+        HostBuffer::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        HostBuffer::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+
+fn values_of(dtype: DataType, bytes: &[u8]) -> Vec<f32> {
+    match dtype {
+        DataType::Half => bytes
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        _ => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+    }
+}
+
+/// The real tensors a graph's nodes write.
+fn outputs(graph: &Graph) -> HashSet<TensorId> {
+    let ids: HashSet<TensorId> = graph.nodes().iter().flat_map(|n| n.outputs()).collect();
+    ids.into_iter()
+        .filter(|t| graph.get(*t).is_some_and(|a| !a.is_virtual))
+        .collect()
+}
+
+/// Runs one graph in the interpreter with each input binding's buffer from `input`; returns
+/// each output binding with its values (and checks that no input's bytes changed).
+fn interpret<'a>(
+    lg: &LayerGraph,
+    bindings: &[(TensorId, Src)],
+    input: impl Fn(Src) -> &'a HostBuffer,
+) -> Result<Vec<(Src, DataType, Vec<f32>)>, InterpError> {
+    let layout = real_tensor_layout(&lg.graph);
+    let outs = outputs(&lg.graph);
+    let mut mem = HostMemory::new();
+    let (mut pointers, mut scalars, mut placed) = (vec![], vec![], vec![]);
+    for (t, src) in bindings {
+        let r = layout.iter().find(|r| r.id == *t).expect("bound tensors are real");
+        if let Src::Scalar(s) = src {
+            scalars.push((r.uid, *s));
+            continue;
+        }
+        let addr = if outs.contains(t) {
+            // NaN bytes: an element the interpreter fails to write shows up.
+            mem.alloc_from(&vec![0xff; r.bytes])
+        } else {
+            let bytes = bytes_of(input(*src));
+            assert_eq!(bytes.len(), r.bytes, "{}: `{}` size", lg.graph.name(), r.name);
+            mem.alloc_from(&bytes)
+        };
+        pointers.push((r.uid, addr));
+        placed.push((*t, *src, r.dtype, r.bytes, addr));
+    }
+    let before: Vec<_> = placed
+        .iter()
+        .map(|p| mem.read_bytes(p.4, p.3).unwrap())
+        .collect();
+    let pack = VariantPack {
+        pointers: &pointers,
+        scalars: &scalars,
+    };
+    execute_host(&lg.graph, &pack, &mut mem, &Options::default())?;
+    let mut out = vec![];
+    for (p, was) in placed.iter().zip(before) {
+        let now = mem.read_bytes(p.4, p.3).unwrap();
+        if outs.contains(&p.0) {
+            out.push((p.1, p.2, values_of(p.2, &now)));
+        } else {
+            assert_eq!(now, was, "{}: an input changed", lg.graph.name());
+        }
+    }
+    Ok(out)
+}
+
+/// The worst mismatch of `got` (interpreter) against `want` (CPU executor), as a multiple of
+/// the tolerance (≤ 1 passes), and how many elements exceed it.
+///
+/// Tolerances: the two compute the same function with different rounding. The CPU
+/// executor's convs accumulate in FP32 (GEMM order) and its BN arithmetic runs in f64; the
+/// interpreter sums exactly (f64) and does per-element and per-channel arithmetic in FP32. So
+/// an FP16 output may land one FP16 ulp apart where the two FP32 values straddle a rounding
+/// boundary; an FP32 output may differ by a few FP32 roundings (1e-5 relative). Where an FP16
+/// output feeds a later node of the same graph (conv → GenStats, dz → dBN weights), such a
+/// one-ulp difference (2^-11 relative) in a few of the summed elements moves a sum by up to
+/// ~1e-3 of one element: hence the absolute term, 1e-3 of the output's largest magnitude
+/// (FP32) and 1e-4 (FP16: near-zero values where FP32 cancellation errors exceed an FP16
+/// ulp). A wiring error changes values by O(1) of their magnitude.
+fn mismatch(dtype: DataType, got: &[f32], want: &[f32]) -> (f64, usize) {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+    let (mut worst, mut bad) = (0f64, 0);
+    for (&g, &w) in got.iter().zip(want) {
+        let (g, w) = (g as f64, w as f64);
+        let tol = match dtype {
+            DataType::Half => {
+                let m = g.abs().max(w.abs()) as f32;
+                let ulp = f16::from_f32(m).to_f32().max(6.1e-5) as f64 * 2f64.powi(-10);
+                ulp + 1e-4 * scale
+            }
+            _ => 1e-5 * w.abs() + 1e-3 * scale,
+        };
+        let r = if g.is_nan() { f64::INFINITY } else { (g - w).abs() / tol.max(1e-30) };
+        if r > 1.0 {
+            bad += 1;
+        }
+        worst = worst.max(r);
+    }
+    (worst, bad)
+}
+
+/// Runs the chain on `route` for two training steps; every graph of every pass is run in the
+/// interpreter on the inputs its CPU step saw and compared. Returns (graphs compared, outputs
+/// compared, worst mismatch as a fraction of the tolerance).
+fn check_route(route: RouteKind) -> (usize, usize, f64) {
+    let configs = chain();
+    let layers: Vec<CbrLayer> = configs
+        .iter()
+        .map(|c| CbrLayer::for_cpu(*c, route))
+        .collect();
+    let mut rng = Rng(2024 + route as u64);
+    let mut bufs: Vec<HostBuffers> = layers.iter().map(|l| fill(l, &mut rng)).collect();
+    for (i, l) in layers.iter().enumerate().skip(1) {
+        for spec in l.prev_buffers() {
+            assert!(bufs[i - 1].get(spec.name).is_some(), "layer {i} prev lacks {}", spec.name);
+        }
+    }
+    let (mut graphs_seen, mut outputs_seen, mut worst) = (0, 0, 0f64);
+    for _step in 0..2 {
+        let order: Vec<(Pass, usize)> = (0..layers.len())
+            .map(|i| (Pass::Forward, i))
+            .chain((0..layers.len()).rev().map(|i| (Pass::Backward, i)))
+            .collect();
+        for (pass, i) in order {
+            let layer = &layers[i];
+            let has_prev = layer.prev_buffers().iter().next().is_some();
+            let (head, tail) = bufs.split_at_mut(i);
+            let this = &mut tail[0];
+            let mut prev = if has_prev { head.last_mut() } else { None };
+            let (this0, prev0) = (this.clone(), prev.as_deref().cloned());
+            layer.run_cpu(pass, this, prev.as_deref_mut()).unwrap();
+            let (this1, prev1) = (&*this, prev.as_deref());
+            let backward = pass == Pass::Backward;
+            let pass_graphs: Vec<LayerGraph> = route_graphs(&configs[i], route)
+                .into_iter()
+                .filter(|g| g.role.is_backward() == backward)
+                .collect();
+            let roles: Vec<GraphRole> = layer
+                .steps()
+                .iter()
+                .filter(|s| s.role.is_backward() == backward)
+                .map(|s| s.role)
+                .collect();
+            assert_eq!(roles, pass_graphs.iter().map(|g| g.role).collect::<Vec<_>>());
+            let mut written: HashSet<String> = HashSet::new();
+            let key = |s: Src| format!("{s:?}");
+            for lg in &pass_graphs {
+                let input = |src: Src| -> &HostBuffer {
+                    // Written by an earlier step of this pass: the CPU executor's value; else
+                    // the value before the pass.
+                    let after = written.contains(&key(src));
+                    let (table, name) = match (src, after) {
+                        (Src::This(n), true) => (this1, n),
+                        (Src::This(n), false) => (&this0, n),
+                        (Src::Prev(n), true) => (prev1.unwrap(), n),
+                        (Src::Prev(n), false) => (prev0.as_ref().unwrap(), n),
+                        (Src::Scalar(_), _) => unreachable!("scalars are passed by value"),
+                    };
+                    table.get(name).unwrap_or_else(|| panic!("no buffer {src:?}"))
+                };
+                let outs = interpret(lg, &lg.bindings, input).unwrap_or_else(|e| {
+                    panic!("{route:?} layer {i} {:?}: {e}", lg.role)
+                });
+                for (src, dtype, got) in outs {
+                    let want = match src {
+                        Src::This(n) => this1.get(n),
+                        Src::Prev(n) => prev1.and_then(|p| p.get(n)),
+                        Src::Scalar(_) => None,
+                    }
+                    .unwrap()
+                    .to_f32();
+                    let (w, bad) = mismatch(dtype, &got, &want);
+                    assert!(
+                        bad == 0,
+                        "{route:?} layer {i} {:?} {src:?}: {bad} of {} elements outside the \
+                         tolerance (worst {w:.2}x)",
+                        lg.role,
+                        got.len()
+                    );
+                    worst = worst.max(w);
+                    assert!(
+                        written.insert(key(src)),
+                        "{src:?} written twice in one pass"
+                    );
+                    outputs_seen += 1;
+                }
+                graphs_seen += 1;
+            }
+        }
+    }
+    (graphs_seen, outputs_seen, worst)
+}
+
+#[test]
+fn every_graph_of_the_fused_route_matches_the_cpu_executor() {
+    let (g, o, w) = check_route(RouteKind::Fused);
+    println!("fused: {g} graphs, {o} outputs, worst {w:.3} of the tolerance");
+    assert!(g >= 40 && o >= 100, "{g} graphs, {o} outputs");
+}
+
+#[test]
+fn every_graph_of_the_unfused_route_matches_the_cpu_executor() {
+    let (g, o, w) = check_route(RouteKind::Unfused);
+    println!("unfused: {g} graphs, {o} outputs, worst {w:.3} of the tolerance");
+    assert!(g >= 40 && o >= 100, "{g} graphs, {o} outputs");
+}
+
+#[test]
+fn every_graph_of_the_generic_route_matches_the_cpu_executor() {
+    let (g, o, w) = check_route(RouteKind::Generic);
+    println!("generic: {g} graphs, {o} outputs, worst {w:.3} of the tolerance");
+    assert!(g >= 40 && o >= 100, "{g} graphs, {o} outputs");
+}
