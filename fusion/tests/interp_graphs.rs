@@ -6,8 +6,8 @@
 
 use cudnn_cbr_fusion::cbr::graphs::{self, ApplyResidual, BackwardResidual};
 use cudnn_cbr_fusion::cbr::{
-    route_graphs, CbrConfig, CbrLayer, ConvShape, GraphRole, HostBuffer, HostBuffers,
-    LayerGraph, Pass, RouteKind, Src,
+    route_graphs, CbrConfig, CbrLayer, ConvShape, GraphRole, HostBuffer, HostBuffers, LayerGraph,
+    Pass, RouteKind, Src,
 };
 use cudnn_cbr_fusion::exec::Scalar;
 use cudnn_cbr_fusion::graph::{DataType, Graph, TensorId};
@@ -117,7 +117,10 @@ fn interpret<'a>(
     let mut mem = HostMemory::new();
     let (mut pointers, mut scalars, mut placed) = (vec![], vec![], vec![]);
     for (t, src) in bindings {
-        let r = layout.iter().find(|r| r.id == *t).expect("bound tensors are real");
+        let r = layout
+            .iter()
+            .find(|r| r.id == *t)
+            .expect("bound tensors are real");
         if let Src::Scalar(s) = src {
             scalars.push((r.uid, *s));
             continue;
@@ -127,7 +130,13 @@ fn interpret<'a>(
             mem.alloc_from(&vec![0xff; r.bytes])
         } else {
             let bytes = bytes_of(input(*src));
-            assert_eq!(bytes.len(), r.bytes, "{}: `{}` size", lg.graph.name(), r.name);
+            assert_eq!(
+                bytes.len(),
+                r.bytes,
+                "{}: `{}` size",
+                lg.graph.name(),
+                r.name
+            );
             mem.alloc_from(&bytes)
         };
         pointers.push((r.uid, addr));
@@ -181,7 +190,11 @@ fn mismatch(dtype: DataType, got: &[f32], want: &[f32]) -> (f64, usize) {
             }
             _ => 1e-5 * w.abs() + 1e-3 * scale,
         };
-        let r = if g.is_nan() { f64::INFINITY } else { (g - w).abs() / tol.max(1e-30) };
+        let r = if g.is_nan() {
+            f64::INFINITY
+        } else {
+            (g - w).abs() / tol.max(1e-30)
+        };
         if r > 1.0 {
             bad += 1;
         }
@@ -190,10 +203,17 @@ fn mismatch(dtype: DataType, got: &[f32], want: &[f32]) -> (f64, usize) {
     (worst, bad)
 }
 
+/// One output compared: layer index, role, buffer, elements outside the tolerance, worst
+/// mismatch as a multiple of the tolerance.
+type Compared = (usize, GraphRole, Src, usize, f64);
+
+/// A test-only change to one graph's bindings (layer index, graph, its bindings).
+type Plant = fn(usize, &LayerGraph) -> Vec<(TensorId, Src)>;
+
 /// Runs the chain on `route` for two training steps; every graph of every pass is run in the
-/// interpreter on the inputs its CPU step saw and compared. Returns (graphs compared, outputs
-/// compared, worst mismatch as a fraction of the tolerance).
-fn check_route(route: RouteKind) -> (usize, usize, f64) {
+/// interpreter on the inputs its CPU step saw (with the bindings `plant` gives) and compared.
+/// Returns (graphs run, every output compared).
+fn compare_route(route: RouteKind, plant: Plant) -> (usize, Vec<Compared>) {
     let configs = chain();
     let layers: Vec<CbrLayer> = configs
         .iter()
@@ -203,10 +223,14 @@ fn check_route(route: RouteKind) -> (usize, usize, f64) {
     let mut bufs: Vec<HostBuffers> = layers.iter().map(|l| fill(l, &mut rng)).collect();
     for (i, l) in layers.iter().enumerate().skip(1) {
         for spec in l.prev_buffers() {
-            assert!(bufs[i - 1].get(spec.name).is_some(), "layer {i} prev lacks {}", spec.name);
+            assert!(
+                bufs[i - 1].get(spec.name).is_some(),
+                "layer {i} prev lacks {}",
+                spec.name
+            );
         }
     }
-    let (mut graphs_seen, mut outputs_seen, mut worst) = (0, 0, 0f64);
+    let (mut graphs_seen, mut compared) = (0, Vec::new());
     for _step in 0..2 {
         let order: Vec<(Pass, usize)> = (0..layers.len())
             .map(|i| (Pass::Forward, i))
@@ -232,7 +256,10 @@ fn check_route(route: RouteKind) -> (usize, usize, f64) {
                 .filter(|s| s.role.is_backward() == backward)
                 .map(|s| s.role)
                 .collect();
-            assert_eq!(roles, pass_graphs.iter().map(|g| g.role).collect::<Vec<_>>());
+            assert_eq!(
+                roles,
+                pass_graphs.iter().map(|g| g.role).collect::<Vec<_>>()
+            );
             let mut written: HashSet<String> = HashSet::new();
             let key = |s: Src| format!("{s:?}");
             for lg in &pass_graphs {
@@ -247,11 +274,12 @@ fn check_route(route: RouteKind) -> (usize, usize, f64) {
                         (Src::Prev(n), false) => (prev0.as_ref().unwrap(), n),
                         (Src::Scalar(_), _) => unreachable!("scalars are passed by value"),
                     };
-                    table.get(name).unwrap_or_else(|| panic!("no buffer {src:?}"))
+                    table
+                        .get(name)
+                        .unwrap_or_else(|| panic!("no buffer {src:?}"))
                 };
-                let outs = interpret(lg, &lg.bindings, input).unwrap_or_else(|e| {
-                    panic!("{route:?} layer {i} {:?}: {e}", lg.role)
-                });
+                let outs = interpret(lg, &plant(i, lg), input)
+                    .unwrap_or_else(|e| panic!("{route:?} layer {i} {:?}: {e}", lg.role));
                 for (src, dtype, got) in outs {
                     let want = match src {
                         Src::This(n) => this1.get(n),
@@ -261,25 +289,38 @@ fn check_route(route: RouteKind) -> (usize, usize, f64) {
                     .unwrap()
                     .to_f32();
                     let (w, bad) = mismatch(dtype, &got, &want);
-                    assert!(
-                        bad == 0,
-                        "{route:?} layer {i} {:?} {src:?}: {bad} of {} elements outside the \
-                         tolerance (worst {w:.2}x)",
-                        lg.role,
-                        got.len()
-                    );
-                    worst = worst.max(w);
+                    compared.push((i, lg.role, src, bad, w));
                     assert!(
                         written.insert(key(src)),
                         "{src:?} written twice in one pass"
                     );
-                    outputs_seen += 1;
                 }
                 graphs_seen += 1;
             }
         }
     }
-    (graphs_seen, outputs_seen, worst)
+    (graphs_seen, compared)
+}
+
+/// The bindings as the layer declares them.
+fn as_declared(_: usize, lg: &LayerGraph) -> Vec<(TensorId, Src)> {
+    lg.bindings.clone()
+}
+
+/// Every output of every graph within its tolerance: returns (graphs, outputs, worst
+/// mismatch as a fraction of the tolerance).
+fn check_route(route: RouteKind) -> (usize, usize, f64) {
+    let (graphs, compared) = compare_route(route, as_declared);
+    let mut worst = 0f64;
+    for (i, role, src, bad, w) in &compared {
+        assert!(
+            *bad == 0,
+            "{route:?} layer {i} {role:?} {src:?}: {bad} elements outside the tolerance \
+             (worst {w:.2}x)"
+        );
+        worst = worst.max(*w);
+    }
+    (graphs, compared.len(), worst)
 }
 
 #[test]
@@ -301,4 +342,202 @@ fn every_graph_of_the_generic_route_matches_the_cpu_executor() {
     let (g, o, w) = check_route(RouteKind::Generic);
     println!("generic: {g} graphs, {o} outputs, worst {w:.3} of the tolerance");
     assert!(g >= 40 && o >= 100, "{g} graphs, {o} outputs");
+}
+
+/// The bindings with the buffers of `a` and `b` exchanged in layer `layer`'s `role` graph.
+fn swapped(
+    lg: &LayerGraph,
+    at: (usize, usize),
+    role: GraphRole,
+    (a, b): (Src, Src),
+) -> Vec<(TensorId, Src)> {
+    let mut v = lg.bindings.clone();
+    if at.0 == at.1 && lg.role == role {
+        for (_, src) in &mut v {
+            if *src == a {
+                *src = b;
+            } else if *src == b {
+                *src = a;
+            }
+        }
+    }
+    v
+}
+
+/// Asserts that the planted graph's outputs mismatch and nothing else does.
+fn assert_caught(route: RouteKind, plant: Plant, layer: usize, role: GraphRole) {
+    let (_, compared) = compare_route(route, plant);
+    let planted: Vec<_> = compared
+        .iter()
+        .filter(|c| c.0 == layer && c.1 == role)
+        .collect();
+    assert!(!planted.is_empty(), "the planted graph ran");
+    let caught: usize = planted.iter().map(|c| c.3).sum();
+    for c in &planted {
+        println!(
+            "planted {route:?} layer {layer} {role:?} {:?}: {} bad, worst {:.1}x",
+            c.2, c.3, c.4
+        );
+    }
+    assert!(caught > 0, "a swap of two tensors went unnoticed");
+    for c in compared.iter().filter(|c| !(c.0 == layer && c.1 == role)) {
+        assert_eq!(c.3, 0, "an unplanted graph mismatched: {c:?}");
+    }
+}
+
+#[test]
+fn a_finalize_with_gamma_and_beta_swapped_is_caught() {
+    fn plant(i: usize, lg: &LayerGraph) -> Vec<(TensorId, Src)> {
+        let pair = (Src::This("gamma"), Src::This("beta"));
+        swapped(lg, (i, 2), GraphRole::Finalize, pair)
+    }
+    assert_caught(RouteKind::Fused, plant, 2, GraphRole::Finalize);
+}
+
+#[test]
+fn a_fused_backward_with_the_previous_gamma_and_beta_swapped_is_caught() {
+    fn plant(i: usize, lg: &LayerGraph) -> Vec<(TensorId, Src)> {
+        let pair = (Src::Prev("gamma"), Src::Prev("beta"));
+        swapped(lg, (i, 1), GraphRole::DgradDreluDbn, pair)
+    }
+    assert_caught(RouteKind::Fused, plant, 1, GraphRole::DgradDreluDbn);
+}
+
+#[test]
+fn a_dbn_apply_with_dz_and_y_swapped_is_caught() {
+    fn plant(i: usize, lg: &LayerGraph) -> Vec<(TensorId, Src)> {
+        let pair = (Src::This("dz_prev"), Src::Prev("y"));
+        swapped(lg, (i, 2), GraphRole::DbnApply, pair)
+    }
+    assert_caught(RouteKind::Generic, plant, 2, GraphRole::DbnApply);
+}
+
+/// The add graph over `[2, 8, 4, 4]` with its uids: (graph, uid of X, B, Y).
+fn add_graph() -> (Graph, i64, i64, i64) {
+    let (g, [x, b, y]) = graphs::add([2, 8, 4, 4]);
+    let layout = real_tensor_layout(&g);
+    let uid = |t: TensorId| layout.iter().find(|r| r.id == t).unwrap().uid;
+    let (ux, ub, uy) = (uid(x), uid(b), uid(y));
+    (g, ux, ub, uy)
+}
+
+const ADD_BYTES: usize = 2 * 8 * 4 * 4 * 2;
+
+fn run_add(mem: &mut HostMemory, g: &Graph, pointers: &[(i64, u64)]) -> Result<(), InterpError> {
+    let pack = VariantPack {
+        pointers,
+        scalars: &[],
+    };
+    execute_host(g, &pack, mem, &Options::default())
+}
+
+#[test]
+fn an_extent_past_its_allocation_is_a_typed_error_naming_the_tensor() {
+    let (g, ux, ub, uy) = add_graph();
+    let mut mem = HostMemory::new();
+    let x = mem.alloc(ADD_BYTES - 2);
+    let (b, y) = (mem.alloc(ADD_BYTES), mem.alloc(ADD_BYTES));
+    let e = run_add(&mut mem, &g, &[(ux, x), (ub, b), (uy, y)]).unwrap_err();
+    match &e {
+        InterpError::OutOfBounds {
+            uid,
+            name,
+            span,
+            len,
+            ..
+        } => {
+            assert_eq!(
+                (*uid, name.as_str(), *span, *len),
+                (ux, "X", ADD_BYTES as u64, ADD_BYTES as u64 - 2)
+            );
+        }
+        other => panic!("expected OutOfBounds, got {other}"),
+    }
+    assert!(e.to_string().contains("`X`"), "{e}");
+    // Nothing was written: the output still holds its zeros.
+    assert!(mem
+        .read_bytes(y, ADD_BYTES)
+        .unwrap()
+        .iter()
+        .all(|&v| v == 0));
+    // An output that runs past its allocation is refused the same way.
+    let y_short = mem.alloc(ADD_BYTES - 16);
+    let x = mem.alloc(ADD_BYTES);
+    let e = run_add(&mut mem, &g, &[(ux, x), (ub, b), (uy, y_short)]).unwrap_err();
+    assert!(
+        matches!(e, InterpError::OutOfBounds { uid, .. } if uid == uy),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_misaligned_pointer_is_a_typed_error() {
+    let (g, ux, ub, uy) = add_graph();
+    let mut mem = HostMemory::new();
+    let x = mem.alloc(ADD_BYTES + 16);
+    let (b, y) = (mem.alloc(ADD_BYTES), mem.alloc(ADD_BYTES));
+    let e = run_add(&mut mem, &g, &[(ux, x + 2), (ub, b), (uy, y)]).unwrap_err();
+    assert!(
+        matches!(&e, InterpError::Misaligned { uid, name, addr, align: 16 } if *uid == ux && name == "X" && *addr == x + 2),
+        "{e}"
+    );
+    // 16 bytes in is aligned and in bounds: it runs.
+    run_add(&mut mem, &g, &[(ux, x + 16), (ub, b), (uy, y)]).unwrap();
+}
+
+#[test]
+fn unbound_unmapped_overlapping_and_mistyped_bindings_are_typed_errors() {
+    let (g, ux, ub, uy) = add_graph();
+    let mut mem = HostMemory::new();
+    let (x, b, y) = (
+        mem.alloc(ADD_BYTES),
+        mem.alloc(ADD_BYTES),
+        mem.alloc(ADD_BYTES),
+    );
+    let e = run_add(&mut mem, &g, &[(ux, x), (uy, y)]).unwrap_err();
+    assert!(
+        matches!(&e, InterpError::Unbound { uid, name } if *uid == ub && name == "B"),
+        "{e}"
+    );
+    let e = run_add(&mut mem, &g, &[(ux, x), (ub, b), (uy, 0x10)]).unwrap_err();
+    assert!(
+        matches!(e, InterpError::Unmapped { uid, .. } if uid == uy),
+        "{e}"
+    );
+    let e = run_add(&mut mem, &g, &[(ux, x), (ub, b), (uy, 0)]).unwrap_err();
+    assert!(
+        matches!(e, InterpError::Null { uid, .. } if uid == uy),
+        "{e}"
+    );
+    // In place: the output over an input.
+    let e = run_add(&mut mem, &g, &[(ux, x), (ub, b), (uy, x)]).unwrap_err();
+    assert!(
+        matches!(e, InterpError::Overlap { uid, other_uid, .. } if uid == uy && other_uid == ux),
+        "{e}"
+    );
+    // A by-value ε given as FP32 where the graph declares FP64.
+    let (g, i, _) = graphs::bn_finalize(8);
+    let layout = real_tensor_layout(&g);
+    let mut pointers = vec![];
+    let mut scalars = vec![];
+    for r in &layout {
+        if !r.by_value {
+            pointers.push((r.uid, mem.alloc(r.bytes)));
+        } else if r.id == i.epsilon {
+            scalars.push((r.uid, Scalar::F32(1e-5)));
+        } else if r.id == i.momentum {
+            scalars.push((r.uid, Scalar::F64(0.1)));
+        } else {
+            scalars.push((r.uid, Scalar::I64(128)));
+        }
+    }
+    let pack = VariantPack {
+        pointers: &pointers,
+        scalars: &scalars,
+    };
+    let e = execute_host(&g, &pack, &mut mem, &Options::default()).unwrap_err();
+    assert!(
+        matches!(&e, InterpError::ScalarType { name, got: DataType::Float, expected: DataType::Double, .. } if name == "epsilon"),
+        "{e}"
+    );
 }

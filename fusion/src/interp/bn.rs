@@ -21,8 +21,13 @@ type Node = (usize, &'static str);
 
 /// The `[N,C,H,W]` dims of `x`, checked.
 pub(super) fn dims4(node: Node, what: &str, x: &Value) -> Result<[usize; 4]> {
-    x.nchw()
-        .ok_or_else(|| node_err(node.0, node.1, format!("{what} has dims {:?}, not 4", x.dims)))
+    x.nchw().ok_or_else(|| {
+        node_err(
+            node.0,
+            node.1,
+            format!("{what} has dims {:?}, not 4", x.dims),
+        )
+    })
 }
 
 /// A per-channel vector's `c` values, checked.
@@ -32,7 +37,10 @@ pub(super) fn vector<'a>(node: Node, what: &str, v: &'a Value, c: usize) -> Resu
         return Err(node_err(
             node.0,
             node.1,
-            format!("{what} has dims {:?}, expected {c} per-channel values", v.dims),
+            format!(
+                "{what} has dims {:?}, expected {c} per-channel values",
+                v.dims
+            ),
         ));
     }
     Ok(&v.data)
@@ -157,7 +165,11 @@ pub(super) fn finalize(node: Node, i: &FinalizeIn<'_>) -> Result<Finalized> {
 
 fn check_bn_scalars(node: Node, eps: f64, factor: f64, count: f64) -> Result<()> {
     if !(eps.is_finite() && eps > 0.0) {
-        return Err(node_err(node.0, node.1, format!("epsilon {eps} must be finite and > 0")));
+        return Err(node_err(
+            node.0,
+            node.1,
+            format!("epsilon {eps} must be finite and > 0"),
+        ));
     }
     if !(0.0..=1.0).contains(&factor) {
         return Err(node_err(
@@ -305,8 +317,10 @@ pub(super) fn norm_backward(
         vector(node, "inv_variance", inv_std, c)?,
     );
     let (sg, sb) = dbn_sums(d, &x.data, &dy.data, mean, inv_std);
-    let (dg, db): (Vec<f32>, Vec<f32>) =
-        (sg.iter().map(|&v| v as f32).collect(), sb.iter().map(|&v| v as f32).collect());
+    let (dg, db): (Vec<f32>, Vec<f32>) = (
+        sg.iter().map(|&v| v as f32).collect(),
+        sb.iter().map(|&v| v as f32).collect(),
+    );
     let m = (d[0] * d[2] * d[3]) as f32;
     let mut dx = vec![0f32; x.data.len()];
     per_element(d, |ch, i| {

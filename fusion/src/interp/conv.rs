@@ -54,7 +54,12 @@ impl Geometry {
                 attrs.stride, attrs.dilation
             )));
         }
-        if attrs.pre_padding.iter().chain(&attrs.post_padding).any(|&v| v < 0) {
+        if attrs
+            .pre_padding
+            .iter()
+            .chain(&attrs.post_padding)
+            .any(|&v| v < 0)
+        {
             return Err(err("negative padding".into()));
         }
         let p = attrs.out_extent(0, h as i64, r as i64);

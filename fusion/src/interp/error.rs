@@ -115,7 +115,11 @@ pub enum InterpError {
 pub type Result<T> = std::result::Result<T, InterpError>;
 
 /// A node error.
-pub(super) fn node_err(index: usize, kind: &'static str, problem: impl Into<String>) -> InterpError {
+pub(super) fn node_err(
+    index: usize,
+    kind: &'static str,
+    problem: impl Into<String>,
+) -> InterpError {
     InterpError::Node {
         index,
         kind,

@@ -141,13 +141,12 @@ fn place(
         name: name.clone(),
     })?;
     let strides = graph.strides(r.id).unwrap_or_default();
-    let layout = Layout::new(&attrs.dims, &strides, r.dtype).map_err(|problem| {
-        InterpError::Layout {
+    let layout =
+        Layout::new(&attrs.dims, &strides, r.dtype).map_err(|problem| InterpError::Layout {
             uid,
             name: name.clone(),
             problem,
-        }
-    })?;
+        })?;
     let alloc = mem
         .map()
         .allocation(addr)
@@ -232,16 +231,19 @@ fn run_node(
     let kind = node.kind();
     let id = (index, kind);
     let get = |t: TensorId| -> Result<&Value> {
-        values.get(t.index()).and_then(Option::as_ref).ok_or_else(|| {
-            super::error::node_err(
-                index,
-                kind,
-                format!(
+        values
+            .get(t.index())
+            .and_then(Option::as_ref)
+            .ok_or_else(|| {
+                super::error::node_err(
+                    index,
+                    kind,
+                    format!(
                     "reads `{}` before any node produces it (nodes must be in topological order)",
                     graph.tname(t)
                 ),
-            )
-        })
+                )
+            })
     };
     let dims4 = |what: &str, t: TensorId| -> Result<[usize; 4]> {
         let v = Value::new(dims_of(graph, t), vec![]);
@@ -263,28 +265,50 @@ fn run_node(
             vec![(*y, g.fprop(&operand(*x)?, &operand(*w)?))]
         }
         Node::ConvDgrad { dy, w, dx, attrs } => {
-            let g = Geometry::new(id, dims4("dx", *dx)?, dims4("w", *w)?, dims4("dy", *dy)?, attrs)?;
+            let g = Geometry::new(
+                id,
+                dims4("dx", *dx)?,
+                dims4("w", *w)?,
+                dims4("dy", *dy)?,
+                attrs,
+            )?;
             vec![(*dx, g.dgrad(&operand(*dy)?, &operand(*w)?))]
         }
         Node::ConvWgrad { x, dy, dw, attrs } => {
-            let g = Geometry::new(id, dims4("x", *x)?, dims4("dw", *dw)?, dims4("dy", *dy)?, attrs)?;
+            let g = Geometry::new(
+                id,
+                dims4("x", *x)?,
+                dims4("dw", *dw)?,
+                dims4("dy", *dy)?,
+                attrs,
+            )?;
             vec![(*dw, g.wgrad(&operand(*x)?, &operand(*dy)?))]
         }
         Node::Pointwise { attrs, inputs, y } => {
             let ins = inputs.iter().map(|&t| get(t)).collect::<Result<Vec<_>>>()?;
-            vec![(*y, pointwise::pointwise(id, attrs, &ins, &dims_of(graph, *y))?)]
+            vec![(
+                *y,
+                pointwise::pointwise(id, attrs, &ins, &dims_of(graph, *y))?,
+            )]
         }
         Node::Reduction { x, y, attrs } => {
-            vec![(*y, pointwise::reduce(id, attrs.mode, get(*x)?, &dims_of(graph, *y))?)]
+            vec![(
+                *y,
+                pointwise::reduce(id, attrs.mode, get(*x)?, &dims_of(graph, *y))?,
+            )]
         }
         Node::GenStats { x, sum, sq_sum } => {
             let (s, q) = bn::genstats(id, get(*x)?)?;
             vec![(*sum, s), (*sq_sum, q)]
         }
-        Node::BnFinalize { inputs: i, outputs: o } => {
+        Node::BnFinalize {
+            inputs: i,
+            outputs: o,
+        } => {
             let sum = get(i.sum)?;
             let c = sum.data.len();
-            let v = |what: &str, t: TensorId| -> Result<&[f32]> { bn::vector(id, what, get(t)?, c) };
+            let v =
+                |what: &str, t: TensorId| -> Result<&[f32]> { bn::vector(id, what, get(t)?, c) };
             let f = bn::finalize(
                 id,
                 &FinalizeIn {
@@ -308,7 +332,10 @@ fn run_node(
                 (o.updated_running_var, f.running_var),
             ]
         }
-        Node::DbnWeight { inputs: i, outputs: o } => {
+        Node::DbnWeight {
+            inputs: i,
+            outputs: o,
+        } => {
             let [dg, db, a, b, c] = bn::dbn_weight(
                 id,
                 get(i.x)?,
@@ -325,7 +352,10 @@ fn run_node(
                 (o.eq_bias, c),
             ]
         }
-        Node::BatchNorm { inputs: i, outputs: o } => {
+        Node::BatchNorm {
+            inputs: i,
+            outputs: o,
+        } => {
             let running = match (i.prev_running_mean, i.prev_running_var) {
                 (Some(m), Some(v)) => Some((get(m)?, get(v)?)),
                 _ => None,
@@ -344,7 +374,10 @@ fn run_node(
             out.extend(o.next_running_var.map(|t| (t, rv)));
             out
         }
-        Node::BatchNormBackward { inputs: i, outputs: o } => {
+        Node::BatchNormBackward {
+            inputs: i,
+            outputs: o,
+        } => {
             let [dx, dg, db] = bn::norm_backward(
                 id,
                 get(i.dy)?,

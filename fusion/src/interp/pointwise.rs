@@ -53,7 +53,12 @@ pub(super) fn pointwise(
         return Err(node_err(
             node.0,
             node.1,
-            format!("{} takes {} inputs, got {}", mode.name(), mode.arity(), inputs.len()),
+            format!(
+                "{} takes {} inputs, got {}",
+                mode.name(),
+                mode.arity(),
+                inputs.len()
+            ),
         ));
     }
     let mut idx = Vec::with_capacity(inputs.len());

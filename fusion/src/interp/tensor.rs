@@ -87,11 +87,7 @@ impl Layout {
     /// The layout of `dims`/`strides` (elements) of `dtype`, or what is wrong with it.
     pub fn new(dims: &[i64], strides: &[i64], dtype: DataType) -> Result<Self, String> {
         if dims.len() != strides.len() {
-            return Err(format!(
-                "{} dims but {} strides",
-                dims.len(),
-                strides.len()
-            ));
+            return Err(format!("{} dims but {} strides", dims.len(), strides.len()));
         }
         let mut last = 0u64;
         let mut du = Vec::with_capacity(dims.len());
@@ -101,7 +97,9 @@ impl Layout {
                 return Err(format!("dim {i} is {d}"));
             }
             if s < 0 {
-                return Err(format!("stride {i} is {s}; negative strides are not supported"));
+                return Err(format!(
+                    "stride {i} is {s}; negative strides are not supported"
+                ));
             }
             let reach = (d as u64 - 1)
                 .checked_mul(s as u64)
