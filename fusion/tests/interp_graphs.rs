@@ -4,6 +4,7 @@
 //! executor's step saw, every output compared with what the CPU executor wrote. A graph with
 //! two tensors swapped is caught as a mismatch; bad bindings give typed errors.
 
+use cudnn_cbr_fusion::cache::PlanCache;
 use cudnn_cbr_fusion::cbr::graphs::{self, ApplyResidual, BackwardResidual};
 use cudnn_cbr_fusion::cbr::{
     route_graphs, CbrConfig, CbrLayer, ConvShape, GraphRole, HostBuffer, HostBuffers, LayerGraph,
@@ -13,8 +14,10 @@ use cudnn_cbr_fusion::exec::Scalar;
 use cudnn_cbr_fusion::graph::{DataType, Graph, TensorId};
 use cudnn_cbr_fusion::interp::{execute_host, HostMemory, InterpError, Options, VariantPack};
 use cudnn_cbr_fusion::lower::real_tensor_layout;
+use cudnn_cbr_fusion::Target;
 use half::f16;
 use std::collections::HashSet;
+use std::path::{Path, PathBuf};
 
 /// splitmix64 mapped to `[-1, 1)`.
 struct Rng(u64);
@@ -540,4 +543,47 @@ fn unbound_unmapped_overlapping_and_mistyped_bindings_are_typed_errors() {
         matches!(&e, InterpError::ScalarType { name, got: DataType::Float, expected: DataType::Double, .. } if name == "epsilon"),
         "{e}"
     );
+}
+
+/// The H200 fixture, from the repository root or this crate's folder.
+fn h200_path() -> PathBuf {
+    const REL: &str = "tests/fixtures/devprops/h200-sm90.json";
+    [PathBuf::from(REL), Path::new("..").join(REL)]
+        .into_iter()
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(REL))
+}
+
+/// Every cuDNN plan of the chain planned on the H200 fixture (deviceless) keeps the graph it
+/// was built for, with the plan's own variant-pack uids: what the interpreter runs in place
+/// of the plan under the simulated device, and the very graph the tests above interpret.
+#[test]
+fn planned_steps_keep_the_graph_the_interpreter_runs() {
+    if let Err(e) = cudnn_fe_sys::library() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "cuDNN is required when CI is set: {e}"
+        );
+        println!("SKIP planned_steps_keep_the_graph_the_interpreter_runs: cuDNN not loadable");
+        return;
+    }
+    let target = Target::deviceless_from_file(h200_path()).unwrap();
+    let cache = PlanCache::new();
+    let mut plans = 0;
+    for config in chain().into_iter().take(3) {
+        let layer = CbrLayer::plan(config, &target, &cache).unwrap();
+        let graphs = route_graphs(&config, layer.route().kind());
+        assert_eq!(graphs.len(), layer.steps().len());
+        for (step, lg) in layer.steps().iter().zip(&graphs) {
+            assert_eq!(step.role, lg.role);
+            let Some(plan) = &step.plan else { continue };
+            let source = plan.source_graph().expect("a cached plan keeps its graph");
+            assert_eq!(source.signature().unwrap(), lg.graph.signature().unwrap());
+            assert_eq!(real_tensor_layout(source), plan.real_tensors());
+            assert_eq!(real_tensor_layout(&lg.graph), plan.real_tensors());
+            plans += 1;
+        }
+    }
+    println!("{plans} plans keep their graph");
+    assert!(plans >= 6, "only {plans} plans");
 }
