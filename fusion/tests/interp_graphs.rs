@@ -8,7 +8,7 @@ use cudnn_cbr_fusion::cache::PlanCache;
 use cudnn_cbr_fusion::cbr::graphs::{self, ApplyResidual, BackwardResidual};
 use cudnn_cbr_fusion::cbr::{
     route_graphs, CbrConfig, CbrLayer, ConvShape, GraphRole, HostBuffer, HostBuffers, LayerGraph,
-    Pass, RouteKind, Src,
+    Pass, RouteKind, Src, RUNNING_COPIES,
 };
 use cudnn_cbr_fusion::exec::Scalar;
 use cudnn_cbr_fusion::graph::{DataType, Graph, TensorId};
@@ -586,4 +586,111 @@ fn planned_steps_keep_the_graph_the_interpreter_runs() {
     }
     println!("{plans} plans keep their graph");
     assert!(plans >= 6, "only {plans} plans");
+}
+
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
+        .sum();
+    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+/// The interpreter alone runs the whole chain (every graph of both passes, two training
+/// steps, its own outputs feeding the next steps, the running statistics copied after each
+/// forward pass as the executors do), and ends where the CPU executor ends.
+///
+/// Tolerance: each step's outputs agree to an FP16 ulp (the step-by-step tests), but here
+/// differences compound through six layers and two steps, and a pre-activation within an
+/// ulp of zero may flip a ReLU mask. 1e-3 relative L2 per buffer (about two FP16 ulps,
+/// 2^-10) bounds that with margin: measured at most 8.1e-5 (generic route). A swapped tensor
+/// moves a buffer by O(1).
+fn chained(route: RouteKind) -> (usize, f64) {
+    let configs = chain();
+    let layers: Vec<CbrLayer> = configs
+        .iter()
+        .map(|c| CbrLayer::for_cpu(*c, route))
+        .collect();
+    let mut rng = Rng(77 + route as u64);
+    let mut cpu: Vec<HostBuffers> = layers.iter().map(|l| fill(l, &mut rng)).collect();
+    let mut int = cpu.clone();
+    for _step in 0..2 {
+        let order: Vec<(Pass, usize)> = (0..layers.len())
+            .map(|i| (Pass::Forward, i))
+            .chain((0..layers.len()).rev().map(|i| (Pass::Backward, i)))
+            .collect();
+        for (pass, i) in order {
+            let has_prev = layers[i].prev_buffers().iter().next().is_some();
+            let (head, tail) = cpu.split_at_mut(i);
+            let prev = if has_prev { head.last_mut() } else { None };
+            layers[i].run_cpu(pass, &mut tail[0], prev).unwrap();
+            let backward = pass == Pass::Backward;
+            for lg in route_graphs(&configs[i], route)
+                .into_iter()
+                .filter(|g| g.role.is_backward() == backward)
+            {
+                let outs = {
+                    let (this, prev) = (&int[i], i.checked_sub(1).map(|p| &int[p]));
+                    interpret(&lg, &lg.bindings, |src| match src {
+                        Src::This(n) => this.get(n).unwrap(),
+                        Src::Prev(n) => prev.unwrap().get(n).unwrap(),
+                        Src::Scalar(_) => unreachable!(),
+                    })
+                    .unwrap()
+                };
+                for (src, dtype, v) in outs {
+                    let (table, name) = match src {
+                        Src::This(n) => (&mut int[i], n),
+                        Src::Prev(n) => (&mut int[i - 1], n),
+                        Src::Scalar(_) => unreachable!(),
+                    };
+                    table.set(
+                        name,
+                        match dtype {
+                            DataType::Half => {
+                                HostBuffer::F16(v.iter().map(|&x| f16::from_f32(x)).collect())
+                            }
+                            _ => HostBuffer::F32(v),
+                        },
+                    );
+                }
+            }
+            if pass == Pass::Forward {
+                for (next, cur) in RUNNING_COPIES {
+                    let v = int[i].get(next).unwrap().clone();
+                    int[i].set(cur, v);
+                }
+            }
+        }
+    }
+    let (mut compared, mut worst) = (0, 0f64);
+    for (i, (c, b)) in cpu.iter().zip(&int).enumerate() {
+        for (name, want) in c.iter() {
+            let got = b.get(name).unwrap().to_f32();
+            let want = want.to_f32();
+            assert!(
+                got.iter().all(|v| v.is_finite()),
+                "{route:?} layer {i} {name}"
+            );
+            let err = rel_l2(&got, &want);
+            assert!(
+                err <= 1e-3,
+                "{route:?} layer {i} {name}: relative L2 {err:.2e}"
+            );
+            worst = worst.max(err);
+            compared += 1;
+        }
+    }
+    (compared, worst)
+}
+
+#[test]
+fn the_interpreter_alone_runs_two_training_steps_of_every_route_like_the_cpu_executor() {
+    for route in RouteKind::ALL {
+        let (n, worst) = chained(route);
+        println!("{route:?}: {n} buffers, worst relative L2 {worst:.2e}");
+        assert!(n >= 100, "{route:?}: only {n} buffers");
+    }
 }
