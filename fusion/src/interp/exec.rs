@@ -62,6 +62,20 @@ pub(super) fn run(
                 *v = round_to(dtype, *v);
             }
             let dims = dims_of(graph, t);
+            // Each op sizes its result from its inputs; a graph whose declared output dims
+            // disagree is refused here rather than indexed past later.
+            if data.len() != dims.iter().product::<usize>() {
+                return Err(super::error::node_err(
+                    index,
+                    node.kind(),
+                    format!(
+                        "computes {} values for `{}`, whose dims {dims:?} hold {}",
+                        data.len(),
+                        graph.tname(t),
+                        dims.iter().product::<usize>()
+                    ),
+                ));
+            }
             if let Some(p) = &placed[t.index()] {
                 write(mem, p, &data)?;
             }

@@ -73,6 +73,9 @@ pub(super) fn encode(dtype: DataType, v: f32, out: &mut [u8]) {
     }
 }
 
+/// The most elements one tensor may have (2^31: 8 GiB of FP32 values).
+const MAX_ELEMS: usize = 1 << 31;
+
 /// Where a real tensor's elements lie: element offsets from its address.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct Layout {
@@ -108,6 +111,13 @@ impl Layout {
             last = reach;
             du.push(usize::try_from(d).map_err(|_| format!("dim {i} is too large"))?);
             su.push(usize::try_from(s).map_err(|_| format!("stride {i} is too large"))?);
+        }
+        // Zero strides let a small extent describe many elements; each is held as FP32.
+        let elems = du.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        if elems.is_none_or(|e| e > MAX_ELEMS) {
+            return Err(format!(
+                "dims {dims:?} hold more than {MAX_ELEMS} elements, the interpreter's limit"
+            ));
         }
         let span = last
             .checked_add(1)
