@@ -260,11 +260,12 @@ impl PlanCache {
             return found;
         }
         let op = OperationGraph::new(graph)?;
-        let plan = match build_plan(&op, target) {
+        let mut plan = match build_plan(&op, target) {
             Ok(plan) => plan,
             Err(e) => return Err(self.failed_with(key, e)),
         };
         self.built.fetch_add(1, Ordering::Relaxed);
+        plan.set_source_graph(graph);
         self.insert(key, plan)
     }
 
@@ -296,12 +297,13 @@ impl PlanCache {
             return found;
         }
         let op = OperationGraph::new(graph)?;
-        let tuned = match autotune::tune(&op, target, opts) {
+        let mut tuned = match autotune::tune(&op, target, opts) {
             Ok(tuned) => tuned,
             Err(e) => return Err(self.failed_with(key, e)),
         };
         self.built.fetch_add(1, Ordering::Relaxed);
         self.tuned_runs.fetch_add(1, Ordering::Relaxed);
+        tuned.plan.set_source_graph(graph);
         self.insert_tuned(key, tuned.plan, tuned.record)
     }
 
@@ -529,6 +531,7 @@ fn read_plan(
     let mut plan =
         ExecutionPlan::from_parts(desc, graph.name().to_string(), real_tensor_layout(graph))
             .map_err(|e| at(e.to_string()))?;
+    plan.set_source_graph(graph);
     if let Some(record) = &record {
         let engine = crate::backend::plan_engine_info(plan.descriptor()).ok();
         plan.set_origin(engine, record.config_index);

@@ -16,6 +16,7 @@ pub mod cbr;
 mod error;
 pub mod exec;
 pub mod graph;
+pub mod interp;
 pub mod kernel_cache;
 pub mod lower;
 pub mod plan;

@@ -8,6 +8,7 @@
 
 use crate::backend::{self, Descriptor, EngineInfo, HeurMode};
 use crate::error::{Error, Result};
+use crate::graph::Graph;
 use crate::lower::{OperationGraph, RealTensor};
 use crate::target::Target;
 use cudnn_fe_sys as sys;
@@ -57,6 +58,9 @@ pub struct ExecutionPlan {
     config_index: usize,
     configs_reported: usize,
     configs_usable: usize,
+    /// The graph the plan was built or restored for, where the plan cache made it: what the
+    /// graph interpreter ([`crate::interp`]) runs in place of cuDNN under the simulated device.
+    source: Option<Box<Graph>>,
 }
 
 impl ExecutionPlan {
@@ -76,6 +80,7 @@ impl ExecutionPlan {
             config_index: 0,
             configs_reported: 0,
             configs_usable: 0,
+            source: None,
         })
     }
 
@@ -84,6 +89,20 @@ impl ExecutionPlan {
     pub(crate) fn set_origin(&mut self, engine: Option<EngineInfo>, config_index: usize) {
         self.engine = engine;
         self.config_index = config_index;
+    }
+
+    /// Keeps the graph the plan was built for (its signature is the plan's; the graph
+    /// interpreter runs it where there is no cuDNN execution).
+    pub(crate) fn set_source_graph(&mut self, graph: &Graph) {
+        self.source = Some(Box::new(graph.clone()));
+    }
+
+    /// The graph the plan was built or restored for, when the plan cache made it (None for a
+    /// plan built directly with [`build_plans`]): its real tensors carry the uids of
+    /// [`ExecutionPlan::real_tensors`], so [`crate::interp::execute`] can run it over the
+    /// variant pack's addresses.
+    pub fn source_graph(&self) -> Option<&Graph> {
+        self.source.as_deref()
     }
 
     /// The plan descriptor.
