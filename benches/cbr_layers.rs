@@ -100,7 +100,7 @@ fn measure_peak(handle: &Handle, target: &Target, stream: &Arc<CudaStream>) -> R
         ConvShape::square(256, 2048, 14, 2048, 1, 0, 1),
     ] {
         let (g, t) = graphs::conv_fprop(&shape, false, false);
-        let plan = build_plan(&OperationGraph::new(&g)?, target)?;
+        let plan = build_plan(&OperationGraph::for_target(&g, target)?, target)?;
         let mut x = stream.alloc_zeros::<f16>((shape.n * shape.c * shape.h * shape.w) as usize)?;
         let mut w = stream.alloc_zeros::<f16>((shape.k * shape.c * shape.r * shape.s) as usize)?;
         let mut y =
