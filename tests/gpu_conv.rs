@@ -1,7 +1,7 @@
 //! Tier 4 (GPU): a conv fprop plan executes through the frontend and matches the CPU
 //! reference. Prints one SKIP line where there is no usable CUDA device or cuDNN.
 
-use cudnn_cbr::fusion::cbr::{graphs, ConvShape};
+use cudnn_cbr::fusion::cbr::graphs;
 mod common;
 
 use cudnn_cbr::fusion::exec::{Bindings, Handle, Workspace};
@@ -29,7 +29,7 @@ fn conv_fprop_matches_the_cpu_reference() {
     let target = handle.target().unwrap();
     println!("device: {} ({})", target.props().name(), target.identity());
 
-    let shape = ConvShape::square(4, 32, 16, 48, 3, 1, 1);
+    let shape = common::gpu_shapes::conv_shape();
     let (graph, t) = graphs::conv_fprop(&shape, false, false);
     let plan = build_plan(
         &OperationGraph::for_target(&graph, &target).unwrap(),
@@ -103,7 +103,7 @@ fn a_live_plan_is_lowered_with_the_handle_and_ranked_for_the_device() {
     if target.cudnn_version() >= cudnn_cbr::sys::DEVICELESS_MIN_VERSION {
         assert_eq!(binding.heuristics_devprop, Some(DevicePropSource::Handle));
     }
-    let (graph, _) = graphs::conv_fprop(&ConvShape::square(4, 32, 16, 48, 3, 1, 1), false, true);
+    let (graph, _) = graphs::conv_fprop(&common::gpu_shapes::conv_shape(), false, true);
     // Lowered with the handle (CUDNN_ATTR_OPERATIONGRAPH_HANDLE), heuristics given the
     // device's DEVICEPROP descriptor: cuDNN accepts both and a plan finalizes.
     let op = OperationGraph::for_target(&graph, &target).unwrap();
