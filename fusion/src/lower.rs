@@ -46,7 +46,8 @@ pub struct OperationGraph {
     desc: Descriptor,
     // Tensors, conv/pointwise descriptors and ops the graph refers to, kept alive with it.
     _parts: Vec<Descriptor>,
-    /// The handle set on the graph (a live target's), held so it outlives the graph.
+    /// The handle set on the graph (a live target's), held so it outlives the graph (fields
+    /// drop in order: this one last).
     handle: Option<HandleRef>,
 }
 

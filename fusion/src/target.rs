@@ -255,8 +255,9 @@ enum Site {
     /// descriptor cuDNN built from that handle (`None` where [`device_binding`] says the
     /// heuristics get none).
     Handle {
-        handle: crate::exec::HandleRef,
+        // Declared first so it drops first: it was built from the handle.
         devprop: Option<Descriptor>,
+        handle: crate::exec::HandleRef,
     },
 }
 
