@@ -21,7 +21,11 @@ use cudnn_cbr::amp::dist::nccl::{NcclComm, NcclId};
 use cudnn_cbr::amp::dist::{Collective, ReduceOp};
 use cudnn_cbr::amp::plan::Region;
 use cudnn_cbr::fusion::cbr::RouteKind;
-use cudnn_cbr::net::{compile, memory_plan, Preset, RoutePolicy};
+use cudnn_cbr::net::{compile, memory_plan, RoutePolicy};
+
+// The network it runs, which tests/planned_gpu_shapes.rs compiles in CI.
+#[path = "../tests/common/gpu_shapes.rs"]
+mod gpu_shapes;
 
 fn main() {
     let full = std::env::args().any(|a| a == "--bench");
@@ -46,8 +50,8 @@ fn main() {
         vec![(String::new(), 1 << 16)]
     };
     if full {
-        let spec = Preset::ResNet50.spec(3, 1000, 64);
-        let net = compile(&spec, 1, 224, &RoutePolicy::Uniform(RouteKind::Fused))
+        let (spec, batch, hw) = gpu_shapes::allreduce_net();
+        let net = compile(&spec, batch, hw, &RoutePolicy::Uniform(RouteKind::Fused))
             .expect("ResNet-50 compiles");
         let plan = memory_plan(&net, 1000).expect("its memory plan");
         for b in plan.buckets().iter().rev() {

@@ -13,7 +13,7 @@ use cudarc::driver::CudaStream;
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::kernels::Pointwise;
 use cudnn_cbr::fusion::cbr::{
-    graphs, resnet50, CbrConfig, CbrLayer, ConvShape, HostBuffer, OwnedDeviceBuffers, Pass, Src,
+    graphs, CbrConfig, CbrLayer, HostBuffer, OwnedDeviceBuffers, Pass, Src,
 };
 use cudnn_cbr::fusion::exec::{cuda_device, Bindings, Handle, Workspace};
 use cudnn_cbr::fusion::graph::DataType;
@@ -23,6 +23,10 @@ use cudnn_cbr::fusion::Target;
 use half::f16;
 use std::collections::BTreeSet;
 use std::sync::Arc;
+
+// The shapes it runs, which tests/planned_gpu_shapes.rs plans deviceless in CI.
+#[path = "../tests/common/gpu_shapes.rs"]
+mod gpu_shapes;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -108,12 +112,9 @@ fn random_buffers(
 /// (a plain GEMM of 50176 × 2048 × 2048), since either kind can be the faster kernel.
 fn measure_peak(handle: &Handle, target: &Target, stream: &Arc<CudaStream>) -> Res<f64> {
     let mut best = 0f64;
-    for shape in [
-        ConvShape::square(256, 256, 56, 256, 3, 1, 1),
-        ConvShape::square(256, 2048, 14, 2048, 1, 0, 1),
-    ] {
+    for shape in gpu_shapes::peak_shapes() {
         let (g, t) = graphs::conv_fprop(&shape, false, false);
-        let plan = build_plan(&OperationGraph::new(&g)?, target)?;
+        let plan = build_plan(&OperationGraph::for_target(&g, target)?, target)?;
         let mut x = stream.alloc_zeros::<f16>((shape.n * shape.c * shape.h * shape.w) as usize)?;
         let mut w = stream.alloc_zeros::<f16>((shape.k * shape.c * shape.r * shape.s) as usize)?;
         let mut y =
@@ -186,15 +187,19 @@ fn run(stream: Arc<CudaStream>, full: bool) -> Res<Vec<String>> {
     let batch: i64 = std::env::var("CBR_BENCH_BATCH")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(if full { 256 } else { 8 });
+        .unwrap_or(if full {
+            gpu_shapes::CBR_LAYERS_BATCH_FULL
+        } else {
+            gpu_shapes::CBR_LAYERS_BATCH_QUICK
+        });
     let (warmup, iters) = if full { (3, 20) } else { (1, 2) };
     let peak = measure_peak(&handle, &target, &stream)?;
     let bw = measure_bandwidth(&stream)?;
     println!("device {} | measured peak {:.1} TFLOP/s (best cuDNN conv) | bandwidth {:.0} GB/s (D2D copy) | batch {batch}", target.props().name(), peak / 1e12, bw / 1e9);
     let cache = PlanCache::new();
-    let mut layers = resnet50::resnet50_layers(batch);
+    let mut layers = gpu_shapes::cbr_layers(batch);
     if !full {
-        layers.truncate(2);
+        layers.truncate(gpu_shapes::CBR_LAYERS_QUICK_LAYERS);
     }
     let mut rows = Vec::new();
     let mut failed = Vec::new();

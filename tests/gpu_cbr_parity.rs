@@ -5,7 +5,7 @@
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::graphs::ApplyResidual;
 use cudnn_cbr::fusion::cbr::{
-    CbrConfig, CbrLayer, ConvShape, HostBuffer, HostBuffers, OwnedDeviceBuffers, Pass,
+    CbrConfig, CbrLayer, HostBuffer, HostBuffers, OwnedDeviceBuffers, Pass,
 };
 mod common;
 
@@ -68,16 +68,7 @@ fn two_layer_chain_matches_the_cpu_reference_on_both_routes() {
     let handle = Handle::new(stream.clone()).unwrap();
     let target = handle.target().unwrap();
     let cache = PlanCache::new();
-    let shapes = [
-        (
-            ConvShape::square(8, 32, 28, 64, 3, 1, 1),
-            ConvShape::square(8, 64, 28, 64, 3, 1, 1),
-        ),
-        (
-            ConvShape::square(8, 64, 28, 64, 1, 0, 1),
-            ConvShape::square(8, 64, 28, 128, 3, 1, 2),
-        ),
-    ];
+    let shapes = common::gpu_shapes::parity_pairs();
     for (s1, s2) in shapes {
         for fused in [true, false] {
             let c1 = CbrConfig::first(s1);

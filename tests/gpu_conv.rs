@@ -1,13 +1,14 @@
 //! Tier 4 (GPU): a conv fprop plan executes through the frontend and matches the CPU
 //! reference. Prints one SKIP line where there is no usable CUDA device or cuDNN.
 
-use cudnn_cbr::fusion::cbr::{graphs, ConvShape};
+use cudnn_cbr::fusion::cbr::graphs;
 mod common;
 
 use cudnn_cbr::fusion::exec::{Bindings, Handle, Workspace};
 use cudnn_cbr::fusion::lower::OperationGraph;
 use cudnn_cbr::fusion::plan::build_plan;
 use cudnn_cbr::fusion::reference::{self, ConvParams};
+use cudnn_cbr::fusion::{device_binding, DevicePropSource, Error, TargetKind};
 use half::f16;
 
 /// Deterministic values in [-1, 1), rounded to FP16.
@@ -28,9 +29,13 @@ fn conv_fprop_matches_the_cpu_reference() {
     let target = handle.target().unwrap();
     println!("device: {} ({})", target.props().name(), target.identity());
 
-    let shape = ConvShape::square(4, 32, 16, 48, 3, 1, 1);
+    let shape = common::gpu_shapes::conv_shape();
     let (graph, t) = graphs::conv_fprop(&shape, false, false);
-    let plan = build_plan(&OperationGraph::new(&graph).unwrap(), &target).unwrap();
+    let plan = build_plan(
+        &OperationGraph::for_target(&graph, &target).unwrap(),
+        &target,
+    )
+    .unwrap();
     println!(
         "plan {} workspace {}",
         plan.engine_tag(),
@@ -78,4 +83,40 @@ fn conv_fprop_matches_the_cpu_reference() {
         );
     }
     println!("conv fprop on GPU matches the CPU reference; worst abs error {worst}");
+}
+
+#[test]
+fn a_live_plan_is_lowered_with_the_handle_and_ranked_for_the_device() {
+    let Some(ctx) =
+        common::gpu_or_skip("a_live_plan_is_lowered_with_the_handle_and_ranked_for_the_device")
+    else {
+        return;
+    };
+    let handle = Handle::new(ctx.default_stream()).unwrap();
+    let target = handle.target().unwrap();
+    let binding = target.binding();
+    assert_eq!(
+        binding,
+        device_binding(TargetKind::Live, target.cudnn_version())
+    );
+    assert!(binding.graph_handle && binding.plan_on_handle);
+    if target.cudnn_version() >= cudnn_cbr::sys::DEVICELESS_MIN_VERSION {
+        assert_eq!(binding.heuristics_devprop, Some(DevicePropSource::Handle));
+    }
+    let (graph, _) = graphs::conv_fprop(&common::gpu_shapes::conv_shape(), false, true);
+    // Lowered with the handle (CUDNN_ATTR_OPERATIONGRAPH_HANDLE), heuristics given the
+    // device's DEVICEPROP descriptor: cuDNN accepts both and a plan finalizes.
+    let op = OperationGraph::for_target(&graph, &target).unwrap();
+    assert!(op.has_handle());
+    let plan = build_plan(&op, &target).unwrap();
+    assert_eq!(plan.target_identity(), target.identity());
+    println!(
+        "live plan {} on {} (handle on the graph, device properties from the handle)",
+        plan.engine_tag(),
+        target.identity()
+    );
+    // A graph lowered without the handle is refused, not ranked for whatever is current.
+    let bare = OperationGraph::new(&graph).unwrap();
+    let err = build_plan(&bare, &target).unwrap_err();
+    assert!(matches!(err, Error::LoweredForOtherTarget { .. }), "{err}");
 }

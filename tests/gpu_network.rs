@@ -12,25 +12,11 @@ use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::{BnSync, DeviceBnSync, RouteKind};
 use cudnn_cbr::fusion::exec::Handle;
 use cudnn_cbr::fusion::graph::DataType;
-use cudnn_cbr::net::{
-    compile, BlockKind, BlockSpec, BufferRole, CpuNet, CudaNet, NetSpec, RoutePolicy, StemSpec,
-};
+use cudnn_cbr::net::{compile, BufferRole, CpuNet, CudaNet, NetSpec, RoutePolicy};
 use half::f16;
 
 fn spec() -> NetSpec {
-    NetSpec {
-        name: "stem + bottleneck".into(),
-        in_channels: 8,
-        stem: StemSpec {
-            out: 32,
-            kernel: 3,
-            stride: 1,
-            pad: 1,
-            max_pool: None,
-        },
-        stages: vec![vec![BlockSpec::new(BlockKind::Bottleneck, 32, 16, 64, 2)]],
-        classes: 4,
-    }
+    common::gpu_shapes::network_spec()
 }
 
 fn rel_l2(a: &[f64], b: &[f64]) -> f64 {
@@ -107,7 +93,7 @@ fn a_bottleneck_block_with_projection_matches_the_cpu_executor() {
     let target = handle.target().unwrap();
     let kernels = AmpKernels::for_context(&ctx).unwrap();
     let cache = PlanCache::new();
-    let (batch, hw) = (8, 16);
+    let (batch, hw) = common::gpu_shapes::NETWORK_BATCH_HW;
     // (fused, synchronized BN over two identical replicas)
     for (fused, synced) in [(true, false), (false, false), (true, true)] {
         let policy = if fused {

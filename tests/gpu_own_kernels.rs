@@ -166,16 +166,7 @@ fn our_kernels_match_the_reference_ops_bit_for_bit_and_cudnn_within_an_ulp() {
     // 64 channels: the 16-byte path; 24 channels after a 3-channel first conv: the
     // element-by-element path, and the first layer's statistics on our kernel (its conv +
     // GenStats graph would be runtime-compiled, so the fused route splits it).
-    let cases = [
-        (
-            ConvShape::square(4, 32, 14, 64, 3, 1, 1),
-            ConvShape::square(4, 64, 14, 64, 3, 1, 1),
-        ),
-        (
-            ConvShape::square(2, 3, 9, 20, 3, 1, 1),
-            ConvShape::square(2, 20, 9, 20, 1, 0, 1),
-        ),
-    ];
+    let cases = common::gpu_shapes::own_kernels_pairs();
     for shapes in cases {
         let Some(chain) = run(Pointwise::Own, shapes) else {
             return;

@@ -259,7 +259,7 @@ impl PlanCache {
         if let Some(found) = self.recall(&key, graph, target, false) {
             return found;
         }
-        let op = OperationGraph::new(graph)?;
+        let op = OperationGraph::for_target(graph, target)?;
         let mut plan = match build_plan(&op, target) {
             Ok(plan) => plan,
             Err(e) => return Err(self.failed_with(key, e)),
@@ -296,7 +296,7 @@ impl PlanCache {
         if let Some(found) = self.recall(&key, graph, target, true) {
             return found;
         }
-        let op = OperationGraph::new(graph)?;
+        let op = OperationGraph::for_target(graph, target)?;
         let mut tuned = match autotune::tune(&op, target, opts) {
             Ok(tuned) => tuned,
             Err(e) => return Err(self.failed_with(key, e)),
@@ -528,9 +528,13 @@ fn read_plan(
     check_plan_tensors(json, graph).map_err(at)?;
     let desc = crate::backend::plan_from_json(json, target.plan_site())
         .map_err(|e| at(format!("cuDNN could not restore the plan: {e}")))?;
-    let mut plan =
-        ExecutionPlan::from_parts(desc, graph.name().to_string(), real_tensor_layout(graph))
-            .map_err(|e| at(e.to_string()))?;
+    let mut plan = ExecutionPlan::from_parts(
+        desc,
+        graph.name().to_string(),
+        real_tensor_layout(graph),
+        target,
+    )
+    .map_err(|e| at(e.to_string()))?;
     plan.set_source_graph(graph);
     if let Some(record) = &record {
         let engine = crate::backend::plan_engine_info(plan.descriptor()).ok();

@@ -167,6 +167,19 @@ pub enum Error {
         /// The last failure's text.
         last: String,
     },
+    /// An operation graph lowered for one device was planned for another target: a graph
+    /// lowered without a handle ([`OperationGraph::new`](crate::lower::OperationGraph::new))
+    /// on a live target, whose heuristics would not rank for its device, or one lowered on
+    /// another handle.
+    #[error("graph `{graph}` was lowered for {lowered_for} but is planned for {planned_for}; lower it with OperationGraph::for_target(graph, target)")]
+    LoweredForOtherTarget {
+        /// Graph name.
+        graph: String,
+        /// What the graph was lowered for.
+        lowered_for: String,
+        /// The target it was planned for.
+        planned_for: String,
+    },
     /// Autotuning was asked for on a target without a device to time plans on, and no tuned
     /// choice was on record for the graph.
     #[error("graph `{graph}`: autotuning needs a live device, but {target} is a deviceless target and no tuned plan is on record; plan with heuristics, or tune on a target made from a cuDNN handle")]

@@ -138,7 +138,7 @@ impl Handle {
 
     /// A live target: plans built for it can execute on this handle.
     pub fn target(self: &Arc<Self>) -> Result<Target> {
-        Ok(Target::live(self.device_props()?, HandleRef(self.clone())))
+        Target::live(self.device_props()?, HandleRef(self.clone()))
     }
 
     /// Enqueues zeroing of `bytes` bytes at device address `ptr` on the handle's stream.

@@ -26,4 +26,7 @@ pub mod rtc;
 mod target;
 
 pub use error::{BindingProblem, Error, Result};
-pub use target::{DeviceProps, Target, KNOWN_COMPUTE_CAPABILITIES, REQUIRED_KEYS};
+pub use target::{
+    device_binding, DeviceBinding, DevicePropSource, DeviceProps, Target, TargetKind,
+    KNOWN_COMPUTE_CAPABILITIES, REQUIRED_KEYS,
+};

@@ -3,12 +3,19 @@
 //! Every tensor, convolution, pointwise, reduction and operation descriptor is created here and
 //! kept alive by the [`OperationGraph`] that owns them. Uses only the safe
 //! [`backend`](crate::backend) API.
+//!
+//! A graph planned for a live target is lowered with [`OperationGraph::for_target`], which
+//! gives cuDNN the target's handle (`CUDNN_ATTR_OPERATIONGRAPH_HANDLE`) as
+//! [`crate::target::device_binding`] says; [`OperationGraph::new`] lowers for a deviceless
+//! target.
 
 use crate::backend::Descriptor;
 use crate::error::{Error, Result};
+use crate::exec::HandleRef;
 use crate::graph::{
     ConvAttrs, DataType, Graph, GraphSignature, Node, PointwiseMode, ReductionMode, TensorId,
 };
+use crate::target::Target;
 use cudnn_fe_sys as sys;
 use sys::cudnnBackendAttributeName_t as A;
 use sys::cudnnBackendDescriptorType_t as K;
@@ -39,13 +46,40 @@ pub struct OperationGraph {
     desc: Descriptor,
     // Tensors, conv/pointwise descriptors and ops the graph refers to, kept alive with it.
     _parts: Vec<Descriptor>,
+    /// The handle set on the graph (a live target's), held so it outlives the graph (fields
+    /// drop in order: this one last).
+    handle: Option<HandleRef>,
 }
 
 impl OperationGraph {
-    /// Validates and lowers `graph`.
+    /// Validates and lowers `graph` for a deviceless target (no handle is set). For a live
+    /// target use [`OperationGraph::for_target`]: planning refuses a graph lowered without
+    /// the target's handle ([`Error::LoweredForOtherTarget`]).
     pub fn new(graph: &Graph) -> Result<Self> {
         let signature = graph.signature()?;
-        lower(graph, signature)
+        lower(graph, signature, None)
+    }
+
+    /// Validates and lowers `graph` for `target`: with the handle of a live target set on the
+    /// operation graph, none for a deviceless one ([`Target::binding`]).
+    pub fn for_target(graph: &Graph, target: &Target) -> Result<Self> {
+        let signature = graph.signature()?;
+        let handle = target.graph_handle().cloned();
+        if handle.is_some() {
+            // The graph is finalized against the handle's device.
+            target.make_current()?;
+        }
+        lower(graph, signature, handle)
+    }
+
+    /// Whether a handle was set on the graph (it was lowered for a live target).
+    pub fn has_handle(&self) -> bool {
+        self.handle.is_some()
+    }
+
+    /// The address of the handle set on the graph, to match it with a target's.
+    pub(crate) fn handle_addr(&self) -> Option<usize> {
+        self.handle.as_ref().map(|h| h.raw() as usize)
     }
 
     /// The graph's name.
@@ -509,7 +543,11 @@ fn real_tensors(graph: &Graph, uids: &[i64]) -> Vec<RealTensor> {
     real
 }
 
-fn lower(graph: &Graph, signature: GraphSignature) -> Result<OperationGraph> {
+fn lower(
+    graph: &Graph,
+    signature: GraphSignature,
+    handle: Option<HandleRef>,
+) -> Result<OperationGraph> {
     let uids = assign_uids(graph);
     let mut tensors = Vec::with_capacity(graph.tensors().len());
     for (i, a) in graph.tensors().iter().enumerate() {
@@ -551,6 +589,9 @@ fn lower(graph: &Graph, signature: GraphSignature) -> Result<OperationGraph> {
     let mut desc = Descriptor::new(K::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
     let ops: Vec<&Descriptor> = l.ops.iter().collect();
     desc.set_descriptors(A::CUDNN_ATTR_OPERATIONGRAPH_OPS, &ops)?;
+    if let Some(h) = &handle {
+        desc.set_one(A::CUDNN_ATTR_OPERATIONGRAPH_HANDLE, h.raw())?;
+    }
     desc.finalize()
         .map_err(|e| with_context(e, &format!("graph `{}`", graph.name())))?;
     let mut parts = l.tensors;
@@ -562,6 +603,7 @@ fn lower(graph: &Graph, signature: GraphSignature) -> Result<OperationGraph> {
         real,
         desc,
         _parts: parts,
+        handle,
     })
 }
 
@@ -573,5 +615,40 @@ fn with_context(e: Error, ctx: &str) -> Error {
             source,
         },
         other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cbr::{graphs, ConvShape};
+    use crate::target::DeviceProps;
+
+    #[test]
+    fn a_graph_lowered_for_a_deviceless_target_has_no_handle_and_plans() {
+        if let Err(e) = cudnn_fe_sys::library() {
+            if std::env::var_os("CI").is_some() {
+                panic!("cuDNN is required when CI is set: {e}");
+            }
+            let e = e.to_string();
+            println!(
+                "SKIP a_graph_lowered_for_a_deviceless_target_has_no_handle_and_plans: cuDNN not loadable ({})",
+                e.lines().next().unwrap_or("")
+            );
+            return;
+        }
+        let props =
+            DeviceProps::from_json(include_str!("../../tests/fixtures/devprops/h200-sm90.json"))
+                .unwrap();
+        let target = Target::deviceless(props).unwrap();
+        let (graph, _) =
+            graphs::conv_fprop(&ConvShape::square(4, 32, 16, 48, 3, 1, 1), false, false);
+        let op = OperationGraph::for_target(&graph, &target).unwrap();
+        assert!(!op.has_handle());
+        assert_eq!(op.handle_addr(), None);
+        let plan = crate::plan::build_plan(&op, &target).unwrap();
+        assert_eq!(plan.target_identity(), target.identity());
+        // `new` lowers the same way for a deviceless target.
+        assert!(!OperationGraph::new(&graph).unwrap().has_handle());
     }
 }

@@ -1,6 +1,7 @@
 //! Execution plans: heuristics, plan finalize, introspection.
 //!
-//! 1. Lower a graph ([`OperationGraph::new`]).
+//! 1. Lower a graph ([`OperationGraph::for_target`]; [`OperationGraph::new`] for a
+//!    deviceless target).
 //! 2. [`build_plans`] asks heuristics (modes in [`PlanPolicy::modes`] order) and finalizes the
 //!    first config that works, or every config when autotuning.
 //! 3. An [`ExecutionPlan`] knows its workspace, engine, notes, JSON and the real tensors (uids)
@@ -52,6 +53,8 @@ pub struct ExecutionPlan {
     desc: Descriptor,
     graph_name: String,
     real: Vec<RealTensor>,
+    /// [`Target::identity`] of the target it was built (or restored) for.
+    target: std::sync::Arc<str>,
     workspace: usize,
     engine: Option<EngineInfo>,
     mode: Option<HeurMode>,
@@ -68,12 +71,14 @@ impl ExecutionPlan {
         desc: Descriptor,
         graph_name: String,
         real: Vec<RealTensor>,
+        target: &Target,
     ) -> Result<Self> {
         let workspace = backend::plan_workspace_size(&desc)?;
         Ok(ExecutionPlan {
             desc,
             graph_name,
             real,
+            target: std::sync::Arc::from(target.identity()),
             workspace,
             engine: None,
             mode: None,
@@ -113,6 +118,12 @@ impl ExecutionPlan {
     /// The graph it runs.
     pub fn graph_name(&self) -> &str {
         &self.graph_name
+    }
+
+    /// [`Target::identity`] of the target the plan was built for (a plan runs only on a
+    /// device of that identity).
+    pub fn target_identity(&self) -> &str {
+        &self.target
     }
 
     /// Real tensors (uid-sorted): the variant pack must give each one a pointer.
@@ -208,6 +219,12 @@ pub fn build_plans(
     let mut usable_total = 0;
     let mut tried = 0;
     let mut last = String::from("no engine config to try");
+    check_lowering(
+        op.name(),
+        op.handle_addr(),
+        target.graph_handle().map(|h| h.raw() as usize),
+        &target.describe(),
+    )?;
     target.make_current()?;
     'modes: for &mode in &policy.modes {
         let heur = match backend::heuristics(op.descriptor(), mode, target.devprop()) {
@@ -231,6 +248,7 @@ pub fn build_plans(
                         desc,
                         op.name().to_string(),
                         op.real_tensors().to_vec(),
+                        target,
                     )?;
                     plan.engine = backend::engine_info(cfg).ok();
                     plan.mode = Some(mode);
@@ -274,6 +292,34 @@ pub fn build_plans(
     })
 }
 
+/// Refuses a graph lowered with another handle than the one its target gives operation graphs
+/// (`graph_handle`, `target_handle`: handle addresses, `None` for no handle): on a live target
+/// a graph without the handle would be ranked for whatever device is current, not the
+/// target's.
+fn check_lowering(
+    graph: &str,
+    graph_handle: Option<usize>,
+    target_handle: Option<usize>,
+    target: &str,
+) -> Result<()> {
+    if graph_handle == target_handle {
+        return Ok(());
+    }
+    let lowered_for = match graph_handle {
+        None => "no device (without a handle)".to_string(),
+        Some(_) => "a live device's handle".to_string(),
+    };
+    let planned_for = match target_handle {
+        Some(_) if graph_handle.is_some() => format!("{target} on another handle"),
+        _ => target.to_string(),
+    };
+    Err(Error::LoweredForOtherTarget {
+        graph: graph.to_string(),
+        lowered_for,
+        planned_for,
+    })
+}
+
 /// Whether `e` is cuDNN saying "not supported" (status 3000–3999).
 fn not_supported(e: &Error) -> bool {
     matches!(e, Error::Cudnn { source, .. } if (3000..4000).contains(&source.code))
@@ -282,4 +328,31 @@ fn not_supported(e: &Error) -> bool {
 /// The first plan that finalizes, under the default policy.
 pub fn build_plan(op: &OperationGraph, target: &Target) -> Result<ExecutionPlan> {
     Ok(build_plans(op, target, &PlanPolicy::default())?.remove(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_graph_is_planned_only_for_the_handle_it_was_lowered_with() {
+        // Deviceless: neither has a handle.
+        check_lowering("g", None, None, "NVIDIA H200 (deviceless)").unwrap();
+        // Live, lowered with the target's own handle.
+        check_lowering("g", Some(0x10), Some(0x10), "NVIDIA H200 (live)").unwrap();
+        for (graph, target, needle) in [
+            (None, Some(0x10), "lowered for no device"),
+            (Some(0x10), None, "lowered for a live device's handle"),
+            (Some(0x10), Some(0x20), "on another handle"),
+        ] {
+            let err = check_lowering("conv", graph, target, "NVIDIA H200").unwrap_err();
+            assert!(
+                matches!(&err, Error::LoweredForOtherTarget { graph, .. } if graph == "conv"),
+                "{err}"
+            );
+            let text = err.to_string();
+            assert!(text.contains(needle), "{text}");
+            assert!(text.contains("OperationGraph::for_target"), "{text}");
+        }
+    }
 }

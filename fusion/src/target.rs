@@ -251,8 +251,70 @@ pub struct Target {
 enum Site {
     /// Deviceless: a finalized DEVICEPROP descriptor built from the JSON.
     Deviceless(Descriptor),
-    /// A live device behind a cuDNN handle (owned by the execution layer).
-    Handle(crate::exec::HandleRef),
+    /// A live device behind a cuDNN handle (owned by the execution layer), with the DEVICEPROP
+    /// descriptor cuDNN built from that handle (`None` where [`device_binding`] says the
+    /// heuristics get none).
+    Handle {
+        // Declared first so it drops first: it was built from the handle.
+        devprop: Option<Descriptor>,
+        handle: crate::exec::HandleRef,
+    },
+}
+
+/// Whether a target is a live device or a device-properties document.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TargetKind {
+    /// Built from a device-properties document, no GPU ([`Target::deviceless`]).
+    Deviceless,
+    /// Built from a cuDNN handle on a live device ([`crate::exec::Handle::target`]).
+    Live,
+}
+
+/// Where the heuristics' `CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR` comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DevicePropSource {
+    /// The target's JSON document (`CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION`): a fixture.
+    Json,
+    /// The live device behind the target's handle (`CUDNN_ATTR_DEVICEPROP_HANDLE`).
+    Handle,
+}
+
+/// What cuDNN is told about the device a plan is for, at each stage of planning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceBinding {
+    /// `CUDNN_ATTR_OPERATIONGRAPH_HANDLE` is set on the operation graph.
+    pub graph_handle: bool,
+    /// `CUDNN_ATTR_ENGINEHEUR_DEVICEPROP` is set on the heuristics, from this source (`None`:
+    /// not set, the heuristics rank for the device of the graph's handle).
+    pub heuristics_devprop: Option<DevicePropSource>,
+    /// The plan is finalized on the handle (`CUDNN_ATTR_EXECUTION_PLAN_HANDLE`) instead of for
+    /// the descriptor (`CUDNN_ATTR_EXECUTION_PLAN_DEVICEPROP`).
+    pub plan_on_handle: bool,
+}
+
+/// The one rule for what cuDNN is told about the device: a deviceless target gives its
+/// document's descriptor to the heuristics and the plan and no handle anywhere; a live target
+/// gives its handle to the operation graph and the plan, and (cuDNN ≥ 9.8, which has the
+/// descriptor) the descriptor of its device to the heuristics, so a live plan is ranked for
+/// the device it runs on.
+pub fn device_binding(kind: TargetKind, cudnn_version: usize) -> DeviceBinding {
+    match kind {
+        TargetKind::Deviceless => DeviceBinding {
+            graph_handle: false,
+            heuristics_devprop: Some(DevicePropSource::Json),
+            plan_on_handle: false,
+        },
+        TargetKind::Live => DeviceBinding {
+            graph_handle: true,
+            heuristics_devprop: (cudnn_version >= cudnn_fe_sys::DEVICELESS_MIN_VERSION)
+                .then_some(DevicePropSource::Handle),
+            plan_on_handle: true,
+        },
+    }
+}
+
+fn loaded_cudnn_version() -> usize {
+    cudnn_fe_sys::library().map(|l| l.version()).unwrap_or(0)
 }
 
 impl Target {
@@ -272,16 +334,26 @@ impl Target {
     pub(crate) fn make_current(&self) -> Result<()> {
         match &self.site {
             Site::Deviceless(_) => Ok(()),
-            Site::Handle(h) => h.make_current(),
+            Site::Handle { handle, .. } => handle.make_current(),
         }
     }
 
-    pub(crate) fn live(props: DeviceProps, handle: crate::exec::HandleRef) -> Self {
-        Self::with_site(props, Site::Handle(handle))
+    /// A live target on `handle`'s device, with the device-properties descriptor cuDNN builds
+    /// from the handle when [`device_binding`] gives the heuristics one.
+    pub(crate) fn live(props: DeviceProps, handle: crate::exec::HandleRef) -> Result<Self> {
+        let devprop =
+            match device_binding(TargetKind::Live, loaded_cudnn_version()).heuristics_devprop {
+                Some(_) => {
+                    handle.make_current()?;
+                    Some(backend::device_prop_descriptor_for_handle(handle.raw())?)
+                }
+                None => None,
+            };
+        Ok(Self::with_site(props, Site::Handle { handle, devprop }))
     }
 
     fn with_site(props: DeviceProps, site: Site) -> Self {
-        let cudnn_version = cudnn_fe_sys::library().map(|l| l.version()).unwrap_or(0);
+        let cudnn_version = loaded_cudnn_version();
         let (major, minor) = props.compute_capability();
         let identity = format!(
             "{}|sm{major}{minor}|{}sm|cudnn{cudnn_version}|props{:016x}",
@@ -315,28 +387,59 @@ impl Target {
 
     /// Whether plans for this target can execute (it was made from a live device).
     pub fn is_live(&self) -> bool {
-        matches!(self.site, Site::Handle(_))
+        self.kind() == TargetKind::Live
+    }
+
+    /// Live or deviceless.
+    pub fn kind(&self) -> TargetKind {
+        match self.site {
+            Site::Deviceless(_) => TargetKind::Deviceless,
+            Site::Handle { .. } => TargetKind::Live,
+        }
+    }
+
+    /// What planning for this target tells cuDNN about the device ([`device_binding`] for
+    /// its kind and cuDNN version).
+    pub fn binding(&self) -> DeviceBinding {
+        device_binding(self.kind(), self.cudnn_version)
+    }
+
+    /// A short description for messages: the device name and whether it is live.
+    pub fn describe(&self) -> String {
+        match self.kind() {
+            TargetKind::Deviceless => format!("{} (deviceless)", self.props.name()),
+            TargetKind::Live => format!("{} (live)", self.props.name()),
+        }
     }
 
     /// The handle of a live target (None when deviceless): autotuning times plans on it.
     pub(crate) fn handle(&self) -> Option<&std::sync::Arc<crate::exec::Handle>> {
         match &self.site {
             Site::Deviceless(_) => None,
-            Site::Handle(h) => Some(&h.0),
+            Site::Handle { handle, .. } => Some(&handle.0),
+        }
+    }
+
+    /// The handle the operation graph is given, as [`DeviceBinding::graph_handle`] says.
+    pub(crate) fn graph_handle(&self) -> Option<&crate::exec::HandleRef> {
+        match &self.site {
+            Site::Handle { handle, .. } if self.binding().graph_handle => Some(handle),
+            _ => None,
         }
     }
 
     pub(crate) fn plan_site(&self) -> PlanSite<'_> {
         match &self.site {
             Site::Deviceless(d) => PlanSite::Deviceless(d),
-            Site::Handle(h) => PlanSite::Handle(h.raw()),
+            Site::Handle { handle, .. } => PlanSite::Handle(handle.raw()),
         }
     }
 
+    /// The descriptor the heuristics are given, as [`DeviceBinding::heuristics_devprop`] says.
     pub(crate) fn devprop(&self) -> Option<&Descriptor> {
         match &self.site {
             Site::Deviceless(d) => Some(d),
-            Site::Handle(_) => None,
+            Site::Handle { devprop, .. } => devprop.as_ref(),
         }
     }
 }
@@ -371,6 +474,64 @@ mod tests {
         // A value of the wrong type is still an error: it is not "unknown", it is wrong.
         v["multiProcessorCount"] = serde_json::json!("many");
         assert!(DeviceProps::from_live_json(&v.to_string()).is_err());
+    }
+
+    #[test]
+    fn live_targets_give_cudnn_their_handle_and_device_deviceless_ones_their_document() {
+        let live = device_binding(TargetKind::Live, 92801);
+        assert_eq!(
+            live,
+            DeviceBinding {
+                graph_handle: true,
+                heuristics_devprop: Some(DevicePropSource::Handle),
+                plan_on_handle: true,
+            }
+        );
+        // Before 9.8 cuDNN has no DEVICEPROP descriptor: the graph's handle alone names the
+        // device.
+        let old = device_binding(TargetKind::Live, 90100);
+        assert!(old.graph_handle && old.plan_on_handle);
+        assert_eq!(old.heuristics_devprop, None);
+        for version in [90100, 92801] {
+            assert_eq!(
+                device_binding(TargetKind::Deviceless, version),
+                DeviceBinding {
+                    graph_handle: false,
+                    heuristics_devprop: Some(DevicePropSource::Json),
+                    plan_on_handle: false,
+                }
+            );
+        }
+    }
+
+    #[test]
+    fn a_deviceless_target_follows_the_deviceless_binding() {
+        let lib = match cudnn_fe_sys::library() {
+            Ok(lib) => lib,
+            Err(e) if std::env::var_os("CI").is_some() => {
+                panic!("cuDNN is required when CI is set: {e}")
+            }
+            Err(e) => {
+                let e = e.to_string();
+                println!(
+                    "SKIP a_deviceless_target_follows_the_deviceless_binding: cuDNN not loadable ({})",
+                    e.lines().next().unwrap_or("")
+                );
+                return;
+            }
+        };
+        let target = Target::deviceless(DeviceProps::from_json(H200).unwrap()).unwrap();
+        assert_eq!(target.kind(), TargetKind::Deviceless);
+        assert_eq!(
+            target.binding(),
+            device_binding(TargetKind::Deviceless, lib.version())
+        );
+        // What the binding says is what lowering and heuristics get: no handle for the
+        // graph, the fixture's descriptor for the heuristics and the plan.
+        assert!(target.graph_handle().is_none());
+        assert!(target.devprop().is_some());
+        assert!(matches!(target.plan_site(), PlanSite::Deviceless(_)));
+        assert_eq!(target.describe(), "NVIDIA H200 (deviceless)");
     }
 
     #[test]

@@ -7,6 +7,9 @@
 //! 1. Compile with a planned [`RoutePolicy`](super::RoutePolicy) on the device's target.
 //! 2. [`CudaNet::new`] with the handle, the amp kernels and, for training, the memory plan
 //!    whose regions hold the parameters (`None`: the parameters get allocations of their own).
+//!    A layer whose plans were built for another target (a deviceless fixture, another
+//!    device or cuDNN) is planned again for the handle's device first ([`replan_for`]),
+//!    saying so once on stderr.
 //! 3. [`CudaNet::upload`] the input (and parameters when they are its own), then
 //!    [`CudaNet::forward`] (or [`CudaNet::forward_with`] the amp regions, borrowed for the
 //!    pass); write the output's gradient and [`CudaNet::backward`] (`backward_with`).
@@ -24,12 +27,14 @@ use crate::amp::cuda::{
 use crate::amp::plan::{Bucket, ByteRange, DataType, MemoryPlan, Region};
 use crate::amp::range::PoolShape;
 use crate::amp::AmpError;
+use cudnn_cbr_fusion::cache::PlanCache;
 use cudnn_cbr_fusion::cbr::{ArenaId, DeviceBnSync, DeviceBuffers, Pass, Side};
 use cudnn_cbr_fusion::exec::Handle;
 use cudnn_cbr_fusion::reference::Nhwc;
+use cudnn_cbr_fusion::Target;
 use half::f16;
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 
 /// What the CUDA executor of a network can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -51,6 +56,26 @@ pub enum CudaNetError {
     /// A buffer cannot be bound or reached as asked.
     #[error("{0}")]
     Binding(String),
+    /// A layer planned for another target could not be planned again for the live device.
+    #[error(transparent)]
+    Replan(Box<ReplanFailure>),
+}
+
+/// Why [`replan_for`] could not plan a layer for the live device (boxed in
+/// [`CudaNetError::Replan`]: it is the largest error here).
+#[derive(Debug, thiserror::Error)]
+#[error("network `{net}`, layer {layer}: planned for {planned_for}; planning its route again for the live device {live} failed: {source}")]
+pub struct ReplanFailure {
+    /// The network.
+    pub net: String,
+    /// The layer.
+    pub layer: String,
+    /// The target identities its plans were built for.
+    pub planned_for: String,
+    /// The live device's target identity.
+    pub live: String,
+    /// Why planning failed (compile the network for the live target instead).
+    pub source: cudnn_cbr_fusion::Error,
 }
 
 fn driver(what: String, e: impl std::fmt::Display) -> CudaNetError {
@@ -190,6 +215,109 @@ pub fn running_stats(net: &CompiledNet) -> impl Iterator<Item = BufId> + '_ {
     })
 }
 
+/// The layers of `net` (indices, in forward order) with a plan built for another target than
+/// the one whose [`Target::identity`] is `live`: what [`replan_for`] plans again. A layer
+/// without plans (made for the CPU executor) is not one of them.
+pub fn layers_to_replan(net: &CompiledNet, live: &str) -> Vec<usize> {
+    net.layers
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.layer.plans().any(|(_, p)| p.target_identity() != live))
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// What [`replan_for`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replanned {
+    /// The layers planned again, by name.
+    pub layers: Vec<String>,
+    /// The target identities their plans had been built for.
+    pub planned_for: Vec<String>,
+    /// The target they were planned for now.
+    pub live: String,
+    /// The one-line note naming both.
+    pub note: String,
+    /// Whether this call printed the note (the first time in this process for these targets).
+    pub printed: bool,
+}
+
+/// Targets whose re-planning was reported already, as `planned → live`: the note is said once
+/// per pair and process, not once per network or layer.
+static REPLAN_NOTES: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+
+/// Records `key` and says whether it is new (the note for it is to be printed).
+fn first_time(key: &str) -> bool {
+    let mut said = REPLAN_NOTES.lock().unwrap_or_else(|p| p.into_inner());
+    said.get_or_insert_with(HashSet::new)
+        .insert(key.to_string())
+}
+
+/// Plans again, through `cache`, every layer of `net` whose plans were built for another target
+/// than `target` ([`layers_to_replan`]), on the same route ([`CbrLayer::replan`]), so no plan
+/// made for a fixture (or another device or cuDNN) runs on `target`'s device unchecked. Prints
+/// one note on stderr naming the targets, the first time in this process for those targets.
+/// `None` when every plan was built for `target`.
+///
+/// # Errors
+/// [`CudaNetError::Replan`] naming the layer whose route has no plan on `target` (the network
+/// must then be compiled for it).
+///
+/// [`CbrLayer::replan`]: cudnn_cbr_fusion::cbr::CbrLayer::replan
+pub fn replan_for(
+    net: &mut CompiledNet,
+    target: &Target,
+    cache: &PlanCache,
+) -> Result<Option<Replanned>> {
+    let live = target.identity();
+    let stale = layers_to_replan(net, live);
+    if stale.is_empty() {
+        return Ok(None);
+    }
+    let mut planned_for: Vec<String> = Vec::new();
+    for &i in &stale {
+        for id in net.layers[i].layer.plan_targets() {
+            if id != live && !planned_for.iter().any(|p| p == id) {
+                planned_for.push(id.to_string());
+            }
+        }
+    }
+    let mut layers = Vec::with_capacity(stale.len());
+    for &i in &stale {
+        let l = &net.layers[i];
+        let replanned = l.layer.replan(target, cache).map_err(|source| {
+            CudaNetError::Replan(Box::new(ReplanFailure {
+                net: net.spec.name.clone(),
+                layer: l.name.clone(),
+                planned_for: l.layer.plan_targets().join(", "),
+                live: live.to_string(),
+                source,
+            }))
+        })?;
+        net.layers[i].layer = replanned;
+        layers.push(net.layers[i].name.clone());
+    }
+    let note = format!(
+        "note: network `{}`: {} of {} layers were planned for {}, not for the live device {}; planned them again for it",
+        net.spec.name,
+        stale.len(),
+        net.layers.len(),
+        planned_for.join(", "),
+        live
+    );
+    let printed = first_time(&format!("{} -> {live}", planned_for.join(", ")));
+    if printed {
+        eprintln!("{note}");
+    }
+    Ok(Some(Replanned {
+        layers,
+        planned_for,
+        live: live.to_string(),
+        note,
+        printed,
+    }))
+}
+
 /// Where a slot of the amp plan lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Home {
@@ -244,18 +372,38 @@ impl std::fmt::Debug for SyncSlot {
 impl CudaNet {
     /// Allocates every buffer of `net` on the handle's stream (zeroed; running variances at 1);
     /// with `amp_plan`, the parameters and their gradients are that plan's slots instead
-    /// (checked here: each exists and is large enough). Reserves the largest workspace any
-    /// plan needs.
+    /// (checked here: each exists and is large enough). Layers whose plans were built for
+    /// another target than the handle's device are planned again for it ([`replan_for`], in a
+    /// cache of their own: [`CudaNet::with_cache`] gives one). Reserves the largest workspace
+    /// any plan needs.
     ///
     /// # Errors
     /// [`AmpError::OutOfMemory`] (checked first) when the buffers exceed the device's free
-    /// memory; a parameter without a slot, or a slot that does not fit; a driver error.
+    /// memory; a parameter without a slot, or a slot that does not fit; a driver error;
+    /// [`CudaNetError::Replan`] for a layer whose route does not plan on the device.
     pub fn new(
         net: CompiledNet,
         handle: Arc<Handle>,
         kernels: Arc<AmpKernels>,
         amp_plan: Option<Arc<MemoryPlan>>,
     ) -> Result<Self> {
+        Self::with_cache(net, handle, kernels, amp_plan, &PlanCache::new())
+    }
+
+    /// [`CudaNet::new`], planning any layer built for another target again through `cache`
+    /// (a persistent cache keeps those plans for the next process).
+    ///
+    /// # Errors
+    /// As [`CudaNet::new`].
+    pub fn with_cache(
+        mut net: CompiledNet,
+        handle: Arc<Handle>,
+        kernels: Arc<AmpKernels>,
+        amp_plan: Option<Arc<MemoryPlan>>,
+        cache: &PlanCache,
+    ) -> Result<Self> {
+        // Before the workspace is sized: plans for this device may need another workspace.
+        replan_for(&mut net, &handle.target()?, cache)?;
         let stream = handle.stream().clone();
         let workspace = net.layers.iter().map(|l| l.layer.workspace_size()).max();
         handle.reserve_workspace(workspace.unwrap_or(0))?;

@@ -4,6 +4,8 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+pub mod gpu_shapes;
+
 /// The repository root: the working directory when it is one (cargo runs tests there; a
 /// bundled binary on the GPU machine runs from a copy of the repository at another path,
 /// scripts/gpu-check.sh), else where the test was built.

@@ -1085,6 +1085,13 @@ fn net_error(e: CudaNetError) -> TrainError {
         CudaNetError::Amp(e) => amp_error(e),
         CudaNetError::Driver { what, message } => TrainError::Driver { what, message },
         CudaNetError::Binding(m) => TrainError::Config(m),
+        CudaNetError::Replan(f) => TrainError::NoRoute {
+            layer: format!("{} of {}", f.layer, f.net),
+            reason: format!(
+                "planned for {}; planning it again for the live device {} failed: {}",
+                f.planned_for, f.live, f.source
+            ),
+        },
     }
 }
 

@@ -19,6 +19,10 @@ use cudnn_cbr_trainer::{
 };
 use std::sync::{Mutex, MutexGuard};
 
+// The configuration's batch, which trainer/tests/planned_default_nets.rs plans in CI.
+#[path = "../../tests/common/gpu_shapes.rs"]
+mod gpu_shapes;
+
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> MutexGuard<'static, ()> {
@@ -29,7 +33,7 @@ fn serial() -> MutexGuard<'static, ()> {
 fn cfg(steps: usize, device: Device, graph: CudaGraphMode) -> TrainConfig {
     TrainConfig {
         steps,
-        batch: 16,
+        batch: gpu_shapes::GPU_TRAIN_BATCH,
         device,
         cuda_graph: graph,
         drill: None,

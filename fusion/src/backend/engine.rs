@@ -27,6 +27,17 @@ pub fn device_prop_descriptor(props: &DeviceProps) -> Result<Descriptor> {
     Ok(d)
 }
 
+/// A finalized `CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR` for the device behind a live cuDNN handle
+/// (`CUDNN_ATTR_DEVICEPROP_HANDLE`, cuDNN ≥ 9.8): what the heuristics of a live target rank
+/// engines for. The caller makes the handle's context current (an older cuDNN has no such
+/// descriptor: [`crate::target::device_binding`] asks for none there).
+pub fn device_prop_descriptor_for_handle(handle: sys::cudnnHandle_t) -> Result<Descriptor> {
+    let mut d = Descriptor::new(K::CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR)?;
+    d.set_one(A::CUDNN_ATTR_DEVICEPROP_HANDLE, handle)?;
+    d.finalize()?;
+    Ok(d)
+}
+
 /// Heuristics modes cuDNN offers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum HeurMode {
@@ -59,7 +70,8 @@ pub struct HeuristicsResult {
     pub configs: Vec<Descriptor>,
 }
 
-/// Runs heuristics `mode` on a finalized operation graph, deviceless when `devprop` is given.
+/// Runs heuristics `mode` on a finalized operation graph, ranking engines for the device
+/// `devprop` describes (a document's, or a live handle's) when given.
 pub fn heuristics(
     op_graph: &Descriptor,
     mode: HeurMode,

@@ -15,7 +15,7 @@ mod engine;
 
 pub use descriptor::{descriptor_counts, kind_name, AttrValue, Descriptor, DescriptorCounts};
 pub use engine::{
-    device_prop_descriptor, engine_info, finalize_plan, heuristics, plan_engine_info,
-    plan_from_json, plan_json, plan_workspace_size, EngineInfo, HeurMode, HeuristicsResult,
-    PlanSite,
+    device_prop_descriptor, device_prop_descriptor_for_handle, engine_info, finalize_plan,
+    heuristics, plan_engine_info, plan_from_json, plan_json, plan_workspace_size, EngineInfo,
+    HeurMode, HeuristicsResult, PlanSite,
 };

@@ -1127,6 +1127,40 @@ impl CbrLayer {
     pub fn prev_buffers(&self) -> &[BufferSpec] {
         &self.prev_buffers
     }
+
+    /// The target identities ([`Target::identity`]) its plans were built for, each once.
+    pub fn plan_targets(&self) -> Vec<&str> {
+        let mut ids: Vec<&str> = self.plans().map(|(_, p)| p.target_identity()).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
+    /// This layer planned again for `target` through `cache` (a layer planned for one device
+    /// that is to run on another): the same configuration and route, with our kernels where
+    /// this layer runs them, so its buffers and bindings stay as they are.
+    ///
+    /// # Errors
+    /// What planning the route on `target` returns, e.g. [`Error::NoEngine`] where the route
+    /// has no engine there (the layer must then be planned for that target from scratch).
+    pub fn replan(&self, target: &Target, cache: &PlanCache) -> Result<Self> {
+        // A layer built with `Pointwise::Cudnn`, or where our kernels were unavailable, has
+        // no kernel step; asking for cuDNN's graphs again gives it the same steps.
+        let pointwise = if self.kernels().next().is_some() {
+            Pointwise::Own
+        } else {
+            Pointwise::Cudnn
+        };
+        let built = build_route(
+            &self.config,
+            target,
+            cache,
+            self.route.kind(),
+            &PlanOptions::Heuristics,
+            pointwise,
+        )?;
+        Ok(Self::from_built(self.config, self.route.clone(), built))
+    }
 }
 
 type Built = (Vec<LayerGraph>, Vec<LayerStep>);
