@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Builds the simulated CUDA device into OUT (default .deps/sim): libcudasim_rt.so (the
+# fiber runtime), the translator, the primitive-test binary, and the header folder the
+# driver compiles kernels against. Rebuilds only what is older than its sources.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+out=${1:-$here/../.deps/sim}
+mkdir -p "$out/include"
+out=$(cd "$out" && pwd)
+cxx=${CXX:-g++}
+flags=(-std=c++17 -O2 -g0 -Wall -Wextra -Werror -ffp-contract=off -fno-strict-aliasing)
+stale() { local t=$1; shift; [ ! -e "$t" ] || [ -n "$(find "$@" -newer "$t" 2>/dev/null)" ]; }
+
+cp -p "$here"/include/*.h "$out/include/"
+if stale "$out/libcudasim_rt.so" "$here/runtime.cc" "$here/include"; then
+  "$cxx" "${flags[@]}" -fPIC -shared -o "$out/libcudasim_rt.so" "$here/runtime.cc"
+fi
+if stale "$out/cudasim-translate" "$here/translate.cc" "$here/translate.h"; then
+  "$cxx" "${flags[@]}" -DCUDASIM_TRANSLATE_MAIN -o "$out/cudasim-translate" "$here/translate.cc"
+fi
+if stale "$out/primitives" "$here/tests/primitives.cu" "$here/include" "$out/libcudasim_rt.so" \
+   "$out/cudasim-translate"; then
+  "$out/cudasim-translate" primitives.cu < "$here/tests/primitives.cu" > "$out/primitives.cc"
+  "$cxx" "${flags[@]}" -Wno-unknown-pragmas -Wno-unused-parameter -I"$out/include" \
+    -include cuda_on_cpu.h -x c++ "$out/primitives.cc" -x none -o "$out/primitives" \
+    -L"$out" -lcudasim_rt -Wl,-rpath,"$out"
+fi
+echo "[sim] built the simulated device in $out"
