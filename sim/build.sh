@@ -25,4 +25,17 @@ if stale "$out/primitives" "$here/tests/primitives.cu" "$here/include" "$out/lib
     -include cuda_on_cpu.h -x c++ "$out/primitives.cc" -x none -o "$out/primitives" \
     -L"$out" -lcudasim_rt -Wl,-rpath,"$out"
 fi
+# The driver and NVRTC stand-ins need the CUDA headers and the real NVRTC (test deps).
+inc=${CUDNN_CBR_CUDA_INCLUDE:-$here/../.deps/include}
+lib=${CUDNN_CBR_LIB_DIR:-${CUDNN_LIB_DIR:-$here/../.deps/lib}}
+cp -p "$here/../tests/fixtures/devprops/h200-sm90.json" "$out/devprops.json"
+if stale "$out/libcuda.so" "$here/driver.cc" "$here/translate.cc" "$here/translate.h" "$here/include"; then
+  "$cxx" "${flags[@]}" -Wno-unused-parameter -fPIC -shared -fvisibility=hidden -I"$inc" \
+    -o "$out/libcuda.so" "$here/driver.cc" "$here/translate.cc" -ldl \
+    -Wl,-soname,libcudnn_cbr_sim_cuda.so
+fi
+if stale "$out/libnvrtc.so" "$here/nvrtc_shim.c"; then
+  ${CC:-gcc} -O2 -Wall -Werror -fPIC -shared -o "$out/libnvrtc.so" "$here/nvrtc_shim.c" \
+    -L"$lib" -Wl,--no-as-needed -l:libnvrtc.so.13 -Wl,--as-needed -ldl -lpthread -Wl,-soname,libnvrtc.so
+fi
 echo "[sim] built the simulated device in $out"
