@@ -20,6 +20,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "include/cuda_on_cpu.h"
@@ -363,7 +364,8 @@ struct Graph {
 struct Stream {
   Graph* capture = nullptr;  // recording into this graph
   bool invalidated = false;
-  Stream* origin = nullptr;  // the stream the capture began on
+  CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
+  std::thread::id thread;  // the thread that began the capture
 };
 struct Event {
   bool recorded = false;
@@ -372,20 +374,30 @@ struct Event {
 
 Stream g_null_stream;
 std::set<Stream*> g_streams;
-int g_captures = 0;  // active captures (global mode: syncs and allocations are refused)
+int g_captures = 0;  // active captures
 
 Stream* stream_of(CUstream s) {
   if (s == nullptr || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD) return &g_null_stream;
   return reinterpret_cast<Stream*>(s);
 }
 
+// A synchronizing or allocating call is refused, as the driver does, while a capture in
+// global mode runs anywhere or one in thread-local mode runs on this thread; that capture is
+// invalidated.
 CUresult refuse_in_capture(const char* op) {
   if (g_captures == 0) return CUDA_SUCCESS;
+  bool refused = false;
+  for (Stream* s : g_streams) {
+    if (!s->capture) continue;
+    if (s->mode == CU_STREAM_CAPTURE_MODE_GLOBAL ||
+        (s->mode == CU_STREAM_CAPTURE_MODE_THREAD_LOCAL && s->thread == std::this_thread::get_id())) {
+      s->invalidated = true;
+      refused = true;
+    }
+  }
+  if (!refused) return CUDA_SUCCESS;
   say("%s during stream capture: the driver refuses it (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) "
       "and invalidates the capture", op);
-  for (Stream* s : g_streams)
-    if (s->capture) s->invalidated = true;
-  if (g_null_stream.capture) g_null_stream.invalidated = true;
   return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
 }
 
@@ -713,7 +725,7 @@ API CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
   (void)e;  // eager execution: what the event marks has already run
   return CUDA_SUCCESS;
 }
-API CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode) {
+API CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode) {
   GUARD();
   Stream* st = stream_of(s);
   if (st == &g_null_stream) {
@@ -723,7 +735,8 @@ API CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode) {
   if (st->capture) return CUDA_ERROR_ILLEGAL_STATE;
   st->capture = new Graph();
   st->invalidated = false;
-  st->origin = st;
+  st->mode = mode;
+  st->thread = std::this_thread::get_id();
   ++g_captures;
   return CUDA_SUCCESS;
 }
