@@ -1,10 +1,13 @@
-//! amp's GPU tier (tests/gpu_step.rs, unchanged) on the simulated CUDA device: this binary
-//! holds those tests as module `gpu_step` and runs itself again with the simulator selected
-//! (`CUDNN_CBR_DEVICE=sim`, its folder first on the loader path, docs/simulator.md), so the
+//! amp's GPU tier (tests/gpu_step.rs and tests/gpu_head.rs, unchanged) on the simulated CUDA
+//! device: this binary holds those tests as modules `gpu_step` and `gpu_head` and runs itself
+//! again with the simulator selected (`CUDNN_CBR_DEVICE=sim`, its folder first on the loader
+//! path, docs/simulator.md), so the
 //! range kernels' own program text runs through the unchanged `amp` CUDA path (NVRTC, module
 //! load, `CudaRegions`, `AmpStep`, graph capture and replay). Without the simulator selected
 //! the included tests print their SKIP lines, as on any machine without a GPU.
 
+#[path = "gpu_head.rs"]
+mod gpu_head;
 #[path = "gpu_step.rs"]
 mod gpu_step;
 mod sim;
@@ -86,7 +89,13 @@ fn sim_gpu_step_tests_pass_on_the_simulated_device() {
     let dir = sim::built();
     let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
     let out = Command::new(std::env::current_exe().expect("this test binary"))
-        .args(["gpu_step::", "planted::", "--test-threads", "2"])
+        .args([
+            "gpu_step::",
+            "gpu_head::",
+            "planted::",
+            "--test-threads",
+            "2",
+        ])
         .env("CUDNN_CBR_DEVICE", "sim")
         .env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()))
         .env("CUDNN_CBR_KERNEL_CACHE", dir.join("kernel-cache"))
@@ -104,8 +113,13 @@ fn sim_gpu_step_tests_pass_on_the_simulated_device() {
         !stdout.contains("SKIP"),
         "a GPU test skipped on the simulator"
     );
-    let tests = include_str!("gpu_step.rs").matches("#[test]").count() + 2; // + planted
-    assert!(tests >= 9, "gpu_step.rs has {tests} tests");
+    let tests = include_str!("gpu_step.rs").matches("#[test]").count()
+        + include_str!("gpu_head.rs").matches("#[test]").count()
+        + 2; // the planted bugs
+    assert!(
+        tests >= 16,
+        "gpu_step.rs and gpu_head.rs have {tests} tests"
+    );
     assert!(
         stdout.contains(&format!("test result: ok. {tests} passed")),
         "expected all {tests} GPU tests to pass"
