@@ -16,7 +16,9 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
@@ -347,7 +349,8 @@ CUresult load_module(const void* image, Module** out) {
 
 // ------------------------------------------------------------------ streams, events, graphs
 struct Op {
-  enum Kind { KERNEL, COPY, SET, HOST } kind = KERNEL;
+  // RECORD, WAIT and FREE exist only in the adversarial mode's stream queues.
+  enum Kind { KERNEL, COPY, SET, HOST, RECORD, WAIT, FREE } kind = KERNEL;
   Function* f = nullptr;
   dim3 grid, block;
   unsigned shared = 0;
@@ -357,6 +360,9 @@ struct Op {
   unsigned char value = 0;
   CUhostFn fn = nullptr;
   void* data = nullptr;
+  std::shared_ptr<std::vector<char>> staged;  // pageable host data copied at enqueue time
+  struct Event* event = nullptr;
+  uint64_t gen = 0;  // RECORD: this record's number; WAIT: the record it waits for
 };
 struct Graph {
   std::vector<Op> ops;
@@ -366,10 +372,13 @@ struct Stream {
   bool invalidated = false;
   CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
   std::thread::id thread;  // the thread that began the capture
+  std::deque<std::pair<uint64_t, Op>> queue;  // adversarial mode: work not run yet, by number
 };
 struct Event {
   bool recorded = false;
   std::chrono::steady_clock::time_point at;
+  uint64_t enqueued = 0, done = 0;  // records enqueued, records executed
+  Stream* where = nullptr;          // the stream of the last record
 };
 
 Stream g_null_stream;
@@ -423,17 +432,92 @@ CUresult run_op(const Op& op) {
       }
       return CUDA_SUCCESS;
     }
+    case Op::RECORD:
+    case Op::WAIT:
+    case Op::FREE:
+      return CUDA_SUCCESS;  // queue bookkeeping, handled by run_queued
   }
   return CUDA_SUCCESS;
+}
+
+// ---- the adversarial mode (CUDNN_CBR_SIM_ADVERSARIAL=1): each stream's work waits in its
+// queue until something needs it (a synchronize, an event wait, a pageable copy to the host);
+// then only that stream runs (and what its event waits need), and when every stream must
+// run, the most recently enqueued runnable work goes first. So work on one stream that reads
+// another's results without an event join runs before them and reads stale data.
+bool adversarial() {
+  static const bool on = [] {
+    const char* a = getenv("CUDNN_CBR_SIM_ADVERSARIAL");
+    return a && strcmp(a, "1") == 0;
+  }();
+  return on;
+}
+uint64_t g_seq = 0;
+CUresult flush(Stream* s, const Event* until = nullptr, uint64_t gen = 0);
+
+CUresult run_queued(Stream* s, const Op& op) {
+  switch (op.kind) {
+    case Op::RECORD:
+      op.event->done = op.gen > op.event->done ? op.gen : op.event->done;
+      op.event->at = std::chrono::steady_clock::now();
+      return CUDA_SUCCESS;
+    case Op::WAIT:
+      if (op.event->done < op.gen && op.event->where && op.event->where != s)
+        return flush(op.event->where, op.event, op.gen);
+      return CUDA_SUCCESS;
+    case Op::FREE:
+      return do_free("cuMemFreeAsync", op.dst, false);
+    default:
+      return run_op(op);
+  }
+}
+
+// Runs `s`'s queue, all of it or until `until` has executed record `gen`.
+CUresult flush(Stream* s, const Event* until, uint64_t gen) {
+  CUresult first = CUDA_SUCCESS;
+  while (!s->queue.empty() && !(until && until->done >= gen)) {
+    Op op = std::move(s->queue.front().second);
+    s->queue.pop_front();
+    CUresult r = run_queued(s, op);
+    if (first == CUDA_SUCCESS) first = r;
+  }
+  return first;
+}
+
+CUresult flush_all() {
+  CUresult first = CUDA_SUCCESS;
+  for (;;) {
+    Stream* pick = nullptr;
+    auto consider = [&](Stream* s) {
+      if (!s->queue.empty() && (!pick || s->queue.front().first > pick->queue.front().first))
+        pick = s;
+    };
+    consider(&g_null_stream);
+    for (Stream* s : g_streams) consider(s);
+    if (!pick) return first;
+    Op op = std::move(pick->queue.front().second);
+    pick->queue.pop_front();
+    CUresult r = run_queued(pick, op);
+    if (first == CUDA_SUCCESS) first = r;
+  }
 }
 
 CUresult submit(CUstream s, Op&& op) {
   Stream* st = stream_of(s);
   if (st->capture) {
-    st->capture->ops.push_back(std::move(op));
+    if (op.kind <= Op::HOST) st->capture->ops.push_back(std::move(op));
     return CUDA_SUCCESS;
   }
-  return run_op(op);
+  if (adversarial()) {
+    st->queue.emplace_back(++g_seq, std::move(op));
+    return CUDA_SUCCESS;
+  }
+  return op.kind <= Op::HOST ? run_op(op) : CUDA_SUCCESS;
+}
+
+bool is_pinned(uint64_t p, size_t n) {
+  const Alloc* a = find_alloc(p, n);
+  return a && a->host;
 }
 
 const char* err_name(CUresult e) {
@@ -576,7 +660,8 @@ API CUresult cuCtxPopCurrent_v2(CUcontext* c) {
 API CUresult cuCtxGetDevice(CUdevice* d) { GUARD(); *d = 0; return CUDA_SUCCESS; }
 API CUresult cuCtxSynchronize() {
   GUARD();
-  return refuse_in_capture("cuCtxSynchronize");
+  if (CUresult r = refuse_in_capture("cuCtxSynchronize")) return r;
+  return flush_all();
 }
 API CUresult cuCtxSetFlags(unsigned) { GUARD(); return CUDA_SUCCESS; }
 API CUresult cuCtxGetLimit(size_t* v, CUlimit) { GUARD(); *v = 0; return CUDA_SUCCESS; }
@@ -610,13 +695,18 @@ API CUresult cuMemAllocAsync(CUdeviceptr* p, size_t n, CUstream) {
 API CUresult cuMemFree_v2(CUdeviceptr p) {
   GUARD();
   if (CUresult r = refuse_in_capture("cuMemFree")) return r;
+  if (CUresult r = flush_all()) return r;  // cuMemFree waits for the device
   return do_free("cuMemFree", p, false);
 }
-API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream) {
+API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
   GUARD();
   if (CUresult r = refuse_in_capture("cuMemFreeAsync (graph memory nodes are not simulated)"))
     return r;
-  return do_free("cuMemFreeAsync", p, false);
+  if (!adversarial()) return do_free("cuMemFreeAsync", p, false);
+  Op o;
+  o.kind = Op::FREE;  // stream-ordered: after the work already queued there
+  o.dst = p;
+  return submit(s, std::move(o));
 }
 API CUresult cuMemHostAlloc(void** p, size_t n, unsigned) {
   GUARD();
@@ -649,6 +739,18 @@ static CUresult copy(const char* op, CUstream s, uint64_t dst, uint64_t src, siz
   o.dst = dst;
   o.src = src;
   o.n = n;
+  Stream* st = stream_of(s);
+  if (adversarial() && !st->capture) {
+    if (sync || (!dst_dev && !is_pinned(dst, n))) {
+      // A synchronous copy, or one into pageable memory: done when the call returns.
+      if (CUresult r = sync ? flush_all() : flush(st)) return r;
+      return run_op(o);
+    }
+    if (!src_dev && !is_pinned(src, n)) {  // pageable source: staged at the call
+      o.staged = std::make_shared<std::vector<char>>((const char*)src, (const char*)src + n);
+      o.src = (uint64_t)o.staged->data();
+    }
+  }
   return submit(s, std::move(o));
 }
 API CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* h, size_t n) {
@@ -684,6 +786,10 @@ static CUresult set8(const char* op, CUstream s, CUdeviceptr d, unsigned char v,
   o.dst = d;
   o.value = v;
   o.n = n;
+  if (sync && adversarial()) {
+    if (CUresult r = flush_all()) return r;
+    return run_op(o);
+  }
   return submit(s, std::move(o));
 }
 API CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) {
@@ -707,23 +813,30 @@ API CUresult cuStreamDestroy_v2(CUstream s) {
   GUARD();
   Stream* st = stream_of(s);
   if (st == &g_null_stream || !g_streams.count(st)) return CUDA_ERROR_INVALID_HANDLE;
+  flush(st);  // the work already queued still completes
   g_streams.erase(st);
-  delete st;
+  if (!adversarial()) delete st;  // an event may still name it as its last stream
   return CUDA_SUCCESS;
 }
-API CUresult cuStreamSynchronize(CUstream) {
+API CUresult cuStreamSynchronize(CUstream s) {
   GUARD();
-  return refuse_in_capture("cuStreamSynchronize");
+  if (CUresult r = refuse_in_capture("cuStreamSynchronize")) return r;
+  return flush(stream_of(s));
 }
 API CUresult cuStreamQuery(CUstream s) {
   GUARD();
   if (stream_of(s)->capture) return refuse_in_capture("cuStreamQuery");
-  return CUDA_SUCCESS;
+  return flush(stream_of(s));
 }
 API CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
   GUARD();
-  (void)e;  // eager execution: what the event marks has already run
-  return CUDA_SUCCESS;
+  // Eager execution: what the event marks has already run. Adversarial: a queued wait.
+  Event* ev = reinterpret_cast<Event*>(e);
+  Op o;
+  o.kind = Op::WAIT;
+  o.event = ev;
+  o.gen = ev->enqueued;
+  return submit(s, std::move(o));
 }
 API CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode) {
   GUARD();
@@ -773,23 +886,39 @@ API CUresult cuEventCreate(CUevent* e, unsigned) {
 }
 API CUresult cuEventDestroy_v2(CUevent e) {
   GUARD();
-  delete reinterpret_cast<Event*>(e);
+  // A queued wait may still name the event (adversarial mode): keep it, as the driver keeps
+  // what a pending wait needs.
+  if (!adversarial()) delete reinterpret_cast<Event*>(e);
   return CUDA_SUCCESS;
 }
-API CUresult cuEventRecord(CUevent e, CUstream) {
+API CUresult cuEventRecord(CUevent e, CUstream s) {
   GUARD();
   Event* ev = reinterpret_cast<Event*>(e);
   ev->recorded = true;
   ev->at = std::chrono::steady_clock::now();
-  return CUDA_SUCCESS;
+  Stream* st = stream_of(s);
+  if (st->capture) return CUDA_SUCCESS;
+  ev->where = st;
+  Op o;
+  o.kind = Op::RECORD;
+  o.event = ev;
+  o.gen = ++ev->enqueued;
+  if (!adversarial()) ev->done = o.gen;
+  return submit(s, std::move(o));
 }
-API CUresult cuEventSynchronize(CUevent) {
-  GUARD();
-  return refuse_in_capture("cuEventSynchronize");
+static CUresult event_wait(CUevent e) {
+  Event* ev = reinterpret_cast<Event*>(e);
+  if (ev->done >= ev->enqueued || !ev->where) return CUDA_SUCCESS;
+  return flush(ev->where, ev, ev->enqueued);
 }
-API CUresult cuEventQuery(CUevent) {
+API CUresult cuEventSynchronize(CUevent e) {
   GUARD();
-  return CUDA_SUCCESS;
+  if (CUresult r = refuse_in_capture("cuEventSynchronize")) return r;
+  return event_wait(e);
+}
+API CUresult cuEventQuery(CUevent e) {
+  GUARD();
+  return event_wait(e);  // never "not ready": a caller polling it would spin forever
 }
 API CUresult cuEventElapsedTime_v2(float* ms, CUevent a, CUevent b) {
   GUARD();
@@ -936,8 +1065,10 @@ API CUresult cuGraphLaunch(CUgraphExec e, CUstream s) {
     for (const Op& op : g->ops) st->capture->ops.push_back(op);
     return CUDA_SUCCESS;
   }
-  for (const Op& op : g->ops)
-    if (CUresult r = run_op(op)) return r;
+  for (const Op& op : g->ops) {
+    Op copy = op;
+    if (CUresult r = submit(s, std::move(copy))) return r;
+  }
   return CUDA_SUCCESS;
 }
 API CUresult cuGraphUpload(CUgraphExec, CUstream) { GUARD(); return CUDA_SUCCESS; }

@@ -70,6 +70,51 @@ mod planted {
         );
     }
 
+    /// Stream `b` reads what stream `a` wrote, without and then with an event join. Eager
+    /// execution hides the missing join; the adversarial mode runs `b` first and shows it.
+    #[test]
+    fn a_missing_event_join_reads_stale_data_in_the_adversarial_mode() {
+        let test = "a_missing_event_join";
+        let ctx = match cudnn_cbr_amp::cuda::cuda_device(0) {
+            Ok(c) => c,
+            Err(e) => {
+                println!("SKIP {test}: {e}");
+                return;
+            }
+        };
+        // SAFETY: buffers made after this do not order their own uses across streams; this
+        // test orders (or, on purpose, fails to order) its two streams itself, and reads the
+        // buffer only through copies that complete before they return.
+        unsafe { ctx.disable_event_tracking() };
+        let (a, b) = (ctx.new_stream().expect("a"), ctx.new_stream().expect("b"));
+        let flags = cudnn_cbr_amp::kernels::cubin_flags("sm_90", None);
+        let cubin = cudnn_cbr_fusion::rtc::compile_cubin("fill.cu", FILL, &flags).expect("NVRTC");
+        let module = ctx.load_module(Ptx::from_binary(cubin)).expect("load");
+        let f = module.load_function("fill").expect("fill");
+        let mut buf = a.alloc_zeros::<f32>(1000).expect("alloc");
+        a.synchronize().expect("zeroed");
+        let n = 1000u32;
+        let mut l = a.launch_builder(&f);
+        l.arg(&mut buf).arg(&n);
+        // SAFETY: `fill` takes (float*, unsigned) in that order and writes 1000 floats of the
+        // 1000 `buf` holds.
+        unsafe { l.launch(LaunchConfig::for_num_elems(1000)) }.expect("launch");
+        let unjoined = b.clone_dtoh(&buf).expect("read without a join");
+        b.join(&a).expect("join");
+        let joined = b.clone_dtoh(&buf).expect("read after the join");
+        assert!(
+            joined.iter().all(|&x| x == 1.0),
+            "the joined read sees the fill"
+        );
+        let adversarial = std::env::var_os("CUDNN_CBR_SIM_ADVERSARIAL").is_some_and(|v| v == "1");
+        let want = if adversarial { 0.0 } else { 1.0 };
+        assert!(
+            unjoined.iter().all(|&x| x == want),
+            "without the join (adversarial: {adversarial}) the read sees {want}: {:?}",
+            &unjoined[..4]
+        );
+    }
+
     #[test]
     fn a_block_of_1025_threads_is_refused() {
         let Some(r) = fill("a_block_of_1025_threads", 1, 1025) else {
@@ -102,6 +147,32 @@ fn sim_gpu_step_tests_pass_on_the_simulated_device() {
         .env("CUDNN_CBR_SIM_CACHE", dir.join("host-cache"))
         .output()
         .expect("run the GPU tests under the simulator");
+    // The adversarial stream order: the planted missing join must show, and nothing else may
+    // change (amp orders its streams with joins).
+    let adv = Command::new(std::env::current_exe().expect("this test binary"))
+        .args([
+            "gpu_step::",
+            "gpu_head::",
+            "planted::",
+            "--test-threads",
+            "2",
+        ])
+        .env("CUDNN_CBR_DEVICE", "sim")
+        .env("CUDNN_CBR_SIM_ADVERSARIAL", "1")
+        .env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()))
+        .env("CUDNN_CBR_KERNEL_CACHE", dir.join("kernel-cache"))
+        .env("CUDNN_CBR_SIM_CACHE", dir.join("host-cache"))
+        .output()
+        .expect("run the GPU tests under the adversarial simulator");
+    let adv_out = String::from_utf8_lossy(&adv.stdout);
+    println!(
+        "adversarial mode:\n{adv_out}\n{}",
+        String::from_utf8_lossy(&adv.stderr)
+    );
+    assert!(
+        adv.status.success(),
+        "the GPU tests failed in the adversarial mode"
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     println!("{stdout}\n{stderr}");
@@ -115,10 +186,14 @@ fn sim_gpu_step_tests_pass_on_the_simulated_device() {
     );
     let tests = include_str!("gpu_step.rs").matches("#[test]").count()
         + include_str!("gpu_head.rs").matches("#[test]").count()
-        + 2; // the planted bugs
+        + 3; // the planted bugs
     assert!(
-        tests >= 16,
+        tests >= 17,
         "gpu_step.rs and gpu_head.rs have {tests} tests"
+    );
+    assert!(
+        adv_out.contains(&format!("test result: ok. {tests} passed")),
+        "expected all {tests} GPU tests to pass in the adversarial mode"
     );
     assert!(
         stdout.contains(&format!("test result: ok. {tests} passed")),
