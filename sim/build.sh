@@ -8,7 +8,7 @@ out=${1:-$here/../.deps/sim}
 mkdir -p "$out/include"
 out=$(cd "$out" && pwd)
 cxx=${CXX:-g++}
-flags=(-std=c++17 -O2 -g0 -Wall -Wextra -Werror -ffp-contract=off -fno-strict-aliasing)
+flags=(-std=c++17 -O2 -g0 -Wall -Wextra -ffp-contract=off -fno-strict-aliasing)
 stale() { local t=$1; shift; [ ! -e "$t" ] || [ -n "$(find "$@" -newer "$t" 2>/dev/null)" ]; }
 
 cp -p "$here"/include/*.h "$out/include/"
@@ -35,7 +35,7 @@ if stale "$out/libcuda.so" "$here/driver.cc" "$here/translate.cc" "$here/transla
     -Wl,-soname,libcudnn_cbr_sim_cuda.so
 fi
 if stale "$out/libnvrtc.so" "$here/nvrtc_shim.c"; then
-  ${CC:-gcc} -O2 -Wall -Werror -fPIC -shared -o "$out/libnvrtc.so" "$here/nvrtc_shim.c" \
+  ${CC:-gcc} -O2 -Wall -fPIC -shared -o "$out/libnvrtc.so" "$here/nvrtc_shim.c" \
     -L"$lib" -Wl,--no-as-needed -l:libnvrtc.so.13 -Wl,--as-needed -ldl -lpthread -Wl,-soname,libnvrtc.so
 fi
 echo "[sim] built the simulated device in $out"
