@@ -180,11 +180,63 @@ mod planted {
         );
     }
 
+    /// Whether the simulated device is selected; else prints the SKIP line (these bugs would
+    /// corrupt a real device's memory or race on it).
+    fn on_sim(test: &str) -> bool {
+        let sim = std::env::var_os("CUDNN_CBR_DEVICE").is_some_and(|d| d == "sim");
+        if !sim {
+            println!("SKIP {test}: a planted bug run only on the simulated device (CUDNN_CBR_DEVICE=sim)");
+        }
+        sim
+    }
+
+    #[test]
+    fn a_freed_pointer_argument_and_a_sync_during_capture_are_refused() {
+        let test = "a_freed_pointer_argument";
+        if !on_sim(test) {
+            return;
+        }
+        let ctx = cudnn_cbr_amp::cuda::cuda_device(0).expect("the simulated device");
+        let flags = cudnn_cbr_amp::kernels::cubin_flags("sm_90", None);
+        let cubin = cudnn_cbr_fusion::rtc::compile_cubin("fill.cu", FILL, &flags).expect("NVRTC");
+        let module = ctx.load_module(Ptx::from_binary(cubin)).expect("load");
+        let f = module.load_function("fill").expect("fill");
+        let stream = ctx.new_stream().expect("stream");
+        // SAFETY: a plain allocation and its release; nothing else holds the pointer.
+        let p = unsafe { cudarc::driver::result::malloc_sync(4000) }.expect("alloc");
+        // SAFETY: as above.
+        unsafe { cudarc::driver::result::free_sync(p) }.expect("free");
+        let n = 1000u32;
+        let mut l = stream.launch_builder(&f);
+        l.arg(&p).arg(&n);
+        // SAFETY: the simulated device checks every pointer argument before it runs anything
+        // (`on_sim` above): this launch is refused, which is what the test asserts.
+        let r = unsafe { l.launch(LaunchConfig::for_num_elems(1000)) };
+        assert!(r.is_err(), "a kernel launched with a freed pointer");
+        // A synchronize inside a thread-local capture is refused and spoils the capture.
+        stream
+            .begin_capture(
+                cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+            .expect("begin");
+        assert!(
+            stream.synchronize().is_err(),
+            "a synchronize during capture"
+        );
+        let end = stream.end_capture(
+            cudarc::driver::sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+        );
+        assert!(end.is_err(), "a capture that saw a synchronize ended well");
+    }
+
     /// Stream `b` reads what stream `a` wrote, without and then with an event join. Eager
     /// execution hides the missing join; the adversarial mode runs `b` first and shows it.
     #[test]
     fn a_missing_event_join_reads_stale_data_in_the_adversarial_mode() {
         let test = "a_missing_event_join";
+        if !on_sim(test) {
+            return;
+        }
         let ctx = match cudnn_cbr_amp::cuda::cuda_device(0) {
             Ok(c) => c,
             Err(e) => {
@@ -300,7 +352,7 @@ fn sim_gpu_step_tests_pass_on_the_simulated_device() {
     );
     let tests = include_str!("gpu_step.rs").matches("#[test]").count()
         + include_str!("gpu_head.rs").matches("#[test]").count()
-        + 4; // the planted bugs, fusion's kernels
+        + 5; // the planted bugs, fusion's kernels
     assert!(
         tests >= 17,
         "gpu_step.rs and gpu_head.rs have {tests} tests"
