@@ -250,29 +250,34 @@ void mkdirs(const std::string& d) {
 // The program text appended to an ELF image by the NVRTC stand-in (nvrtc_shim.c).
 bool find_marker(const unsigned char* img, std::string& name, std::string& src) {
   static const char magic[] = "CUDNN_CBR_SIM_MODULE_V1\n";
-  size_t end = 0;
-  if (memcmp(img, "\x7f" "ELF", 4) == 0 && img[4] == 2) {
-    uint64_t shoff, phoff;
-    uint16_t phentsize, phnum, shentsize, shnum;
-    memcpy(&phoff, img + 32, 8);
-    memcpy(&shoff, img + 40, 8);
-    memcpy(&phentsize, img + 54, 2);
-    memcpy(&phnum, img + 56, 2);
-    memcpy(&shentsize, img + 58, 2);
-    memcpy(&shnum, img + 60, 2);
-    end = shoff + (size_t)shnum * shentsize;
-    if (phoff + (size_t)phnum * phentsize > end) end = phoff + (size_t)phnum * phentsize;
-    // The section contents may follow the tables: scan a bounded stretch for the magic.
-    for (size_t at = end; at < end + (1u << 24); ++at) {
-      if (memcmp(img + at, magic, sizeof magic - 1) == 0) {
-        end = at;
-        break;
-      }
-      if (at == end + (1u << 24) - 1) return false;
-    }
-  } else {
-    return false;
+  if (memcmp(img, "\x7f" "ELF", 4) != 0 || img[4] != 2) return false;  // ELF64 only
+  // The image's end: the furthest of its header tables, sections and segments. The NVRTC
+  // stand-in appends right there, so only the magic's length past it is read.
+  uint64_t shoff, phoff;
+  uint16_t phentsize, phnum, shentsize, shnum;
+  memcpy(&phoff, img + 32, 8);
+  memcpy(&shoff, img + 40, 8);
+  memcpy(&phentsize, img + 54, 2);
+  memcpy(&phnum, img + 56, 2);
+  memcpy(&shentsize, img + 58, 2);
+  memcpy(&shnum, img + 60, 2);
+  uint64_t end = shoff + (uint64_t)shnum * shentsize;
+  if (phoff + (uint64_t)phnum * phentsize > end) end = phoff + (uint64_t)phnum * phentsize;
+  for (unsigned k = 0; k < shnum; ++k) {
+    uint32_t type;
+    uint64_t off, size;
+    memcpy(&type, img + shoff + (uint64_t)k * shentsize + 4, 4);
+    memcpy(&off, img + shoff + (uint64_t)k * shentsize + 24, 8);
+    memcpy(&size, img + shoff + (uint64_t)k * shentsize + 32, 8);
+    if (type != 8 /* SHT_NOBITS */ && off + size > end) end = off + size;
   }
+  for (unsigned k = 0; k < phnum; ++k) {
+    uint64_t off, filesz;
+    memcpy(&off, img + phoff + (uint64_t)k * phentsize + 8, 8);
+    memcpy(&filesz, img + phoff + (uint64_t)k * phentsize + 32, 8);
+    if (off + filesz > end) end = off + filesz;
+  }
+  if (memcmp(img + end, magic, sizeof magic - 1) != 0) return false;
   const char* p = (const char*)img + end + sizeof magic - 1;
   const char* nl = strchr(p, '\n');
   name.assign(p, nl - p);
