@@ -122,12 +122,45 @@ mod fusion_kernels {
     }
 }
 
+/// A planted write past the end of a buffer, which ends the process: run on its own by the
+/// main test below (`CUDNN_CBR_SIM_OOB_CHILD=1`), which expects the crash and its message.
+mod oob {
+    use cudarc::driver::{LaunchConfig, PushKernelArg};
+    use cudarc::nvrtc::Ptx;
+
+    #[test]
+    fn a_write_past_the_end_faults_on_the_guard_page() {
+        if std::env::var_os("CUDNN_CBR_SIM_OOB_CHILD").is_none() {
+            println!("SKIP oob: run in a process of its own by the simulator test (it crashes)");
+            return;
+        }
+        let ctx = cudnn_cbr_amp::cuda::cuda_device(0).expect("the simulated device");
+        let flags = cudnn_cbr_amp::kernels::cubin_flags("sm_90", None);
+        let src = super::planted::FILL;
+        let cubin = cudnn_cbr_fusion::rtc::compile_cubin("fill.cu", src, &flags).expect("NVRTC");
+        let module = ctx.load_module(Ptx::from_binary(cubin)).expect("load");
+        let f = module.load_function("fill").expect("fill");
+        let stream = ctx.default_stream();
+        // 1024 floats (4096 bytes, a whole number of the simulator's 256-byte granules) and a
+        // count one too many: the last thread writes the first byte past the buffer.
+        let mut buf = stream.alloc_zeros::<f32>(1024).expect("alloc");
+        let n = 1025u32;
+        let mut l = stream.launch_builder(&f);
+        l.arg(&mut buf).arg(&n);
+        // SAFETY: not sound on purpose: this process runs only on the simulated device, whose
+        // guard page stops the write past the end (the test expects the process to die).
+        let _ = unsafe { l.launch(LaunchConfig::for_num_elems(1025)) };
+        let _ = stream.synchronize();
+        println!("the write past the end was not caught");
+    }
+}
+
 /// Planted bugs the simulated device must show (each test SKIPs without a device).
 mod planted {
     use cudarc::driver::{LaunchConfig, PushKernelArg};
     use cudarc::nvrtc::Ptx;
 
-    const FILL: &str = "extern \"C\" __global__ void fill(float* out, unsigned n) {\n\
+    pub(super) const FILL: &str = "extern \"C\" __global__ void fill(float* out, unsigned n) {\n\
         const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;\n\
         if (i < n) out[i] = 1.0f;\n}\n";
 
@@ -338,6 +371,26 @@ fn sim_gpu_step_tests_pass_on_the_simulated_device() {
     assert!(
         adv.status.success(),
         "the GPU tests failed in the adversarial mode"
+    );
+    // The planted write past the end: the process must die with the simulator's message.
+    let crash = Command::new(std::env::current_exe().expect("this test binary"))
+        .args(["oob::", "--test-threads", "1"])
+        .env("CUDNN_CBR_DEVICE", "sim")
+        .env("CUDNN_CBR_SIM_OOB_CHILD", "1")
+        .env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()))
+        .env("CUDNN_CBR_KERNEL_CACHE", dir.join("kernel-cache"))
+        .env("CUDNN_CBR_SIM_CACHE", dir.join("host-cache"))
+        .output()
+        .expect("run the planted write past the end");
+    let crash_err = String::from_utf8_lossy(&crash.stderr);
+    println!("write past the end:\n{crash_err}");
+    assert!(
+        !crash.status.success(),
+        "the write past the end was not caught"
+    );
+    assert!(
+        crash_err.contains("fill accessed") && crash_err.contains("0 bytes past the end"),
+        "the fault names the kernel and the allocation"
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
