@@ -464,6 +464,7 @@ struct Stream {
   bool invalidated = false;
   CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
   std::thread::id thread;  // the thread that began the capture
+  Stream* origin = nullptr;  // the stream the capture began on (itself, or one it joined)
   std::deque<std::pair<uint64_t, Op>> queue;  // adversarial mode: work not run yet, by number
 };
 struct Event {
@@ -471,6 +472,7 @@ struct Event {
   std::chrono::steady_clock::time_point at;
   uint64_t enqueued = 0, done = 0;  // records enqueued, records executed
   Stream* where = nullptr;          // the stream of the last record
+  Graph* captured = nullptr;        // the capture its last record belongs to, if any
 };
 
 Stream g_null_stream;
@@ -927,6 +929,20 @@ API CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
   GUARD();
   // Eager execution: what the event marks has already run. Adversarial: a queued wait.
   Event* ev = reinterpret_cast<Event*>(e);
+  Stream* st = stream_of(s);
+  Stream* origin = nullptr;  // the capture the event's last record belongs to, still open
+  if (ev->captured && !st->capture)
+    for (Stream* o : g_streams)
+      if (o->capture == ev->captured && o->origin == o) origin = o;
+  if (origin) {
+    // Waiting on an event recorded in a capture joins that capture, as the driver does:
+    // the stream's later work is recorded into the same graph (in enqueue order).
+    st->capture = ev->captured;
+    st->origin = origin;
+    st->mode = origin->mode;
+    st->thread = origin->thread;
+    return CUDA_SUCCESS;
+  }
   Op o;
   o.kind = Op::WAIT;
   o.event = ev;
@@ -945,6 +961,7 @@ API CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode) {
   st->invalidated = false;
   st->mode = mode;
   st->thread = std::this_thread::get_id();
+  st->origin = st;
   ++g_captures;
   return CUDA_SUCCESS;
 }
@@ -952,10 +969,23 @@ API CUresult cuStreamEndCapture(CUstream s, CUgraph* g) {
   GUARD();
   Stream* st = stream_of(s);
   if (!st->capture) return CUDA_ERROR_ILLEGAL_STATE;
+  if (st->origin != st) {
+    say("cuStreamEndCapture on a stream that joined a capture, not the one that began it");
+    return CUDA_ERROR_STREAM_CAPTURE_UNMATCHED;
+  }
   Graph* graph = st->capture;
-  const bool bad = st->invalidated;
+  bool bad = st->invalidated;
+  for (Stream* o : g_streams) {  // the joined streams leave the capture with it
+    if (o != st && o->capture == graph) {
+      bad = bad || o->invalidated;
+      o->capture = nullptr;
+      o->invalidated = false;
+      o->origin = nullptr;
+    }
+  }
   st->capture = nullptr;
   st->invalidated = false;
+  st->origin = nullptr;
   --g_captures;
   if (bad) {
     delete graph;
@@ -992,6 +1022,7 @@ API CUresult cuEventRecord(CUevent e, CUstream s) {
   ev->recorded = true;
   ev->at = std::chrono::steady_clock::now();
   Stream* st = stream_of(s);
+  ev->captured = st->capture;
   if (st->capture) return CUDA_SUCCESS;
   ev->where = st;
   Op o;

@@ -262,6 +262,55 @@ mod planted {
         assert!(end.is_err(), "a capture that saw a synchronize ended well");
     }
 
+    /// A second stream joins a capture through an event and rejoins it: its kernel is part of
+    /// the graph (nothing runs while capturing), and a replay runs it.
+    #[test]
+    fn a_stream_that_joins_a_capture_is_recorded_into_its_graph() {
+        let test = "a_stream_that_joins_a_capture";
+        let ctx = match cudnn_cbr_amp::cuda::cuda_device(0) {
+            Ok(c) => c,
+            Err(e) => {
+                println!("SKIP {test}: {e}");
+                return;
+            }
+        };
+        // SAFETY: the test orders its two streams itself, with the events below.
+        unsafe { ctx.disable_event_tracking() };
+        let (a, b) = (ctx.new_stream().expect("a"), ctx.new_stream().expect("b"));
+        let flags = cudnn_cbr_amp::kernels::cubin_flags("sm_90", None);
+        let cubin = cudnn_cbr_fusion::rtc::compile_cubin("fill.cu", FILL, &flags).expect("NVRTC");
+        let module = ctx.load_module(Ptx::from_binary(cubin)).expect("load");
+        let f = module.load_function("fill").expect("fill");
+        let mut buf = a.alloc_zeros::<f32>(1000).expect("alloc");
+        a.synchronize().expect("zeroed");
+        let n = 1000u32;
+        a.begin_capture(
+            cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        )
+        .expect("begin");
+        b.join(&a).expect("b joins the capture");
+        let mut l = b.launch_builder(&f);
+        l.arg(&mut buf).arg(&n);
+        // SAFETY: `fill` takes (float*, unsigned) in that order and writes the 1000 floats of
+        // `buf`; the launch is captured, run by the replay below.
+        unsafe { l.launch(LaunchConfig::for_num_elems(1000)) }.expect("captured launch");
+        a.join(&b).expect("b rejoins");
+        let graph = a
+            .end_capture(
+                cudarc::driver::sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+            )
+            .expect("end")
+            .expect("a graph");
+        let before = a.clone_dtoh(&buf).expect("read");
+        assert!(before.iter().all(|&x| x == 0.0), "a captured kernel ran");
+        graph.launch().expect("replay");
+        let after = a.clone_dtoh(&buf).expect("read");
+        assert!(
+            after.iter().all(|&x| x == 1.0),
+            "the replay did not run the joined kernel"
+        );
+    }
+
     /// Stream `b` reads what stream `a` wrote, without and then with an event join. Eager
     /// execution hides the missing join; the adversarial mode runs `b` first and shows it.
     #[test]
@@ -405,9 +454,9 @@ fn sim_gpu_step_tests_pass_on_the_simulated_device() {
     );
     let tests = include_str!("gpu_step.rs").matches("#[test]").count()
         + include_str!("gpu_head.rs").matches("#[test]").count()
-        + 5; // the planted bugs, fusion's kernels
+        + 6; // the planted bugs, the joined capture, fusion's kernels
     assert!(
-        tests >= 17,
+        tests >= 20,
         "gpu_step.rs and gpu_head.rs have {tests} tests"
     );
     assert!(
