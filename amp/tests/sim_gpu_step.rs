@@ -421,6 +421,22 @@ fn sim_gpu_step_tests_pass_on_the_simulated_device() {
         adv.status.success(),
         "the GPU tests failed in the adversarial mode"
     );
+    // On the loader path but not selected, the simulated driver says "no device", as the
+    // no-driver stand-in does: the GPU tests skip.
+    let off = Command::new(std::env::current_exe().expect("this test binary"))
+        .args(["gpu_step::gpu_zero", "--test-threads", "1", "--nocapture"])
+        .env_remove("CUDNN_CBR_DEVICE")
+        .env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()))
+        .output()
+        .expect("run a GPU test with the simulator unselected");
+    let off_out = String::from_utf8_lossy(&off.stdout);
+    assert!(off.status.success(), "{off_out}");
+    assert!(
+        off_out.contains("SKIP gpu_zero_matches_its_twin")
+            && off_out.contains("CUDA_ERROR_NO_DEVICE"),
+        "the unselected simulator answered as a device: {off_out}"
+    );
+
     // The planted write past the end: the process must die with the simulator's message.
     let crash = Command::new(std::env::current_exe().expect("this test binary"))
         .args(["oob::", "--test-threads", "1"])
