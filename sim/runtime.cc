@@ -110,8 +110,23 @@ struct Sched {
 
 thread_local Sched* g_sched = nullptr;
 
+// Releases an OS thread's scheduler and fiber stacks when the thread ends (test harnesses
+// start a thread per test: leaked stacks would pile up mappings).
+struct SchedOwner {
+  ~SchedOwner() {
+    if (!g_sched) return;
+    for (char* st : g_sched->free_stacks) munmap(st - kGuard, kStack + kGuard);
+    delete g_sched;
+    g_sched = nullptr;
+  }
+};
+thread_local SchedOwner g_sched_owner;
+
 Sched& sched() {
-  if (!g_sched) g_sched = new Sched();  // lives as long as its OS thread (stacks reused)
+  if (!g_sched) {
+    g_sched = new Sched();  // lives as long as its OS thread (stacks reused across launches)
+    (void)&g_sched_owner;   // constructs the owner, so its destructor runs at thread exit
+  }
   return *g_sched;
 }
 

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <time.h>
 
+#include <thread>
 #include <vector>
 
 #define FULL 0xffffffffu
@@ -283,6 +284,29 @@ static void test_cost() {
     printf("cost: %.1f ns per simulated thread (rendezvous-free kernel, 270336 threads)\n", ns);
 }
 
+static int mappings() {
+    FILE* f = fopen("/proc/self/maps", "r");
+    if (!f) return -1;
+    int n = 0;
+    for (int c; (c = fgetc(f)) != EOF;) n += c == '\n';
+    fclose(f);
+    return n;
+}
+
+// A thread's fiber stacks go when the thread does (a harness starts a thread per test).
+static void test_thread_exit_releases_stacks() {
+    const int before = mappings();
+    for (int round = 0; round < 4; ++round) {
+        std::thread t([] { test_barrier(); });  // 1024-thread blocks: 1024 stacks alive
+        t.join();
+    }
+    const int after = mappings();
+    // 4 rounds of 1024 stacks, two mappings each, would add 8192 if leaked; a few dozen
+    // others (thread stacks, arenas) may come and go.
+    CHECK(after - before < 100, "mappings grew from %d to %d across finished threads", before,
+          after);
+}
+
 template <class In, class Out, class F>
 static int convert(F f) {
     In x;
@@ -319,6 +343,7 @@ int main(int argc, char** argv) {
     test_ptx();
     test_errors();
     test_cost();
+    test_thread_exit_releases_stacks();
     if (failures) {
         fprintf(stderr, "%d checks failed\n", failures);
         return 1;
