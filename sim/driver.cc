@@ -1178,6 +1178,12 @@ API CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int* n, CUfunction, int
   return CUDA_SUCCESS;
 }
 
+API CUresult cuGraphCreate(CUgraph* g, unsigned flags) {
+  GUARD();
+  if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  *g = reinterpret_cast<CUgraph>(new Graph());  // empty (cuDNN's populate is not simulated)
+  return CUDA_SUCCESS;
+}
 API CUresult cuGraphInstantiateWithFlags(CUgraphExec* e, CUgraph g, unsigned long long) {
   GUARD();
   *e = reinterpret_cast<CUgraphExec>(new Graph(*reinterpret_cast<Graph*>(g)));
