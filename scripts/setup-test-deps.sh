@@ -97,12 +97,19 @@ else
   fi
 fi
 
+# The simulated CUDA device (docs/simulator.md): built always (gcc/g++ only, a few seconds),
+# selected only by scripts/sim-env.sh, so nothing here changes the default behaviour.
+CUDNN_CBR_CUDA_INCLUDE="$deps/include" CUDNN_CBR_LIB_DIR="$deps/lib" \
+  bash "$root/sim/build.sh" "$deps/sim" \
+  || say "WARNING: building the simulated device (sim/build.sh) failed; the sim_* tests will fail"
+
 ld_path="$deps/lib"
 [ -d "$stub_dir" ] && ld_path="$stub_dir:$ld_path"
 cat > "$deps/env.sh" <<ENV
 # Written by scripts/setup-test-deps.sh; sourced by the test command.
 export CUDNN_LIB_DIR="$deps/lib"
 export CUDNN_CBR_CUDA_INCLUDE="$deps/include"
+export CUDNN_CBR_SIM_DIR="$deps/sim"
 export LD_LIBRARY_PATH="$ld_path\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 ENV
 say "wrote $deps/env.sh (CUDNN_LIB_DIR=$deps/lib)"

@@ -1,0 +1,66 @@
+//! The simulated device's build folder for the sim_* tests: `CUDNN_CBR_SIM_DIR` when set, else
+//! a folder under the test target (or the temporary folder), built there by sim/build.sh
+//! (which rebuilds only what is stale).
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+/// The repository root: the working directory's when it holds sim/ (a bundled binary runs
+/// from a copy of the repository elsewhere), else where the test was built.
+pub fn repo() -> Option<PathBuf> {
+    [
+        PathBuf::from("."),
+        PathBuf::from(".."),
+        Path::new(env!("CARGO_MANIFEST_DIR")).join(".."),
+    ]
+    .into_iter()
+    .find(|r| r.join("sim/build.sh").is_file())
+}
+
+/// Where the CUDA headers the simulated driver is built against live, if anywhere.
+fn cuda_include(repo: &Path) -> Option<PathBuf> {
+    std::env::var_os("CUDNN_CBR_CUDA_INCLUDE")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain(Some(repo.join(".deps/include")))
+        .find(|d| d.join("cuda.h").is_file())
+}
+
+/// A folder holding the built simulator, or `None` after printing `SKIP <test>: <reason>`
+/// where it cannot be built (no sim/ sources or CUDA headers: a bundled binary on a machine
+/// without the test dependencies). A build that fails is a test failure.
+pub fn built(test: &str) -> Option<PathBuf> {
+    static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let r = DIR.get_or_init(|| {
+        let repo = repo().ok_or("the sim/ sources are not here")?;
+        let include = cuda_include(&repo).ok_or(
+            "no CUDA headers (cuda.h) for the simulated driver: run scripts/setup-test-deps.sh",
+        )?;
+        let dir = std::env::var_os("CUDNN_CBR_SIM_DIR")
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                let t = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+                let base = if t.is_dir() { t } else { std::env::temp_dir() };
+                base.join("cudnn-cbr-sim")
+            });
+        let status = Command::new("bash")
+            .arg(repo.join("sim/build.sh"))
+            .arg(&dir)
+            .env("CUDNN_CBR_CUDA_INCLUDE", include)
+            .status()
+            .expect("run sim/build.sh");
+        assert!(status.success(), "sim/build.sh {} failed", dir.display());
+        Ok(dir)
+    });
+    match r {
+        Ok(d) => Some(d.clone()),
+        Err(why) => {
+            println!("SKIP {test}: {why}");
+            None
+        }
+    }
+}
