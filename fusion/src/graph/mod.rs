@@ -133,6 +133,35 @@ impl Graph {
         &self.nodes
     }
 
+    /// Rewrites every tensor of element type `from` to `to`: explicit dtypes, and the precision
+    /// context's fields (so tensors that take their type from the context follow). Returns
+    /// how many tensors' [`dtype`](Graph::dtype) changed. Lets a caller probe an existing
+    /// graph in another I/O precision (e.g. FP16 → BF16) without a second builder.
+    pub fn retype(&mut self, from: DataType, to: DataType) -> usize {
+        let before: Vec<_> = (0..self.tensors.len() as u32)
+            .map(|i| self.dtype(TensorId(i)))
+            .collect();
+        for attrs in &mut self.tensors {
+            if attrs.dtype == Some(from) {
+                attrs.dtype = Some(to);
+            }
+        }
+        for field in [
+            &mut self.precision.io,
+            &mut self.precision.intermediate,
+            &mut self.precision.compute,
+        ] {
+            if *field == from {
+                *field = to;
+            }
+        }
+        before
+            .iter()
+            .enumerate()
+            .filter(|&(i, &d)| self.dtype(TensorId(i as u32)) != d)
+            .count()
+    }
+
     /// Marks a tensor as stored (real), optionally with an explicit element type.
     /// Ids from another graph are reported by [`Graph::validate`]-style errors.
     pub fn set_output(&mut self, t: TensorId, dtype: Option<DataType>) -> Result<(), GraphError> {

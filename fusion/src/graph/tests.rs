@@ -94,6 +94,38 @@ fn dtypes_follow_the_precision_context() {
 }
 
 #[test]
+fn retype_rewrites_explicit_and_context_dtypes_only() {
+    // y = x·s + b: x and y take FP16 from the context, `s` is FP16 explicitly (as the BN
+    // prologue's scale), `b` FP32 explicitly, the product an FP32 virtual.
+    let mut g = Graph::new("retype");
+    let x = g.tensor(TensorAttrs::new("X", [2, 8, 4, 4]));
+    let s = g.tensor(TensorAttrs::vector("s", 8).dtype(DataType::Half));
+    let b = g.tensor(TensorAttrs::vector("b", 8).dtype(DataType::Float));
+    let v = g.mul(x, s);
+    let y = g.add(v, b);
+    g.set_output(y, None).unwrap();
+    let original = g.signature().unwrap();
+    assert_eq!(g.retype(DataType::Half, DataType::BFloat16), 3);
+    for t in [x, s, y] {
+        assert_eq!(g.dtype(t), Some(DataType::BFloat16), "{}", g.tname(t));
+    }
+    for t in [b, v] {
+        assert_eq!(g.dtype(t), Some(DataType::Float), "{}", g.tname(t));
+    }
+    assert_eq!(g.precision().io, DataType::BFloat16);
+    assert_eq!(g.precision().compute, DataType::Float);
+    assert_ne!(
+        g.signature().unwrap(),
+        original,
+        "the key sees the new type"
+    );
+    // Nothing of the old type is left, and the way back restores the same key.
+    assert_eq!(g.retype(DataType::Half, DataType::BFloat16), 0);
+    assert_eq!(g.retype(DataType::BFloat16, DataType::Half), 3);
+    assert_eq!(g.signature().unwrap(), original);
+}
+
+#[test]
 fn the_cbr_prologue_graph_validates() {
     let mut g = Graph::new("scale_bias_relu_conv_genstats");
     let x = g.tensor(TensorAttrs::new("X", [4, 16, 8, 8]));
