@@ -6,7 +6,8 @@
 //!
 //! `cargo bench --bench cbr_layers` (GPU). Without a GPU it prints one SKIP line and exits 0.
 //! A layer that cannot be planned or run prints `unavailable` in its row; after the tables
-//! the bench names every such layer and exits 1.
+//! the bench names every such layer and exits 1, except the unfused rows listed as having no
+//! engine (`CBR_LAYERS_UNFUSED_NO_ENGINE` in tests/common/gpu_shapes.rs).
 //! Under `cargo test` (no `--bench` flag) it only checks for a device, or times one small layer.
 
 use cudarc::driver::CudaStream;
@@ -240,11 +241,21 @@ fn run(stream: Arc<CudaStream>, full: bool) -> Res<Vec<String>> {
                 Err(e) => {
                     let route = if fused { "fused" } else { "unfused" };
                     let why = e.to_string().lines().next().unwrap_or("").to_string();
+                    // The unfused rows cuDNN has no engine for (measured deviceless in CI by
+                    // tests/planned_gpu_shapes.rs) are expected; any other is a failure.
+                    let known = !fused && gpu_shapes::CBR_LAYERS_UNFUSED_NO_ENGINE.contains(label);
+                    let note = if known {
+                        " (known: no unfused engine)"
+                    } else {
+                        ""
+                    };
                     println!(
-                        "{label:<12} {:<30} {route:<8} unavailable: {why}",
+                        "{label:<12} {:<30} {route:<8} unavailable{note}: {why}",
                         config.shape.label()
                     );
-                    failed.push(format!("{label} {} {route}: {why}", config.shape.label()));
+                    if !known {
+                        failed.push(format!("{label} {} {route}: {why}", config.shape.label()));
+                    }
                 }
             }
         }
