@@ -65,22 +65,59 @@ fn wrong_len(name: &str, got: usize, want: usize) -> Error {
 
 impl<T: Element> CpuNet<T> {
     /// Zeroed buffers for `net`, with running variances at 1 (as every framework starts).
+    /// The process aborts where the host cannot hold them; [`CpuNet::try_new`] returns an
+    /// error instead.
     pub fn new(net: CompiledNet) -> Self {
         let bufs = net
             .buffers
             .iter()
             .map(|b| {
-                let init = if b.name.ends_with("running_var") {
-                    T::Acc::ONE
-                } else {
-                    T::Acc::ZERO
-                };
+                let init = Self::init(b);
                 match b.dtype {
                     DataType::Half => Buf::Half(vec![T::default(); b.elems]),
                     _ => Buf::Float(vec![init; b.elems]),
                 }
             })
             .collect();
+        Self::with_buffers(net, bufs)
+    }
+
+    /// As [`CpuNet::new`], but a buffer the host cannot allocate is an error, not an abort.
+    ///
+    /// # Errors
+    /// [`Error::Buffer`] naming the first buffer that could not be allocated and its size.
+    pub fn try_new(net: CompiledNet) -> Result<Self> {
+        fn filled<V: Clone>(name: &str, elems: usize, v: V) -> Result<Vec<V>> {
+            let mut out = Vec::new();
+            out.try_reserve_exact(elems).map_err(|e| Error::Buffer {
+                name: name.into(),
+                problem: format!(
+                    "cannot be allocated on the host: {elems} elements of {} bytes ({e})",
+                    std::mem::size_of::<V>()
+                ),
+            })?;
+            out.resize(elems, v);
+            Ok(out)
+        }
+        let mut bufs = Vec::with_capacity(net.buffers.len());
+        for b in &net.buffers {
+            bufs.push(match b.dtype {
+                DataType::Half => Buf::Half(filled(&b.name, b.elems, T::default())?),
+                _ => Buf::Float(filled(&b.name, b.elems, Self::init(b))?),
+            });
+        }
+        Ok(Self::with_buffers(net, bufs))
+    }
+
+    fn init(b: &NetBuffer) -> T::Acc {
+        if b.name.ends_with("running_var") {
+            T::Acc::ONE
+        } else {
+            T::Acc::ZERO
+        }
+    }
+
+    fn with_buffers(net: CompiledNet, bufs: Vec<Buf<T>>) -> Self {
         let scratch = net.layers.iter().map(|_| ConvScratch::default()).collect();
         // Every buffer starts with a stamp of its own.
         let versions: Vec<u64> = (1..=net.buffers.len() as u64).collect();
@@ -406,6 +443,20 @@ fn argmax<T: Element>(p: &PoolSpec, s: &Nhwc, x: &[T]) -> Result<Vec<usize>> {
     s.validate("maxpool input")?;
     if x.len() != s.elems() {
         return Err(wrong_len("maxpool input", x.len(), s.elems()));
+    }
+    // A stride of 0 would divide by zero, a window larger than the padded input would wrap
+    // the output size, and padding past half the window would pool padding alone.
+    super::compile::validate_pool("maxpool", p)?;
+    let padded = |x: usize| x.checked_add(2 * p.pad).filter(|&x| x >= p.kernel);
+    if padded(s.h).is_none() || padded(s.w).is_none() {
+        return Err(Error::InvalidConfig {
+            layer: "maxpool".into(),
+            field: "kernel".into(),
+            problem: format!(
+                "a {0}x{0} window is larger than its {1}x{2} input padded by {3}",
+                p.kernel, s.h, s.w, p.pad
+            ),
+        });
     }
     let (oh, ow) = (pooled(s.h, p), pooled(s.w, p));
     let mut out = Vec::with_capacity(s.n * oh * ow * s.c);
