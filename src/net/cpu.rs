@@ -517,6 +517,42 @@ mod tests {
     use crate::amp::range::{self, PoolShape};
     use half::f16;
 
+    #[test]
+    fn a_window_that_cannot_pool_is_a_typed_error() {
+        let s = Nhwc::new(1, 4, 4, 1);
+        let x = vec![f16::ONE; s.elems()];
+        for (kernel, stride, pad, field) in [
+            (3, 0, 1, "stem.max_pool"),
+            (0, 1, 0, "stem.max_pool"),
+            (3, 1, 2, "stem.max_pool"),
+            (9, 1, 2, "kernel"),
+        ] {
+            let p = PoolSpec {
+                kernel,
+                stride,
+                pad,
+            };
+            for e in [
+                max_pool(&p, &s, &x).unwrap_err(),
+                max_pool_backward(&p, &s, &x, &x).unwrap_err(),
+            ] {
+                assert!(
+                    matches!(&e, Error::InvalidConfig { field: f, .. } if f == field),
+                    "{p:?}: {e:?}"
+                );
+            }
+        }
+        // A window larger than the unpadded input but inside the padded one pools (PyTorch
+        // allows it: every window still holds a real pixel).
+        let p = PoolSpec {
+            kernel: 5,
+            stride: 2,
+            pad: 2,
+        };
+        let s2 = Nhwc::new(1, 3, 3, 1);
+        assert_eq!(max_pool(&p, &s2, &x[..9]).unwrap().len(), 4);
+    }
+
     /// The CPU executor's max-pool (generic over the precision) and the CUDA kernel's CPU
     /// twin agree bit for bit in FP16: same choice rule, same summation order.
     #[test]

@@ -773,3 +773,50 @@ impl From<cudnn_cbr::ClassifierError> for TrainError {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_counts_and_widths_past_their_limits_are_named() {
+        for (cfg, needle) in [
+            (
+                TrainConfig {
+                    steps: MAX_STEPS + 1,
+                    ..TrainConfig::default()
+                },
+                "steps must be at most 16777216",
+            ),
+            (
+                TrainConfig {
+                    steps: usize::MAX,
+                    ..TrainConfig::default()
+                },
+                "steps must be at most",
+            ),
+            (
+                TrainConfig {
+                    width: 1 << 32,
+                    ..TrainConfig::default()
+                },
+                "width must be at most",
+            ),
+            (
+                TrainConfig {
+                    hw: 1 << 31,
+                    ..TrainConfig::default()
+                },
+                "`hw`",
+            ),
+        ] {
+            let e = cfg.validate().unwrap_err();
+            assert!(e.to_string().contains(needle), "{e}");
+        }
+        let last = TrainConfig {
+            steps: MAX_STEPS,
+            ..TrainConfig::default()
+        };
+        last.validate().unwrap();
+    }
+}

@@ -201,3 +201,36 @@ impl Default for Scalars {
         Scalars::new(&LossScalePolicy::default())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_scale_that_no_step_recovers_from_is_refused_on_the_way_in_and_out() {
+        for bad in [0.0, -0.0, -1.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+            let s = Scalars {
+                loss_scale: bad,
+                ..Scalars::default()
+            };
+            let e = s.validate().unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    RangeOpError::InvalidConfig {
+                        field: "loss_scale",
+                        ..
+                    }
+                ),
+                "{bad}: {e:?}"
+            );
+            assert_eq!(Scalars::from_bytes(&s.to_bytes()).unwrap_err(), e);
+        }
+        // The smallest positive scale is odd but recoverable (the update raises it to 1).
+        let tiny = Scalars {
+            loss_scale: f32::MIN_POSITIVE,
+            ..Scalars::default()
+        };
+        assert_eq!(Scalars::from_bytes(&tiny.to_bytes()).unwrap(), tiny);
+    }
+}
