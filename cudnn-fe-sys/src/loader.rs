@@ -8,9 +8,12 @@
 //!    (where a PyTorch install keeps its cuDNN).
 //!
 //! Loading never panics and never crashes the process: before `dlopen`, each file is checked to
-//! be a complete shared object for this machine, and before cuDNN's first call, the
-//! sub-libraries its graph API loads lazily are found and checked (see [`crate::preflight`]).
-//! Every failure is a [`LoadError`] that lists each path tried and why it was rejected.
+//! be a complete shared object for this machine that defines cuDNN's symbols (read from the
+//! file, so a foreign library's code never runs), and before cuDNN's first call, the
+//! sub-libraries its graph API loads lazily are found and checked the same way, each for the
+//! symbols of its own kind ([`crate::preflight::SUBLIBRARY_SYMBOLS`]), and so is the CUDA
+//! driver library cuDNN opens ([`DRIVER_LIBRARY`]). Every failure is a [`LoadError`] that
+//! names the file and why it was rejected.
 
 use crate::bindings::{cudnnStatus_t, CudnnLib};
 use crate::preflight;

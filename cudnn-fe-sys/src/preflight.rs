@@ -1,15 +1,20 @@
 //! Checks made before a library file is handed to `dlopen` or before cuDNN's first call.
 //!
-//! Two faults otherwise kill the process instead of returning an error:
+//! These faults otherwise kill the process or break it silently instead of returning an
+//! error:
 //! - a truncated shared object: `dlopen` maps segments past the end of the file and the
 //!   process dies of SIGBUS while relocating it;
 //! - a `libcudnn.so.9` whose sub-libraries are missing: the shim loads them lazily and
-//!   aborts inside the first cuDNN call ("Invalid handle. Cannot load symbol ...").
+//!   aborts inside the first cuDNN call ("Invalid handle. Cannot load symbol ...");
+//! - a foreign shared object under a sub-library's name: the shim aborts when the symbol it
+//!   looks up is absent (the graph library), or cuDNN finds no engine for any graph (the
+//!   heuristics and engine libraries).
 //!
 //! So every file is checked to be a complete ELF shared object for this machine (headers,
-//! program headers and every loadable segment inside the file), and the sub-libraries the
-//! graph API needs are found and checked the way the shim will look for them: next to it
-//! first (its RPATH is `$ORIGIN`), then the system loader's folders.
+//! program headers and every loadable segment inside the file) that defines the symbols of
+//! its kind ([`missing_symbols`], read from the file), and the sub-libraries the graph API
+//! needs are found and checked the way the shim will look for them: next to it first (its
+//! RPATH is `$ORIGIN`), then the system loader's folders.
 
 use std::fs::File;
 use std::io::Read;
