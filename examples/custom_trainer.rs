@@ -21,12 +21,24 @@ const SEED: u64 = 7;
 #[derive(Parser)]
 #[command(about = "A small trainer built on cudnn-cbr's public API")]
 struct Args {
-    /// Training steps.
-    #[arg(long, default_value_t = 60)]
+    /// Training steps (1 to 1,000,000: the loss of every step is kept for the summary).
+    #[arg(long, default_value_t = 60, value_parser = parse_steps)]
     steps: usize,
     /// `auto`: a GPU when there is one; `cpu`: the CPU executor.
     #[arg(long, default_value = "auto", value_parser = ["auto", "cpu"])]
     device: String,
+}
+
+/// `--steps`: at least one step (the summary compares the first loss with the last).
+fn parse_steps(s: &str) -> Result<usize, String> {
+    let n: usize = s
+        .parse()
+        .map_err(|e| format!("`{s}` is not a step count: {e}"))?;
+    if (1..=1_000_000).contains(&n) {
+        Ok(n)
+    } else {
+        Err(format!("must be in 1..=1000000, got {n}"))
+    }
 }
 
 /// Our data: class `c` lights up the image's `c`-th quadrant, on noise.

@@ -5,9 +5,11 @@
 
 mod common;
 
-use cudnn_cbr::amp::plan::{MemoryPlanBuilder, ParamKind};
-use cudnn_cbr::amp::range::SgdConfig;
+use cudnn_cbr::amp::plan::{MemoryPlanBuilder, ParamKind, Region};
+use cudnn_cbr::amp::range::{LossScalePolicy, Scalars, SgdConfig};
+use cudnn_cbr::amp::step::AmpExecutor;
 use cudnn_cbr::amp::step::{AmpStep, CpuRegions, StepConfig};
+use cudnn_cbr::amp::RangeOpError;
 use cudnn_cbr::amp::{AmpError, PlanError};
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::{CbrConfig, CbrLayer, ConvShape, HostBuffers, Pass};
@@ -15,8 +17,12 @@ use cudnn_cbr::fusion::graph::{
     ConvAttrs, Graph, GraphError, PointwiseAttrs, PointwiseMode, ReductionAttrs, ReductionMode,
     TensorAttrs,
 };
+use cudnn_cbr::fusion::reference::Nhwc;
 use cudnn_cbr::fusion::{DeviceProps, Error, Target};
-use cudnn_cbr::net::{compile, BlockKind, BlockSpec, NetSpec, Preset, RoutePolicy};
+use cudnn_cbr::net::cpu::{max_pool, max_pool_backward};
+use cudnn_cbr::net::{
+    compile, BlockKind, BlockSpec, CpuNet, NetSpec, PoolSpec, Preset, RoutePolicy,
+};
 use cudnn_cbr::sys::{load_from, LoadError, SearchPaths};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
@@ -364,7 +370,7 @@ fn config_rows() -> Vec<Row> {
             "buffers",
             "a CPU layer run without the previous layer's buffers",
             || {
-                let layer = CbrLayer::for_cpu(CbrConfig::new(shape()), true);
+                let layer = CbrLayer::for_cpu(CbrConfig::new(shape()), true).unwrap();
                 let mut this = HostBuffers::zeros(layer.buffers());
                 let e = layer.run_cpu(Pass::Forward, &mut this, None).unwrap_err();
                 assert!(
@@ -375,7 +381,7 @@ fn config_rows() -> Vec<Row> {
             },
         ),
         ("buffers", "a CPU layer run with a buffer missing", || {
-            let layer = CbrLayer::for_cpu(CbrConfig::first(shape()), true);
+            let layer = CbrLayer::for_cpu(CbrConfig::first(shape()), true).unwrap();
             let mut this = HostBuffers::zeros(&layer.buffers()[1..]);
             let e = layer.run_cpu(Pass::Forward, &mut this, None).unwrap_err();
             assert!(
@@ -388,7 +394,7 @@ fn config_rows() -> Vec<Row> {
             "buffers",
             "a CPU layer run with a buffer of the wrong length",
             || {
-                let layer = CbrLayer::for_cpu(CbrConfig::first(shape()), true);
+                let layer = CbrLayer::for_cpu(CbrConfig::first(shape()), true).unwrap();
                 let mut this = HostBuffers::zeros(layer.buffers());
                 let first = layer.buffers()[0].clone();
                 let short = cudnn_cbr::fusion::cbr::BufferSpec {
@@ -450,7 +456,224 @@ fn config_rows() -> Vec<Row> {
             spec.stages[0][0] = BlockSpec::new(BlockKind::Basic, 8, 1 << 62, 8, 1);
             net_spec_err(&spec, "width")
         }),
+        (
+            "network",
+            "input size 2^31 (products of extents wrap)",
+            || net_err_says(Preset::Mini, 4, 1 << 31, "hw", "beyond 35184372088832"),
+        ),
+        ("network", "input size 2^31 + 1", || {
+            net_err_says(Preset::Mini, 4, (1 << 31) + 1, "hw", "beyond 2147483648")
+        }),
+        ("network", "batch 2^31 of 2^16-pixel images", || {
+            net_err_says(Preset::ResNet50, 1 << 31, 1 << 16, "", "beyond")
+        }),
+        (
+            "network",
+            "ResNet-101 whose buffers together pass 2^47 bytes",
+            || net_err_says(Preset::ResNet101, 1 << 14, 1 << 12, "batch", "in all"),
+        ),
+        ("network", "a stem max-pool of stride 0", || {
+            pool_err(PoolSpec {
+                kernel: 3,
+                stride: 0,
+                pad: 1,
+            })
+        }),
+        ("network", "a stem max-pool of kernel 0", || {
+            pool_err(PoolSpec {
+                kernel: 0,
+                stride: 2,
+                pad: 0,
+            })
+        }),
+        (
+            "network",
+            "a stem max-pool whose padding equals its kernel",
+            || {
+                pool_err(PoolSpec {
+                    kernel: 3,
+                    stride: 2,
+                    pad: 3,
+                })
+            },
+        ),
+        (
+            "network",
+            "a stem max-pool padded past half its kernel (windows of padding alone)",
+            || {
+                pool_err(PoolSpec {
+                    kernel: 3,
+                    stride: 1,
+                    pad: 2,
+                })
+            },
+        ),
+        ("network", "a stem max-pool of stride 2^40", || {
+            pool_err(PoolSpec {
+                kernel: 3,
+                stride: 1 << 40,
+                pad: 1,
+            })
+        }),
+        (
+            "network",
+            "a stem max-pool larger than the stem's padded output",
+            || {
+                let mut spec = Preset::ResNet50.spec(3, 4, 8);
+                spec.stem.max_pool = Some(PoolSpec {
+                    kernel: 15,
+                    stride: 2,
+                    pad: 0,
+                });
+                net_compile_err(&spec, 2, 8, "max_pool")
+            },
+        ),
+        ("network", "a stem padding of 2^40", || {
+            let mut spec = Preset::Mini.spec(3, 4, 8);
+            spec.stem.pad = 1 << 40;
+            net_spec_err(&spec, "stem.pad")
+        }),
+        ("network", "a stem of 2^40 channels", || {
+            let mut spec = Preset::Mini.spec(3, 4, 8);
+            spec.stem.out = 1 << 40;
+            net_spec_err(&spec, "stem.out")
+        }),
+        ("network", "2^40 classes", || {
+            let mut spec = Preset::Mini.spec(3, 4, 8);
+            spec.classes = 1 << 40;
+            net_spec_err(&spec, "classes")
+        }),
+        (
+            "network",
+            "a network with a 384 GiB input on the CPU executor (typed, not an abort)",
+            || {
+                let policy = RoutePolicy::Uniform(cudnn_cbr::fusion::cbr::RouteKind::Fused);
+                let net = compile(&Preset::Mini.spec(3, 4, 8), 1 << 16, 1 << 10, &policy)
+                    .expect("each buffer fits 2^47 bytes");
+                let e = CpuNet::<half::f16>::try_new(net)
+                    .map(|_| ())
+                    .expect_err("384 GiB cannot be allocated here");
+                assert!(
+                    matches!(&e, Error::Buffer { name, .. } if name == "input"),
+                    "{e:?}"
+                );
+                typed(e)
+            },
+        ),
+        ("layer", "a CPU layer of stride 0", || {
+            let e = CbrLayer::for_cpu(
+                CbrConfig::new(ConvShape {
+                    stride: 0,
+                    ..shape()
+                }),
+                true,
+            )
+            .map(|_| ())
+            .unwrap_err();
+            invalid_field(&e, "stride");
+            typed(e)
+        }),
+        ("layer", "a CPU layer of batch 2^50", || {
+            let e = CbrLayer::for_cpu(
+                CbrConfig::new(ConvShape {
+                    n: 1 << 50,
+                    ..shape()
+                }),
+                true,
+            )
+            .map(|_| ())
+            .unwrap_err();
+            invalid_field(&e, "x");
+            typed(e)
+        }),
+        ("layer", "a CPU layer of 2^40 output channels", || {
+            let e = CbrLayer::for_cpu(
+                CbrConfig::new(ConvShape {
+                    k: 1 << 40,
+                    ..shape()
+                }),
+                false,
+            )
+            .map(|_| ())
+            .unwrap_err();
+            invalid_field(&e, "w");
+            typed(e)
+        }),
+        ("max-pool", "stride 0 (a division by zero)", || {
+            max_pool_err(
+                PoolSpec {
+                    kernel: 3,
+                    stride: 0,
+                    pad: 1,
+                },
+                8,
+                "stem.max_pool",
+            )
+        }),
+        ("max-pool", "a window larger than its padded input", || {
+            max_pool_err(
+                PoolSpec {
+                    kernel: 7,
+                    stride: 1,
+                    pad: 1,
+                },
+                4,
+                "kernel",
+            )
+        }),
+        ("max-pool", "padding equal to the window", || {
+            max_pool_err(
+                PoolSpec {
+                    kernel: 2,
+                    stride: 2,
+                    pad: 2,
+                },
+                8,
+                "stem.max_pool",
+            )
+        }),
+        (
+            "max-pool",
+            "backward with a window of padding alone",
+            || {
+                let p = PoolSpec {
+                    kernel: 3,
+                    stride: 1,
+                    pad: 2,
+                };
+                let s = Nhwc::new(1, 4, 4, 1);
+                let x = vec![half::f16::ONE; s.elems()];
+                let e = max_pool_backward(&p, &s, &x, &x).unwrap_err();
+                invalid_field(&e, "stem.max_pool");
+                typed(e)
+            },
+        ),
     ]
+}
+
+fn net_err_says(preset: Preset, batch: usize, hw: usize, field: &str, needle: &str) -> Verdict {
+    let policy = RoutePolicy::Uniform(cudnn_cbr::fusion::cbr::RouteKind::Fused);
+    let e = compile(&preset.spec(3, 4, 8), batch, hw, &policy).expect_err("must be rejected");
+    assert!(matches!(e, Error::InvalidConfig { .. }), "{e:?}");
+    if !field.is_empty() {
+        invalid_field(&e, field);
+    }
+    assert!(e.to_string().contains(needle), "{e}");
+    typed(e)
+}
+
+fn pool_err(pool: PoolSpec) -> Verdict {
+    let mut spec = Preset::ResNet18.spec(3, 4, 8);
+    spec.stem.max_pool = Some(pool);
+    net_compile_err(&spec, 2, 32, "max_pool")
+}
+
+fn max_pool_err(p: PoolSpec, hw: usize, field: &str) -> Verdict {
+    let s = Nhwc::new(1, hw, hw, 2);
+    let x = vec![half::f16::ONE; s.elems()];
+    let e = max_pool(&p, &s, &x).unwrap_err();
+    invalid_field(&e, field);
+    typed(e)
 }
 
 fn net_err(preset: Preset, batch: usize, hw: usize, field: &str) -> Verdict {
@@ -684,7 +907,85 @@ fn loader_rows() -> Vec<Row> {
         ("loader", "a truncated sub-library", || {
             in_child("truncated_graph", "truncated")
         }),
+        (
+            "loader",
+            "a foreign library under libcudnn_graph.so.9 (aborted in cuDNN's version call)",
+            || {
+                in_child("foreign_graph", "libcudnn_graph.so.9 at")
+                    .expect_says("does not define cudnnGetVersion")
+            },
+        ),
+        (
+            "loader",
+            "a foreign library under libcudnn_heuristic.so.9 (was: every layer unfused)",
+            || {
+                in_child("foreign_heuristic", "libcudnn_heuristic.so.9 at")
+                    .expect_says("dummyHeuristicSymbol")
+            },
+        ),
+        (
+            "loader",
+            "a foreign library under libcudnn_engines_precompiled.so.9",
+            || {
+                in_child(
+                    "foreign_precompiled",
+                    "libcudnn_engines_precompiled.so.9 at",
+                )
+                .expect_says("dummyBackendEnginesPreCompiledSymbol")
+            },
+        ),
+        (
+            "loader",
+            "a foreign library under libcudnn_engines_runtime_compiled.so.9",
+            || {
+                in_child(
+                    "foreign_runtime_compiled",
+                    "libcudnn_engines_runtime_compiled.so.9 at",
+                )
+                .expect_says("dummyBackendEnginesRuntimeCompiledSymbol")
+            },
+        ),
+        (
+            "loader",
+            "a foreign library under libcudnn.so.9 (checked before dlopen)",
+            || {
+                in_child(
+                    "foreign_main",
+                    "not cuDNN: it does not define cudnnGetVersion",
+                )
+            },
+        ),
+        (
+            "loader",
+            "no libcuda.so.1 (was blamed on the device properties)",
+            || {
+                in_child(
+                    "no_driver",
+                    "the CUDA driver library libcuda.so.1 is missing",
+                )
+            },
+        ),
+        ("loader", "a truncated libcuda.so.1 beside cuDNN", || {
+            in_child("truncated_driver", "libcuda.so.1 at").expect_says("truncated")
+        }),
     ]
+}
+
+trait ExpectSays {
+    /// The typed error's text also says `needle`.
+    fn expect_says(self, needle: &str) -> Verdict;
+}
+
+impl ExpectSays for Verdict {
+    fn expect_says(self, needle: &str) -> Verdict {
+        if let Verdict::Typed(text) = &self {
+            assert!(
+                text.starts_with("SKIP") || text.contains(needle),
+                "`{needle}` not in: {text}"
+            );
+        }
+        self
+    }
 }
 
 /// Runs a loader fault in a child process with no loader path, so nothing outside the
@@ -733,7 +1034,48 @@ fn loader_fault_child() {
     let main = dir.join("libcudnn.so.9");
     let bytes = || std::fs::read(src.join("libcudnn.so.9")).unwrap();
     let link = |name: &str| std::os::unix::fs::symlink(src.join(name), dir.join(name)).unwrap();
+    // A complete shared object for this machine that is not cuDNN (the C math library).
+    let foreign = |name: &str| {
+        let libm = cudnn_cbr::sys::preflight::resolve_by_name("libm.so.6").expect("libm.so.6");
+        std::fs::copy(libm, dir.join(name)).unwrap();
+    };
+    let subs = [
+        "libcudnn_graph.so.9",
+        "libcudnn_heuristic.so.9",
+        "libcudnn_engines_precompiled.so.9",
+        "libcudnn_engines_runtime_compiled.so.9",
+    ];
+    // The main library and every sub-library but `odd`, which `foreign` replaces.
+    let all_but = |odd: &str| {
+        link("libcudnn.so.9");
+        for name in subs.iter().filter(|n| **n != odd) {
+            link(name);
+        }
+    };
     match case.to_str().unwrap() {
+        "foreign_graph" => {
+            all_but(subs[0]);
+            foreign(subs[0]);
+        }
+        "foreign_heuristic" => {
+            all_but(subs[1]);
+            foreign(subs[1]);
+        }
+        "foreign_precompiled" => {
+            all_but(subs[2]);
+            foreign(subs[2]);
+        }
+        "foreign_runtime_compiled" => {
+            all_but(subs[3]);
+            foreign(subs[3]);
+        }
+        "foreign_main" => foreign("libcudnn.so.9"),
+        // The child runs without LD_LIBRARY_PATH, so the stand-in driver is out of reach.
+        "no_driver" => all_but(""),
+        "truncated_driver" => {
+            all_but("");
+            std::fs::write(dir.join("libcuda.so.1"), &bytes()[..4096]).unwrap();
+        }
         "text_file" => std::fs::write(&main, "this is not a library\n".repeat(8)).unwrap(),
         "truncated_main" => std::fs::write(&main, &bytes()[..bytes().len() * 2 / 3]).unwrap(),
         "no_sublibraries" => std::fs::write(&main, bytes()).unwrap(),
@@ -851,7 +1193,136 @@ fn amp_rows() -> Vec<Row> {
                 ..SgdConfig::new(0.1)
             })
         }),
+        ("loss scale", "a configured scale of 0", || {
+            scale_config_err(0.0)
+        }),
+        ("loss scale", "a configured scale of +Inf", || {
+            scale_config_err(f32::INFINITY)
+        }),
+        ("loss scale", "a configured scale of NaN", || {
+            scale_config_err(f32::NAN)
+        }),
+        ("loss scale", "a configured scale of -8", || {
+            scale_config_err(-8.0)
+        }),
+        ("loss scale", "a scale of 0 set on a running step", || {
+            let mut step = small_step();
+            let config =
+                StepConfig::new(SgdConfig::new(0.1)).with_loss_scale(LossScalePolicy::fixed(0.0));
+            let e = step.set_config(config).unwrap_err();
+            assert_eq!(step.config().loss_scale.init_scale, 8192.0);
+            scale_field(e, "init_scale")
+        }),
+        ("loss scale", "S written with a scale of 0", || {
+            let mut regions = small_regions();
+            let e = regions.write_scalars(&with_scale(0.0)).unwrap_err();
+            unchanged(&regions);
+            scale_field(e, "loss_scale")
+        }),
+        ("loss scale", "S written with a scale of +Inf", || {
+            let mut regions = small_regions();
+            let e = regions
+                .write_scalars(&with_scale(f32::INFINITY))
+                .unwrap_err();
+            unchanged(&regions);
+            scale_field(e, "loss_scale")
+        }),
+        ("loss scale", "S written with a scale of NaN", || {
+            let mut regions = small_regions();
+            let e = regions.write_scalars(&with_scale(f32::NAN)).unwrap_err();
+            unchanged(&regions);
+            scale_field(e, "loss_scale")
+        }),
+        (
+            "loss scale",
+            "S restored on a step with a scale of -Inf",
+            || {
+                let mut step = small_step();
+                let e = step
+                    .restore_scalars(&with_scale(f32::NEG_INFINITY))
+                    .unwrap_err();
+                unchanged(step.executor());
+                scale_field(e, "loss_scale")
+            },
+        ),
+        (
+            "loss scale",
+            "S restored on a step with a scale of 0",
+            || {
+                let mut step = small_step();
+                let e = step.restore_scalars(&with_scale(0.0)).unwrap_err();
+                unchanged(step.executor());
+                scale_field(e, "loss_scale")
+            },
+        ),
+        (
+            "loss scale",
+            "an S image (checkpoint) with a scale of 0",
+            || {
+                let mut regions = small_regions();
+                let bytes = with_scale(0.0).to_bytes();
+                let e = regions.load_region_bytes(Region::S, &bytes).unwrap_err();
+                unchanged(&regions);
+                scale_field(e, "loss_scale")
+            },
+        ),
+        (
+            "loss scale",
+            "an S image (checkpoint) with a scale of +Inf",
+            || {
+                let e = Scalars::from_bytes(&with_scale(f32::INFINITY).to_bytes()).unwrap_err();
+                scale_field(AmpError::from(e), "loss_scale")
+            },
+        ),
+        ("loss scale", "a restored scale of 4096 (accepted)", || {
+            let mut step = small_step();
+            step.restore_scalars(&with_scale(4096.0)).unwrap();
+            let s = step.executor().scalars();
+            assert_eq!((s.loss_scale, s.lr), (4096.0, 0.1));
+            Verdict::Recovered("S holds scale 4096 and the step's own learning rate".into())
+        }),
     ]
+}
+
+fn small_regions() -> CpuRegions {
+    let mut b = MemoryPlanBuilder::new();
+    let k = b.bucket("b").unwrap();
+    b.add("g", ParamKind::BnGamma, &[8], k).unwrap();
+    CpuRegions::new(b.finalize().unwrap()).unwrap()
+}
+
+fn small_step() -> AmpStep<CpuRegions> {
+    AmpStep::new(small_regions(), StepConfig::new(SgdConfig::new(0.1))).unwrap()
+}
+
+fn with_scale(loss_scale: f32) -> Scalars {
+    Scalars {
+        loss_scale,
+        ..Scalars::default()
+    }
+}
+
+/// S still holds what was there before the rejected write: the default scale, 8192.
+fn unchanged(regions: &CpuRegions) {
+    assert_eq!(regions.scalars().loss_scale, 8192.0);
+}
+
+fn scale_config_err(scale: f32) -> Verdict {
+    let e = AmpStep::new(
+        small_regions(),
+        StepConfig::new(SgdConfig::new(0.1)).with_loss_scale(LossScalePolicy::fixed(scale)),
+    )
+    .map(|_| ())
+    .unwrap_err();
+    scale_field(e, "init_scale")
+}
+
+fn scale_field(e: AmpError, field: &str) -> Verdict {
+    assert!(
+        matches!(&e, AmpError::RangeOp(RangeOpError::InvalidConfig { field: f, .. }) if *f == field),
+        "expected InvalidConfig on `{field}`, got {e:?}"
+    );
+    typed(e)
 }
 
 fn step_err(sgd: SgdConfig) -> Verdict {
@@ -937,6 +1408,65 @@ fn example_rows() -> Vec<Row> {
         }),
         ("deviceless_plans", "a flag without its value", || {
             example_exits("deviceless_plans", &["--hw"], 2, "--hw")
+        }),
+        (
+            "train_cbr",
+            "--hw 2147483648 on the CPU (was: a panic)",
+            || {
+                example_exits(
+                    "train_cbr",
+                    &["--hw", "2147483648", "--device", "cpu"],
+                    1,
+                    "beyond 35184372088832",
+                )
+            },
+        ),
+        ("train_cbr", "--hw 2147483648 (was: a panic)", || {
+            example_exits("train_cbr", &["--hw", "2147483648"], 1, "hw")
+        }),
+        ("train_cbr", "--steps 1099511627776 (was: an abort)", || {
+            example_exits(
+                "train_cbr",
+                &["--steps", "1099511627776", "--device", "cpu"],
+                1,
+                "steps must be at most 16777216",
+            )
+        }),
+        ("train_cbr", "--steps u64::MAX (was: an abort)", || {
+            example_exits(
+                "train_cbr",
+                &["--steps", "18446744073709551615"],
+                1,
+                "steps must be at most 16777216",
+            )
+        }),
+        ("deviceless_plans", "--hw 2147483648 (was: a panic)", || {
+            example_exits(
+                "deviceless_plans",
+                &["--hw", "2147483648"],
+                1,
+                "beyond 35184372088832",
+            )
+        }),
+        (
+            "custom_trainer",
+            "--steps 0 (was: an index out of bounds)",
+            || {
+                example_exits(
+                    "custom_trainer",
+                    &["--steps", "0", "--device", "cpu"],
+                    2,
+                    "must be in 1..=1000000, got 0",
+                )
+            },
+        ),
+        ("custom_trainer", "--steps u64::MAX", || {
+            example_exits(
+                "custom_trainer",
+                &["--steps", "18446744073709551615", "--device", "cpu"],
+                2,
+                "must be in 1..=1000000",
+            )
         }),
         ("fuzz_graphs", "--help", || {
             example_exits("fuzz_graphs", &["--help"], 0, "Usage")

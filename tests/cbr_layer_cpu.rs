@@ -29,8 +29,8 @@ impl Rng {
 fn run(route: impl Into<RouteKind> + Copy) -> (HostBuffers, HostBuffers) {
     let s1 = ConvShape::square(4, 8, 10, 16, 3, 1, 1);
     let s2 = ConvShape::square(4, 16, 10, 24, 3, 1, 2);
-    let l1 = CbrLayer::for_cpu(CbrConfig::first(s1), route);
-    let l2 = CbrLayer::for_cpu(CbrConfig::new(s2).with_apply(ApplyResidual::None), route);
+    let l1 = CbrLayer::for_cpu(CbrConfig::first(s1), route).unwrap();
+    let l2 = CbrLayer::for_cpu(CbrConfig::new(s2).with_apply(ApplyResidual::None), route).unwrap();
     assert_eq!(l2.route().kind(), route.into());
     let mut b1 = HostBuffers::zeros(l1.buffers());
     let mut b2 = HostBuffers::zeros(l2.buffers());
@@ -170,8 +170,9 @@ fn the_generic_route_runs_the_residual_forms_like_the_unfused_route() {
     for residual in [BackwardResidual::None, BackwardResidual::FuseAdd] {
         let mut results = Vec::new();
         for route in [RouteKind::Unfused, RouteKind::Generic] {
-            let l1 = CbrLayer::for_cpu(CbrConfig::first(s1), route);
-            let l2 = CbrLayer::for_cpu(CbrConfig::new(s2).with_backward_residual(residual), route);
+            let l1 = CbrLayer::for_cpu(CbrConfig::first(s1), route).unwrap();
+            let l2 = CbrLayer::for_cpu(CbrConfig::new(s2).with_backward_residual(residual), route)
+                .unwrap();
             assert_eq!(
                 l2.steps().iter().any(|s| s.role == GraphRole::DbnReduce),
                 route == RouteKind::Generic
@@ -256,7 +257,8 @@ fn every_route_binds_every_real_tensor_consistently() {
 
 #[test]
 fn a_missing_previous_layer_is_a_typed_error() {
-    let l2 = CbrLayer::for_cpu(CbrConfig::new(ConvShape::square(2, 8, 6, 8, 3, 1, 1)), true);
+    let l2 =
+        CbrLayer::for_cpu(CbrConfig::new(ConvShape::square(2, 8, 6, 8, 3, 1, 1)), true).unwrap();
     let mut b = HostBuffers::zeros(l2.buffers());
     let err = l2.run_cpu(Pass::Forward, &mut b, None).unwrap_err();
     assert!(err.to_string().contains("previous BN"), "{err}");

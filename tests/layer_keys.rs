@@ -50,7 +50,7 @@ fn every_layer_buffer() -> Vec<(
     configs.push(CbrConfig::after_activation(shape).with_shortcut_bn());
     for config in configs {
         for route in RouteKind::ALL {
-            let l = CbrLayer::for_cpu(config, route);
+            let l = CbrLayer::for_cpu(config, route).unwrap();
             let name = format!("{config:?} {route:?}");
             for b in l.buffers() {
                 out.push((name.clone(), b.name, Side::This, b.dtype));

@@ -8,9 +8,12 @@
 //!    (where a PyTorch install keeps its cuDNN).
 //!
 //! Loading never panics and never crashes the process: before `dlopen`, each file is checked to
-//! be a complete shared object for this machine, and before cuDNN's first call, the
-//! sub-libraries its graph API loads lazily are found and checked (see [`crate::preflight`]).
-//! Every failure is a [`LoadError`] that lists each path tried and why it was rejected.
+//! be a complete shared object for this machine that defines cuDNN's symbols (read from the
+//! file, so a foreign library's code never runs), and before cuDNN's first call, the
+//! sub-libraries its graph API loads lazily are found and checked the same way, each for the
+//! symbols of its own kind ([`crate::preflight::SUBLIBRARY_SYMBOLS`]), and so is the CUDA
+//! driver library cuDNN opens ([`DRIVER_LIBRARY`]). Every failure is a [`LoadError`] that
+//! names the file and why it was rejected.
 
 use crate::bindings::{cudnnStatus_t, CudnnLib};
 use crate::preflight;
@@ -25,6 +28,9 @@ pub const MIN_VERSION: usize = 9_00_00;
 pub const DEVICELESS_MIN_VERSION: usize = 9_08_00;
 
 const LIB_NAME: &str = "libcudnn.so.9";
+
+/// The CUDA driver library cuDNN's graph library opens by name.
+pub const DRIVER_LIBRARY: &str = "libcuda.so.1";
 
 /// One place the loader looked, and why it did not use it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,6 +74,19 @@ pub enum LoadError {
         /// The sub-library's file name, e.g. `libcudnn_graph.so.9`.
         sublibrary: String,
         /// What is wrong with it (not found where the shim looks, truncated, ...).
+        reason: String,
+    },
+    /// The CUDA driver library cuDNN opens (even to plan without a GPU) is not where the
+    /// system loader looks, or is not a usable shared object.
+    #[error(
+        "cuDNN at {path} cannot be used: the CUDA driver library {DRIVER_LIBRARY} {reason} \
+         (cuDNN opens it even to plan without a GPU: install the NVIDIA driver, or put a \
+         {DRIVER_LIBRARY} on LD_LIBRARY_PATH)"
+    )]
+    NoDriver {
+        /// Where the main library was found.
+        path: String,
+        /// What is wrong (not found where the loader looks, truncated, ...).
         reason: String,
     },
     /// The main library and its graph sub-library are different cuDNN versions.
@@ -233,6 +252,14 @@ pub fn load_from(candidate: impl AsRef<Path>) -> Result<Library, LoadError> {
     };
     if let Some(file) = &file {
         preflight::check_shared_object(file).map_err(fail)?;
+        // Read from the file, so a foreign library's initialisers never run.
+        let missing = preflight::missing_symbols(file, &["cudnnGetVersion"]).map_err(fail)?;
+        if !missing.is_empty() {
+            return Err(fail(format!(
+                "not cuDNN: it does not define {}",
+                missing.join(", ")
+            )));
+        }
     }
     // SAFETY: the file is a complete shared object for this machine (checked above, so the
     // dynamic loader maps no byte past its end); loading runs its initialisers, which are
@@ -243,8 +270,9 @@ pub fn load_from(candidate: impl AsRef<Path>) -> Result<Library, LoadError> {
         fail("loaded, but its file could not be located to check its sub-libraries".into())
     })?;
     let graph = check_sublibraries(&main, &shown)?;
+    check_driver(&graph, &shown)?;
     // SAFETY: cudnnGetVersion takes no arguments and has no preconditions; the sub-libraries
-    // it loads were found and checked above.
+    // it loads were found and checked above (files and symbols).
     let version = unsafe { (api.cudnnGetVersion)() };
     let sub_version = sublibrary_version(&graph).map_err(|reason| LoadError::Incomplete {
         path: shown.clone(),
@@ -289,9 +317,44 @@ fn check_sublibraries(main: &Path, shown: &str) -> Result<PathBuf, LoadError> {
         })?;
         preflight::check_shared_object(&found)
             .map_err(|why| incomplete(format!("at {} is unusable: {why}", found.display())))?;
+        let wanted = preflight::SUBLIBRARY_SYMBOLS
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map_or(&[][..], |(_, s)| *s);
+        let missing = preflight::missing_symbols(&found, wanted)
+            .map_err(|why| incomplete(format!("at {} is unusable: {why}", found.display())))?;
+        if !missing.is_empty() {
+            return Err(incomplete(format!(
+                "at {} is not cuDNN's {name}: it does not define {}",
+                found.display(),
+                missing.join(", ")
+            )));
+        }
         graph.get_or_insert(found);
     }
     Ok(graph.expect("the list of sub-libraries is not empty"))
+}
+
+/// Checks that the CUDA driver library is where the graph library at `graph` will open it
+/// (beside it, else the system loader's folders) and is a complete shared object: without it
+/// every cuDNN call fails later with a status that blames whatever it was given.
+fn check_driver(graph: &Path, shown: &str) -> Result<(), LoadError> {
+    let no_driver = |reason: String| LoadError::NoDriver {
+        path: shown.to_string(),
+        reason,
+    };
+    match preflight::locate_sublibrary(graph, DRIVER_LIBRARY) {
+        Some(found) => preflight::check_shared_object(&found)
+            .map_err(|why| no_driver(format!("at {} is unusable: {why}", found.display()))),
+        // The loader's cache may know folders its configuration does not list: ask it.
+        // SAFETY: is_culib_present only tries to dlopen the driver library by name (what
+        // cuDNN itself will do).
+        None if unsafe { cudarc::driver::sys::is_culib_present() } => Ok(()),
+        None => Err(no_driver(format!(
+            "is missing: not beside {} nor in the system loader's folders",
+            graph.display()
+        ))),
+    }
 }
 
 /// The graph sub-library's own `cudnnGetVersion()`.

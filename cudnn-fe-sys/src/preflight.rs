@@ -1,15 +1,20 @@
 //! Checks made before a library file is handed to `dlopen` or before cuDNN's first call.
 //!
-//! Two faults otherwise kill the process instead of returning an error:
+//! These faults otherwise kill the process or break it silently instead of returning an
+//! error:
 //! - a truncated shared object: `dlopen` maps segments past the end of the file and the
 //!   process dies of SIGBUS while relocating it;
 //! - a `libcudnn.so.9` whose sub-libraries are missing: the shim loads them lazily and
-//!   aborts inside the first cuDNN call ("Invalid handle. Cannot load symbol ...").
+//!   aborts inside the first cuDNN call ("Invalid handle. Cannot load symbol ...");
+//! - a foreign shared object under a sub-library's name: the shim aborts when the symbol it
+//!   looks up is absent (the graph library), or cuDNN finds no engine for any graph (the
+//!   heuristics and engine libraries).
 //!
 //! So every file is checked to be a complete ELF shared object for this machine (headers,
-//! program headers and every loadable segment inside the file), and the sub-libraries the
-//! graph API needs are found and checked the way the shim will look for them: next to it
-//! first (its RPATH is `$ORIGIN`), then the system loader's folders.
+//! program headers and every loadable segment inside the file) that defines the symbols of
+//! its kind ([`missing_symbols`], read from the file), and the sub-libraries the graph API
+//! needs are found and checked the way the shim will look for them: next to it first (its
+//! RPATH is `$ORIGIN`), then the system loader's folders.
 
 use std::fs::File;
 use std::io::Read;
@@ -200,6 +205,108 @@ pub fn locate_sublibrary(main: &Path, name: &str) -> Option<PathBuf> {
         .or_else(|| resolve_by_name(name))
 }
 
+/// The dynamic symbols each graph-API sub-library must define, by file name: the graph
+/// library's entry points the shim calls first, and the marker symbol the heuristics and
+/// engine libraries export for cuDNN's own loader. A foreign shared object under one of
+/// these names (right machine, wrong library) lacks them, and cuDNN would abort in its first
+/// call or silently find no engine.
+pub const SUBLIBRARY_SYMBOLS: [(&str, &[&str]); 4] = [
+    (
+        GRAPH_SUBLIBRARIES[0],
+        &[
+            "cudnnGetVersion",
+            "cudnnBackendCreateDescriptor",
+            "cudnnBackendExecute",
+        ],
+    ),
+    (GRAPH_SUBLIBRARIES[1], &["dummyHeuristicSymbol"]),
+    (
+        GRAPH_SUBLIBRARIES[2],
+        &["dummyBackendEnginesPreCompiledSymbol"],
+    ),
+    (
+        GRAPH_SUBLIBRARIES[3],
+        &["dummyBackendEnginesRuntimeCompiledSymbol"],
+    ),
+];
+
+/// Reads at most this many bytes of one symbol or string table (cuDNN's largest, the graph
+/// library's, is a few MiB).
+const MAX_TABLE_BYTES: u64 = 256 << 20;
+
+/// Which of `wanted` the shared object at `path` does not define in its dynamic symbol
+/// table, read from the file without loading it (so none of its code runs). Call after
+/// [`check_shared_object`] passed. Returns why the table cannot be read.
+pub fn missing_symbols(path: &Path, wanted: &[&str]) -> Result<Vec<String>, String> {
+    use std::io::{Seek, SeekFrom};
+    const SHT_DYNSYM: u32 = 11;
+    const SYM_SIZE: usize = 24;
+    let mut file = File::open(path).map_err(|e| format!("cannot open: {e}"))?;
+    let len = file
+        .metadata()
+        .map_err(|e| format!("cannot stat: {e}"))?
+        .len();
+    let mut read_at = |offset: u64, size: u64, what: &str| -> Result<Vec<u8>, String> {
+        match offset.checked_add(size) {
+            Some(end) if end <= len && size <= MAX_TABLE_BYTES => {}
+            _ => return Err(format!("corrupt: the {what} lies outside the file")),
+        }
+        let mut buf = vec![0u8; size as usize];
+        file.seek(SeekFrom::Start(offset))
+            .and_then(|_| file.read_exact(&mut buf))
+            .map_err(|e| format!("cannot read the {what}: {e}"))?;
+        Ok(buf)
+    };
+    let header = read_at(0, 64, "ELF header")?;
+    let (shoff, shentsize, shnum) = (
+        u64_at(&header, 40),
+        u64::from(u16_at(&header, 58)),
+        u64::from(u16_at(&header, 60)),
+    );
+    if shoff == 0 || shnum == 0 || shentsize < 64 {
+        return Err("has no section headers to read its symbols from".into());
+    }
+    let table = read_at(
+        shoff,
+        shentsize.saturating_mul(shnum),
+        "section header table",
+    )?;
+    let section = |i: usize| table.chunks_exact(shentsize as usize).nth(i);
+    let dynsym = table
+        .chunks_exact(shentsize as usize)
+        .find(|sh| u32_at(sh, 4) == SHT_DYNSYM)
+        .ok_or("has no dynamic symbol table")?;
+    let strtab = section(u32_at(dynsym, 40) as usize)
+        .ok_or("corrupt: the dynamic symbol table names no string table")?;
+    let syms = read_at(
+        u64_at(dynsym, 24),
+        u64_at(dynsym, 32),
+        "dynamic symbol table",
+    )?;
+    let strs = read_at(
+        u64_at(strtab, 24),
+        u64_at(strtab, 32),
+        "dynamic string table",
+    )?;
+    let mut missing: Vec<&str> = wanted.to_vec();
+    for sym in syms.chunks_exact(SYM_SIZE) {
+        // An undefined entry (section index 0) is an import, not an export.
+        if u16_at(sym, 6) == 0 {
+            continue;
+        }
+        let start = u32_at(sym, 0) as usize;
+        let Some(rest) = strs.get(start..) else {
+            continue;
+        };
+        let name = &rest[..rest.iter().position(|&b| b == 0).unwrap_or(rest.len())];
+        missing.retain(|w| w.as_bytes() != name);
+        if missing.is_empty() {
+            break;
+        }
+    }
+    Ok(missing.into_iter().map(String::from).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,6 +321,16 @@ mod tests {
     /// A shared object every Linux machine has (the C library).
     fn some_system_library() -> PathBuf {
         resolve_by_name("libc.so.6").expect("libc.so.6 in the system loader's folders")
+    }
+
+    #[test]
+    fn exported_symbols_are_read_from_the_file() {
+        let libc = some_system_library();
+        let missing = missing_symbols(&libc, &["printf", "cudnnGetVersion", "malloc"]).unwrap();
+        assert_eq!(missing, vec!["cudnnGetVersion".to_string()]);
+        let text = scratch("symbols-text.so");
+        std::fs::write(&text, [b'x'; 200]).unwrap();
+        assert!(missing_symbols(&text, &["printf"]).is_err());
     }
 
     #[test]

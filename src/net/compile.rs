@@ -236,10 +236,7 @@ impl RoutePolicy<'_> {
     /// The layer `name` with `config`, on the route this policy gives it. Planning errors
     /// pass through unchanged (they name the layer's shape and each route's failure).
     fn layer(&self, name: &str, config: CbrConfig) -> Result<CbrLayer> {
-        let cpu = |kind| {
-            config.validate().map_err(|e| in_layer(name, e))?;
-            Ok(CbrLayer::for_cpu(config, kind))
-        };
+        let cpu = |kind| CbrLayer::for_cpu(config, kind).map_err(|e| in_layer(name, e));
         match self {
             RoutePolicy::Uniform(kind) => cpu(*kind),
             RoutePolicy::PerLayer { routes, default } => {
@@ -355,29 +352,28 @@ pub fn validate(spec: &NetSpec, batch: usize, hw: usize) -> Result<()> {
             return Err(invalid(name, field, "must be >= 1, got 0".into()));
         }
     }
-    // Every extent must fit the conv shape type (i64) with room for its arithmetic.
+    // Every extent must fit the conv shape type (i64) with room for its arithmetic; the
+    // products of extents are checked where they are formed (`elems`).
     let limit = 1usize << 31;
     for (field, v) in [
         ("batch", batch),
         ("hw", hw),
         ("in_channels", spec.in_channels),
+        ("classes", spec.classes),
+        ("stem.out", spec.stem.out),
+        ("stem.kernel", spec.stem.kernel),
+        ("stem.stride", spec.stem.stride),
+        ("stem.pad", spec.stem.pad),
     ] {
         if v > limit {
             return Err(invalid(name, field, format!("{v} is beyond {limit}")));
         }
     }
     if let Some(p) = spec.stem.max_pool {
-        if p.kernel == 0 || p.stride == 0 || p.pad >= p.kernel {
-            return Err(invalid(
-                name,
-                "stem.max_pool",
-                format!(
-                    "needs kernel >= 1, stride >= 1 and pad < kernel, got {}x{}/{} pad {}",
-                    p.kernel, p.kernel, p.stride, p.pad
-                ),
-            ));
-        }
+        validate_pool(name, &p)?;
     }
+    // The input is the one buffer whose size follows from these extents alone.
+    elems(name, "hw", [batch, hw, spec.in_channels])?;
     if spec.stages.iter().all(|s| s.is_empty()) {
         return Err(invalid(name, "stages", "hold no block".into()));
     }
@@ -416,10 +412,59 @@ pub fn validate(spec: &NetSpec, batch: usize, hw: usize) -> Result<()> {
     Ok(())
 }
 
-/// Output size of a window op.
+/// Checks a max-pool window before any size is computed from it: kernel and stride ≥ 1 and at
+/// most 2^31, padding at most half the kernel (PyTorch's rule: every window then holds a
+/// real pixel, so padding never wins).
+pub fn validate_pool(layer: &str, p: &PoolSpec) -> Result<()> {
+    let limit = 1usize << 31;
+    if p.kernel == 0
+        || p.stride == 0
+        || p.pad > p.kernel / 2
+        || p.kernel > limit
+        || p.stride > limit
+    {
+        return Err(invalid(
+            layer,
+            "stem.max_pool",
+            format!(
+                "needs 1 <= kernel <= {limit}, 1 <= stride <= {limit} and pad <= kernel / 2, \
+                 got {}x{}/{} pad {}",
+                p.kernel, p.kernel, p.stride, p.pad
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Output size of a window op (`None` when the window does not fit or a size wraps).
 fn out_size(input: usize, kernel: usize, stride: usize, pad: usize) -> Option<usize> {
-    let padded = input.checked_add(2 * pad)?;
-    (padded >= kernel).then(|| (padded - kernel) / stride + 1)
+    let padded = input.checked_add(pad.checked_mul(2)?)?;
+    if stride == 0 || padded < kernel {
+        return None;
+    }
+    Some((padded - kernel) / stride + 1)
+}
+
+/// Elements of a `batch`×`hw`×`hw`×`ch` activation, checked: the product must not wrap and its
+/// FP32 copy must fit [`ConvShape::MAX_TENSOR_BYTES`].
+fn elems(layer: &str, field: &str, [batch, hw, ch]: [usize; 3]) -> Result<usize> {
+    let max = ConvShape::MAX_TENSOR_BYTES as usize / 4;
+    batch
+        .checked_mul(hw)
+        .and_then(|e| e.checked_mul(hw))
+        .and_then(|e| e.checked_mul(ch))
+        .filter(|&e| e <= max)
+        .ok_or_else(|| {
+            invalid(
+                layer,
+                field,
+                format!(
+                    "{batch}x{hw}x{hw}x{ch} elements are beyond {max} (no buffer of more than \
+                     {} bytes can be allocated)",
+                    ConvShape::MAX_TENSOR_BYTES
+                ),
+            )
+        })
 }
 
 /// Compiles `spec` for `batch` images of `hw`×`hw`, with each layer's route from `policy`.
@@ -438,12 +483,8 @@ pub fn compile(
         forward: Vec::new(),
         backward: Vec::new(),
     };
-    let input = c.alloc(
-        "input",
-        DataType::Half,
-        batch * hw * hw * spec.in_channels,
-        BufferRole::Input,
-    );
+    let input_elems = elems("input", "hw", [batch, hw, spec.in_channels])?;
+    let input = c.alloc("input", DataType::Half, input_elems, BufferRole::Input);
     // Stem: conv + BN + ReLU, stored.
     let st = &spec.stem;
     let stem_shape = ConvShape::square(
@@ -457,8 +498,8 @@ pub fn compile(
     );
     stem_shape.validate().map_err(|e| in_layer("stem", e))?;
     let stem_hw = stem_shape.p() as usize;
-    let act = |c: &mut Compiler, name: &str, hw: usize, ch: usize| {
-        let elems = batch * hw * hw * ch;
+    let act = |c: &mut Compiler, name: &str, hw: usize, ch: usize| -> Result<(BufId, BufId)> {
+        let elems = elems(name, "hw", [batch, hw, ch])?;
         let a = c.alloc(name, DataType::Half, elems, BufferRole::Activation);
         let d = c.alloc(
             &format!("d:{name}"),
@@ -466,9 +507,9 @@ pub fn compile(
             elems,
             BufferRole::Gradient,
         );
-        (a, d)
+        Ok((a, d))
     };
-    let (stem_out, d_stem_out) = act(&mut c, "stem.out", stem_hw, st.out);
+    let (stem_out, d_stem_out) = act(&mut c, "stem.out", stem_hw, st.out)?;
     let stem_cfg = CbrConfig::first(stem_shape).with_apply(ApplyResidual::None);
     let stem = c.add_layer(
         "stem",
@@ -491,10 +532,14 @@ pub fn compile(
             invalid(
                 "stem",
                 "max_pool",
-                format!("{pool:?} does not fit {stem_hw}x{stem_hw}"),
+                format!(
+                    "a {0}x{0} window does not fit the stem's {stem_hw}x{stem_hw} output padded \
+                     by {1}",
+                    pool.kernel, pool.pad
+                ),
             )
         })?;
-        let (pooled, d_pooled) = act(&mut c, "stem.pool", p_hw, st.out);
+        let (pooled, d_pooled) = act(&mut c, "stem.pool", p_hw, st.out)?;
         let shape = Nhwc::new(batch, stem_hw, stem_hw, st.out);
         c.forward.push(Step::MaxPool {
             pool,
@@ -525,7 +570,7 @@ pub fn compile(
                     format!("{} does not fit {x_hw}", b.stride),
                 )
             })?;
-            let (out, d_out) = act(&mut c, &format!("{prefix}.out"), out_hw, b.out);
+            let (out, d_out) = act(&mut c, &format!("{prefix}.out"), out_hw, b.out)?;
             let mut bwd = Vec::new();
             c.block(&prefix, b, (x_hw, out_hw), (x, dx), (out, d_out), &mut bwd)?;
             block_bwd.push(bwd);
@@ -536,6 +581,26 @@ pub fn compile(
         c.backward.extend(bwd);
     }
     c.backward.extend(stem_bwd);
+    // Every buffer fits on its own (checked above); all of them together must too, so that
+    // `CompiledNet::bytes` cannot wrap and an executor can size its allocation up front.
+    c.buffers
+        .iter()
+        .try_fold(0usize, |sum, b| {
+            b.elems
+                .checked_mul(b.dtype.size())
+                .and_then(|n| sum.checked_add(n))
+        })
+        .filter(|&total| total <= ConvShape::MAX_TENSOR_BYTES as usize)
+        .ok_or_else(|| {
+            invalid(
+                &spec.name,
+                "batch",
+                format!(
+                    "{batch} images of {hw}x{hw} need buffers beyond {} bytes in all",
+                    ConvShape::MAX_TENSOR_BYTES
+                ),
+            )
+        })?;
     let features = spec
         .stages
         .iter()

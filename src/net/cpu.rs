@@ -65,22 +65,59 @@ fn wrong_len(name: &str, got: usize, want: usize) -> Error {
 
 impl<T: Element> CpuNet<T> {
     /// Zeroed buffers for `net`, with running variances at 1 (as every framework starts).
+    /// The process aborts where the host cannot hold them; [`CpuNet::try_new`] returns an
+    /// error instead.
     pub fn new(net: CompiledNet) -> Self {
         let bufs = net
             .buffers
             .iter()
             .map(|b| {
-                let init = if b.name.ends_with("running_var") {
-                    T::Acc::ONE
-                } else {
-                    T::Acc::ZERO
-                };
+                let init = Self::init(b);
                 match b.dtype {
                     DataType::Half => Buf::Half(vec![T::default(); b.elems]),
                     _ => Buf::Float(vec![init; b.elems]),
                 }
             })
             .collect();
+        Self::with_buffers(net, bufs)
+    }
+
+    /// As [`CpuNet::new`], but a buffer the host cannot allocate is an error, not an abort.
+    ///
+    /// # Errors
+    /// [`Error::Buffer`] naming the first buffer that could not be allocated and its size.
+    pub fn try_new(net: CompiledNet) -> Result<Self> {
+        fn filled<V: Clone>(name: &str, elems: usize, v: V) -> Result<Vec<V>> {
+            let mut out = Vec::new();
+            out.try_reserve_exact(elems).map_err(|e| Error::Buffer {
+                name: name.into(),
+                problem: format!(
+                    "cannot be allocated on the host: {elems} elements of {} bytes ({e})",
+                    std::mem::size_of::<V>()
+                ),
+            })?;
+            out.resize(elems, v);
+            Ok(out)
+        }
+        let mut bufs = Vec::with_capacity(net.buffers.len());
+        for b in &net.buffers {
+            bufs.push(match b.dtype {
+                DataType::Half => Buf::Half(filled(&b.name, b.elems, T::default())?),
+                _ => Buf::Float(filled(&b.name, b.elems, Self::init(b))?),
+            });
+        }
+        Ok(Self::with_buffers(net, bufs))
+    }
+
+    fn init(b: &NetBuffer) -> T::Acc {
+        if b.name.ends_with("running_var") {
+            T::Acc::ONE
+        } else {
+            T::Acc::ZERO
+        }
+    }
+
+    fn with_buffers(net: CompiledNet, bufs: Vec<Buf<T>>) -> Self {
         let scratch = net.layers.iter().map(|_| ConvScratch::default()).collect();
         // Every buffer starts with a stamp of its own.
         let versions: Vec<u64> = (1..=net.buffers.len() as u64).collect();
@@ -407,6 +444,20 @@ fn argmax<T: Element>(p: &PoolSpec, s: &Nhwc, x: &[T]) -> Result<Vec<usize>> {
     if x.len() != s.elems() {
         return Err(wrong_len("maxpool input", x.len(), s.elems()));
     }
+    // A stride of 0 would divide by zero, a window larger than the padded input would wrap
+    // the output size, and padding past half the window would pool padding alone.
+    super::compile::validate_pool("maxpool", p)?;
+    let padded = |x: usize| x.checked_add(2 * p.pad).filter(|&x| x >= p.kernel);
+    if padded(s.h).is_none() || padded(s.w).is_none() {
+        return Err(Error::InvalidConfig {
+            layer: "maxpool".into(),
+            field: "kernel".into(),
+            problem: format!(
+                "a {0}x{0} window is larger than its {1}x{2} input padded by {3}",
+                p.kernel, s.h, s.w, p.pad
+            ),
+        });
+    }
     let (oh, ow) = (pooled(s.h, p), pooled(s.w, p));
     let mut out = Vec::with_capacity(s.n * oh * ow * s.c);
     for n in 0..s.n {
@@ -465,6 +516,42 @@ mod tests {
     use super::*;
     use crate::amp::range::{self, PoolShape};
     use half::f16;
+
+    #[test]
+    fn a_window_that_cannot_pool_is_a_typed_error() {
+        let s = Nhwc::new(1, 4, 4, 1);
+        let x = vec![f16::ONE; s.elems()];
+        for (kernel, stride, pad, field) in [
+            (3, 0, 1, "stem.max_pool"),
+            (0, 1, 0, "stem.max_pool"),
+            (3, 1, 2, "stem.max_pool"),
+            (9, 1, 2, "kernel"),
+        ] {
+            let p = PoolSpec {
+                kernel,
+                stride,
+                pad,
+            };
+            for e in [
+                max_pool(&p, &s, &x).unwrap_err(),
+                max_pool_backward(&p, &s, &x, &x).unwrap_err(),
+            ] {
+                assert!(
+                    matches!(&e, Error::InvalidConfig { field: f, .. } if f == field),
+                    "{p:?}: {e:?}"
+                );
+            }
+        }
+        // A window larger than the unpadded input but inside the padded one pools (PyTorch
+        // allows it: every window still holds a real pixel).
+        let p = PoolSpec {
+            kernel: 5,
+            stride: 2,
+            pad: 2,
+        };
+        let s2 = Nhwc::new(1, 3, 3, 1);
+        assert_eq!(max_pool(&p, &s2, &x[..9]).unwrap().len(), 4);
+    }
 
     /// The CPU executor's max-pool (generic over the precision) and the CUDA kernel's CPU
     /// twin agree bit for bit in FP16: same choice rule, same summation order.

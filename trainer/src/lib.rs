@@ -214,6 +214,11 @@ impl Default for TrainConfig {
     }
 }
 
+/// The most optimizer steps one run takes: 2^24, far beyond any schedule the trainer runs.
+/// Each step's metrics are kept for the summary, so a larger count would reserve memory the
+/// host does not have before the first step.
+pub const MAX_STEPS: usize = 1 << 24;
+
 impl TrainConfig {
     /// Checks what both executors need.
     ///
@@ -230,6 +235,21 @@ impl TrainConfig {
             return Err(TrainError::Config(format!(
                 "steps ≥ 1, batch ≥ 2, width ≥ 1, channels ≥ 1, classes ≥ 1 and an image size \
                  ≥ 4 are needed, got {self:?}"
+            )));
+        }
+        // The mini network's widths go up to 2·width; name the flag before the network does.
+        if self.width > 1 << 30 {
+            return Err(TrainError::Config(format!(
+                "width must be at most {}, got {}",
+                1usize << 30,
+                self.width
+            )));
+        }
+        if self.steps > MAX_STEPS {
+            return Err(TrainError::Config(format!(
+                "steps must be at most {MAX_STEPS} (every step's loss and accuracy are kept \
+                 for the summary), got {}",
+                self.steps
             )));
         }
         if self.ranks == 0 || self.ranks > 1024 {
@@ -751,5 +771,52 @@ impl From<cudnn_cbr::ClassifierError> for TrainError {
             C::Driver { what, message } => TrainError::Driver { what, message },
             C::Input(m) => TrainError::Config(m),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_counts_and_widths_past_their_limits_are_named() {
+        for (cfg, needle) in [
+            (
+                TrainConfig {
+                    steps: MAX_STEPS + 1,
+                    ..TrainConfig::default()
+                },
+                "steps must be at most 16777216",
+            ),
+            (
+                TrainConfig {
+                    steps: usize::MAX,
+                    ..TrainConfig::default()
+                },
+                "steps must be at most",
+            ),
+            (
+                TrainConfig {
+                    width: 1 << 32,
+                    ..TrainConfig::default()
+                },
+                "width must be at most",
+            ),
+            (
+                TrainConfig {
+                    hw: 1 << 31,
+                    ..TrainConfig::default()
+                },
+                "`hw`",
+            ),
+        ] {
+            let e = cfg.validate().unwrap_err();
+            assert!(e.to_string().contains(needle), "{e}");
+        }
+        let last = TrainConfig {
+            steps: MAX_STEPS,
+            ..TrainConfig::default()
+        };
+        last.validate().unwrap();
     }
 }

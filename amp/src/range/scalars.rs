@@ -126,6 +126,24 @@ impl Scalars {
         1.0f32 / denom
     }
 
+    /// Checks what a step cannot recover from: a loss scale that is NaN, infinite or ≤ 0.
+    /// (0 makes the unscale factor infinite and every master weight NaN after one step; +Inf
+    /// overflows every gradient, so every step is skipped and the scale never moves again.)
+    ///
+    /// # Errors
+    /// [`RangeOpError::InvalidConfig`] naming `loss_scale` and its value.
+    pub fn validate(&self) -> Result<(), RangeOpError> {
+        if !(self.loss_scale.is_finite() && self.loss_scale > 0.0) {
+            return Err(RangeOpError::InvalidConfig {
+                op: "Scalars",
+                field: "loss_scale",
+                value: self.loss_scale.to_string(),
+                why: "must be finite and > 0",
+            });
+        }
+        Ok(())
+    }
+
     /// Whether the overflow flag is set (the optimizer and EMA will skip).
     pub fn overflowed(&self) -> bool {
         self.overflow != 0
@@ -147,10 +165,12 @@ impl Scalars {
         out
     }
 
-    /// Reads scalars back from an S region image (at least [`s_layout::USED`] bytes).
+    /// Reads scalars back from an S region image (at least [`s_layout::USED`] bytes), checked
+    /// with [`Scalars::validate`].
     ///
     /// # Errors
-    /// [`RangeOpError::ScalarsTooShort`] when `bytes` is too short.
+    /// [`RangeOpError::ScalarsTooShort`] when `bytes` is too short;
+    /// [`RangeOpError::InvalidConfig`] for a NaN, infinite or non-positive loss scale.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, RangeOpError> {
         if bytes.len() < s_layout::USED {
             return Err(RangeOpError::ScalarsTooShort {
@@ -159,7 +179,7 @@ impl Scalars {
             });
         }
         let word = |at: usize| [bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]];
-        Ok(Scalars {
+        let s = Scalars {
             loss_scale: f32::from_le_bytes(word(s_layout::LOSS_SCALE)),
             overflow: u32::from_le_bytes(word(s_layout::OVERFLOW)),
             growth_tracker: u32::from_le_bytes(word(s_layout::GROWTH_TRACKER)),
@@ -169,7 +189,9 @@ impl Scalars {
             momentum: f32::from_le_bytes(word(s_layout::MOMENTUM)),
             weight_decay: f32::from_le_bytes(word(s_layout::WEIGHT_DECAY)),
             ranks: u32::from_le_bytes(word(s_layout::RANKS)),
-        })
+        };
+        s.validate()?;
+        Ok(s)
     }
 }
 
@@ -177,5 +199,38 @@ impl Default for Scalars {
     /// Scalars for the default (fixed, 8192) policy.
     fn default() -> Self {
         Scalars::new(&LossScalePolicy::default())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_scale_that_no_step_recovers_from_is_refused_on_the_way_in_and_out() {
+        for bad in [0.0, -0.0, -1.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+            let s = Scalars {
+                loss_scale: bad,
+                ..Scalars::default()
+            };
+            let e = s.validate().unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    RangeOpError::InvalidConfig {
+                        field: "loss_scale",
+                        ..
+                    }
+                ),
+                "{bad}: {e:?}"
+            );
+            assert_eq!(Scalars::from_bytes(&s.to_bytes()).unwrap_err(), e);
+        }
+        // The smallest positive scale is odd but recoverable (the update raises it to 1).
+        let tiny = Scalars {
+            loss_scale: f32::MIN_POSITIVE,
+            ..Scalars::default()
+        };
+        assert_eq!(Scalars::from_bytes(&tiny.to_bytes()).unwrap(), tiny);
     }
 }

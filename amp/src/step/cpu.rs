@@ -287,7 +287,9 @@ impl CpuRegions {
     ///
     /// # Errors
     /// [`crate::PlanError::RegionAbsent`], [`ExecError::OutOfBounds`] when `bytes` is not
-    /// exactly the region's length.
+    /// exactly the region's length; for S, [`crate::RangeOpError::InvalidConfig`] when its
+    /// loss scale is NaN, infinite or ≤ 0 ([`Scalars::validate`]). The region is unchanged
+    /// on error.
     pub fn load_region_bytes(&mut self, region: Region, bytes: &[u8]) -> Result<(), AmpError> {
         let len = self.plan.region_range(region)?.len();
         if bytes.len() != len {
@@ -435,6 +437,7 @@ impl AmpExecutor for CpuRegions {
     }
 
     fn write_scalars(&mut self, s: &Scalars) -> Result<(), AmpError> {
+        s.validate()?;
         self.s = *s;
         Ok(())
     }

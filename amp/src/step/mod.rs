@@ -125,10 +125,12 @@ pub trait AmpExecutor {
     /// [`ExecError::ForeignGraph`] for a graph of another executor; on CUDA, a driver error.
     fn replay(&mut self, graph: &Self::Graph) -> Result<(), AmpError>;
 
-    /// Overwrites S with `s` (e.g. at start, or from a checkpoint).
+    /// Overwrites S with `s` (e.g. at start, or from a checkpoint). To resume a run, prefer
+    /// [`AmpStep::restore_scalars`], which checks `s` on every executor.
     ///
     /// # Errors
-    /// On CUDA, a driver error.
+    /// On the CPU, [`crate::RangeOpError::InvalidConfig`] for a NaN, infinite or ≤ 0 loss
+    /// scale ([`Scalars::validate`]); on CUDA, a driver error.
     fn write_scalars(&mut self, s: &Scalars) -> Result<(), AmpError>;
 
     /// Overwrites only the SGD hyper-parameters in S (learning rate, momentum, weight decay),
@@ -463,6 +465,18 @@ impl<X: AmpExecutor> AmpStep<X> {
     pub fn set_lr(&mut self, lr: f32) -> Result<(), AmpError> {
         let sgd = self.config.sgd;
         self.set_hyper(lr, sgd.momentum, sgd.weight_decay)
+    }
+
+    /// Restores S from a checkpoint or another run: the loss scale, flag, counters and ranks
+    /// of `s`, with this step's SGD hyper-parameters (the configuration's, which S follows).
+    ///
+    /// # Errors
+    /// [`crate::RangeOpError::InvalidConfig`] for a NaN, infinite or ≤ 0 loss scale, before
+    /// S is touched (0 would turn every master weight into NaN after one step, +Inf skip every
+    /// step forever); on CUDA, a driver error.
+    pub fn restore_scalars(&mut self, s: &Scalars) -> Result<(), AmpError> {
+        s.validate()?;
+        self.exec.write_scalars(&s.with_sgd(&self.config.sgd))
     }
 
     /// The ops [`AmpStep::begin`] runs.

@@ -1037,8 +1037,12 @@ impl CbrLayer {
     /// A layer for the CPU reference executor only (no cuDNN needed): the chosen route's steps
     /// without plans. [`CbrLayer::run_gpu`](CbrLayer::run_gpu) refuses it. `route` is a
     /// [`RouteKind`] or a `bool` (`true` = fused).
-    pub fn for_cpu(config: CbrConfig, route: impl Into<RouteKind>) -> Self {
+    ///
+    /// # Errors
+    /// As [`CbrConfig::validate`] (checked before any size is computed from the shape).
+    pub fn for_cpu(config: CbrConfig, route: impl Into<RouteKind>) -> Result<Self> {
         let kind = route.into();
+        config.validate()?;
         let graphs = route_graphs(&config, kind);
         let steps = graphs
             .iter()
@@ -1049,11 +1053,11 @@ impl CbrLayer {
                 bindings: lg.bindings.clone(),
             })
             .collect();
-        Self::from_built(
+        Ok(Self::from_built(
             config,
             Route::chosen(kind, "chosen for the CPU executor"),
             (graphs, steps),
-        )
+        ))
     }
 
     fn from_built(config: CbrConfig, route: Route, (graphs, steps): Built) -> Self {

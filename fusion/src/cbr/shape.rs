@@ -24,6 +24,12 @@ pub struct ConvShape {
 }
 
 impl ConvShape {
+    /// The largest tensor, in bytes, a layer or network may hold: 2^47, the user address
+    /// space of x86-64 and AArch64 with 4-level page tables. A larger buffer cannot be
+    /// allocated on any host or GPU, so shapes beyond it are refused before any size is
+    /// computed from them.
+    pub const MAX_TENSOR_BYTES: i64 = 1 << 47;
+
     /// The project's reference layer: N=32, C=K=64, 56×56, 3×3, pad 1, stride 1.
     pub const RESNET_3X3: ConvShape = ConvShape {
         n: 32,
@@ -94,8 +100,9 @@ impl ConvShape {
             }
             _ => return bad("pad", format!("{} overflows the input size", self.pad)),
         }
-        // Element counts of x, w and y (and their byte sizes) must not wrap.
-        let max = i64::MAX / 8;
+        // Element counts of x, w and y must not wrap, and each tensor (in FP32, the widest
+        // copy any executor makes) must fit a process's address space.
+        let max = Self::MAX_TENSOR_BYTES / 4;
         let product = |dims: [i64; 4]| {
             dims.iter()
                 .try_fold(1i64, |acc, &d| acc.checked_mul(d))
@@ -107,7 +114,14 @@ impl ConvShape {
             ("y", self.y_dims()),
         ] {
             if product(dims).is_none() {
-                return bad(field, format!("has {dims:?} elements: too many to address"));
+                return bad(
+                    field,
+                    format!(
+                        "has {dims:?} elements: beyond {max} (no buffer of more than \
+                         {} bytes can be allocated)",
+                        Self::MAX_TENSOR_BYTES
+                    ),
+                );
             }
         }
         Ok(())
