@@ -111,7 +111,7 @@ impl Dataset for crate::cifar::Cifar10 {
 /// Where the training images come from ([`TrainConfig::data`](crate::TrainConfig::data)).
 ///
 /// `TrainConfig` is `Copy` and passed by value through every executor, so the folder is a
-/// `&'static Path`: [`DataSource::from_str`] leaks the parsed path once (a few bytes per
+/// `&'static Path`: parsing (`FromStr`) leaks the parsed path once (a few bytes per
 /// configuration parsed, for the life of the process).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DataSource {
