@@ -135,8 +135,9 @@ pub enum CifarError {
     },
 }
 
-/// Decoded records: labels and the raw image bytes (3,072 per record, planar R, G, B).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// Decoded records: labels and the raw image bytes (3,072 per record, planar R, G, B). Its
+/// `Debug` output is a summary, not the bytes.
+#[derive(Clone, Default, PartialEq, Eq)]
 pub struct Records {
     /// One label (0..=9) per record.
     pub labels: Vec<u8>,
@@ -302,8 +303,18 @@ fn read_full(reader: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
     Ok(got)
 }
 
+impl std::fmt::Debug for Records {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Records")
+            .field("records", &self.labels.len())
+            .field("pixel_bytes", &self.pixels.len())
+            .finish()
+    }
+}
+
 /// The CIFAR-10 training and test sets, in memory, with the batch layout of the network.
-#[derive(Debug, Clone)]
+/// Its `Debug` output is a summary.
+#[derive(Clone)]
 pub struct Cifar10 {
     train: Records,
     test: Records,
@@ -311,6 +322,17 @@ pub struct Cifar10 {
     seed: u64,
     /// `lut[c][v]`: pixel value `v` of colour `c` normalized, in FP16.
     lut: [[f16; 256]; 3],
+}
+
+impl std::fmt::Debug for Cifar10 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cifar10")
+            .field("train", &self.train)
+            .field("test", &self.test)
+            .field("channels", &self.channels)
+            .field("seed", &self.seed)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Cifar10 {
@@ -334,35 +356,62 @@ impl Cifar10 {
         seed: u64,
         limit: u64,
     ) -> Result<Self, CifarError> {
+        let mut train = Records::default();
+        for name in TRAIN_FILES {
+            train.extend(read_file(&dir.join(name), limit)?);
+        }
+        let test = read_file(&dir.join(TEST_FILE), limit)?;
+        Self::from_records(train, test, channels, seed)
+    }
+
+    /// From decoded records, for batches of `channels` channels (R, G, B, then zeros).
+    ///
+    /// # Errors
+    /// [`CifarError::Shape`] for `channels < 3`, an empty set, a label over 9, or pixels that
+    /// are not 3,072 bytes per label.
+    pub fn from_records(
+        train: Records,
+        test: Records,
+        channels: usize,
+        seed: u64,
+    ) -> Result<Self, CifarError> {
         if channels < 3 {
             return Err(CifarError::Shape {
                 needed: "at least 3 input channels".into(),
                 got: format!("{channels}"),
             });
         }
-        let mut train = Records::default();
-        for name in TRAIN_FILES {
-            train.extend(read_file(&dir.join(name), limit)?);
+        for (name, set) in [("training", &train), ("test", &test)] {
+            if set.is_empty()
+                || set.pixels.len() != set.len() * (RECORD_BYTES - 1)
+                || set.labels.iter().any(|&l| usize::from(l) >= CLASSES)
+            {
+                return Err(CifarError::Shape {
+                    needed: format!(
+                        "a non-empty {name} set of labels in 0..=9 and 3,072 pixel bytes each"
+                    ),
+                    got: format!(
+                        "{} labels (largest {:?}) and {} pixel bytes",
+                        set.len(),
+                        set.labels.iter().max(),
+                        set.pixels.len()
+                    ),
+                });
+            }
         }
-        let test = read_file(&dir.join(TEST_FILE), limit)?;
-        Ok(Self::from_records(train, test, channels, seed))
-    }
-
-    /// From decoded records (`channels ≥ 3` is the caller's promise; extra channels are zero).
-    pub fn from_records(train: Records, test: Records, channels: usize, seed: u64) -> Self {
         let mut lut = [[f16::ZERO; 256]; 3];
         for (c, row) in lut.iter_mut().enumerate() {
             for (v, out) in row.iter_mut().enumerate() {
                 *out = f16::from_f32((v as f32 / 255.0 - MEAN[c]) / STD[c]);
             }
         }
-        Cifar10 {
+        Ok(Cifar10 {
             train,
             test,
-            channels: channels.max(3),
+            channels,
             seed,
             lut,
-        }
+        })
     }
 
     /// The training records.

@@ -71,6 +71,8 @@ fn records_decode_to_their_pixels_and_labels() {
 
     let data = Cifar10::open(&dir, CH, 1).unwrap();
     assert_eq!((data.train().len(), data.test().len()), (5 * N, N));
+    // Debug output (a trainer's, say) summarizes instead of printing 3,072 bytes per image.
+    assert!(format!("{data:?}").len() < 300, "{data:?}");
     // The test set is not augmented: batch 1 of 6 is records 6..12 of test_batch.bin, in order.
     let (images, labels) = data.test_batch(6, 1);
     assert_eq!(images.len(), 6 * HW * HW * CH);
@@ -110,7 +112,7 @@ fn one_pixel_set() -> Cifar10 {
         labels: vec![7],
         pixels,
     };
-    Cifar10::from_records(set.clone(), set, CH, 42)
+    Cifar10::from_records(set.clone(), set, CH, 42).unwrap()
 }
 
 #[test]
@@ -299,6 +301,26 @@ fn every_malformed_case_is_its_typed_error() {
     let e = read_records(&bytes[..], name, 2 * RECORD_BYTES as u64).unwrap_err();
     assert!(matches!(e, CifarError::TooLarge { .. }), "{e}");
     assert_eq!(read_records(&bytes[..], name, u64::MAX).unwrap().len(), 3);
+
+    // Records built in memory are checked as files are.
+    let good = Records {
+        labels: vec![1],
+        pixels: vec![0; 3072],
+    };
+    for bad in [
+        Records::default(),
+        Records {
+            labels: vec![10],
+            pixels: vec![0; 3072],
+        },
+        Records {
+            labels: vec![1, 2],
+            pixels: vec![0; 3072],
+        },
+    ] {
+        let e = Cifar10::from_records(good.clone(), bad.clone(), CH, 1).unwrap_err();
+        assert!(matches!(e, CifarError::Shape { .. }), "{bad:?}: {e}");
+    }
 
     // Too few input channels for R, G and B.
     let e = Cifar10::open(&folder("channels"), 2, 1).unwrap_err();
