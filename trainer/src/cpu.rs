@@ -19,7 +19,7 @@ use std::time::Instant;
 #[derive(Debug)]
 pub(crate) struct CpuTrainer {
     cfg: TrainConfig,
-    data: data::Synthetic,
+    data: std::sync::Arc<dyn data::Dataset>,
     /// The network, its head and the amp step (the library's classifier).
     model: CpuClassifier,
 }
@@ -28,7 +28,7 @@ impl CpuTrainer {
     pub(crate) fn new(cfg: &TrainConfig) -> Result<Self, TrainError> {
         cfg.validate()?;
         cfg.check_host_memory(true)?;
-        let data = data::Synthetic::new(cfg.hw, cfg.channels, cfg.classes, cfg.seed);
+        let data = data::open(cfg)?;
         // (The same initial weights as the CUDA executor's: `net::initial_weights` of the seed;
         // running variances start at 1, as in every framework: `CpuNet::new`.)
         let net = compile_net(cfg, &cpu_policy(cfg))?;
@@ -51,15 +51,20 @@ impl CpuTrainer {
         let mut metrics = Vec::with_capacity(cfg.steps);
         let mut window = Window::default();
         let (mut trace, mut skipped_before) = (Vec::new(), 0u32);
+        // Batches are made (and, for files, augmented) on a thread of their own while the
+        // step runs; each is a pure function of its index, so the losses do not depend on it.
+        let mut batches = data::Prefetch::spawn(self.data.clone(), cfg.batch, cfg.steps as u64);
         for i in 0..cfg.steps {
             let poison = cfg.drill.and_then(|d| d.poisons(i));
-            let (data, model) = (&mut self.data, &mut self.model);
+            let (images, labels) = batches.next_batch().ok_or_else(|| {
+                TrainError::Config(format!("the batch producer stopped before batch {i}"))
+            })?;
+            let model = &mut self.model;
             // The step runs on a worker of rayon's pool, so the reference ops' parallel loops
             // start there (their tasks are pushed to that worker's deque and stolen by the
             // others) instead of each being handed over from this thread, which would sleep
             // until it is done: one hand-over per step instead of one per loop.
             let m = rayon::scope(|_| -> Result<HeadMetrics, TrainError> {
-                let (images, labels) = data.batch(cfg.batch, i as u64, 0);
                 model.step_mut().begin()?;
                 let m = model.forward_backward(&images, &labels)?;
                 let step = model.step_mut();
@@ -93,7 +98,7 @@ impl CpuTrainer {
         // Held-out batches, forward only (the weights are not touched).
         let mut correct = 0usize;
         for i in 0..HELD_OUT_BATCHES {
-            let (images, labels) = self.data.batch(cfg.batch, i, 1);
+            let (images, labels) = self.data.held_out_batch(cfg.batch, i);
             let logits = self.model.logits(&images)?;
             let m =
                 range::head_metrics(&logits, &labels, None, cfg.classes).map_err(AmpError::from)?;

@@ -73,3 +73,159 @@ impl Synthetic {
         (images, labels)
     }
 }
+
+/// A source of labelled NHWC FP16 batches for the training loop: training batches by index
+/// and held-out batches by index, each a pure function of its arguments (and of the seed the
+/// dataset was made with), so a batch can be made ahead of the step on another thread.
+pub trait Dataset: Send + Sync + std::fmt::Debug {
+    /// Training batch `index` of `batch` images and their labels.
+    fn train_batch(&self, batch: usize, index: u64) -> (Vec<f16>, Vec<i32>);
+    /// Held-out batch `index` of `batch` images and their labels.
+    fn held_out_batch(&self, batch: usize, index: u64) -> (Vec<f16>, Vec<i32>);
+}
+
+impl Dataset for Synthetic {
+    /// [`Synthetic::batch`] of stream 0, as the loop has always trained on.
+    fn train_batch(&self, batch: usize, index: u64) -> (Vec<f16>, Vec<i32>) {
+        self.batch(batch, index, 0)
+    }
+
+    /// [`Synthetic::batch`] of stream 1.
+    fn held_out_batch(&self, batch: usize, index: u64) -> (Vec<f16>, Vec<i32>) {
+        self.batch(batch, index, 1)
+    }
+}
+
+impl Dataset for crate::cifar::Cifar10 {
+    /// [`Cifar10::train_batch`](crate::cifar::Cifar10::train_batch): shuffled, augmented.
+    fn train_batch(&self, batch: usize, index: u64) -> (Vec<f16>, Vec<i32>) {
+        crate::cifar::Cifar10::train_batch(self, batch, index)
+    }
+
+    /// [`Cifar10::test_batch`](crate::cifar::Cifar10::test_batch): the test set, in order.
+    fn held_out_batch(&self, batch: usize, index: u64) -> (Vec<f16>, Vec<i32>) {
+        crate::cifar::Cifar10::test_batch(self, batch, index)
+    }
+}
+
+/// Where the training images come from ([`TrainConfig::data`](crate::TrainConfig::data)).
+///
+/// `TrainConfig` is `Copy` and passed by value through every executor, so the folder is a
+/// `&'static Path`: parsing (`FromStr`) leaks the parsed path once (a few bytes per
+/// configuration parsed, for the life of the process).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DataSource {
+    /// The synthetic dataset ([`Synthetic`]) of the configuration's seed and shapes.
+    #[default]
+    Synthetic,
+    /// The CIFAR-10 binary files in this folder ([`crate::cifar`]); 32×32 images, 10 classes.
+    Cifar10(&'static std::path::Path),
+}
+
+impl std::str::FromStr for DataSource {
+    type Err = String;
+
+    /// `synthetic` or `cifar10:DIR`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.split_once(':') {
+            None if s == "synthetic" => Ok(DataSource::Synthetic),
+            Some(("cifar10", dir)) if !dir.is_empty() => Ok(DataSource::Cifar10(Box::leak(
+                std::path::PathBuf::from(dir).into_boxed_path(),
+            ))),
+            _ => Err(format!(
+                "data must be `synthetic` or `cifar10:DIR` (a folder of the CIFAR-10 binary \
+                 files), got `{s}`"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for DataSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DataSource::Synthetic => f.write_str("synthetic"),
+            DataSource::Cifar10(dir) => write!(f, "cifar10:{}", dir.display()),
+        }
+    }
+}
+
+/// The dataset `cfg` trains on.
+///
+/// # Errors
+/// [`crate::cifar::CifarError`] for a CIFAR-10 folder that cannot be read, or a configuration
+/// whose image size or class count is not CIFAR-10's (32, 10).
+pub(crate) fn open(
+    cfg: &crate::TrainConfig,
+) -> Result<std::sync::Arc<dyn Dataset>, crate::cifar::CifarError> {
+    use crate::cifar::{Cifar10, CifarError, CLASSES, HW};
+    match cfg.data {
+        DataSource::Synthetic => Ok(std::sync::Arc::new(Synthetic::new(
+            cfg.hw,
+            cfg.channels,
+            cfg.classes,
+            cfg.seed,
+        ))),
+        DataSource::Cifar10(dir) => {
+            if cfg.hw != HW || cfg.classes != CLASSES {
+                return Err(CifarError::Shape {
+                    needed: format!("image size {HW} and {CLASSES} classes"),
+                    got: format!("image size {} and {} classes", cfg.hw, cfg.classes),
+                });
+            }
+            Ok(std::sync::Arc::new(Cifar10::open(
+                dir,
+                cfg.channels,
+                cfg.seed,
+            )?))
+        }
+    }
+}
+
+/// Training batches `0..steps` made on a thread of their own, ahead of the step: at most
+/// [`Prefetch::DEPTH`] wait in a bounded channel while the step runs. Dropping it stops the
+/// producer (its next send fails) and joins it.
+#[derive(Debug)]
+pub struct Prefetch {
+    rx: Option<std::sync::mpsc::Receiver<(Vec<f16>, Vec<i32>)>>,
+    producer: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Prefetch {
+    /// Batches made ahead of the one the step consumes.
+    pub const DEPTH: usize = 2;
+
+    /// Starts making `data`'s training batches `0..steps` of `batch` images.
+    pub fn spawn(data: std::sync::Arc<dyn Dataset>, batch: usize, steps: u64) -> Self {
+        let (tx, rx) = std::sync::mpsc::sync_channel(Self::DEPTH);
+        let producer = std::thread::Builder::new()
+            .name("batch-prefetch".into())
+            .spawn(move || {
+                for i in 0..steps {
+                    if tx.send(data.train_batch(batch, i)).is_err() {
+                        break;
+                    }
+                }
+            })
+            .ok();
+        Prefetch {
+            rx: Some(rx),
+            producer,
+        }
+    }
+
+    /// The next batch, in index order; `None` once `steps` have been taken or when the
+    /// producer could not start or has died.
+    pub fn next_batch(&mut self) -> Option<(Vec<f16>, Vec<i32>)> {
+        self.rx.as_ref()?.recv().ok()
+    }
+}
+
+impl Drop for Prefetch {
+    fn drop(&mut self) {
+        // Closing the channel first ends a producer blocked on a full one.
+        self.rx = None;
+        if let Some(p) = self.producer.take() {
+            let _ = p.join();
+        }
+    }
+}

@@ -26,6 +26,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod augment;
+pub mod cifar;
 mod cpu;
 mod cpu_dp;
 pub mod cuda;
@@ -34,7 +36,7 @@ pub mod net;
 pub mod snapshot;
 
 pub use cudnn_cbr::net::Preset;
-pub use data::Synthetic;
+pub use data::{DataSource, Dataset, Prefetch, Synthetic};
 pub use net::compile_net;
 
 use cudnn_cbr::amp::plan::{MemoryPlan, ParamInfo};
@@ -147,6 +149,10 @@ pub struct TrainConfig {
     /// Synchronized BN across the ranks (every layer normalizes with the global batch's
     /// statistics); local BN (each rank its shard's) otherwise.
     pub sync_bn: bool,
+    /// The training images: synthetic (the default) or CIFAR-10 files (CPU executor, one
+    /// rank; then `hw` must be 32 and `classes` 10, and `channels` ≥ 3 holds R, G, B and
+    /// zeros).
+    pub data: DataSource,
 }
 
 /// A reliability drill: on about `per_mille`/1000 of the steps, chosen by `seed`, one
@@ -210,6 +216,7 @@ impl Default for TrainConfig {
             drill: None,
             ranks: 1,
             sync_bn: false,
+            data: DataSource::Synthetic,
         }
     }
 }
@@ -489,6 +496,9 @@ pub enum TrainError {
         /// cuDNN's account for both routes.
         reason: String,
     },
+    /// The dataset cannot be read or does not fit the network.
+    #[error(transparent)]
+    Data(#[from] cifar::CifarError),
 }
 
 impl TrainError {
@@ -572,6 +582,24 @@ impl Trainer {
                 exec: Exec::Cuda(Box::new(t)),
             })
         };
+        if cfg.data != DataSource::Synthetic {
+            // Only the one-rank CPU executor reads files so far: the CUDA executor's
+            // double-buffered upload of batches is not built yet.
+            if cfg.data_parallel() || launch.is_some() {
+                return Err(TrainError::Config(format!(
+                    "--data {} trains on one rank of the CPU executor; drop --ranks / \
+                     --sync-bn and the launcher",
+                    cfg.data
+                )));
+            }
+            return match cfg.device {
+                Device::Cuda => Err(TrainError::Config(format!(
+                    "--data {} trains on the CPU executor only (run --device cpu)",
+                    cfg.data
+                ))),
+                _ => cpu(format!("--data {} trains on the CPU executor", cfg.data)),
+            };
+        }
         // Under a launcher, --sync-bn synchronizes the GPU ranks (one process each).
         if cfg.data_parallel() && launch.is_none() {
             if cfg.device == Device::Cuda {
