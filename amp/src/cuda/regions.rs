@@ -457,6 +457,9 @@ impl CudaRegions {
             }
             .into());
         }
+        if region == Region::S {
+            Scalars::from_bytes(bytes)?;
+        }
         self.upload_bytes(region, ByteRange::new(0, len), bytes)
     }
 
@@ -768,6 +771,8 @@ impl AmpExecutor for CudaRegions {
     }
 
     fn write_scalars(&mut self, s: &Scalars) -> Result<(), AmpError> {
+        // A loss scale of 0, NaN or ±Inf never recovers (as on the CPU executor).
+        s.validate()?;
         let bytes = s.to_bytes();
         self.upload_bytes(Region::S, ByteRange::new(0, S_REGION_BYTES), &bytes)
     }
