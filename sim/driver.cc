@@ -97,13 +97,19 @@ long long json_num(const std::string& j, const char* key, long long dflt, int in
   return strtoll(j.c_str() + p, nullptr, 10);
 }
 
+// The device-properties document the device's limits come from: CUDNN_CBR_SIM_DEVPROPS, or
+// devprops.json next to this library.
+std::string devprops_path() {
+  const char* env = getenv("CUDNN_CBR_SIM_DEVPROPS");
+  return env && *env ? env : sim_dir() + "/devprops.json";
+}
+
 const Props& props() {
   static Props p;
   static bool loaded = false;
   if (loaded) return p;
   loaded = true;
-  const char* env = getenv("CUDNN_CBR_SIM_DEVPROPS");
-  std::string path = env && *env ? env : sim_dir() + "/devprops.json";
+  const std::string path = devprops_path();
   std::string j;
   if (!read_file(path, j)) {
     say("no device-properties fixture at %s: using built-in H200 values", path.c_str());
@@ -1213,4 +1219,28 @@ API CUresult cuGraphExecDestroy(CUgraphExec e) {
   GUARD();
   delete reinterpret_cast<Graph*>(e);
   return CUDA_SUCCESS;
+}
+
+// ------------------------------------------------------------------ for fusion's graph interpreter
+// fusion/src/sim.rs looks these up in the loaded driver (by its soname) to confirm that the
+// simulator is the driver in use, to build plans for the document the device's limits come
+// from, and to bounds-check the tensors a plan execution reads and writes.
+
+// The live allocation (device or page-locked host memory) holding the byte at `ptr`: its base
+// and length in *base and *len, and 1; 0 when there is none (or the simulator is not selected).
+API int cudasim_allocation_of(uint64_t ptr, uint64_t* base, uint64_t* len) {
+  if (!sim_on() || !base || !len) return 0;
+  std::lock_guard<std::recursive_mutex> lk(g_lock);
+  uint64_t b = 0;
+  const Alloc* a = find_alloc(ptr, 1, &b);
+  if (!a) return 0;
+  *base = b;
+  *len = a->size;
+  return 1;
+}
+
+// The path of the device-properties document (devprops_path), valid for the process's life.
+API const char* cudasim_devprops_path() {
+  static const std::string path = devprops_path();
+  return path.c_str();
 }

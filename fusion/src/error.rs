@@ -137,6 +137,15 @@ pub enum Error {
         /// What went wrong.
         problem: String,
     },
+    /// Executing a plan on the simulated CUDA device (the graph interpreter in place of
+    /// cuDNN, docs/simulator.md) failed or was refused.
+    #[error("simulated device: plan `{plan}`: {problem}")]
+    Simulator {
+        /// The plan's graph.
+        plan: String,
+        /// What failed (an interpreter error names the tensor's uid and name).
+        problem: String,
+    },
     /// Synchronized BN could not sum its statistics over the replicas.
     #[error("synchronized BN: {0}")]
     BnSync(String),

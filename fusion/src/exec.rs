@@ -45,6 +45,9 @@ pub struct Handle {
     /// The thread that made a handle on the per-thread default stream (that stream is the
     /// calling thread's, so only that thread may use the handle).
     owner: Option<std::thread::ThreadId>,
+    /// On the simulated device ([`crate::sim`]): no cuDNN handle (`raw` is null), plans are
+    /// built deviceless for the simulator's document and run in the graph interpreter.
+    simulated: bool,
 }
 
 /// `CU_STREAM_PER_THREAD`: the handle value of the calling thread's default stream.
@@ -93,9 +96,23 @@ impl HandleRef {
 
 impl Handle {
     /// Creates a cuDNN handle whose work goes to `stream`.
+    ///
+    /// On the simulated device ([`crate::sim::active`]) no cuDNN handle is made (cuDNN sees
+    /// no driver there): [`Handle::target`] is the simulator's deviceless target and
+    /// [`ExecutionPlan::execute`] runs the plan's graph in the graph interpreter.
     pub fn new(stream: Arc<CudaStream>) -> Result<Arc<Self>> {
         let lib = sys::library()?;
         bind_context(&stream)?;
+        if crate::sim::active() {
+            return Ok(Arc::new(Handle {
+                raw: std::ptr::null_mut(),
+                owner: stream_is_per_thread(&stream).then(|| std::thread::current().id()),
+                stream,
+                lib,
+                workspace: Mutex::new(WorkspacePool::default()),
+                simulated: true,
+            }));
+        }
         let mut raw: sys::cudnnHandle_t = std::ptr::null_mut();
         // SAFETY: valid out-pointer; the context is current on this thread.
         unsafe { (lib.api.cudnnCreate)(&mut raw) }
@@ -108,6 +125,7 @@ impl Handle {
             lib,
             workspace: Mutex::new(WorkspacePool::default()),
             owner,
+            simulated: false,
         };
         // SAFETY: `raw` is a live handle; the stream outlives it (held in `handle`).
         unsafe { (lib.api.cudnnSetStream)(raw, handle.stream.cu_stream() as sys::cudaStream_t) }
@@ -124,12 +142,33 @@ impl Handle {
     /// The device's properties as cuDNN sees them (serialized to the same JSON the deviceless
     /// fixtures use). Keys cuDNN leaves out are tolerated ([`DeviceProps::from_live_json`];
     /// [`DeviceProps::missing_keys`] names them).
+    ///
+    /// On the simulated device: the simulator's device-properties document.
     pub fn device_props(&self) -> Result<DeviceProps> {
+        if self.simulated {
+            return DeviceProps::from_file(self.simulator_devprops()?);
+        }
         DeviceProps::from_live_json(&self.device_props_json()?)
     }
 
-    /// The device-properties JSON document exactly as cuDNN serializes it for this device.
+    /// Where the simulator's device-properties document is.
+    fn simulator_devprops(&self) -> Result<std::path::PathBuf> {
+        crate::sim::devprops_path().ok_or_else(|| Error::Simulator {
+            plan: String::new(),
+            problem: "the simulated driver no longer answers (CUDNN_CBR_DEVICE changed?)".into(),
+        })
+    }
+
+    /// The device-properties JSON document exactly as cuDNN serializes it for this device
+    /// (on the simulated device: the simulator's document as written).
     pub fn device_props_json(&self) -> Result<String> {
+        if self.simulated {
+            let path = self.simulator_devprops()?;
+            return std::fs::read_to_string(&path).map_err(|e| Error::DeviceProps {
+                source_name: Some(path.display().to_string()),
+                reason: e.to_string(),
+            });
+        }
         let mut d = Descriptor::new(K::CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR)?;
         d.set_one(A::CUDNN_ATTR_DEVICEPROP_HANDLE, self.raw)?;
         d.finalize()?;
@@ -137,7 +176,13 @@ impl Handle {
     }
 
     /// A live target: plans built for it can execute on this handle.
+    ///
+    /// On the simulated device: the deviceless target of the simulator's device-properties
+    /// document (real cuDNN plans, built without a device).
     pub fn target(self: &Arc<Self>) -> Result<Target> {
+        if self.simulated {
+            return Target::deviceless(self.device_props()?);
+        }
         Target::live(self.device_props()?, HandleRef(self.clone()))
     }
 
@@ -250,6 +295,11 @@ impl Handle {
         enqueue_holding(guard, || enqueue(ptr))
     }
 
+    /// Whether the handle runs plans on the simulated device ([`crate::sim`]).
+    pub fn is_simulated(&self) -> bool {
+        self.simulated
+    }
+
     /// Refuses work from a thread whose per-thread stream is not the handle's.
     pub(crate) fn ready(&self) -> Result<()> {
         if self.owner.is_some_and(|t| t != std::thread::current().id()) {
@@ -265,6 +315,9 @@ fn stream_is_per_thread(stream: &CudaStream) -> bool {
 
 impl Drop for Handle {
     fn drop(&mut self) {
+        if self.simulated {
+            return; // no cuDNN handle was made
+        }
         // SAFETY: `raw` was created by cudnnCreate and is destroyed once; errors are ignored
         // because Drop cannot report them.
         let _ = unsafe { (self.lib.api.cudnnDestroy)(self.raw) };
@@ -360,6 +413,8 @@ pub struct Bindings<'p> {
     slots: Vec<Slot>,
     /// By-value scalars, one aligned word each.
     scalars: Vec<u64>,
+    /// The same scalars as bound (for the graph interpreter's variant pack).
+    values: Vec<Scalar>,
     /// cudarc's ordering guards of the buffers bound with [`Bindings::bind`]: they record the
     /// buffers' use on the stream when the bindings drop, after the work is enqueued.
     guards: Vec<SyncOnDrop<'p>>,
@@ -381,6 +436,7 @@ impl<'p> Bindings<'p> {
             plan,
             slots: vec![Slot::Empty; plan.real_tensors().len()],
             scalars: Vec::new(),
+            values: Vec::new(),
             guards: Vec::new(),
         }
     }
@@ -470,6 +526,7 @@ impl<'p> Bindings<'p> {
             ));
         }
         self.scalars.push(value.word());
+        self.values.push(value);
         self.slots[i] = Slot::Host(self.scalars.len() - 1);
         Ok(self)
     }
@@ -537,6 +594,24 @@ impl<'p> Bindings<'p> {
         Ok((uids, ptrs))
     }
 
+    /// The variant pack as the graph interpreter takes it ([`crate::interp::VariantPack`]):
+    /// (uid, device address) of every device tensor and (uid, value) of every by-value one,
+    /// in uid order, after the checks of [`Bindings::check`].
+    #[allow(clippy::type_complexity)]
+    pub fn pack(&self) -> Result<(Vec<(i64, u64)>, Vec<(i64, Scalar)>)> {
+        self.check()?;
+        let mut pointers = Vec::new();
+        let mut scalars = Vec::new();
+        for (slot, real) in self.slots.iter().zip(self.plan.real_tensors()) {
+            match *slot {
+                Slot::Device { ptr, .. } => pointers.push((real.uid, ptr)),
+                Slot::Host(k) => scalars.push((real.uid, self.values[k])),
+                Slot::Empty => {}
+            }
+        }
+        Ok((pointers, scalars))
+    }
+
     fn variant_pack(&self, workspace: u64) -> Result<Descriptor> {
         let (uids, ptrs) = self.checked()?;
         let mut vp = Descriptor::new(K::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR)?;
@@ -600,6 +675,11 @@ impl ExecutionPlan {
         bindings: &Bindings<'_>,
         ws: Workspace<'_>,
     ) -> Result<()> {
+        if handle.simulated {
+            return self.with_workspace(handle, ws, false, |_| {
+                self.execute_simulated(handle, bindings)
+            });
+        }
         self.with_workspace(handle, ws, false, |workspace| {
             let vp = bindings.variant_pack(workspace)?;
             bind_context(&handle.stream)?;
@@ -613,6 +693,55 @@ impl ExecutionPlan {
             .result()
             .map_err(|e| Error::cudnn(format!("execute plan `{}`", self.graph_name()), e))
         })
+    }
+
+    fn simulator_error(&self, problem: impl Into<String>) -> Error {
+        Error::Simulator {
+            plan: self.graph_name().into(),
+            problem: problem.into(),
+        }
+    }
+
+    /// The simulated device's execution: the plan's graph in the graph interpreter over the
+    /// bound addresses (the simulator's allocations), in stream order. The handle's stream is
+    /// synchronized first (what was enqueued before has run), then the interpreter runs on
+    /// the calling thread, so its errors come back from this call. During a stream capture it
+    /// is refused (a synchronize would invalidate the capture, and a graph replay could not
+    /// report the interpreter's errors); the capture is left as it was.
+    fn execute_simulated(&self, handle: &Handle, bindings: &Bindings<'_>) -> Result<()> {
+        let (pointers, scalars) = bindings.pack()?;
+        let graph = self.source_graph().ok_or_else(|| {
+            self.simulator_error(
+                "the plan keeps no graph for the interpreter to run (plans the plan cache \
+                 builds or restores keep theirs)",
+            )
+        })?;
+        if handle.capturing()? {
+            return Err(self.simulator_error(
+                "executed while the handle's stream is capturing a CUDA graph: the simulated \
+                 device runs plans eagerly in the graph interpreter and cannot record them",
+            ));
+        }
+        let memory = crate::sim::SimMemory::new()
+            .ok_or_else(|| self.simulator_error("the simulated driver no longer answers"))?;
+        bind_context(&handle.stream)?;
+        handle
+            .stream
+            .synchronize()
+            .map_err(|e| driver("synchronize before a simulated plan execution", e))?;
+        let pack = crate::interp::VariantPack {
+            pointers: &pointers,
+            scalars: &scalars,
+        };
+        // SAFETY: the simulator's allocations are host memory handed out as device pointers,
+        // live for their whole length while the table lists them; the bound buffers are kept
+        // alive and unaliased by the caller until the stream reaches this work (Bindings'
+        // contract), and the stream has just been synchronized, so no enqueued work touches
+        // them while the interpreter runs (eager mode runs work at enqueue; the adversarial
+        // mode's queues of other streams are ordered through the bindings' event waits, which
+        // the synchronize ran).
+        unsafe { crate::interp::execute(graph, &pack, &memory, &crate::interp::Options::default()) }
+            .map_err(|e| self.simulator_error(e.to_string()))
     }
 
     fn require_cuda_graph_api(&self) -> Result<()> {
@@ -633,6 +762,11 @@ impl ExecutionPlan {
         handle: &Handle,
         bindings: &Bindings<'_>,
     ) -> Result<CudaGraph> {
+        if handle.simulated {
+            return Err(self.simulator_error(
+                "cuDNN's CUDA-graph population is not simulated; capture the stream instead",
+            ));
+        }
         self.require_cuda_graph_api()?;
         self.with_workspace(handle, Workspace::Pooled, true, |workspace| {
             self.populate_with(handle, bindings, workspace)
@@ -681,6 +815,11 @@ impl ExecutionPlan {
         bindings: &Bindings<'_>,
         graph: &mut CudaGraph,
     ) -> Result<()> {
+        if handle.simulated {
+            return Err(self.simulator_error(
+                "cuDNN's CUDA-graph population is not simulated; capture the stream instead",
+            ));
+        }
         self.require_cuda_graph_api()?;
         self.with_workspace(handle, Workspace::Pooled, true, |workspace| {
             let vp = bindings.variant_pack(workspace)?;

@@ -23,6 +23,7 @@ pub mod plan;
 pub mod probe;
 pub mod reference;
 pub mod rtc;
+pub mod sim;
 mod target;
 
 pub use error::{BindingProblem, Error, Result};

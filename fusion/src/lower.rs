@@ -46,6 +46,9 @@ pub struct OperationGraph {
     desc: Descriptor,
     // Tensors, conv/pointwise descriptors and ops the graph refers to, kept alive with it.
     _parts: Vec<Descriptor>,
+    /// The graph it was lowered from (the plans built from it keep it: the graph interpreter
+    /// runs it on the simulated device).
+    source: Box<Graph>,
     /// The handle set on the graph (a live target's), held so it outlives the graph (fields
     /// drop in order: this one last).
     handle: Option<HandleRef>,
@@ -105,6 +108,11 @@ impl OperationGraph {
     /// The finalized operation-graph descriptor.
     pub fn descriptor(&self) -> &Descriptor {
         &self.desc
+    }
+
+    /// The graph it was lowered from.
+    pub fn source_graph(&self) -> &Graph {
+        &self.source
     }
 }
 
@@ -603,6 +611,7 @@ fn lower(
         real,
         desc,
         _parts: parts,
+        source: Box::new(graph.clone()),
         handle,
     })
 }

@@ -61,8 +61,9 @@ pub struct ExecutionPlan {
     config_index: usize,
     configs_reported: usize,
     configs_usable: usize,
-    /// The graph the plan was built or restored for, where the plan cache made it: what the
-    /// graph interpreter ([`crate::interp`]) runs in place of cuDNN under the simulated device.
+    /// The graph the plan was built or restored for (kept by [`build_plans`] and the plan
+    /// cache): what the graph interpreter ([`crate::interp`]) runs in place of cuDNN under
+    /// the simulated device.
     source: Option<Box<Graph>>,
 }
 
@@ -102,8 +103,8 @@ impl ExecutionPlan {
         self.source = Some(Box::new(graph.clone()));
     }
 
-    /// The graph the plan was built or restored for, when the plan cache made it (None for a
-    /// plan built directly with [`build_plans`]): its real tensors carry the uids of
+    /// The graph the plan was built or restored for (every plan [`build_plans`] builds or
+    /// the plan cache restores keeps it): its real tensors carry the uids of
     /// [`ExecutionPlan::real_tensors`], so [`crate::interp::execute`] can run it over the
     /// variant pack's addresses.
     pub fn source_graph(&self) -> Option<&Graph> {
@@ -250,6 +251,7 @@ pub fn build_plans(
                         op.real_tensors().to_vec(),
                         target,
                     )?;
+                    plan.set_source_graph(op.source_graph());
                     plan.engine = backend::engine_info(cfg).ok();
                     plan.mode = Some(mode);
                     plan.config_index = i;

@@ -1,0 +1,241 @@
+//! fusion's GPU tier on the simulated CUDA device: `tests/gpu_own_kernels.rs`,
+//! `tests/gpu_cbr_parity.rs`, `tests/gpu_network.rs` and `tests/gpu_conv.rs` (included
+//! unchanged as modules) run
+//! again in a child of this binary with the simulator selected (`CUDNN_CBR_DEVICE=sim`, its
+//! folder first on the loader path, docs/simulator.md). There cuDNN plans are built deviceless
+//! for the simulator's device-properties document and each plan execution runs the plan's
+//! graph in the graph interpreter (`fusion::interp`) over the simulator's allocations, while
+//! our own kernels run their program text compiled for the host; every test compares against
+//! the CPU executor. The child must pass every test and print no SKIP line. Without the
+//! simulator selected the included tests print their SKIP lines, as on any machine without a
+//! GPU.
+
+// Each included file declares `mod common;`.
+#![allow(clippy::duplicate_mod)]
+
+#[path = "gpu_cbr_parity.rs"]
+mod gpu_cbr_parity;
+#[path = "gpu_conv.rs"]
+mod gpu_conv;
+#[path = "gpu_network.rs"]
+mod gpu_network;
+#[path = "gpu_own_kernels.rs"]
+mod gpu_own_kernels;
+#[path = "../amp/tests/sim/mod.rs"]
+mod sim;
+
+use std::process::Command;
+
+/// Bad executions the simulated device must refuse with a typed error (they would corrupt
+/// memory or be silently recorded on a real device, so they run only on the simulator).
+mod planted {
+    use cudarc::driver::sys::CUstreamCaptureMode;
+    use cudarc::driver::DevicePtr;
+    use cudnn_cbr::fusion::cbr::{graphs, ConvShape};
+    use cudnn_cbr::fusion::exec::{Bindings, Handle, Workspace};
+    use cudnn_cbr::fusion::graph::DataType;
+    use cudnn_cbr::fusion::lower::OperationGraph;
+    use cudnn_cbr::fusion::plan::build_plan;
+    use cudnn_cbr::fusion::Error;
+    use half::f16;
+    use std::sync::Arc;
+
+    /// The simulated device's handle, or `None` after a SKIP line.
+    fn simulated(test: &str) -> Option<(Arc<cudarc::driver::CudaContext>, Arc<Handle>)> {
+        let ctx = match cudnn_cbr::fusion::exec::cuda_device(0) {
+            Ok(c) => c,
+            Err(e) => {
+                println!("SKIP {test}: {e}");
+                return None;
+            }
+        };
+        let handle = Handle::new(ctx.new_stream().expect("stream")).expect("handle");
+        if !handle.is_simulated() {
+            println!("SKIP {test}: runs only on the simulated device");
+            return None;
+        }
+        Some((ctx, handle))
+    }
+
+    fn shape() -> ConvShape {
+        ConvShape {
+            n: 1,
+            c: 8,
+            h: 4,
+            w: 4,
+            k: 8,
+            r: 1,
+            s: 1,
+            pad: 0,
+            stride: 1,
+        }
+    }
+
+    /// An output bound (raw) with more bytes than its allocation has: the interpreter refuses
+    /// it before writing, and the error names the plan and the tensor.
+    #[test]
+    fn an_output_past_its_allocation_is_refused_naming_the_plan_and_tensor() {
+        let test = "an_output_past_its_allocation_is_refused";
+        let Some((_ctx, handle)) = simulated(test) else {
+            return;
+        };
+        let stream = handle.stream().clone();
+        let target = handle.target().expect("target");
+        let sh = shape();
+        let (graph, t) = graphs::conv_fprop(&sh, false, false);
+        let plan = build_plan(
+            &OperationGraph::for_target(&graph, &target).unwrap(),
+            &target,
+        )
+        .expect("plan");
+        let elems = |n: i64| vec![f16::from_f32(0.5); n as usize];
+        let mut x = stream
+            .clone_htod(&elems(sh.n * sh.c * sh.h * sh.w))
+            .unwrap();
+        let mut w = stream.clone_htod(&elems(sh.k * sh.c)).unwrap();
+        let y_len = (sh.n * sh.k * sh.p() * sh.q()) as usize;
+        let short = stream.alloc_zeros::<f16>(y_len / 2).unwrap();
+        let (y_ptr, _guard) = short.device_ptr(&stream);
+        let mut b = Bindings::new(&plan);
+        b.bind(t.x, &mut x, &stream).unwrap();
+        b.bind(t.w, &mut w, &stream).unwrap();
+        // SAFETY: the execution is refused before anything is written (the point of the test);
+        // the buffer outlives the call.
+        unsafe { b.bind_raw(t.y, y_ptr, y_len * 2, DataType::Half) }.unwrap();
+        let err = plan.execute(&handle, &b, Workspace::Pooled).unwrap_err();
+        let text = err.to_string();
+        println!("{text}");
+        assert!(
+            matches!(&err, Error::Simulator { plan, .. } if plan == "conv_fprop"),
+            "{err:?}"
+        );
+        assert!(
+            text.contains("tensor uid") && text.contains("past the end of its allocation"),
+            "{text}"
+        );
+    }
+
+    /// A plan executed while its stream captures a CUDA graph is refused with a typed error
+    /// (the simulator runs plans eagerly), and the capture stays valid.
+    #[test]
+    fn a_plan_execution_during_capture_is_refused_and_the_capture_survives() {
+        let test = "a_plan_execution_during_capture_is_refused";
+        let Some((ctx, handle)) = simulated(test) else {
+            return;
+        };
+        let target = handle.target().expect("target");
+        let sh = shape();
+        let (graph, t) = graphs::conv_fprop(&sh, false, false);
+        let plan = build_plan(
+            &OperationGraph::for_target(&graph, &target).unwrap(),
+            &target,
+        )
+        .expect("plan");
+        let stream = handle.stream().clone();
+        let elems = |n: i64| vec![f16::from_f32(0.5); n as usize];
+        let mut x = stream
+            .clone_htod(&elems(sh.n * sh.c * sh.h * sh.w))
+            .unwrap();
+        let mut w = stream.clone_htod(&elems(sh.k * sh.c)).unwrap();
+        let mut y = stream
+            .alloc_zeros::<f16>((sh.n * sh.k * sh.p() * sh.q()) as usize)
+            .unwrap();
+        stream.synchronize().unwrap();
+        // Event waits on work outside a capture cannot be captured.
+        // SAFETY: nothing else uses the context's streams concurrently in this test.
+        unsafe { ctx.disable_event_tracking() };
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .unwrap();
+        let mut b = Bindings::new(&plan);
+        b.bind(t.x, &mut x, &stream).unwrap();
+        b.bind(t.w, &mut w, &stream).unwrap();
+        b.bind(t.y, &mut y, &stream).unwrap();
+        let err = plan.execute(&handle, &b, Workspace::Pooled).unwrap_err();
+        drop(b);
+        println!("{err}");
+        assert!(
+            matches!(&err, Error::Simulator { problem, .. } if problem.contains("capturing")),
+            "{err:?}"
+        );
+        let graph = stream
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .expect("the capture is still valid");
+        drop(graph);
+    }
+}
+
+/// The included modules' tests, counted from their sources.
+fn included_tests() -> usize {
+    [
+        include_str!("gpu_cbr_parity.rs"),
+        include_str!("gpu_conv.rs"),
+        include_str!("gpu_network.rs"),
+        include_str!("gpu_own_kernels.rs"),
+    ]
+    .iter()
+    .map(|s| s.matches("#[test]").count())
+    .sum::<usize>()
+        + 2 // the planted refusals
+}
+
+/// Runs the included tests in a child with the simulator in `dir` selected (in the
+/// adversarial stream order when asked) and asserts they all passed without a SKIP.
+fn run_on_the_simulator(dir: &std::path::Path, adversarial: bool) {
+    let mode = if adversarial { "adversarial" } else { "eager" };
+    let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+    let mut child = Command::new(std::env::current_exe().expect("this test binary"));
+    child
+        .args([
+            "gpu_cbr_parity::",
+            "gpu_conv::",
+            "gpu_network::",
+            "gpu_own_kernels::",
+            "planted::",
+            "--test-threads",
+            "1",
+        ])
+        .env("CUDNN_CBR_DEVICE", "sim")
+        .env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()))
+        .env("CUDNN_CBR_KERNEL_CACHE", dir.join("kernel-cache"))
+        .env("CUDNN_CBR_SIM_CACHE", dir.join("host-cache"));
+    if adversarial {
+        child.env("CUDNN_CBR_SIM_ADVERSARIAL", "1");
+    }
+    let out = child
+        .output()
+        .expect("run fusion's GPU tests under the simulator");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("{mode} stream order:\n{stdout}\n{stderr}");
+    assert!(
+        out.status.success(),
+        "fusion's GPU tests failed on the simulator ({mode})"
+    );
+    assert!(
+        !stdout.contains("SKIP"),
+        "a GPU test skipped on the simulator ({mode})"
+    );
+    let tests = included_tests();
+    assert!(tests >= 5, "the included files have {tests} tests");
+    assert!(
+        stdout.contains(&format!("test result: ok. {tests} passed")),
+        "expected all {tests} GPU tests to pass ({mode})"
+    );
+}
+
+/// Eagerly and in the adversarial stream order (each stream's work deferred until something
+/// needs it: a missing event join would read stale data), every included test passes.
+#[test]
+fn fusion_gpu_tests_pass_on_the_simulated_device() {
+    if std::env::var_os("CUDNN_CBR_DEVICE").is_some() {
+        // The child run itself (this test is filtered out there), or a run that already
+        // selected a device: the included tests are what runs.
+        return;
+    }
+    let Some(dir) = sim::built("fusion_gpu_tests_pass_on_the_simulated_device") else {
+        return;
+    };
+    run_on_the_simulator(&dir, false);
+    run_on_the_simulator(&dir, true);
+}
