@@ -220,7 +220,7 @@ fn compare_route(route: RouteKind, plant: Plant) -> (usize, Vec<Compared>) {
     let configs = chain();
     let layers: Vec<CbrLayer> = configs
         .iter()
-        .map(|c| CbrLayer::for_cpu(*c, route))
+        .map(|c| CbrLayer::for_cpu(*c, route).expect("a valid chain layer"))
         .collect();
     let mut rng = Rng(2024 + route as u64);
     let mut bufs: Vec<HostBuffers> = layers.iter().map(|l| fill(l, &mut rng)).collect();
@@ -611,7 +611,7 @@ fn chained(route: RouteKind) -> (usize, f64) {
     let configs = chain();
     let layers: Vec<CbrLayer> = configs
         .iter()
-        .map(|c| CbrLayer::for_cpu(*c, route))
+        .map(|c| CbrLayer::for_cpu(*c, route).expect("a valid chain layer"))
         .collect();
     let mut rng = Rng(77 + route as u64);
     let mut cpu: Vec<HostBuffers> = layers.iter().map(|l| fill(l, &mut rng)).collect();
