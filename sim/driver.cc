@@ -462,8 +462,37 @@ struct Op {
   struct Event* event = nullptr;
   uint64_t gen = 0;  // RECORD: this record's number; WAIT: the record it waits for
 };
+// A user object (cuUserObjectCreate): a resource whose destructor runs when its last
+// reference is released, by its creator or by the graphs that retain it.
+struct UserObject {
+  void* ptr;
+  CUhostFn destroy;
+  unsigned refs;
+};
+void release_user_object(UserObject* o, unsigned n) {
+  o->refs = n >= o->refs ? 0 : o->refs - n;
+  if (o->refs == 0) {
+    if (o->destroy) o->destroy(o->ptr);
+    delete o;
+  }
+}
 struct Graph {
   std::vector<Op> ops;
+  // The user objects this graph (or graph exec) holds references to, and how many each; an
+  // instantiation takes its own references, so a graph exec outlives its graph safely.
+  std::map<UserObject*, unsigned> owned;
+  Graph() = default;
+  Graph(const Graph& g) : ops(g.ops), owned(g.owned) {
+    for (auto& [o, n] : owned) o->refs += n;
+  }
+  Graph& operator=(const Graph&) = delete;
+  void retain(UserObject* o, unsigned n, bool moved) {
+    if (!moved) o->refs += n;
+    owned[o] += n;
+  }
+  ~Graph() {
+    for (auto& [o, n] : owned) release_user_object(o, n);
+  }
 };
 struct Stream {
   Graph* capture = nullptr;  // recording into this graph
@@ -484,9 +513,30 @@ struct Event {
 Stream g_null_stream;
 std::set<Stream*> g_streams;
 int g_captures = 0;  // active captures
+// A fault in work already enqueued (a host function reported one through cudasim_fault): as
+// after a kernel fault on the device, the context is unusable and the calls that report
+// asynchronous errors (synchronizes, queries, copies, launches) return it from then on.
+CUresult g_fault = CUDA_SUCCESS;
+#define STICKY() \
+  if (g_fault != CUDA_SUCCESS) return g_fault
+
+// The calling thread's per-thread default stream (CU_STREAM_PER_THREAD): a stream of its own,
+// which may be captured (the legacy default stream may not). Its work and the legacy
+// stream's stay in order with each other, as on the driver (both are blocking streams).
+std::set<Stream*> g_per_thread;
+Stream* per_thread_stream() {
+  thread_local Stream* mine = nullptr;
+  if (!mine) {
+    mine = new Stream();  // kept for the process's life: an event may name it
+    g_streams.insert(mine);
+    g_per_thread.insert(mine);
+  }
+  return mine;
+}
 
 Stream* stream_of(CUstream s) {
-  if (s == nullptr || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD) return &g_null_stream;
+  if (s == CU_STREAM_PER_THREAD) return per_thread_stream();
+  if (s == nullptr || s == CU_STREAM_LEGACY) return &g_null_stream;
   return reinterpret_cast<Stream*>(s);
 }
 
@@ -511,6 +561,7 @@ CUresult refuse_in_capture(const char* op) {
 }
 
 CUresult run_op(const Op& op) {
+  STICKY();  // a faulted context runs nothing more
   switch (op.kind) {
     case Op::COPY:
       memmove((void*)op.dst, (const void*)op.src, op.n);
@@ -612,6 +663,13 @@ CUresult submit(CUstream s, Op&& op) {
     return CUDA_SUCCESS;
   }
   if (adversarial()) {
+    // The legacy and the per-thread default streams run in order with each other.
+    if (st == &g_null_stream) {
+      for (Stream* p : g_per_thread)
+        if (CUresult r = flush(p)) return r;
+    } else if (g_per_thread.count(st)) {
+      if (CUresult r = flush(&g_null_stream)) return r;
+    }
     st->queue.emplace_back(++g_seq, std::move(op));
     return CUDA_SUCCESS;
   }
@@ -763,6 +821,7 @@ API CUresult cuCtxPopCurrent_v2(CUcontext* c) {
 API CUresult cuCtxGetDevice(CUdevice* d) { GUARD(); *d = 0; return CUDA_SUCCESS; }
 API CUresult cuCtxSynchronize() {
   GUARD();
+  STICKY();
   if (CUresult r = refuse_in_capture("cuCtxSynchronize")) return r;
   return flush_all();
 }
@@ -831,6 +890,7 @@ API CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr* d, void* p, unsigned) {
 
 static CUresult copy(const char* op, CUstream s, uint64_t dst, uint64_t src, size_t n, bool dst_dev,
                      bool src_dev, bool sync) {
+  STICKY();
   if (sync)
     if (CUresult r = refuse_in_capture(op)) return r;
   if (dst_dev)
@@ -915,7 +975,8 @@ API CUresult cuStreamCreateWithPriority(CUstream* s, unsigned f, int) { return c
 API CUresult cuStreamDestroy_v2(CUstream s) {
   GUARD();
   Stream* st = stream_of(s);
-  if (st == &g_null_stream || !g_streams.count(st)) return CUDA_ERROR_INVALID_HANDLE;
+  if (st == &g_null_stream || g_per_thread.count(st) || !g_streams.count(st))
+    return CUDA_ERROR_INVALID_HANDLE;
   flush(st);  // the work already queued still completes
   g_streams.erase(st);
   if (!adversarial()) delete st;  // an event may still name it as its last stream
@@ -923,11 +984,13 @@ API CUresult cuStreamDestroy_v2(CUstream s) {
 }
 API CUresult cuStreamSynchronize(CUstream s) {
   GUARD();
+  STICKY();
   if (CUresult r = refuse_in_capture("cuStreamSynchronize")) return r;
   return flush(stream_of(s));
 }
 API CUresult cuStreamQuery(CUstream s) {
   GUARD();
+  STICKY();
   if (stream_of(s)->capture) return refuse_in_capture("cuStreamQuery");
   return flush(stream_of(s));
 }
@@ -1001,6 +1064,28 @@ API CUresult cuStreamEndCapture(CUstream s, CUgraph* g) {
   *g = reinterpret_cast<CUgraph>(graph);
   return CUDA_SUCCESS;
 }
+// The capture's graph is the one being recorded (user objects retained by it are owned by
+// the graph that cuStreamEndCapture returns); no node handles are simulated (none, 0).
+API CUresult cuStreamGetCaptureInfo_v3(CUstream s, CUstreamCaptureStatus* status, cuuint64_t* id,
+                                       CUgraph* graph, const CUgraphNode** deps,
+                                       const CUgraphEdgeData** edges, size_t* ndeps) {
+  GUARD();
+  Stream* st = stream_of(s);
+  if (!status) return CUDA_ERROR_INVALID_VALUE;
+  *status = !st->capture ? CU_STREAM_CAPTURE_STATUS_NONE
+                         : (st->invalidated ? CU_STREAM_CAPTURE_STATUS_INVALIDATED
+                                            : CU_STREAM_CAPTURE_STATUS_ACTIVE);
+  if (id) *id = reinterpret_cast<uintptr_t>(st->capture);
+  if (graph) *graph = reinterpret_cast<CUgraph>(st->capture);
+  if (deps) *deps = nullptr;
+  if (edges) *edges = nullptr;
+  if (ndeps) *ndeps = 0;
+  return CUDA_SUCCESS;
+}
+API CUresult cuStreamGetCaptureInfo_v2(CUstream s, CUstreamCaptureStatus* status, cuuint64_t* id,
+                                       CUgraph* graph, const CUgraphNode** deps, size_t* ndeps) {
+  return cuStreamGetCaptureInfo_v3(s, status, id, graph, deps, nullptr, ndeps);
+}
 API CUresult cuStreamIsCapturing(CUstream s, CUstreamCaptureStatus* status) {
   GUARD();
   Stream* st = stream_of(s);
@@ -1045,11 +1130,13 @@ static CUresult event_wait(CUevent e) {
 }
 API CUresult cuEventSynchronize(CUevent e) {
   GUARD();
+  STICKY();
   if (CUresult r = refuse_in_capture("cuEventSynchronize")) return r;
   return event_wait(e);
 }
 API CUresult cuEventQuery(CUevent e) {
   GUARD();
+  STICKY();
   return event_wait(e);  // never "not ready": a caller polling it would spin forever
 }
 API CUresult cuEventElapsedTime_v2(float* ms, CUevent a, CUevent b) {
@@ -1170,8 +1257,10 @@ API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
   }
   return submit(s, std::move(o));
 }
+// Recorded as a host node while the stream captures (run at each replay, in stream order).
 API CUresult cuLaunchHostFunc(CUstream s, CUhostFn fn, void* data) {
   GUARD();
+  STICKY();
   Op o;
   o.kind = Op::HOST;
   o.fn = fn;
@@ -1199,8 +1288,10 @@ API CUresult cuGraphLaunch(CUgraphExec e, CUstream s) {
   GUARD();
   const Graph* g = reinterpret_cast<Graph*>(e);
   Stream* st = stream_of(s);
+  STICKY();
   if (st->capture) {
     for (const Op& op : g->ops) st->capture->ops.push_back(op);
+    for (auto& [o, n] : g->owned) st->capture->retain(o, n, false);  // its host nodes' data
     return CUDA_SUCCESS;
   }
   for (const Op& op : g->ops) {
@@ -1210,6 +1301,46 @@ API CUresult cuGraphLaunch(CUgraphExec e, CUstream s) {
   return CUDA_SUCCESS;
 }
 API CUresult cuGraphUpload(CUgraphExec, CUstream) { GUARD(); return CUDA_SUCCESS; }
+
+API CUresult cuUserObjectCreate(CUuserObject* out, void* ptr, CUhostFn destroy, unsigned refs,
+                                unsigned flags) {
+  GUARD();
+  if (!out || refs == 0 || flags != CU_USER_OBJECT_NO_DESTRUCTOR_SYNC)
+    return CUDA_ERROR_INVALID_VALUE;
+  *out = reinterpret_cast<CUuserObject>(new UserObject{ptr, destroy, refs});
+  return CUDA_SUCCESS;
+}
+API CUresult cuUserObjectRetain(CUuserObject o, unsigned n) {
+  GUARD();
+  if (!o || n == 0) return CUDA_ERROR_INVALID_VALUE;
+  reinterpret_cast<UserObject*>(o)->refs += n;
+  return CUDA_SUCCESS;
+}
+API CUresult cuUserObjectRelease(CUuserObject o, unsigned n) {
+  GUARD();
+  if (!o || n == 0) return CUDA_ERROR_INVALID_VALUE;
+  release_user_object(reinterpret_cast<UserObject*>(o), n);
+  return CUDA_SUCCESS;
+}
+// CU_GRAPH_USER_OBJECT_MOVE moves the caller's references to the graph; otherwise new ones.
+API CUresult cuGraphRetainUserObject(CUgraph g, CUuserObject o, unsigned n, unsigned flags) {
+  GUARD();
+  if (!g || !o || n == 0 || (flags & ~CU_GRAPH_USER_OBJECT_MOVE)) return CUDA_ERROR_INVALID_VALUE;
+  reinterpret_cast<Graph*>(g)->retain(reinterpret_cast<UserObject*>(o), n,
+                                      flags & CU_GRAPH_USER_OBJECT_MOVE);
+  return CUDA_SUCCESS;
+}
+API CUresult cuGraphReleaseUserObject(CUgraph g, CUuserObject o, unsigned n) {
+  GUARD();
+  if (!g || !o || n == 0) return CUDA_ERROR_INVALID_VALUE;
+  Graph* graph = reinterpret_cast<Graph*>(g);
+  UserObject* obj = reinterpret_cast<UserObject*>(o);
+  auto it = graph->owned.find(obj);
+  if (it == graph->owned.end() || it->second < n) return CUDA_ERROR_INVALID_VALUE;
+  if ((it->second -= n) == 0) graph->owned.erase(it);
+  release_user_object(obj, n);
+  return CUDA_SUCCESS;
+}
 API CUresult cuGraphDestroy(CUgraph g) {
   GUARD();
   delete reinterpret_cast<Graph*>(g);
@@ -1217,6 +1348,9 @@ API CUresult cuGraphDestroy(CUgraph g) {
 }
 API CUresult cuGraphExecDestroy(CUgraphExec e) {
   GUARD();
+  // A launch still queued (adversarial mode) completes first, as the driver lets a launched
+  // graph finish (its host nodes' data, user objects, must outlive it).
+  if (adversarial()) flush_all();
   delete reinterpret_cast<Graph*>(e);
   return CUDA_SUCCESS;
 }
@@ -1237,6 +1371,17 @@ API int cudasim_allocation_of(uint64_t ptr, uint64_t* base, uint64_t* len) {
   *base = b;
   *len = a->size;
   return 1;
+}
+
+// A host function's report that the work it ran failed (fusion's replay of a plan execution
+// recorded in a capture): the message goes to stderr and the context faults, as after a
+// kernel fault: the work still queued does not run and every later synchronize, query, copy
+// or launch returns CUDA_ERROR_LAUNCH_FAILED. Only the first fault is kept.
+API void cudasim_fault(const char* what) {
+  if (!sim_on()) return;
+  std::lock_guard<std::recursive_mutex> lk(g_lock);
+  say("fault in enqueued work: %s", what ? what : "(no message)");
+  if (g_fault == CUDA_SUCCESS) g_fault = CUDA_ERROR_LAUNCH_FAILED;
 }
 
 // The path of the device-properties document (devprops_path), valid for the process's life.

@@ -48,6 +48,9 @@ pub struct Handle {
     /// On the simulated device ([`crate::sim`]): no cuDNN handle (`raw` is null), plans are
     /// built deviceless for the simulator's document and run in the graph interpreter.
     simulated: bool,
+    /// On the simulated device: the first failure of a plan execution this handle recorded
+    /// into a CUDA graph, at a replay; every later call on the handle returns it.
+    replay_fault: crate::sim::ReplayFault,
 }
 
 /// `CU_STREAM_PER_THREAD`: the handle value of the calling thread's default stream.
@@ -111,6 +114,7 @@ impl Handle {
                 lib,
                 workspace: Mutex::new(WorkspacePool::default()),
                 simulated: true,
+                replay_fault: Default::default(),
             }));
         }
         let mut raw: sys::cudnnHandle_t = std::ptr::null_mut();
@@ -126,6 +130,7 @@ impl Handle {
             workspace: Mutex::new(WorkspacePool::default()),
             owner,
             simulated: false,
+            replay_fault: Default::default(),
         };
         // SAFETY: `raw` is a live handle; the stream outlives it (held in `handle`).
         unsafe { (lib.api.cudnnSetStream)(raw, handle.stream.cu_stream() as sys::cudaStream_t) }
@@ -300,12 +305,28 @@ impl Handle {
         self.simulated
     }
 
-    /// Refuses work from a thread whose per-thread stream is not the handle's.
+    /// Refuses work from a thread whose per-thread stream is not the handle's, and (on the
+    /// simulated device) every call after a replayed plan execution failed.
     pub(crate) fn ready(&self) -> Result<()> {
         if self.owner.is_some_and(|t| t != std::thread::current().id()) {
             return Err(Error::WrongThread);
         }
-        Ok(())
+        self.replay_failure()
+    }
+
+    /// On the simulated device: the first failure of a plan execution this handle recorded
+    /// into a CUDA graph, when a replay of that graph ran it (`Error::Simulator`, naming the
+    /// plan and, for an interpreter error, the tensor). The simulated driver has then
+    /// faulted the context as well (every later synchronize, copy or launch fails with
+    /// `CUDA_ERROR_LAUNCH_FAILED`), so the failure is never lost; this says which plan it was.
+    pub fn replay_failure(&self) -> Result<()> {
+        match self.replay_fault.get() {
+            Some((plan, problem)) => Err(Error::Simulator {
+                plan: plan.clone(),
+                problem: format!("at a replay of the CUDA graph it was recorded in: {problem}"),
+            }),
+            None => Ok(()),
+        }
     }
 }
 
@@ -705,9 +726,13 @@ impl ExecutionPlan {
     /// The simulated device's execution: the plan's graph in the graph interpreter over the
     /// bound addresses (the simulator's allocations), in stream order. The handle's stream is
     /// synchronized first (what was enqueued before has run), then the interpreter runs on
-    /// the calling thread, so its errors come back from this call. During a stream capture it
-    /// is refused (a synchronize would invalidate the capture, and a graph replay could not
-    /// report the interpreter's errors); the capture is left as it was.
+    /// the calling thread, so its errors come back from this call.
+    ///
+    /// During a stream capture the execution is recorded instead, as a host node of the
+    /// capture's graph that runs the interpreter over this call's variant pack at every
+    /// replay, in stream order (`crate::sim::record_replay`, which documents who owns the
+    /// recorded pack). A failure at replay faults the simulated context and is kept on the
+    /// handle ([`Handle::replay_failure`]).
     fn execute_simulated(&self, handle: &Handle, bindings: &Bindings<'_>) -> Result<()> {
         let (pointers, scalars) = bindings.pack()?;
         let graph = self.source_graph().ok_or_else(|| {
@@ -717,10 +742,17 @@ impl ExecutionPlan {
             )
         })?;
         if handle.capturing()? {
-            return Err(self.simulator_error(
-                "executed while the handle's stream is capturing a CUDA graph: the simulated \
-                 device runs plans eagerly in the graph interpreter and cannot record them",
-            ));
+            bind_context(&handle.stream)?;
+            let replay = crate::sim::Replay {
+                plan: self.graph_name().into(),
+                graph: graph.clone(),
+                pointers,
+                scalars,
+                fault: handle.replay_fault.clone(),
+            };
+            return crate::sim::record_replay(handle.stream.cu_stream(), replay).map_err(|e| {
+                self.simulator_error(format!("record the execution into the capture: {e}"))
+            });
         }
         let memory = crate::sim::SimMemory::new()
             .ok_or_else(|| self.simulator_error("the simulated driver no longer answers"))?;
