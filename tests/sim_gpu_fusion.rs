@@ -176,6 +176,82 @@ mod planted {
         handle.replay_failure().expect("no replay failed");
         drop(cuda_graph); // frees the recorded variant pack with the graph
     }
+
+    /// Set in the child that runs [`a_failure_at_replay_faults_the_context_and_is_kept`]
+    /// alone: the fault it plants leaves the whole context unusable.
+    pub const FAULT_CHILD: &str = "CUDNN_CBR_SIM_FAULT_CHILD";
+
+    /// A buffer freed between the capture and the replay: the replayed plan execution fails
+    /// (its input is no longer mapped), the simulated context faults (the next synchronize
+    /// fails) and the next call on the handle returns the failure, naming plan and tensor.
+    /// Runs only in its own child (the parent's `a_replay_failure_is_not_lost` checks it).
+    #[test]
+    fn a_failure_at_replay_faults_the_context_and_is_kept() {
+        if std::env::var_os(FAULT_CHILD).is_none() {
+            return;
+        }
+        let test = "a_failure_at_replay_faults_the_context_and_is_kept";
+        let Some((ctx, handle)) = simulated(test) else {
+            return;
+        };
+        let target = handle.target().expect("target");
+        let sh = shape();
+        let (graph, t) = graphs::conv_fprop(&sh, false, false);
+        let plan = build_plan(
+            &OperationGraph::for_target(&graph, &target).unwrap(),
+            &target,
+        )
+        .expect("plan");
+        let stream = handle.stream().clone();
+        let elems = |n: i64| vec![f16::from_f32(0.5); n as usize];
+        let mut x = stream
+            .clone_htod(&elems(sh.n * sh.c * sh.h * sh.w))
+            .unwrap();
+        let mut w = stream.clone_htod(&elems(sh.k * sh.c)).unwrap();
+        let mut y = stream
+            .alloc_zeros::<f16>((sh.n * sh.k * sh.p() * sh.q()) as usize)
+            .unwrap();
+        stream.synchronize().unwrap();
+        // SAFETY: nothing else uses the context's streams concurrently in this test.
+        unsafe { ctx.disable_event_tracking() };
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .unwrap();
+        let mut b = Bindings::new(&plan);
+        b.bind(t.x, &mut x, &stream).unwrap();
+        b.bind(t.w, &mut w, &stream).unwrap();
+        b.bind(t.y, &mut y, &stream).unwrap();
+        let recorded = plan.execute(&handle, &b, Workspace::Pooled);
+        let mut again = Bindings::new(&plan);
+        drop(b);
+        let cuda_graph = stream
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .expect("the capture is valid")
+            .expect("a graph");
+        recorded.expect("recorded");
+        drop(x); // the planted bug: the graph still names x
+        let _ = cuda_graph.launch();
+        let synced = stream.synchronize();
+        println!("synchronize after the replay: {synced:?}");
+        assert!(
+            synced.is_err(),
+            "the faulted context must fail the synchronize"
+        );
+        let kept = handle.replay_failure().unwrap_err();
+        println!("kept: {kept}");
+        assert!(
+            matches!(&kept, Error::Simulator { plan, problem }
+                if plan == "conv_fprop" && problem.contains("tensor uid")),
+            "{kept:?}"
+        );
+        again.bind(t.w, &mut w, &stream).unwrap();
+        let next = plan
+            .execute(&handle, &again, Workspace::Pooled)
+            .unwrap_err();
+        assert_eq!(next.to_string(), kept.to_string());
+        println!("REPLAY FAILURE KEPT");
+        drop(cuda_graph); // frees the recorded pack (destruction is not refused)
+    }
 }
 
 /// The included modules' tests, counted from their sources.
@@ -189,7 +265,7 @@ fn included_tests() -> usize {
     .iter()
     .map(|s| s.matches("#[test]").count())
     .sum::<usize>()
-        + 2 // the planted refusals
+        + 3 // the planted tests (the replay fault returns at once there)
 }
 
 /// Runs the included tests in a child with the simulator in `dir` selected (in the
@@ -234,6 +310,46 @@ fn run_on_the_simulator(dir: &std::path::Path, adversarial: bool) {
     assert!(
         stdout.contains(&format!("test result: ok. {tests} passed")),
         "expected all {tests} GPU tests to pass ({mode})"
+    );
+}
+
+/// The replay fault planted in `planted::a_failure_at_replay_faults_the_context_and_is_kept`,
+/// in a child of its own: it passes, and the simulated driver named the plan and the tensor
+/// on stderr.
+#[test]
+fn a_replay_failure_is_not_lost() {
+    if std::env::var_os("CUDNN_CBR_DEVICE").is_some() {
+        return;
+    }
+    let Some(dir) = sim::built("a_replay_failure_is_not_lost") else {
+        return;
+    };
+    let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+    let out = Command::new(std::env::current_exe().expect("this test binary"))
+        .args([
+            "planted::a_failure_at_replay_faults_the_context_and_is_kept",
+            "--exact",
+            "--nocapture",
+        ])
+        .env(planted::FAULT_CHILD, "1")
+        .env("CUDNN_CBR_DEVICE", "sim")
+        .env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()))
+        .env("CUDNN_CBR_KERNEL_CACHE", dir.join("kernel-cache"))
+        .env("CUDNN_CBR_SIM_CACHE", dir.join("host-cache"))
+        .output()
+        .expect("run the planted replay fault");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("{stdout}\n{stderr}");
+    assert!(
+        out.status.success(),
+        "the planted replay fault's test failed"
+    );
+    assert!(stdout.contains("REPLAY FAILURE KEPT"), "it did not run");
+    assert!(
+        stderr.contains("fault in enqueued work: replay of plan `conv_fprop`")
+            && stderr.contains("tensor uid"),
+        "the driver did not name the plan and tensor"
     );
 }
 
