@@ -7,7 +7,9 @@
 //! The folder is never trusted. Each file carries its full key (graph signature, target
 //! identity with the cuDNN version) and a checksum of the plan; on restore the plan's own
 //! tensors (uid, dims, strides, dtype, virtual or not) must be exactly the graph's real
-//! tensors. A file that fails any check, or cannot be read or parsed, is moved aside
+//! tensors. Files are read only when they are regular files (a FIFO is not waited on) of at
+//! most [`MAX_PLAN_FILE_BYTES`], and parsed as strict JSON (a key given twice is refused). A
+//! file that fails any check, or cannot be read or parsed, is moved aside
 //! (`*.rejected-*`) with a warning and the plan is rebuilt. Writes go to a temporary file
 //! unique to the writer (process, thread, counter) and are renamed into place, so concurrent
 //! writers never see or leave half a file; a failed write keeps the built plan in memory and
@@ -26,11 +28,16 @@ use crate::graph::{fnv1a, Graph, GraphSignature};
 use crate::lower::{real_tensor_layout, OperationGraph};
 use crate::plan::{build_plan, ExecutionPlan};
 use crate::target::Target;
+use crate::untrusted::{parse_strict_json, read_regular_text, FileProblem};
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
+
+/// The most bytes of a persisted plan or failure file (a plan's JSON is a few KiB to a few
+/// hundred KiB); a larger file is rejected unread.
+pub const MAX_PLAN_FILE_BYTES: u64 = 16 << 20;
 
 /// What a plan is cached under.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -552,13 +559,12 @@ fn read_plan(
 
 /// The JSON document at `path` when it is `key`'s: `Ok(None)` for no file or another key's.
 fn read_doc(path: &Path, key: &PlanKey) -> std::result::Result<Option<serde_json::Value>, String> {
-    let text = match std::fs::read_to_string(path) {
+    let text = match read_regular_text(path, MAX_PLAN_FILE_BYTES) {
         Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("cannot read: {e}")),
+        Err(FileProblem::NotFound) => return Ok(None),
+        Err(e) => return Err(format!("the file {e}")),
     };
-    let doc: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| format!("not valid JSON: {e}"))?;
+    let doc = parse_strict_json(&text).map_err(|e| format!("not valid JSON: {e}"))?;
     if doc["signature"].as_str() != Some(key.signature().text())
         || doc["target"].as_str() != Some(key.target())
     {
@@ -613,8 +619,7 @@ fn read_failure(dir: &Path, key: &PlanKey) -> std::result::Result<Option<Error>,
     if doc["checksum"].as_str() != Some(format!("{:016x}", fnv1a(text.as_bytes())).as_str()) {
         return Err(at("the failure does not match its checksum".into()));
     }
-    let e: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| at(format!("the failure is not JSON: {e}")))?;
+    let e = parse_strict_json(text).map_err(|e| at(format!("the failure is not JSON: {e}")))?;
     let string = |k: &str| {
         e[k].as_str()
             .map(str::to_string)
@@ -662,8 +667,8 @@ fn cudnn_dtype_name(d: crate::graph::DataType) -> &'static str {
 /// graph's: same uids, dims, strides and dtypes. A plan whose dims were edited would read and
 /// write outside the buffers bound for the graph.
 fn check_plan_tensors(json: &str, graph: &Graph) -> std::result::Result<(), String> {
-    let plan: serde_json::Value =
-        serde_json::from_str(json).map_err(|e| format!("the plan is not valid JSON: {e}"))?;
+    // Strict: with a key given twice, this check and cuDNN could read different values.
+    let plan = parse_strict_json(json).map_err(|e| format!("the plan is not valid JSON: {e}"))?;
     let tensors = plan["operationGraph"]["tensors"]
         .as_array()
         .ok_or("the plan lists no tensors")?;

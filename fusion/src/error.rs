@@ -198,6 +198,17 @@ pub enum Error {
         /// Target name.
         target: String,
     },
+    /// A file the library reads but does not control (a device-properties document) is not a
+    /// regular file within its size limit, or cannot be read.
+    #[error("{what} {path}: {problem}")]
+    File {
+        /// What the file was to be (e.g. "device-properties file").
+        what: &'static str,
+        /// The path.
+        path: String,
+        /// What it is instead, or what failed.
+        problem: crate::untrusted::FileProblem,
+    },
 }
 
 /// Why a tensor binding was rejected before calling cuDNN.

@@ -21,6 +21,10 @@ pub const KERNEL_CACHE_ENV: &str = "CUDNN_CBR_KERNEL_CACHE";
 
 const MAGIC: &[u8; 8] = b"CBRKERN1";
 
+/// The most bytes of one entry (a few cubins); a larger file, or one that is not a regular
+/// file (a FIFO, a folder), is not read and the kernels are compiled again.
+pub const MAX_ENTRY_BYTES: u64 = 256 << 20;
+
 /// A folder of cached kernel images.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KernelCache {
@@ -83,9 +87,10 @@ impl KernelCache {
         self.dir.join(format!("{name}-{key:016x}.bin"))
     }
 
-    /// The images stored under `name` and `key`, when a whole, matching file is there.
+    /// The images stored under `name` and `key`, when a whole, matching regular file of at most
+    /// [`MAX_ENTRY_BYTES`] is there.
     pub fn load(&self, name: &str, key: u64) -> Option<Vec<Vec<u8>>> {
-        let bytes = std::fs::read(self.path(name, key)).ok()?;
+        let bytes = crate::untrusted::read_regular(&self.path(name, key), MAX_ENTRY_BYTES).ok()?;
         decode(&bytes, key)
     }
 

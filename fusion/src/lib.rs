@@ -25,9 +25,10 @@ pub mod reference;
 pub mod rtc;
 pub mod sim;
 mod target;
+pub mod untrusted;
 
 pub use error::{BindingProblem, Error, Result};
 pub use target::{
     device_binding, DeviceBinding, DevicePropSource, DeviceProps, Target, TargetKind,
-    KNOWN_COMPUTE_CAPABILITIES, REQUIRED_KEYS,
+    KNOWN_COMPUTE_CAPABILITIES, MAX_DEVICE_NAME_BYTES, MAX_DOCUMENT_BYTES, REQUIRED_KEYS,
 };

@@ -43,31 +43,102 @@ pub const KNOWN_COMPUTE_CAPABILITIES: [u32; 20] = [
     1200, 1210,
 ];
 
-/// Keys that must be positive integers in any document (device limits and counts).
-const POSITIVE_KEYS: [&str; 11] = [
-    "multiProcessorCount",
-    "regsPerBlock",
-    "maxSharedMemoryPerBlock",
-    "maxSharedMemoryPerBlockOptin",
-    "maxRegistersPerSM",
-    "maxCtasPerSM",
-    "maxThreadsPerBlock",
-    "maxThreadsPerSM",
-    "totalGlobalMem",
-    "memoryBusWidth",
-    "l2CacheSize",
+/// The most bytes of `deviceName`: cuDNN copies it into `cudaDeviceProp::name`, 256 bytes
+/// with the terminating NUL (a longer name overruns that buffer and corrupts cuDNN's heap).
+pub const MAX_DEVICE_NAME_BYTES: usize = 255;
+
+/// The most bytes of a device-properties document (a real one is under 1 KiB).
+pub const MAX_DOCUMENT_BYTES: u64 = 64 << 10;
+
+/// Clock rates in kHz: at most 10 GHz.
+const MAX_CLOCK_KHZ: u64 = 10_000_000;
+
+/// Each integer key with the range its `cudaDeviceProp` field (a C `int`, or a `size_t` for
+/// memory sizes) holds and a GPU can physically have: (key, least, most). The least is 1 for
+/// counts and sizes; 0 where 0 is a real value (an ordinal, a flag, no reserved memory).
+const INT_RANGES: [(&str, u64, u64); 19] = [
+    ("regsPerBlock", 1, 1 << 20),
+    ("multiProcessorCount", 1, 1 << 16),
+    ("maxSharedMemoryPerBlock", 1, 1 << 24),
+    ("maxSharedMemoryPerBlockOptin", 1, 1 << 24),
+    ("reservedSharedMemoryPerBlock", 0, 1 << 20),
+    ("maxRegistersPerSM", 1, 1 << 20),
+    ("maxCtasPerSM", 1, 1 << 10),
+    ("maxThreadsPerBlock", 1, 1 << 12),
+    ("maxThreadsPerSM", 1, 1 << 16),
+    ("pciDeviceId", 0, i32::MAX as u64),
+    ("isTccDriver", 0, 1),
+    ("supportCoopLaunch", 0, 1),
+    ("totalGlobalMem", 1, 1 << 50),
+    ("smClockRateKHz", 1, MAX_CLOCK_KHZ),
+    ("memClockRateKHz", 1, MAX_CLOCK_KHZ),
+    ("memoryBusWidth", 1, 1 << 16),
+    ("l2CacheSize", 1, 1 << 30),
+    ("cudaDeviceId", 0, 1 << 16),
+    ("driverVer", 1, i32::MAX as u64),
 ];
 
-/// Sanity checks of a document's limits; a key that is absent is not checked here.
+/// The most a `maxGridSize` / `maxBlockSize` element may be (`int` fields).
+const GRID_MAX: u64 = i32::MAX as u64;
+const BLOCK_MAX: u64 = 1 << 12;
+
+/// Checks `deviceName`: a string of 1..=[`MAX_DEVICE_NAME_BYTES`] bytes without NUL or other
+/// control characters.
+fn check_device_name(v: &serde_json::Value) -> std::result::Result<(), String> {
+    let Some(name) = v.as_str() else {
+        return Err(format!("`deviceName` must be a string, got {v}"));
+    };
+    if name.is_empty() {
+        return Err("`deviceName` is empty".into());
+    }
+    if name.len() > MAX_DEVICE_NAME_BYTES {
+        return Err(format!(
+            "`deviceName` is {} bytes long; at most {MAX_DEVICE_NAME_BYTES} fit cudaDeviceProp's 256-byte name",
+            name.len()
+        ));
+    }
+    if let Some(c) = name.chars().find(|c| c.is_control()) {
+        return Err(format!(
+            "`deviceName` contains the control character U+{:04X} (a C string ends at NUL)",
+            u32::from(c)
+        ));
+    }
+    Ok(())
+}
+
+/// Sanity checks of a document's values; a key that is absent is not checked here. A
+/// deviceless (`strict`) document names only keys cuDNN reads and gives clock rates; a live
+/// one, written by cuDNN, may hold other keys, 0 for a clock rate it does not know, and
+/// booleans for the flags.
 fn check_limits(
     obj: &serde_json::Map<String, serde_json::Value>,
+    strict: bool,
 ) -> std::result::Result<(), String> {
-    for key in POSITIVE_KEYS {
-        if let Some(v) = obj.get(key) {
-            match v.as_u64() {
-                Some(n) if n > 0 => {}
-                _ => return Err(format!("`{key}` must be a positive integer, got {v}")),
-            }
+    if strict {
+        if let Some(key) = obj.keys().find(|k| !REQUIRED_KEYS.contains(&k.as_str())) {
+            return Err(format!(
+                "unknown key `{}` (cuDNN reads only: {})",
+                key.chars().take(64).collect::<String>(),
+                REQUIRED_KEYS.join(", ")
+            ));
+        }
+    }
+    for (key, least, most) in INT_RANGES {
+        let Some(v) = obj.get(key) else { continue };
+        if !strict && v.is_boolean() && most == 1 {
+            continue;
+        }
+        let least = if !strict && key.ends_with("ClockRateKHz") {
+            0
+        } else {
+            least
+        };
+        if !v.as_u64().is_some_and(|n| (least..=most).contains(&n)) {
+            return Err(if least == 1 {
+                format!("`{key}` must be a positive integer of at most {most}, got {v}")
+            } else {
+                format!("`{key}` must be an integer in {least}..={most}, got {v}")
+            });
         }
     }
     if let Some(v) = obj.get("warpSize") {
@@ -77,15 +148,22 @@ fn check_limits(
             ));
         }
     }
-    for key in ["maxGridSize", "maxBlockSize"] {
+    for (key, most) in [("maxGridSize", GRID_MAX), ("maxBlockSize", BLOCK_MAX)] {
         if let Some(v) = obj.get(key) {
             let ok = v.as_array().is_some_and(|a| {
-                a.len() == 3 && a.iter().all(|x| x.as_u64().is_some_and(|n| n > 0))
+                a.len() == 3
+                    && a.iter()
+                        .all(|x| x.as_u64().is_some_and(|n| (1..=most).contains(&n)))
             });
             if !ok {
-                return Err(format!("`{key}` must be three positive integers, got {v}"));
+                return Err(format!(
+                    "`{key}` must be three positive integers of at most {most}, got {v}"
+                ));
             }
         }
+    }
+    if let Some(v) = obj.get("deviceName") {
+        check_device_name(v)?;
     }
     if let Some(v) = obj.get("deviceVer") {
         let cc = v.as_u64().and_then(|n| u32::try_from(n).ok());
@@ -132,19 +210,28 @@ pub struct DeviceProps {
 }
 
 impl DeviceProps {
-    /// Parses and checks a device-properties JSON document.
+    /// Parses and checks a device-properties JSON document: strict JSON (no key twice), only
+    /// the keys of [`REQUIRED_KEYS`], each value within the range of the `cudaDeviceProp` field
+    /// cuDNN fills from it and physically meaningful (`deviceName` at most
+    /// [`MAX_DEVICE_NAME_BYTES`] bytes without NUL, clock rates and counts positive, `warpSize`
+    /// 32, three-element grid and block limits).
     pub fn from_json(json: &str) -> Result<Self> {
         Self::parse(json, None)
     }
 
-    /// Reads and checks a device-properties JSON file.
+    /// Reads and checks a device-properties JSON file: a regular file (not a FIFO or a
+    /// folder) of at most [`MAX_DOCUMENT_BYTES`].
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let origin = path.display().to_string();
-        let json = std::fs::read_to_string(path).map_err(|e| Error::DeviceProps {
-            source_name: Some(origin.clone()),
-            reason: format!("cannot read file: {e}"),
-        })?;
+        let json =
+            crate::untrusted::read_regular_text(path, MAX_DOCUMENT_BYTES).map_err(|problem| {
+                Error::File {
+                    what: "device-properties file",
+                    path: origin.clone(),
+                    problem,
+                }
+            })?;
         Self::parse(&json, Some(origin))
     }
 
@@ -178,8 +265,14 @@ impl DeviceProps {
             source_name: origin.clone(),
             reason,
         };
-        let value: serde_json::Value =
-            serde_json::from_str(json).map_err(|e| fail(format!("not valid JSON: {e}")))?;
+        if json.len() as u64 > MAX_DOCUMENT_BYTES {
+            return Err(fail(format!(
+                "the document is {} bytes, at most {MAX_DOCUMENT_BYTES} accepted",
+                json.len()
+            )));
+        }
+        let value = crate::untrusted::parse_strict_json(json)
+            .map_err(|e| fail(format!("not valid JSON: {e}")))?;
         let obj = value
             .as_object()
             .ok_or_else(|| fail("the document is not a JSON object".into()))?;
@@ -188,7 +281,7 @@ impl DeviceProps {
                 return Err(fail(format!("missing key `{missing}`")));
             }
         }
-        check_limits(obj).map_err(fail)?;
+        check_limits(obj, strict).map_err(fail)?;
         let uint = |key: &str| match obj.get(key) {
             None if !strict => Ok(0),
             v => v
@@ -606,5 +699,105 @@ mod limit_tests {
             );
             DeviceProps::from_file(path).unwrap();
         }
+    }
+}
+
+#[cfg(test)]
+mod document_tests {
+    use super::*;
+    use serde_json::json;
+
+    const H200: &str = include_str!("../../tests/fixtures/devprops/h200-sm90.json");
+
+    fn with(key: &str, value: serde_json::Value) -> String {
+        let mut v: serde_json::Value = serde_json::from_str(H200).unwrap();
+        v[key] = value;
+        v.to_string()
+    }
+
+    fn reason(doc: &str) -> String {
+        match DeviceProps::from_json(doc).unwrap_err() {
+            Error::DeviceProps { reason, .. } => reason,
+            e => panic!("not a device-properties error: {e:?}"),
+        }
+    }
+
+    #[test]
+    fn device_names_fit_cuda_device_props_256_byte_name() {
+        let name = "N".repeat(MAX_DEVICE_NAME_BYTES);
+        let p = DeviceProps::from_json(&with("deviceName", json!(name))).unwrap();
+        assert_eq!(p.name().len(), 255);
+        for len in [256, 300, 10_000] {
+            let r = reason(&with("deviceName", json!("N".repeat(len))));
+            assert!(
+                r.contains(&format!("is {len} bytes long; at most 255")),
+                "{r}"
+            );
+        }
+        // 128 two-byte characters are 256 bytes: the limit is in bytes, as in C.
+        let r = reason(&with("deviceName", json!("é".repeat(128))));
+        assert!(r.contains("is 256 bytes long"), "{r}");
+        let r = reason(&with("deviceName", json!("NVIDIA\u{0}H200")));
+        assert!(r.contains("U+0000"), "{r}");
+        assert!(reason(&with("deviceName", json!(""))).contains("empty"));
+        assert!(reason(&with("deviceName", json!(7))).contains("must be a string"));
+    }
+
+    #[test]
+    fn every_integer_is_within_its_c_type_and_physically_meaningful() {
+        for (key, value, needle) in [
+            ("smClockRateKHz", json!(-1_410_000), "positive integer"),
+            ("memClockRateKHz", json!(0), "positive integer"),
+            ("smClockRateKHz", json!(10_000_001), "at most 10000000"),
+            ("l2CacheSize", json!(0), "positive integer"),
+            ("maxCtasPerSM", json!(0), "positive integer"),
+            ("totalGlobalMem", json!(1u64 << 60), "at most"),
+            ("pciDeviceId", json!(1u64 << 31), "in 0..=2147483647"),
+            ("cudaDeviceId", json!(-1), "in 0..=65536"),
+            ("isTccDriver", json!(2), "in 0..=1"),
+            ("supportCoopLaunch", json!(true), "in 0..=1"),
+            ("driverVer", json!(1.5), "positive integer"),
+            ("regsPerBlock", json!(1e300), "positive integer"),
+            (
+                "maxGridSize",
+                json!([2147483648u64, 1, 1]),
+                "three positive",
+            ),
+            ("maxBlockSize", json!([1024, 1024, 64, 1]), "three positive"),
+            ("maxBlockSize", json!("1024x1024x64"), "three positive"),
+        ] {
+            let r = reason(&with(key, value.clone()));
+            assert!(
+                r.contains(key) && r.contains(needle),
+                "{key} = {value}: {r}"
+            );
+        }
+        assert!(reason(&with("reservedSharedMemoryPerBlock", json!(-1))).contains("0..="));
+        DeviceProps::from_json(&with("reservedSharedMemoryPerBlock", json!(0))).unwrap();
+    }
+
+    #[test]
+    fn a_key_given_twice_or_unknown_is_refused_in_a_document_for_cudnn() {
+        let doc = H200.replacen("\"warpSize\": 32", "\"warpSize\": 32, \"warpSize\": 32", 1);
+        assert_ne!(doc, H200);
+        let r = reason(&doc);
+        assert!(r.contains("duplicate key `warpSize`"), "{r}");
+        let r = reason(&with("frobnicate", json!(1)));
+        assert!(r.contains("unknown key `frobnicate`"), "{r}");
+        let big = format!("{}{}", " ".repeat(MAX_DOCUMENT_BYTES as usize), H200);
+        assert!(reason(&big).contains("at most 65536"));
+    }
+
+    #[test]
+    fn a_live_document_may_hold_what_cudnn_writes() {
+        let mut v: serde_json::Value = serde_json::from_str(H200).unwrap();
+        v["isTccDriver"] = json!(false);
+        v["supportCoopLaunch"] = json!(true);
+        v["smClockRateKHz"] = json!(0);
+        v["someNewKey"] = json!("value");
+        DeviceProps::from_live_json(&v.to_string()).unwrap();
+        assert!(DeviceProps::from_json(&v.to_string()).is_err());
+        v["deviceName"] = json!("N".repeat(256));
+        assert!(DeviceProps::from_live_json(&v.to_string()).is_err());
     }
 }
