@@ -166,7 +166,7 @@ fn gpu_per_bucket_sums_on_one_rank_equal_the_step_without_a_communicator() {
 fn summed_ranges(plan: &MemoryPlan) -> Vec<(Region, ByteRange)> {
     plan.buckets()
         .iter()
-        .flat_map(|b| dist_grads::bucket_collectives(plan, b.bucket()).unwrap())
+        .flat_map(|b| cudnn_cbr_amp::dist::grads::bucket_collectives(plan, b.bucket()).unwrap())
         .map(|c| (c.region, c.range))
         .collect()
 }

@@ -21,10 +21,11 @@ use half::f16;
 
 use super::nccl::NcclComm;
 use super::{driver_error, CudaRegions};
+use crate::dist::grads::bucket_collectives;
 use crate::dist::Communicator;
 use crate::dist::{Collective, ReduceOp};
 use crate::error::AmpError;
-use crate::plan::{Bucket, ByteRange, DataType, MemoryPlan, Region};
+use crate::plan::{Bucket, ByteRange, DataType, Region};
 use crate::range::{s_layout, S_REGION_BYTES};
 use crate::step::RangeOp;
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -65,67 +66,6 @@ fn joined(
     compute
         .join(&link)
         .map_err(|e| driver_error(format!("order the step after {what}"), e))
-}
-
-/// One NCCL call of a bucket's all-reduce: bytes `range` of `region`, as `dtype` elements.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BucketCollective {
-    /// The region summed.
-    pub region: Region,
-    /// Its bytes.
-    pub range: ByteRange,
-    /// The element type NCCL is told (the region's).
-    pub dtype: DataType,
-}
-
-impl BucketCollective {
-    /// The element count NCCL is told.
-    pub const fn count(&self) -> usize {
-        self.range.len() / self.dtype.size()
-    }
-}
-
-/// The NCCL calls of `bucket`'s all-reduce, in order: its conv run of G16 in FP16 (when the
-/// plan has G16 and the run is not empty), then the rest of its slots in G in FP32 (BN
-/// parameters, FC; when not empty), as [`crate::dist::grads::all_reduce_bucket`] sums them.
-/// Each range lies inside its region and holds whole elements.
-///
-/// # Errors
-/// A plan error for an unknown bucket or a plan without G; [`crate::ExecError::WrongRegion`]
-/// for a range that is not whole elements inside its region.
-pub fn bucket_collectives(
-    plan: &MemoryPlan,
-    bucket: Bucket,
-) -> Result<Vec<BucketCollective>, AmpError> {
-    let b = plan.bucket_info(bucket)?;
-    let mut calls = Vec::with_capacity(2);
-    if plan.has_region(Region::G16) {
-        let g16 = plan.bucket_range(bucket, Region::G16)?;
-        calls.push((Region::G16, g16, DataType::Half));
-    }
-    calls.push((Region::G, crate::dist::grads::g_rest(b), DataType::Float));
-    let mut out = Vec::with_capacity(2);
-    for (region, range, dtype) in calls {
-        if range.is_empty() {
-            continue;
-        }
-        let len = plan.region_range(region)?.len();
-        if range.end > len || range.len() % dtype.size() != 0 {
-            return Err(crate::ExecError::WrongRegion {
-                op: "bucket all-reduce",
-                region,
-                role: "summed range",
-                needs: "a range inside the region of whole elements",
-            }
-            .into());
-        }
-        out.push(BucketCollective {
-            region,
-            range,
-            dtype,
-        });
-    }
-    Ok(out)
 }
 
 /// The ordering decision for a use of bytes `range` of `region` while collectives are in
@@ -460,7 +400,7 @@ pub fn broadcast_weights(regions: &mut CudaRegions, comm: &mut NcclComm) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{MemoryPlanBuilder, ParamKind};
+    use crate::plan::{MemoryPlan, MemoryPlanBuilder, ParamKind};
 
     /// Two buckets, declared shallow first (backward finishes `deep` first), each with conv,
     /// BN and (in `deep`) FC slots.
@@ -479,7 +419,7 @@ mod tests {
         b.finalize().unwrap()
     }
 
-    fn ranges(calls: &[BucketCollective]) -> Vec<(Region, ByteRange)> {
+    fn ranges(calls: &[crate::dist::grads::BucketCollective]) -> Vec<(Region, ByteRange)> {
         calls.iter().map(|c| (c.region, c.range)).collect()
     }
 

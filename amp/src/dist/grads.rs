@@ -13,7 +13,7 @@ use half::f16;
 
 use super::{Collective, ReduceOp};
 use crate::error::AmpError;
-use crate::plan::{Bucket, BucketInfo, ByteRange, DataType, Region};
+use crate::plan::{Bucket, BucketInfo, ByteRange, DataType, MemoryPlan, Region};
 use crate::step::{AmpExecutor, CpuRegions};
 
 /// Sums the step's gradients over the group, bucket by bucket from the last declared (the
@@ -50,20 +50,84 @@ where
     C: Collective<[f16]> + Collective<[f32]>,
 {
     let plan = regions.plan_arc().clone();
-    let b = plan.bucket_info(bucket)?;
-    if plan.has_region(Region::G16) {
-        let g16 = plan.bucket_range(bucket, Region::G16)?;
-        if !g16.is_empty() {
-            let v = &mut regions.f16_region_mut(Region::G16)?[g16.elem_range(DataType::Half)];
-            comm.all_reduce(v, ReduceOp::Sum)?;
+    for call in bucket_collectives(&plan, bucket)? {
+        match call.dtype {
+            DataType::Half => {
+                let v = regions.f16_region_mut(call.region)?;
+                comm.all_reduce(&mut v[call.range.elem_range(DataType::Half)], ReduceOp::Sum)?;
+            }
+            _ => {
+                let v = regions.f32_region_mut(call.region)?;
+                comm.all_reduce(
+                    &mut v[call.range.elem_range(DataType::Float)],
+                    ReduceOp::Sum,
+                )?;
+            }
         }
     }
-    let rest = g_rest(b);
-    if !rest.is_empty() {
-        let v = &mut regions.f32_region_mut(Region::G)?[rest.elem_range(DataType::Float)];
-        comm.all_reduce(v, ReduceOp::Sum)?;
-    }
     Ok(())
+}
+
+/// One NCCL call of a bucket's all-reduce: bytes `range` of `region`, as `dtype` elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BucketCollective {
+    /// The region summed.
+    pub region: Region,
+    /// Its bytes.
+    pub range: ByteRange,
+    /// The element type NCCL is told (the region's).
+    pub dtype: DataType,
+}
+
+impl BucketCollective {
+    /// The element count NCCL is told.
+    pub const fn count(&self) -> usize {
+        self.range.len() / self.dtype.size()
+    }
+}
+
+/// The NCCL calls of `bucket`'s all-reduce, in order: its conv run of G16 in FP16 (when the
+/// plan has G16 and the run is not empty), then the rest of its slots in G in FP32 (BN
+/// parameters, FC; when not empty), as [`all_reduce_bucket`] sums them and the CUDA side
+/// (`crate::cuda::dist_grads`) enqueues them.
+/// Each range lies inside its region and holds whole elements.
+///
+/// # Errors
+/// A plan error for an unknown bucket or a plan without G; [`crate::ExecError::WrongRegion`]
+/// for a range that is not whole elements inside its region.
+pub fn bucket_collectives(
+    plan: &MemoryPlan,
+    bucket: Bucket,
+) -> Result<Vec<BucketCollective>, AmpError> {
+    let b = plan.bucket_info(bucket)?;
+    let mut calls = Vec::with_capacity(2);
+    if plan.has_region(Region::G16) {
+        let g16 = plan.bucket_range(bucket, Region::G16)?;
+        calls.push((Region::G16, g16, DataType::Half));
+    }
+    calls.push((Region::G, g_rest(b), DataType::Float));
+    let mut out = Vec::with_capacity(2);
+    for (region, range, dtype) in calls {
+        if range.is_empty() {
+            continue;
+        }
+        let len = plan.region_range(region)?.len();
+        if range.end > len || range.len() % dtype.size() != 0 {
+            return Err(crate::ExecError::WrongRegion {
+                op: "bucket all-reduce",
+                region,
+                role: "summed range",
+                needs: "a range inside the region of whole elements",
+            }
+            .into());
+        }
+        out.push(BucketCollective {
+            region,
+            range,
+            dtype,
+        });
+    }
+    Ok(out)
 }
 
 /// The bytes of G that a bucket's all-reduce sends in FP32: its slots after the conv run (BN
