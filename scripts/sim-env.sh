@@ -7,9 +7,11 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 deps=${CUDNN_CBR_DEPS_DIR:-$root/.deps}
+# The caller's simulator folder wins over the one env.sh names (a worktree building its own).
+callers_sim=${CUDNN_CBR_SIM_DIR:-}
 # shellcheck source=/dev/null
 source "$deps/env.sh"
-sim=${CUDNN_CBR_SIM_DIR:-$deps/sim}
+sim=${callers_sim:-${CUDNN_CBR_SIM_DIR:-$deps/sim}}
 bash "$root/sim/build.sh" "$sim" >&2
 export CUDNN_CBR_SIM_DIR="$sim"
 export CUDNN_CBR_DEVICE=sim
