@@ -2,7 +2,7 @@
 //! from the description, the amp step's begin and finish replayed from captured graphs while
 //! a schedule changes the learning rate. On a GPU when there is one, else the CPU executor.
 //!
-//! `cargo run --release --example custom_trainer -- [--steps N] [--device auto|cpu]`
+//! `cargo run --release --example custom_trainer -- [--steps N] [--device auto|cuda|cpu]`
 use clap::Parser;
 use cudnn_cbr::amp::cuda::CudaContext;
 use cudnn_cbr::classifier::{CpuClassifier, CudaClassifier};
@@ -24,8 +24,9 @@ struct Args {
     /// Training steps (1 to 1,000,000: the loss of every step is kept for the summary).
     #[arg(long, default_value_t = 60, value_parser = parse_steps)]
     steps: usize,
-    /// `auto`: a GPU when there is one; `cpu`: the CPU executor.
-    #[arg(long, default_value = "auto", value_parser = ["auto", "cpu"])]
+    /// `auto`: a GPU when there is one; `cuda`: a GPU, or an error saying why there is none;
+    /// `cpu`: the CPU executor.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "cuda", "cpu"])]
     device: String,
 }
 
@@ -80,6 +81,7 @@ fn main() -> Res<()> {
     let config = StepConfig::new(SgdConfig::new(lr_at(0, args.steps)));
     let gpu = match args.device.as_str() {
         "cpu" => None,
+        "cuda" => Some(cuda_device(0).map_err(|e| format!("--device cuda: no GPU ({e})"))?),
         _ => cuda_device(0)
             .map_err(|e| println!("custom_trainer: no GPU ({e}); the CPU executor trains"))
             .ok(),
@@ -110,7 +112,7 @@ fn train_cpu(spec: &NetSpec, config: StepConfig, steps: usize) -> Res<Vec<f32>> 
         model.step_mut().set_lr(lr_at(i, steps))?; // read by the replayed update
         model.step_mut().replay(&finish)?;
         losses.push(m.loss);
-        if i % 10 == 0 {
+        if i % 10 == 0 || i + 1 == steps {
             println!("step {i:>4}  lr {:.4}  loss {:.4}", lr_at(i, steps), m.loss);
         }
     }

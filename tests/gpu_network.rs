@@ -1,9 +1,10 @@
-//! Tier 4 (GPU): one bottleneck block with a projection shortcut (after a stem), compiled for
-//! the device on the fused route (with its fallbacks) and on the unfused route, run forward and
-//! backward by the CUDA executor ([`CudaNet`]) and by the CPU executor on the same routes and
-//! inputs; every buffer of the network compared; then the fused route again with synchronized
-//! BN over two identical replicas on both executors. Prints one SKIP line without a usable
-//! CUDA device or cuDNN.
+//! Tier 4 (GPU): two small networks (a stem and one bottleneck block with a projection
+//! shortcut; ResNet's 7×7/2 stem with its max-pool and two basic blocks with projections),
+//! each compiled for the device on the fused route (with its fallbacks) and on the unfused
+//! route, run forward and backward by the CUDA executor ([`CudaNet`]) and by the CPU executor
+//! on the same routes and inputs; every buffer of the network compared; then the fused route
+//! again with synchronized BN over two identical replicas on both executors. Prints one SKIP
+//! line without a usable CUDA device or cuDNN.
 
 mod common;
 
@@ -14,10 +15,6 @@ use cudnn_cbr::fusion::exec::Handle;
 use cudnn_cbr::fusion::graph::DataType;
 use cudnn_cbr::net::{compile, BufferRole, CpuNet, CudaNet, NetSpec, RoutePolicy};
 use half::f16;
-
-fn spec() -> NetSpec {
-    common::gpu_shapes::network_spec()
-}
 
 fn rel_l2(a: &[f64], b: &[f64]) -> f64 {
     let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
@@ -84,8 +81,19 @@ const PASSES: usize = 2;
 
 #[test]
 fn a_bottleneck_block_with_projection_matches_the_cpu_executor() {
-    let Some(ctx) = common::gpu_or_skip("a_bottleneck_block_with_projection_matches_the_cpu")
-    else {
+    let [(spec, batch_hw), _] = common::gpu_shapes::network_cases();
+    matches_the_cpu_executor("a_bottleneck_block_with_projection", &spec, batch_hw);
+}
+
+#[test]
+fn a_pooled_stem_and_basic_blocks_match_the_cpu_executor() {
+    let [_, (spec, batch_hw)] = common::gpu_shapes::network_cases();
+    matches_the_cpu_executor("a_pooled_stem_and_basic_blocks", &spec, batch_hw);
+}
+
+/// `spec` at `(batch, hw)` on both executors, every buffer compared (module docs).
+fn matches_the_cpu_executor(test: &str, spec: &NetSpec, (batch, hw): (usize, usize)) {
+    let Some(ctx) = common::gpu_or_skip(test) else {
         return;
     };
     let stream = ctx.default_stream();
@@ -93,7 +101,6 @@ fn a_bottleneck_block_with_projection_matches_the_cpu_executor() {
     let target = handle.target().unwrap();
     let kernels = AmpKernels::for_context(&ctx).unwrap();
     let cache = PlanCache::new();
-    let (batch, hw) = common::gpu_shapes::NETWORK_BATCH_HW;
     // (fused, synchronized BN over two identical replicas)
     for (fused, synced) in [(true, false), (false, false), (true, true)] {
         let policy = if fused {
@@ -108,7 +115,7 @@ fn a_bottleneck_block_with_projection_matches_the_cpu_executor() {
                 route: RouteKind::Unfused,
             }
         };
-        let on_gpu = compile(&spec(), batch, hw, &policy).unwrap();
+        let on_gpu = compile(spec, batch, hw, &policy).unwrap();
         // The CPU twin on exactly the routes the device got.
         let routes = on_gpu
             .layers
@@ -116,7 +123,7 @@ fn a_bottleneck_block_with_projection_matches_the_cpu_executor() {
             .map(|l| (l.name.clone(), l.layer.route().kind()))
             .collect();
         let cpu_net = compile(
-            &spec(),
+            spec,
             batch,
             hw,
             &RoutePolicy::PerLayer {

@@ -141,8 +141,6 @@ fn every_shape_the_gpu_tests_and_benches_use_plans_on_the_h200() {
         out.graph("gpu_conv", what, &shape, got);
     }
 
-    let spec = gpu_shapes::network_spec();
-    let (batch, hw) = gpu_shapes::NETWORK_BATCH_HW;
     let planned = RoutePolicy::Planned {
         target: &target,
         cache: &cache,
@@ -152,9 +150,11 @@ fn every_shape_the_gpu_tests_and_benches_use_plans_on_the_h200() {
         cache: &cache,
         route: RouteKind::Unfused,
     };
-    for (policy, how) in [(&planned, "with fallbacks"), (&unfused, "unfused route")] {
-        let got = compile(&spec, batch, hw, policy);
-        out.net("gpu_network", how, &spec, got);
+    for (spec, (batch, hw)) in gpu_shapes::network_cases() {
+        for (policy, how) in [(&planned, "with fallbacks"), (&unfused, "unfused route")] {
+            let got = compile(&spec, batch, hw, policy);
+            out.net("gpu_network", how, &spec, got);
+        }
     }
 
     // The quick run's layers at its batch, and every layer at the full run's.

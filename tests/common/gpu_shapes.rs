@@ -8,7 +8,7 @@
 #![allow(dead_code)]
 
 use cudnn_cbr::fusion::cbr::{resnet50, CbrConfig, ConvShape};
-use cudnn_cbr::net::{BlockKind, BlockSpec, NetSpec, Preset, StemSpec};
+use cudnn_cbr::net::{BlockKind, BlockSpec, NetSpec, PoolSpec, Preset, StemSpec};
 
 /// tests/gpu_own_kernels.rs: (first layer, second layer) pairs. The first is
 /// `CbrConfig::first`, the second takes its BN as prologue and adds a residual
@@ -73,6 +73,44 @@ pub fn network_spec() -> NetSpec {
 
 /// (batch, input height = width) of [`network_spec`] in tests/gpu_network.rs.
 pub const NETWORK_BATCH_HW: (usize, usize) = (8, 16);
+
+/// tests/gpu_network.rs: ResNet's own stem (7×7/2 over 3 channels, then the 3×3/2 max-pool)
+/// and two basic blocks with projections, at [`POOLED_NETWORK_BATCH_HW`]: the max-pool, the
+/// strided 7×7 stem and the basic block's layers, which [`network_spec`] lacks.
+pub fn pooled_network_spec() -> NetSpec {
+    NetSpec {
+        name: "resnet stem + max-pool + basic blocks".into(),
+        in_channels: 3,
+        stem: StemSpec {
+            out: 16,
+            kernel: 7,
+            stride: 2,
+            pad: 3,
+            max_pool: Some(PoolSpec {
+                kernel: 3,
+                stride: 2,
+                pad: 1,
+            }),
+        },
+        stages: vec![
+            vec![BlockSpec::new(BlockKind::Basic, 16, 32, 32, 2)],
+            vec![BlockSpec::new(BlockKind::Basic, 32, 64, 64, 2)],
+        ],
+        classes: 4,
+    }
+}
+
+/// (batch, input height = width) of [`pooled_network_spec`]: 32 → 16 (stem) → 8 (max-pool)
+/// → 4 → 2, so the last stage normalizes over 2·2·2 = 8 values per channel.
+pub const POOLED_NETWORK_BATCH_HW: (usize, usize) = (2, 32);
+
+/// Every network tests/gpu_network.rs runs, with its (batch, height = width).
+pub fn network_cases() -> [(NetSpec, (usize, usize)); 2] {
+    [
+        (network_spec(), NETWORK_BATCH_HW),
+        (pooled_network_spec(), POOLED_NETWORK_BATCH_HW),
+    ]
+}
 
 /// benches/cbr_layers.rs: the batch of a full run (`--bench`) and of a quick one (`cargo
 /// test`), unless `CBR_BENCH_BATCH` says otherwise.

@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
@@ -63,4 +64,18 @@ pub fn built(test: &str) -> Option<PathBuf> {
             None
         }
     }
+}
+
+/// `cmd` set to run on the simulated device built in `dir`: the simulator selected, its folder
+/// first on the loader path, its own kernel and host-code caches (as `scripts/sim-env.sh`).
+pub fn select<'a>(cmd: &'a mut Command, dir: &Path) -> &'a mut Command {
+    let mut path = OsString::from(dir);
+    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH").filter(|p| !p.is_empty()) {
+        path.push(":");
+        path.push(old);
+    }
+    cmd.env("CUDNN_CBR_DEVICE", "sim")
+        .env("LD_LIBRARY_PATH", path)
+        .env("CUDNN_CBR_KERNEL_CACHE", dir.join("kernel-cache"))
+        .env("CUDNN_CBR_SIM_CACHE", dir.join("host-cache"))
 }
