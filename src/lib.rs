@@ -42,7 +42,7 @@
 //!
 //! // Plan a layer for an H200 without a GPU (or `Handle::new(stream)?.target()?` on a device).
 //! let target = Target::deviceless_from_file("tests/fixtures/devprops/h200-sm90.json")?;
-//! let cache = PlanCache::persistent("target/plan-cache")?; // plan JSON survives restarts
+//! let cache = PlanCache::persistent("target/plan-cache")?; // engine choices survive restarts
 //! let config = CbrConfig::new(ConvShape::square(32, 64, 56, 64, 3, 1, 1));
 //! let layer = CbrLayer::plan(config, &target, &cache)?;
 //! println!("{} route, {} B workspace", layer.route().name(), layer.workspace_size());

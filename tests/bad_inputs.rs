@@ -821,9 +821,20 @@ fn cache_rows() -> Vec<Row> {
         ("plan cache", "binary garbage", || {
             cache_after_edit("garbage", |_| "\u{0}\u{ff}\u{7}".into())
         }),
-        ("plan cache", "tampered tensor dims", || {
-            cache_after_edit("dims", |t| t.replacen("[2,16,8,8]", "[2,16,8,16]", 1))
-        }),
+        (
+            "plan cache",
+            "an earlier version's file (cuDNN's plan JSON)",
+            || {
+                // What an edit of alpha, precision or dims used to go through: now an unknown
+                // format, whatever it says.
+                cache_after_edit("old-format", |t| {
+                    let mut v: serde_json::Value = serde_json::from_str(&t).unwrap();
+                    v.as_object_mut().unwrap().remove("format");
+                    v["plan"] = "{\"operationGraph\":{}}".into();
+                    v.to_string()
+                })
+            },
+        ),
         ("plan cache", "a file for another target", || {
             cache_after_edit("target", |t| t.replacen("NVIDIA H200", "NVIDIA A100", 1))
         }),

@@ -1,5 +1,5 @@
 //! The plan cache: hits share one plan, keys separate targets, persisted plans come back
-//! without heuristics (tier 2).
+//! without heuristics, rebuilt from our own graph (tier 2).
 
 mod common;
 
@@ -37,6 +37,10 @@ fn hits_share_the_plan_and_targets_do_not_mix() {
     assert!(key.target().contains("cudnn92801"), "{}", key.target());
 }
 
+fn plan_doc(plan: &cudnn_cbr::fusion::plan::ExecutionPlan) -> serde_json::Value {
+    serde_json::from_str(&plan.json().unwrap()).unwrap()
+}
+
 #[test]
 fn persisted_plans_are_restored_in_a_new_cache() {
     let Some(_) = common::cudnn_or_skip("persisted_plans_are_restored_in_a_new_cache") else {
@@ -54,23 +58,59 @@ fn persisted_plans_are_restored_in_a_new_cache() {
     let first = PlanCache::persistent(&dir).unwrap();
     let built: Vec<_> = graphs
         .iter()
-        .map(|g| first.get_or_build(g, &target).unwrap())
+        .map(|g| {
+            let t = std::time::Instant::now();
+            let plan = first.get_or_build(g, &target).unwrap();
+            (plan, t.elapsed())
+        })
         .collect();
     assert_eq!(first.stats().built, 2);
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 2);
 
     let second = PlanCache::persistent(&dir).unwrap();
-    for (g, original) in graphs.iter().zip(&built) {
+    for (g, (original, build_time)) in graphs.iter().zip(&built) {
         let t = std::time::Instant::now();
         let restored = second.get_or_build(g, &target).unwrap();
         println!(
-            "{}: restored from JSON in {:.2} ms",
+            "{}: built in {:.2} ms, restored (engine {}, knobs {:?}) in {:.2} ms",
             g.name(),
+            build_time.as_secs_f64() * 1e3,
+            original.engine_tag(),
+            original.engine_choice().map(|c| c.knobs.len()),
             t.elapsed().as_secs_f64() * 1e3
         );
+        assert!(original.engine_choice().is_some());
+        assert_eq!(restored.engine_choice(), original.engine_choice());
+        assert_eq!(restored.engine_tag(), original.engine_tag());
+        assert_eq!(restored.heuristics_mode(), original.heuristics_mode());
         assert_eq!(restored.workspace_size(), original.workspace_size());
         assert_eq!(restored.real_tensors(), original.real_tensors());
         assert_eq!(restored.pattern(), original.pattern());
+        // The same operations and engine config; a runtime-compiled plan's JSON also carries
+        // per-build kernel parameters, so the whole documents are not compared.
+        let (a, b) = (plan_doc(&restored), plan_doc(original));
+        for part in [
+            &["operationGraph"][..],
+            &["engine", "engineId"],
+            &["engine", "knobChoices"],
+        ] {
+            let at = |d: &serde_json::Value| part.iter().fold(d.clone(), |v, k| v[*k].clone());
+            assert!(
+                !at(&a).is_null(),
+                "{}: no {part:?} in the plan JSON",
+                g.name()
+            );
+            assert!(
+                at(&a) == at(&b),
+                "{}: the plans differ in {part:?}",
+                g.name()
+            );
+        }
+        // Rebuilt from the graph looked up: the simulated device runs that graph.
+        let source = restored
+            .source_graph()
+            .expect("a restored plan keeps its graph");
+        assert_eq!(source.signature().unwrap(), g.signature().unwrap());
     }
     assert_eq!(second.stats().restored, 2);
     assert_eq!(second.stats().built, 0);

@@ -1,43 +1,84 @@
 //! The plan cache: built plans keyed by graph signature + target identity + cuDNN version.
 //!
 //! A hit is one u64 hash and one string comparison under a read lock. With persistence, each
-//! plan's JSON is written to a folder, so a later process re-creates the plan in about a
-//! millisecond instead of running heuristics and (for runtime-compiled engines) NVRTC again.
+//! plan's engine choice is written to a folder, so a later process rebuilds the plan without
+//! heuristics (and, for runtime-compiled engines, usually from cuDNN's kernel cache).
 //!
-//! The folder is never trusted. Each file carries its full key (graph signature, target
-//! identity with the cuDNN version) and a checksum of the plan; on restore the plan's own
-//! tensors (uid, dims, strides, dtype, virtual or not) must be exactly the graph's real
-//! tensors. Files are read only when they are regular files (a FIFO is not waited on) of at
-//! most [`MAX_PLAN_FILE_BYTES`], and parsed as strict JSON (a key given twice is refused). A
-//! file that fails any check, or cannot be read or parsed, is moved aside
-//! (`*.rejected-*`) with a warning and the plan is rebuilt. Writes go to a temporary file
-//! unique to the writer (process, thread, counter) and are renamed into place, so concurrent
-//! writers never see or leave half a file; a failed write keeps the built plan in memory and
-//! warns. Nothing about the folder makes planning fail.
+//! # What a file holds, and why an edited one cannot change what runs
+//!
+//! A plan file (`<key>.plan.json`, format [`PLAN_FORMAT`]) holds only what cannot be rebuilt
+//! from the graph: its key (graph signature, target identity with the cuDNN version), the
+//! engine's global index and its knob settings ([`EngineChoice`]), the heuristics mode and
+//! config index that proposed it (for reports), and for a tuned plan its [`TuneRecord`]
+//! (timings). It holds no operation, tensor, scalar or precision: on restore the graph being
+//! looked up is lowered again and the plan finalized for the recorded engine and knobs
+//! ([`plan_from_choice`]; no heuristics query). An edited file can therefore at most pick
+//! another engine or knob values, which we range-check and cuDNN then validates against our
+//! own operation graph; an engine or knob cuDNN refuses, a value out of range, a field of the
+//! wrong type, an unknown field or an unknown format (an older version's file included) makes
+//! the file rejected: moved aside (`*.rejected-*`) with a warning, and the plan rebuilt by the
+//! heuristics. Nothing about the folder makes planning fail.
+//!
+//! A restore lowers the graph and finalizes one plan: under a millisecond for precompiled
+//! engines on 2 cores. A runtime-compiled engine is compiled by cuDNN again (NVRTC, a few
+//! hundred milliseconds): its machine code is exactly what a file must not supply.
+//!
+//! # Trust in the folder
+//!
+//! As ssh does with `~/.ssh`, the folder is used only when it and the folders above it are
+//! owned by this user or root and not writable by group or others
+//! ([`check_private_folder`]); otherwise the cache warns once and works in memory
+//! ([`PlanCache::refused`] says why). Each file is read only when it too is owned by this
+//! user or root and not writable by others, is a regular file (a FIFO is not waited on) of at
+//! most [`MAX_PLAN_FILE_BYTES`], and is strict JSON (a key given twice is refused). New
+//! folders are made `0700`, files written `0600` through a temporary file unique to the writer
+//! (process, thread, counter) renamed into place, so concurrent writers never see or leave
+//! half a file; a failed write keeps the plan in memory and warns.
+//!
+//! # Tuned plans and failures
 //!
 //! A tuned plan ([`PlanCache::insert_tuned`], [`PlanCache::get_or_autotune`]) is persisted the
-//! same way, with its [`TuneRecord`] (timings and engine tags) under a second checksum that
-//! also covers the plan's; a later lookup of either kind restores it in preference to the
-//! heuristics' plan. Graphs cuDNN has no engine or plan for are persisted too
-//! (`*.failed.json`, keyed like plans: a different cuDNN version or target misses), so a
-//! later process answers them without planning again; delete those files to retry.
+//! same way with its record; a later lookup of either kind restores it in preference to the
+//! heuristics' plan. A graph cuDNN has no engine or plan for is remembered in memory (later
+//! lookups in this process answer the error without planning) and recorded in the folder
+//! (`*.failed.json`, keyed like plans). A record read from the folder is a hint only, never
+//! the answer: the graph is planned again, and only a fresh failure is returned (a record
+//! for a graph that then plans is moved aside as rejected).
 
 use crate::autotune::{self, AutotuneOptions, PlanOptions, TuneRecord};
+use crate::backend::{HeurMode, KnobChoice};
 use crate::error::{Error, Result};
 use crate::graph::{fnv1a, Graph, GraphSignature};
-use crate::lower::{real_tensor_layout, OperationGraph};
-use crate::plan::{build_plan, ExecutionPlan};
+use crate::lower::OperationGraph;
+use crate::plan::{build_plan, plan_from_choice, EngineChoice, ExecutionPlan};
 use crate::target::Target;
-use crate::untrusted::{parse_strict_json, read_regular_text, FileProblem};
+use crate::untrusted::{
+    check_private_folder, create_private_folder, parse_strict_json, read_private_text, warn_once,
+    write_private, FileProblem,
+};
+use serde_json::{Map, Value};
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-/// The most bytes of a persisted plan or failure file (a plan's JSON is a few KiB to a few
-/// hundred KiB); a larger file is rejected unread.
-pub const MAX_PLAN_FILE_BYTES: u64 = 16 << 20;
+/// The `format` of a plan file this version writes and reads; a file without it, or with
+/// another, is rejected (moved aside) and the plan rebuilt.
+pub const PLAN_FORMAT: &str = "cudnn-cbr plan 2";
+
+/// The `format` of a failure record this version writes and reads.
+pub const FAILURE_FORMAT: &str = "cudnn-cbr failure 2";
+
+/// How many rejection reasons [`PlanCache::rejections`] keeps.
+pub const MAX_REJECTIONS_KEPT: usize = 32;
+
+/// The most knob settings a plan file may give (engines have a handful).
+const MAX_KNOBS: usize = 64;
+
+/// The most bytes of a persisted plan or failure file (a plan file is well under a KiB, a
+/// long graph signature and tune record included); a larger file is rejected unread.
+pub const MAX_PLAN_FILE_BYTES: u64 = 1 << 20;
 
 /// What a plan is cached under.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,18 +132,26 @@ impl Hash for PlanKey {
 pub struct CacheStats {
     /// Lookups served from memory.
     pub hits: u64,
-    /// Plans restored from a persisted JSON file.
+    /// Plans rebuilt from a persisted engine choice (no heuristics).
     pub restored: u64,
     /// Plans built from scratch (heuristics + finalize).
     pub built: u64,
-    /// Persisted files rejected (unreadable, corrupt, tampered, for another graph) and moved
+    /// Persisted files rejected (unreadable, not trusted, corrupt, of an unknown format, an
+    /// engine or knob cuDNN refuses, a failure record for a graph that planned) and moved
     /// aside; their plans were rebuilt.
     pub rejected: u64,
-    /// Plans that could not be written to the folder (kept in memory).
+    /// Plans (or failure records) that could not be written to the folder (kept in memory).
     pub write_failures: u64,
-    /// Lookups answered with a remembered "no engine" / "no plan" error instead of planning
-    /// the graph again (remembered in memory, or persisted by an earlier process).
+    /// Lookups answered with a "no engine" / "no plan" error this cache met earlier in this
+    /// process, without planning again. A failure recorded on disk is never answered as
+    /// such: see `failure_hints`.
     pub failure_hits: u64,
+    /// Failure records read from the folder: each made the graph be planned again (the
+    /// record is a hint, never the answer).
+    pub failure_hints: u64,
+    /// Plannings that ended in a fresh "no engine" / "no plan" error (returned, remembered in
+    /// memory and recorded in the folder).
+    pub failures: u64,
     /// Plans chosen by timing candidates on the device (each also counts as built).
     pub tuned: u64,
 }
@@ -111,20 +160,33 @@ pub struct CacheStats {
 #[derive(Debug, Default)]
 pub struct PlanCache {
     map: RwLock<HashMap<PlanKey, Arc<ExecutionPlan>>>,
-    /// Graphs cuDNN has no engine or plan for, with the error: asking again would only
-    /// repeat the (slow) heuristics and finalization. Persisted too; the key holds the target
-    /// identity and cuDNN version, so another cuDNN or target asks again.
+    /// Graphs cuDNN had no engine or plan for in this process, with the error: asking again
+    /// would only repeat the (slow) heuristics and finalization.
     failed: RwLock<HashMap<PlanKey, Error>>,
     /// The timing record of each tuned plan in `map`.
     tuned: RwLock<HashMap<PlanKey, TuneRecord>>,
     dir: Option<PathBuf>,
+    /// Why the folder asked for is not used, when it is not.
+    refused: Option<String>,
+    /// Why files were rejected, oldest first (at most [`MAX_REJECTIONS_KEPT`]).
+    rejections: std::sync::Mutex<Vec<String>>,
     tuned_runs: AtomicU64,
     failure_hits: AtomicU64,
+    failure_hints: AtomicU64,
+    failures: AtomicU64,
     hits: AtomicU64,
     restored: AtomicU64,
     built: AtomicU64,
     rejected: AtomicU64,
     write_failures: AtomicU64,
+}
+
+/// What the folder says about a key, short of a plan.
+enum Recalled {
+    Plan(Arc<ExecutionPlan>),
+    /// A failure record: plan again to see.
+    FailureHint,
+    Nothing,
 }
 
 impl PlanCache {
@@ -133,21 +195,31 @@ impl PlanCache {
         Self::default()
     }
 
-    /// A cache that also writes each built plan's JSON under `dir` and reads it back on a
-    /// miss. A folder that cannot be created leaves an in-memory cache, with one warning
-    /// ([`PlanCache::dir`] is then `None`); the `Result` never holds an error today and is
-    /// kept for callers written against the earlier contract.
+    /// A cache that also writes each built plan's engine choice under `dir` and rebuilds the
+    /// plan from it on a miss. A folder that cannot be created (made `0700`), or that this
+    /// user does not alone control (module docs), leaves an in-memory cache with one warning
+    /// ([`PlanCache::dir`] is then `None`, [`PlanCache::refused`] says why); the `Result`
+    /// never holds an error today and is kept for callers written against the earlier
+    /// contract.
     pub fn persistent(dir: impl Into<PathBuf>) -> Result<Self> {
         let dir = dir.into();
-        if let Err(e) = std::fs::create_dir_all(&dir) {
-            eprintln!(
-                "warning: plan cache: cannot create {}: {e}; plans stay in memory only",
-                dir.display()
-            );
-            return Ok(Self::default());
-        }
+        let refused = match create_private_folder(&dir) {
+            Err(e) => format!("cannot create {}: {e}", dir.display()),
+            Ok(()) => match check_private_folder(&dir) {
+                Ok(()) => {
+                    return Ok(PlanCache {
+                        dir: Some(dir),
+                        ..Self::default()
+                    })
+                }
+                Err(why) => format!("{} is not used: {why}", dir.display()),
+            },
+        };
+        warn_once(&format!(
+            "warning: plan cache: {refused}; plans stay in memory only"
+        ));
         Ok(PlanCache {
-            dir: Some(dir),
+            refused: Some(refused),
             ..Self::default()
         })
     }
@@ -155,6 +227,12 @@ impl PlanCache {
     /// The persistence folder, if any.
     pub fn dir(&self) -> Option<&Path> {
         self.dir.as_deref()
+    }
+
+    /// Why the folder given to [`PlanCache::persistent`] is not used (cannot be created, or
+    /// could be written by another user), when it is not.
+    pub fn refused(&self) -> Option<&str> {
+        self.refused.as_deref()
     }
 
     /// A plan already in memory.
@@ -183,8 +261,7 @@ impl PlanCache {
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] when a time in `record` is not a finite, non-negative number,
-    /// or when `record` names another engine or config index than the plan's own (a plan
-    /// restored from JSON, whose engine is unknown, is taken as the record says).
+    /// or when `record` names another engine or config index than the plan's own.
     pub fn insert_tuned(
         &self,
         key: PlanKey,
@@ -256,21 +333,30 @@ impl PlanCache {
         Ok(plan)
     }
 
-    /// The plan for `graph` on `target`: from memory, else from a persisted file (a tuned
-    /// plan when one was recorded), else built (first plan that finalizes) and stored.
+    /// The plan for `graph` on `target`: from memory, else rebuilt from a persisted engine
+    /// choice (a tuned plan's when one was recorded), else built (first plan that finalizes)
+    /// and stored.
     pub fn get_or_build(&self, graph: &Graph, target: &Target) -> Result<Arc<ExecutionPlan>> {
         let key = PlanKey::new(graph.signature()?, target);
         if let Some(plan) = self.get(&key) {
             return Ok(plan);
         }
-        if let Some(found) = self.recall(&key, graph, target, false) {
-            return found;
+        if let Some(e) = self.remembered_failure(&key) {
+            return Err(e);
         }
         let op = OperationGraph::for_target(graph, target)?;
+        let hint = match self.recall(&key, &op, target, false) {
+            Recalled::Plan(plan) => return Ok(plan),
+            Recalled::FailureHint => true,
+            Recalled::Nothing => false,
+        };
         let mut plan = match build_plan(&op, target) {
             Ok(plan) => plan,
             Err(e) => return Err(self.failed_with(key, e)),
         };
+        if hint {
+            self.refute_failure(&key);
+        }
         self.built.fetch_add(1, Ordering::Relaxed);
         plan.set_source_graph(graph);
         self.insert(key, plan)
@@ -282,7 +368,8 @@ impl PlanCache {
     ///
     /// # Errors
     /// [`Error::AutotuneNeedsDevice`] on a deviceless target without a tuned plan on record;
-    /// a remembered or new [`Error::NoEngine`] / [`Error::NoPlan`]; what tuning returns.
+    /// a remembered or new [`Error::NoEngine`] / [`Error::NoPlan`] (a failure recorded in the
+    /// folder is checked by planning with the heuristics first); what tuning returns.
     pub fn get_or_autotune(
         &self,
         graph: &Graph,
@@ -300,10 +387,20 @@ impl PlanCache {
                 return Ok(plan);
             }
         }
-        if let Some(found) = self.recall(&key, graph, target, true) {
-            return found;
+        if let Some(e) = self.remembered_failure(&key) {
+            return Err(e);
         }
         let op = OperationGraph::for_target(graph, target)?;
+        match self.recall(&key, &op, target, true) {
+            Recalled::Plan(plan) => return Ok(plan),
+            // The record is checked with the heuristics (tuning starts from them): a fresh
+            // failure is the answer, a plan refutes the record.
+            Recalled::FailureHint => match build_plan(&op, target) {
+                Ok(_) => self.refute_failure(&key),
+                Err(e) => return Err(self.failed_with(key, e)),
+            },
+            Recalled::Nothing => {}
+        }
         let mut tuned = match autotune::tune(&op, target, opts) {
             Ok(tuned) => tuned,
             Err(e) => return Err(self.failed_with(key, e)),
@@ -327,62 +424,99 @@ impl PlanCache {
         }
     }
 
-    /// What the cache knows about `key` without planning: a remembered failure (in memory or
-    /// persisted), or a persisted plan (only a tuned one when `tuned_only`). A bad file is
-    /// moved aside and counted; `None` means "plan it".
-    fn recall(
-        &self,
-        key: &PlanKey,
-        graph: &Graph,
-        target: &Target,
-        tuned_only: bool,
-    ) -> Option<Result<Arc<ExecutionPlan>>> {
-        if let Some(e) = self
+    /// A "no engine" / "no plan" error met for `key` earlier in this process.
+    fn remembered_failure(&self, key: &PlanKey) -> Option<Error> {
+        let e = self
             .failed
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .get(key)
-        {
-            self.failure_hits.fetch_add(1, Ordering::Relaxed);
-            return Some(Err(e.clone()));
-        }
-        let dir = self.dir.as_ref()?;
-        match read_plan(dir, key, graph, target, tuned_only) {
+            .cloned()?;
+        self.failure_hits.fetch_add(1, Ordering::Relaxed);
+        Some(e)
+    }
+
+    /// What the folder knows about `key`: a persisted plan rebuilt for `op` (only a tuned one
+    /// when `tuned_only`), or a failure record (a hint). A bad file is moved aside and
+    /// counted.
+    fn recall(
+        &self,
+        key: &PlanKey,
+        op: &OperationGraph,
+        target: &Target,
+        tuned_only: bool,
+    ) -> Recalled {
+        let Some(dir) = self.dir.as_ref() else {
+            return Recalled::Nothing;
+        };
+        match read_plan(dir, key, op, target, tuned_only) {
             Ok(Some((plan, record))) => {
                 self.restored.fetch_add(1, Ordering::Relaxed);
-                return Some(self.remember(key.clone(), plan, record));
+                // `remember` cannot fail; an error would only lose the restore.
+                if let Ok(plan) = self.remember(key.clone(), plan, record) {
+                    return Recalled::Plan(plan);
+                }
             }
             Ok(None) => {}
             Err(reason) => self.reject(dir, &key.file_name(), &reason, "rebuilding the plan"),
         }
         match read_failure(dir, key) {
-            Ok(Some(e)) => {
-                self.failure_hits.fetch_add(1, Ordering::Relaxed);
-                self.failed
-                    .write()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(key.clone(), e.clone());
-                Some(Err(e))
+            Ok(true) => {
+                self.failure_hints.fetch_add(1, Ordering::Relaxed);
+                Recalled::FailureHint
             }
-            Ok(None) => None,
+            Ok(false) => Recalled::Nothing,
             Err(reason) => {
                 self.reject(dir, &key.failure_file_name(), &reason, "planning the graph");
-                None
+                Recalled::Nothing
             }
         }
+    }
+
+    /// A failure record for a graph that has just planned: wrong (another cuDNN's, or
+    /// forged), so moved aside.
+    fn refute_failure(&self, key: &PlanKey) {
+        if let Some(dir) = &self.dir {
+            let path = dir.join(key.failure_file_name());
+            self.reject(
+                dir,
+                &key.failure_file_name(),
+                &format!(
+                    "{}: records that the graph has no engine or plan, but it planned",
+                    path.display()
+                ),
+                "keeping the plan",
+            );
+        }
+    }
+
+    /// Why this cache rejected files (the warnings it printed, without the move), oldest
+    /// first; the first [`MAX_REJECTIONS_KEPT`] are kept.
+    pub fn rejections(&self) -> Vec<String> {
+        self.rejections
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     fn reject(&self, dir: &Path, file: &str, reason: &str, then: &str) {
         self.rejected.fetch_add(1, Ordering::Relaxed);
+        let mut kept = self.rejections.lock().unwrap_or_else(|p| p.into_inner());
+        if kept.len() < MAX_REJECTIONS_KEPT {
+            kept.push(reason.to_string());
+        }
+        drop(kept);
         let aside = move_aside(&dir.join(file));
         eprintln!("warning: plan cache: {reason}; {aside}; {then}");
     }
 
-    /// Remembers a "no engine" / "no plan" error (in memory and in the folder); returns `e`.
+    /// Remembers a fresh "no engine" / "no plan" error (in memory and in the folder); returns
+    /// `e`.
     fn failed_with(&self, key: PlanKey, e: Error) -> Error {
         if !matches!(e, Error::NoEngine { .. } | Error::NoPlan { .. }) {
             return e;
         }
+        self.failures.fetch_add(1, Ordering::Relaxed);
         if let Some(dir) = &self.dir {
             if let Err(w) = write_failure(dir, &key, &e) {
                 self.write_failures.fetch_add(1, Ordering::Relaxed);
@@ -408,14 +542,17 @@ impl PlanCache {
 
     /// Hit/restore/build counters.
     pub fn stats(&self) -> CacheStats {
+        let n = |c: &AtomicU64| c.load(Ordering::Relaxed);
         CacheStats {
-            hits: self.hits.load(Ordering::Relaxed),
-            restored: self.restored.load(Ordering::Relaxed),
-            built: self.built.load(Ordering::Relaxed),
-            rejected: self.rejected.load(Ordering::Relaxed),
-            write_failures: self.write_failures.load(Ordering::Relaxed),
-            failure_hits: self.failure_hits.load(Ordering::Relaxed),
-            tuned: self.tuned_runs.load(Ordering::Relaxed),
+            hits: n(&self.hits),
+            restored: n(&self.restored),
+            built: n(&self.built),
+            rejected: n(&self.rejected),
+            write_failures: n(&self.write_failures),
+            failure_hits: n(&self.failure_hits),
+            failure_hints: n(&self.failure_hints),
+            failures: n(&self.failures),
+            tuned: n(&self.tuned_runs),
         }
     }
 }
@@ -451,24 +588,19 @@ fn move_aside(path: &Path) -> String {
     }
 }
 
-/// Writes `doc` to `path` through a temporary file of this writer's own, so a concurrent
-/// reader never sees half a file.
-fn write_doc(path: &Path, doc: &serde_json::Value) -> Result<()> {
-    let tmp = temp_name(path);
-    let written = std::fs::write(&tmp, doc.to_string()).and_then(|_| std::fs::rename(&tmp, path));
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written.map_err(|e| file_error(path, format!("cannot write: {e}")))
+/// Writes `doc` to `path` (`0600`) through a temporary file of this writer's own, so a
+/// concurrent reader never sees half a file.
+fn write_doc(path: &Path, doc: &Value) -> Result<()> {
+    write_private(path, &temp_name(path), doc.to_string().as_bytes())
+        .map_err(|e| file_error(path, format!("cannot write: {e}")))
 }
 
-/// The checksum of a tune record, bound to the plan's checksum: a record moved onto another
-/// plan does not verify.
-fn tune_checksum(plan_checksum: &str, tune: &str) -> String {
-    format!(
-        "{:016x}",
-        fnv1a(format!("{plan_checksum}\n{tune}").as_bytes())
-    )
+fn mode_name(mode: HeurMode) -> &'static str {
+    match mode {
+        HeurMode::A => "A",
+        HeurMode::B => "B",
+        HeurMode::Fallback => "Fallback",
+    }
 }
 
 fn write_plan(
@@ -477,31 +609,160 @@ fn write_plan(
     plan: &ExecutionPlan,
     record: Option<&TuneRecord>,
 ) -> Result<()> {
-    let json = plan.json()?;
-    let checksum = format!("{:016x}", fnv1a(json.as_bytes()));
+    let path = dir.join(key.file_name());
+    let choice = plan.engine_choice().ok_or_else(|| {
+        file_error(
+            &path,
+            "cuDNN did not say which engine and knobs the plan has; nothing to persist".into(),
+        )
+    })?;
+    let knobs: Vec<Value> = choice
+        .knobs
+        .iter()
+        .map(|k| serde_json::json!({"knob": k.knob, "value": k.value}))
+        .collect();
     let mut doc = serde_json::json!({
+        "format": PLAN_FORMAT,
         "signature": key.signature().text(),
         "target": key.target(),
         "graph": plan.graph_name(),
-        "checksum": checksum,
-        "plan": json,
+        "engine": choice.engine,
+        "knobs": knobs,
+        "mode": plan.heuristics_mode().map(mode_name),
+        "config_index": plan.config_index(),
     });
     if let Some(record) = record {
-        let tune = record.to_json();
-        doc["tune_checksum"] = tune_checksum(&checksum, &tune).into();
-        doc["tune"] = tune.into();
+        doc["tune"] = parse_strict_json(&record.to_json())
+            .map_err(|e| file_error(&path, format!("the tune record is not JSON: {e}")))?;
     }
-    write_doc(&dir.join(key.file_name()), &doc)
+    write_doc(&path, &doc)
 }
 
-/// A persisted plan for `key`, with its tune record when it is a tuned plan: `Ok(None)` when
-/// there is no file, the file belongs to another key (a hash collision; it will be
-/// overwritten), or `tuned_only` and the plan is not tuned; `Err(why)` when the file is
-/// unreadable, corrupt, tampered with or does not describe `graph`.
+/// What a plan file records, checked field by field.
+#[derive(Debug, PartialEq)]
+struct StoredPlan {
+    choice: EngineChoice,
+    mode: Option<HeurMode>,
+    config_index: usize,
+    tune: Option<TuneRecord>,
+}
+
+/// The fields of a plan file; any other is refused.
+const PLAN_FIELDS: [&str; 9] = [
+    "format",
+    "signature",
+    "target",
+    "graph",
+    "engine",
+    "knobs",
+    "mode",
+    "config_index",
+    "tune",
+];
+
+/// Refuses a document without `format` or of another format, and one with a field not in
+/// `fields`.
+fn check_format(
+    doc: &Map<String, Value>,
+    format: &str,
+    fields: &[&str],
+) -> std::result::Result<(), String> {
+    match doc.get("format") {
+        None => {
+            return Err(
+                "of an unknown format (no `format` field: an earlier version's file)".into(),
+            )
+        }
+        Some(Value::String(f)) if f == format => {}
+        Some(f) => {
+            return Err(format!(
+                "of an unknown format ({f}; this version reads \"{format}\")"
+            ))
+        }
+    }
+    if let Some(k) = doc.keys().find(|k| !fields.contains(&k.as_str())) {
+        return Err(format!("has an unknown field `{k}`"));
+    }
+    Ok(())
+}
+
+impl StoredPlan {
+    fn parse(doc: &Map<String, Value>) -> std::result::Result<Self, String> {
+        check_format(doc, PLAN_FORMAT, &PLAN_FIELDS)?;
+        if !matches!(doc.get("graph"), None | Some(Value::String(_))) {
+            return Err("`graph` is not a string".into());
+        }
+        let engine = doc
+            .get("engine")
+            .and_then(Value::as_i64)
+            .filter(|e| *e >= 0)
+            .ok_or("`engine` is not an engine index")?;
+        let list = doc
+            .get("knobs")
+            .and_then(Value::as_array)
+            .ok_or("`knobs` is not a list")?;
+        if list.len() > MAX_KNOBS {
+            return Err(format!(
+                "{} knobs, at most {MAX_KNOBS} accepted",
+                list.len()
+            ));
+        }
+        let mut knobs = Vec::with_capacity(list.len());
+        for (i, k) in list.iter().enumerate() {
+            let bad = || format!("knobs[{i}] is not {{\"knob\": type, \"value\": integer}}");
+            let k = k.as_object().filter(|k| k.len() == 2).ok_or_else(bad)?;
+            let knob = k
+                .get("knob")
+                .and_then(Value::as_u64)
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(bad)?;
+            let value = k.get("value").and_then(Value::as_i64).ok_or_else(bad)?;
+            knobs.push(KnobChoice { knob, value });
+        }
+        let mode = match doc.get("mode") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(m)) if m == "A" => Some(HeurMode::A),
+            Some(Value::String(m)) if m == "B" => Some(HeurMode::B),
+            Some(Value::String(m)) if m == "Fallback" => Some(HeurMode::Fallback),
+            Some(m) => return Err(format!("`mode` {m} is no heuristics mode")),
+        };
+        let config_index = doc
+            .get("config_index")
+            .and_then(Value::as_u64)
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or("`config_index` is not an index")?;
+        let tune = match doc.get("tune") {
+            None => None,
+            Some(t @ Value::Object(_)) => {
+                let record = TuneRecord::from_json(&t.to_string())?;
+                if record.engine != format!("eng{engine}") || record.config_index != config_index {
+                    return Err(format!(
+                        "the tune record names {} (config {}) but the file engine {engine} (config {config_index})",
+                        record.engine, record.config_index
+                    ));
+                }
+                Some(record)
+            }
+            Some(_) => return Err("`tune` is not an object".into()),
+        };
+        Ok(StoredPlan {
+            choice: EngineChoice { engine, knobs },
+            mode,
+            config_index,
+            tune,
+        })
+    }
+}
+
+/// A persisted plan for `key`, rebuilt for `op`, with its tune record when it is a tuned
+/// plan: `Ok(None)` when there is no file, the file belongs to another key (a hash collision;
+/// it will be overwritten), or `tuned_only` and the plan is not tuned; `Err(why)` when the
+/// file is unreadable, not trusted, malformed, or names an engine or knobs cuDNN refuses for
+/// the graph.
 fn read_plan(
     dir: &Path,
     key: &PlanKey,
-    graph: &Graph,
+    op: &OperationGraph,
     target: &Target,
     tuned_only: bool,
 ) -> std::result::Result<Option<(ExecutionPlan, Option<TuneRecord>)>, String> {
@@ -510,63 +771,33 @@ fn read_plan(
     let Some(doc) = read_doc(&path, key).map_err(at)? else {
         return Ok(None);
     };
-    if tuned_only && doc.get("tune").is_none() {
+    if tuned_only && !doc.contains_key("tune") {
         return Ok(None);
     }
-    let json = doc["plan"]
-        .as_str()
-        .ok_or_else(|| at("no `plan` field".into()))?;
-    let checksum = format!("{:016x}", fnv1a(json.as_bytes()));
-    if doc["checksum"].as_str() != Some(checksum.as_str()) {
-        return Err(at("the plan does not match its checksum".into()));
-    }
-    let record = match doc.get("tune") {
-        None => None,
-        Some(tune) => {
-            let tune = tune
-                .as_str()
-                .ok_or_else(|| at("`tune` is not a string".into()))?;
-            if doc["tune_checksum"].as_str() != Some(tune_checksum(&checksum, tune).as_str()) {
-                return Err(at("the tune record does not match its checksum".into()));
-            }
-            Some(TuneRecord::from_json(tune).map_err(at)?)
-        }
-    };
-    check_plan_tensors(json, graph).map_err(at)?;
-    let desc = crate::backend::plan_from_json(json, target.plan_site())
-        .map_err(|e| at(format!("cuDNN could not restore the plan: {e}")))?;
-    let mut plan = ExecutionPlan::from_parts(
-        desc,
-        graph.name().to_string(),
-        real_tensor_layout(graph),
-        target,
-    )
-    .map_err(|e| at(e.to_string()))?;
-    plan.set_source_graph(graph);
-    if let Some(record) = &record {
-        let engine = crate::backend::plan_engine_info(plan.descriptor()).ok();
-        plan.set_origin(engine, record.config_index);
-        if plan.engine().is_some() && plan.engine_tag() != record.engine {
-            return Err(at(format!(
-                "the plan runs {} but its tune record names {}",
-                plan.engine_tag(),
-                record.engine
-            )));
-        }
-    }
-    Ok(Some((plan, record)))
+    let stored = StoredPlan::parse(&doc).map_err(|why| at(format!("the file {why}")))?;
+    let mut plan = plan_from_choice(op, target, &stored.choice).map_err(|e| {
+        at(format!(
+            "engine {} with knobs {:?} does not plan the graph: {e}",
+            stored.choice.engine, stored.choice.knobs
+        ))
+    })?;
+    plan.set_origin(stored.mode, stored.config_index);
+    Ok(Some((plan, stored.tune)))
 }
 
-/// The JSON document at `path` when it is `key`'s: `Ok(None)` for no file or another key's.
-fn read_doc(path: &Path, key: &PlanKey) -> std::result::Result<Option<serde_json::Value>, String> {
-    let text = match read_regular_text(path, MAX_PLAN_FILE_BYTES) {
+/// The JSON object at `path` when it is `key`'s: `Ok(None)` for no file or another key's.
+fn read_doc(path: &Path, key: &PlanKey) -> std::result::Result<Option<Map<String, Value>>, String> {
+    let text = match read_private_text(path, MAX_PLAN_FILE_BYTES) {
         Ok(text) => text,
         Err(FileProblem::NotFound) => return Ok(None),
         Err(e) => return Err(format!("the file {e}")),
     };
     let doc = parse_strict_json(&text).map_err(|e| format!("not valid JSON: {e}"))?;
-    if doc["signature"].as_str() != Some(key.signature().text())
-        || doc["target"].as_str() != Some(key.target())
+    let Value::Object(doc) = doc else {
+        return Err("not a JSON object".into());
+    };
+    if doc.get("signature").and_then(Value::as_str) != Some(key.signature().text())
+        || doc.get("target").and_then(Value::as_str) != Some(key.target())
     {
         return Ok(None);
     }
@@ -574,145 +805,142 @@ fn read_doc(path: &Path, key: &PlanKey) -> std::result::Result<Option<serde_json
 }
 
 fn write_failure(dir: &Path, key: &PlanKey, e: &Error) -> Result<()> {
-    let error = match e {
-        Error::NoEngine {
-            graph,
-            target,
-            mode,
-            reported,
-            usable,
-        } => serde_json::json!({
-            "kind": "no_engine", "graph": graph, "target": target, "mode": mode,
-            "reported": reported, "usable": usable,
-        }),
-        Error::NoPlan {
-            graph,
-            target,
-            tried,
-            last,
-        } => serde_json::json!({
-            "kind": "no_plan", "graph": graph, "target": target, "tried": tried, "last": last,
-        }),
+    let kind = match e {
+        Error::NoEngine { .. } => "no_engine",
+        Error::NoPlan { .. } => "no_plan",
         // Only "no engine" and "no plan" are facts about the graph on this target.
         _ => return Ok(()),
-    }
-    .to_string();
+    };
     let doc = serde_json::json!({
+        "format": FAILURE_FORMAT,
         "signature": key.signature().text(),
         "target": key.target(),
-        "checksum": format!("{:016x}", fnv1a(error.as_bytes())),
-        "error": error,
+        "kind": kind,
+        "error": e.to_string(),
     });
     write_doc(&dir.join(key.failure_file_name()), &doc)
 }
 
-/// A persisted failure for `key` (same contract as [`read_plan`]).
-fn read_failure(dir: &Path, key: &PlanKey) -> std::result::Result<Option<Error>, String> {
+/// Whether a well-formed failure record for `key` is in `dir` (same contract as
+/// [`read_plan`]). What it says is not read back: it is only a reason to plan again.
+fn read_failure(dir: &Path, key: &PlanKey) -> std::result::Result<bool, String> {
     let path = dir.join(key.failure_file_name());
     let at = |why: String| format!("{}: {why}", path.display());
     let Some(doc) = read_doc(&path, key).map_err(at)? else {
-        return Ok(None);
+        return Ok(false);
     };
-    let text = doc["error"]
-        .as_str()
-        .ok_or_else(|| at("no `error` field".into()))?;
-    if doc["checksum"].as_str() != Some(format!("{:016x}", fnv1a(text.as_bytes())).as_str()) {
-        return Err(at("the failure does not match its checksum".into()));
-    }
-    let e = parse_strict_json(text).map_err(|e| at(format!("the failure is not JSON: {e}")))?;
-    let string = |k: &str| {
-        e[k].as_str()
-            .map(str::to_string)
-            .ok_or_else(|| at(format!("the failure has no `{k}`")))
-    };
-    let count = |k: &str| {
-        e[k].as_u64()
-            .and_then(|n| usize::try_from(n).ok())
-            .ok_or_else(|| at(format!("the failure has no count `{k}`")))
-    };
-    let error = match e["kind"].as_str() {
-        Some("no_engine") => Error::NoEngine {
-            graph: string("graph")?,
-            target: string("target")?,
-            mode: string("mode")?,
-            reported: count("reported")?,
-            usable: count("usable")?,
-        },
-        Some("no_plan") => Error::NoPlan {
-            graph: string("graph")?,
-            target: string("target")?,
-            tried: count("tried")?,
-            last: string("last")?,
-        },
-        _ => return Err(at("the failure is of no known kind".into())),
-    };
-    Ok(Some(error))
-}
-
-/// cuDNN's name of a data type in plan JSON.
-fn cudnn_dtype_name(d: crate::graph::DataType) -> &'static str {
-    use crate::graph::DataType as D;
-    match d {
-        D::Half => "CUDNN_DATA_HALF",
-        D::BFloat16 => "CUDNN_DATA_BFLOAT16",
-        D::Float => "CUDNN_DATA_FLOAT",
-        D::Double => "CUDNN_DATA_DOUBLE",
-        D::Int32 => "CUDNN_DATA_INT32",
-        D::Int64 => "CUDNN_DATA_INT64",
-        D::Boolean => "CUDNN_DATA_BOOLEAN",
+    check_format(
+        &doc,
+        FAILURE_FORMAT,
+        &["format", "signature", "target", "kind", "error"],
+    )
+    .map_err(|why| at(format!("the failure record {why}")))?;
+    match doc.get("kind").and_then(Value::as_str) {
+        Some("no_engine" | "no_plan") => Ok(true),
+        _ => Err(at("the failure record is of no known kind".into())),
     }
 }
 
-/// The plan's real tensors (its operation graph's non-virtual ones) must be exactly the
-/// graph's: same uids, dims, strides and dtypes. A plan whose dims were edited would read and
-/// write outside the buffers bound for the graph.
-fn check_plan_tensors(json: &str, graph: &Graph) -> std::result::Result<(), String> {
-    // Strict: with a key given twice, this check and cuDNN could read different values.
-    let plan = parse_strict_json(json).map_err(|e| format!("the plan is not valid JSON: {e}"))?;
-    let tensors = plan["operationGraph"]["tensors"]
-        .as_array()
-        .ok_or("the plan lists no tensors")?;
-    let ints = |v: &serde_json::Value| -> Option<Vec<i64>> {
-        v.as_array()?
-            .iter()
-            .map(serde_json::Value::as_i64)
-            .collect()
-    };
-    let mut real = Vec::new();
-    for t in tensors {
-        if t["isVirtual"].as_bool() == Some(true) {
-            continue;
-        }
-        let uid = t["name"].as_str().unwrap_or_default().to_string();
-        let dims = ints(&t["dim"]).ok_or_else(|| format!("tensor {uid} has no dims"))?;
-        let strides = ints(&t["stride"]).ok_or_else(|| format!("tensor {uid} has no strides"))?;
-        let dtype = t["dataType"].as_str().unwrap_or_default().to_string();
-        real.push((uid, dims, strides, dtype));
-    }
-    let expected = real_tensor_layout(graph);
-    if real.len() != expected.len() {
-        return Err(format!(
-            "the plan has {} real tensors, the graph {}",
-            real.len(),
-            expected.len()
-        ));
-    }
-    for t in &expected {
-        let uid = t.uid.to_string();
-        let (_, dims, strides, dtype) = real
-            .iter()
-            .find(|r| r.0 == uid)
-            .ok_or_else(|| format!("the plan has no tensor {uid} (`{}`)", t.name))?;
-        let attrs = graph.get(t.id).ok_or("a graph tensor vanished")?;
-        let want_strides = graph.strides(t.id).unwrap_or_default();
-        if *dims != attrs.dims || *strides != want_strides || dtype != cudnn_dtype_name(t.dtype) {
-            return Err(format!(
-                "tensor {uid} (`{}`) is {dtype} {dims:?} strides {strides:?} in the plan, {} {:?} strides {want_strides:?} in the graph",
-                t.name,
-                cudnn_dtype_name(t.dtype),
-                attrs.dims
-            ));
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn doc(text: &str) -> Map<String, Value> {
+        match parse_strict_json(text).unwrap() {
+            Value::Object(m) => m,
+            _ => panic!("not an object"),
         }
     }
-    Ok(())
+
+    const GOOD: &str = r#"{"format": "cudnn-cbr plan 2", "signature": "s", "target": "t",
+        "graph": "g", "engine": 7, "knobs": [{"knob": 3, "value": 2}], "mode": "A",
+        "config_index": 1}"#;
+
+    #[test]
+    fn a_plan_file_holds_an_engine_choice_and_nothing_else_is_accepted() {
+        let stored = StoredPlan::parse(&doc(GOOD)).unwrap();
+        assert_eq!(
+            stored,
+            StoredPlan {
+                choice: EngineChoice {
+                    engine: 7,
+                    knobs: vec![KnobChoice { knob: 3, value: 2 }],
+                },
+                mode: Some(HeurMode::A),
+                config_index: 1,
+                tune: None,
+            }
+        );
+        for (edit, needle) in [
+            (
+                ("\"format\": \"cudnn-cbr plan 2\", ", ""),
+                "no `format` field",
+            ),
+            (("plan 2", "plan 1"), "unknown format"),
+            (("\"engine\": 7", "\"engine\": -1"), "`engine`"),
+            (("\"engine\": 7", "\"engine\": 1e30"), "`engine`"),
+            (("\"engine\": 7", "\"engine\": \"7\""), "`engine`"),
+            (("\"knob\": 3", "\"knob\": -3"), "knobs[0]"),
+            (("\"knob\": 3", "\"knob\": 4294967296"), "knobs[0]"),
+            (("\"value\": 2", "\"value\": 2.5"), "knobs[0]"),
+            (("\"value\": 2}", "\"value\": 2, \"x\": 1}"), "knobs[0]"),
+            (("\"mode\": \"A\"", "\"mode\": \"C\""), "`mode`"),
+            (
+                ("\"config_index\": 1", "\"config_index\": -1"),
+                "`config_index`",
+            ),
+            // An earlier version's fields: what it ran is no longer taken from a file.
+            (
+                ("\"graph\": \"g\"", "\"graph\": \"g\", \"plan\": \"{}\""),
+                "unknown field `plan`",
+            ),
+            (
+                ("\"graph\": \"g\"", "\"graph\": \"g\", \"alpha\": 2.0"),
+                "unknown field `alpha`",
+            ),
+            (("\"graph\": \"g\"", "\"graph\": 1"), "`graph`"),
+            (
+                (
+                    "\"config_index\": 1",
+                    "\"config_index\": 1, \"tune\": \"{}\"",
+                ),
+                "`tune`",
+            ),
+        ] {
+            let text = GOOD.replacen(edit.0, edit.1, 1);
+            assert_ne!(text, GOOD);
+            let why = StoredPlan::parse(&doc(&text)).unwrap_err();
+            assert!(why.contains(needle), "{edit:?}: {why}");
+        }
+        let many: Vec<String> = (0..=MAX_KNOBS)
+            .map(|i| format!("{{\"knob\": {i}, \"value\": 0}}"))
+            .collect();
+        let text = GOOD.replacen(
+            "[{\"knob\": 3, \"value\": 2}]",
+            &format!("[{}]", many.join(",")),
+            1,
+        );
+        assert!(StoredPlan::parse(&doc(&text))
+            .unwrap_err()
+            .contains("knobs"));
+    }
+
+    #[test]
+    fn a_tune_record_must_name_the_files_engine() {
+        let tune = |engine: &str, index: usize| {
+            GOOD.replacen(
+                "\"config_index\": 1",
+                &format!(
+                    "\"config_index\": 1, \"tune\": {{\"engine\": \"{engine}\", \"config_index\": {index}, \"time_ms\": 0.5, \"candidates\": []}}"
+                ),
+                1,
+            )
+        };
+        let stored = StoredPlan::parse(&doc(&tune("eng7", 1))).unwrap();
+        assert_eq!(stored.tune.unwrap().time_ms, 0.5);
+        for text in [tune("eng8", 1), tune("eng7", 0)] {
+            let why = StoredPlan::parse(&doc(&text)).unwrap_err();
+            assert!(why.contains("the tune record names"), "{why}");
+        }
+    }
 }

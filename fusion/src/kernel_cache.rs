@@ -3,18 +3,33 @@
 //! same architecture with the same NVRTC.
 //!
 //! An entry is one file named by what it holds and a 64-bit key (FNV-1a over everything the
-//! compilation depends on: the sources, the flags, the architecture, the NVRTC version). The
-//! file repeats the key and ends with a checksum; a file that does not match is rebuilt and
-//! replaced. Writes go to a temporary file renamed into place, so a reader never sees half a
-//! file, and a failed write leaves the compiled kernels in use (only the next run pays).
+//! compilation depends on: callers pass the full program text, every compiler option, the
+//! architecture and the NVRTC version, see [`KernelCache::key`]). The file repeats the key and
+//! ends with a checksum; a file that does not match is rebuilt and replaced. The checksum
+//! catches accidents (a truncated or damaged file), not edits.
+//!
+//! What keeps an edited entry out is who can write it. As ssh does with `~/.ssh`, the folder
+//! is used only when it and the folders above it are owned by this user or root and not
+//! writable by group or others, and an entry is read only when it is owned by this user or
+//! root and not writable by group or others ([`crate::untrusted::check_private_folder`]); a
+//! folder that fails is reported once on stderr and the kernels are compiled and not cached.
+//! An entry in a trusted folder is trusted as the user's own file, as ssh trusts `~/.ssh`:
+//! whoever can write it could already change what the user runs. New folders are made `0700`
+//! and entries written `0600`, through a temporary file of the writer's own renamed into
+//! place, so a reader never sees half a file; a failed write leaves the compiled kernels in use
+//! (only the next run pays).
 //!
 //! Where: `CUDNN_CBR_KERNEL_CACHE` (a folder; `off` turns the cache off), else
 //! `$XDG_CACHE_HOME/cudnn-cbr/kernels`, else `~/.cache/cudnn-cbr/kernels`.
 
 #![forbid(unsafe_code)]
 
+use crate::untrusted::{
+    check_private_folder, create_private_folder, read_private, warn_once, write_private,
+};
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The variable that moves the cache or turns it off (`off`).
 pub const KERNEL_CACHE_ENV: &str = "CUDNN_CBR_KERNEL_CACHE";
@@ -73,7 +88,9 @@ impl KernelCache {
     }
 
     /// The key of a compilation: FNV-1a (64-bit) over `parts`, each length-prefixed so that
-    /// moving bytes between parts changes it.
+    /// moving bytes between parts changes it. Callers give it everything the machine code
+    /// depends on: the full program text, every option, the architecture, the NVRTC version
+    /// (a fast hash: it tells compilations apart, it does not authenticate an entry).
     pub fn key(parts: &[&[u8]]) -> u64 {
         let mut h = Fnv::new();
         for p in parts {
@@ -87,25 +104,57 @@ impl KernelCache {
         self.dir.join(format!("{name}-{key:016x}.bin"))
     }
 
-    /// The images stored under `name` and `key`, when a whole, matching regular file of at most
-    /// [`MAX_ENTRY_BYTES`] is there.
+    /// Whether the folder may be used: it exists, and it and the folders above it are owned by
+    /// this user or root and not writable by group or others (module docs).
+    ///
+    /// # Errors
+    /// What is wrong, naming the folder and its owner or mode.
+    pub fn check_folder(&self) -> Result<(), String> {
+        check_private_folder(&self.dir)
+    }
+
+    /// Whether the folder may be used now; a folder that exists and fails
+    /// [`KernelCache::check_folder`] is reported once.
+    fn trusted(&self) -> bool {
+        match self.check_folder() {
+            Ok(()) => true,
+            Err(_) if !self.dir.exists() => false,
+            Err(why) => {
+                warn_once(&format!(
+                    "warning: kernel cache: {} is not used: {why}; kernels are compiled and not cached",
+                    self.dir.display()
+                ));
+                false
+            }
+        }
+    }
+
+    /// The images stored under `name` and `key`, when the folder is trusted and a whole,
+    /// matching regular file of at most [`MAX_ENTRY_BYTES`], owned by this user or root and
+    /// not writable by others, is there.
     pub fn load(&self, name: &str, key: u64) -> Option<Vec<Vec<u8>>> {
-        let bytes = crate::untrusted::read_regular(&self.path(name, key), MAX_ENTRY_BYTES).ok()?;
+        if !self.trusted() {
+            return None;
+        }
+        let bytes = read_private(&self.path(name, key), MAX_ENTRY_BYTES).ok()?;
         decode(&bytes, key)
     }
 
-    /// Stores `images` under `name` and `key`, atomically.
+    /// Stores `images` under `name` and `key`, atomically, in a file only this user can write
+    /// (the folder is made `0700` when missing).
     ///
     /// # Errors
-    /// The file system's error (no folder, no space, read-only).
+    /// The file system's error (no folder, no space, read-only), or
+    /// [`io::ErrorKind::PermissionDenied`] naming the problem when the folder is not trusted.
     pub fn store(&self, name: &str, key: u64, images: &[&[u8]]) -> io::Result<()> {
-        std::fs::create_dir_all(&self.dir)?;
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        create_private_folder(&self.dir)?;
+        self.check_folder()
+            .map_err(|why| io::Error::new(io::ErrorKind::PermissionDenied, why))?;
         let path = self.path(name, key);
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        std::fs::write(&tmp, encode(key, images))?;
-        std::fs::rename(&tmp, &path).inspect_err(|_| {
-            let _ = std::fs::remove_file(&tmp);
-        })
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let tmp = path.with_extension(format!("tmp{}-{n}", std::process::id()));
+        write_private(&path, &tmp, &encode(key, images))
     }
 
     /// `compile`'s images, from the cache when `name`/`key` is stored there with `count`
@@ -127,6 +176,9 @@ impl KernelCache {
             return Ok((images, CacheOutcome::Hit));
         }
         let images = compile()?;
+        if cache.dir.exists() && !cache.trusted() {
+            return Ok((images, CacheOutcome::NotStored));
+        }
         let refs: Vec<&[u8]> = images.iter().map(Vec::as_slice).collect();
         let outcome = match cache.store(name, key, &refs) {
             Ok(()) => CacheOutcome::Stored,
@@ -260,6 +312,80 @@ mod tests {
         assert_eq!(run(Some(&blocked)).1, CacheOutcome::NotStored);
         assert_eq!(compiles.get(), 4);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn only_a_folder_and_entries_this_user_alone_controls_are_used() {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+        let chmod = |p: &Path, m: u32| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
+        };
+        let base = temp("trust");
+        let dir = base.join("kernels");
+        let cache = KernelCache::at(&dir);
+        let key = KernelCache::key(&[b"program text", b"--opt", b"sm_90", b"nvrtc 13.5"]);
+        cache.store("amp", key, &[b"image"]).unwrap();
+        // Made private: folders 0700, entries 0600.
+        assert_eq!(mode(&dir), 0o700);
+        assert_eq!(mode(&base), 0o700);
+        let entry = cache.path("amp", key);
+        assert_eq!(mode(&entry), 0o600);
+        assert!(cache.load("amp", key).is_some());
+
+        // An entry others can write is not read (the folder is still fine).
+        chmod(&entry, 0o620);
+        assert_eq!(cache.load("amp", key), None);
+        chmod(&entry, 0o600);
+
+        // A folder its group can write: refused with a message naming it, nothing loaded or
+        // stored, the kernels compiled.
+        chmod(&dir, 0o770);
+        let why = cache.check_folder().unwrap_err();
+        assert!(
+            why.contains("writable by its group") && why.contains("kernels"),
+            "{why}"
+        );
+        assert_eq!(cache.load("amp", key), None);
+        let err = cache.store("amp", key ^ 1, &[b"x"]).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::PermissionDenied, "{err}");
+        let compiled = KernelCache::get_or_compile::<()>(Some(&cache), "amp", key, 1, || {
+            Ok(vec![b"fresh".to_vec()])
+        })
+        .unwrap();
+        assert_eq!(compiled, (vec![b"fresh".to_vec()], CacheOutcome::NotStored));
+        assert!(!cache.path("amp", key ^ 1).exists());
+        chmod(&dir, 0o700);
+        // A folder above that others can write (and is not sticky) is refused too.
+        chmod(&base, 0o777);
+        assert!(cache.check_folder().unwrap_err().contains("writable by"));
+        chmod(&base, 0o1777);
+        assert_eq!(
+            cache.check_folder(),
+            Ok(()),
+            "a sticky folder above is fine"
+        );
+        chmod(&base, 0o700);
+
+        // Owned by another user (only root can give a file away): refused.
+        if crate::untrusted::effective_uid() == 0 {
+            const NOBODY: u32 = 65534;
+            std::os::unix::fs::chown(&entry, Some(NOBODY), None).unwrap();
+            assert_eq!(
+                cache.load("amp", key),
+                None,
+                "another user's entry was read"
+            );
+            std::os::unix::fs::chown(&entry, Some(0), None).unwrap();
+            assert!(cache.load("amp", key).is_some());
+            std::os::unix::fs::chown(&dir, Some(NOBODY), None).unwrap();
+            let why = cache.check_folder().unwrap_err();
+            assert!(why.contains("owned by user 65534"), "{why}");
+            assert_eq!(cache.load("amp", key), None);
+        } else {
+            println!("SKIP the other-owner case: giving a file away needs root");
+        }
+        let _ = std::fs::remove_dir_all(&base);
     }
 
     #[test]

@@ -515,7 +515,7 @@ impl Lowering<'_> {
 }
 
 /// The real tensors of a validated graph with their uids, sorted by uid: what a variant pack
-/// needs. Pure Rust, so a plan restored from JSON needs no lowering.
+/// needs. Pure Rust (no cuDNN call).
 pub fn real_tensor_layout(graph: &Graph) -> Vec<RealTensor> {
     real_tensors(graph, &assign_uids(graph))
 }

@@ -4,10 +4,13 @@
 //!    deviceless target).
 //! 2. [`build_plans`] asks heuristics (modes in [`PlanPolicy::modes`] order) and finalizes the
 //!    first config that works, or every config when autotuning.
-//! 3. An [`ExecutionPlan`] knows its workspace, engine, notes, JSON and the real tensors (uids)
-//!    its variant pack needs.
+//! 3. An [`ExecutionPlan`] knows its workspace, engine, knob settings ([`EngineChoice`]),
+//!    notes, JSON and the real tensors (uids) its variant pack needs.
+//! 4. [`plan_from_choice`] rebuilds a plan from an engine choice without heuristics (the plan
+//!    cache's restore): the operations are always the lowered graph's, only the engine and its
+//!    knobs come from the choice, and cuDNN validates them at finalize.
 
-use crate::backend::{self, Descriptor, EngineInfo, HeurMode};
+use crate::backend::{self, Descriptor, EngineInfo, HeurMode, KnobChoice};
 use crate::error::{Error, Result};
 use crate::graph::Graph;
 use crate::lower::{OperationGraph, RealTensor};
@@ -47,6 +50,16 @@ impl PlanPolicy {
     }
 }
 
+/// An engine of an operation graph and its knob settings: all a plan adds to its graph, and so
+/// all the plan cache persists ([`plan_from_choice`] rebuilds the plan from it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineChoice {
+    /// `CUDNN_ATTR_ENGINE_GLOBAL_INDEX` (an index among the graph's engines).
+    pub engine: i64,
+    /// The engine config's knob settings.
+    pub knobs: Vec<KnobChoice>,
+}
+
 /// A finalized execution plan and what execution needs to know about it.
 #[derive(Debug)]
 pub struct ExecutionPlan {
@@ -61,6 +74,8 @@ pub struct ExecutionPlan {
     config_index: usize,
     configs_reported: usize,
     configs_usable: usize,
+    /// The engine and knobs it was finalized with (`None` only where cuDNN could not say).
+    choice: Option<EngineChoice>,
     /// The graph the plan was built or restored for (kept by [`build_plans`] and the plan
     /// cache): what the graph interpreter ([`crate::interp`]) runs in place of cuDNN under
     /// the simulated device.
@@ -86,15 +101,22 @@ impl ExecutionPlan {
             config_index: 0,
             configs_reported: 0,
             configs_usable: 0,
+            choice: None,
             source: None,
         })
     }
 
-    /// Gives a plan re-created from JSON what was recorded about it when it was chosen (a
-    /// tuned plan's engine and config index), so it reads as the plan that was timed.
-    pub(crate) fn set_origin(&mut self, engine: Option<EngineInfo>, config_index: usize) {
-        self.engine = engine;
+    /// Gives a plan rebuilt from an engine choice what was recorded about how it was chosen
+    /// (heuristics mode and config index), so it reads as the plan that was built or timed.
+    pub(crate) fn set_origin(&mut self, mode: Option<HeurMode>, config_index: usize) {
+        self.mode = mode;
         self.config_index = config_index;
+    }
+
+    /// The engine and knob settings it was finalized with: what rebuilds it
+    /// ([`plan_from_choice`]).
+    pub fn engine_choice(&self) -> Option<&EngineChoice> {
+        self.choice.as_ref()
     }
 
     /// Keeps the graph the plan was built for (its signature is the plan's; the graph
@@ -137,12 +159,12 @@ impl ExecutionPlan {
         self.workspace
     }
 
-    /// The engine (unknown for a plan restored from JSON, unless it was a tuned plan).
+    /// The engine (read back from cuDNN; `None` only where cuDNN could not say).
     pub fn engine(&self) -> Option<&EngineInfo> {
         self.engine.as_ref()
     }
 
-    /// The heuristics mode that proposed it (unknown for a restored plan).
+    /// The heuristics mode that proposed it (for a restored plan, as its file records).
     pub fn heuristics_mode(&self) -> Option<HeurMode> {
         self.mode
     }
@@ -175,14 +197,13 @@ impl ExecutionPlan {
             .is_some_and(|e| e.behavior_notes.contains(&note))
     }
 
-    /// The plan's JSON representation (names the matched pattern and the engine; a plan can be
-    /// re-created from it without heuristics or runtime compilation).
+    /// The plan's JSON representation (names the matched pattern and the engine; for
+    /// inspection: the plan cache does not persist it).
     pub fn json(&self) -> Result<String> {
         backend::plan_json(&self.desc)
     }
 
-    /// A short tag: `eng<index>` plus the knob settings cuDNN reports in the JSON, or
-    /// `restored` when the engine is unknown.
+    /// A short tag: `eng<index>`, or `restored` when the engine is unknown.
     pub fn engine_tag(&self) -> String {
         match &self.engine {
             Some(e) => format!("eng{}", e.global_index),
@@ -245,14 +266,7 @@ pub fn build_plans(
             tried += 1;
             match backend::finalize_plan(cfg, target.plan_site()) {
                 Ok(desc) => {
-                    let mut plan = ExecutionPlan::from_parts(
-                        desc,
-                        op.name().to_string(),
-                        op.real_tensors().to_vec(),
-                        target,
-                    )?;
-                    plan.set_source_graph(op.source_graph());
-                    plan.engine = backend::engine_info(cfg).ok();
+                    let mut plan = finished_plan(op, target, cfg, desc)?;
                     plan.mode = Some(mode);
                     plan.config_index = i;
                     plan.configs_reported = heur.reported;
@@ -292,6 +306,94 @@ pub fn build_plans(
         tried,
         last,
     })
+}
+
+/// The plan of a finalized `desc` for `op` from engine config `cfg`: its graph, engine and
+/// knob settings recorded.
+fn finished_plan(
+    op: &OperationGraph,
+    target: &Target,
+    cfg: &Descriptor,
+    desc: Descriptor,
+) -> Result<ExecutionPlan> {
+    let mut plan = ExecutionPlan::from_parts(
+        desc,
+        op.name().to_string(),
+        op.real_tensors().to_vec(),
+        target,
+    )?;
+    plan.set_source_graph(op.source_graph());
+    plan.engine = backend::engine_info(cfg).ok();
+    plan.choice = match (&plan.engine, backend::config_knobs(cfg)) {
+        (Some(e), Ok(knobs)) => Some(EngineChoice {
+            engine: e.global_index,
+            knobs,
+        }),
+        _ => None,
+    };
+    Ok(plan)
+}
+
+/// The plan of `op` on `target` with the engine and knobs of `choice`, without heuristics.
+/// Only the engine and its knobs come from `choice`: every operation, tensor and scalar is the
+/// lowered graph's own, and cuDNN checks the engine and knobs against it.
+///
+/// # Errors
+/// [`Error::InvalidConfig`] for an engine index the graph has no engine for, a knob the
+/// engine does not have (or given twice), or a value outside the knob's range; cuDNN's error
+/// when it refuses the engine, the config or the plan.
+pub fn plan_from_choice(
+    op: &OperationGraph,
+    target: &Target,
+    choice: &EngineChoice,
+) -> Result<ExecutionPlan> {
+    check_lowering(
+        op.name(),
+        op.handle_addr(),
+        target.graph_handle().map(|h| h.raw() as usize),
+        &target.describe(),
+    )?;
+    target.make_current()?;
+    let bad = |field: &str, problem: String| Error::InvalidConfig {
+        layer: format!("engine choice for `{}`", op.name()),
+        field: field.into(),
+        problem,
+    };
+    let count = backend::engine_count(op.descriptor())?;
+    if !(0..count).contains(&choice.engine) {
+        return Err(bad(
+            "engine",
+            format!(
+                "{} is not an engine of this graph (it has {count})",
+                choice.engine
+            ),
+        ));
+    }
+    let engine = backend::engine_by_index(op.descriptor(), choice.engine, target.devprop())?;
+    let ranges = backend::engine_knobs(&engine)?;
+    for (i, k) in choice.knobs.iter().enumerate() {
+        if choice.knobs[..i].iter().any(|o| o.knob == k.knob) {
+            return Err(bad("knobs", format!("knob {} is given twice", k.knob)));
+        }
+        let range = ranges.iter().find(|r| r.knob == k.knob).ok_or_else(|| {
+            bad(
+                "knobs",
+                format!("engine {} has no knob {}", choice.engine, k.knob),
+            )
+        })?;
+        if !range.accepts(k.value) {
+            return Err(bad(
+                "knobs",
+                format!(
+                    "knob {} of engine {} takes {}..={} in steps of {}, not {}",
+                    k.knob, choice.engine, range.min, range.max, range.stride, k.value
+                ),
+            ));
+        }
+    }
+    let cfg = backend::engine_config(&engine, &choice.knobs)?;
+    let desc = backend::finalize_plan(&cfg, target.plan_site())?;
+    finished_plan(op, target, &cfg, desc)
 }
 
 /// Refuses a graph lowered with another handle than the one its target gives operation graphs

@@ -7,12 +7,23 @@
 //! number of bytes. [`parse_strict_json`] parses JSON as `serde_json` does, except that an
 //! object with a key given twice is an error: `serde_json` keeps the last value, another
 //! parser (cuDNN's) may keep the first, and the two would then disagree about the document.
+//!
+//! Cache folders follow ssh's rule for `~/.ssh` (`StrictModes`): [`check_private_folder`]
+//! trusts a folder only when it, and every folder above it, is owned by this process's user
+//! or root and cannot be written by group or others (a folder above may be writable by
+//! others when its sticky bit is set, as `/tmp` is: others cannot rename what is ours
+//! there); [`read_private`] reads a file only when the same holds for the file itself. A
+//! trusted folder's files are then taken as the user's own, as ssh takes `~/.ssh`: what they
+//! say is still checked (the plan cache rebuilds every operation from our own graph), but
+//! not doubted. [`create_private_folder`] makes folders `0700` and [`write_private`]
+//! writes files `0600`.
 
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Number, Value};
 use std::fmt;
 use std::io::Read;
-use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::Path;
 
 /// Why an untrusted file was not read.
@@ -40,6 +51,8 @@ pub enum FileProblem {
     NotText,
     /// The operating system refused (permissions, I/O error).
     Io(String),
+    /// The file could have been written by another user: what [`check_private`] says.
+    NotPrivate(String),
 }
 
 impl fmt::Display for FileProblem {
@@ -54,6 +67,7 @@ impl fmt::Display for FileProblem {
             }
             FileProblem::NotText => write!(f, "is not UTF-8 text"),
             FileProblem::Io(e) => write!(f, "cannot read: {e}"),
+            FileProblem::NotPrivate(why) => write!(f, "is not trusted: {why}"),
         }
     }
 }
@@ -94,6 +108,10 @@ fn io_problem(e: std::io::Error) -> FileProblem {
 /// opened handle, which is opened non-blocking so that a FIFO swapped in cannot block), a
 /// file of more than `limit` bytes, or the operating system's error.
 pub fn read_regular(path: &Path, limit: u64) -> Result<Vec<u8>, FileProblem> {
+    read_checked(path, limit, false)
+}
+
+fn read_checked(path: &Path, limit: u64, private: bool) -> Result<Vec<u8>, FileProblem> {
     let before = std::fs::metadata(path).map_err(io_problem)?;
     if let Some(p) = classify(before.file_type()) {
         return Err(p);
@@ -113,6 +131,13 @@ pub fn read_regular(path: &Path, limit: u64) -> Result<Vec<u8>, FileProblem> {
     if let Some(p) = classify(opened.file_type()) {
         return Err(p);
     }
+    // Checked on the open handle: the path may name another file by now.
+    if let Some(why) = private
+        .then(|| check_private(path, &opened, false))
+        .flatten()
+    {
+        return Err(FileProblem::NotPrivate(why));
+    }
     if opened.len() > limit {
         return Err(FileProblem::TooLarge {
             size: opened.len(),
@@ -128,6 +153,127 @@ pub fn read_regular(path: &Path, limit: u64) -> Result<Vec<u8>, FileProblem> {
         return Err(FileProblem::TooLarge { size: read, limit });
     }
     Ok(bytes)
+}
+
+/// This process's effective user id.
+#[allow(unsafe_code)]
+pub fn effective_uid() -> u32 {
+    // SAFETY: geteuid takes no arguments, touches no memory of ours and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Why `meta` (of `path`) could have been written by someone other than this process's user
+/// or root: an owner who is neither, or a group/other write bit (allowed with the sticky bit
+/// when `sticky_ok`, for the folders above a cache folder). `None` when it could not.
+pub fn check_private(path: &Path, meta: &std::fs::Metadata, sticky_ok: bool) -> Option<String> {
+    let (uid, me) = (meta.uid(), effective_uid());
+    if uid != me && uid != 0 {
+        return Some(format!(
+            "{} is owned by user {uid}, not by this user ({me}) or root",
+            path.display()
+        ));
+    }
+    let mode = meta.mode();
+    let sticky = mode & 0o1000 != 0;
+    if mode & 0o022 != 0 && !(sticky_ok && sticky && meta.is_dir()) {
+        return Some(format!(
+            "{} is writable by {} (mode {:o}); `chmod go-w` it",
+            path.display(),
+            match mode & 0o022 {
+                0o020 => "its group",
+                0o002 => "others",
+                _ => "its group and others",
+            },
+            mode & 0o7777
+        ));
+    }
+    None
+}
+
+/// Whether `dir` is a folder only this user (or root) could have put files in: it and every
+/// folder above it pass [`check_private`] (a folder above may be sticky and writable by all).
+///
+/// # Errors
+/// What is wrong, naming the folder: it does not exist or is no folder, or the first folder
+/// on the way that fails the rule.
+pub fn check_private_folder(dir: &Path) -> Result<(), String> {
+    let real = std::fs::canonicalize(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let meta = std::fs::metadata(&real).map_err(|e| format!("{}: {e}", real.display()))?;
+    if !meta.is_dir() {
+        return Err(format!("{} is not a folder", real.display()));
+    }
+    if let Some(why) = check_private(&real, &meta, false) {
+        return Err(why);
+    }
+    for above in real.ancestors().skip(1) {
+        let meta = std::fs::metadata(above).map_err(|e| format!("{}: {e}", above.display()))?;
+        if let Some(why) = check_private(above, &meta, true) {
+            return Err(why);
+        }
+    }
+    Ok(())
+}
+
+/// Makes `dir` and the folders above it that are missing, each `0700` (an existing folder
+/// keeps its mode).
+///
+/// # Errors
+/// The file system's error.
+pub fn create_private_folder(dir: &Path) -> std::io::Result<()> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+}
+
+/// Writes `bytes` to `path` through `tmp` (a name no other writer uses), created `0600`, and
+/// renames it into place: a reader never sees half a file. `tmp` is removed on failure.
+///
+/// # Errors
+/// The file system's error.
+pub fn write_private(path: &Path, tmp: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(tmp)
+        .and_then(|mut f| f.write_all(bytes))
+        .and_then(|()| std::fs::rename(tmp, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(tmp);
+    }
+    written
+}
+
+/// As [`read_regular`], and only when the opened file passes [`check_private`] (its owner is
+/// this user or root, no group/other write bit): for files in a cache folder.
+///
+/// # Errors
+/// [`read_regular`]'s, and [`FileProblem::NotPrivate`] naming the owner or mode.
+pub fn read_private(path: &Path, limit: u64) -> Result<Vec<u8>, FileProblem> {
+    read_checked(path, limit, true)
+}
+
+/// As [`read_private`], for a text file.
+///
+/// # Errors
+/// [`read_private`]'s, and [`FileProblem::NotText`] for bytes that are not UTF-8.
+pub fn read_private_text(path: &Path, limit: u64) -> Result<String, FileProblem> {
+    String::from_utf8(read_private(path, limit)?).map_err(|_| FileProblem::NotText)
+}
+
+/// Prints `warning` on stderr the first time this process gives it (a refused folder is
+/// reported once, not on every lookup).
+pub fn warn_once(warning: &str) {
+    static WARNED: std::sync::Mutex<std::collections::BTreeSet<String>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let first = WARNED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(warning.to_string());
+    if first {
+        eprintln!("{warning}");
+    }
 }
 
 /// As [`read_regular`], for a text file.

@@ -1,12 +1,13 @@
 //! Autotune in planning, deviceless (tier 2): a tuned choice persists with its timings and is
-//! restored and used by a later cache; a tampered tuned file is rejected and rebuilt;
-//! autotuning without a device is a typed error; "no engine" failures persist across caches,
-//! keyed with the target identity (and so the cuDNN version).
+//! restored and used by a later cache; a tuned file whose record does not fit its engine is
+//! rejected and rebuilt; autotuning without a device is a typed error; a recorded "no engine"
+//! failure is only a reason to plan again, keyed with the target identity (and so the cuDNN
+//! version).
 
 use cudnn_cbr_fusion::autotune::{self, AutotuneOptions, CandidateTiming, PlanOptions, TuneRecord};
 use cudnn_cbr_fusion::cache::{PlanCache, PlanKey};
 use cudnn_cbr_fusion::cbr::{graphs, route_graphs, CbrConfig, CbrLayer, ConvShape, GraphRole};
-use cudnn_cbr_fusion::graph::{fnv1a, Graph};
+use cudnn_cbr_fusion::graph::Graph;
 use cudnn_cbr_fusion::lower::OperationGraph;
 use cudnn_cbr_fusion::plan::{build_plans, ExecutionPlan, PlanPolicy};
 use cudnn_cbr_fusion::{DeviceProps, Error, Target};
@@ -228,42 +229,45 @@ fn a_tampered_tuned_file_is_moved_aside_and_rebuilt() {
     let target = h200();
     let graph = conv_stats_graph();
     let key = PlanKey::new(graph.signature().unwrap(), &target);
-    let checksum = |s: &str| format!("{:016x}", fnv1a(s.as_bytes()));
-    type Edit = Box<dyn Fn(&mut serde_json::Value, &str)>;
-    let edits: Vec<(&str, Edit)> = vec![
-        // A better time written into the record.
+    type Edit = Box<dyn Fn(&mut serde_json::Value, &serde_json::Value)>;
+    let edits: Vec<(&str, Edit, &str)> = vec![
+        // The tuned engine swapped for the heuristics' one, its record left: the record must
+        // name the file's engine and config.
         (
-            "time edited",
-            Box::new(|doc, _| {
-                let tune = doc["tune"].as_str().unwrap().to_string();
-                let edited = tune.replacen("\"time_ms\":", "\"time_ms\":0.0000", 1);
-                doc["tune"] = edited.into();
+            "engine swapped",
+            Box::new(|doc, first| {
+                doc["engine"] = first["engine"].clone();
+                doc["knobs"] = first["knobs"].clone();
+                doc["config_index"] = first["config_index"].clone();
             }),
-        ),
-        // The tuned plan swapped for another, with the plan's checksum recomputed: the record's
-        // checksum covers the plan's.
-        (
-            "plan swapped",
-            Box::new(move |doc, first_json| {
-                doc["plan"] = first_json.into();
-                doc["checksum"] = checksum(first_json).into();
-            }),
+            "the tune record names",
         ),
         (
-            "record checksum removed",
-            Box::new(|doc, _| {
-                doc.as_object_mut().unwrap().remove("tune_checksum");
-            }),
+            "record names another engine",
+            Box::new(|doc, _| doc["tune"]["engine"] = "eng999".into()),
+            "the tune record names",
         ),
         (
-            "record not a string",
-            Box::new(|doc, _| {
-                doc["tune"] = serde_json::json!({"engine": "eng0"});
-            }),
+            "negative time",
+            Box::new(|doc, _| doc["tune"]["time_ms"] = (-1.0).into()),
+            "finite, non-negative",
+        ),
+        (
+            "record not an object",
+            Box::new(|doc, _| doc["tune"] = "{}".into()),
+            "`tune` is not an object",
         ),
     ];
-    for (what, edit) in edits {
+    for (what, edit, needle) in edits {
         let dir = fresh_dir("tampered");
+        // The heuristics' plan file, as the edits' source of another engine.
+        PlanCache::persistent(&dir)
+            .unwrap()
+            .get_or_build(&graph, &target)
+            .unwrap();
+        let first_doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join(key.file_name())).unwrap())
+                .unwrap();
         let Choice {
             first_json,
             chosen,
@@ -274,7 +278,7 @@ fn a_tampered_tuned_file_is_moved_aside_and_rebuilt() {
             .unwrap()
             .insert_tuned(key.clone(), chosen, record)
             .unwrap();
-        edit_doc(&dir, &key, |doc| edit(doc, &first_json));
+        edit_doc(&dir, &key, |doc| edit(doc, &first_doc));
 
         let cache = PlanCache::persistent(&dir).unwrap();
         let plan = cache.get_or_build(&graph, &target).unwrap();
@@ -284,6 +288,8 @@ fn a_tampered_tuned_file_is_moved_aside_and_rebuilt() {
             (1, 1, 0),
             "{what}: {s:?}"
         );
+        let why = cache.rejections();
+        assert!(why.iter().any(|w| w.contains(needle)), "{what}: {why:?}");
         assert_eq!(cache.tuned(&key), None, "{what}: the record was trusted");
         assert_ne!(plan.json().unwrap(), chosen_json, "{what}");
         assert_eq!(
@@ -396,43 +402,57 @@ fn no_engine(e: &Error) -> bool {
 }
 
 #[test]
-fn a_persisted_failure_is_answered_without_planning_for_the_same_target_only() {
-    if !cudnn_or_skip("a_persisted_failure_is_answered_without_planning") {
+fn a_persisted_failure_is_only_a_reason_to_plan_again() {
+    if !cudnn_or_skip("a_persisted_failure_is_only_a_reason_to_plan_again") {
         return;
     }
     let dir = fresh_dir("failed");
     let target = sm50(&[]);
     let g = failing_graph();
     let key = PlanKey::new(g.signature().unwrap(), &target);
-    let first = PlanCache::persistent(&dir)
-        .unwrap()
-        .get_or_build(&g, &target)
-        .unwrap_err();
+    let cache = PlanCache::persistent(&dir).unwrap();
+    let first = cache.get_or_build(&g, &target).unwrap_err();
     assert!(no_engine(&first), "{first}");
+    assert_eq!(cache.stats().failures, 1);
     assert!(
         dir.join(key.failure_file_name()).is_file(),
         "{:?}",
         file_names(&dir)
     );
 
-    // A fresh cache (a later process): answered from the file, nothing planned.
+    // A fresh cache (a later process): the record makes it plan again, and the fresh
+    // failure is the answer.
     let cache = PlanCache::persistent(&dir).unwrap();
     let again = cache.get_or_build(&g, &target).unwrap_err();
     assert_eq!(again.to_string(), first.to_string());
     let s = cache.stats();
-    assert_eq!((s.failure_hits, s.built, s.rejected), (1, 0, 0), "{s:?}");
+    assert_eq!(
+        (
+            s.failure_hints,
+            s.failures,
+            s.failure_hits,
+            s.built,
+            s.rejected
+        ),
+        (1, 1, 0, 0, 0),
+        "{s:?}"
+    );
+    // Then from memory, without planning.
     cache.get_or_build(&g, &target).unwrap_err();
-    assert_eq!(cache.stats().failure_hits, 2, "then from memory");
-    // Autotuning gets the remembered failure too (not a "needs a device" error).
+    let s = cache.stats();
+    assert_eq!((s.failure_hits, s.failures), (1, 1), "{s:?}");
+    // Autotuning checks the record with the heuristics: the fresh failure, not a "needs a
+    // device" error.
     let cache = PlanCache::persistent(&dir).unwrap();
     let tuned = cache
         .get_or_autotune(&g, &target, &AutotuneOptions::default())
         .unwrap_err();
     assert_eq!(tuned.to_string(), first.to_string());
-    assert_eq!(cache.stats().failure_hits, 1);
+    let s = cache.stats();
+    assert_eq!((s.failure_hints, s.failures), (1, 1), "{s:?}");
 
-    // Another target identity (another SM count) is another key: planned, and remembered in
-    // a file of its own.
+    // Another target identity (another SM count) is another key: planned without a hint,
+    // and recorded in a file of its own.
     let other = sm50(&[(
         "\"multiProcessorCount\": 132",
         "\"multiProcessorCount\": 114",
@@ -441,19 +461,16 @@ fn a_persisted_failure_is_answered_without_planning_for_the_same_target_only() {
     assert_ne!(other_key.failure_file_name(), key.failure_file_name());
     let cache = PlanCache::persistent(&dir).unwrap();
     assert!(no_engine(&cache.get_or_build(&g, &other).unwrap_err()));
-    assert_eq!(
-        cache.stats().failure_hits,
-        0,
-        "another target used the failure"
-    );
+    let s = cache.stats();
+    assert_eq!((s.failure_hints, s.failures), (0, 1), "{s:?}");
     assert!(dir.join(other_key.failure_file_name()).is_file());
     // And a target with engines plans the graph.
     let cache = PlanCache::persistent(&dir).unwrap();
     cache.get_or_build(&g, &h200()).unwrap();
-    assert_eq!((cache.stats().failure_hits, cache.stats().built), (0, 1));
+    assert_eq!((cache.stats().failure_hints, cache.stats().built), (0, 1));
 
-    // A failure recorded under another cuDNN version (its identity in the file) is not
-    // trusted for this one: planned again, and the file rewritten for this version.
+    // A record under another cuDNN version (its identity in the file) is another key's:
+    // planned without a hint, and the file rewritten for this version.
     let version = format!("cudnn{}", target.cudnn_version());
     assert!(key.target().contains(&version), "{}", key.target());
     let path = dir.join(key.failure_file_name());
@@ -462,24 +479,26 @@ fn a_persisted_failure_is_answered_without_planning_for_the_same_target_only() {
     let cache = PlanCache::persistent(&dir).unwrap();
     assert!(no_engine(&cache.get_or_build(&g, &target).unwrap_err()));
     assert_eq!(
-        cache.stats().failure_hits,
+        cache.stats().failure_hints,
         0,
-        "another cuDNN's failure was used"
+        "another cuDNN's record was used"
     );
     assert!(std::fs::read_to_string(&path).unwrap().contains(&version));
 
-    // A tampered failure file is moved aside and the graph planned again.
+    // A malformed record is moved aside and the graph planned again.
     let mut doc: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    let error = doc["error"].as_str().unwrap().to_string();
-    let bad = error.replacen("\"graph\":\"", "\"graph\":\"x", 1);
-    assert_ne!(bad, error);
-    doc["error"] = bad.into();
+    doc["kind"] = "maybe".into();
     std::fs::write(&path, doc.to_string()).unwrap();
     let cache = PlanCache::persistent(&dir).unwrap();
     assert!(no_engine(&cache.get_or_build(&g, &target).unwrap_err()));
     let s = cache.stats();
-    assert_eq!((s.failure_hits, s.rejected), (0, 1), "{s:?}");
+    assert_eq!(
+        (s.failure_hints, s.failures, s.rejected),
+        (0, 1, 1),
+        "{s:?}"
+    );
+    assert!(cache.rejections()[0].contains("no known kind"));
     assert!(file_names(&dir).iter().any(|n| n.contains("rejected")));
     let _ = std::fs::remove_dir_all(&dir);
 }

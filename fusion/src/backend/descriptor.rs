@@ -71,6 +71,7 @@ attr_value! {
     sys::cudnnNanPropagation_t => CUDNN_TYPE_NAN_PROPOGATION, sys::cudnnNanPropagation_t(0);
     sys::cudnnBackendOperationGraphMode_t => CUDNN_TYPE_OPERATIONGRAPH_MODE, sys::cudnnBackendOperationGraphMode_t(0);
     sys::cudnnHandle_t => CUDNN_TYPE_HANDLE, std::ptr::null_mut();
+    sys::cudnnBackendKnobType_t => CUDNN_TYPE_KNOB_TYPE, sys::cudnnBackendKnobType_t(0);
 }
 
 /// An owned, move-only cuDNN backend descriptor. `Drop` destroys it and never panics.
@@ -350,6 +351,7 @@ pub fn kind_name(kind: sys::cudnnBackendDescriptorType_t) -> String {
         K::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR => "VARIANT_PACK",
         K::CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR => "DEVICEPROP",
         K::CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR => "KNOB_CHOICE",
+        K::CUDNN_BACKEND_KNOB_INFO_DESCRIPTOR => "KNOB_INFO",
         _ => return format!("descriptor type {}", kind.0),
     };
     format!("CUDNN_BACKEND_{name}_DESCRIPTOR")

@@ -198,3 +198,125 @@ pub fn plan_engine_info(plan: &Descriptor) -> Result<EngineInfo> {
         .ok_or_else(|| Error::cudnn_msg("execution plan has no engine config"))?;
     engine_info(&config)
 }
+
+/// One knob setting of an engine config: the knob (`CUDNN_KNOB_TYPE_*`, raw) and its value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KnobChoice {
+    /// The knob type's raw value.
+    pub knob: u32,
+    /// The value chosen for it.
+    pub value: i64,
+}
+
+/// What values an engine accepts for one knob.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KnobRange {
+    /// The knob type's raw value.
+    pub knob: u32,
+    /// The smallest value.
+    pub min: i64,
+    /// The largest value.
+    pub max: i64,
+    /// Values are `min + k * stride`.
+    pub stride: i64,
+}
+
+impl KnobRange {
+    /// Whether `value` is one this knob takes.
+    pub fn accepts(&self, value: i64) -> bool {
+        (self.min..=self.max).contains(&value)
+            && (self.stride <= 1 || (value - self.min) % self.stride == 0)
+    }
+}
+
+/// How many engines cuDNN has for a finalized operation graph: their global indices are
+/// `0..count` (meaningful for this graph only).
+pub fn engine_count(op_graph: &Descriptor) -> Result<i64> {
+    op_graph.get_one(A::CUDNN_ATTR_OPERATIONGRAPH_ENGINE_GLOBAL_COUNT)
+}
+
+/// A finalized engine: the one of global index `index` for a finalized operation graph, on
+/// the device `devprop` describes when given (as for [`heuristics`]; cuDNN refuses an index it
+/// has no engine for, or one that does not support the graph on that device).
+pub fn engine_by_index(
+    op_graph: &Descriptor,
+    index: i64,
+    devprop: Option<&Descriptor>,
+) -> Result<Descriptor> {
+    let mut engine = Descriptor::new(K::CUDNN_BACKEND_ENGINE_DESCRIPTOR)?;
+    engine.set_descriptors(A::CUDNN_ATTR_ENGINE_OPERATION_GRAPH, &[op_graph])?;
+    engine.set_one(A::CUDNN_ATTR_ENGINE_GLOBAL_INDEX, index)?;
+    if let Some(dp) = devprop {
+        engine.set_descriptors(A::CUDNN_ATTR_ENGINE_DEVICEPROP, &[dp])?;
+    }
+    engine.finalize()?;
+    Ok(engine)
+}
+
+/// The knobs a finalized engine has, with the values each takes.
+pub fn engine_knobs(engine: &Descriptor) -> Result<Vec<KnobRange>> {
+    // A count query answers 0 here: ask for room for every knob type instead.
+    let n = sys::cudnnBackendKnobType_t::CUDNN_KNOB_TYPE_COUNTS.0 as usize;
+    let infos = engine.get_descriptors(
+        A::CUDNN_ATTR_ENGINE_KNOB_INFO,
+        K::CUDNN_BACKEND_KNOB_INFO_DESCRIPTOR,
+        n,
+    )?;
+    infos
+        .iter()
+        .map(|info| {
+            let knob: sys::cudnnBackendKnobType_t = info.get_one(A::CUDNN_ATTR_KNOB_INFO_TYPE)?;
+            Ok(KnobRange {
+                knob: knob.0,
+                min: info.get_one(A::CUDNN_ATTR_KNOB_INFO_MINIMUM_VALUE)?,
+                max: info.get_one(A::CUDNN_ATTR_KNOB_INFO_MAXIMUM_VALUE)?,
+                stride: info.get_one(A::CUDNN_ATTR_KNOB_INFO_STRIDE)?,
+            })
+        })
+        .collect()
+}
+
+/// A finalized engine config: `engine` with `knobs` set (cuDNN checks the values).
+pub fn engine_config(engine: &Descriptor, knobs: &[KnobChoice]) -> Result<Descriptor> {
+    let mut choices = Vec::with_capacity(knobs.len());
+    for k in knobs {
+        let mut c = Descriptor::new(K::CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR)?;
+        c.set_one(
+            A::CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE,
+            sys::cudnnBackendKnobType_t(k.knob),
+        )?;
+        c.set_one(A::CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE, k.value)?;
+        c.finalize()?;
+        choices.push(c);
+    }
+    let mut cfg = Descriptor::new(K::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR)?;
+    cfg.set_descriptors(A::CUDNN_ATTR_ENGINECFG_ENGINE, &[engine])?;
+    if !choices.is_empty() {
+        let refs: Vec<&Descriptor> = choices.iter().collect();
+        cfg.set_descriptors(A::CUDNN_ATTR_ENGINECFG_KNOB_CHOICES, &refs)?;
+    }
+    cfg.finalize()?;
+    Ok(cfg)
+}
+
+/// The knob settings of an engine config (heuristics' or [`engine_config`]'s).
+pub fn config_knobs(engine_config: &Descriptor) -> Result<Vec<KnobChoice>> {
+    // A count query answers 0 here: ask for room for every knob type instead.
+    let n = sys::cudnnBackendKnobType_t::CUDNN_KNOB_TYPE_COUNTS.0 as usize;
+    let choices = engine_config.get_descriptors(
+        A::CUDNN_ATTR_ENGINECFG_KNOB_CHOICES,
+        K::CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR,
+        n,
+    )?;
+    choices
+        .iter()
+        .map(|c| {
+            let knob: sys::cudnnBackendKnobType_t =
+                c.get_one(A::CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE)?;
+            Ok(KnobChoice {
+                knob: knob.0,
+                value: c.get_one(A::CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE)?,
+            })
+        })
+        .collect()
+}

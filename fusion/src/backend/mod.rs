@@ -4,7 +4,8 @@
 //! 2. `set`/`set_one`/`set_descriptors` set typed attributes (the Rust type picks the
 //!    `CUDNN_TYPE_*`, the slice carries the count); `finalize` freezes it.
 //! 3. [`heuristics`] ranks engine configs for a finalized operation graph; [`finalize_plan`]
-//!    turns one into an execution plan, deviceless or on a handle.
+//!    turns one into an execution plan, deviceless or on a handle; [`engine_by_index`] and
+//!    [`engine_config`] make the config of a known engine and knob settings instead.
 //!
 //! Every failing call becomes an [`Error`](crate::Error) that names the descriptor kind and
 //! carries cuDNN's own last-error text.
@@ -15,7 +16,8 @@ mod engine;
 
 pub use descriptor::{descriptor_counts, kind_name, AttrValue, Descriptor, DescriptorCounts};
 pub use engine::{
-    device_prop_descriptor, device_prop_descriptor_for_handle, engine_info, finalize_plan,
-    heuristics, plan_engine_info, plan_from_json, plan_json, plan_workspace_size, EngineInfo,
-    HeurMode, HeuristicsResult, PlanSite,
+    config_knobs, device_prop_descriptor, device_prop_descriptor_for_handle, engine_by_index,
+    engine_config, engine_count, engine_info, engine_knobs, finalize_plan, heuristics,
+    plan_engine_info, plan_from_json, plan_json, plan_workspace_size, EngineInfo, HeurMode,
+    HeuristicsResult, KnobChoice, KnobRange, PlanSite,
 };

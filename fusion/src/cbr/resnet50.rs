@@ -195,7 +195,7 @@ pub struct PlannedGraph {
     pub engine: String,
     /// Workspace bytes.
     pub workspace: usize,
-    /// Whether cuDNN compiled the engine at run time (unknown, so false, for a restored plan).
+    /// Whether cuDNN compiles the engine at run time.
     pub runtime_compiled: bool,
     /// Where the plan came from.
     pub source: PlanSource,
@@ -398,7 +398,8 @@ pub fn plan_layers(
             let build_ms = start.elapsed().as_secs_f64() * 1e3;
             let outcome = match result {
                 Ok(plan) => Ok(PlannedGraph {
-                    configs: plan.engine().is_some().then(|| plan.config_counts()),
+                    // A plan heuristics chose has at least one usable config; a restored one none.
+                    configs: (plan.config_counts().1 > 0).then(|| plan.config_counts()),
                     engine: plan.engine_tag(),
                     workspace: plan.workspace_size(),
                     runtime_compiled: plan.is_runtime_compiled(),
