@@ -115,6 +115,70 @@ mod planted {
         );
     }
 
+    /// Three slots of one arena allocation (x, w, y, each at a 256-byte boundary, as an arena
+    /// lays them out) with y's slot planted one FP16 element late, refused by the bindings'
+    /// 16-byte check (on any device), and then, aligned, over w's last eight elements,
+    /// refused by the simulated device as an output overlapping an input; each error names
+    /// the plan and y, and comes before anything is written. The same slots at their true
+    /// offsets execute.
+    #[test]
+    fn an_arena_slot_off_by_one_element_is_refused() {
+        let test = "an_arena_slot_off_by_one_element_is_refused";
+        let Some((_ctx, handle)) = simulated(test) else {
+            return;
+        };
+        let stream = handle.stream().clone();
+        let target = handle.target().expect("target");
+        let sh = shape();
+        let (graph, t) = graphs::conv_fprop(&sh, false, false);
+        let plan = build_plan(
+            &OperationGraph::for_target(&graph, &target).unwrap(),
+            &target,
+        )
+        .expect("plan");
+        let bytes = |n: i64| n as usize * 2;
+        let round = |b: usize| b.div_ceil(256) * 256;
+        let (x_len, w_len) = (bytes(sh.n * sh.c * sh.h * sh.w), bytes(sh.k * sh.c));
+        let y_len = bytes(sh.n * sh.k * sh.p() * sh.q());
+        let (x_at, w_at) = (0, round(x_len));
+        let y_at = w_at + round(w_len);
+        let arena = stream
+            .alloc_zeros::<u8>(y_at + round(y_len) + 256)
+            .unwrap();
+        let (base, _guard) = arena.device_ptr(&stream);
+        let run = |y_offset: usize| {
+            let mut b = Bindings::new(&plan);
+            // SAFETY: every slot lies inside `arena`, which outlives the call; a planted slot
+            // is refused before anything is written (the point of the test).
+            unsafe {
+                b.bind_raw(t.x, base + x_at as u64, x_len, DataType::Half)
+                    .unwrap();
+                b.bind_raw(t.w, base + w_at as u64, w_len, DataType::Half)
+                    .unwrap();
+                b.bind_raw(t.y, base + y_offset as u64, y_len, DataType::Half)
+                    .unwrap();
+            }
+            plan.execute(&handle, &b, Workspace::Pooled)
+        };
+        run(y_at).expect("the slots at their true offsets");
+        stream.synchronize().unwrap();
+        for (offset, simulator, needle) in [
+            (y_at + 2, false, "is not 16-byte aligned"),
+            (w_at + w_len - 16, true, "overlaps tensor uid"),
+        ] {
+            let err = run(offset).unwrap_err();
+            let text = err.to_string();
+            println!("y at arena offset {offset}: {text}");
+            let caught = if simulator {
+                matches!(&err, Error::Simulator { plan, .. } if plan == "conv_fprop")
+            } else {
+                matches!(&err, Error::Binding { graph, .. } if graph == "conv_fprop")
+            };
+            assert!(caught, "{err:?}");
+            assert!(text.contains(needle) && text.contains("conv_fprop#0.y"), "{text}");
+        }
+    }
+
     /// A plan executed while its stream captures a CUDA graph is recorded as a host node of
     /// the graph (nothing runs at capture), and each replay runs it in stream order over the
     /// bound buffers' contents at that time: y = Σ_c x·w over 8 channels, 8·0.5·0.5 = 2 after
@@ -265,7 +329,7 @@ fn included_tests() -> usize {
     .iter()
     .map(|s| s.matches("#[test]").count())
     .sum::<usize>()
-        + 3 // the planted tests (the replay fault returns at once there)
+        + 4 // the planted tests (the replay fault returns at once there)
 }
 
 /// Runs the included tests in a child with the simulator in `dir` selected (in the
