@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <deque>
 #include <map>
 #include <memory>
@@ -39,6 +40,21 @@
 namespace {
 
 std::recursive_mutex g_lock;
+// How deep this thread holds g_lock, so that a host function that must wait for another
+// thread (cudasim_block) can release it whole and take it back.
+thread_local int t_depth = 0;
+struct DriverLock {
+  DriverLock() {
+    g_lock.lock();
+    ++t_depth;
+  }
+  ~DriverLock() {
+    --t_depth;
+    g_lock.unlock();
+  }
+  DriverLock(const DriverLock&) = delete;
+  DriverLock& operator=(const DriverLock&) = delete;
+};
 
 void say(const char* f, ...) {
   va_list ap;
@@ -501,6 +517,9 @@ struct Stream {
   std::thread::id thread;  // the thread that began the capture
   Stream* origin = nullptr;  // the stream the capture began on (itself, or one it joined)
   std::deque<std::pair<uint64_t, Op>> queue;  // adversarial mode: work not run yet, by number
+  // A host function of this stream is blocked in cudasim_block (the driver released): no
+  // other thread runs this stream's later work, and a synchronize of it waits.
+  int busy = 0;
 };
 struct Event {
   bool recorded = false;
@@ -560,7 +579,49 @@ CUresult refuse_in_capture(const char* op) {
   return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
 }
 
-CUresult run_op(const Op& op) {
+// The stream whose host function this thread is running (for cudasim_block).
+thread_local Stream* t_host_stream = nullptr;
+
+// Releases g_lock whole (this thread's depth), waits up to `ms` for wake() or for `seen` to
+// be stale, and takes it back: for a thread waiting on another thread's host function.
+std::mutex g_wake_m;
+std::condition_variable g_wake_cv;
+uint64_t g_wake_gen = 0;  // under g_wake_m
+uint64_t wake_gen() {
+  std::lock_guard<std::mutex> l(g_wake_m);
+  return g_wake_gen;
+}
+void wake() {
+  {
+    std::lock_guard<std::mutex> l(g_wake_m);
+    ++g_wake_gen;
+  }
+  g_wake_cv.notify_all();
+}
+int release_driver() {
+  const int d = t_depth;
+  for (int i = 0; i < d; ++i) g_lock.unlock();
+  t_depth = 0;
+  return d;
+}
+void retake_driver(int d) {
+  for (int i = 0; i < d; ++i) g_lock.lock();
+  t_depth = d;
+}
+void wait_unlocked(uint64_t seen, int ms = 5) {
+  const int d = release_driver();
+  {
+    std::unique_lock<std::mutex> l(g_wake_m);
+    g_wake_cv.wait_for(l, std::chrono::milliseconds(ms), [&] { return g_wake_gen != seen; });
+  }
+  retake_driver(d);
+}
+// Waits (the driver released) until no other thread runs a blocked host function of `s`.
+void wait_not_busy(Stream* s) {
+  while (s->busy) wait_unlocked(wake_gen());
+}
+
+CUresult run_op(const Op& op, Stream* on) {
   STICKY();  // a faulted context runs nothing more
   switch (op.kind) {
     case Op::COPY:
@@ -569,9 +630,13 @@ CUresult run_op(const Op& op) {
     case Op::SET:
       memset((void*)op.dst, op.value, op.n);
       return CUDA_SUCCESS;
-    case Op::HOST:
+    case Op::HOST: {
+      Stream* outer = t_host_stream;
+      t_host_stream = on;
       op.fn(op.data);
+      t_host_stream = outer;
       return CUDA_SUCCESS;
+    }
     case Op::KERNEL: {
       std::vector<void*> ptrs;
       for (const auto& p : op.params) ptrs.push_back((void*)p.data());
@@ -622,7 +687,7 @@ CUresult run_queued(Stream* s, const Op& op) {
     case Op::FREE:
       return do_free("cuMemFreeAsync", op.dst, false);
     default:
-      return run_op(op);
+      return run_op(op, s);
   }
 }
 
@@ -630,11 +695,16 @@ CUresult run_queued(Stream* s, const Op& op) {
 CUresult flush(Stream* s, const Event* until, uint64_t gen) {
   CUresult first = CUDA_SUCCESS;
   while (!s->queue.empty() && !(until && until->done >= gen)) {
+    if (s->busy) {  // another thread runs this stream's blocked host function
+      wait_unlocked(wake_gen());
+      continue;
+    }
     Op op = std::move(s->queue.front().second);
     s->queue.pop_front();
     CUresult r = run_queued(s, op);
     if (first == CUDA_SUCCESS) first = r;
   }
+  if (!until) wait_not_busy(s);  // a synchronize waits for a blocked host function too
   return first;
 }
 
@@ -642,12 +712,21 @@ CUresult flush_all() {
   CUresult first = CUDA_SUCCESS;
   for (;;) {
     Stream* pick = nullptr;
+    bool busy = g_null_stream.busy;
     auto consider = [&](Stream* s) {
-      if (!s->queue.empty() && (!pick || s->queue.front().first > pick->queue.front().first))
+      if (!s->busy && !s->queue.empty() &&
+          (!pick || s->queue.front().first > pick->queue.front().first))
         pick = s;
     };
     consider(&g_null_stream);
-    for (Stream* s : g_streams) consider(s);
+    for (Stream* s : g_streams) {
+      consider(s);
+      busy = busy || s->busy;
+    }
+    if (!pick && busy) {  // only blocked host functions are left: wait for them
+      wait_unlocked(wake_gen());
+      continue;
+    }
     if (!pick) return first;
     Op op = std::move(pick->queue.front().second);
     pick->queue.pop_front();
@@ -658,6 +737,7 @@ CUresult flush_all() {
 
 CUresult submit(CUstream s, Op&& op) {
   Stream* st = stream_of(s);
+  if (!st->capture) wait_not_busy(st);  // behind a host function blocked on another thread
   if (st->capture) {
     if (op.kind <= Op::HOST) st->capture->ops.push_back(std::move(op));
     return CUDA_SUCCESS;
@@ -673,7 +753,7 @@ CUresult submit(CUstream s, Op&& op) {
     st->queue.emplace_back(++g_seq, std::move(op));
     return CUDA_SUCCESS;
   }
-  return op.kind <= Op::HOST ? run_op(op) : CUDA_SUCCESS;
+  return op.kind <= Op::HOST ? run_op(op, st) : CUDA_SUCCESS;
 }
 
 bool is_pinned(uint64_t p, size_t n) {
@@ -710,7 +790,7 @@ thread_local bool t_current = false;
 
 #define GUARD()                                  \
   if (!sim_on()) return CUDA_ERROR_NO_DEVICE;    \
-  std::lock_guard<std::recursive_mutex> lk(g_lock)
+  DriverLock lk
 
 // ------------------------------------------------------------------ entry points
 API CUresult cuGetErrorString(CUresult e, const char** s) {
@@ -907,7 +987,7 @@ static CUresult copy(const char* op, CUstream s, uint64_t dst, uint64_t src, siz
     if (sync || (!dst_dev && !is_pinned(dst, n))) {
       // A synchronous copy, or one into pageable memory: done when the call returns.
       if (CUresult r = sync ? flush_all() : flush(st)) return r;
-      return run_op(o);
+      return run_op(o, st);
     }
     if (!src_dev && !is_pinned(src, n)) {  // pageable source: staged at the call
       o.staged = std::make_shared<std::vector<char>>((const char*)src, (const char*)src + n);
@@ -951,7 +1031,7 @@ static CUresult set8(const char* op, CUstream s, CUdeviceptr d, unsigned char v,
   o.n = n;
   if (sync && adversarial()) {
     if (CUresult r = flush_all()) return r;
-    return run_op(o);
+    return run_op(o, stream_of(s));
   }
   return submit(s, std::move(o));
 }
@@ -1364,7 +1444,7 @@ API CUresult cuGraphExecDestroy(CUgraphExec e) {
 // and length in *base and *len, and 1; 0 when there is none (or the simulator is not selected).
 API int cudasim_allocation_of(uint64_t ptr, uint64_t* base, uint64_t* len) {
   if (!sim_on() || !base || !len) return 0;
-  std::lock_guard<std::recursive_mutex> lk(g_lock);
+  DriverLock lk;
   uint64_t b = 0;
   const Alloc* a = find_alloc(ptr, 1, &b);
   if (!a) return 0;
@@ -1379,9 +1459,49 @@ API int cudasim_allocation_of(uint64_t ptr, uint64_t* base, uint64_t* len) {
 // or launch returns CUDA_ERROR_LAUNCH_FAILED. Only the first fault is kept.
 API void cudasim_fault(const char* what) {
   if (!sim_on()) return;
-  std::lock_guard<std::recursive_mutex> lk(g_lock);
+  DriverLock lk;
   say("fault in enqueued work: %s", what ? what : "(no message)");
   if (g_fault == CUDA_SUCCESS) g_fault = CUDA_ERROR_LAUNCH_FAILED;
+}
+
+// For a host function that must wait for another thread's work (the simulated NCCL's
+// collectives wait for every rank's contribution, sim/nccl.cc): calls ready(arg) with the
+// driver released, so that other threads enqueue and run their work, until it returns
+// nonzero (ready may itself wait a little). Meanwhile the host function's stream is busy:
+// another thread neither runs its later work nor returns from a synchronize of it. In the
+// adversarial mode the waiting thread runs queued work of streams that are not busy between
+// calls of ready (what it waits for may be queued on a stream whose own thread waits too).
+// Returns 1 once ready, 0 when the context has faulted meanwhile.
+API int cudasim_block(int (*ready)(void*), void* arg) {
+  if (!sim_on() || !ready) return 0;
+  DriverLock lk;
+  Stream* st = t_host_stream;
+  if (st) ++st->busy;
+  int ok = 0;
+  for (;;) {
+    const int d = release_driver();
+    ok = ready(arg);
+    retake_driver(d);
+    if (ok || g_fault != CUDA_SUCCESS) break;
+    if (adversarial()) {
+      Stream* pick = nullptr;
+      auto consider = [&](Stream* s) {
+        if (!s->busy && !s->queue.empty() &&
+            (!pick || s->queue.front().first > pick->queue.front().first))
+          pick = s;
+      };
+      consider(&g_null_stream);
+      for (Stream* s : g_streams) consider(s);
+      if (pick) {
+        Op op = std::move(pick->queue.front().second);
+        pick->queue.pop_front();
+        run_queued(pick, op);  // a failure was reported on stderr; a fault stays sticky
+      }
+    }
+  }
+  if (st) --st->busy;
+  wake();
+  return ok;
 }
 
 // The path of the device-properties document (devprops_path), valid for the process's life.
