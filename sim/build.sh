@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the simulated CUDA device into OUT (default .deps/sim): libcudasim_rt.so (the
-# fiber runtime), the translator, the primitive-test binary, the header folder the driver
+# fiber runtime), the translator, the primitive-test binary, the simulated NCCL's
+# multi-rank check (nccl-check), the header folder the driver
 # compiles kernels against, the driver (libcuda.so), NVRTC and NCCL (libnccl.so.2) stand-ins. Rebuilds only what is older than its sources.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -37,6 +38,9 @@ fi
 if stale "$out/libnccl.so.2" "$here/nccl.cc"; then
   "$cxx" "${flags[@]}" -fPIC -shared -fvisibility=hidden -I"$inc" -o "$out/libnccl.so.2" \
     "$here/nccl.cc" -ldl -lpthread -Wl,-soname,libnccl.so.2
+fi
+if stale "$out/nccl-check" "$here/tests/nccl.cc"; then
+  "$cxx" "${flags[@]}" -I"$inc" -o "$out/nccl-check" "$here/tests/nccl.cc" -ldl -lpthread
 fi
 if stale "$out/libnvrtc.so" "$here/nvrtc_shim.c"; then
   ${CC:-gcc} -O2 -Wall -fPIC -shared -o "$out/libnvrtc.so" "$here/nvrtc_shim.c" \

@@ -477,6 +477,7 @@ struct Op {
   std::shared_ptr<std::vector<char>> staged;  // pageable host data copied at enqueue time
   struct Event* event = nullptr;
   uint64_t gen = 0;  // RECORD: this record's number; WAIT: the record it waits for
+  std::thread::id by;  // the thread that enqueued it
 };
 // A user object (cuUserObjectCreate): a resource whose destructor runs when its last
 // reference is released, by its creator or by the graphs that retain it.
@@ -581,6 +582,13 @@ CUresult refuse_in_capture(const char* op) {
 
 // The stream whose host function this thread is running (for cudasim_block).
 thread_local Stream* t_host_stream = nullptr;
+// This thread runs another thread's work for a device-wide flush (flush_all): a host function
+// that must wait for other threads is not waited for here (cudasim_block defers it, setting
+// t_deferred, and flush_all leaves it at the front of its queue). The simulated NCCL's ranks
+// stand for separate devices: a device-wide synchronize of one rank must not wait for, nor
+// wait in, another rank's collective.
+thread_local bool t_may_defer = false;
+thread_local bool t_deferred = false;
 
 // Releases g_lock whole (this thread's depth), waits up to `ms` for wake() or for `seen` to
 // be stale, and takes it back: for a thread waiting on another thread's host function.
@@ -701,36 +709,44 @@ CUresult flush(Stream* s, const Event* until, uint64_t gen) {
     }
     Op op = std::move(s->queue.front().second);
     s->queue.pop_front();
+    const bool outer = t_may_defer;
+    t_may_defer = false;
     CUresult r = run_queued(s, op);
+    t_may_defer = outer;
     if (first == CUDA_SUCCESS) first = r;
   }
   if (!until) wait_not_busy(s);  // a synchronize waits for a blocked host function too
   return first;
 }
 
+// Runs every stream's queue, except a stream blocked in a host function that waits for other
+// threads (busy, or deferred here: see t_may_defer), which this does not wait for.
 CUresult flush_all() {
   CUresult first = CUDA_SUCCESS;
+  std::set<Stream*> deferred;
   for (;;) {
     Stream* pick = nullptr;
-    bool busy = g_null_stream.busy;
     auto consider = [&](Stream* s) {
-      if (!s->busy && !s->queue.empty() &&
+      if (!s->busy && !s->queue.empty() && !deferred.count(s) &&
           (!pick || s->queue.front().first > pick->queue.front().first))
         pick = s;
     };
     consider(&g_null_stream);
-    for (Stream* s : g_streams) {
-      consider(s);
-      busy = busy || s->busy;
-    }
-    if (!pick && busy) {  // only blocked host functions are left: wait for them
-      wait_unlocked(wake_gen());
+    for (Stream* s : g_streams) consider(s);
+    if (!pick) return first;
+    std::pair<uint64_t, Op> item = std::move(pick->queue.front());
+    pick->queue.pop_front();
+    const bool outer = t_may_defer;
+    t_may_defer = item.second.by != std::this_thread::get_id();
+    t_deferred = false;
+    CUresult r = run_queued(pick, item.second);
+    t_may_defer = outer;
+    if (t_deferred) {  // to be run again, first on its stream
+      t_deferred = false;
+      pick->queue.push_front(std::move(item));
+      deferred.insert(pick);
       continue;
     }
-    if (!pick) return first;
-    Op op = std::move(pick->queue.front().second);
-    pick->queue.pop_front();
-    CUresult r = run_queued(pick, op);
     if (first == CUDA_SUCCESS) first = r;
   }
 }
@@ -738,6 +754,7 @@ CUresult flush_all() {
 CUresult submit(CUstream s, Op&& op) {
   Stream* st = stream_of(s);
   if (!st->capture) wait_not_busy(st);  // behind a host function blocked on another thread
+  op.by = std::this_thread::get_id();
   if (st->capture) {
     if (op.kind <= Op::HOST) st->capture->ops.push_back(std::move(op));
     return CUDA_SUCCESS;
@@ -753,7 +770,12 @@ CUresult submit(CUstream s, Op&& op) {
     st->queue.emplace_back(++g_seq, std::move(op));
     return CUDA_SUCCESS;
   }
-  return op.kind <= Op::HOST ? run_op(op, st) : CUDA_SUCCESS;
+  if (op.kind > Op::HOST) return CUDA_SUCCESS;
+  const bool outer = t_may_defer;
+  t_may_defer = false;
+  const CUresult r = run_op(op, st);
+  t_may_defer = outer;
+  return r;
 }
 
 bool is_pinned(uint64_t p, size_t n) {
@@ -1469,35 +1491,34 @@ API void cudasim_fault(const char* what) {
 // driver released, so that other threads enqueue and run their work, until it returns
 // nonzero (ready may itself wait a little). Meanwhile the host function's stream is busy:
 // another thread neither runs its later work nor returns from a synchronize of it. In the
-// adversarial mode the waiting thread runs queued work of streams that are not busy between
-// calls of ready (what it waits for may be queued on a stream whose own thread waits too).
-// Returns 1 once ready, 0 when the context has faulted meanwhile.
+// adversarial mode the waiting thread runs the other streams' queued work between calls of
+// ready (what it waits for may be queued on a stream whose own thread waits too).
+// Returns 1 once ready, 0 when the context has faulted meanwhile, and -1 without waiting
+// when this thread runs the host function for a device-wide flush on behalf of the thread
+// that enqueued it (see t_may_defer): the host function is then run again later, from the
+// start, and must return at once.
 API int cudasim_block(int (*ready)(void*), void* arg) {
   if (!sim_on() || !ready) return 0;
   DriverLock lk;
-  Stream* st = t_host_stream;
-  if (st) ++st->busy;
   int ok = 0;
+  Stream* st = t_host_stream;
+  if (st) ++st->busy;  // (also while ready runs below: the stream's work is not all done)
+  if (t_may_defer) {
+    const int d = release_driver();
+    ok = ready(arg);
+    retake_driver(d);
+    if (st) --st->busy;
+    wake();
+    if (ok) return 1;
+    t_deferred = true;
+    return -1;
+  }
   for (;;) {
     const int d = release_driver();
     ok = ready(arg);
     retake_driver(d);
     if (ok || g_fault != CUDA_SUCCESS) break;
-    if (adversarial()) {
-      Stream* pick = nullptr;
-      auto consider = [&](Stream* s) {
-        if (!s->busy && !s->queue.empty() &&
-            (!pick || s->queue.front().first > pick->queue.front().first))
-          pick = s;
-      };
-      consider(&g_null_stream);
-      for (Stream* s : g_streams) consider(s);
-      if (pick) {
-        Op op = std::move(pick->queue.front().second);
-        pick->queue.pop_front();
-        run_queued(pick, op);  // a failure was reported on stderr; a fault stays sticky
-      }
-    }
+    if (adversarial()) flush_all();  // (its own stream is busy: skipped)
   }
   if (st) --st->busy;
   wake();

@@ -102,7 +102,7 @@ struct Driver {
   CUresult (*is_capturing)(CUstream, CUstreamCaptureStatus*);
   int (*allocation_of)(uint64_t, uint64_t*, uint64_t*);
   void (*fault)(const char*);
-  int (*block)(int (*)(void*), void*);
+  int (*block)(int (*)(void*), void*);  // 1 ready, 0 the context faulted, -1 deferred
 };
 
 // The simulated driver this process uses (loaded by cudarc under its soname; else the
@@ -335,6 +335,8 @@ struct Call {
   void* recv;
   size_t count;
   bool captured;
+  bool joined = false;  // this run has its collective's sequence number (`seq`)
+  uint64_t seq = 0;
 };
 
 // Where [p, p + n) fails to lie in one live allocation, or "".
@@ -389,60 +391,77 @@ int ready(void* arg) {
   return done();
 }
 
-// The host function: one rank's part of a collective, in stream order.
-void run(Call& c) {
+// The host function: one rank's part of a collective, in stream order. False when the
+// driver deferred it (run by a device-wide flush for another thread): it is run again,
+// already joined, and waits then.
+bool run(Call& c) {
   const Driver* d = driver();
   ncclComm* comm = c.comm;
   Group* g = comm->group;
-  std::string problem = check_buffers(d, c, g->nranks);  // the buffers may be gone at a replay
-  std::unique_lock<std::mutex> l(M);
-  if (comm->aborted) return;  // pending work of an aborted communicator does not run
-  if (comm->destroyed && c.captured) {  // (work enqueued before the destroy still runs)
-    l.unlock();
-    char msg[160];
-    snprintf(msg, sizeof msg, "%s on a destroyed communicator (rank %d of %d), replayed from a "
-             "CUDA graph", op_name(c.kind), comm->rank, g->nranks);
-    d->fault(msg);
-    return;
-  }
-  const uint64_t seq = comm->next++;
-  Collective& k = g->running[seq];
-  if (k.kind < 0) {
-    k.kind = c.kind, k.type = c.type, k.op = c.op, k.root = c.root, k.count = c.count;
-    k.send.assign(g->nranks, nullptr);
-  } else if (k.problem.empty() && (k.kind != c.kind || k.type != c.type || k.op != c.op ||
-                                   k.root != c.root || k.count != c.count)) {
-    char msg[256];
-    snprintf(msg, sizeof msg,
-             "collective %llu: rank %d called %s (type %d, op %d, root %d, count %zu), another "
-             "rank %s (type %d, op %d, root %d, count %zu)",
-             (unsigned long long)seq, comm->rank, op_name(c.kind), c.type, c.op, c.root, c.count,
-             op_name(k.kind), k.type, k.op, k.root, k.count);
-    k.problem = msg;
-  }
-  if (!problem.empty() && k.problem.empty()) k.problem = problem;
-  k.send[comm->rank] = c.send;
-  if (++k.arrived == g->nranks) {
-    if (k.problem.empty()) {
-      k.result.resize(k.count * type_size(k.type));
-      if (k.kind == kAllReduce)
-        reduce(k.type, k.op, k.send, k.result.data(), k.count);
-      else
-        memcpy(k.result.data(), k.send[k.root], k.result.size());
+  std::unique_lock<std::mutex> l(M, std::defer_lock);
+  if (!c.joined) {
+    // Checked again at each run: the buffers may be gone at a replay.
+    const std::string problem = check_buffers(d, c, g->nranks);
+    l.lock();
+    if (comm->aborted) return true;  // pending work of an aborted communicator does not run
+    if (comm->destroyed && c.captured) {  // (work enqueued before the destroy still runs)
+      l.unlock();
+      char msg[160];
+      snprintf(msg, sizeof msg, "%s on a destroyed communicator (rank %d of %d), replayed from "
+               "a CUDA graph", op_name(c.kind), comm->rank, g->nranks);
+      d->fault(msg);
+      return true;
     }
-    k.done = true;
-    CV.notify_all();
+    c.seq = comm->next++;
+    c.joined = true;
+    Collective& k = g->running[c.seq];
+    if (k.kind < 0) {
+      k.kind = c.kind, k.type = c.type, k.op = c.op, k.root = c.root, k.count = c.count;
+      k.send.assign(g->nranks, nullptr);
+    } else if (k.problem.empty() && (k.kind != c.kind || k.type != c.type || k.op != c.op ||
+                                     k.root != c.root || k.count != c.count)) {
+      char msg[256];
+      snprintf(msg, sizeof msg,
+               "collective %llu: rank %d called %s (type %d, op %d, root %d, count %zu), "
+               "another rank %s (type %d, op %d, root %d, count %zu)",
+               (unsigned long long)c.seq, comm->rank, op_name(c.kind), c.type, c.op, c.root,
+               c.count, op_name(k.kind), k.type, k.op, k.root, k.count);
+      k.problem = msg;
+    }
+    if (!problem.empty() && k.problem.empty()) k.problem = problem;
+    k.send[comm->rank] = c.send;
+    if (++k.arrived == g->nranks) {
+      if (k.problem.empty()) {
+        k.result.resize(k.count * type_size(k.type));
+        if (k.kind == kAllReduce)
+          reduce(k.type, k.op, k.send, k.result.data(), k.count);
+        else
+          memcpy(k.result.data(), k.send[k.root], k.result.size());
+      }
+      k.done = true;
+      CV.notify_all();
+    }
   } else {
+    l.lock();
+  }
+  Collective& k = g->running[c.seq];
+  if (!k.done && g->aborted.empty() && !comm->aborted) {
     l.unlock();
-    Wait w{g, seq};
+    Wait w{g, c.seq};
     const int ok = d->block(ready, &w);  // the driver released, this stream busy
     l.lock();
-    if (!ok) return;  // the context faulted: nothing more runs
+    if (ok < 0) return false;  // deferred: run again later
+    if (ok == 0) {             // the context faulted: nothing more runs
+      c.joined = false;
+      return true;
+    }
   }
+  c.joined = false;
+  if (comm->aborted) return true;
   if (!k.done) {  // a rank aborted the group
     comm->async = ncclRemoteError;
     comm->async_message = g->aborted;
-    return;
+    return true;
   }
   std::string report;
   if (!k.problem.empty()) {
@@ -452,15 +471,15 @@ void run(Call& c) {
   } else {
     memcpy(c.recv, k.result.data(), k.result.size());
   }
-  if (++k.finished == g->nranks) g->running.erase(seq);
+  if (++k.finished == g->nranks) g->running.erase(c.seq);
   l.unlock();
   if (!report.empty()) d->fault(report.c_str());
+  return true;
 }
 
 void run_call(void* data) {
   Call* c = static_cast<Call*>(data);
-  run(*c);
-  if (!c->captured) delete c;
+  if (run(*c) && !c->captured) delete c;
 }
 
 int enqueue(int kind, const void* send, void* recv, size_t count, int type, int op, int root,
