@@ -590,8 +590,7 @@ thread_local Stream* t_host_stream = nullptr;
 thread_local bool t_may_defer = false;
 thread_local bool t_deferred = false;
 
-// Releases g_lock whole (this thread's depth), waits up to `ms` for wake() or for `seen` to
-// be stale, and takes it back: for a thread waiting on another thread's host function.
+// Signalled (wake) when a blocked host function returns.
 std::mutex g_wake_m;
 std::condition_variable g_wake_cv;
 uint64_t g_wake_gen = 0;  // under g_wake_m
@@ -616,6 +615,8 @@ void retake_driver(int d) {
   for (int i = 0; i < d; ++i) g_lock.lock();
   t_depth = d;
 }
+// Releases g_lock whole (this thread's depth), waits up to `ms` for a wake() after `seen`,
+// and takes it back: for a thread waiting on another thread's host function.
 void wait_unlocked(uint64_t seen, int ms = 5) {
   const int d = release_driver();
   {
