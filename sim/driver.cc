@@ -478,6 +478,7 @@ struct Op {
   struct Event* event = nullptr;
   uint64_t gen = 0;  // RECORD: this record's number; WAIT: the record it waits for
   std::thread::id by;  // the thread that enqueued it
+  struct Stream* from = nullptr;  // WAIT: the stream its record was enqueued on
 };
 // A user object (cuUserObjectCreate): a resource whose destructor runs when its last
 // reference is released, by its creator or by the graphs that retain it.
@@ -690,8 +691,10 @@ CUresult run_queued(Stream* s, const Op& op) {
       op.event->at = std::chrono::steady_clock::now();
       return CUDA_SUCCESS;
     case Op::WAIT:
-      if (op.event->done < op.gen && op.event->where && op.event->where != s)
-        return flush(op.event->where, op.event, op.gen);
+      // The stream of the record waited for, not the event's latest (cudarc records the
+      // same event again on the waiting stream right after the wait).
+      if (op.event->done < op.gen && op.from && op.from != s)
+        return flush(op.from, op.event, op.gen);
       return CUDA_SUCCESS;
     case Op::FREE:
       return do_free("cuMemFreeAsync", op.dst, false);
@@ -1119,6 +1122,7 @@ API CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
   o.kind = Op::WAIT;
   o.event = ev;
   o.gen = ev->enqueued;
+  o.from = ev->where;
   return submit(s, std::move(o));
 }
 API CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode) {
