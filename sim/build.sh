@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the simulated CUDA device into OUT (default .deps/sim): libcudasim_rt.so (the
-# fiber runtime), the translator, the primitive-test binary, and the header folder the
-# driver compiles kernels against. Rebuilds only what is older than its sources.
+# fiber runtime), the translator, the primitive-test binary, the simulated NCCL's
+# multi-rank check (nccl-check), the header folder the driver
+# compiles kernels against, the driver (libcuda.so), NVRTC and NCCL (libnccl.so.2) stand-ins. Rebuilds only what is older than its sources.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 out=${1:-$here/../.deps/sim}
@@ -25,7 +26,7 @@ if stale "$out/primitives" "$here/tests/primitives.cu" "$here/include" "$out/lib
     -include cuda_on_cpu.h -x c++ "$out/primitives.cc" -x none -o "$out/primitives" \
     -L"$out" -lcudasim_rt -Wl,-rpath,"$out"
 fi
-# The driver and NVRTC stand-ins need the CUDA headers and the real NVRTC (test deps).
+# The driver, NCCL and NVRTC stand-ins need the CUDA headers and the real NVRTC (test deps).
 inc=${CUDNN_CBR_CUDA_INCLUDE:-$here/../.deps/include}
 lib=${CUDNN_CBR_LIB_DIR:-${CUDNN_LIB_DIR:-$here/../.deps/lib}}
 cp -p "$here/../tests/fixtures/devprops/h200-sm90.json" "$out/devprops.json"
@@ -33,6 +34,13 @@ if stale "$out/libcuda.so" "$here/driver.cc" "$here/translate.cc" "$here/transla
   "$cxx" "${flags[@]}" -Wno-unused-parameter -fPIC -shared -fvisibility=hidden -I"$inc" \
     -o "$out/libcuda.so" "$here/driver.cc" "$here/translate.cc" -ldl \
     -Wl,-soname,libcudnn_cbr_sim_cuda.so
+fi
+if stale "$out/libnccl.so.2" "$here/nccl.cc"; then
+  "$cxx" "${flags[@]}" -fPIC -shared -fvisibility=hidden -I"$inc" -o "$out/libnccl.so.2" \
+    "$here/nccl.cc" -ldl -lpthread -Wl,-soname,libnccl.so.2
+fi
+if stale "$out/nccl-check" "$here/tests/nccl.cc"; then
+  "$cxx" "${flags[@]}" -I"$inc" -o "$out/nccl-check" "$here/tests/nccl.cc" -ldl -lpthread
 fi
 if stale "$out/libnvrtc.so" "$here/nvrtc_shim.c"; then
   ${CC:-gcc} -O2 -Wall -fPIC -shared -o "$out/libnvrtc.so" "$here/nvrtc_shim.c" \

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <deque>
 #include <map>
 #include <memory>
@@ -39,6 +40,21 @@
 namespace {
 
 std::recursive_mutex g_lock;
+// How deep this thread holds g_lock, so that a host function that must wait for another
+// thread (cudasim_block) can release it whole and take it back.
+thread_local int t_depth = 0;
+struct DriverLock {
+  DriverLock() {
+    g_lock.lock();
+    ++t_depth;
+  }
+  ~DriverLock() {
+    --t_depth;
+    g_lock.unlock();
+  }
+  DriverLock(const DriverLock&) = delete;
+  DriverLock& operator=(const DriverLock&) = delete;
+};
 
 void say(const char* f, ...) {
   va_list ap;
@@ -461,6 +477,8 @@ struct Op {
   std::shared_ptr<std::vector<char>> staged;  // pageable host data copied at enqueue time
   struct Event* event = nullptr;
   uint64_t gen = 0;  // RECORD: this record's number; WAIT: the record it waits for
+  std::thread::id by;  // the thread that enqueued it
+  struct Stream* from = nullptr;  // WAIT: the stream its record was enqueued on
 };
 // A user object (cuUserObjectCreate): a resource whose destructor runs when its last
 // reference is released, by its creator or by the graphs that retain it.
@@ -501,6 +519,9 @@ struct Stream {
   std::thread::id thread;  // the thread that began the capture
   Stream* origin = nullptr;  // the stream the capture began on (itself, or one it joined)
   std::deque<std::pair<uint64_t, Op>> queue;  // adversarial mode: work not run yet, by number
+  // A host function of this stream is blocked in cudasim_block (the driver released): no
+  // other thread runs this stream's later work, and a synchronize of it waits.
+  int busy = 0;
 };
 struct Event {
   bool recorded = false;
@@ -560,7 +581,57 @@ CUresult refuse_in_capture(const char* op) {
   return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
 }
 
-CUresult run_op(const Op& op) {
+// The stream whose host function this thread is running (for cudasim_block).
+thread_local Stream* t_host_stream = nullptr;
+// This thread runs another thread's work for a device-wide flush (flush_all): a host function
+// that must wait for other threads is not waited for here (cudasim_block defers it, setting
+// t_deferred, and flush_all leaves it at the front of its queue). The simulated NCCL's ranks
+// stand for separate devices: a device-wide synchronize of one rank must not wait for, nor
+// wait in, another rank's collective.
+thread_local bool t_may_defer = false;
+thread_local bool t_deferred = false;
+
+// Signalled (wake) when a blocked host function returns.
+std::mutex g_wake_m;
+std::condition_variable g_wake_cv;
+uint64_t g_wake_gen = 0;  // under g_wake_m
+uint64_t wake_gen() {
+  std::lock_guard<std::mutex> l(g_wake_m);
+  return g_wake_gen;
+}
+void wake() {
+  {
+    std::lock_guard<std::mutex> l(g_wake_m);
+    ++g_wake_gen;
+  }
+  g_wake_cv.notify_all();
+}
+int release_driver() {
+  const int d = t_depth;
+  for (int i = 0; i < d; ++i) g_lock.unlock();
+  t_depth = 0;
+  return d;
+}
+void retake_driver(int d) {
+  for (int i = 0; i < d; ++i) g_lock.lock();
+  t_depth = d;
+}
+// Releases g_lock whole (this thread's depth), waits up to `ms` for a wake() after `seen`,
+// and takes it back: for a thread waiting on another thread's host function.
+void wait_unlocked(uint64_t seen, int ms = 5) {
+  const int d = release_driver();
+  {
+    std::unique_lock<std::mutex> l(g_wake_m);
+    g_wake_cv.wait_for(l, std::chrono::milliseconds(ms), [&] { return g_wake_gen != seen; });
+  }
+  retake_driver(d);
+}
+// Waits (the driver released) until no other thread runs a blocked host function of `s`.
+void wait_not_busy(Stream* s) {
+  while (s->busy) wait_unlocked(wake_gen());
+}
+
+CUresult run_op(const Op& op, Stream* on) {
   STICKY();  // a faulted context runs nothing more
   switch (op.kind) {
     case Op::COPY:
@@ -569,9 +640,13 @@ CUresult run_op(const Op& op) {
     case Op::SET:
       memset((void*)op.dst, op.value, op.n);
       return CUDA_SUCCESS;
-    case Op::HOST:
+    case Op::HOST: {
+      Stream* outer = t_host_stream;
+      t_host_stream = on;
       op.fn(op.data);
+      t_host_stream = outer;
       return CUDA_SUCCESS;
+    }
     case Op::KERNEL: {
       std::vector<void*> ptrs;
       for (const auto& p : op.params) ptrs.push_back((void*)p.data());
@@ -616,13 +691,15 @@ CUresult run_queued(Stream* s, const Op& op) {
       op.event->at = std::chrono::steady_clock::now();
       return CUDA_SUCCESS;
     case Op::WAIT:
-      if (op.event->done < op.gen && op.event->where && op.event->where != s)
-        return flush(op.event->where, op.event, op.gen);
+      // The stream of the record waited for, not the event's latest (cudarc records the
+      // same event again on the waiting stream right after the wait).
+      if (op.event->done < op.gen && op.from && op.from != s)
+        return flush(op.from, op.event, op.gen);
       return CUDA_SUCCESS;
     case Op::FREE:
       return do_free("cuMemFreeAsync", op.dst, false);
     default:
-      return run_op(op);
+      return run_op(op, s);
   }
 }
 
@@ -630,34 +707,58 @@ CUresult run_queued(Stream* s, const Op& op) {
 CUresult flush(Stream* s, const Event* until, uint64_t gen) {
   CUresult first = CUDA_SUCCESS;
   while (!s->queue.empty() && !(until && until->done >= gen)) {
+    if (s->busy) {  // another thread runs this stream's blocked host function
+      wait_unlocked(wake_gen());
+      continue;
+    }
     Op op = std::move(s->queue.front().second);
     s->queue.pop_front();
+    const bool outer = t_may_defer;
+    t_may_defer = false;
     CUresult r = run_queued(s, op);
+    t_may_defer = outer;
     if (first == CUDA_SUCCESS) first = r;
   }
+  if (!until) wait_not_busy(s);  // a synchronize waits for a blocked host function too
   return first;
 }
 
+// Runs every stream's queue, except a stream blocked in a host function that waits for other
+// threads (busy, or deferred here: see t_may_defer), which this does not wait for.
 CUresult flush_all() {
   CUresult first = CUDA_SUCCESS;
+  std::set<Stream*> deferred;
   for (;;) {
     Stream* pick = nullptr;
     auto consider = [&](Stream* s) {
-      if (!s->queue.empty() && (!pick || s->queue.front().first > pick->queue.front().first))
+      if (!s->busy && !s->queue.empty() && !deferred.count(s) &&
+          (!pick || s->queue.front().first > pick->queue.front().first))
         pick = s;
     };
     consider(&g_null_stream);
     for (Stream* s : g_streams) consider(s);
     if (!pick) return first;
-    Op op = std::move(pick->queue.front().second);
+    std::pair<uint64_t, Op> item = std::move(pick->queue.front());
     pick->queue.pop_front();
-    CUresult r = run_queued(pick, op);
+    const bool outer = t_may_defer;
+    t_may_defer = item.second.by != std::this_thread::get_id();
+    t_deferred = false;
+    CUresult r = run_queued(pick, item.second);
+    t_may_defer = outer;
+    if (t_deferred) {  // to be run again, first on its stream
+      t_deferred = false;
+      pick->queue.push_front(std::move(item));
+      deferred.insert(pick);
+      continue;
+    }
     if (first == CUDA_SUCCESS) first = r;
   }
 }
 
 CUresult submit(CUstream s, Op&& op) {
   Stream* st = stream_of(s);
+  if (!st->capture) wait_not_busy(st);  // behind a host function blocked on another thread
+  op.by = std::this_thread::get_id();
   if (st->capture) {
     if (op.kind <= Op::HOST) st->capture->ops.push_back(std::move(op));
     return CUDA_SUCCESS;
@@ -673,7 +774,12 @@ CUresult submit(CUstream s, Op&& op) {
     st->queue.emplace_back(++g_seq, std::move(op));
     return CUDA_SUCCESS;
   }
-  return op.kind <= Op::HOST ? run_op(op) : CUDA_SUCCESS;
+  if (op.kind > Op::HOST) return CUDA_SUCCESS;
+  const bool outer = t_may_defer;
+  t_may_defer = false;
+  const CUresult r = run_op(op, st);
+  t_may_defer = outer;
+  return r;
 }
 
 bool is_pinned(uint64_t p, size_t n) {
@@ -710,7 +816,7 @@ thread_local bool t_current = false;
 
 #define GUARD()                                  \
   if (!sim_on()) return CUDA_ERROR_NO_DEVICE;    \
-  std::lock_guard<std::recursive_mutex> lk(g_lock)
+  DriverLock lk
 
 // ------------------------------------------------------------------ entry points
 API CUresult cuGetErrorString(CUresult e, const char** s) {
@@ -907,7 +1013,7 @@ static CUresult copy(const char* op, CUstream s, uint64_t dst, uint64_t src, siz
     if (sync || (!dst_dev && !is_pinned(dst, n))) {
       // A synchronous copy, or one into pageable memory: done when the call returns.
       if (CUresult r = sync ? flush_all() : flush(st)) return r;
-      return run_op(o);
+      return run_op(o, st);
     }
     if (!src_dev && !is_pinned(src, n)) {  // pageable source: staged at the call
       o.staged = std::make_shared<std::vector<char>>((const char*)src, (const char*)src + n);
@@ -951,7 +1057,7 @@ static CUresult set8(const char* op, CUstream s, CUdeviceptr d, unsigned char v,
   o.n = n;
   if (sync && adversarial()) {
     if (CUresult r = flush_all()) return r;
-    return run_op(o);
+    return run_op(o, stream_of(s));
   }
   return submit(s, std::move(o));
 }
@@ -1016,6 +1122,7 @@ API CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
   o.kind = Op::WAIT;
   o.event = ev;
   o.gen = ev->enqueued;
+  o.from = ev->where;
   return submit(s, std::move(o));
 }
 API CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode) {
@@ -1364,7 +1471,7 @@ API CUresult cuGraphExecDestroy(CUgraphExec e) {
 // and length in *base and *len, and 1; 0 when there is none (or the simulator is not selected).
 API int cudasim_allocation_of(uint64_t ptr, uint64_t* base, uint64_t* len) {
   if (!sim_on() || !base || !len) return 0;
-  std::lock_guard<std::recursive_mutex> lk(g_lock);
+  DriverLock lk;
   uint64_t b = 0;
   const Alloc* a = find_alloc(ptr, 1, &b);
   if (!a) return 0;
@@ -1379,9 +1486,48 @@ API int cudasim_allocation_of(uint64_t ptr, uint64_t* base, uint64_t* len) {
 // or launch returns CUDA_ERROR_LAUNCH_FAILED. Only the first fault is kept.
 API void cudasim_fault(const char* what) {
   if (!sim_on()) return;
-  std::lock_guard<std::recursive_mutex> lk(g_lock);
+  DriverLock lk;
   say("fault in enqueued work: %s", what ? what : "(no message)");
   if (g_fault == CUDA_SUCCESS) g_fault = CUDA_ERROR_LAUNCH_FAILED;
+}
+
+// For a host function that must wait for another thread's work (the simulated NCCL's
+// collectives wait for every rank's contribution, sim/nccl.cc): calls ready(arg) with the
+// driver released, so that other threads enqueue and run their work, until it returns
+// nonzero (ready may itself wait a little). Meanwhile the host function's stream is busy:
+// another thread neither runs its later work nor returns from a synchronize of it. In the
+// adversarial mode the waiting thread runs the other streams' queued work between calls of
+// ready (what it waits for may be queued on a stream whose own thread waits too).
+// Returns 1 once ready, 0 when the context has faulted meanwhile, and -1 without waiting
+// when this thread runs the host function for a device-wide flush on behalf of the thread
+// that enqueued it (see t_may_defer): the host function is then run again later, from the
+// start, and must return at once.
+API int cudasim_block(int (*ready)(void*), void* arg) {
+  if (!sim_on() || !ready) return 0;
+  DriverLock lk;
+  int ok = 0;
+  Stream* st = t_host_stream;
+  if (st) ++st->busy;  // (also while ready runs below: the stream's work is not all done)
+  if (t_may_defer) {
+    const int d = release_driver();
+    ok = ready(arg);
+    retake_driver(d);
+    if (st) --st->busy;
+    wake();
+    if (ok) return 1;
+    t_deferred = true;
+    return -1;
+  }
+  for (;;) {
+    const int d = release_driver();
+    ok = ready(arg);
+    retake_driver(d);
+    if (ok || g_fault != CUDA_SUCCESS) break;
+    if (adversarial()) flush_all();  // (its own stream is busy: skipped)
+  }
+  if (st) --st->busy;
+  wake();
+  return ok;
 }
 
 // The path of the device-properties document (devprops_path), valid for the process's life.

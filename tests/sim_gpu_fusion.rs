@@ -336,25 +336,18 @@ fn included_tests() -> usize {
 /// adversarial stream order when asked) and asserts they all passed without a SKIP.
 fn run_on_the_simulator(dir: &std::path::Path, adversarial: bool) {
     let mode = if adversarial { "adversarial" } else { "eager" };
-    let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
-    let mut child = Command::new(std::env::current_exe().expect("this test binary"));
-    child
-        .args([
-            "gpu_cbr_parity::",
-            "gpu_conv::",
-            "gpu_network::",
-            "gpu_own_kernels::",
-            "planted::",
-            "--test-threads",
-            "1",
-        ])
-        .env("CUDNN_CBR_DEVICE", "sim")
-        .env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()))
-        .env("CUDNN_CBR_KERNEL_CACHE", dir.join("kernel-cache"))
-        .env("CUDNN_CBR_SIM_CACHE", dir.join("host-cache"));
-    if adversarial {
-        child.env("CUDNN_CBR_SIM_ADVERSARIAL", "1");
-    }
+    let mut child = sim::child(dir, adversarial);
+    child.args([
+        "gpu_cbr_parity::",
+        "gpu_conv::",
+        "gpu_network::",
+        "gpu_own_kernels::",
+        "planted::",
+        "--test-threads",
+        "1",
+        // Passing tests' output too, so that a SKIP line cannot go unseen.
+        "--show-output",
+    ]);
     let out = child
         .output()
         .expect("run fusion's GPU tests under the simulator");

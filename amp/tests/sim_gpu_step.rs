@@ -368,65 +368,42 @@ mod planted {
     }
 }
 
-use std::process::Command;
-
 #[test]
 fn sim_gpu_step_tests_pass_on_the_simulated_device() {
-    if std::env::var_os("CUDNN_CBR_DEVICE").is_some_and(|d| d == "sim") {
+    if sim::selected() {
         return; // the child run: only the included tests run there (filtered below)
     }
     let Some(dir) = sim::built("sim_gpu_step_tests_pass_on_the_simulated_device") else {
         return;
     };
-    let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
-    let out = Command::new(std::env::current_exe().expect("this test binary"))
-        .args([
-            "gpu_step::",
-            "gpu_head::",
-            "planted::",
-            "fusion_kernels::",
-            "--test-threads",
-            "2",
-        ])
-        .env("CUDNN_CBR_DEVICE", "sim")
-        .env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()))
-        .env("CUDNN_CBR_KERNEL_CACHE", dir.join("kernel-cache"))
-        .env("CUDNN_CBR_SIM_CACHE", dir.join("host-cache"))
+    let filters = [
+        "gpu_step::",
+        "gpu_head::",
+        "planted::",
+        "fusion_kernels::",
+        "--test-threads",
+        "2",
+        // Passing tests' output too, so that a SKIP line cannot go unseen.
+        "--show-output",
+    ];
+    let out = sim::child(&dir, false)
+        .args(filters)
         .output()
         .expect("run the GPU tests under the simulator");
     // The adversarial stream order: the planted missing join must show, and nothing else may
     // change (amp orders its streams with joins).
-    let adv = Command::new(std::env::current_exe().expect("this test binary"))
-        .args([
-            "gpu_step::",
-            "gpu_head::",
-            "planted::",
-            "fusion_kernels::",
-            "--test-threads",
-            "2",
-        ])
-        .env("CUDNN_CBR_DEVICE", "sim")
-        .env("CUDNN_CBR_SIM_ADVERSARIAL", "1")
-        .env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()))
-        .env("CUDNN_CBR_KERNEL_CACHE", dir.join("kernel-cache"))
-        .env("CUDNN_CBR_SIM_CACHE", dir.join("host-cache"))
-        .output()
-        .expect("run the GPU tests under the adversarial simulator");
-    let adv_out = String::from_utf8_lossy(&adv.stdout);
-    println!(
-        "adversarial mode:\n{adv_out}\n{}",
-        String::from_utf8_lossy(&adv.stderr)
-    );
+    let adv = sim::run("adversarial mode", sim::child(&dir, true).args(filters));
+    assert!(adv.ok, "the GPU tests failed in the adversarial mode");
+    let adv_out = adv.stdout;
     assert!(
-        adv.status.success(),
-        "the GPU tests failed in the adversarial mode"
+        !adv_out.contains("SKIP"),
+        "a GPU test skipped on the simulator (adversarial mode)"
     );
     // On the loader path but not selected, the simulated driver says "no device", as the
     // no-driver stand-in does: the GPU tests skip.
-    let off = Command::new(std::env::current_exe().expect("this test binary"))
+    let off = sim::child(&dir, false)
         .args(["gpu_step::gpu_zero", "--test-threads", "1", "--nocapture"])
         .env_remove("CUDNN_CBR_DEVICE")
-        .env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()))
         .output()
         .expect("run a GPU test with the simulator unselected");
     let off_out = String::from_utf8_lossy(&off.stdout);
@@ -438,13 +415,9 @@ fn sim_gpu_step_tests_pass_on_the_simulated_device() {
     );
 
     // The planted write past the end: the process must die with the simulator's message.
-    let crash = Command::new(std::env::current_exe().expect("this test binary"))
+    let crash = sim::child(&dir, false)
         .args(["oob::", "--test-threads", "1"])
-        .env("CUDNN_CBR_DEVICE", "sim")
         .env("CUDNN_CBR_SIM_OOB_CHILD", "1")
-        .env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()))
-        .env("CUDNN_CBR_KERNEL_CACHE", dir.join("kernel-cache"))
-        .env("CUDNN_CBR_SIM_CACHE", dir.join("host-cache"))
         .output()
         .expect("run the planted write past the end");
     let crash_err = String::from_utf8_lossy(&crash.stderr);

@@ -66,8 +66,16 @@ pub fn built(test: &str) -> Option<PathBuf> {
     }
 }
 
-/// `cmd` set to run on the simulated device built in `dir`: the simulator selected, its folder
-/// first on the loader path, its own kernel and host-code caches (as `scripts/sim-env.sh`).
+/// Whether the simulated device is selected in this process (`CUDNN_CBR_DEVICE=sim`): a
+/// sim_* test's child run, or a run under `scripts/sim-env.sh`.
+pub fn selected() -> bool {
+    std::env::var_os("CUDNN_CBR_DEVICE").is_some_and(|d| d == "sim")
+}
+
+/// `cmd` set to run on the simulated device built in `dir`: the simulator selected, its
+/// folder first on the loader path (its driver and NVRTC) and NCCL's (`NCCL_LIB_DIR`, so that
+/// amp opens the simulated NCCL, not a real one found elsewhere), its own kernel and
+/// host-code caches (as `scripts/sim-env.sh`).
 pub fn select<'a>(cmd: &'a mut Command, dir: &Path) -> &'a mut Command {
     let mut path = OsString::from(dir);
     if let Some(old) = std::env::var_os("LD_LIBRARY_PATH").filter(|p| !p.is_empty()) {
@@ -76,6 +84,42 @@ pub fn select<'a>(cmd: &'a mut Command, dir: &Path) -> &'a mut Command {
     }
     cmd.env("CUDNN_CBR_DEVICE", "sim")
         .env("LD_LIBRARY_PATH", path)
+        .env("NCCL_LIB_DIR", dir)
         .env("CUDNN_CBR_KERNEL_CACHE", dir.join("kernel-cache"))
         .env("CUDNN_CBR_SIM_CACHE", dir.join("host-cache"))
+}
+
+/// This test binary again, on the simulated device built in `dir` ([`select`]); eager, or
+/// in the adversarial stream order with `adversarial`.
+pub fn child(dir: &Path, adversarial: bool) -> Command {
+    let mut c = Command::new(std::env::current_exe().expect("this test binary"));
+    select(&mut c, dir);
+    if adversarial {
+        c.env("CUDNN_CBR_SIM_ADVERSARIAL", "1");
+    } else {
+        c.env_remove("CUDNN_CBR_SIM_ADVERSARIAL");
+    }
+    c
+}
+
+/// What a child run gave: whether it succeeded, its stdout and its stderr.
+pub struct Ran {
+    pub ok: bool,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs `cmd` to its end and prints its output under `what`.
+pub fn run(what: &str, cmd: &mut Command) -> Ran {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {what}: {e}"));
+    let ran = Ran {
+        ok: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    };
+    println!("{what} ({}):\n{}\n{}", out.status, ran.stdout, ran.stderr);
+    ran
+}
 }
