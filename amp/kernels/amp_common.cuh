@@ -16,7 +16,8 @@
 
 #include <cuda_fp16.h>
 
-// The S region (256 bytes; the first 36 in use). Mirrors cudnn_cbr_amp::range::Scalars.
+// The S region (256 bytes; the first 192 in use). Mirrors cudnn_cbr_amp::range::Scalars.
+#define AMP_NORM_BLOCKS 32
 struct AmpScalars {
     float loss_scale;             // byte 0
     unsigned int overflow;        // byte 4: 0 clear, nonzero = NaN/Inf seen this step
@@ -27,6 +28,10 @@ struct AmpScalars {
     float momentum;               // byte 24: SGD momentum (0: M untouched)
     float weight_decay;           // byte 28: SGD weight decay
     unsigned int ranks;           // byte 32: data-parallel ranks summed into G (0, 1: one)
+    float clip_norm;              // byte 36: global-norm clipping bound (0: off; SGD reads)
+    float grad_norm;              // byte 40: unscaled global L2 norm of G (amp_grad_norm)
+    unsigned int reserved0[5];    // bytes 44..63: zero
+    float norm_partials[AMP_NORM_BLOCKS];  // bytes 64..191: amp_grad_sumsq's block sums
 };
 static_assert(__builtin_offsetof(AmpScalars, loss_scale) == 0, "S layout: loss_scale");
 static_assert(__builtin_offsetof(AmpScalars, overflow) == 4, "S layout: overflow");
@@ -37,7 +42,10 @@ static_assert(__builtin_offsetof(AmpScalars, lr) == 20, "S layout: lr");
 static_assert(__builtin_offsetof(AmpScalars, momentum) == 24, "S layout: momentum");
 static_assert(__builtin_offsetof(AmpScalars, weight_decay) == 28, "S layout: weight_decay");
 static_assert(__builtin_offsetof(AmpScalars, ranks) == 32, "S layout: ranks");
-static_assert(sizeof(AmpScalars) == 36, "S layout: size");
+static_assert(__builtin_offsetof(AmpScalars, clip_norm) == 36, "S layout: clip_norm");
+static_assert(__builtin_offsetof(AmpScalars, grad_norm) == 40, "S layout: grad_norm");
+static_assert(__builtin_offsetof(AmpScalars, norm_partials) == 64, "S layout: norm_partials");
+static_assert(sizeof(AmpScalars) == 192, "S layout: size");
 
 #define AMP_MIN_LOSS_SCALE 1.0f
 #define AMP_BACKOFF_FACTOR 0.5f

@@ -28,7 +28,8 @@ __device__ __forceinline__ float amp_sgd1(float w, float g, float* m, float inv,
     return __fsub_rn(w, __fmul_rn(lr, d));
 }
 
-// SGD (momentum, weight decay, optional Nesterov) with the 1/(scale·ranks) unscale folded in, then
+// SGD (momentum, weight decay, optional Nesterov) with the 1/(scale·ranks) unscale (times the
+// global-norm clipping factor when S's clip_norm is set) folded in, then
 // a[i] = f16(w[i]). The hyper-parameters are read from S, so a captured step follows a
 // schedule the host writes there between replays. m is null when the plan has no M region
 // (the host then keeps momentum at 0); M is untouched while momentum is 0.
@@ -39,7 +40,13 @@ extern "C" __global__ void amp_sgd_step(float* __restrict__ w, float* __restrict
     if (s->overflow != 0u) return;
     // Over several ranks G holds sums: averaging them is part of the unscale.
     const float denom = s->ranks > 1u ? __fmul_rn(s->loss_scale, (float)s->ranks) : s->loss_scale;
-    const float inv = __fdiv_rn(1.0f, denom);
+    float inv = __fdiv_rn(1.0f, denom);
+    // Clipping by global norm (amp_grad_norm wrote grad_norm): PyTorch's clip_grad_norm_
+    // factor, folded into the unscale so that G is not read twice.
+    if (s->clip_norm != 0.0f) {
+        const float f = __fdiv_rn(s->clip_norm, __fadd_rn(s->grad_norm, 1e-6f));
+        if (f < 1.0f) inv = __fmul_rn(inv, f);
+    }
     const float lr = s->lr;
     const float momentum = s->momentum;
     const float weight_decay = decay != 0 ? s->weight_decay : 0.0f;  // per-range: BN, biases 0

@@ -34,6 +34,10 @@ pub mod entry {
     pub const CHECK_NONFINITE: &str = "amp_check_nonfinite";
     /// NaN check and Inf/large clip. Twin: `range::check_and_clip`.
     pub const CHECK_CLIP: &str = "amp_check_clip";
+    /// Per-block sums of squares of G, in a fixed order. Twin: `range::grad_norm`.
+    pub const GRAD_SUMSQ: &str = "amp_grad_sumsq";
+    /// The global gradient norm from those sums (single thread). Twin: `range::grad_norm`.
+    pub const GRAD_NORM: &str = "amp_grad_norm";
     /// Loss-scale update (single thread). Twin: `range::update_loss_scale`.
     pub const LOSS_SCALE_UPDATE: &str = "amp_loss_scale_update";
     /// Zero a byte range. Twin: `range::zero_bytes`.
@@ -98,6 +102,10 @@ pub fn signature(entry_point: &str) -> Option<&'static [ParamType]> {
         entry::CHECK_NONFINITE => &[U64, U64, U64],
         // (g, n, bound, s)
         entry::CHECK_CLIP => &[U64, U64, F32, U64],
+        // (g, n, s)
+        entry::GRAD_SUMSQ => &[U64, U64, U64],
+        // (s)
+        entry::GRAD_NORM => &[U64],
         // (s, growth_interval, growth_factor, max_scale)
         entry::LOSS_SCALE_UPDATE => &[U64, U32, F32, F32],
         // (dst, nbytes)
@@ -166,6 +174,14 @@ pub const CHECK: KernelSource = KernelSource {
     entry_points: &[entry::CHECK_NONFINITE, entry::CHECK_CLIP],
 };
 
+/// The global gradient norm (clipping by norm).
+pub const NORM: KernelSource = KernelSource {
+    name: "norm",
+    file: "amp_norm.cu",
+    source: include_str!("../kernels/amp_norm.cu"),
+    entry_points: &[entry::GRAD_SUMSQ, entry::GRAD_NORM],
+};
+
 /// Loss-scale update.
 pub const SCALE: KernelSource = KernelSource {
     name: "scale",
@@ -214,7 +230,7 @@ pub const POOL: KernelSource = KernelSource {
 };
 
 /// Every kernel source of the AMP layer.
-pub const ALL: [KernelSource; 7] = [CAST, CHECK, SCALE, OPTIM, SEED, HEAD, POOL];
+pub const ALL: [KernelSource; 8] = [CAST, CHECK, NORM, SCALE, OPTIM, SEED, HEAD, POOL];
 
 /// GPU architectures we build PTX for (tier 3 compiles all of them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -623,7 +623,24 @@ fn init_w(plan: &MemoryPlan, rng: &mut Rng) -> Vec<(String, Vec<f32>)> {
 
 #[test]
 fn gpu_step_equals_the_cpu_step_bit_for_bit() {
-    let Some((stream, _k)) = device("gpu_step_equals_the_cpu_step_bit_for_bit") else {
+    step_equals_the_cpu_step("gpu_step_equals_the_cpu_step_bit_for_bit", step_config());
+}
+
+/// With clipping by global norm at 10 (the gradients' norm is about 100, so every applied
+/// step is clipped): the norm's fixed summation order makes the device bit-exact with the
+/// CPU twin, S (the norm and its partial sums) included.
+#[test]
+fn gpu_a_step_clipped_by_norm_equals_the_cpu_step_bit_for_bit() {
+    step_equals_the_cpu_step(
+        "gpu_a_step_clipped_by_norm_equals_the_cpu_step_bit_for_bit",
+        step_config().with_clip_norm(10.0),
+    );
+}
+
+/// 12 steps (2 poisoned) of `config` on both executors from the same weights and gradients:
+/// every region equal after each step, bit for bit.
+fn step_equals_the_cpu_step(test: &str, config: StepConfig) {
+    let Some((stream, _k)) = device(test) else {
         return;
     };
     let plan = Arc::new(step_plan());
@@ -637,8 +654,8 @@ fn gpu_step_equals_the_cpu_step_bit_for_bit() {
             .copy_from_slice(v);
         gpu.upload_f32(Region::W, name, v).unwrap();
     }
-    let mut cpu = AmpStep::new(cpu, step_config()).unwrap();
-    let mut gpu = AmpStep::new(gpu, step_config()).unwrap();
+    let mut cpu = AmpStep::new(cpu, config).unwrap();
+    let mut gpu = AmpStep::new(gpu, config).unwrap();
     cpu.init_weights().unwrap();
     gpu.init_weights().unwrap();
     assert_same(
@@ -663,6 +680,48 @@ fn gpu_step_equals_the_cpu_step_bit_for_bit() {
     }
     let s = gpu.executor().read_scalars_blocking().unwrap();
     assert_eq!((s.step, s.skipped), (10, 2));
+    if let Some(max_norm) = config.clip_norm {
+        assert!(
+            s.grad_norm > max_norm,
+            "the test needs clipped steps: {s:?}"
+        );
+    }
+}
+
+#[test]
+fn gpu_grad_norm_matches_its_twin_bit_for_bit() {
+    let Some((stream, k)) = device("gpu_grad_norm_matches_its_twin_bit_for_bit") else {
+        return;
+    };
+    let mut rng = Rng(9);
+    for (n, off) in cases() {
+        for ranks in [1, 3] {
+            let g: Vec<f32> = (0..n).map(|_| rng.finite_f32(3000.0)).collect();
+            let mut want = Scalars {
+                loss_scale: 1024.0,
+                ranks,
+                ..Scalars::default()
+            };
+            let mut bytes = vec![0u8; off];
+            bytes.extend(f32_bytes(&g));
+            let gb = upload(&stream, &bytes);
+            let mut sb = s_buf(&stream, &want);
+            let r32 = ByteRange::new(off, off + 4 * n);
+            k.grad_norm(
+                &stream,
+                DevRange::new(&gb, r32).unwrap(),
+                DevRangeMut::whole(&mut sb),
+            )
+            .unwrap();
+            range::grad_norm(&g, &mut want);
+            assert_eq!(
+                download(&stream, &sb),
+                want.to_bytes().to_vec(),
+                "n={n} off={off} ranks={ranks}"
+            );
+            assert!(want.grad_norm > 0.0 || n == 0);
+        }
+    }
 }
 
 #[test]

@@ -63,12 +63,25 @@ fn scalars_round_trip_through_the_s_image() {
         momentum: 0.9,
         weight_decay: 5e-4,
         ranks: 3,
+        clip_norm: 1.5,
+        grad_norm: 0.25,
+        norm_partials: std::array::from_fn(|k| k as f32 + 0.5),
     };
     let bytes = s.to_bytes();
     assert_eq!(bytes.len(), S_REGION_BYTES);
+    let partials = s_layout::NORM_PARTIALS..s_layout::NORM_PARTIALS + 4 * s_layout::NORM_BLOCKS;
     assert!(
-        bytes[s_layout::USED..].iter().all(|&b| b == 0),
+        bytes[s_layout::USED..partials.start]
+            .iter()
+            .chain(&bytes[partials.end..])
+            .all(|&b| b == 0),
         "reserved bytes are zero"
+    );
+    assert_eq!(&bytes[s_layout::CLIP_NORM..][..4], &1.5f32.to_le_bytes());
+    assert_eq!(&bytes[s_layout::GRAD_NORM..][..4], &0.25f32.to_le_bytes());
+    assert_eq!(
+        &bytes[partials.start + 4 * 31..][..4],
+        &31.5f32.to_le_bytes()
     );
     assert_eq!(&bytes[s_layout::LOSS_SCALE..][..4], &1024f32.to_le_bytes());
     assert_eq!(&bytes[s_layout::STEP..][..4], &123_456u32.to_le_bytes());
@@ -80,10 +93,10 @@ fn scalars_round_trip_through_the_s_image() {
     assert_eq!(Scalars::from_bytes(&bytes).unwrap(), s);
     assert_eq!(&bytes[s_layout::RANKS..][..4], &3u32.to_le_bytes());
     assert_eq!(
-        Scalars::from_bytes(&bytes[..35]).unwrap_err(),
+        Scalars::from_bytes(&bytes[..43]).unwrap_err(),
         RangeOpError::ScalarsTooShort {
-            got: 35,
-            needed: 36
+            got: 43,
+            needed: 44
         }
     );
     let fresh = Scalars::default();
@@ -100,11 +113,20 @@ fn s_layout_matches_the_cuda_struct() {
         ("growth_tracker", s_layout::GROWTH_TRACKER),
         ("step", s_layout::STEP),
         ("skipped", s_layout::SKIPPED),
+        ("clip_norm", s_layout::CLIP_NORM),
+        ("grad_norm", s_layout::GRAD_NORM),
+        ("norm_partials", s_layout::NORM_PARTIALS),
     ] {
         let assert = format!("__builtin_offsetof(AmpScalars, {field}) == {offset},");
         assert!(COMMON_HEADER.contains(&assert), "missing `{assert}`");
     }
-    assert!(COMMON_HEADER.contains(&format!("sizeof(AmpScalars) == {}", s_layout::USED)));
+    // The struct ends with the partial sums of the gradient norm.
+    let size = s_layout::NORM_PARTIALS + 4 * s_layout::NORM_BLOCKS;
+    assert!(COMMON_HEADER.contains(&format!("sizeof(AmpScalars) == {size}")));
+    assert!(COMMON_HEADER.contains(&format!(
+        "#define AMP_NORM_BLOCKS {}",
+        s_layout::NORM_BLOCKS
+    )));
 }
 
 // ---------------------------------------------------------------- check / clip

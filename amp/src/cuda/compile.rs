@@ -241,6 +241,8 @@ impl AmpKernels {
             cast_f16_to_f32: take(entry::CAST_F16_TO_F32)?,
             check_nonfinite: take(entry::CHECK_NONFINITE)?,
             check_clip: take(entry::CHECK_CLIP)?,
+            grad_sumsq: take(entry::GRAD_SUMSQ)?,
+            grad_norm: take(entry::GRAD_NORM)?,
             loss_scale_update: take(entry::LOSS_SCALE_UPDATE)?,
             zero_bytes: take(entry::ZERO_BYTES)?,
             sgd_step: take(entry::SGD_STEP)?,

@@ -55,6 +55,8 @@ pub(super) struct Functions {
     pub(super) cast_f16_to_f32: CudaFunction,
     pub(super) check_nonfinite: CudaFunction,
     pub(super) check_clip: CudaFunction,
+    pub(super) grad_sumsq: CudaFunction,
+    pub(super) grad_norm: CudaFunction,
     pub(super) loss_scale_update: CudaFunction,
     pub(super) zero_bytes: CudaFunction,
     pub(super) sgd_step: CudaFunction,

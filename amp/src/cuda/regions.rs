@@ -663,6 +663,12 @@ impl CudaRegions {
                 // (256-aligned allocation); distinct allocations.
                 unsafe { k.raw_check(st, policy, g, n, s) }
             }
+            RangeOp::GradNorm { span16 } => {
+                let (g, s) = (self.addr(Region::G, span16)?, self.get(Region::S)?.ptr);
+                // SAFETY: validated: n f32 of G at `g`; S is the plan's 256-byte region
+                // (256-aligned allocation, room for the partial sums); distinct allocations.
+                unsafe { k.raw_grad_norm(st, g, n, s) }
+            }
             RangeOp::Sgd {
                 nesterov,
                 decay,
@@ -788,6 +794,12 @@ impl AmpExecutor for CudaRegions {
         use crate::range::s_layout::RANKS;
         let at = ByteRange::new(RANKS, RANKS + 4);
         self.upload_bytes(Region::S, at, &ranks.to_le_bytes())
+    }
+
+    fn write_clip_norm(&mut self, max_norm: f32) -> Result<(), AmpError> {
+        use crate::range::s_layout::CLIP_NORM;
+        let at = ByteRange::new(CLIP_NORM, CLIP_NORM + 4);
+        self.upload_bytes(Region::S, at, &max_norm.to_le_bytes())
     }
 
     fn request_scalars(&mut self) -> Result<(), AmpError> {

@@ -10,12 +10,13 @@ use crate::cuda::launch::{AmpKernels, Arg, BLOCK, ONE_THREAD};
 use crate::error::AmpError;
 use crate::kernels::entry;
 use crate::plan::ByteRange;
-use crate::range::{LossScalePolicy, OverflowPolicy};
+use crate::range::{s_layout, LossScalePolicy, OverflowPolicy, NORM_THREADS};
 use crate::step::RangeOp;
 
+use crate::error::ExecError;
 // Named only by doc links.
 #[cfg(doc)]
-use crate::error::{CudaError, ExecError};
+use crate::error::CudaError;
 
 impl AmpKernels {
     // ------------------------------------------------------------------ raw launches
@@ -139,6 +140,45 @@ impl AmpKernels {
                     &[Arg::U64(g), Arg::size(n), Arg::F32(bound), Arg::U64(s)],
                 )
             },
+        }
+    }
+
+    /// # Safety
+    /// `g` holds `n` f32; `s` is a whole, 4-aligned S image (its partial sums included); both
+    /// live until the launches have run and do not overlap.
+    pub(crate) unsafe fn raw_grad_norm(
+        &self,
+        stream: &CudaStream,
+        g: u64,
+        n: usize,
+        s: u64,
+    ) -> Result<(), AmpError> {
+        // The reduction's order depends on this geometry (amp/kernels/amp_norm.cu), so it is
+        // fixed, whatever n is (n = 0 too: the norm is then 0).
+        let sumsq = LaunchConfig {
+            grid_dim: (s_layout::NORM_BLOCKS as u32, 1, 1),
+            block_dim: (NORM_THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: reads g[0..n) and writes S's partial sums, both guaranteed by the caller.
+        unsafe {
+            self.launch_raw(
+                stream,
+                &self.f.grad_sumsq,
+                entry::GRAD_SUMSQ,
+                sumsq,
+                &[Arg::U64(g), Arg::size(n), Arg::U64(s)],
+            )?;
+        }
+        // SAFETY: one thread reads the partial sums, the scale and ranks, writes grad_norm.
+        unsafe {
+            self.launch_raw(
+                stream,
+                &self.f.grad_norm,
+                entry::GRAD_NORM,
+                ONE_THREAD,
+                &[Arg::U64(s)],
+            )
         }
     }
 
@@ -397,6 +437,40 @@ impl AmpKernels {
         // two distinct mutable borrows, so no overlap; alive for the call, release ordered by
         // cudarc.
         unsafe { self.raw_check(stream, policy, gp, n, sp) }
+    }
+
+    /// The global L2 norm of the unscaled FP32 gradients `g` into `s`'s `grad_norm`, summed
+    /// in a fixed order (twin: [`crate::range::grad_norm`]).
+    ///
+    /// # Errors
+    /// [`ExecError::Misaligned`], [`ExecError::OutOfBounds`] for an S range shorter than the
+    /// S region, [`CudaError::ContextMismatch`]; a driver error.
+    pub fn grad_norm(
+        &self,
+        stream: &CudaStream,
+        g: DevRange<'_>,
+        mut s: DevRangeMut<'_>,
+    ) -> Result<(), AmpError> {
+        let op = entry::GRAD_SUMSQ;
+        self.check_streams(stream, &[("g", g.buf_stream()), ("s", s.buf_stream())])?;
+        let n = elems_of(op, "g", g.range, 4)?;
+        check_s(op, s.range)?;
+        let need = s_layout::NORM_PARTIALS + 4 * s_layout::NORM_BLOCKS;
+        if s.range.len() < need {
+            return Err(ExecError::OutOfBounds {
+                op,
+                what: format!("S (the partial sums need {need} bytes)"),
+                start: s.range.start,
+                end: s.range.end,
+                len: s.range.len(),
+            }
+            .into());
+        }
+        let (gp, _g) = g.addr(stream);
+        let (sp, _s) = s.addr_mut(stream);
+        // SAFETY: g holds n f32 inside its buffer, S the whole image, 4-aligned (checked);
+        // one shared and one mutable borrow of distinct buffers, alive for the call.
+        unsafe { self.raw_grad_norm(stream, gp, n, sp) }
     }
 
     /// The loss-scale update on `s` (twin: [`crate::range::update_loss_scale`]).

@@ -11,7 +11,9 @@
 //!    is [`softmax_xent_backward`], which multiplies by the loss scale from S.
 //! 3. [`cast_f16_to_f32`] over each of [`crate::plan::MemoryPlan::g16_cast_ranges`] (G16→G).
 //! 4. [`check_grads`] over G or per bucket, by [`OverflowPolicy`]: sets the flag in S.
-//! 5. [`sgd_step`] over W/M/G/A: unscales by 1/scale, skips when the flag is set, writes A.
+//!    With clipping by norm, then [`grad_norm`] over G: the global norm into S.
+//! 5. [`sgd_step`] over W/M/G/A: unscales by 1/scale (times the clipping factor), skips
+//!    when the flag is set, writes A.
 //! 6. [`ema_update`] over E/E16 from W (optional): skips when the flag is set.
 //! 7. [`update_loss_scale`]: backs off or grows the scale, counts, clears the flag.
 //!
@@ -31,6 +33,7 @@
 mod cast;
 mod check;
 mod head;
+mod norm;
 mod optim;
 mod pool;
 mod scalars;
@@ -46,6 +49,7 @@ pub use head::{
     metrics_log_append, metrics_log_bytes, metrics_log_capacity, metrics_log_read, HeadMetrics,
     HeadShape, MetricsLog, METRICS_LOG_ENTRY, METRICS_LOG_HEADER,
 };
+pub use norm::{grad_norm, NORM_THREADS};
 pub use optim::{ema_update, sgd_step, zero_bytes, zero_f16, zero_f32, SgdConfig, StepOutcome};
 pub use pool::{max_pool_backward, max_pool_forward, PoolShape};
 pub use scalars::{s_layout, Scalars, S_REGION_BYTES};

@@ -126,7 +126,7 @@ impl SgdConfig {
 ///
 /// Flag set: returns [`StepOutcome::Skipped`] with nothing written. Otherwise, per element,
 /// with `inv = 1 / loss_scale` (`1 / (loss_scale · ranks)` over several ranks,
-/// [`Scalars::unscale`]):
+/// [`Scalars::unscale`]), times [`Scalars::clip_factor`] when S's `clip_norm` is set:
 /// ```text
 /// g' = g * inv
 /// g' = g' + wd * w                       (only if wd != 0)
@@ -171,7 +171,8 @@ pub fn sgd_step(
     if s.overflow != 0 {
         return Ok(StepOutcome::Skipped);
     }
-    let inv = s.unscale();
+    // Times the global-norm clipping factor (1 without clipping, so `inv` is then unchanged).
+    let inv = s.unscale() * s.clip_factor();
     for i in 0..n {
         let wi = w[i];
         let mut gi = g[i] * inv;

@@ -15,7 +15,11 @@
 //! |     24 | f32  | `momentum`       | the host, between steps (SGD reads)  |
 //! |     28 | f32  | `weight_decay`   | the host, between steps (SGD reads)  |
 //! |     32 | u32  | `ranks`          | the host, at start (SGD reads)       |
-//! | 36–255 | —    | reserved, zero   | nobody                               |
+//! |     36 | f32  | `clip_norm`      | the host (SGD reads; 0: no clipping) |
+//! |     40 | f32  | `grad_norm`      | gradient-norm op (SGD reads)         |
+//! |  44–63 | —    | reserved, zero   | nobody                               |
+//! | 64–191 | f32×32 | `norm_partials` | gradient-norm op (its block sums)   |
+//! |192–255 | —    | reserved, zero   | nobody                               |
 //!
 //! The SGD hyper-parameters live here rather than in the kernel's launch arguments so that a
 //! step captured once as a CUDA graph follows a learning-rate schedule: the host writes the
@@ -48,8 +52,16 @@ pub mod s_layout {
     pub const WEIGHT_DECAY: usize = 28;
     /// `u32` data-parallel ranks whose gradient sums G holds (0 and 1: one rank).
     pub const RANKS: usize = 32;
-    /// Bytes in use; the rest of the slot is reserved and kept zero.
-    pub const USED: usize = 36;
+    /// `f32` the global-norm clipping bound (`max_norm`); 0: no clipping.
+    pub const CLIP_NORM: usize = 36;
+    /// `f32` the global L2 norm of the unscaled gradients, written by the gradient-norm op.
+    pub const GRAD_NORM: usize = 40;
+    /// Bytes of the scalar fields; [`Scalars::from_bytes`] needs at least these.
+    pub const USED: usize = 44;
+    /// `[f32; NORM_BLOCKS]` the gradient-norm op's per-block sums of squares.
+    pub const NORM_PARTIALS: usize = 64;
+    /// Blocks (and partial sums) of the gradient-norm reduction.
+    pub const NORM_BLOCKS: usize = 32;
 }
 
 /// Host mirror of the S region: what the device scalars hold between kernels.
@@ -77,6 +89,14 @@ pub struct Scalars {
     /// `1 / (loss_scale · ranks)`, which averages them at no extra cost (0 and 1: one rank,
     /// `1 / loss_scale` exactly).
     pub ranks: u32,
+    /// Global-norm clipping bound (PyTorch's `max_norm`); 0 turns clipping off. SGD scales
+    /// every gradient by `min(1, clip_norm / (grad_norm + 1e-6))` ([`Scalars::clip_factor`]).
+    pub clip_norm: f32,
+    /// The global L2 norm of the unscaled gradients of the current step, written by the
+    /// gradient-norm op ([`crate::range::grad_norm`]) before SGD reads it.
+    pub grad_norm: f32,
+    /// The gradient-norm op's per-block sums of squares (its fixed summation order).
+    pub norm_partials: [f32; s_layout::NORM_BLOCKS],
 }
 
 impl Scalars {
@@ -93,6 +113,9 @@ impl Scalars {
             momentum: 0.0,
             weight_decay: 0.0,
             ranks: 1,
+            clip_norm: 0.0,
+            grad_norm: 0.0,
+            norm_partials: [0.0; s_layout::NORM_BLOCKS],
         }
     }
 
@@ -126,6 +149,21 @@ impl Scalars {
         1.0f32 / denom
     }
 
+    /// The factor SGD multiplies the unscale by: 1 without clipping (`clip_norm` 0), else
+    /// `min(1, clip_norm / (grad_norm + 1e-6))`, as PyTorch's `clip_grad_norm_` (each
+    /// operation rounded once, as the kernel).
+    pub fn clip_factor(&self) -> f32 {
+        if self.clip_norm == 0.0 {
+            return 1.0;
+        }
+        let f = self.clip_norm / (self.grad_norm + 1e-6f32);
+        if f < 1.0 {
+            f
+        } else {
+            1.0
+        }
+    }
+
     /// Checks what a step cannot recover from: a loss scale that is NaN, infinite or ≤ 0.
     /// (0 makes the unscale factor infinite and every master weight NaN after one step; +Inf
     /// overflows every gradient, so every step is skipped and the scale never moves again.)
@@ -139,6 +177,14 @@ impl Scalars {
                 field: "loss_scale",
                 value: self.loss_scale.to_string(),
                 why: "must be finite and > 0",
+            });
+        }
+        if !(self.clip_norm.is_finite() && self.clip_norm >= 0.0) {
+            return Err(RangeOpError::InvalidConfig {
+                op: "Scalars",
+                field: "clip_norm",
+                value: self.clip_norm.to_string(),
+                why: "must be finite and >= 0 (0: no clipping)",
             });
         }
         Ok(())
@@ -162,6 +208,11 @@ impl Scalars {
         put(s_layout::MOMENTUM, self.momentum.to_le_bytes());
         put(s_layout::WEIGHT_DECAY, self.weight_decay.to_le_bytes());
         put(s_layout::RANKS, self.ranks.to_le_bytes());
+        put(s_layout::CLIP_NORM, self.clip_norm.to_le_bytes());
+        put(s_layout::GRAD_NORM, self.grad_norm.to_le_bytes());
+        for (k, p) in self.norm_partials.iter().enumerate() {
+            put(s_layout::NORM_PARTIALS + 4 * k, p.to_le_bytes());
+        }
         out
     }
 
@@ -189,6 +240,15 @@ impl Scalars {
             momentum: f32::from_le_bytes(word(s_layout::MOMENTUM)),
             weight_decay: f32::from_le_bytes(word(s_layout::WEIGHT_DECAY)),
             ranks: u32::from_le_bytes(word(s_layout::RANKS)),
+            clip_norm: f32::from_le_bytes(word(s_layout::CLIP_NORM)),
+            grad_norm: f32::from_le_bytes(word(s_layout::GRAD_NORM)),
+            norm_partials: std::array::from_fn(|k| {
+                let at = s_layout::NORM_PARTIALS + 4 * k;
+                // A short image (USED bytes only) has no partials: they read as 0.
+                bytes
+                    .get(at..at + 4)
+                    .map_or(0.0, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            }),
         };
         s.validate()?;
         Ok(s)

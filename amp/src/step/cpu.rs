@@ -367,6 +367,10 @@ impl CpuRegions {
                 let r = span16.elem_range(DataType::Half);
                 range::check_grads(&mut self.g[r], policy, &mut self.s)?;
             }
+            RangeOp::GradNorm { span16 } => {
+                let r = span16.elem_range(DataType::Half);
+                range::grad_norm(&self.g[r], &mut self.s);
+            }
             RangeOp::Sgd {
                 nesterov,
                 decay,
@@ -449,6 +453,11 @@ impl AmpExecutor for CpuRegions {
 
     fn write_ranks(&mut self, ranks: u32) -> Result<(), AmpError> {
         self.s.ranks = ranks;
+        Ok(())
+    }
+
+    fn write_clip_norm(&mut self, max_norm: f32) -> Result<(), AmpError> {
+        self.s.clip_norm = max_norm;
         Ok(())
     }
 

@@ -25,7 +25,8 @@
 //! |--:|----|------|-------|
 //! | 1 | cast G16 → G | each of [`crate::plan::MemoryPlan::g16_cast_ranges`] | never the holes of G16 |
 //! | 2 | check (NaN/Inf, or clip) | all of G | sets the flag in S |
-//! | 3 | SGD, A = f16(W) | all of W/M/G/A, split where weight decay applies | skipped on the device when the flag is set |
+//! | 2b | gradient norm (with [`StepConfig::clip_norm`]) | all of G | the global norm into S, in a fixed order |
+//! | 3 | SGD, A = f16(W) | all of W/M/G/A, split where weight decay applies | skipped on the device when the flag is set; scales by the clipping factor |
 //! | 4 | EMA, E16 = f16(E) | all of E/E16 (with EMA) | skipped when the flag is set |
 //! | 5 | loss-scale update | S | backs off / grows, counts, clears the flag |
 //!
@@ -148,6 +149,13 @@ pub trait AmpExecutor {
     /// On CUDA, a driver error.
     fn write_ranks(&mut self, ranks: u32) -> Result<(), AmpError>;
 
+    /// Overwrites only S's global-norm clipping bound (0: no clipping), ordered like
+    /// [`AmpExecutor::write_hyper`].
+    ///
+    /// # Errors
+    /// On CUDA, a driver error.
+    fn write_clip_norm(&mut self, max_norm: f32) -> Result<(), AmpError>;
+
     /// Asks for a snapshot of S as it will be once the work enqueued so far has run. Never
     /// waits: on CUDA it enqueues an asynchronous copy into pinned host memory.
     ///
@@ -177,6 +185,10 @@ pub struct StepConfig {
     pub overflow: OverflowPolicy,
     /// How the loss scale moves.
     pub loss_scale: LossScalePolicy,
+    /// Clipping by global norm (PyTorch's `clip_grad_norm_(max_norm)` after `unscale_`):
+    /// `Some(max_norm)` adds the gradient-norm op to the step and SGD scales every gradient
+    /// by `min(1, max_norm / (‖g‖ + 1e-6))`, both on the device; `None`: no clipping.
+    pub clip_norm: Option<f32>,
 }
 
 impl StepConfig {
@@ -188,7 +200,14 @@ impl StepConfig {
             ema_decay: None,
             overflow: OverflowPolicy::default(),
             loss_scale: LossScalePolicy::default(),
+            clip_norm: None,
         }
+    }
+
+    /// Sets clipping by global norm to `max_norm`.
+    pub fn with_clip_norm(mut self, max_norm: f32) -> Self {
+        self.clip_norm = Some(max_norm);
+        self
     }
 
     /// Sets the EMA decay.
@@ -219,6 +238,17 @@ impl StepConfig {
         self.sgd.validate()?;
         self.overflow.validate()?;
         self.loss_scale.validate()?;
+        if let Some(max_norm) = self.clip_norm {
+            if !(max_norm.is_finite() && max_norm > 0.0) {
+                return Err(crate::RangeOpError::InvalidConfig {
+                    op: "StepConfig",
+                    field: "clip_norm",
+                    value: max_norm.to_string(),
+                    why: "must be finite and > 0",
+                }
+                .into());
+            }
+        }
         if self.sgd.momentum != 0.0 && !plan.has_region(Region::M) {
             return Err(ExecError::MissingRegion {
                 what: format!("SGD momentum {}", self.sgd.momentum),
@@ -314,6 +344,11 @@ pub fn finish_ops(plan: &MemoryPlan, cfg: &StepConfig) -> Vec<RangeOp> {
         policy: cfg.overflow,
         span16: whole16(plan),
     });
+    if cfg.clip_norm.is_some() {
+        ops.push(RangeOp::GradNorm {
+            span16: whole16(plan),
+        });
+    }
     ops.extend(sgd_ops(plan, cfg.sgd));
     if let Some(decay) = cfg.ema_decay {
         ops.push(RangeOp::Ema {
@@ -402,7 +437,11 @@ impl<X: AmpExecutor> AmpStep<X> {
     /// As [`StepConfig::validate`]; on CUDA, a driver error from writing S.
     pub fn new(mut exec: X, config: StepConfig) -> Result<Self, AmpError> {
         config.validate(exec.plan())?;
-        exec.write_scalars(&Scalars::new(&config.loss_scale).with_sgd(&config.sgd))?;
+        let s = Scalars {
+            clip_norm: config.clip_norm.unwrap_or(0.0),
+            ..Scalars::new(&config.loss_scale).with_sgd(&config.sgd)
+        };
+        exec.write_scalars(&s)?;
         let begin = begin_ops(exec.plan());
         let finish = finish_ops(exec.plan(), &config);
         Ok(AmpStep {
@@ -422,7 +461,7 @@ impl<X: AmpExecutor> AmpStep<X> {
     /// Replaces the configuration. The loss scale, flag and counters in S stay as they are;
     /// the SGD hyper-parameters in S take the new values. Graphs captured before become stale
     /// ([`AmpStep::replay`] refuses them) only when the structure changed (Nesterov, overflow
-    /// or loss-scale policy, EMA); a change of learning rate, momentum or weight decay alone
+    /// or loss-scale policy, EMA, clipping by norm); a change of learning rate, momentum or weight decay alone
     /// keeps them valid, as with [`AmpStep::set_hyper`].
     ///
     /// # Errors
@@ -434,6 +473,9 @@ impl<X: AmpExecutor> AmpStep<X> {
             ..config
         } != self.config;
         self.exec.write_hyper(&config.sgd)?;
+        if config.clip_norm != self.config.clip_norm {
+            self.exec.write_clip_norm(config.clip_norm.unwrap_or(0.0))?;
+        }
         if structural {
             self.finish = finish_ops(self.exec.plan(), &config);
             self.generation += 1;
@@ -468,7 +510,8 @@ impl<X: AmpExecutor> AmpStep<X> {
     }
 
     /// Restores S from a checkpoint or another run: the loss scale, flag, counters and ranks
-    /// of `s`, with this step's SGD hyper-parameters (the configuration's, which S follows).
+    /// of `s`, with this step's SGD hyper-parameters and clipping bound (the
+    /// configuration's, which S follows).
     ///
     /// # Errors
     /// [`crate::RangeOpError::InvalidConfig`] for a NaN, infinite or ≤ 0 loss scale, before
@@ -476,7 +519,11 @@ impl<X: AmpExecutor> AmpStep<X> {
     /// step forever); on CUDA, a driver error.
     pub fn restore_scalars(&mut self, s: &Scalars) -> Result<(), AmpError> {
         s.validate()?;
-        self.exec.write_scalars(&s.with_sgd(&self.config.sgd))
+        let s = Scalars {
+            clip_norm: self.config.clip_norm.unwrap_or(0.0),
+            ..s.with_sgd(&self.config.sgd)
+        };
+        self.exec.write_scalars(&s)
     }
 
     /// The ops [`AmpStep::begin`] runs.

@@ -60,6 +60,12 @@ pub enum RangeOp {
         /// FP16-layout bytes (of G).
         span16: ByteRange,
     },
+    /// The global L2 norm of G's unscaled gradients into S (`amp_grad_sumsq`, then
+    /// `amp_grad_norm`), for clipping by norm: SGD reads it when S's `clip_norm` is set.
+    GradNorm {
+        /// FP16-layout bytes (of G): the whole region, so that the norm is global.
+        span16: ByteRange,
+    },
     /// SGD over W, M, G → W, M, A (`amp_sgd_step`); skipped on the device when the flag is
     /// set. The learning rate, momentum and weight decay are read from S when the op runs
     /// (so a captured step follows a schedule); what is fixed here is the structure.
@@ -103,6 +109,7 @@ impl RangeOp {
                 ..
             } => entry::CHECK_NONFINITE,
             RangeOp::Check { .. } => entry::CHECK_CLIP,
+            RangeOp::GradNorm { .. } => entry::GRAD_SUMSQ,
             RangeOp::Sgd { .. } => entry::SGD_STEP,
             RangeOp::Ema { .. } => entry::EMA_UPDATE,
             RangeOp::LossScaleUpdate { .. } => entry::LOSS_SCALE_UPDATE,
@@ -117,6 +124,7 @@ impl RangeOp {
             | RangeOp::CastF32ToF16 { span16, .. }
             | RangeOp::CopyF32 { span16, .. }
             | RangeOp::Check { span16, .. }
+            | RangeOp::GradNorm { span16 }
             | RangeOp::Sgd { span16, .. }
             | RangeOp::Ema { span16, .. } => Some(span16),
             RangeOp::LossScaleUpdate { .. } => None,
@@ -137,7 +145,7 @@ impl RangeOp {
             RangeOp::Zero { region, .. } => n * region.dtype().map_or(0, DataType::size),
             RangeOp::CastF16ToF32 { .. } | RangeOp::CastF32ToF16 { .. } => n * 6,
             RangeOp::CopyF32 { .. } => n * 8,
-            RangeOp::Check { .. } => n * 4,
+            RangeOp::Check { .. } | RangeOp::GradNorm { .. } => n * 4,
             // Reads W, G (+M); writes W, A (+M).
             RangeOp::Sgd {
                 momentum_buffer: true,
@@ -195,6 +203,14 @@ impl RangeOp {
                     Some(DataType::Float),
                 )
             }
+            RangeOp::GradNorm { span16 } => span_in(
+                op,
+                plan,
+                Region::G,
+                "gradients",
+                span16,
+                Some(DataType::Float),
+            ),
             RangeOp::Sgd {
                 momentum_buffer,
                 span16,
