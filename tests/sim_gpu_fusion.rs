@@ -142,9 +142,7 @@ mod planted {
         let y_len = bytes(sh.n * sh.k * sh.p() * sh.q());
         let (x_at, w_at) = (0, round(x_len));
         let y_at = w_at + round(w_len);
-        let arena = stream
-            .alloc_zeros::<u8>(y_at + round(y_len) + 256)
-            .unwrap();
+        let arena = stream.alloc_zeros::<u8>(y_at + round(y_len) + 256).unwrap();
         let (base, _guard) = arena.device_ptr(&stream);
         let run = |y_offset: usize| {
             let mut b = Bindings::new(&plan);
@@ -175,7 +173,10 @@ mod planted {
                 matches!(&err, Error::Binding { graph, .. } if graph == "conv_fprop")
             };
             assert!(caught, "{err:?}");
-            assert!(text.contains(needle) && text.contains("conv_fprop#0.y"), "{text}");
+            assert!(
+                text.contains(needle) && text.contains("conv_fprop#0.y"),
+                "{text}"
+            );
         }
     }
 

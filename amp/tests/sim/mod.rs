@@ -122,4 +122,3 @@ pub fn run(what: &str, cmd: &mut Command) -> Ran {
     println!("{what} ({}):\n{}\n{}", out.status, ran.stdout, ran.stderr);
     ran
 }
-}
