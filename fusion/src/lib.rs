@@ -7,6 +7,20 @@
 //! | engine config | [`backend::heuristics`] | a ranked way to run an operation graph |
 //! | execution plan | [`backend::finalize_plan`] | a finalized, runnable engine config |
 //! | tuned plan | [`autotune::tune`] | the fastest candidate, timed on a live device |
+//!
+//! # Where `unsafe` lives
+//! The crate denies `unsafe_code`; these modules allow it, each block with a `// SAFETY:`
+//! comment:
+//!
+//! | module | why |
+//! |---|---|
+//! | [`backend`] | every cuDNN backend call (through cudnn-fe-sys) |
+//! | [`exec`] | binding device addresses and executing plans on a stream |
+//! | `cbr::kernels`, `cbr::device_buffers` | launching our own kernels, device buffers by address |
+//! | [`rtc`] | NVRTC and module loading |
+//! | [`sim`], [`interp`] (`execute`, `raw`) | the simulated device: its driver's allocation table, raw memory |
+//! | [`untrusted`] | the effective user id (`geteuid`), for the cache folders' ownership rule |
+//! | `reference::element` | the `gemm` crate's FP32 GEMM, whose entry point is `unsafe fn` |
 #![deny(unsafe_code)]
 
 pub mod autotune;

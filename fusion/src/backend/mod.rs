@@ -1,4 +1,5 @@
-//! The thin `Result` layer over cudnn-fe-sys: the only module of this crate with `unsafe`.
+//! The thin `Result` layer over cudnn-fe-sys: every cuDNN backend call of this crate goes
+//! through it (the crate docs list the other modules with `unsafe`).
 //!
 //! 1. [`Descriptor::new`] creates a backend descriptor; `Drop` destroys it.
 //! 2. `set`/`set_one`/`set_descriptors` set typed attributes (the Rust type picks the

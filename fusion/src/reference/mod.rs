@@ -2,8 +2,9 @@
 //! CPU executor for examples on machines without a GPU.
 //!
 //! Plain Rust over `f16` storage with `f32` arithmetic, rounding to FP16 exactly where the GPU
-//! graphs store FP16 (ARCHITECTURE.md "Two executors"); im2col + GEMM (matrixmultiply, through
-//! ndarray's safe API) for the convolutions, rayon over rows and channels. Every op is generic
+//! graphs store FP16; im2col + GEMM for the convolutions (FP32: the `gemm` crate, one
+//! bounds-checked `unsafe` call in `element.rs`; f64: matrixmultiply through ndarray's safe
+//! API), rayon over rows and channels. Every op is generic
 //! over the [`Element`] type, so the same code also runs in `f64` (no rounding anywhere) for
 //! finite-difference checks and exact comparisons.
 //!
