@@ -9,7 +9,7 @@
 //! | M (SGD momentum) | `cbr.momentum.` + the weight's name | F32 |
 //! | E (EMA), when the plan has it | `cbr.ema.` + the weight's name | F32 |
 //! | E16 (FP16 EMA copy), when the plan has it | `cbr.ema16.` + the weight's name | F16 |
-//! | S (loss scale, overflow flag, growth tracker, step and skip counters, SGD values, ranks) | `cbr.scalars`, its 256-byte image ([`cudnn_cbr::amp::range::scalars`]) | U8 |
+//! | S (loss scale, overflow flag, growth tracker, step and skip counters, SGD values, ranks) | `cbr.scalars`, its 256-byte image ([`cudnn_cbr::amp::range::Scalars`], whose module documents the layout) | U8 |
 //!
 //! and each BN layer's `running_mean`, `running_var` (F32) and `num_batches_tracked` (I64,
 //! shape `[]`: the training steps done) under the BN's torchvision name (`bn1.running_mean`,
@@ -655,6 +655,41 @@ pub fn save(
     Ok(())
 }
 
+/// Makes `path`'s folder if needed and checks that a temporary file can be made in it, so
+/// that a run that is to save finds out before it trains rather than after.
+///
+/// # Errors
+/// [`CheckpointError::Write`] naming what failed.
+pub fn check_writable(path: &Path) -> Result<(), CheckpointError> {
+    let err = |what: &'static str, e: std::io::Error| CheckpointError::Write {
+        path: path.into(),
+        what,
+        message: e.to_string(),
+    };
+    let (dir, tmp) = temporary(path).map_err(|e| err("name a file", e))?;
+    std::fs::create_dir_all(&dir).map_err(|e| err("make its folder", e))?;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .map_err(|e| err("create a temporary file next to it", e))?;
+    std::fs::remove_file(&tmp).map_err(|e| err("remove the temporary file", e))
+}
+
+/// `path`'s folder and the temporary file a save writes first.
+fn temporary(path: &Path) -> std::io::Result<(PathBuf, PathBuf)> {
+    let name = path.file_name().ok_or(std::io::ErrorKind::InvalidInput)?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(format!(".tmp.{}", std::process::id()));
+    let tmp = dir.join(tmp_name);
+    Ok((dir, tmp))
+}
+
 /// Writes `bytes` to a temporary file next to `path`, `fsync`s it, renames it over `path`
 /// and `fsync`s the folder. On failure the temporary file is removed and `path` untouched.
 ///
@@ -666,17 +701,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
         what,
         message: e.to_string(),
     };
-    let name = path
-        .file_name()
-        .ok_or_else(|| err("name a file", std::io::ErrorKind::InvalidInput.into()))?;
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(name);
-    tmp_name.push(format!(".tmp.{}", std::process::id()));
-    let tmp = dir.join(tmp_name);
+    let (dir, tmp) = temporary(path).map_err(|e| err("name a file", e))?;
     let written = (|| {
         let mut f = std::fs::OpenOptions::new()
             .write(true)

@@ -1,5 +1,5 @@
 //! Training curves: one [`CurvePoint`] per step ([`crate::TrainReport::curve`]), written as
-//! `curves.csv` and drawn as `curves.svg` ([`write`]; `train_cbr --log-dir DIR`).
+//! `curves.csv` and drawn as `curves.svg` ([`write()`]; `train_cbr --log-dir DIR`).
 //!
 //! The chart is drawn with the `plotters` crate's SVG backend: no system fonts or native
 //! libraries are needed (text is SVG `<text>`, laid out by plotters' built-in estimate), and
@@ -28,7 +28,7 @@ pub struct CurvePoint {
     pub images_per_sec: f64,
 }
 
-/// The CSV header line [`write`] puts first.
+/// The CSV header line [`write()`] puts first.
 pub const CSV_HEADER: &str = "step,loss,accuracy,loss_scale,lr,images_per_sec";
 
 /// The CSV text of `points`: [`CSV_HEADER`], then one line per point.
@@ -114,6 +114,7 @@ pub fn chart(points: &[CurvePoint]) -> Result<String, String> {
             c.configure_mesh()
                 .x_desc("step")
                 .x_labels(6)
+                .x_label_formatter(&|x| format!("{x:.0}"))
                 .y_labels(6)
                 .draw()
                 .map_err(|e| e.to_string())?;

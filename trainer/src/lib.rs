@@ -16,7 +16,12 @@
 //! 2. [`Trainer::new`] makes that choice and sets the executor up (on CUDA: plans every
 //!    layer, allocates, uploads the initial weights); [`Trainer::executor`] says which and
 //!    why. [`train`] is `Trainer::new` followed by [`Trainer::run`].
-//! 3. [`Trainer::run`] trains and reports progress every few steps.
+//! 3. Optionally, [`Trainer::resume`] loads a checkpoint, [`Trainer::save_to`] saves them
+//!    ([`checkpoint`]: safetensors with torchvision's names, bit-exact resume) and
+//!    [`Trainer::record_curve`] asks the CUDA executor for per-step [`curves`] too.
+//! 4. [`Trainer::run`] trains and reports progress every few steps; the
+//!    [`TrainReport`] holds the per-step losses, the final master weights and their
+//!    [`TrainReport::weights_hash`], and the curve ([`curves::write`] draws it).
 //!
 //! Both executors run the same network (the preset [`TrainConfig::net`], compiled by
 //! [`cudnn_cbr::net::compile()`]), from the same initial
@@ -745,12 +750,15 @@ impl Trainer {
     }
 
     /// Saves a checkpoint ([`checkpoint`]) to `path` after every `every` steps (0: none
-    /// between) and after the last step. One rank only (CPU or CUDA executor).
+    /// between) and after the last step. One rank only (CPU or CUDA executor). Makes the
+    /// folder if needed and checks now that a file can be written there.
     ///
     /// # Errors
-    /// [`TrainError::Config`] for a data-parallel run.
+    /// [`TrainError::Config`] for a data-parallel run; [`TrainError::Checkpoint`] when the
+    /// folder cannot hold the file.
     pub fn save_to(&mut self, path: &std::path::Path, every: usize) -> Result<(), TrainError> {
         self.one_rank("--save")?;
+        checkpoint::check_writable(path)?;
         self.session.save = Some((path.to_path_buf(), every));
         Ok(())
     }

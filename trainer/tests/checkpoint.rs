@@ -70,7 +70,12 @@ pub fn resume_is_bit_exact(device: &str, extra: &[&str], dir: &Path) {
     let base = [&["--device", device, "--batch", "4"][..], extra].concat();
     let (whole, from, all, _) = run(&[&base[..], &["--steps", n]].concat());
     assert_eq!((from, all.len()), (1, 12));
-    let (part, _, first, text) = run(&[&base[..], &["--steps", k, "--save", ck]].concat());
+    // Also saving after steps 2 and 4: saving mid-run must not change the run.
+    let (part, _, first, text) = run(&[
+        &base[..],
+        &["--steps", k, "--save", ck, "--save-every", "2"],
+    ]
+    .concat());
     assert!(text.contains("checkpoint saved"), "{text}");
     assert_eq!(first[..], all[..5], "the first 5 steps differ");
     let (resumed, from, rest, text) = run(&[&base[..], &["--steps", n, "--resume", ck]].concat());
@@ -480,6 +485,14 @@ fn a_failed_save_leaves_the_existing_file_untouched() {
         ck_err(checkpoint::save(&good.join("under-a-file"), &cfg(), &state, 3, "cpu").unwrap_err());
     assert!(matches!(e, CheckpointError::Write { .. }), "{e}");
     assert_eq!(std::fs::read(&good).unwrap(), before);
+    // A run that is to save there is refused before it trains.
+    let mut t = Trainer::new(&cfg()).unwrap();
+    let e = ck_err(t.save_to(&good.join("under-a-file"), 0).unwrap_err());
+    assert!(matches!(e, CheckpointError::Write { .. }), "{e}");
+    // A folder that does not exist yet is made.
+    t.save_to(&dir.join("new/ck.safetensors"), 0).unwrap();
+    assert!(dir.join("new").is_dir());
+    std::fs::remove_dir(dir.join("new")).unwrap();
     // No temporary file is left behind.
     let left: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()

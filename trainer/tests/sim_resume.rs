@@ -1,7 +1,7 @@
 //! Checkpoint and resume on the CUDA executor, on the simulated CUDA device
 //! (docs/simulator.md): `train_cbr --device cuda` runs as a child process under the simulator
 //! (as `sim_train.rs` runs its children), 12 steps in one go against 5 steps, a checkpoint,
-//! and 7 more in a new process. Each run plans, warms up 3 eager steps and then replays the
+//! and 7 more in a new process (the first run also saving after steps 2 and 4). Each run plans, warms up 3 eager steps and then replays the
 //! whole step as a CUDA graph, so the resumed run replays from its step 8 where the one-go
 //! run did from step 3: the losses and the weights hash must still be equal bit for bit.
 
@@ -78,7 +78,16 @@ fn resuming_on_the_simulated_device_is_bit_exact() {
         "{text}"
     );
     assert_eq!(all.len(), 12, "{text}");
-    let (part, _, first, _) = run(&sim, &[&base[..], &["--steps", "5", "--save", ck]].concat());
+    // Saves after steps 2 and 4 (before and after the capture) and 5: downloading the state
+    // mid-run must not change the run.
+    let (part, _, first, _) = run(
+        &sim,
+        &[
+            &base[..],
+            &["--steps", "5", "--save", ck, "--save-every", "2"],
+        ]
+        .concat(),
+    );
     assert_eq!(first[..], all[..5]);
     let (resumed, from, rest, text) = run(
         &sim,
