@@ -104,6 +104,30 @@ impl CpuClassifier {
         self.net.net()
     }
 
+    /// Every layer's running statistics (`stem.running_mean`, `stem.running_var`, …), in the
+    /// network's buffer order: what a checkpoint saves besides the amp regions.
+    ///
+    /// # Errors
+    /// A statistic the network does not hold as FP32 (not for a compiled network).
+    pub fn running_stats(&self) -> Result<Vec<(String, Vec<f32>)>> {
+        let net = self.net.net();
+        crate::net::cuda::running_stats(net)
+            .map(|id| {
+                let name = &net.buffers[id].name;
+                Ok((name.clone(), self.net.float(name)?.to_vec()))
+            })
+            .collect()
+    }
+
+    /// Overwrites running statistic `name` (as [`CpuClassifier::running_stats`] names it),
+    /// e.g. from a checkpoint.
+    ///
+    /// # Errors
+    /// An unknown name or a length other than the statistic's.
+    pub fn set_running_stat(&mut self, name: &str, values: Vec<f32>) -> Result<()> {
+        Ok(self.net.set_float(name, values)?)
+    }
+
     /// Conv weights from A (FP16), BN parameters from W (FP32) into the layers' buffers.
     fn load_weights(&mut self) -> Result<()> {
         let regions = self.step.executor();

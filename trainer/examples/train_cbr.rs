@@ -5,8 +5,18 @@
 //! `cargo run --release -p cudnn-cbr-trainer --example train_cbr -- [--net
 //!  mini|resnet18|resnet34|resnet50|resnet101] [--device auto|cuda|cpu] [--steps N] [--batch N]
 //!  [--hw N] [--width N] [--seed N] [--lr X] [--unfused] [--cuda-graph off|finish|step]
-//!  [--ranks N [--sync-bn]] [--data synthetic|cifar10:DIR]`
+//!  [--ranks N [--sync-bn]] [--data synthetic|cifar10:DIR] [--save PATH [--save-every N]]
+//!  [--resume PATH] [--log-dir DIR]`
 //!  (`--help` lists them with their defaults)
+//!
+//! `--save PATH` writes a checkpoint (the whole training state, safetensors with torchvision's
+//! names: `cudnn_cbr_trainer::checkpoint`) after the last step and every `--save-every` steps;
+//! `--resume PATH` continues from one. `--steps` counts from the start of training, so
+//! `--resume ck --steps 40` after a 20-step run saved with `--save ck` trains steps 21–40 and
+//! ends with the same weights hash as 40 steps in one go. `--log-dir DIR` writes
+//! `DIR/curves.csv` and `DIR/curves.svg` (per-step loss, accuracy, loss scale, learning rate,
+//! throughput). The summary line ends with `weights hash <16 hex digits>`
+//! (`MasterWeights::hash`).
 //!
 //! `--net` picks the network (default `mini`, the small net that learns in seconds on a CPU);
 //! `--hw` sets the image size, so `--net resnet50 --hw 32 --batch 2 --steps 1` runs a real
@@ -72,6 +82,20 @@ struct Args {
     /// first 8 batches of the test set).
     #[arg(long, default_value = "synthetic")]
     data: DataSource,
+    /// Save a checkpoint (safetensors) here after the last step, and every --save-every steps.
+    #[arg(long)]
+    save: Option<std::path::PathBuf>,
+    /// With --save: also save after every N steps (0: only at the end).
+    #[arg(long, default_value_t = 0, requires = "save")]
+    save_every: usize,
+    /// Resume from this checkpoint (same network, batch, image size, seed and data); --steps
+    /// counts from the start of training.
+    #[arg(long)]
+    resume: Option<std::path::PathBuf>,
+    /// Write curves.csv and curves.svg (per-step loss, accuracy, loss scale, learning rate,
+    /// throughput) into this folder.
+    #[arg(long)]
+    log_dir: Option<std::path::PathBuf>,
 }
 
 impl Args {
@@ -105,14 +129,32 @@ impl Args {
 
 fn main() -> ExitCode {
     // Usage errors exit 2 and `--help` exits 0 (clap's conventions).
-    let cfg = Args::parse().config();
-    let trainer = match Trainer::new(&cfg) {
+    let args = Args::parse();
+    let cfg = args.config();
+    let mut trainer = match Trainer::new(&cfg) {
         Ok(t) => t,
         Err(e) => {
             eprintln!("train_cbr: --device {}: {e}", cfg.device.name());
             return ExitCode::FAILURE;
         }
     };
+    trainer.record_curve(args.log_dir.is_some());
+    if let Some(path) = &args.save {
+        if let Err(e) = trainer.save_to(path, args.save_every) {
+            eprintln!("train_cbr: --save: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    let mut resumed = 0;
+    if let Some(path) = &args.resume {
+        match trainer.resume(path) {
+            Ok(step) => resumed = step,
+            Err(e) => {
+                eprintln!("train_cbr: --resume {}: {e}", path.display());
+                return ExitCode::FAILURE;
+            }
+        }
+    }
     let info = trainer.executor().clone();
     // Under a launcher (one process per GPU) only rank 0 reports.
     let (rank, _) = trainer.process_rank();
@@ -156,6 +198,12 @@ fn main() -> ExitCode {
         cfg.steps,
         cfg.lr
     );
+    if let Some(path) = &args.resume {
+        println!(
+            "train_cbr: resumed from {} at step {resumed}",
+            path.display()
+        );
+    }
     let every = (cfg.steps / 20).clamp(1, 25);
     // A progress bar on a terminal; plain lines otherwise, so logs stay readable.
     let bar = std::io::stdout().is_terminal().then(|| {
@@ -190,7 +238,7 @@ fn main() -> ExitCode {
     match result {
         Ok(r) => {
             println!(
-                "train_cbr summary: loss {:.4} -> {:.4}, train accuracy {:.1}% (last 10 steps), held-out accuracy {:.1}% (chance {:.1}%), skipped {} steps, loss scale {}, {:.0} img/s on {kind}",
+                "train_cbr summary: loss {:.4} -> {:.4}, train accuracy {:.1}% (last 10 steps), held-out accuracy {:.1}% (chance {:.1}%), skipped {} steps, loss scale {}, {:.0} img/s on {kind}, weights hash {:016x}",
                 r.first_loss,
                 r.last_loss,
                 r.last_accuracy * 100.0,
@@ -198,10 +246,36 @@ fn main() -> ExitCode {
                 100.0 / cfg.classes as f32,
                 r.skipped,
                 r.loss_scale,
-                r.images_per_sec
+                r.images_per_sec,
+                r.weights_hash()
             );
             if r.executor.kind == ExecutorKind::Cuda {
                 println!("train_cbr: {}", r.executor.detail);
+            }
+            // Each step's loss, for comparing runs (a resumed run's start at its step).
+            let losses: Vec<String> = r.step_losses.iter().map(|l| format!("{l:?}")).collect();
+            println!(
+                "train_cbr: step losses from step {}: {}",
+                r.start_step + 1,
+                losses.join(" ")
+            );
+            if let Some(dir) = &args.log_dir {
+                match cudnn_cbr_trainer::curves::write(dir, &r.curve) {
+                    Ok((csv, svg)) => {
+                        println!(
+                            "train_cbr: curves in {} and {}",
+                            csv.display(),
+                            svg.display()
+                        )
+                    }
+                    Err(e) => {
+                        eprintln!("train_cbr: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                }
+            }
+            if let Some(path) = &args.save {
+                println!("train_cbr: checkpoint saved to {}", path.display());
             }
             ExitCode::SUCCESS
         }

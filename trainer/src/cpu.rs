@@ -3,12 +3,15 @@
 //! [`CpuRegions`].
 
 use super::{
-    data, net::compile_net, net::cpu_policy, summarize, ExecutorInfo, MasterWeights, Progress,
-    StepTrace, TrainConfig, TrainError, TrainReport, Window, HELD_OUT_BATCHES,
+    checkpoint, data, net::compile_net, net::cpu_policy, summarize, ExecutorInfo, MasterWeights,
+    Progress, Session, StepTrace, TrainConfig, TrainError, TrainReport, Window, HELD_OUT_BATCHES,
 };
+use crate::checkpoint::{TrainState, SAVED_REGIONS};
+use crate::curves::CurvePoint;
 use cudnn_cbr::amp::plan::Region;
 use cudnn_cbr::amp::range;
 use cudnn_cbr::amp::range::HeadMetrics;
+use cudnn_cbr::amp::range::Scalars;
 use cudnn_cbr::amp::step::{AmpStep, CpuRegions, StepConfig};
 use cudnn_cbr::amp::AmpError;
 use cudnn_cbr::classifier::CpuClassifier;
@@ -40,21 +43,68 @@ impl CpuTrainer {
         })
     }
 
+    /// The state a checkpoint saves: regions W, M, E, E16 and S (those the plan has) and
+    /// the running statistics.
+    pub(crate) fn state(&self) -> Result<TrainState, TrainError> {
+        let regions = self.model.step().executor();
+        let mut out = TrainState {
+            regions: Vec::new(),
+            running: self.model.running_stats()?,
+        };
+        for r in SAVED_REGIONS {
+            if regions.plan_arc().has_region(r) {
+                out.regions.push((r, regions.region_bytes(r)?));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Restores a checkpoint's state: W, then A (and the EMA) made from it, then M, E, E16,
+    /// S (with this run's SGD values) and the running statistics.
+    pub(crate) fn load_state(&mut self, state: &TrainState) -> Result<(), TrainError> {
+        let step = self.model.step_mut();
+        let mut scalars = None;
+        for (r, bytes) in &state.regions {
+            match r {
+                Region::W => {
+                    step.executor_mut().load_region_bytes(*r, bytes)?;
+                    step.init_weights()?;
+                }
+                Region::S => scalars = Some(Scalars::from_bytes(bytes).map_err(AmpError::from)?),
+                _ => step.executor_mut().load_region_bytes(*r, bytes)?,
+            }
+        }
+        if let Some(s) = scalars {
+            step.restore_scalars(&s)?;
+        }
+        for (name, v) in &state.running {
+            self.model.set_running_stat(name, v.clone())?;
+        }
+        Ok(())
+    }
+
     pub(crate) fn run(
         mut self,
         every: usize,
         mut progress: impl FnMut(&Progress),
         executor: ExecutorInfo,
+        session: &Session,
     ) -> Result<TrainReport, TrainError> {
         let cfg = self.cfg;
+        let first = session.start;
         let start = Instant::now();
-        let mut metrics = Vec::with_capacity(cfg.steps);
+        let mut metrics = Vec::with_capacity(cfg.steps - first);
+        let mut curve = Vec::with_capacity(cfg.steps - first);
         let mut window = Window::default();
         let (mut trace, mut skipped_before) = (Vec::new(), 0u32);
         // Batches are made (and, for files, augmented) on a thread of their own while the
         // step runs; each is a pure function of its index, so the losses do not depend on it.
-        let mut batches = data::Prefetch::spawn(self.data.clone(), cfg.batch, cfg.steps as u64);
-        for i in 0..cfg.steps {
+        let mut batches = data::Prefetch::spawn_range(
+            self.data.clone(),
+            cfg.batch,
+            first as u64..cfg.steps as u64,
+        );
+        for i in first..cfg.steps {
             let poison = cfg.drill.and_then(|d| d.poisons(i));
             let (images, labels) = batches.next_batch().ok_or_else(|| {
                 TrainError::Config(format!("the batch producer stopped before batch {i}"))
@@ -87,14 +137,28 @@ impl CpuTrainer {
             }
             metrics.push(m);
             window.add(m);
+            let done = i + 1 - first;
+            let s = self.model.step().executor().scalars();
+            curve.push(CurvePoint {
+                step: i + 1,
+                loss: m.loss,
+                accuracy: m.accuracy,
+                loss_scale: s.loss_scale,
+                lr: s.lr,
+                images_per_sec: (done * cfg.batch) as f64 / start.elapsed().as_secs_f64(),
+            });
             if (i + 1) % every.max(1) == 0 || i + 1 == cfg.steps {
                 let step = self.model.step_mut();
                 step.request_scalars()?;
                 let s = step.poll_scalars()?.unwrap_or_default();
-                progress(&window.report(i + 1, cfg.batch, start, s));
+                progress(&window.report(i + 1, done, cfg.batch, start, s));
+            }
+            if let Some(path) = session.saves_after(i + 1, cfg.steps) {
+                checkpoint::save(path, &cfg, &self.state()?, (i + 1) as u64, &self.routes())?;
             }
         }
-        let images_per_sec = (cfg.steps * cfg.batch) as f64 / start.elapsed().as_secs_f64();
+        let images_per_sec =
+            ((cfg.steps - first) * cfg.batch) as f64 / start.elapsed().as_secs_f64();
         // Held-out batches, forward only (the weights are not touched).
         let mut correct = 0usize;
         for i in 0..HELD_OUT_BATCHES {
@@ -106,13 +170,24 @@ impl CpuTrainer {
             correct += (m.accuracy * cfg.batch as f32).round() as usize;
         }
         let held_out = correct as f32 / (HELD_OUT_BATCHES as usize * cfg.batch) as f32;
-        report(
+        let mut r = report(
             self.model.step_mut(),
             &metrics,
             held_out,
             images_per_sec,
             executor,
             trace,
+        )?;
+        r.start_step = first;
+        r.curve = curve;
+        Ok(r)
+    }
+
+    /// The route every layer runs (checkpoint metadata).
+    fn routes(&self) -> String {
+        format!(
+            "cpu reference executor, {} route ops",
+            if self.cfg.fused { "fused" } else { "unfused" }
         )
     }
 }
@@ -146,6 +221,8 @@ pub(crate) fn report(
         weights,
         executor,
         trace,
+        start_step: 0,
+        curve: Vec::new(),
     })
 }
 
@@ -167,13 +244,13 @@ fn poison_gradient(regions: &mut CpuRegions, h: u64) -> Result<(), TrainError> {
 
 /// FNV-1a over the bytes of W, M and E (those the plan has).
 fn state_hash(regions: &CpuRegions) -> Result<u64, TrainError> {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    let mut h = crate::FNV_OFFSET;
     for region in [Region::W, Region::M, Region::E] {
         if !regions.plan_arc().has_region(region) {
             continue;
         }
         for byte in regions.region_bytes(region)? {
-            h = (h ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+            h = (h ^ u64::from(byte)).wrapping_mul(crate::FNV_PRIME);
         }
     }
     Ok(h)

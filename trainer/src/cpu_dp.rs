@@ -121,17 +121,30 @@ fn run_rank(
     };
     let start = Instant::now();
     let mut metrics = Vec::with_capacity(cfg.steps);
+    let mut curve = Vec::with_capacity(if rank == 0 { cfg.steps } else { 0 });
     let mut window = Window::default();
     for i in 0..cfg.steps {
         let (images, labels) = shard(data.batch(cfg.batch * ranks, i as u64, 0));
         let m = replica.step(&images, &labels)?;
         metrics.push(m);
         window.add(m);
+        if rank == 0 {
+            let s = replica.model_mut().step().executor().scalars();
+            curve.push(crate::curves::CurvePoint {
+                step: i + 1,
+                loss: m.loss,
+                accuracy: m.accuracy,
+                loss_scale: s.loss_scale,
+                lr: s.lr,
+                images_per_sec: ((i + 1) * cfg.batch * ranks) as f64
+                    / start.elapsed().as_secs_f64(),
+            });
+        }
         if rank == 0 && ((i + 1) % every.max(1) == 0 || i + 1 == cfg.steps) {
             let step = replica.model_mut().step_mut();
             step.request_scalars()?;
             let s = step.poll_scalars()?.unwrap_or_default();
-            progress(&window.report(i + 1, cfg.batch * ranks, start, s));
+            progress(&window.report(i + 1, i + 1, cfg.batch * ranks, start, s));
         }
     }
     let images_per_sec = (cfg.steps * cfg.batch * ranks) as f64 / start.elapsed().as_secs_f64();
@@ -160,5 +173,10 @@ fn run_rank(
         executor.clone(),
         Vec::new(),
     )
-    .map(Some)
+    .map(|r| {
+        Some(TrainReport {
+            curve: std::mem::take(&mut curve),
+            ..r
+        })
+    })
 }

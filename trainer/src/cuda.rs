@@ -62,9 +62,11 @@
 
 use super::net::compile_net;
 use super::{
-    data, plan_and_initial_weights, summarize, CudaGraphMode, ExecutorInfo, MasterWeights,
-    Progress, TrainConfig, TrainError, TrainReport, HELD_OUT_BATCHES,
+    checkpoint, data, plan_and_initial_weights, summarize, CudaGraphMode, ExecutorInfo,
+    MasterWeights, Progress, Session, TrainConfig, TrainError, TrainReport, HELD_OUT_BATCHES,
 };
+use crate::checkpoint::{TrainState, SAVED_REGIONS};
+use crate::curves::CurvePoint;
 pub use crate::snapshot::Snapshot;
 use cudnn_cbr::amp::cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudnn_cbr::amp::cuda::cudarc::driver::CudaEvent;
@@ -79,6 +81,7 @@ use cudnn_cbr::amp::dist::nccl::{NcclComm, NcclId};
 use cudnn_cbr::amp::dist::watchdog::{timeout_from_env, Health, Watchdog};
 use cudnn_cbr::amp::dist::{Collective, DistError, ReduceOp};
 use cudnn_cbr::amp::plan::{ByteRange, Region};
+use cudnn_cbr::amp::range::Scalars;
 use cudnn_cbr::amp::range::{
     metrics_log_bytes, metrics_log_read, HeadMetrics, HeadShape, MetricsLog,
 };
@@ -865,6 +868,59 @@ impl CudaTrainer {
             .map_err(|e| driver("restore the metrics log", e))
     }
 
+    /// The state a checkpoint saves (blocking): regions W, M, E, E16 and S (those the plan
+    /// has) and the running statistics.
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn train_state(&self) -> Result<TrainState, TrainError> {
+        let snap = self.snapshot()?;
+        Ok(TrainState {
+            regions: snap
+                .regions
+                .into_iter()
+                .filter(|(r, _)| SAVED_REGIONS.contains(r))
+                .collect(),
+            running: snap.running,
+        })
+    }
+
+    /// Restores a checkpoint's state (in stream order): W, then A (and the EMA) made from it,
+    /// then M, E, E16, S (with this run's SGD values) and the running statistics.
+    ///
+    /// # Errors
+    /// A state of another network; a driver error.
+    pub fn load_state(&mut self, state: &TrainState) -> Result<(), TrainError> {
+        let mut scalars = None;
+        for (r, bytes) in &state.regions {
+            match r {
+                Region::W => {
+                    self.step
+                        .executor_mut()
+                        .upload_region_bytes(*r, bytes)
+                        .map_err(amp_error)?;
+                    self.step.init_weights().map_err(amp_error)?;
+                }
+                Region::S => scalars = Some(Scalars::from_bytes(bytes).map_err(AmpError::from)?),
+                _ => self
+                    .step
+                    .executor_mut()
+                    .upload_region_bytes(*r, bytes)
+                    .map_err(amp_error)?,
+            }
+        }
+        if let Some(s) = scalars {
+            self.step.restore_scalars(&s).map_err(amp_error)?;
+        }
+        for (name, v) in &state.running {
+            let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            self.net.upload(name, &bytes).map_err(net_error)?;
+        }
+        self.stream
+            .synchronize()
+            .map_err(|e| driver("synchronize after restoring a checkpoint", e))
+    }
+
     /// The training metrics log, downloaded (blocking).
     ///
     /// # Errors
@@ -903,8 +959,9 @@ impl CudaTrainer {
         every: usize,
         progress: impl FnMut(&Progress),
         executor: ExecutorInfo,
+        session: &Session,
     ) -> Result<TrainReport, TrainError> {
-        let out = self.run_steps(every, progress, executor);
+        let out = self.run_steps(every, progress, executor, session);
         out.map_err(|e| self.explain(e))
     }
 
@@ -927,8 +984,11 @@ impl CudaTrainer {
         every: usize,
         mut progress: impl FnMut(&Progress),
         mut executor: ExecutorInfo,
+        session: &Session,
     ) -> Result<TrainReport, TrainError> {
         let cfg = self.cfg;
+        let first = session.start;
+        let mut curve: Vec<CurvePoint> = Vec::new();
         let every = every.max(1);
         let world = self.rank().1;
         let start = Instant::now();
@@ -945,7 +1005,7 @@ impl CudaTrainer {
             let window = &log.entries[(*reported).min(log.entries.len())..];
             let n = window.len().max(1) as f32;
             progress(&Progress {
-                step: done,
+                step: first + done,
                 loss: window.iter().map(|m| m.loss).sum::<f32>() / n,
                 accuracy: window.iter().map(|m| m.accuracy).sum::<f32>() / n,
                 loss_scale: scale,
@@ -954,12 +1014,39 @@ impl CudaTrainer {
             });
             *reported = done;
         };
-        for i in 0..cfg.steps {
+        for i in first..cfg.steps {
             let (images, labels) = self.shard(self.data.batch(cfg.batch * world, i as u64, 0));
             self.upload_batch(&images, &labels)?;
             self.step()?;
-            if i + 1 == WARMUP_STEPS {
+            if i + 1 - first == WARMUP_STEPS {
                 self.capture(cfg.cuda_graph)?;
+            }
+            if session.curve {
+                // Loss and accuracy come from the metrics log at the end.
+                let s = self
+                    .step
+                    .executor()
+                    .read_scalars_blocking()
+                    .map_err(amp_error)?;
+                curve.push(CurvePoint {
+                    step: i + 1,
+                    loss: f32::NAN,
+                    accuracy: f32::NAN,
+                    loss_scale: s.loss_scale,
+                    lr: s.lr,
+                    images_per_sec: ((i + 1 - first) * cfg.batch * world) as f64
+                        / start.elapsed().as_secs_f64(),
+                });
+            }
+            if let Some(path) = session.saves_after(i + 1, cfg.steps) {
+                let state = self.train_state()?;
+                let routes = self
+                    .routes()
+                    .iter()
+                    .map(|(l, r)| format!("{l}={r}"))
+                    .collect::<Vec<_>>()
+                    .join(",");
+                checkpoint::save(path, &cfg, &state, (i + 1) as u64, &routes)?;
             }
             // Logging without syncs: poll what has arrived, request more every `every` steps.
             if let Some(bytes) = self.log_readback.poll().map_err(amp_error)? {
@@ -979,7 +1066,8 @@ impl CudaTrainer {
         self.stream
             .synchronize()
             .map_err(|e| driver("synchronize after the last step", e))?;
-        let images_per_sec = (cfg.steps * cfg.batch * world) as f64 / start.elapsed().as_secs_f64();
+        let images_per_sec =
+            ((cfg.steps - first) * cfg.batch * world) as f64 / start.elapsed().as_secs_f64();
         self.request_readback()?;
         let bytes = self
             .log_readback
@@ -997,6 +1085,10 @@ impl CudaTrainer {
         // The summary is the global batch's: each step's mean over the ranks' shards (the
         // progress lines above are rank 0's shard).
         log.entries = self.global_metrics(&log.entries)?;
+        for (p, m) in curve.iter_mut().zip(&log.entries) {
+            p.loss = m.loss;
+            p.accuracy = m.accuracy;
+        }
 
         // Held-out batches, forward only (BN in training mode, like the CPU executor).
         for i in 0..HELD_OUT_BATCHES {
@@ -1041,6 +1133,8 @@ impl CudaTrainer {
             weights,
             executor,
             trace: Vec::new(),
+            start_step: first,
+            curve,
         })
     }
 }

@@ -196,11 +196,21 @@ impl Prefetch {
 
     /// Starts making `data`'s training batches `0..steps` of `batch` images.
     pub fn spawn(data: std::sync::Arc<dyn Dataset>, batch: usize, steps: u64) -> Self {
+        Self::spawn_range(data, batch, 0..steps)
+    }
+
+    /// Starts making `data`'s training batches `indices` (in order) of `batch` images: a
+    /// resumed run's batches start at its checkpoint's step.
+    pub fn spawn_range(
+        data: std::sync::Arc<dyn Dataset>,
+        batch: usize,
+        indices: std::ops::Range<u64>,
+    ) -> Self {
         let (tx, rx) = std::sync::mpsc::sync_channel(Self::DEPTH);
         let producer = std::thread::Builder::new()
             .name("batch-prefetch".into())
             .spawn(move || {
-                for i in 0..steps {
+                for i in indices {
                     if tx.send(data.train_batch(batch, i)).is_err() {
                         break;
                     }

@@ -16,7 +16,12 @@
 //! 2. [`Trainer::new`] makes that choice and sets the executor up (on CUDA: plans every
 //!    layer, allocates, uploads the initial weights); [`Trainer::executor`] says which and
 //!    why. [`train`] is `Trainer::new` followed by [`Trainer::run`].
-//! 3. [`Trainer::run`] trains and reports progress every few steps.
+//! 3. Optionally, [`Trainer::resume`] loads a checkpoint, [`Trainer::save_to`] saves them
+//!    ([`checkpoint`]: safetensors with torchvision's names, bit-exact resume) and
+//!    [`Trainer::record_curve`] asks the CUDA executor for per-step [`curves`] too.
+//! 4. [`Trainer::run`] trains and reports progress every few steps; the
+//!    [`TrainReport`] holds the per-step losses, the final master weights and their
+//!    [`TrainReport::weights_hash`], and the curve ([`curves::write`] draws it).
 //!
 //! Both executors run the same network (the preset [`TrainConfig::net`], compiled by
 //! [`cudnn_cbr::net::compile()`]), from the same initial
@@ -27,10 +32,12 @@
 #![forbid(unsafe_code)]
 
 pub mod augment;
+pub mod checkpoint;
 pub mod cifar;
 mod cpu;
 mod cpu_dp;
 pub mod cuda;
+pub mod curves;
 mod data;
 pub mod net;
 pub mod snapshot;
@@ -393,6 +400,24 @@ pub struct TrainReport {
     pub executor: ExecutorInfo,
     /// Per step, when the run was a drill ([`TrainConfig::drill`]); empty otherwise.
     pub trace: Vec<StepTrace>,
+    /// The steps done before this run (a resumed run's checkpoint step; 0 otherwise):
+    /// [`TrainReport::step_losses`] are those of steps `start_step + 1 ..= steps`.
+    pub start_step: usize,
+    /// One point per step of this run ([`curves`]): always on the CPU executors; on CUDA when
+    /// [`Trainer::record_curve`] asked for it (it reads S back after every step).
+    pub curve: Vec<curves::CurvePoint>,
+}
+
+/// FNV-1a's 64-bit offset basis.
+pub(crate) const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+/// FNV-1a's 64-bit prime.
+pub(crate) const FNV_PRIME: u64 = 0x0100_0000_01b3;
+
+impl TrainReport {
+    /// [`MasterWeights::hash`] of the final master weights.
+    pub fn weights_hash(&self) -> u64 {
+        self.weights.hash()
+    }
 }
 
 /// FP32 master weights by parameter name (`stem.w`, `stem.gamma`, …, `fc.b`), in memory-plan
@@ -411,6 +436,29 @@ impl MasterWeights {
             .map(|p| Ok((p.name().to_owned(), read(p)?)))
             .collect::<Result<_, E>>()
             .map(MasterWeights)
+    }
+
+    /// The weights hash: FNV-1a (64-bit; offset basis `0xcbf29ce484222325`, prime
+    /// `0x100000001b3`) over, for each parameter in memory-plan order, its name's UTF-8
+    /// bytes, one zero byte, then every value's FP32 little-endian bytes in storage order
+    /// (conv weights KRSC, as the master copy holds them). Equal hashes mean the same names,
+    /// order and bits; any one byte that differs changes it (each FNV-1a round is a bijection
+    /// of the state). `train_cbr` prints it as `weights hash <16 hex digits>`.
+    pub fn hash(&self) -> u64 {
+        let mut h = FNV_OFFSET;
+        let mut eat = |bytes: &[u8]| {
+            for &b in bytes {
+                h = (h ^ u64::from(b)).wrapping_mul(FNV_PRIME);
+            }
+        };
+        for (name, values) in &self.0 {
+            eat(name.as_bytes());
+            eat(&[0]);
+            for v in values {
+                eat(&v.to_le_bytes());
+            }
+        }
+        h
     }
 
     /// One parameter's values.
@@ -499,6 +547,17 @@ pub enum TrainError {
     /// The dataset cannot be read or does not fit the network.
     #[error(transparent)]
     Data(#[from] cifar::CifarError),
+    /// A checkpoint cannot be saved or loaded.
+    #[error(transparent)]
+    Checkpoint(#[from] checkpoint::CheckpointError),
+    /// The training curves cannot be written.
+    #[error("cannot write the training curves to {path}: {message}")]
+    Curves {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        message: String,
+    },
 }
 
 impl TrainError {
@@ -521,6 +580,26 @@ pub struct Trainer {
     cfg: TrainConfig,
     info: ExecutorInfo,
     exec: Exec,
+    session: Session,
+}
+
+/// What a run does besides training: where it starts, where it saves, what it records.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Session {
+    /// Steps done before this run (from a checkpoint).
+    pub(crate) start: usize,
+    /// Save to this path every `every` steps (0: only at the end), and at the end.
+    pub(crate) save: Option<(std::path::PathBuf, usize)>,
+    /// Record a curve point per step on CUDA (a blocking read of S per step).
+    pub(crate) curve: bool,
+}
+
+impl Session {
+    /// Whether to save after `done` steps of a run of `steps`.
+    pub(crate) fn saves_after(&self, done: usize, steps: usize) -> Option<&std::path::Path> {
+        let (path, every) = self.save.as_ref()?;
+        (done == steps || (*every > 0 && done % every == 0)).then_some(path.as_path())
+    }
 }
 
 #[derive(Debug)]
@@ -551,6 +630,7 @@ impl Trainer {
                     ),
                 },
                 exec: Exec::Cpu(Box::new(cpu::CpuTrainer::new(cfg)?)),
+                session: Session::default(),
             })
         };
         let launch = launch_env()?;
@@ -580,6 +660,7 @@ impl Trainer {
                     detail: t.describe(),
                 },
                 exec: Exec::Cuda(Box::new(t)),
+                session: Session::default(),
             })
         };
         if cfg.data != DataSource::Synthetic {
@@ -628,6 +709,7 @@ impl Trainer {
                     ),
                 },
                 exec: Exec::CpuDataParallel(Box::new(cpu_dp::DataParallelTrainer::new(cfg)?)),
+                session: Session::default(),
             });
         }
         if cfg.drill.is_some() {
@@ -667,6 +749,66 @@ impl Trainer {
         &self.cfg
     }
 
+    /// Saves a checkpoint ([`checkpoint`]) to `path` after every `every` steps (0: none
+    /// between) and after the last step. One rank only (CPU or CUDA executor). Makes the
+    /// folder if needed and checks now that a file can be written there.
+    ///
+    /// # Errors
+    /// [`TrainError::Config`] for a data-parallel run; [`TrainError::Checkpoint`] when the
+    /// folder cannot hold the file.
+    pub fn save_to(&mut self, path: &std::path::Path, every: usize) -> Result<(), TrainError> {
+        self.one_rank("--save")?;
+        checkpoint::check_writable(path)?;
+        self.session.save = Some((path.to_path_buf(), every));
+        Ok(())
+    }
+
+    /// Records a [`curves::CurvePoint`] per step on the CUDA executor too (the CPU executors
+    /// always do): S is read back after every step, which waits for the device.
+    pub fn record_curve(&mut self, on: bool) {
+        self.session.curve = on;
+    }
+
+    fn one_rank(&self, what: &str) -> Result<(), TrainError> {
+        if matches!(self.exec, Exec::CpuDataParallel(_)) || self.process_rank().1 > 1 {
+            return Err(TrainError::Config(format!(
+                "{what} works on one rank (the CPU or CUDA executor without --ranks, \
+                 --sync-bn or a launcher)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Loads a checkpoint of this run's network and data ([`checkpoint::load`]) into the
+    /// executor: the run then trains from its step up to [`TrainConfig::steps`], on the
+    /// batches that follow. Returns that step.
+    ///
+    /// # Errors
+    /// [`TrainError::Checkpoint`] naming what is wrong with the file; [`TrainError::Config`]
+    /// for a data-parallel run or a checkpoint at or past `steps`; the executor's error.
+    pub fn resume(&mut self, path: &std::path::Path) -> Result<usize, TrainError> {
+        self.one_rank("--resume")?;
+        let loaded = checkpoint::load(path, &self.cfg)?;
+        let step = usize::try_from(loaded.step).unwrap_or(usize::MAX);
+        if step >= self.cfg.steps {
+            return Err(TrainError::Config(format!(
+                "the checkpoint {} is at step {step}; --steps counts from the start of the \
+                 run, so it must be more than that (got {})",
+                path.display(),
+                self.cfg.steps
+            )));
+        }
+        match &mut self.exec {
+            Exec::Cpu(t) => t.load_state(&loaded.state)?,
+            Exec::Cuda(t) => t.load_state(&loaded.state)?,
+            Exec::CpuDataParallel(_) => {
+                return Err(TrainError::Config("--resume works on one rank".into()))
+            }
+        }
+        self.session.start = step;
+        Ok(step)
+    }
+
     /// Trains and reports. `progress` is called every `every` steps on the CPU; on CUDA it
     /// is called whenever an asynchronous readback of the device's metrics log arrives after
     /// such a request (so a report may cover more than `every` steps, and reports may be
@@ -680,9 +822,9 @@ impl Trainer {
         progress: impl FnMut(&Progress),
     ) -> Result<TrainReport, TrainError> {
         match self.exec {
-            Exec::Cpu(t) => t.run(every, progress, self.info),
+            Exec::Cpu(t) => t.run(every, progress, self.info, &self.session),
             Exec::CpuDataParallel(t) => t.run(every, progress, self.info),
-            Exec::Cuda(t) => t.run(every, progress, self.info),
+            Exec::Cuda(t) => t.run(every, progress, self.info, &self.session),
         }
     }
 }
@@ -733,11 +875,12 @@ impl Window {
         self.n += 1;
     }
 
-    /// The report after `step` steps of `images_per_step` images since `start`, with S's
-    /// scale and skip count; empties the window.
+    /// The report after `step` steps (`done` of them since `start`) of `images_per_step`
+    /// images, with S's scale and skip count; empties the window.
     pub(crate) fn report(
         &mut self,
         step: usize,
+        done: usize,
         images_per_step: usize,
         start: std::time::Instant,
         s: cudnn_cbr::amp::range::Scalars,
@@ -749,7 +892,7 @@ impl Window {
             accuracy: self.accuracy / n,
             loss_scale: s.loss_scale,
             skipped: s.skipped,
-            images_per_sec: (step * images_per_step) as f64 / start.elapsed().as_secs_f64(),
+            images_per_sec: (done * images_per_step) as f64 / start.elapsed().as_secs_f64(),
         };
         *self = Window::default();
         p
@@ -805,6 +948,25 @@ impl From<cudnn_cbr::ClassifierError> for TrainError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_weights_hash_is_fnv1a_over_names_and_le_bytes() {
+        let w = MasterWeights(vec![("a".into(), vec![1.0]), ("b".into(), vec![])]);
+        // By hand: FNV-1a of "a", 0, 1.0f32 LE (00 00 80 3f), "b", 0.
+        let mut h = FNV_OFFSET;
+        for b in [b'a', 0, 0, 0, 0x80, 0x3f, b'b', 0] {
+            h = (h ^ u64::from(b)).wrapping_mul(FNV_PRIME);
+        }
+        assert_eq!(w.hash(), h);
+        // One bit of one value, or the order, changes it.
+        let flipped = MasterWeights(vec![
+            ("a".into(), vec![f32::from_bits(1.0f32.to_bits() ^ 1)]),
+            ("b".into(), vec![]),
+        ]);
+        assert_ne!(flipped.hash(), h);
+        let swapped = MasterWeights(vec![("b".into(), vec![]), ("a".into(), vec![1.0])]);
+        assert_ne!(swapped.hash(), h);
+    }
 
     #[test]
     fn step_counts_and_widths_past_their_limits_are_named() {
