@@ -96,6 +96,10 @@ struct Args {
     /// throughput) into this folder.
     #[arg(long)]
     log_dir: Option<std::path::PathBuf>,
+    /// Clip the gradients by their global norm (PyTorch's clip_grad_norm_ after unscale_),
+    /// on the device, without a host sync.
+    #[arg(long, value_name = "MAX_NORM")]
+    clip_norm: Option<f32>,
 }
 
 impl Args {
@@ -122,6 +126,7 @@ impl Args {
             cuda_graph: self.cuda_graph,
             ranks: self.ranks,
             sync_bn: self.sync_bn,
+            clip_norm: self.clip_norm,
             ..TrainConfig::default()
         }
     }

@@ -12,7 +12,7 @@ use cudnn_cbr::amp::plan::Region;
 use cudnn_cbr::amp::range;
 use cudnn_cbr::amp::range::HeadMetrics;
 use cudnn_cbr::amp::range::Scalars;
-use cudnn_cbr::amp::step::{AmpStep, CpuRegions, StepConfig};
+use cudnn_cbr::amp::step::{AmpStep, CpuRegions};
 use cudnn_cbr::amp::AmpError;
 use cudnn_cbr::classifier::CpuClassifier;
 use half::f16;
@@ -35,7 +35,7 @@ impl CpuTrainer {
         // (The same initial weights as the CUDA executor's: `net::initial_weights` of the seed;
         // running variances start at 1, as in every framework: `CpuNet::new`.)
         let net = compile_net(cfg, &cpu_policy(cfg))?;
-        let model = CpuClassifier::new(net, cfg.classes, StepConfig::new(cfg.sgd()), cfg.seed)?;
+        let model = CpuClassifier::new(net, cfg.classes, cfg.step_config(), cfg.seed)?;
         Ok(CpuTrainer {
             cfg: *cfg,
             data,

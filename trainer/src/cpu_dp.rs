@@ -10,7 +10,6 @@ use super::{
 };
 use cudnn_cbr::amp::dist::DistError;
 use cudnn_cbr::amp::range;
-use cudnn_cbr::amp::step::StepConfig;
 use cudnn_cbr::amp::AmpError;
 use cudnn_cbr::classifier::CpuClassifier;
 use cudnn_cbr::dist::{Collective, Communicator, CpuComm, CpuGroup, CpuReplica, ReduceOp};
@@ -109,7 +108,7 @@ fn run_rank(
     let (rank, ranks) = (grads.rank(), cfg.ranks);
     let data = data::Synthetic::new(cfg.hw, cfg.channels, cfg.classes, cfg.seed);
     let net = compile_net(cfg, &cpu_policy(cfg))?;
-    let model = CpuClassifier::new(net, cfg.classes, StepConfig::new(cfg.sgd()), cfg.seed)?;
+    let model = CpuClassifier::new(net, cfg.classes, cfg.step_config(), cfg.seed)?;
     let mut replica = CpuReplica::new(model, grads, bn)?;
     let per = cfg.hw * cfg.hw * cfg.channels;
     let shard = |(images, labels): (Vec<f16>, Vec<i32>)| {

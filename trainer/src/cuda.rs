@@ -85,7 +85,7 @@ use cudnn_cbr::amp::range::Scalars;
 use cudnn_cbr::amp::range::{
     metrics_log_bytes, metrics_log_read, HeadMetrics, HeadShape, MetricsLog,
 };
-use cudnn_cbr::amp::step::{AmpStep, StepConfig, StepGraph};
+use cudnn_cbr::amp::step::{AmpStep, StepGraph};
 use cudnn_cbr::amp::AmpError;
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::RouteKind;
@@ -355,7 +355,7 @@ impl CudaTrainer {
                 .map_err(amp_error)?;
         }
         let kernels = regions.kernels().clone();
-        let mut step = AmpStep::new(regions, StepConfig::new(cfg.sgd())).map_err(amp_error)?;
+        let mut step = AmpStep::new(regions, cfg.step_config()).map_err(amp_error)?;
         let dist = match launch {
             None => None,
             Some(l) => {

@@ -48,6 +48,7 @@ pub use net::compile_net;
 
 use cudnn_cbr::amp::plan::{MemoryPlan, ParamInfo};
 use cudnn_cbr::amp::range::{HeadMetrics, SgdConfig};
+use cudnn_cbr::amp::step::StepConfig;
 use cudnn_cbr::amp::AmpError;
 use std::fmt;
 use std::str::FromStr;
@@ -160,6 +161,10 @@ pub struct TrainConfig {
     /// rank; then `hw` must be 32 and `classes` 10, and `channels` ≥ 3 holds R, G, B and
     /// zeros).
     pub data: DataSource,
+    /// Clipping by global norm (PyTorch's `clip_grad_norm_(max_norm)` after `unscale_`): the
+    /// norm of the unscaled gradients is computed on the device each step and SGD scales
+    /// them by `min(1, max_norm / (norm + 1e-6))`; `None`: no clipping.
+    pub clip_norm: Option<f32>,
 }
 
 /// A reliability drill: on about `per_mille`/1000 of the steps, chosen by `seed`, one
@@ -224,6 +229,7 @@ impl Default for TrainConfig {
             ranks: 1,
             sync_bn: false,
             data: DataSource::Synthetic,
+            clip_norm: None,
         }
     }
 }
@@ -271,6 +277,13 @@ impl TrainConfig {
                 "ranks must be in 1..=1024 (CPU ranks are threads), got {}",
                 self.ranks
             )));
+        }
+        if let Some(max_norm) = self.clip_norm {
+            if !(max_norm.is_finite() && max_norm > 0.0) {
+                return Err(TrainError::Config(format!(
+                    "clip-norm must be finite and > 0, got {max_norm}"
+                )));
+            }
         }
         if self.data_parallel() && self.drill.is_some() {
             return Err(TrainError::Config(
@@ -334,6 +347,16 @@ impl TrainConfig {
             momentum: 0.9,
             weight_decay: 5e-4,
             nesterov: false,
+        }
+    }
+
+    /// The amp step's configuration: [`TrainConfig::sgd`], with clipping by global norm when
+    /// asked.
+    pub fn step_config(&self) -> StepConfig {
+        let step = StepConfig::new(self.sgd());
+        match self.clip_norm {
+            Some(max_norm) => step.with_clip_norm(max_norm),
+            None => step,
         }
     }
 }
@@ -998,6 +1021,20 @@ mod tests {
                     ..TrainConfig::default()
                 },
                 "`hw`",
+            ),
+            (
+                TrainConfig {
+                    clip_norm: Some(0.0),
+                    ..TrainConfig::default()
+                },
+                "clip-norm must be finite and > 0, got 0",
+            ),
+            (
+                TrainConfig {
+                    clip_norm: Some(f32::NAN),
+                    ..TrainConfig::default()
+                },
+                "clip-norm must be finite and > 0, got NaN",
             ),
         ] {
             let e = cfg.validate().unwrap_err();

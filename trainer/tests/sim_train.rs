@@ -228,3 +228,85 @@ fn a_resnet18_step_is_captured_and_replayed_on_the_simulator() {
     );
     assert!((losses[0] - 8f32.ln()).abs() < 1.5, "{losses:?}");
 }
+
+/// Set in the clipping child run.
+const CLIP_CHILD: &str = "CUDNN_CBR_SIM_CLIP_CHILD";
+
+/// The mini network with clipping by global norm at 0.5, below the gradients' norm.
+fn clipped(device: Device) -> TrainConfig {
+    TrainConfig {
+        steps: 5,
+        batch: 16,
+        device,
+        clip_norm: Some(0.5),
+        ..TrainConfig::default()
+    }
+}
+
+/// Clipping by global norm (the norm reduced on the device, the factor applied inside the
+/// SGD kernel) trains on the simulated device with the CPU executor's losses, and changes
+/// them: the bound is below the gradients' norm, so every step after the first is clipped.
+#[test]
+fn clipping_by_norm_on_the_simulator_matches_the_cpu_executor() {
+    if std::env::var_os(CLIP_CHILD).is_some() {
+        let r = train(&clipped(Device::Cuda), 1, |_| {}).expect("clipped run on the simulator");
+        println!("EXECUTOR {:?} | {}", r.executor.kind, r.executor.detail);
+        for l in &r.step_losses {
+            println!("LOSS {l}");
+        }
+        return;
+    }
+    let test = "clipping_by_norm_on_the_simulator_matches_the_cpu_executor";
+    let Some(dir) = sim::built(test) else {
+        return;
+    };
+    let out = sim::select(
+        &mut Command::new(std::env::current_exe().expect("this test binary")),
+        &dir,
+    )
+    .args([test, "--exact", "--nocapture"])
+    .env(CLIP_CHILD, "1")
+    .output()
+    .expect("run the clipped training under the simulator");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "the simulated run failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("EXECUTOR Cuda"), "{stdout}");
+    let on_sim: Vec<f32> = stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("LOSS "))
+        .map(|v| v.parse().expect("a loss"))
+        .collect();
+    let cpu = train(&clipped(Device::Cpu), 1, |_| {}).expect("clipped CPU training");
+    let free = train(
+        &TrainConfig {
+            clip_norm: None,
+            ..clipped(Device::Cpu)
+        },
+        1,
+        |_| {},
+    )
+    .expect("unclipped CPU training");
+    assert_eq!(on_sim.len(), cpu.step_losses.len(), "{stdout}");
+    for (step, (s, c)) in on_sim.iter().zip(&cpu.step_losses).enumerate() {
+        println!("step {}: simulated cuda {s:.6}, cpu {c:.6}", step + 1);
+        // As the unclipped comparison above: FP32 sums in other orders, absorbed by FP16.
+        assert!(
+            (s - c).abs() / c.abs() < 1e-3,
+            "step {}: {s} vs {c}",
+            step + 1
+        );
+    }
+    assert_eq!(
+        cpu.step_losses[0], free.step_losses[0],
+        "step 1 trains from the same weights"
+    );
+    assert!(
+        cpu.step_losses[1..] != free.step_losses[1..],
+        "clipping at 0.5 changed nothing: {:?}",
+        cpu.step_losses
+    );
+}
