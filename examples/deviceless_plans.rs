@@ -9,7 +9,7 @@
 //!
 //! ```text
 //! cargo run --release --example deviceless_plans -- [--net NAME] [--props FILE] [--batch N]
-//!     [--hw N] [--cache DIR] [--threads N]
+//!     [--hw N] [--cache DIR] [--threads N] [--memory]
 //! ```
 //!
 //! - `--net NAME`: `mini`, `resnet18`, `resnet34`, `resnet50` (default), `resnet101`.
@@ -19,6 +19,10 @@
 //!   restores them instead of running heuristics and cuDNN's runtime compilation again.
 //! - `--threads N`: plan the network's distinct graphs on N threads first (default: one per
 //!   core; 1 turns the parallel pass off), so cuDNN's compilations overlap.
+//! - `--memory`: after the fused route's table, the device memory of one training step by kind
+//!   (parameters, gradients, optimizer state, activations, their gradients, per-channel
+//!   buffers, workspace, total), a line ending `network buffers X.X MB per image`, and the
+//!   largest batch that fits the target's memory (`totalGlobalMem`).
 //!
 //! The first run compiles the runtime-compiled graphs (BN applies, ReLU/BN backward): 0.5–1.3 s
 //! each; progress goes to stderr. Needs cuDNN ≥ 9.8 (run scripts/setup-test-deps.sh and
@@ -29,7 +33,9 @@ use clap::Parser;
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::fusion::Target;
-use cudnn_cbr::net::{compile, prewarm, CompiledNet, LayerRole, NetLayer, Preset, RoutePolicy};
+use cudnn_cbr::net::{
+    compile, prewarm, CompiledNet, LayerRole, MemoryReport, NetLayer, Preset, RoutePolicy,
+};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -58,6 +64,36 @@ struct Args {
     /// core; 1: no parallel pass).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Print the device memory of one training step on the fused route, by kind, and the
+    /// largest batch that fits the target's memory.
+    #[arg(long)]
+    memory: bool,
+}
+
+/// The `--memory` report of `net` on `target` (a 1000-class head, as the network's).
+fn print_memory(net: &CompiledNet, target: &Target) {
+    let report = match MemoryReport::of(net, 1000) {
+        Ok(r) => r,
+        Err(e) => {
+            println!("memory: cannot lay out the amp plan: {e}");
+            return;
+        }
+    };
+    println!("{report}");
+    let device = target.props().total_memory();
+    match report.largest_batch(device) {
+        Some(b) => println!(
+            "largest batch that fits {} ({:.1} GB): {b} (activations and their gradients \
+             scale with the batch; the workspace is this batch's)",
+            target.props().name(),
+            device as f64 / 1e9
+        ),
+        None => println!(
+            "not one image fits {} ({:.1} GB)",
+            target.props().name(),
+            device as f64 / 1e9
+        ),
+    }
 }
 
 /// One row per distinct layer of `net`, with why a layer is not fused, or takes no prologue,
@@ -174,6 +210,9 @@ fn main() -> ExitCode {
                     "{label}: {n} layers planned in {:.1} s",
                     t.elapsed().as_secs_f64()
                 );
+                if label == "fused" && args.memory {
+                    print_memory(&net, &target);
+                }
                 if label == "fused" {
                     pairs = (
                         net.layers.iter().filter(|l| l.prev.is_some()).count(),

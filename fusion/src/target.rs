@@ -206,6 +206,7 @@ pub struct DeviceProps {
     name: String,
     device_ver: u32,
     sm_count: u32,
+    total_memory: u64,
     origin: Option<String>,
 }
 
@@ -300,6 +301,11 @@ impl DeviceProps {
             name: name.to_string(),
             device_ver: uint("deviceVer")?,
             sm_count: uint("multiProcessorCount")?,
+            // Range-checked by `check_limits` (1 B to 1 PiB) where present.
+            total_memory: obj
+                .get("totalGlobalMem")
+                .and_then(|v| v.as_u64())
+                .unwrap_or(0),
             origin,
         })
     }
@@ -322,6 +328,11 @@ impl DeviceProps {
     /// `multiProcessorCount`.
     pub fn sm_count(&self) -> u32 {
         self.sm_count
+    }
+
+    /// `totalGlobalMem`: the device's memory in bytes (0 when a live document lacks it).
+    pub fn total_memory(&self) -> u64 {
+        self.total_memory
     }
 
     /// Where the document came from (a file path), when known.

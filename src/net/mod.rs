@@ -14,6 +14,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod exec;
 pub mod head;
+pub mod memory;
 pub mod params;
 pub mod prewarm;
 pub mod spec;
@@ -26,6 +27,7 @@ pub use compile::{
 pub use cpu::CpuNet;
 pub use cuda::{CudaNet, CudaNetError};
 pub use exec::{run_pass, run_pass_observed, NetExecutor};
+pub use memory::MemoryReport;
 pub use params::{initial_weights, memory_plan, memory_plan_with_buffers};
 pub use prewarm::{prewarm, Prewarmed};
 pub use spec::{BlockKind, BlockSpec, NetSpec, PoolSpec, Preset, StemSpec};

@@ -91,7 +91,7 @@ use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::fusion::exec::{cuda_device, Handle};
 use cudnn_cbr::net::cuda::{running_stats, CudaNet, CudaNetError};
-use cudnn_cbr::net::{grad_schedule, CompiledNet, GradSchedule, RoutePolicy};
+use cudnn_cbr::net::{grad_schedule, CompiledNet, GradSchedule, MemoryReport, RoutePolicy};
 use half::f16;
 use std::collections::VecDeque;
 use std::fmt;
@@ -343,6 +343,7 @@ impl CudaTrainer {
         // A working directory where the folder cannot be made: plan in memory only.
         let cache = PlanCache::persistent(PLAN_CACHE_DIR).unwrap_or_else(|_| PlanCache::new());
         let net = plan_net(cfg, &target, &cache)?;
+        check_fits(cfg, &net, &ctx, &device_name)?;
         // (CudaNet::new reserves the largest workspace, so that the pool never grows inside
         // the step's capture.)
 
@@ -1187,6 +1188,33 @@ fn net_error(e: CudaNetError) -> TrainError {
             ),
         },
     }
+}
+
+/// Refuses up front, with the memory report, a batch whose step the device cannot hold
+/// (before anything of the step is allocated).
+fn check_fits(
+    cfg: &TrainConfig,
+    net: &CompiledNet,
+    ctx: &CudaContext,
+    device: &str,
+) -> Result<(), TrainError> {
+    let report = MemoryReport::of(net, cfg.classes)
+        .map_err(|e| TrainError::Config(format!("the memory plan: {e}")))?;
+    let (free, _total) = ctx
+        .mem_get_info()
+        .map_err(|e| TrainError::Config(format!("cannot query the device memory: {e}")))?;
+    if report.total() <= free as u64 {
+        return Ok(());
+    }
+    let largest = match report.largest_batch(free as u64) {
+        Some(b) => format!("the largest batch that fits is about {b}"),
+        None => "not one image fits".into(),
+    };
+    Err(TrainError::Config(format!(
+        "batch {} does not fit on {device} ({:.1} MB free): {largest}\n{report}",
+        cfg.batch,
+        free as f64 / 1e6
+    )))
 }
 
 #[cfg(test)]

@@ -310,3 +310,65 @@ fn clipping_by_norm_on_the_simulator_matches_the_cpu_executor() {
         cpu.step_losses
     );
 }
+
+/// Set in the too-large-batch child run.
+const TOO_BIG_CHILD: &str = "CUDNN_CBR_SIM_TOO_BIG_CHILD";
+
+/// A batch the device cannot hold is refused before the step allocates anything, with the
+/// memory report: the simulated device is given 64 MB (its device-properties document with
+/// a smaller `totalGlobalMem`), and the mini network at batch 512 needs more.
+#[test]
+fn a_batch_the_device_cannot_hold_is_refused_with_the_memory_report() {
+    let cfg = TrainConfig {
+        steps: 1,
+        batch: 512,
+        device: Device::Cuda,
+        ..TrainConfig::default()
+    };
+    if std::env::var_os(TOO_BIG_CHILD).is_some() {
+        match train(&cfg, 1, |_| {}) {
+            Ok(r) => println!("TRAINED {:?}", r.step_losses),
+            Err(e) => println!("REFUSED {e}"),
+        }
+        return;
+    }
+    let test = "a_batch_the_device_cannot_hold_is_refused_with_the_memory_report";
+    let Some(dir) = sim::built(test) else {
+        return;
+    };
+    let fixture = sim::repo()
+        .expect("the repository")
+        .join("tests/fixtures/devprops/h200-sm90.json");
+    let mut props: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture).expect("the fixture"))
+            .expect("JSON");
+    props["totalGlobalMem"] = serde_json::json!(64_000_000u64);
+    let small = std::env::temp_dir().join(format!("cudnn-cbr-64mb-{}.json", std::process::id()));
+    std::fs::write(&small, props.to_string()).expect("write the document");
+    let out = sim::select(
+        &mut Command::new(std::env::current_exe().expect("this test binary")),
+        &dir,
+    )
+    .args([test, "--exact", "--nocapture"])
+    .env(TOO_BIG_CHILD, "1")
+    .env("CUDNN_CBR_SIM_DEVPROPS", &small)
+    .output()
+    .expect("run the oversized batch under the simulator");
+    let _ = std::fs::remove_file(&small);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    println!("{stdout}");
+    assert!(
+        stdout.contains("REFUSED") && stdout.contains("batch 512 does not fit"),
+        "{stdout}\n{stderr}"
+    );
+    for needle in [
+        "the largest batch that fits is about",
+        "activation gradients",
+        "network buffers",
+        "MB per image",
+    ] {
+        assert!(stdout.contains(needle), "no `{needle}` in:\n{stdout}");
+    }
+}
