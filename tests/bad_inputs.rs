@@ -12,6 +12,7 @@ use cudnn_cbr::amp::step::{AmpStep, CpuRegions, StepConfig};
 use cudnn_cbr::amp::RangeOpError;
 use cudnn_cbr::amp::{AmpError, PlanError};
 use cudnn_cbr::fusion::cache::PlanCache;
+use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::fusion::cbr::{CbrConfig, CbrLayer, ConvShape, HostBuffers, Pass};
 use cudnn_cbr::fusion::graph::{
     ConvAttrs, Graph, GraphError, PointwiseAttrs, PointwiseMode, ReductionAttrs, ReductionMode,
@@ -1489,6 +1490,72 @@ fn example_rows() -> Vec<Row> {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Per-layer routes
+
+fn per_layer(names: &[&str]) -> RoutePolicy<'static> {
+    RoutePolicy::PerLayer {
+        routes: names
+            .iter()
+            .map(|n| (n.to_string(), RouteKind::Unfused))
+            .collect(),
+        default: RouteKind::Fused,
+    }
+}
+
+/// `names` on ResNet-18 (3 classes, 16x16) must be refused, naming each unknown one and the
+/// real layers.
+fn unknown_routes(names: &[&str], unknown: &[&str]) -> Verdict {
+    let spec = Preset::ResNet18.spec(3, 4, 8);
+    let e = compile(&spec, 2, 16, &per_layer(names)).expect_err("the routes must be refused");
+    invalid_field(&e, "routes");
+    let text = e.to_string();
+    for u in unknown {
+        assert!(text.contains(&format!(" {u}")), "`{u}` not named: {text}");
+    }
+    assert!(text.contains("its layers: stem, s0.b0.conv1"), "{text}");
+    typed(e)
+}
+
+fn route_rows() -> Vec<Row> {
+    vec![
+        ("routes", "a layer the network does not have", || {
+            unknown_routes(&["s9.b0.conv1"], &["s9.b0.conv1"])
+        }),
+        ("routes", "two unknown layers beside a real one", || {
+            unknown_routes(&["stem", "s0.b9.conv2", "fc"], &["fc", "s0.b9.conv2"])
+        }),
+        ("routes", "a buffer's name, not a layer's", || {
+            unknown_routes(&["stem.out"], &["stem.out"])
+        }),
+        ("routes", "a layer name in the wrong case", || {
+            unknown_routes(&["Stem"], &["Stem"])
+        }),
+        ("routes", "an empty layer name", || {
+            unknown_routes(&[""], &[""])
+        }),
+        ("routes", "a bottleneck's conv3 on basic blocks", || {
+            unknown_routes(&["s1.b0.conv3"], &["s1.b0.conv3"])
+        }),
+        ("routes", "a projection on a block that has none", || {
+            unknown_routes(&["s0.b0.down"], &["s0.b0.down"])
+        }),
+        ("routes", "real layer names (accepted and applied)", || {
+            let spec = Preset::ResNet18.spec(3, 4, 8);
+            let net = compile(&spec, 2, 16, &per_layer(&["s1.b0.down", "s0.b1.conv2"])).unwrap();
+            for l in &net.layers {
+                let want = if ["s1.b0.down", "s0.b1.conv2"].contains(&l.name.as_str()) {
+                    RouteKind::Unfused
+                } else {
+                    RouteKind::Fused
+                };
+                assert_eq!(l.layer.route().kind(), want, "{}", l.name);
+            }
+            Verdict::Recovered("the two named layers unfused, the rest fused".into())
+        }),
+    ]
+}
+
+// ---------------------------------------------------------------------------------------------
 
 #[test]
 fn every_bad_input_is_a_typed_error_or_a_documented_recovery() {
@@ -1500,6 +1567,7 @@ fn every_bad_input_is_a_typed_error_or_a_documented_recovery() {
         loader_rows(),
         amp_rows(),
         example_rows(),
+        route_rows(),
     ]
     .concat();
     let (mut errors, mut recoveries, mut failures) = (0, 0, Vec::new());

@@ -206,7 +206,8 @@ pub enum Step {
 pub enum RoutePolicy<'a> {
     /// One route for every layer (CPU executor; no cuDNN needed).
     Uniform(RouteKind),
-    /// A route per layer name (`stem`, `s0.b1.conv2`, …); unnamed layers take `default`.
+    /// A route per layer name (`stem`, `s0.b1.conv2`, …); unnamed layers take `default`. A name
+    /// the network does not have is an [`Error::InvalidConfig`] on field `routes`.
     PerLayer {
         /// Layer name → route.
         routes: BTreeMap<String, RouteKind>,
@@ -601,6 +602,7 @@ pub fn compile(
                 ),
             )
         })?;
+    check_route_names(spec, policy, &c.layers)?;
     let features = spec
         .stages
         .iter()
@@ -621,6 +623,37 @@ pub fn compile(
         features,
         out_hw: x_hw,
     })
+}
+
+/// A per-layer route for a layer this network does not have is a caller's typo that would
+/// otherwise silently leave the intended layer on the default route.
+fn check_route_names(spec: &NetSpec, policy: &RoutePolicy<'_>, layers: &[NetLayer]) -> Result<()> {
+    let RoutePolicy::PerLayer { routes, .. } = policy else {
+        return Ok(());
+    };
+    let unknown: Vec<&str> = routes
+        .keys()
+        .filter(|k| !layers.iter().any(|l| &l.name == *k))
+        .map(String::as_str)
+        .collect();
+    if unknown.is_empty() {
+        return Ok(());
+    }
+    let real: Vec<&str> = layers.iter().map(|l| l.name.as_str()).collect();
+    Err(invalid(
+        &spec.name,
+        "routes",
+        format!(
+            "names {} not in this network: {} (its layers: {})",
+            if unknown.len() == 1 {
+                "a layer"
+            } else {
+                "layers"
+            },
+            unknown.join(", "),
+            real.join(", ")
+        ),
+    ))
 }
 
 fn in_layer(name: &str, e: Error) -> Error {
