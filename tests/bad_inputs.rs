@@ -25,6 +25,7 @@ use cudnn_cbr::net::{
     compile, BlockKind, BlockSpec, CpuNet, NetSpec, PoolSpec, Preset, RoutePolicy,
 };
 use cudnn_cbr::sys::{load_from, LoadError, SearchPaths};
+use cudnn_cbr::{ClassifierError, CpuClassifier};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -1490,7 +1491,7 @@ fn example_rows() -> Vec<Row> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Per-layer routes
+// Per-layer routes, the head's classes, and data-parallel groups of different networks
 
 fn per_layer(names: &[&str]) -> RoutePolicy<'static> {
     RoutePolicy::PerLayer {
@@ -1555,6 +1556,99 @@ fn route_rows() -> Vec<Row> {
     ]
 }
 
+fn mini_net(classes: usize) -> cudnn_cbr::net::CompiledNet {
+    let spec = Preset::Mini.spec(3, classes, 4);
+    compile(&spec, 2, 8, &RoutePolicy::Uniform(RouteKind::Fused)).unwrap()
+}
+
+/// The head's class count against a spec of 4 must be refused, naming both.
+fn head_classes(e: ClassifierError, head: usize) -> Verdict {
+    assert!(
+        matches!(
+            &e,
+            ClassifierError::Amp(AmpError::Plan(PlanError::HeadClasses { spec: 4, head: h, .. }))
+                if *h == head
+        ),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string().contains(&format!(
+            "has {head} classes, but network `mini`'s spec has 4"
+        )),
+        "{e}"
+    );
+    typed(e)
+}
+
+fn cpu_classifier(classes: usize) -> Result<CpuClassifier, ClassifierError> {
+    CpuClassifier::new(
+        mini_net(4),
+        classes,
+        StepConfig::new(SgdConfig::new(0.1)),
+        1,
+    )
+}
+
+/// A 4-class mini classifier (batch 2 of 8x8x3) fed `images` values and `labels`.
+fn classifier_input(images: usize, labels: &[i32], needle: &str) -> Verdict {
+    let mut model = cpu_classifier(4).unwrap();
+    model.step_mut().begin().unwrap();
+    let e = model
+        .forward_backward(&vec![half::f16::ZERO; images], labels)
+        .expect_err("the batch must be refused");
+    assert!(matches!(e, ClassifierError::Input(_)), "{e:?}");
+    assert!(e.to_string().contains(needle), "{e}");
+    typed(e)
+}
+
+fn head_rows() -> Vec<Row> {
+    vec![
+        (
+            "head",
+            "a CPU classifier of 3 classes on a 4-class spec",
+            || head_classes(cpu_classifier(3).unwrap_err(), 3),
+        ),
+        (
+            "head",
+            "a CPU classifier of 5 classes on a 4-class spec",
+            || head_classes(cpu_classifier(5).unwrap_err(), 5),
+        ),
+        (
+            "head",
+            "a CPU classifier of 0 classes on a 4-class spec",
+            || head_classes(cpu_classifier(0).unwrap_err(), 0),
+        ),
+        (
+            "head",
+            "a memory plan of 2 classes on a 4-class spec",
+            || {
+                let e = cudnn_cbr::net::memory_plan(&mini_net(4), 2).unwrap_err();
+                head_classes(AmpError::from(e).into(), 2)
+            },
+        ),
+        (
+            "head",
+            "a memory plan with buffers of 9 classes on a 4-class spec",
+            || {
+                let e = cudnn_cbr::net::memory_plan_with_buffers(&mini_net(4), 9).unwrap_err();
+                head_classes(AmpError::from(e).into(), 9)
+            },
+        ),
+        ("head", "a label equal to the class count", || {
+            classifier_input(2 * 8 * 8 * 3, &[0, 4], "label 4 is outside 0..4")
+        }),
+        ("head", "a negative label", || {
+            classifier_input(2 * 8 * 8 * 3, &[-1, 0], "label -1 is outside 0..4")
+        }),
+        ("head", "three labels for a batch of two", || {
+            classifier_input(2 * 8 * 8 * 3, &[0, 1, 2], "3 labels for a batch of 2")
+        }),
+        ("head", "one image short", || {
+            classifier_input(8 * 8 * 3, &[0, 1], "the network reads 384")
+        }),
+    ]
+}
+
 // ---------------------------------------------------------------------------------------------
 
 #[test]
@@ -1568,6 +1662,7 @@ fn every_bad_input_is_a_typed_error_or_a_documented_recovery() {
         amp_rows(),
         example_rows(),
         route_rows(),
+        head_rows(),
     ]
     .concat();
     let (mut errors, mut recoveries, mut failures) = (0, 0, Vec::new());
