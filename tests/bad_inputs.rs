@@ -14,7 +14,7 @@ use cudnn_cbr::amp::step::AmpExecutor;
 use cudnn_cbr::amp::step::{AmpStep, CpuRegions, StepConfig};
 use cudnn_cbr::amp::RangeOpError;
 use cudnn_cbr::amp::{AmpError, PlanError};
-use cudnn_cbr::dist::DistError;
+use cudnn_cbr::dist::{CpuGroup, CpuReplica, DistError};
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::fusion::cbr::{CbrConfig, CbrLayer, ConvShape, HostBuffers, Pass};
@@ -1665,6 +1665,143 @@ fn head_rows() -> Vec<Row> {
     ]
 }
 
+/// Two CPU ranks (threads) whose networks are `a` and `b` form a group: both must fail with
+/// the mismatch (naming both summaries), promptly.
+fn group_of(
+    a: (usize, usize, usize, usize, RouteKind),
+    b: (usize, usize, usize, usize, RouteKind),
+    says: &[&str],
+) -> Verdict {
+    let start = std::time::Instant::now();
+    let comms = CpuGroup::ranks_with_timeout(2, std::time::Duration::from_secs(60)).unwrap();
+    let out: Vec<Result<CpuReplica, ClassifierError>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .zip([a, b])
+            .map(|(comm, (classes, width, batch, hw, route))| {
+                s.spawn(move || {
+                    let spec = Preset::Mini.spec(3, classes, width);
+                    let net = compile(&spec, batch, hw, &RoutePolicy::Uniform(route)).unwrap();
+                    let model =
+                        CpuClassifier::new(net, classes, StepConfig::new(SgdConfig::new(0.1)), 1)?;
+                    CpuReplica::new(model, comm, None)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(start.elapsed().as_secs() < 30, "{:?}", start.elapsed());
+    let mut first = String::new();
+    for (rank, o) in out.into_iter().enumerate() {
+        let e = match o {
+            Err(ClassifierError::Amp(AmpError::Dist(e))) => e,
+            other => panic!("rank {rank}: {other:?}"),
+        };
+        assert!(
+            matches!(&e, DistError::ModelMismatch { me, rank_a: 0, rank_b: 1, hash_a, hash_b, .. }
+                if *me == rank && hash_a != hash_b),
+            "{e:?}"
+        );
+        let text = e.to_string();
+        for s in says {
+            assert!(text.contains(s), "`{s}` not in: {text}");
+        }
+        if rank == 0 {
+            first = text;
+        }
+    }
+    typed(first)
+}
+
+const F: RouteKind = RouteKind::Fused;
+
+fn group_rows() -> Vec<Row> {
+    vec![
+        ("group", "ranks of 4 and 5 classes", || {
+            group_of(
+                (4, 4, 2, 8, F),
+                (5, 4, 2, 8, F),
+                &["mini classes 4 batch 2", "mini classes 5 batch 2"],
+            )
+        }),
+        (
+            "group",
+            "ranks of other routes (same parameter sizes)",
+            || {
+                group_of(
+                    (4, 4, 2, 8, F),
+                    (4, 4, 2, 8, RouteKind::Unfused),
+                    &["routes f*", "routes u*"],
+                )
+            },
+        ),
+        ("group", "ranks of other batches", || {
+            group_of(
+                (4, 4, 2, 8, F),
+                (4, 4, 4, 8, F),
+                &["batch 2 hw", "batch 4 hw"],
+            )
+        }),
+        ("group", "ranks of other image sizes", || {
+            group_of((4, 4, 2, 8, F), (4, 4, 2, 16, F), &["hw 8 ", "hw 16 "])
+        }),
+        (
+            "group",
+            "ranks of other widths (the summary alike, the hash not)",
+            || {
+                group_of(
+                    (4, 4, 2, 8, F),
+                    (4, 8, 2, 8, F),
+                    &["mini classes 4 batch 2 hw 8"],
+                )
+            },
+        ),
+        (
+            "group",
+            "ranks of the same network (the group forms)",
+            || {
+                let comms = CpuGroup::ranks(2).unwrap();
+                let ok = std::thread::scope(|s| {
+                    let hs: Vec<_> = comms
+                        .into_iter()
+                        .map(|comm| {
+                            s.spawn(move || {
+                                let model = cpu_classifier(4).unwrap();
+                                CpuReplica::new(model, comm, None).is_ok()
+                            })
+                        })
+                        .collect();
+                    hs.into_iter().all(|h| h.join().unwrap())
+                });
+                assert!(ok);
+                Verdict::Recovered("both ranks joined".into())
+            },
+        ),
+        (
+            "group",
+            "a gathered fingerprint buffer of the wrong length",
+            || {
+                let e = cudnn_cbr::amp::dist::same::check_gathered(&[0; 7], 0, 2).unwrap_err();
+                assert!(matches!(e, DistError::Mismatch { .. }), "{e:?}");
+                typed(e)
+            },
+        ),
+        ("group", "a synchronized-BN group of other ranks", || {
+            let mut grads = CpuGroup::ranks(2).unwrap();
+            let mut bn = CpuGroup::ranks(3).unwrap();
+            let e = CpuReplica::new(
+                cpu_classifier(4).unwrap(),
+                grads.remove(0),
+                Some(bn.remove(1)),
+            )
+            .unwrap_err();
+            assert!(matches!(e, ClassifierError::Input(_)), "{e:?}");
+            assert!(e.to_string().contains("rank 1 of 3"), "{e}");
+            typed(e)
+        }),
+    ]
+}
+
 // ---------------------------------------------------------------------------------------------
 // Library files that are not regular files (a FIFO used to block the process for good)
 
@@ -1833,6 +1970,7 @@ fn every_bad_input_is_a_typed_error_or_a_documented_recovery() {
         example_rows(),
         route_rows(),
         head_rows(),
+        group_rows(),
         library_rows(),
     ]
     .concat();

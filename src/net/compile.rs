@@ -320,6 +320,48 @@ impl CompiledNet {
             .sum()
     }
 
+    /// What every rank of a data-parallel group must agree on
+    /// ([`crate::amp::dist::same`]): the spec, the batch, the image size and each layer's
+    /// route, hashed; the summary names the spec, its classes, batch, size and the routes in
+    /// forward order (`f*3,u,f*4`: fused, unfused, generic).
+    pub fn fingerprint(&self) -> crate::amp::dist::same::Fingerprint {
+        let routes: Vec<&str> = self.layers.iter().map(|l| l.layer.route().name()).collect();
+        let full = format!(
+            "{:?}|batch {}|hw {}|routes {}",
+            self.spec,
+            self.batch,
+            self.hw,
+            routes.join(",")
+        );
+        let mut runs: Vec<(char, usize)> = Vec::new();
+        for r in &routes {
+            let c = r.chars().next().unwrap_or('?');
+            match runs.last_mut() {
+                Some((last, n)) if *last == c => *n += 1,
+                _ => runs.push((c, 1)),
+            }
+        }
+        let runs: Vec<String> = runs
+            .iter()
+            .map(|&(c, n)| {
+                if n == 1 {
+                    c.to_string()
+                } else {
+                    format!("{c}*{n}")
+                }
+            })
+            .collect();
+        let summary = format!(
+            "{} classes {} batch {} hw {} routes {}",
+            self.spec.name,
+            self.spec.classes,
+            self.batch,
+            self.hw,
+            runs.join(",")
+        );
+        crate::amp::dist::same::Fingerprint::of(&full, summary)
+    }
+
     /// (name, shape) of every conv layer, in forward order.
     pub fn conv_shapes(&self) -> Vec<(String, ConvShape)> {
         self.layers
