@@ -1,5 +1,6 @@
-//! Random graphs, layer configs and network specs (valid and invalid, extreme values) against
-//! the public API, planned deviceless: no case may panic; each invalid one is a typed error;
+//! Random graphs, layer configs, network specs (per-layer routes, heads of other class counts)
+//! and mutated device-properties documents (valid and invalid, extreme values) against the
+//! public API, planned deviceless: no case may panic; each invalid one is a typed error;
 //! each valid one plans or says why not.
 //!
 //! ```sh
@@ -15,7 +16,8 @@ use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::Target;
 use std::process::ExitCode;
 
-/// Random graphs, layer configs and network specs against the public API, planned deviceless.
+/// Random graphs, layer configs, network specs and device-properties documents against the
+/// public API, planned deviceless.
 #[derive(Debug, Parser)]
 #[command(name = "fuzz_graphs")]
 struct Args {

@@ -8,6 +8,7 @@
 // a stream under capture records instead, and a graph launch replays what was recorded.
 #include <cuda.h>
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -90,9 +91,21 @@ std::string sim_dir() {
   return ".";
 }
 
+// Regular files only, opened without blocking: a FIFO given as CUDNN_CBR_SIM_DEVPROPS would
+// otherwise block the process in fopen until a writer came.
 bool read_file(const std::string& path, std::string& out) {
-  FILE* f = fopen(path.c_str(), "rb");
-  if (!f) return false;
+  const int fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return false;
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    close(fd);
+    return false;
+  }
+  FILE* f = fdopen(fd, "rb");
+  if (!f) {
+    close(fd);
+    return false;
+  }
   char buf[65536];
   size_t n;
   out.clear();
@@ -128,7 +141,8 @@ const Props& props() {
   const std::string path = devprops_path();
   std::string j;
   if (!read_file(path, j)) {
-    say("no device-properties fixture at %s: using built-in H200 values", path.c_str());
+    say("no device-properties fixture (a regular file) at %s: using built-in H200 values",
+        path.c_str());
     return p;
   }
   for (int i = 0; i < 3; ++i) {

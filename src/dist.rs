@@ -74,13 +74,16 @@ pub struct CpuReplica {
 }
 
 impl CpuReplica {
-    /// Joins `model` (compiled for the per-rank batch) to the group of `comm`: rank 0's
+    /// Joins `model` (compiled for the per-rank batch) to the group of `comm`: every rank's
+    /// network must be the same ([`crate::net::CompiledNet::fingerprint`]), then rank 0's
     /// master weights are broadcast to every rank (then A, and E with EMA, follow them), and
     /// S counts the ranks. `bn` (a communicator of a second group of the same ranks) turns
     /// on synchronized BN; `None` keeps BN local to each rank's shard.
     ///
     /// # Errors
-    /// [`ClassifierError::Amp`] with [`AmpError::Dist`] when the group fails; [`ClassifierError::Input`]
+    /// [`ClassifierError::Amp`] with [`AmpError::Dist`] when the group fails (on every rank
+    /// [`DistError::ModelMismatch`] when two ranks compiled different networks);
+    /// [`ClassifierError::Input`]
     /// when `bn`'s group is not the same ranks as `comm`'s.
     pub fn new(
         mut model: CpuClassifier,
@@ -99,6 +102,9 @@ impl CpuReplica {
             }
             model.set_bn_sync(Box::new(CommBnSync(bn)));
         }
+        // Before anything is exchanged: ranks of different networks must not train together.
+        crate::amp::dist::same::check_same_model(&mut comm, &model.net().fingerprint())
+            .map_err(AmpError::from)?;
         let ranks = u32::try_from(comm.world()).map_err(|_| {
             ClassifierError::Input(format!("{} ranks do not fit S's counter", comm.world()))
         })?;

@@ -5,13 +5,21 @@
 
 mod common;
 
+use cudnn_cbr::amp::dist::bootstrap::{read_id_file, write_id_file, LaunchEnv};
+use cudnn_cbr::amp::dist::nccl::{
+    nccl_candidates, NcclCandidate, NcclLibrary, NCCL_LIB_DIR_ENV, NCCL_PATH_ENV,
+};
+use cudnn_cbr::amp::dist::watchdog::parse_timeout;
 use cudnn_cbr::amp::plan::{MemoryPlanBuilder, ParamKind, Region};
 use cudnn_cbr::amp::range::{LossScalePolicy, Scalars, SgdConfig};
 use cudnn_cbr::amp::step::AmpExecutor;
 use cudnn_cbr::amp::step::{AmpStep, CpuRegions, StepConfig};
 use cudnn_cbr::amp::RangeOpError;
 use cudnn_cbr::amp::{AmpError, PlanError};
+use cudnn_cbr::dist::{CpuGroup, CpuReplica, DistError};
 use cudnn_cbr::fusion::cache::PlanCache;
+use cudnn_cbr::fusion::cbr::kernels::Pointwise;
+use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::fusion::cbr::{CbrConfig, CbrLayer, ConvShape, HostBuffers, Pass};
 use cudnn_cbr::fusion::graph::{
     ConvAttrs, Graph, GraphError, PointwiseAttrs, PointwiseMode, ReductionAttrs, ReductionMode,
@@ -24,6 +32,7 @@ use cudnn_cbr::net::{
     compile, BlockKind, BlockSpec, CpuNet, NetSpec, PoolSpec, Preset, RoutePolicy,
 };
 use cudnn_cbr::sys::{load_from, LoadError, SearchPaths};
+use cudnn_cbr::{ClassifierError, CpuClassifier};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -1102,6 +1111,18 @@ fn loader_fault_child() {
                 link(name);
             }
         }
+        "fifo_graph" => {
+            all_but(subs[0]);
+            mkfifo(&dir.join(subs[0]));
+        }
+        "folder_heuristic" => {
+            all_but(subs[1]);
+            std::fs::create_dir_all(dir.join(subs[1])).unwrap();
+        }
+        "fifo_driver" => {
+            all_but("");
+            mkfifo(&dir.join("libcuda.so.1"));
+        }
         other => panic!("unknown child case {other}"),
     }
     let result = load_from(&main);
@@ -1359,7 +1380,7 @@ fn example_exits(name: &str, args: &[&str], code: i32, needle: &str) -> Verdict 
     let (got, text) = common::run_example(name, args);
     assert_eq!(got, Some(code), "{name} {args:?}:\n{text}");
     assert!(
-        !text.contains("panicked"),
+        !text.contains("panicked at"),
         "{name} {args:?} panicked:\n{text}"
     );
     assert!(
@@ -1489,6 +1510,1235 @@ fn example_rows() -> Vec<Row> {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Per-layer routes, the head's classes, and data-parallel groups of different networks
+
+fn per_layer(names: &[&str]) -> RoutePolicy<'static> {
+    RoutePolicy::PerLayer {
+        routes: names
+            .iter()
+            .map(|n| (n.to_string(), RouteKind::Unfused))
+            .collect(),
+        default: RouteKind::Fused,
+    }
+}
+
+/// `names` on ResNet-18 (3 classes, 16x16) must be refused, naming each unknown one and the
+/// real layers.
+fn unknown_routes(names: &[&str], unknown: &[&str]) -> Verdict {
+    let spec = Preset::ResNet18.spec(3, 4, 8);
+    let e = compile(&spec, 2, 16, &per_layer(names)).expect_err("the routes must be refused");
+    invalid_field(&e, "routes");
+    let text = e.to_string();
+    for u in unknown {
+        assert!(text.contains(&format!(" {u}")), "`{u}` not named: {text}");
+    }
+    assert!(text.contains("its layers: stem, s0.b0.conv1"), "{text}");
+    typed(e)
+}
+
+fn route_rows() -> Vec<Row> {
+    vec![
+        ("routes", "a layer the network does not have", || {
+            unknown_routes(&["s9.b0.conv1"], &["s9.b0.conv1"])
+        }),
+        ("routes", "two unknown layers beside a real one", || {
+            unknown_routes(&["stem", "s0.b9.conv2", "fc"], &["fc", "s0.b9.conv2"])
+        }),
+        ("routes", "a buffer's name, not a layer's", || {
+            unknown_routes(&["stem.out"], &["stem.out"])
+        }),
+        ("routes", "a layer name in the wrong case", || {
+            unknown_routes(&["Stem"], &["Stem"])
+        }),
+        ("routes", "an empty layer name", || {
+            unknown_routes(&[""], &[""])
+        }),
+        ("routes", "a bottleneck's conv3 on basic blocks", || {
+            unknown_routes(&["s1.b0.conv3"], &["s1.b0.conv3"])
+        }),
+        ("routes", "a projection on a block that has none", || {
+            unknown_routes(&["s0.b0.down"], &["s0.b0.down"])
+        }),
+        ("routes", "real layer names (accepted and applied)", || {
+            let spec = Preset::ResNet18.spec(3, 4, 8);
+            let net = compile(&spec, 2, 16, &per_layer(&["s1.b0.down", "s0.b1.conv2"])).unwrap();
+            for l in &net.layers {
+                let want = if ["s1.b0.down", "s0.b1.conv2"].contains(&l.name.as_str()) {
+                    RouteKind::Unfused
+                } else {
+                    RouteKind::Fused
+                };
+                assert_eq!(l.layer.route().kind(), want, "{}", l.name);
+            }
+            Verdict::Recovered("the two named layers unfused, the rest fused".into())
+        }),
+    ]
+}
+
+fn mini_net(classes: usize) -> cudnn_cbr::net::CompiledNet {
+    let spec = Preset::Mini.spec(3, classes, 4);
+    compile(&spec, 2, 8, &RoutePolicy::Uniform(RouteKind::Fused)).unwrap()
+}
+
+/// The head's class count against a spec of 4 must be refused, naming both.
+fn head_classes(e: ClassifierError, head: usize) -> Verdict {
+    assert!(
+        matches!(
+            &e,
+            ClassifierError::Amp(AmpError::Plan(PlanError::HeadClasses { spec: 4, head: h, .. }))
+                if *h == head
+        ),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string().contains(&format!(
+            "has {head} classes, but network `mini`'s spec has 4"
+        )),
+        "{e}"
+    );
+    typed(e)
+}
+
+fn cpu_classifier(classes: usize) -> Result<CpuClassifier, ClassifierError> {
+    CpuClassifier::new(
+        mini_net(4),
+        classes,
+        StepConfig::new(SgdConfig::new(0.1)),
+        1,
+    )
+}
+
+/// A 4-class mini classifier (batch 2 of 8x8x3) fed `images` values and `labels`.
+fn classifier_input(images: usize, labels: &[i32], needle: &str) -> Verdict {
+    let mut model = cpu_classifier(4).unwrap();
+    model.step_mut().begin().unwrap();
+    let e = model
+        .forward_backward(&vec![half::f16::ZERO; images], labels)
+        .expect_err("the batch must be refused");
+    assert!(matches!(e, ClassifierError::Input(_)), "{e:?}");
+    assert!(e.to_string().contains(needle), "{e}");
+    typed(e)
+}
+
+fn head_rows() -> Vec<Row> {
+    vec![
+        (
+            "head",
+            "a CPU classifier of 3 classes on a 4-class spec",
+            || head_classes(cpu_classifier(3).unwrap_err(), 3),
+        ),
+        (
+            "head",
+            "a CPU classifier of 5 classes on a 4-class spec",
+            || head_classes(cpu_classifier(5).unwrap_err(), 5),
+        ),
+        (
+            "head",
+            "a CPU classifier of 0 classes on a 4-class spec",
+            || head_classes(cpu_classifier(0).unwrap_err(), 0),
+        ),
+        (
+            "head",
+            "a memory plan of 2 classes on a 4-class spec",
+            || {
+                let e = cudnn_cbr::net::memory_plan(&mini_net(4), 2).unwrap_err();
+                head_classes(AmpError::from(e).into(), 2)
+            },
+        ),
+        (
+            "head",
+            "a memory plan with buffers of 9 classes on a 4-class spec",
+            || {
+                let e = cudnn_cbr::net::memory_plan_with_buffers(&mini_net(4), 9).unwrap_err();
+                head_classes(AmpError::from(e).into(), 9)
+            },
+        ),
+        ("head", "a label equal to the class count", || {
+            classifier_input(2 * 8 * 8 * 3, &[0, 4], "label 4 is outside 0..4")
+        }),
+        ("head", "a negative label", || {
+            classifier_input(2 * 8 * 8 * 3, &[-1, 0], "label -1 is outside 0..4")
+        }),
+        ("head", "three labels for a batch of two", || {
+            classifier_input(2 * 8 * 8 * 3, &[0, 1, 2], "3 labels for a batch of 2")
+        }),
+        ("head", "one image short", || {
+            classifier_input(8 * 8 * 3, &[0, 1], "the network reads 384")
+        }),
+    ]
+}
+
+/// Two CPU ranks (threads) whose networks are `a` and `b` form a group: both must fail with
+/// the mismatch (naming both summaries), promptly.
+fn group_of(
+    a: (usize, usize, usize, usize, RouteKind),
+    b: (usize, usize, usize, usize, RouteKind),
+    says: &[&str],
+) -> Verdict {
+    let start = std::time::Instant::now();
+    let comms = CpuGroup::ranks_with_timeout(2, std::time::Duration::from_secs(60)).unwrap();
+    let out: Vec<Result<CpuReplica, ClassifierError>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .zip([a, b])
+            .map(|(comm, (classes, width, batch, hw, route))| {
+                s.spawn(move || {
+                    let spec = Preset::Mini.spec(3, classes, width);
+                    let net = compile(&spec, batch, hw, &RoutePolicy::Uniform(route)).unwrap();
+                    let model =
+                        CpuClassifier::new(net, classes, StepConfig::new(SgdConfig::new(0.1)), 1)?;
+                    CpuReplica::new(model, comm, None)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(start.elapsed().as_secs() < 30, "{:?}", start.elapsed());
+    let mut first = String::new();
+    for (rank, o) in out.into_iter().enumerate() {
+        let e = match o {
+            Err(ClassifierError::Amp(AmpError::Dist(e))) => e,
+            other => panic!("rank {rank}: {other:?}"),
+        };
+        assert!(
+            matches!(&e, DistError::ModelMismatch { me, rank_a: 0, rank_b: 1, hash_a, hash_b, .. }
+                if *me == rank && hash_a != hash_b),
+            "{e:?}"
+        );
+        let text = e.to_string();
+        for s in says {
+            assert!(text.contains(s), "`{s}` not in: {text}");
+        }
+        if rank == 0 {
+            first = text;
+        }
+    }
+    typed(first)
+}
+
+const F: RouteKind = RouteKind::Fused;
+
+fn group_rows() -> Vec<Row> {
+    vec![
+        ("group", "ranks of 4 and 5 classes", || {
+            group_of(
+                (4, 4, 2, 8, F),
+                (5, 4, 2, 8, F),
+                &["mini classes 4 batch 2", "mini classes 5 batch 2"],
+            )
+        }),
+        (
+            "group",
+            "ranks of other routes (same parameter sizes)",
+            || {
+                group_of(
+                    (4, 4, 2, 8, F),
+                    (4, 4, 2, 8, RouteKind::Unfused),
+                    &["routes f*", "routes u*"],
+                )
+            },
+        ),
+        ("group", "ranks of other batches", || {
+            group_of(
+                (4, 4, 2, 8, F),
+                (4, 4, 4, 8, F),
+                &["batch 2 hw", "batch 4 hw"],
+            )
+        }),
+        ("group", "ranks of other image sizes", || {
+            group_of((4, 4, 2, 8, F), (4, 4, 2, 16, F), &["hw 8 ", "hw 16 "])
+        }),
+        (
+            "group",
+            "ranks of other widths (the summary alike, the hash not)",
+            || {
+                group_of(
+                    (4, 4, 2, 8, F),
+                    (4, 8, 2, 8, F),
+                    &["mini classes 4 batch 2 hw 8"],
+                )
+            },
+        ),
+        (
+            "group",
+            "ranks of the same network (the group forms)",
+            || {
+                let comms = CpuGroup::ranks(2).unwrap();
+                let ok = std::thread::scope(|s| {
+                    let hs: Vec<_> = comms
+                        .into_iter()
+                        .map(|comm| {
+                            s.spawn(move || {
+                                let model = cpu_classifier(4).unwrap();
+                                CpuReplica::new(model, comm, None).is_ok()
+                            })
+                        })
+                        .collect();
+                    hs.into_iter().all(|h| h.join().unwrap())
+                });
+                assert!(ok);
+                Verdict::Recovered("both ranks joined".into())
+            },
+        ),
+        (
+            "group",
+            "a gathered fingerprint buffer of the wrong length",
+            || {
+                let e = cudnn_cbr::amp::dist::same::check_gathered(&[0; 7], 0, 2).unwrap_err();
+                assert!(matches!(e, DistError::Mismatch { .. }), "{e:?}");
+                typed(e)
+            },
+        ),
+        ("group", "a synchronized-BN group of other ranks", || {
+            let mut grads = CpuGroup::ranks(2).unwrap();
+            let mut bn = CpuGroup::ranks(3).unwrap();
+            let e = CpuReplica::new(
+                cpu_classifier(4).unwrap(),
+                grads.remove(0),
+                Some(bn.remove(1)),
+            )
+            .unwrap_err();
+            assert!(matches!(e, ClassifierError::Input(_)), "{e:?}");
+            assert!(e.to_string().contains("rank 1 of 3"), "{e}");
+            typed(e)
+        }),
+    ]
+}
+
+// ---------------------------------------------------------------------------------------------
+// Library files that are not regular files (a FIFO used to block the process for good)
+
+fn mkfifo(path: &Path) {
+    let _ = std::fs::remove_file(path);
+    let made = Command::new("mkfifo").arg(path).status();
+    assert!(made.is_ok_and(|s| s.success()), "mkfifo {}", path.display());
+}
+
+/// `load_from(path)` is refused at once, the attempt naming `path` and `why`.
+fn load_refused(path: &Path, why: &str) -> Verdict {
+    let e = load_from(path).unwrap_err();
+    let shown = path.display().to_string();
+    assert!(
+        matches!(&e, LoadError::NotFound { attempts }
+            if attempts[0].candidate == shown && attempts[0].reason == why),
+        "{e:?}"
+    );
+    typed(e)
+}
+
+/// NCCL from `candidates` is refused, one attempt saying `why`.
+fn nccl_refused(candidates: &[NcclCandidate], why: &str) -> Verdict {
+    let e = NcclLibrary::open_first(candidates).unwrap_err();
+    match &e {
+        DistError::NcclUnavailable { tried } => {
+            assert!(tried.iter().any(|t| t.contains(why)), "{tried:?}")
+        }
+        other => panic!("{other:?}"),
+    }
+    Verdict::Typed(e.to_string().replace('\n', " "))
+}
+
+fn library_rows() -> Vec<Row> {
+    vec![
+        (
+            "loader",
+            "a FIFO given as libcudnn.so.9 (was: a hang)",
+            || {
+                let dir = scratch("fifo-main");
+                std::fs::create_dir_all(&dir).unwrap();
+                let fifo = dir.join("libcudnn.so.9");
+                mkfifo(&fifo);
+                let v = load_refused(&fifo, "is a FIFO (named pipe), not a regular file");
+                let _ = std::fs::remove_dir_all(&dir);
+                v
+            },
+        ),
+        ("loader", "a folder given as libcudnn.so.9", || {
+            let dir = scratch("folder-main").join("libcudnn.so.9");
+            std::fs::create_dir_all(&dir).unwrap();
+            load_refused(&dir, "is a folder, not a regular file")
+        }),
+        ("loader", "/dev/null given as the library", || {
+            load_refused(
+                Path::new("/dev/null"),
+                "is a character device, not a regular file",
+            )
+        }),
+        ("loader", "a FIFO as libcudnn.so.9 in CUDNN_LIB_DIR", || {
+            let dir = scratch("fifo-lib-dir");
+            std::fs::create_dir_all(&dir).unwrap();
+            mkfifo(&dir.join("libcudnn.so.9"));
+            let e = SearchPaths {
+                lib_dir: Some(dir.clone()),
+                system_loader: false,
+                site_packages: vec![],
+            }
+            .load()
+            .unwrap_err();
+            let _ = std::fs::remove_dir_all(&dir);
+            assert!(
+                matches!(&e, LoadError::NotFound { attempts }
+                    if attempts[0].reason == "is a FIFO (named pipe), not a regular file"),
+                "{e:?}"
+            );
+            typed(e)
+        }),
+        (
+            "loader",
+            "a FIFO as libcudnn_graph.so.9 beside cuDNN",
+            || in_child("fifo_graph", "libcudnn_graph.so.9").expect_says("is a FIFO"),
+        ),
+        (
+            "loader",
+            "a folder as libcudnn_heuristic.so.9 beside cuDNN",
+            || in_child("folder_heuristic", "libcudnn_heuristic.so.9").expect_says("is a folder"),
+        ),
+        ("loader", "a FIFO as libcuda.so.1 beside cuDNN", || {
+            in_child("fifo_driver", "libcuda.so.1").expect_says("is a FIFO")
+        }),
+        ("nccl", "a FIFO given as the library (was: a hang)", || {
+            let dir = scratch("fifo-nccl");
+            std::fs::create_dir_all(&dir).unwrap();
+            let fifo = dir.join("libnccl.so.2");
+            mkfifo(&fifo);
+            let v = nccl_refused(
+                &[NcclCandidate::Path(fifo)],
+                "libnccl.so.2: is a FIFO (named pipe), not a regular file",
+            );
+            let _ = std::fs::remove_dir_all(&dir);
+            v
+        }),
+        ("nccl", "CUDNN_CBR_NCCL naming a FIFO", || {
+            let dir = scratch("fifo-nccl-env");
+            std::fs::create_dir_all(&dir).unwrap();
+            let fifo = dir.join("nccl-pipe");
+            mkfifo(&fifo);
+            let shown = fifo.display().to_string();
+            let c = nccl_candidates(|v| (v == NCCL_PATH_ENV).then(|| shown.clone()), &[]);
+            assert_eq!(c[0], NcclCandidate::Path(fifo.clone()));
+            let v = nccl_refused(&c[..1], &format!("{shown}: is a FIFO"));
+            let _ = std::fs::remove_dir_all(&dir);
+            v
+        }),
+        (
+            "nccl",
+            "NCCL_LIB_DIR holding a FIFO named libnccl.so.2",
+            || {
+                let dir = scratch("fifo-nccl-dir");
+                std::fs::create_dir_all(&dir).unwrap();
+                mkfifo(&dir.join("libnccl.so.2"));
+                let shown = dir.display().to_string();
+                let c = nccl_candidates(|v| (v == NCCL_LIB_DIR_ENV).then(|| shown.clone()), &[]);
+                let v = nccl_refused(&c[..2], "libnccl.so.2: is a FIFO");
+                let _ = std::fs::remove_dir_all(&dir);
+                v
+            },
+        ),
+        ("nccl", "a folder named libnccl.so.2", || {
+            let dir = scratch("folder-nccl").join("libnccl.so.2");
+            std::fs::create_dir_all(&dir).unwrap();
+            nccl_refused(
+                &[NcclCandidate::Path(dir)],
+                "is a folder, not a regular file",
+            )
+        }),
+        ("nccl", "a text file named libnccl.so.2", || {
+            let dir = scratch("text-nccl");
+            std::fs::create_dir_all(&dir).unwrap();
+            let file = dir.join("libnccl.so.2");
+            std::fs::write(&file, "not a library\n".repeat(10)).unwrap();
+            nccl_refused(&[NcclCandidate::Path(file)], "no ELF magic number")
+        }),
+        ("nccl", "a library that is not NCCL", || {
+            let libm = cudnn_cbr::sys::preflight::resolve_by_name("libm.so.6").unwrap();
+            nccl_refused(&[NcclCandidate::Path(libm)], "missing ncclGetVersion")
+        }),
+        ("nccl", "no candidate places at all", || {
+            nccl_refused(&[], "(no candidate places)")
+        }),
+    ]
+}
+
+// ---------------------------------------------------------------------------------------------
+// Environment variables, launcher environments and rendezvous files
+
+fn launch_err(vars: &'static [(&'static str, &'static str)], var: &str, needle: &str) -> Verdict {
+    let e = LaunchEnv::from_vars(|n| {
+        vars.iter()
+            .find(|(k, _)| *k == n)
+            .map(|(_, v)| v.to_string())
+    })
+    .unwrap_err();
+    assert!(
+        matches!(&e, DistError::Bootstrap { var: v, problem, .. } if v == var && problem.contains(needle)),
+        "{e:?}"
+    );
+    typed(e)
+}
+
+/// Rank 1's read of a rendezvous file at `path` (given `bytes`, or prepared by `make`) is
+/// refused at once, saying `needle`.
+fn rendezvous_err(tag: &str, make: fn(&Path), needle: &str) -> Verdict {
+    let dir = scratch(tag);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("rendezvous");
+    make(&path);
+    let start = std::time::Instant::now();
+    let e = read_id_file::<128>(&path, 2, std::time::Duration::from_secs(30)).unwrap_err();
+    assert!(start.elapsed().as_secs() < 10, "{:?}", start.elapsed());
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        matches!(&e, DistError::Store { problem, .. } if problem.contains(needle)),
+        "{e:?}"
+    );
+    typed(e)
+}
+
+fn env_rows() -> Vec<Row> {
+    vec![
+        ("launcher env", "no launcher's rank variable", || {
+            launch_err(&[], "RANK", "no launcher environment found")
+        }),
+        ("launcher env", "RANK without WORLD_SIZE", || {
+            launch_err(&[("RANK", "0")], "WORLD_SIZE", "the world size is missing")
+        }),
+        ("launcher env", "WORLD_SIZE 0", || {
+            launch_err(
+                &[("RANK", "0"), ("WORLD_SIZE", "0")],
+                "WORLD_SIZE",
+                "at least one rank",
+            )
+        }),
+        ("launcher env", "RANK 5 of WORLD_SIZE 2", || {
+            launch_err(
+                &[("RANK", "5"), ("WORLD_SIZE", "2")],
+                "RANK",
+                "not below the world size 2",
+            )
+        }),
+        ("launcher env", "RANK not a number", || {
+            launch_err(
+                &[("RANK", "first"), ("WORLD_SIZE", "2")],
+                "RANK",
+                "not a non-negative integer",
+            )
+        }),
+        ("launcher env", "LOCAL_WORLD_SIZE above WORLD_SIZE", || {
+            launch_err(
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("LOCAL_WORLD_SIZE", "3"),
+                ],
+                "LOCAL_WORLD_SIZE",
+                "must be in 1..=2",
+            )
+        }),
+        (
+            "launcher env",
+            "LOCAL_RANK not below LOCAL_WORLD_SIZE",
+            || {
+                launch_err(
+                    &[
+                        ("RANK", "0"),
+                        ("WORLD_SIZE", "4"),
+                        ("LOCAL_RANK", "2"),
+                        ("LOCAL_WORLD_SIZE", "2"),
+                    ],
+                    "LOCAL_RANK",
+                    "local rank is not below",
+                )
+            },
+        ),
+        ("launcher env", "MASTER_PORT 0", || {
+            launch_err(
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("MASTER_ADDR", "localhost"),
+                    ("MASTER_PORT", "0"),
+                ],
+                "MASTER_PORT",
+                "not a port number",
+            )
+        }),
+        (
+            "launcher env",
+            "an MPI world size that is not a number",
+            || {
+                launch_err(
+                    &[
+                        ("OMPI_COMM_WORLD_RANK", "0"),
+                        ("OMPI_COMM_WORLD_SIZE", "two"),
+                    ],
+                    "OMPI_COMM_WORLD_SIZE",
+                    "not a non-negative integer",
+                )
+            },
+        ),
+        (
+            "rendezvous",
+            "a FIFO as the rendezvous file (was: a hang)",
+            || {
+                rendezvous_err(
+                    "rdv-fifo",
+                    mkfifo,
+                    "is a FIFO (named pipe), not a regular file",
+                )
+            },
+        ),
+        ("rendezvous", "a folder as the rendezvous file", || {
+            rendezvous_err(
+                "rdv-folder",
+                |p| std::fs::create_dir_all(p).unwrap(),
+                "is a folder, not a regular file",
+            )
+        }),
+        ("rendezvous", "a file too short for its header", || {
+            rendezvous_err(
+                "rdv-short",
+                |p| std::fs::write(p, b"CBR").unwrap(),
+                "3 bytes: too short for the header",
+            )
+        }),
+        ("rendezvous", "a file of another program", || {
+            rendezvous_err(
+                "rdv-magic",
+                |p| std::fs::write(p, [b'x'; 150]).unwrap(),
+                "bad magic",
+            )
+        }),
+        (
+            "rendezvous",
+            "a file written for another world size",
+            || {
+                rendezvous_err(
+                    "rdv-world",
+                    |p| write_id_file(p, 3, &[7; 128]).unwrap(),
+                    "written for world size 3, this rank has 2",
+                )
+            },
+        ),
+        ("rendezvous", "a file with a 16-byte id", || {
+            rendezvous_err(
+                "rdv-len",
+                |p| write_id_file(p, 2, &[7; 16]).unwrap(),
+                "holds a 16-byte id",
+            )
+        }),
+        (
+            "rendezvous",
+            "a 1 MiB file (read no further than a header and an id)",
+            || {
+                rendezvous_err(
+                    "rdv-huge",
+                    |p| {
+                        write_id_file(p, 2, &[7; 128]).unwrap();
+                        let mut b = std::fs::read(p).unwrap();
+                        b.resize(1 << 20, 0);
+                        std::fs::write(p, b).unwrap();
+                    },
+                    "in 151 bytes, expected 128 bytes",
+                )
+            },
+        ),
+        ("dist timeout", "CUDNN_CBR_DIST_TIMEOUT=soon", || {
+            let e = parse_timeout(Some("soon")).unwrap_err();
+            assert!(
+                e.contains("`soon`; expected a positive number of seconds"),
+                "{e}"
+            );
+            Verdict::Typed(e)
+        }),
+        ("dist timeout", "CUDNN_CBR_DIST_TIMEOUT=0", || {
+            let e = parse_timeout(Some("0")).unwrap_err();
+            assert!(e.contains("`0`; expected a positive number"), "{e}");
+            Verdict::Typed(e)
+        }),
+        ("dist timeout", "CUDNN_CBR_DIST_TIMEOUT=inf", || {
+            let e = parse_timeout(Some("inf")).unwrap_err();
+            assert!(e.contains("`inf`; expected a positive number"), "{e}");
+            Verdict::Typed(e)
+        }),
+        ("pointwise env", "CUDNN_CBR_POINTWISE=fast", || {
+            let e = Pointwise::parse(Some("fast")).unwrap_err();
+            invalid_field(&e, "CUDNN_CBR_POINTWISE");
+            assert!(e.to_string().contains("expected `own` or `cudnn`"), "{e}");
+            typed(e)
+        }),
+    ]
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device-properties documents: each check of the strict parser, and files that are not files
+
+fn props_file_err(tag: &str, make: fn(&Path), problem: &str) -> Verdict {
+    let dir = scratch(tag);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("props.json");
+    make(&path);
+    let e = DeviceProps::from_file(&path).unwrap_err();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(matches!(e, Error::File { .. }), "{e:?}");
+    assert!(e.to_string().ends_with(problem), "{e}");
+    typed(e)
+}
+
+fn props_more_rows() -> Vec<Row> {
+    use serde_json::json;
+    vec![
+        ("device props", "an unknown key", || {
+            let mut v: serde_json::Value = serde_json::from_str(H200_JSON).unwrap();
+            v["l3CacheSize"] = json!(1);
+            let e = DeviceProps::from_json(&v.to_string()).unwrap_err();
+            assert!(e.to_string().contains("unknown key `l3CacheSize`"), "{e}");
+            typed(e)
+        }),
+        ("device props", "a key given twice (strict JSON)", || {
+            let doc = H200_JSON.replacen("{", "{\"warpSize\": 32, ", 1);
+            let e = DeviceProps::from_json(&doc).unwrap_err();
+            assert!(e.to_string().contains("warpSize"), "{e}");
+            typed(e)
+        }),
+        ("device props", "an empty deviceName", || {
+            props_with("deviceName", json!(""))
+        }),
+        ("device props", "a deviceName of 300 bytes", || {
+            props_with("deviceName", json!("G".repeat(300)))
+        }),
+        ("device props", "a deviceName with a NUL", || {
+            props_with("deviceName", json!("NVIDIA\u{0}H200"))
+        }),
+        ("device props", "a deviceName that is a number", || {
+            props_with("deviceName", json!(200))
+        }),
+        (
+            "device props",
+            "maxThreadsPerBlock above maxThreadsPerSM",
+            || {
+                let mut v: serde_json::Value = serde_json::from_str(H200_JSON).unwrap();
+                v["maxThreadsPerBlock"] = json!(4096);
+                v["maxThreadsPerSM"] = json!(2048);
+                let e = DeviceProps::from_json(&v.to_string()).unwrap_err();
+                assert!(e.to_string().contains("exceeds `maxThreadsPerSM`"), "{e}");
+                typed(e)
+            },
+        ),
+        (
+            "device props",
+            "shared memory per block above its opt-in",
+            || props_with("maxSharedMemoryPerBlock", json!(300000)),
+        ),
+        ("device props", "a maxBlockSize element of 0", || {
+            props_with("maxBlockSize", json!([1024, 0, 64]))
+        }),
+        ("device props", "a maxGridSize element of 2^31", || {
+            props_with("maxGridSize", json!([2147483648u64, 65535, 65535]))
+        }),
+        ("device props", "isTccDriver 2 (a flag)", || {
+            props_with("isTccDriver", json!(2))
+        }),
+        (
+            "device props",
+            "a flag given as true in a deviceless document",
+            || props_with("supportCoopLaunch", json!(true)),
+        ),
+        ("device props", "totalGlobalMem of 2^51 bytes", || {
+            props_with("totalGlobalMem", json!(1u64 << 51))
+        }),
+        ("device props", "an SM clock of 0 kHz", || {
+            props_with("smClockRateKHz", json!(0))
+        }),
+        ("device props", "a memory clock of 20 GHz", || {
+            props_with("memClockRateKHz", json!(20_000_000))
+        }),
+        ("device props", "a negative pciDeviceId", || {
+            props_with("pciDeviceId", json!(-1))
+        }),
+        ("device props", "a fractional SM count", || {
+            props_with("multiProcessorCount", json!(131.5))
+        }),
+        ("device props", "a document of 100 KiB", || {
+            let doc = format!("{}{}", " ".repeat(100 << 10), H200_JSON);
+            let e = DeviceProps::from_json(&doc).unwrap_err();
+            assert!(e.to_string().contains("at most 65536 accepted"), "{e}");
+            typed(e)
+        }),
+        (
+            "device props",
+            "a live document that is not an object",
+            || {
+                let e = DeviceProps::from_live_json("\"NVIDIA H200\"").unwrap_err();
+                assert!(e.to_string().contains("the live device"), "{e}");
+                typed(e)
+            },
+        ),
+        ("device props", "a FIFO as the file (was: a hang)", || {
+            props_file_err(
+                "props-fifo",
+                mkfifo,
+                "is a FIFO (named pipe), not a regular file",
+            )
+        }),
+        ("device props", "a folder as the file", || {
+            props_file_err(
+                "props-folder",
+                |p| std::fs::create_dir_all(p).unwrap(),
+                "is a folder, not a regular file",
+            )
+        }),
+        ("device props", "a 1 MiB file", || {
+            props_file_err(
+                "props-huge",
+                |p| std::fs::write(p, vec![b' '; 1 << 20]).unwrap(),
+                "at most 65536 accepted",
+            )
+        }),
+        ("device props", "a file that is not UTF-8", || {
+            props_file_err(
+                "props-latin1",
+                |p| std::fs::write(p, b"{\"deviceName\": \"caf\xe9\"}").unwrap(),
+                "is not UTF-8 text",
+            )
+        }),
+        ("device props", "/dev/zero as the file", || {
+            let e = DeviceProps::from_file("/dev/zero").unwrap_err();
+            assert!(
+                e.to_string()
+                    .ends_with("is a character device, not a regular file"),
+                "{e}"
+            );
+            typed(e)
+        }),
+    ]
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plan-cache folders others could write (recoveries: memory-only, with the reason)
+
+fn cache_folder_refused(tag: &str, mode: u32, needle: &str) -> Verdict {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = scratch(tag);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode)).unwrap();
+    let cache = PlanCache::persistent(&dir).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(cache.dir(), None);
+    let why = cache.refused().expect("a reason").to_string();
+    assert!(why.contains(needle), "{why}");
+    Verdict::Recovered(format!("memory-only: {why}"))
+}
+
+fn cache_folder_rows() -> Vec<Row> {
+    vec![
+        ("plan cache", "a folder its group can write (0770)", || {
+            cache_folder_refused("mode770", 0o770, "writable by its group (mode 770)")
+        }),
+        ("plan cache", "a folder anyone can write (0777)", || {
+            cache_folder_refused("mode777", 0o777, "writable by its group and others")
+        }),
+        (
+            "plan cache",
+            "a folder others can write, sticky (1777)",
+            || cache_folder_refused("mode1777", 0o1777, "writable by its group and others"),
+        ),
+        (
+            "plan cache",
+            "a private folder inside one anyone can write",
+            || {
+                use std::os::unix::fs::PermissionsExt;
+                let open = scratch("open-parent");
+                std::fs::create_dir_all(&open).unwrap();
+                std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+                let cache = PlanCache::persistent(open.join("plans")).unwrap();
+                let _ = std::fs::remove_dir_all(&open);
+                assert_eq!(cache.dir(), None);
+                let why = cache.refused().expect("a reason").to_string();
+                assert!(
+                    why.contains("open-parent is writable by its group and others"),
+                    "{why}"
+                );
+                Verdict::Recovered(format!("memory-only: {why}"))
+            },
+        ),
+    ]
+}
+
+// ---------------------------------------------------------------------------------------------
+// The five programs' command lines and environment
+
+/// As [`example_exits`], with `env` set for the program.
+fn example_env_exits(
+    name: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+    code: i32,
+    needle: &str,
+) -> Verdict {
+    let out = Command::new(common::example(name))
+        .args(args)
+        .envs(env.iter().copied())
+        .current_dir(common::repo_root())
+        .output()
+        .expect("spawn the example");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "{name} {args:?} {env:?}:\n{text}"
+    );
+    assert!(
+        !text.contains("panicked at"),
+        "{name} {args:?} panicked:\n{text}"
+    );
+    let line = text
+        .lines()
+        .find(|l| l.contains(needle))
+        .unwrap_or_else(|| panic!("{name} {args:?} {env:?} did not say `{needle}`:\n{text}"));
+    if code == 0 {
+        Verdict::Recovered(line.to_string())
+    } else {
+        Verdict::Typed(line.to_string())
+    }
+}
+
+/// A FIFO for a program's file argument, made fresh.
+fn fifo_arg(tag: &str) -> String {
+    let dir = scratch(tag);
+    std::fs::create_dir_all(&dir).unwrap();
+    let fifo = dir.join("props.json");
+    mkfifo(&fifo);
+    fifo.display().to_string()
+}
+
+const NO_DEVICE_ENV: [(&str, &str); 1] = [("CUDNN_CBR_DEVICE", "bogus")];
+
+fn program_rows() -> Vec<Row> {
+    vec![
+        ("train_cbr", "--lr=-1", || {
+            example_exits(
+                "train_cbr",
+                &["--lr=-1", "--device", "cpu"],
+                1,
+                "invalid lr = -1",
+            )
+        }),
+        ("train_cbr", "--lr nan", || {
+            example_exits(
+                "train_cbr",
+                &["--lr", "nan", "--device", "cpu"],
+                1,
+                "invalid lr = NaN",
+            )
+        }),
+        ("train_cbr", "--device tpu", || {
+            example_exits(
+                "train_cbr",
+                &["--device", "tpu"],
+                2,
+                "device must be auto, cuda or cpu, got `tpu`",
+            )
+        }),
+        ("train_cbr", "--cuda-graph sometimes", || {
+            example_exits(
+                "train_cbr",
+                &["--cuda-graph", "sometimes"],
+                2,
+                "CUDA graph mode must be off, finish or step, got `sometimes`",
+            )
+        }),
+        ("train_cbr", "--data imagenet", || {
+            example_exits(
+                "train_cbr",
+                &["--data", "imagenet"],
+                2,
+                "data must be `synthetic` or `cifar10:DIR`",
+            )
+        }),
+        (
+            "train_cbr",
+            "--data cifar10: a folder without the files",
+            || {
+                example_exits(
+                    "train_cbr",
+                    &["--data", "cifar10:/nonexistent", "--device", "cpu"],
+                    1,
+                    "CIFAR-10 file /nonexistent/data_batch_1.bin is missing",
+                )
+            },
+        ),
+        ("train_cbr", "--data cifar10: a file, not a folder", || {
+            example_exits(
+                "train_cbr",
+                &["--data", "cifar10:/etc/passwd", "--device", "cpu"],
+                1,
+                "/etc/passwd/data_batch_1.bin",
+            )
+        }),
+        ("train_cbr", "--ranks 0", || {
+            example_exits(
+                "train_cbr",
+                &["--ranks", "0", "--device", "cpu"],
+                1,
+                "ranks must be in 1..=1024",
+            )
+        }),
+        ("train_cbr", "--ranks 2 with CIFAR-10", || {
+            example_exits(
+                "train_cbr",
+                &["--ranks", "2", "--data", "cifar10:/tmp", "--device", "cpu"],
+                1,
+                "trains on one rank of the CPU executor",
+            )
+        }),
+        ("train_cbr", "--width 0", || {
+            example_exits(
+                "train_cbr",
+                &["--width", "0", "--device", "cpu"],
+                1,
+                "width ≥ 1",
+            )
+        }),
+        ("train_cbr", "--device cuda without a GPU", || {
+            example_exits(
+                "train_cbr",
+                &["--device", "cuda", "--steps", "1"],
+                1,
+                "no usable CUDA device",
+            )
+        }),
+        ("train_cbr", "CUDNN_CBR_DEVICE=bogus --device cuda", || {
+            example_env_exits(
+                "train_cbr",
+                &["--device", "cuda", "--steps", "1"],
+                &NO_DEVICE_ENV,
+                1,
+                "CUDNN_CBR_DEVICE is `bogus`; expected `sim`",
+            )
+        }),
+        (
+            "train_cbr",
+            "CUDNN_CBR_DEVICE=bogus, device auto (falls back)",
+            || {
+                example_env_exits(
+                    "train_cbr",
+                    &["--steps", "1"],
+                    &NO_DEVICE_ENV,
+                    0,
+                    "CUDNN_CBR_DEVICE is `bogus`",
+                )
+            },
+        ),
+        ("train_cbr", "RANK 5 of WORLD_SIZE 2", || {
+            example_env_exits(
+                "train_cbr",
+                &["--device", "cpu", "--steps", "1"],
+                &[("RANK", "5"), ("WORLD_SIZE", "2")],
+                1,
+                "rank is not below the world size 2",
+            )
+        }),
+        ("train_cbr", "WORLD_SIZE=x", || {
+            example_env_exits(
+                "train_cbr",
+                &["--device", "cpu", "--steps", "1"],
+                &[("RANK", "0"), ("WORLD_SIZE", "x")],
+                1,
+                "WORLD_SIZE=\"x\": not a non-negative integer",
+            )
+        }),
+        ("custom_trainer", "--help", || {
+            example_exits("custom_trainer", &["--help"], 0, "Usage")
+        }),
+        ("custom_trainer", "--device tpu", || {
+            example_exits(
+                "custom_trainer",
+                &["--device", "tpu"],
+                2,
+                "invalid value 'tpu'",
+            )
+        }),
+        ("custom_trainer", "--steps abc", || {
+            example_exits(
+                "custom_trainer",
+                &["--steps", "abc"],
+                2,
+                "`abc` is not a step count",
+            )
+        }),
+        ("custom_trainer", "an unknown flag", || {
+            example_exits(
+                "custom_trainer",
+                &["--bogus"],
+                2,
+                "unexpected argument '--bogus'",
+            )
+        }),
+        ("custom_trainer", "--device cuda without a GPU", || {
+            example_exits(
+                "custom_trainer",
+                &["--device", "cuda", "--steps", "1"],
+                1,
+                "--device cuda: no GPU",
+            )
+        }),
+        (
+            "custom_trainer",
+            "CUDNN_CBR_DEVICE=bogus --device cuda",
+            || {
+                example_env_exits(
+                    "custom_trainer",
+                    &["--device", "cuda", "--steps", "1"],
+                    &NO_DEVICE_ENV,
+                    1,
+                    "CUDNN_CBR_DEVICE is `bogus`",
+                )
+            },
+        ),
+        ("deviceless_plans", "--props /dev/null", || {
+            example_exits(
+                "deviceless_plans",
+                &["--props", "/dev/null"],
+                1,
+                "is a character device, not a regular file",
+            )
+        }),
+        ("deviceless_plans", "--props a folder", || {
+            example_exits(
+                "deviceless_plans",
+                &["--props", "/etc"],
+                1,
+                "/etc: is a folder, not a regular file",
+            )
+        }),
+        ("deviceless_plans", "--props a FIFO (was: a hang)", || {
+            let fifo = fifo_arg("plans-fifo");
+            example_exits(
+                "deviceless_plans",
+                &["--props", &fifo],
+                1,
+                "is a FIFO (named pipe), not a regular file",
+            )
+        }),
+        (
+            "deviceless_plans",
+            "--props a file that is not JSON",
+            || {
+                example_exits(
+                    "deviceless_plans",
+                    &["--props", "Cargo.toml"],
+                    1,
+                    "(Cargo.toml): not valid JSON",
+                )
+            },
+        ),
+        ("deviceless_plans", "--props with warpSize 16", || {
+            let dir = scratch("plans-warp");
+            std::fs::create_dir_all(&dir).unwrap();
+            let path = dir.join("props.json");
+            std::fs::write(
+                &path,
+                H200_JSON.replace("\"warpSize\": 32", "\"warpSize\": 16"),
+            )
+            .unwrap();
+            let p = path.display().to_string();
+            example_exits(
+                "deviceless_plans",
+                &["--props", &p],
+                1,
+                "`warpSize` must be 32 on every NVIDIA GPU, got 16",
+            )
+        }),
+        ("deviceless_plans", "--threads abc", || {
+            example_exits(
+                "deviceless_plans",
+                &["--threads", "abc"],
+                2,
+                "invalid value 'abc' for '--threads",
+            )
+        }),
+        ("device_props", "--help", || {
+            example_exits("device_props", &["--help"], 0, "Usage")
+        }),
+        ("device_props", "three positional arguments", || {
+            example_exits(
+                "device_props",
+                &["a", "b", "c"],
+                2,
+                "unexpected argument 'c'",
+            )
+        }),
+        ("device_props", "an unknown flag", || {
+            example_exits(
+                "device_props",
+                &["--bogus"],
+                2,
+                "unexpected argument '--bogus'",
+            )
+        }),
+        ("device_props", "no GPU", || {
+            let out = scratch("device-props-out").display().to_string();
+            example_exits("device_props", &[&out], 1, "device_props: no CUDA device")
+        }),
+        ("device_props", "CUDNN_CBR_DEVICE=bogus", || {
+            let out = scratch("device-props-env").display().to_string();
+            example_env_exits(
+                "device_props",
+                &[&out],
+                &NO_DEVICE_ENV,
+                1,
+                "CUDNN_CBR_DEVICE is `bogus`",
+            )
+        }),
+        ("fuzz_graphs", "--cases abc", || {
+            example_exits(
+                "fuzz_graphs",
+                &["--cases", "abc"],
+                2,
+                "invalid value 'abc' for '--cases",
+            )
+        }),
+        ("fuzz_graphs", "a --case beyond 64 bits", || {
+            example_exits(
+                "fuzz_graphs",
+                &["--case", "123456789012345678901234"],
+                2,
+                "number too large",
+            )
+        }),
+        (
+            "fuzz_graphs",
+            "--props that does not exist (validates only)",
+            || {
+                example_exits(
+                    "fuzz_graphs",
+                    &["--props", "/nonexistent.json", "--cases", "3"],
+                    0,
+                    "device-properties file /nonexistent.json: no such file",
+                )
+            },
+        ),
+        (
+            "fuzz_graphs",
+            "--props a FIFO (validates only; was: a hang)",
+            || {
+                let fifo = fifo_arg("fuzz-fifo");
+                example_exits(
+                    "fuzz_graphs",
+                    &["--props", &fifo, "--cases", "3"],
+                    0,
+                    "is a FIFO (named pipe), not a regular file",
+                )
+            },
+        ),
+    ]
+}
+
+// ---------------------------------------------------------------------------------------------
 
 #[test]
 fn every_bad_input_is_a_typed_error_or_a_documented_recovery() {
@@ -1500,6 +2750,14 @@ fn every_bad_input_is_a_typed_error_or_a_documented_recovery() {
         loader_rows(),
         amp_rows(),
         example_rows(),
+        route_rows(),
+        head_rows(),
+        group_rows(),
+        library_rows(),
+        env_rows(),
+        props_more_rows(),
+        cache_folder_rows(),
+        program_rows(),
     ]
     .concat();
     let (mut errors, mut recoveries, mut failures) = (0, 0, Vec::new());
@@ -1531,5 +2789,5 @@ fn every_bad_input_is_a_typed_error_or_a_documented_recovery() {
         failures.len()
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
-    assert!(rows.len() >= 60, "the table has {} rows", rows.len());
+    assert!(rows.len() >= 250, "the table has {} rows", rows.len());
 }

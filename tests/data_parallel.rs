@@ -481,3 +481,63 @@ fn a_failing_rank_is_an_error_on_every_rank_not_a_hang() {
         }
     }
 }
+
+/// Ranks whose networks differ (4 and 5 classes; the same spec on other routes, whose
+/// parameters have the same sizes) fail together when the group forms, each naming both
+/// networks: nobody trains, nobody hangs.
+#[test]
+fn ranks_of_different_networks_all_fail_when_the_group_forms() {
+    let cases: [(usize, RouteKind, &str, &str); 2] = [
+        (5, RouteKind::Fused, "classes 4 ", "classes 5 "),
+        (4, RouteKind::Unfused, "routes f*", "routes u*"),
+    ];
+    for (classes, route, a, b) in cases {
+        let start = Instant::now();
+        let grads = CpuGroup::ranks_with_timeout(2, Duration::from_secs(60)).unwrap();
+        let out: Vec<Result<CpuReplica, ClassifierError>> = std::thread::scope(|s| {
+            let hs: Vec<_> = grads
+                .into_iter()
+                .map(|g| {
+                    s.spawn(move || {
+                        let (classes, route) = if g.rank() == 0 {
+                            (CLASSES, RouteKind::Fused)
+                        } else {
+                            (classes, route)
+                        };
+                        let spec = Preset::Mini.spec(CHANNELS, classes, 4);
+                        let net = compile(&spec, 4, HW, &RoutePolicy::Uniform(route)).unwrap();
+                        let cfg = StepConfig::new(SgdConfig::new(0.1));
+                        let model = CpuClassifier::new(net, classes, cfg, 7).unwrap();
+                        CpuReplica::new(model, g, None)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "{:?}",
+            start.elapsed()
+        );
+        for (r, o) in out.iter().enumerate() {
+            match o {
+                Err(ClassifierError::Amp(AmpError::Dist(
+                    e @ DistError::ModelMismatch {
+                        me,
+                        rank_a: 0,
+                        rank_b: 1,
+                        hash_a,
+                        hash_b,
+                        ..
+                    },
+                ))) => {
+                    assert_eq!(*me, r);
+                    assert_ne!(hash_a, hash_b);
+                    let text = e.to_string();
+                    assert!(text.contains(a) && text.contains(b), "{text}");
+                }
+                other => panic!("rank {r}: {other:?}"),
+            }
+        }
+    }
+}

@@ -1,5 +1,5 @@
-//! The fuzz property in CI: a few thousand random graphs, layer configs and network specs
-//! (valid and invalid, extreme values included) against the public API, planned deviceless
+//! The fuzz property in CI: a few thousand random graphs, layer configs, network specs and
+//! device-properties documents (valid and invalid, extreme values included) against the public API, planned deviceless
 //! for the H200 fixture. `cargo run --release --example fuzz_graphs -- --cases N` runs any
 //! number of them.
 

@@ -170,6 +170,17 @@ pub enum PlanError {
         /// The bucket's name.
         bucket: String,
     },
+    /// The FC head was asked for a class count other than its network's spec gives: the
+    /// logits, labels and saved weights would disagree about what a class is.
+    #[error("the FC head has {head} classes, but network `{net}`'s spec has {spec}")]
+    HeadClasses {
+        /// The network's name.
+        net: String,
+        /// Classes in the spec.
+        spec: usize,
+        /// Classes asked of the head.
+        head: usize,
+    },
     /// `finalize` with no parameters at all.
     #[error("the memory plan has no parameters")]
     EmptyPlan,

@@ -14,12 +14,31 @@ pub struct NoCudaDevice {
     pub reason: String,
 }
 
+/// The variable that selects the simulated device (`sim`); unset or empty for a real one.
+pub const DEVICE_ENV: &str = "CUDNN_CBR_DEVICE";
+
+/// Refuses a [`DEVICE_ENV`] value that selects nothing: a typo (`CUDNN_CBR_DEVICE=simm`) would
+/// otherwise run on whatever driver is loaded, silently.
+fn check_device_env() -> Result<(), NoCudaDevice> {
+    match std::env::var_os(DEVICE_ENV) {
+        None => Ok(()),
+        Some(v) if v.is_empty() || v == "sim" => Ok(()),
+        Some(v) => Err(NoCudaDevice {
+            reason: format!(
+                "{DEVICE_ENV} is `{}`; expected `sim` (the simulated device) or unset",
+                v.to_string_lossy()
+            ),
+        }),
+    }
+}
+
 /// Opens CUDA device `ordinal` (its primary context). Checks that a driver library exists
 /// before touching cudarc, which panics without one.
 ///
 /// # Errors
-/// [`NoCudaDevice`] naming why.
+/// [`NoCudaDevice`] naming why (also for a [`DEVICE_ENV`] value other than `sim`).
 pub fn cuda_device(ordinal: usize) -> Result<Arc<CudaContext>, NoCudaDevice> {
+    check_device_env()?;
     // SAFETY: is_culib_present only tries to dlopen the driver library by name.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         return Err(NoCudaDevice {
@@ -35,8 +54,10 @@ pub fn cuda_device(ordinal: usize) -> Result<Arc<CudaContext>, NoCudaDevice> {
 /// cudarc gives where no driver library exists.
 ///
 /// # Errors
-/// [`NoCudaDevice`] when there is no driver library, or the driver refuses.
+/// [`NoCudaDevice`] when there is no driver library, or the driver refuses (or as
+/// [`cuda_device`], for [`DEVICE_ENV`]).
 pub fn cuda_device_count() -> Result<usize, NoCudaDevice> {
+    check_device_env()?;
     // SAFETY: is_culib_present only tries to dlopen the driver library by name.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         return Err(NoCudaDevice {

@@ -55,10 +55,42 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
 }
 
+/// Opens `path` for reading only when it is a regular file (symbolic links followed). A FIFO
+/// would block a plain open until a writer came (and `dlopen` with it), so the open is
+/// non-blocking and the type is checked on the handle it gave. Returns why not.
+pub fn open_regular(path: &Path) -> Result<File, String> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|e| format!("cannot open: {e}"))?;
+    let t = file
+        .metadata()
+        .map_err(|e| format!("cannot stat: {e}"))?
+        .file_type();
+    let kind = if t.is_file() {
+        return Ok(file);
+    } else if t.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if t.is_dir() {
+        "a folder"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else {
+        "not a file"
+    };
+    Err(format!("is {kind}, not a regular file"))
+}
+
 /// Checks that `path` is a complete 64-bit little-endian ELF shared object for this machine:
 /// every byte its headers and loadable segments name lies inside the file. Returns why not.
 pub fn check_shared_object(path: &Path) -> Result<(), String> {
-    let mut file = File::open(path).map_err(|e| format!("cannot open: {e}"))?;
+    let mut file = open_regular(path)?;
     let len = file
         .metadata()
         .map_err(|e| format!("cannot stat: {e}"))?
@@ -189,19 +221,21 @@ pub fn system_search_dirs() -> Vec<PathBuf> {
     dirs
 }
 
-/// Where the system loader would find a bare library name, if it can be told.
+/// Where the system loader would find a bare library name, if it can be told. Any entry
+/// counts, not only regular files: the loader opens the first it meets, and a FIFO there
+/// must be reported by [`check_shared_object`] rather than skipped and then block `dlopen`.
 pub fn resolve_by_name(name: &str) -> Option<PathBuf> {
     system_search_dirs()
         .into_iter()
         .map(|d| d.join(name))
-        .find(|p| p.is_file())
+        .find(|p| p.exists())
 }
 
 /// Where the shim at `main` will find sub-library `name`: next to it, else by name.
 pub fn locate_sublibrary(main: &Path, name: &str) -> Option<PathBuf> {
     let beside = main.parent().map(|d| d.join(name));
     beside
-        .filter(|p| p.is_file())
+        .filter(|p| p.exists())
         .or_else(|| resolve_by_name(name))
 }
 
@@ -241,7 +275,7 @@ pub fn missing_symbols(path: &Path, wanted: &[&str]) -> Result<Vec<String>, Stri
     use std::io::{Seek, SeekFrom};
     const SHT_DYNSYM: u32 = 11;
     const SYM_SIZE: usize = 24;
-    let mut file = File::open(path).map_err(|e| format!("cannot open: {e}"))?;
+    let mut file = open_regular(path)?;
     let len = file
         .metadata()
         .map_err(|e| format!("cannot stat: {e}"))?
@@ -373,5 +407,32 @@ mod tests {
         assert!(check_shared_object(&scratch("absent.so"))
             .unwrap_err()
             .contains("cannot open"));
+    }
+
+    /// A FIFO would block a plain open until a writer came: it is refused at once.
+    #[test]
+    fn fifos_folders_and_devices_are_refused_without_blocking() {
+        let fifo = scratch("libcudnn-fifo.so.9");
+        let _ = std::fs::remove_file(&fifo);
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        assert!(made.is_ok_and(|s| s.success()), "mkfifo failed");
+        for check in [check_shared_object, |p: &Path| {
+            missing_symbols(p, &["x"]).map(drop)
+        }] {
+            assert_eq!(
+                check(&fifo).unwrap_err(),
+                "is a FIFO (named pipe), not a regular file"
+            );
+        }
+        let dir = scratch("folder.so");
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(
+            check_shared_object(&dir).unwrap_err(),
+            "is a folder, not a regular file"
+        );
+        assert_eq!(
+            check_shared_object(Path::new("/dev/null")).unwrap_err(),
+            "is a character device, not a regular file"
+        );
     }
 }

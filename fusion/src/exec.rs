@@ -169,10 +169,14 @@ impl Handle {
     pub fn device_props_json(&self) -> Result<String> {
         if self.simulated {
             let path = self.simulator_devprops()?;
-            return std::fs::read_to_string(&path).map_err(|e| Error::DeviceProps {
-                source_name: Some(path.display().to_string()),
-                reason: e.to_string(),
-            });
+            // As DeviceProps::from_file reads it: a regular file of bounded size (a FIFO
+            // would block a plain read).
+            return crate::untrusted::read_regular_text(&path, crate::target::MAX_DOCUMENT_BYTES)
+                .map_err(|problem| Error::File {
+                    what: "device-properties file",
+                    path: path.display().to_string(),
+                    problem,
+                });
         }
         let mut d = Descriptor::new(K::CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR)?;
         d.set_one(A::CUDNN_ATTR_DEVICEPROP_HANDLE, self.raw)?;

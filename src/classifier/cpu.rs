@@ -57,7 +57,8 @@ impl CpuClassifier {
     /// master weights start from [`initial_weights`] of `seed`.
     ///
     /// # Errors
-    /// A memory plan or step configuration the amp layer refuses (e.g. `classes == 0`).
+    /// A memory plan or step configuration the amp layer refuses: `classes` other than the
+    /// spec's is [`crate::amp::PlanError::HeadClasses`].
     pub fn new(net: CompiledNet, classes: usize, config: StepConfig, seed: u64) -> Result<Self> {
         let plan = memory_plan(&net, classes)?;
         let mut regions = CpuRegions::new(plan)?;

@@ -51,7 +51,8 @@ impl CudaClassifier {
     /// (the same as [`super::CpuClassifier`]'s).
     ///
     /// # Errors
-    /// As [`CudaRegions::new`] and [`CudaNet::new`]; a plan the amp layer refuses.
+    /// As [`CudaRegions::new`] and [`CudaNet::new`]; a plan the amp layer refuses (`classes`
+    /// other than the spec's is [`crate::amp::PlanError::HeadClasses`]).
     pub fn new(
         net: CompiledNet,
         handle: Arc<Handle>,

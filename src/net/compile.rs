@@ -206,7 +206,8 @@ pub enum Step {
 pub enum RoutePolicy<'a> {
     /// One route for every layer (CPU executor; no cuDNN needed).
     Uniform(RouteKind),
-    /// A route per layer name (`stem`, `s0.b1.conv2`, …); unnamed layers take `default`.
+    /// A route per layer name (`stem`, `s0.b1.conv2`, …); unnamed layers take `default`. A name
+    /// the network does not have is an [`Error::InvalidConfig`] on field `routes`.
     PerLayer {
         /// Layer name → route.
         routes: BTreeMap<String, RouteKind>,
@@ -317,6 +318,48 @@ impl CompiledNet {
             .filter(|b| b.role == role)
             .map(|b| b.elems * b.dtype.size())
             .sum()
+    }
+
+    /// What every rank of a data-parallel group must agree on
+    /// ([`crate::amp::dist::same`]): the spec, the batch, the image size and each layer's
+    /// route, hashed; the summary names the spec, its classes, batch, size and the routes in
+    /// forward order (`f*3,u,f*4`: fused, unfused, generic).
+    pub fn fingerprint(&self) -> crate::amp::dist::same::Fingerprint {
+        let routes: Vec<&str> = self.layers.iter().map(|l| l.layer.route().name()).collect();
+        let full = format!(
+            "{:?}|batch {}|hw {}|routes {}",
+            self.spec,
+            self.batch,
+            self.hw,
+            routes.join(",")
+        );
+        let mut runs: Vec<(char, usize)> = Vec::new();
+        for r in &routes {
+            let c = r.chars().next().unwrap_or('?');
+            match runs.last_mut() {
+                Some((last, n)) if *last == c => *n += 1,
+                _ => runs.push((c, 1)),
+            }
+        }
+        let runs: Vec<String> = runs
+            .iter()
+            .map(|&(c, n)| {
+                if n == 1 {
+                    c.to_string()
+                } else {
+                    format!("{c}*{n}")
+                }
+            })
+            .collect();
+        let summary = format!(
+            "{} classes {} batch {} hw {} routes {}",
+            self.spec.name,
+            self.spec.classes,
+            self.batch,
+            self.hw,
+            runs.join(",")
+        );
+        crate::amp::dist::same::Fingerprint::of(&full, summary)
     }
 
     /// (name, shape) of every conv layer, in forward order.
@@ -601,6 +644,7 @@ pub fn compile(
                 ),
             )
         })?;
+    check_route_names(spec, policy, &c.layers)?;
     let features = spec
         .stages
         .iter()
@@ -621,6 +665,37 @@ pub fn compile(
         features,
         out_hw: x_hw,
     })
+}
+
+/// A per-layer route for a layer this network does not have is a caller's typo that would
+/// otherwise silently leave the intended layer on the default route.
+fn check_route_names(spec: &NetSpec, policy: &RoutePolicy<'_>, layers: &[NetLayer]) -> Result<()> {
+    let RoutePolicy::PerLayer { routes, .. } = policy else {
+        return Ok(());
+    };
+    let unknown: Vec<&str> = routes
+        .keys()
+        .filter(|k| !layers.iter().any(|l| &l.name == *k))
+        .map(String::as_str)
+        .collect();
+    if unknown.is_empty() {
+        return Ok(());
+    }
+    let real: Vec<&str> = layers.iter().map(|l| l.name.as_str()).collect();
+    Err(invalid(
+        &spec.name,
+        "routes",
+        format!(
+            "names {} not in this network: {} (its layers: {})",
+            if unknown.len() == 1 {
+                "a layer"
+            } else {
+                "layers"
+            },
+            unknown.join(", "),
+            real.join(", ")
+        ),
+    ))
 }
 
 fn in_layer(name: &str, e: Error) -> Error {

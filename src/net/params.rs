@@ -14,13 +14,21 @@ use crate::amp::PlanError;
 /// deep layers' gradients form their own bucket), then the FC weight and bias.
 ///
 /// # Errors
-/// A [`PlanError`] naming the parameter (e.g. `classes == 0`).
+/// A [`PlanError`] naming the parameter, or [`PlanError::HeadClasses`] when `classes` is not
+/// the spec's.
 pub fn memory_plan(net: &CompiledNet, classes: usize) -> Result<MemoryPlan, PlanError> {
     builder(net, classes)?.finalize()
 }
 
 /// The builder of [`memory_plan`], its parameters registered.
 fn builder(net: &CompiledNet, classes: usize) -> Result<MemoryPlanBuilder, PlanError> {
+    if classes != net.spec.classes {
+        return Err(PlanError::HeadClasses {
+            net: net.spec.name.clone(),
+            spec: net.spec.classes,
+            head: classes,
+        });
+    }
     let mut b = MemoryPlanBuilder::new();
     let first = b.bucket("first")?;
     let deep = b.bucket("deep")?;

@@ -1,4 +1,5 @@
-//! Random graphs, layer configs and network specs (valid and invalid, extreme values included)
+//! Random graphs, layer configs, network specs (with per-layer routes and heads of other class
+//! counts) and mutated device-properties documents (valid and invalid, extreme values included)
 //! thrown at the public API. Shared by `tests/fuzz_graphs.rs` (a few thousand cases in CI) and
 //! `examples/fuzz_graphs.rs` (any number of cases).
 //!
@@ -18,7 +19,7 @@ use cudnn_cbr::fusion::graph::{
     ConvAttrs, DataType, Graph, PointwiseAttrs, PointwiseMode, ReductionAttrs, ReductionMode,
     TensorAttrs, TensorId,
 };
-use cudnn_cbr::fusion::{Error, Target};
+use cudnn_cbr::fusion::{DeviceProps, Error, Target};
 use cudnn_cbr::net::{compile, BlockKind, BlockSpec, NetSpec, PoolSpec, RoutePolicy, StemSpec};
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -138,8 +139,11 @@ pub enum Kind {
     Graph,
     /// One CBR layer's config, planned with fallback.
     Layer,
-    /// A network spec, compiled for the CPU executor.
+    /// A network spec, compiled for the CPU executor (with per-layer routes and a head of
+    /// another class count sometimes).
     Network,
+    /// A device-properties fixture, mutated, through the strict and the live parser.
+    DeviceProps,
 }
 
 /// Runs `cases` cases from `seed`; planning (when `target` is given) goes through `cache`.
@@ -182,10 +186,11 @@ pub fn run(
 }
 
 fn kind_of(case_seed: u64) -> Kind {
-    match Rng::new(case_seed).below(10) {
-        0..=5 => Kind::Graph,
-        6..=8 => Kind::Layer,
-        _ => Kind::Network,
+    match Rng::new(case_seed).below(20) {
+        0..=10 => Kind::Graph,
+        11..=16 => Kind::Layer,
+        17..=18 => Kind::Network,
+        _ => Kind::DeviceProps,
     }
 }
 
@@ -193,11 +198,12 @@ fn kind_of(case_seed: u64) -> Kind {
 /// example's `--case SEED` reruns a failure this way, with its backtrace.
 pub fn run_case(case_seed: u64, target: Option<&Target>, cache: &PlanCache) -> Outcome {
     let mut rng = Rng::new(case_seed);
-    rng.below(10); // the kind, drawn by kind_of
+    rng.below(20); // the kind, drawn by kind_of
     match kind_of(case_seed) {
         Kind::Graph => graph_case(&mut rng, target, cache),
         Kind::Layer => layer_case(&mut rng, target, cache),
         Kind::Network => network_case(&mut rng),
+        Kind::DeviceProps => devprops_case(&mut rng),
     }
 }
 
@@ -512,8 +518,137 @@ fn network_case(rng: &mut Rng) -> Outcome {
     let batch = usize_dim(rng, &[2, 4]);
     let hw = usize_dim(rng, &[16, 32]);
     let policy = RoutePolicy::Uniform(cudnn_cbr::fusion::cbr::RouteKind::Fused);
-    match compile(&spec, batch, hw, &policy) {
-        Ok(_) => Outcome::Planned("network compiled".into()),
-        Err(e) => Outcome::Rejected(format!("network {}", error_name(&e))),
+    let net = match compile(&spec, batch, hw, &policy) {
+        Ok(net) => net,
+        Err(e) => return Outcome::Rejected(format!("network {}", error_name(&e))),
+    };
+    // Every rank of a group hashes its network: no panic on any that compiles.
+    let _ = net.fingerprint();
+    if rng.chance(30) {
+        // A per-layer route for a real layer is taken; one for a layer the network lacks is
+        // refused by name.
+        let real = rng.chance(50);
+        let name = if real {
+            net.layers[rng.below(net.layers.len() as u64) as usize]
+                .name
+                .clone()
+        } else {
+            rng.pick(&["s9.b0.conv1", "stem.out", "", "fc"]).to_string()
+        };
+        let policy = RoutePolicy::PerLayer {
+            routes: [(name.clone(), cudnn_cbr::fusion::cbr::RouteKind::Unfused)].into(),
+            default: cudnn_cbr::fusion::cbr::RouteKind::Fused,
+        };
+        return match (real, compile(&spec, batch, hw, &policy)) {
+            (true, Ok(_)) => Outcome::Planned("network with a per-layer route".into()),
+            (false, Err(Error::InvalidConfig { field, problem, .. }))
+                if field == "routes" && problem.contains(&name) =>
+            {
+                Outcome::Rejected("network: route for an unknown layer".into())
+            }
+            (_, other) => Outcome::Unexpected(format!("per-layer route `{name}`: {other:?}")),
+        };
+    }
+    if rng.chance(30) {
+        // A head of another class count than the spec's is refused, naming both.
+        let head = rng.pick(&[
+            spec.classes.wrapping_sub(1),
+            spec.classes.wrapping_add(1),
+            0,
+            usize::MAX,
+        ]);
+        return match cudnn_cbr::net::memory_plan(&net, head) {
+            Err(cudnn_cbr::amp::PlanError::HeadClasses {
+                spec: s, head: h, ..
+            }) if s == spec.classes && h == head => {
+                Outcome::Rejected("network: head of other classes".into())
+            }
+            Ok(_) if head == spec.classes => Outcome::Planned("network memory plan".into()),
+            other => Outcome::Unexpected(format!("head of {head} classes: {other:?}")),
+        };
+    }
+    Outcome::Planned("network compiled".into())
+}
+
+/// The device-properties fixtures the mutations start from.
+const DEVPROPS: [&str; 3] = [
+    include_str!("../fixtures/devprops/h200-sm90.json"),
+    include_str!("../fixtures/devprops/a100-sm80.json"),
+    include_str!("../fixtures/devprops/b200-sm100.json"),
+];
+
+/// One fixture with one mutation (a key removed, retyped or set to an extreme value, an
+/// unknown or repeated key, the text cut short or one character replaced), through the
+/// strict parser and the live one: each accepts it or says why with a typed error.
+fn devprops_case(rng: &mut Rng) -> Outcome {
+    use serde_json::{json, Value};
+    let text = rng.pick(&DEVPROPS);
+    let mut v: Value = match serde_json::from_str(text) {
+        Ok(v) => v,
+        Err(e) => return Outcome::Unexpected(format!("fixture: {e}")),
+    };
+    let Some(obj) = v.as_object_mut() else {
+        return Outcome::Unexpected("fixture is not an object".into());
+    };
+    let keys: Vec<String> = obj.keys().cloned().collect();
+    let key = keys[rng.below(keys.len() as u64) as usize].clone();
+    let values = [
+        json!(0),
+        json!(-1),
+        json!(1u64 << 31),
+        json!(1u64 << 53),
+        json!(u64::MAX),
+        json!(i64::MIN),
+        json!(0.5),
+        json!(1e308),
+        json!("x"),
+        json!(""),
+        json!(null),
+        json!(true),
+        json!([1, 2, 3]),
+        json!([0, 0, 0]),
+        json!({}),
+    ];
+    let value = values[rng.below(values.len() as u64) as usize].clone();
+    let doc = match rng.below(6) {
+        0 => {
+            obj.remove(&key);
+            v.to_string()
+        }
+        1 => {
+            obj.insert(key, value);
+            v.to_string()
+        }
+        2 => {
+            obj.insert("fuzzKey".into(), value);
+            v.to_string()
+        }
+        3 => text.replacen('{', &format!("{{\"{key}\": 1, "), 1),
+        4 => {
+            let mut cut = rng.below(text.len() as u64 + 1) as usize;
+            while !text.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            text[..cut].to_string()
+        }
+        _ => {
+            let mut chars: Vec<char> = text.chars().collect();
+            let at = rng.below(chars.len() as u64) as usize;
+            chars[at] = rng.pick(&['\0', '"', '}', ',', '-', '9', 'é', '\u{ffff}']);
+            chars.into_iter().collect()
+        }
+    };
+    let strict = DeviceProps::from_json(&doc);
+    let live = DeviceProps::from_live_json(&doc);
+    for r in [&strict, &live] {
+        if let Err(e) = r {
+            if !matches!(e, Error::DeviceProps { .. }) {
+                return Outcome::Unexpected(format!("device properties: {e:?}"));
+            }
+        }
+    }
+    match strict {
+        Ok(_) => Outcome::Planned("device properties accepted".into()),
+        Err(_) => Outcome::Rejected("device properties".into()),
     }
 }

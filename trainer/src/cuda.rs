@@ -313,7 +313,8 @@ impl CudaTrainer {
     ///
     /// # Errors
     /// As [`CudaTrainer::new`]; [`TrainError::Amp`] with a `DistError` when the group
-    /// cannot meet (rendezvous, NCCL).
+    /// cannot meet (rendezvous, NCCL), or on every rank `DistError::ModelMismatch` when the
+    /// ranks compiled different networks (spec, batch, image size or routes).
     pub fn launched(cfg: &TrainConfig, launch: Option<LaunchEnv>) -> Result<Self, TrainError> {
         cfg.validate()?;
         cfg.check_host_memory(false)?;
@@ -373,6 +374,7 @@ impl CudaTrainer {
                 let mut comm =
                     NcclComm::new_within(link, l.rank, l.world, &id, Some(RENDEZVOUS_TIMEOUT))
                         .map_err(|e| amp_error(e.into()))?;
+                same_network(&mut comm, &net)?;
                 dist_grads::broadcast_weights(step.executor_mut(), &mut comm).map_err(amp_error)?;
                 let pending = Arc::new(Mutex::new(VecDeque::new()));
                 let watchdog = watch(&comm, pending.clone())?;
@@ -1171,6 +1173,25 @@ fn plan_net(
         other => other,
     })?;
     Ok(net)
+}
+
+/// Fails every rank of the group when any two compiled different networks
+/// ([`cudnn_cbr::amp::dist::same`]): the fingerprints are all-gathered by one NCCL sum in
+/// which each rank fills only its own slot.
+fn same_network(comm: &mut NcclComm, net: &CompiledNet) -> Result<(), TrainError> {
+    use cudnn_cbr::amp::dist::{same, Communicator};
+    let (me, world) = (comm.rank(), comm.world());
+    let words = net.fingerprint().words(me, world);
+    let link = comm.stream().clone();
+    let mut gathered = link
+        .clone_htod(&words)
+        .map_err(|e| driver("upload the network's fingerprint", e))?;
+    comm.all_reduce(&mut gathered, ReduceOp::Sum)
+        .map_err(|e| amp_error(e.into()))?;
+    let words = link
+        .clone_dtoh(&gathered)
+        .map_err(|e| driver("download the group's fingerprints", e))?;
+    same::check_gathered(&words, me, world).map_err(|e| amp_error(e.into()))
 }
 
 /// The CUDA network executor's errors as the trainer's.

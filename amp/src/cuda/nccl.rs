@@ -136,8 +136,16 @@ impl NcclLibrary {
                 // points resolved from it stay valid.
                 unsafe { Library::open(Some(p), RTLD_NOW | RTLD_GLOBAL) }
             }
-            // SAFETY: as above, for NCCL's names on the loader's path.
-            NcclCandidate::Name(n) => unsafe { Library::open(Some(n), RTLD_NOW | RTLD_GLOBAL) },
+            NcclCandidate::Name(n) => {
+                // Checked where the loader will find it (when that can be told): a FIFO
+                // there would block dlopen.
+                if let Some(p) = cudnn_fe_sys::preflight::resolve_by_name(n) {
+                    cudnn_fe_sys::preflight::check_shared_object(&p)
+                        .map_err(|why| format!("{}: {why}", p.display()))?;
+                }
+                // SAFETY: as above, for NCCL's names on the loader's path.
+                unsafe { Library::open(Some(n), RTLD_NOW | RTLD_GLOBAL) }
+            }
         }
         .map_err(|e| e.to_string())?;
         /// One entry point; its type is the one NCCL's `nccl.h` declares.

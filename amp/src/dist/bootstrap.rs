@@ -702,17 +702,27 @@ pub fn write_id_file(path: &Path, world: usize, id: &[u8]) -> Result<(), DistErr
 /// Waits (polling) for rank 0's rendezvous file at `path` and reads the id from it.
 ///
 /// # Errors
-/// [`DistError::Store`]: no file within `timeout`, or one with a bad header, another world
-/// size or another id length.
+/// [`DistError::Store`]: no file within `timeout`, a path that is not a regular file (a
+/// FIFO, a folder), or one with a bad header, another world size or another id length.
 pub fn read_id_file<const N: usize>(
     path: &Path,
     world: usize,
     timeout: Duration,
 ) -> Result<[u8; N], DistError> {
     let deadline = Instant::now() + timeout;
+    // Only a regular file is read, and no more than a whole file's bytes: a FIFO at the path
+    // would block a plain read for good, past the timeout.
+    let read = || -> Result<Vec<u8>, String> {
+        let file = cudnn_fe_sys::preflight::open_regular(path)?;
+        let mut b = Vec::new();
+        file.take(22 + N as u64 + 1)
+            .read_to_end(&mut b)
+            .map_err(|e| format!("cannot read: {e}"))?;
+        Ok(b)
+    };
     let bytes = loop {
-        match std::fs::read(path) {
-            Ok(b) => break b,
+        match std::fs::metadata(path) {
+            Ok(_) => break read().map_err(|why| store_error(path.display(), why))?,
             Err(e) if Instant::now() >= deadline => {
                 return Err(store_error(
                     path.display(),

@@ -56,6 +56,25 @@ pub enum DistError {
         /// What it called.
         theirs: String,
     },
+    /// Two ranks of the group compiled different models ([`super::same`]): every rank
+    /// reports it when the group forms, naming two ranks that differ.
+    #[error("rank {me}: the ranks compiled different networks: rank {rank_a} has `{summary_a}` (hash {hash_a:016x}), rank {rank_b} has `{summary_b}` (hash {hash_b:016x})")]
+    ModelMismatch {
+        /// This rank.
+        me: usize,
+        /// One rank.
+        rank_a: usize,
+        /// Its model's hash.
+        hash_a: u64,
+        /// Its model, for people.
+        summary_a: String,
+        /// A rank whose model differs from `rank_a`'s.
+        rank_b: usize,
+        /// Its model's hash.
+        hash_b: u64,
+        /// Its model, for people.
+        summary_b: String,
+    },
     /// A rank index outside the group (a broadcast root, or a rank taken twice).
     #[error("rank {rank} is not available in a group of {world} ranks: {why}")]
     InvalidRank {

@@ -15,6 +15,7 @@
 //! | [`grads`] | the gradient all-reduce and the shared overflow flag of a CPU step | [`grads`] |
 //! | [`crate::cuda::dist_grads`] | the same over CUDA regions with NCCL, on the communicator's stream | [`crate::cuda::dist_grads`] |
 //! | [`nccl::NcclComm`] | one rank of an NCCL communicator, over device buffers | [`nccl`] |
+//! | [`same::check_same_model`] | every rank compiled the same model, checked when the group forms | [`same`] |
 //! | [`bootstrap::LaunchEnv`], [`bootstrap::exchange_id`] | rank and world from torchrun, MPI or Slurm; rank 0's id to every rank | [`bootstrap`] |
 //!
 //! Every collective is called by every rank of the group in the same order. A rank that
@@ -27,6 +28,7 @@ pub mod cpu;
 mod error;
 pub mod grads;
 pub mod nccl;
+pub mod same;
 pub mod watchdog;
 
 pub use error::DistError;
