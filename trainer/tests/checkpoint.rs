@@ -501,3 +501,134 @@ fn a_failed_save_leaves_the_existing_file_untouched() {
     assert_eq!(left, [std::ffi::OsString::from("good.safetensors")]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// splitmix64: the fuzz cases' mutations.
+fn next(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The fuzz target over checkpoint files: 600 mutations of a good checkpoint (flipped bits and
+/// bytes anywhere, the header's length prefix, truncation, appended bytes, edited or removed
+/// metadata fields, JSON spliced into the header) are each loaded in this process. Each must
+/// give a typed error or load, never panic, and a load must only ever come from a file whose
+/// tensors are intact (an edit that the checks cannot see, such as a digit of the learning
+/// rate, which a resumed run takes from its own command line).
+#[test]
+fn fuzzed_checkpoints_are_typed_errors_or_load_never_a_panic() {
+    let dir = folder("fuzz");
+    let (path, _) = good_checkpoint(&dir);
+    let good = std::fs::read(&path).unwrap();
+    let header_len = u64::from_le_bytes(good[..8].try_into().unwrap()) as usize;
+    let good_file = safetensors::SafeTensors::deserialize(&good).unwrap();
+    let tensors_of = |bytes: &[u8]| -> Option<Vec<(String, Vec<u8>)>> {
+        let f = safetensors::SafeTensors::deserialize(bytes).ok()?;
+        let mut v: Vec<_> = f
+            .tensors()
+            .into_iter()
+            .map(|(n, t)| (n, t.data().to_vec()))
+            .collect();
+        v.sort();
+        Some(v)
+    };
+    let intact = tensors_of(&good).unwrap();
+    assert!(!good_file.names().is_empty());
+    let out = dir.join("fuzzed.safetensors");
+    let mut state = 0xF0CC_u64;
+    let (mut loaded, mut refused) = (0, 0);
+    for case in 0..600 {
+        let mut bytes = good.clone();
+        match case % 6 {
+            // A few flipped bits anywhere.
+            0 => {
+                for _ in 0..=(next(&mut state) % 3) {
+                    let at = (next(&mut state) % bytes.len() as u64) as usize;
+                    bytes[at] ^= 1 << (next(&mut state) % 8);
+                }
+            }
+            // A byte of the JSON header replaced by a random printable one.
+            1 => {
+                let at = 8 + (next(&mut state) % header_len as u64) as usize;
+                bytes[at] = b' ' + (next(&mut state) % 95) as u8;
+            }
+            // The length prefix changed.
+            2 => {
+                let len = next(&mut state) % (2 * good.len() as u64);
+                bytes[..8].copy_from_slice(&len.to_le_bytes());
+            }
+            // Truncated, or bytes appended.
+            3 => {
+                if next(&mut state) % 2 == 0 {
+                    bytes.truncate((next(&mut state) % good.len() as u64) as usize);
+                } else {
+                    let extra = 1 + next(&mut state) % 4096;
+                    bytes.extend((0..extra).map(|_| next(&mut state) as u8));
+                }
+            }
+            // A metadata field removed, or set to a random value.
+            4 | 5 => {
+                let mut meta = safetensors::SafeTensors::read_metadata(&good)
+                    .unwrap()
+                    .1
+                    .metadata()
+                    .clone()
+                    .unwrap();
+                let keys: Vec<String> = meta.keys().cloned().collect();
+                let key = &keys[(next(&mut state) % keys.len() as u64) as usize];
+                if case % 6 == 4 {
+                    meta.remove(key);
+                } else {
+                    let pick = [
+                        "".to_string(),
+                        "-1".into(),
+                        "18446744073709551616".into(),
+                        "NaN".into(),
+                        "{\"a\":".into(),
+                        format!("{}", next(&mut state)),
+                        "x".repeat(1 << 12),
+                    ];
+                    let v = pick[(next(&mut state) % pick.len() as u64) as usize].clone();
+                    meta.insert(key.clone(), v);
+                }
+                let views: Vec<_> = good_file
+                    .tensors()
+                    .into_iter()
+                    .map(|(n, t)| {
+                        let view = safetensors::tensor::TensorView::new(
+                            t.dtype(),
+                            t.shape().to_vec(),
+                            t.data(),
+                        )
+                        .unwrap();
+                        (n, view)
+                    })
+                    .collect();
+                bytes = safetensors::serialize(views, Some(meta)).unwrap();
+            }
+            _ => unreachable!(),
+        }
+        std::fs::write(&out, &bytes).unwrap();
+        let got = std::panic::catch_unwind(|| checkpoint::load(&out, &cfg()));
+        match got {
+            Err(_) => panic!("case {case}: loading a fuzzed checkpoint panicked"),
+            Ok(Ok(_)) => {
+                loaded += 1;
+                assert_eq!(
+                    tensors_of(&bytes).as_ref(),
+                    Some(&intact),
+                    "case {case}: a checkpoint with altered tensors loaded"
+                );
+            }
+            Ok(Err(e)) => {
+                refused += 1;
+                assert!(!e.to_string().is_empty(), "case {case}");
+            }
+        }
+    }
+    println!("fuzzed checkpoints: {loaded} loaded, {refused} refused (typed errors), 0 panics");
+    assert!(refused > 400, "{refused} of 600 refused");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
