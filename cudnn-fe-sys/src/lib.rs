@@ -4,7 +4,7 @@
 //! cuDNN headers and checked in; nothing here links against cuDNN at build time, so the crate
 //! builds on machines without CUDA, cuDNN or libclang.
 //!
-//! 1. [`library()`] finds and loads cuDNN once per process (see [`loader`] for the search order)
+//! 1. [`library()`] finds and loads cuDNN once per process (see the `loader` module for the search order)
 //!    and returns the function table, or a [`LoadError`] that lists every path tried.
 //! 2. Call functions through the table: `unsafe { (lib.api.cudnnBackendFinalize)(desc) }`.
 //! 3. End every call with [`cudnnStatus_t::result`] and `?`: a failure becomes a

@@ -10,7 +10,7 @@
 //! ([`crate::interp`]) over the simulator's allocations instead of `cudnnBackendExecute`.
 //!
 //! A plan executed while its stream captures a CUDA graph is recorded as a host node of that
-//! graph ([`record_replay`]): the interpreter runs at every replay, in stream order, over the
+//! graph (`record_replay`): the interpreter runs at every replay, in stream order, over the
 //! variant pack bound at record time.
 #![allow(unsafe_code)]
 

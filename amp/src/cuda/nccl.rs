@@ -517,7 +517,7 @@ impl NcclComm {
         })
     }
 
-    /// A handle that can abort this communicator from another thread ([`NcclAbort`]).
+    /// A handle that can abort this communicator from another thread (`NcclAbort`).
     pub fn abort_handle(&self) -> NcclAbort {
         NcclAbort {
             shared: self.shared.clone(),

@@ -56,7 +56,7 @@ pub mod s_layout {
     pub const CLIP_NORM: usize = 36;
     /// `f32` the global L2 norm of the unscaled gradients, written by the gradient-norm op.
     pub const GRAD_NORM: usize = 40;
-    /// Bytes of the scalar fields; [`Scalars::from_bytes`] needs at least these.
+    /// Bytes of the scalar fields; [`super::Scalars::from_bytes`] needs at least these.
     pub const USED: usize = 44;
     /// `[f32; NORM_BLOCKS]` the gradient-norm op's per-block sums of squares.
     pub const NORM_PARTIALS: usize = 64;

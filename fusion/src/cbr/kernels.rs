@@ -397,7 +397,7 @@ impl KernelStep {
 
     /// The launch of this step over the buffers `buffer` gives for each (side, name): the
     /// arguments in the kernel's order, each buffer checked first (element type, size). No
-    /// device is needed: this is the list [`KernelStep::launch`] pushes to the driver.
+    /// device is needed: this is the list `KernelStep::launch` pushes to the driver.
     ///
     /// # Errors
     /// `buffer`'s error for a buffer it lacks; [`Error::Buffer`] for one of another element
@@ -625,7 +625,7 @@ pub(crate) fn launch_dbn_coefficients(
     enqueue(&loaded, stream, &launch)
 }
 
-/// The launch [`launch_dbn_coefficients`] enqueues, built and checked without a device.
+/// The launch `launch_dbn_coefficients` enqueues, built and checked without a device.
 ///
 /// # Errors
 /// [`Error::Buffer`] for a buffer that is not FP32 or holds fewer than `channels` values;

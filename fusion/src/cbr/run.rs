@@ -58,8 +58,8 @@ impl CbrLayer {
     }
 
     /// [`CbrLayer::run_gpu`] with synchronized BN ([`DeviceBnSync`], module
-    /// [`super::bn_sync`]): the statistics and the BN-backward coefficients of the global
-    /// batch, each step treated as [`sync_action`] says, the collectives enqueued on the
+    /// `cbr::bn_sync`): the statistics and the BN-backward coefficients of the global
+    /// batch, each step treated as `sync_action` says, the collectives enqueued on the
     /// handle's stream between the steps. With one replica it is [`CbrLayer::run_gpu`].
     ///
     /// # Errors
