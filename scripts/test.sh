@@ -75,6 +75,9 @@ cargo build --release --workspace --examples --locked
 step "cargo test (release)"
 cargo test --release --workspace --all-targets --locked
 
+step "cargo doc (no broken or private intra-doc links)"
+RUSTDOCFLAGS="-D warnings" cargo doc --release --workspace --no-deps --locked
+
 step "doc examples (the README tour among them)"
 # (The same package selection as above, so the release artifacts are reused as they are.)
 cargo test --release --workspace --doc --locked
