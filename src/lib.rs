@@ -91,7 +91,7 @@ pub use amp::plan::{MemoryPlanBuilder, ParamKind};
 pub use amp::range::SgdConfig;
 pub use amp::step::{AmpStep, CpuRegions, StepConfig};
 pub use amp::AmpError;
-pub use classifier::{ClassifierError, CpuClassifier, CudaClassifier};
+pub use classifier::{ClassifierError, CpuClassifier, CudaClassifier, EvalWeights, Evaluation};
 pub use fusion::cache::PlanCache;
 pub use fusion::cbr::{keys, CbrConfig, CbrLayer, ConvShape, DeviceBuffers};
 pub use fusion::exec::{cuda_device, Handle};

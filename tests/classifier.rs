@@ -7,8 +7,8 @@ mod common;
 use cudnn_cbr::amp::plan::Region;
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::{
-    compile, ClassifierError, CompiledNet, CpuClassifier, Preset, RoutePolicy, SgdConfig,
-    StepConfig,
+    compile, ClassifierError, CompiledNet, CpuClassifier, EvalWeights, Preset, RoutePolicy,
+    SgdConfig, StepConfig,
 };
 use half::f16;
 
@@ -132,4 +132,79 @@ fn the_cuda_classifier_follows_the_cpu_one() {
             want.loss
         );
     }
+}
+
+/// Trains `steps` steps with an EMA of `decay`.
+fn trained_with_ema(decay: f32, steps: usize) -> CpuClassifier {
+    let config = StepConfig::new(SgdConfig::new(0.05)).with_ema(decay);
+    let mut model = CpuClassifier::new(net(), CLASSES, config, 3).unwrap();
+    for i in 0..steps {
+        let (images, labels) = batch(i);
+        model.step_mut().begin().unwrap();
+        model.forward_backward(&images, &labels).unwrap();
+        model.step_mut().finish().unwrap();
+    }
+    model
+}
+
+#[test]
+fn evaluation_reads_the_running_statistics_and_writes_none() {
+    let mut model = trained_with_ema(0.5, 3);
+    let (images, labels) = batch(7);
+    let stats = model.running_stats().unwrap();
+    let weights = model.step().executor().region_bytes(Region::W).unwrap();
+    let e = model.evaluate(&images, EvalWeights::Trained).unwrap();
+    let again = model.evaluate(&images, EvalWeights::Trained).unwrap();
+    // Nothing statistical is written: the running statistics (and the weights) are bit for
+    // bit what they were, and a second evaluation is the first.
+    assert_eq!(model.running_stats().unwrap(), stats);
+    assert_eq!(
+        model.step().executor().region_bytes(Region::W).unwrap(),
+        weights
+    );
+    assert_eq!(e, again);
+    assert_eq!(e.logits.len(), BATCH * CLASSES);
+    assert_eq!(e.top1.len(), BATCH);
+    assert!(e.top1.iter().all(|&c| c < CLASSES));
+    let acc = e.accuracy(&labels);
+    assert!((0.0..=1.0).contains(&acc));
+    // Training-mode BN (batch statistics) is another function of the batch: the logits
+    // differ, and that forward updates the running statistics.
+    let train_mode = model.logits(&images).unwrap();
+    assert_ne!(train_mode, e.logits);
+    assert_ne!(model.running_stats().unwrap(), stats);
+    // Evaluation follows the running statistics: after the training-mode forward moved
+    // them, the same images evaluate to other logits.
+    let moved = model.evaluate(&images, EvalWeights::Trained).unwrap();
+    assert_ne!(moved.logits, e.logits);
+}
+
+#[test]
+fn ema_weights_are_evaluated_from_the_ema_regions() {
+    // Decay 0: e = w after every applied step, so E16 = f16(E) = f16(W) = A and the EMA
+    // weights evaluate bit for bit as the trained ones.
+    let mut zero = trained_with_ema(0.0, 3);
+    let (images, _) = batch(9);
+    let t = zero.evaluate(&images, EvalWeights::Trained).unwrap();
+    let e = zero.evaluate(&images, EvalWeights::Ema).unwrap();
+    assert_eq!(t, e);
+    // Decay 0.99: the EMA has barely left the initial weights after 3 steps, so its logits
+    // are not the trained weights' ones.
+    let mut slow = trained_with_ema(0.99, 3);
+    let t = slow.evaluate(&images, EvalWeights::Trained).unwrap();
+    let e = slow.evaluate(&images, EvalWeights::Ema).unwrap();
+    assert_ne!(t.logits, e.logits);
+    // Without an EMA in the step, asking for its weights is a typed error.
+    let config = StepConfig::new(SgdConfig::new(0.05));
+    let mut plain = CpuClassifier::new(net(), CLASSES, config, 3).unwrap();
+    let err = plain.evaluate(&images, EvalWeights::Ema).unwrap_err();
+    assert!(
+        matches!(&err, ClassifierError::Input(m) if m.contains("EMA")),
+        "{err}"
+    );
+    // A batch of the wrong size too.
+    let err = plain
+        .evaluate(&images[1..], EvalWeights::Trained)
+        .unwrap_err();
+    assert!(matches!(err, ClassifierError::Input(_)), "{err}");
 }

@@ -583,3 +583,163 @@ fn a_materialized_pair_reads_the_stored_activation() {
         .apply
         .is_none());
 }
+
+/// Our executor's evaluation mode ([`CpuNet::evaluate`]) under the reference's keys: every
+/// block output, the pooled features and the logits. Asserts that evaluation leaves every
+/// running and saved statistic bit for bit as it found them.
+fn ours_eval<T: Element>(
+    spec: &NetSpec,
+    batch: usize,
+    hw: usize,
+    policy: &RoutePolicy<'_>,
+    inp: &Inputs,
+) -> Named {
+    let net = compile(spec, batch, hw, policy).expect("compiles");
+    let layers: Vec<String> = net.layers.iter().map(|l| l.name.clone()).collect();
+    let mut cpu: CpuNet<T> = CpuNet::new(net);
+    let acc = |v: &[f64]| {
+        v.iter()
+            .map(|&x| <T::Acc as cudnn_cbr::fusion::reference::Real>::from_f64(x))
+            .collect::<Vec<_>>()
+    };
+    let st = |v: &[f64]| v.iter().map(|&x| T::from_f64(x)).collect::<Vec<_>>();
+    for l in &layers {
+        cpu.set_half(&format!("{l}.w"), st(&inp.params[&format!("{l}.w")]))
+            .unwrap();
+        for p in ["gamma", "beta", "running_mean", "running_var"] {
+            let k = format!("{l}.{p}");
+            cpu.set_float(&k, acc(&inp.params[&k])).unwrap();
+        }
+    }
+    let stats = |cpu: &CpuNet<T>| -> Vec<Vec<u64>> {
+        let mut out = Vec::new();
+        for l in &layers {
+            for p in ["running_mean", "running_var", "saved_mean", "saved_inv_std"] {
+                let v = cpu.values(&format!("{l}.{p}")).unwrap();
+                out.push(v.iter().map(|x| x.to_bits()).collect());
+            }
+        }
+        out
+    };
+    let before = stats(&cpu);
+    cpu.evaluate(&st(&inp.images)).unwrap();
+    assert_eq!(stats(&cpu), before, "evaluation wrote a statistic");
+    let net = cpu.net();
+    let out: Vec<f64> = cpu.output().iter().map(|v| v.to_f64()).collect();
+    let h = head::run(
+        HeadDims {
+            n: batch,
+            pixels: net.out_hw * net.out_hw,
+            features: net.features,
+            classes: spec.classes,
+        },
+        &out,
+        &inp.params["fc.w"],
+        &inp.params["fc.b"],
+        &inp.labels,
+        1.0,
+    )
+    .unwrap();
+    let mut forward = Named::new();
+    let mut acts = vec!["stem.out".to_string()];
+    for (i, s) in spec.stages.iter().enumerate() {
+        for j in 0..s.len() {
+            acts.push(format!("s{i}.b{j}.out"));
+        }
+    }
+    for a in acts {
+        let v = cpu.values(&a).unwrap();
+        forward.insert(a, v);
+    }
+    forward.insert("pooled".into(), h.pooled);
+    forward.insert("logits".into(), h.logits);
+    forward
+}
+
+/// The worst ∞-norm and L2 relative errors of our eval-mode values against the reference's,
+/// with the key of the worst ∞-norm one.
+fn compare_eval(label: &str, ours: &Named, theirs: &Named) -> (f64, f64, String) {
+    let mut worst = (0f64, 0f64, String::new());
+    for (key, a) in ours {
+        let b = theirs
+            .get(key)
+            .unwrap_or_else(|| panic!("{label}: the reference lacks `{key}`"));
+        let (inf, l2) = errors(a, b);
+        if inf > worst.0 {
+            worst.0 = inf;
+            worst.2 = key.clone();
+        }
+        worst.1 = worst.1.max(l2);
+    }
+    assert!(ours.len() >= 4, "{label}: only {} tensors", ours.len());
+    worst
+}
+
+#[test]
+fn eval_mode_matches_the_independent_reference() {
+    // Evaluation mode (BN from the running statistics, folded into eq_scale / eq_bias on our
+    // side, written from tensor ops on the reference's) on the fixed networks, every route,
+    // plus random networks with random route mixes; in f64 and in FP16 storage.
+    let mut rng = Rng(77);
+    let mut cases: Vec<(NetSpec, usize, usize, Vec<RoutePolicy<'static>>)> = networks()
+        .into_iter()
+        .map(|(s, b, hw)| {
+            let p = RouteKind::ALL
+                .iter()
+                .map(|&r| RoutePolicy::Uniform(r))
+                .collect();
+            (s, b, hw, p)
+        })
+        .collect();
+    for case in 0..6 {
+        let (spec, batch, hw) = random_spec(&mut rng, case);
+        let names: Vec<String> = compile(&spec, batch, hw, &RoutePolicy::Uniform(RouteKind::Fused))
+            .unwrap()
+            .layers
+            .iter()
+            .map(|l| l.name.clone())
+            .collect();
+        let mixed = RoutePolicy::PerLayer {
+            routes: names
+                .iter()
+                .map(|n| (n.clone(), RouteKind::ALL[rng.below(3)]))
+                .collect(),
+            default: RouteKind::Fused,
+        };
+        cases.push((spec, batch, hw, vec![mixed]));
+    }
+    let (mut worst64, mut worst16) = ((0f64, String::new()), (0f64, String::new()));
+    for (spec, batch, hw, policies) in &cases {
+        let r = to_ref(spec, *hw);
+        let inp = inputs(&r, *batch, 5);
+        let theirs = independent::eval(&r, &inp.params, &inp.images, *batch).unwrap();
+        for policy in policies {
+            let label = format!("{} {policy:?}", spec.name);
+            let o = ours_eval::<f64>(spec, *batch, *hw, policy, &inp);
+            let (inf, _, key) = compare_eval(&label, &o, &theirs);
+            // Exact arithmetic on both sides; our side folds BN into y·eq_scale + eq_bias,
+            // the reference computes (y − μ)·inv_std·γ + β: round-off only (measured below
+            // 1e-14; no batch statistic, so no near-cancelling reduction).
+            assert!(inf <= 1e-12, "{label}: f64 {key}: {inf:e}");
+            if inf > worst64.0 {
+                worst64 = (inf, format!("{label}: {key}"));
+            }
+            let o = ours_eval::<f16>(spec, *batch, *hw, policy, &inp);
+            let (_, l2, key) = compare_eval(&label, &o, &theirs);
+            // FP16 storage: each layer stores y and the activation in FP16 (≈3e-4 relative
+            // L2 each) and rounds eq_scale / eq_bias to FP16 (a per-channel relative error
+            // ≤ 2^-11 that, unlike training, no batch normalization re-centres), compounded
+            // over ≤ 10 layers: a few 1e-3. Bound 1e-2, as the training forward's; a wrong
+            // statistic (batch instead of running, a missing ε) is an O(1) error.
+            assert!(l2 <= 1e-2, "{label}: FP16 {key}: relative L2 {l2:e}");
+            if l2 > worst16.0 {
+                worst16 = (l2, format!("{label}: {key}"));
+            }
+        }
+    }
+    println!(
+        "eval mode vs independent reference: f64 worst ∞-norm rel {:.2e} ({}); FP16 worst L2 \
+         rel {:.2e} ({})",
+        worst64.0, worst64.1, worst16.0, worst16.1
+    );
+}

@@ -2,13 +2,15 @@
 //! arithmetic), the head on amp's CPU twins of the CUDA head kernels, the amp step on
 //! [`CpuRegions`].
 
-use super::{check_batch, ClassifierError};
+use super::{check_batch, ClassifierError, EvalWeights, Evaluation};
 use crate::amp::plan::Bucket;
 use crate::amp::plan::Region;
 use crate::amp::range::{self, softmax_xent_backward, HeadMetrics, HeadShape};
 use crate::amp::step::{AmpStep, CpuRegions, StepConfig};
 use crate::amp::AmpError;
-use crate::net::{initial_weights, memory_plan, CompiledNet, CpuNet, GradSchedule};
+use crate::net::{
+    initial_weights, memory_plan, memory_plan_with_ema, CompiledNet, CpuNet, GradSchedule,
+};
 
 /// What a data-parallel step does with a gradient bucket once it is in the regions
 /// ([`CpuClassifier::forward_backward_reduced`]).
@@ -54,13 +56,18 @@ pub struct CpuClassifier {
 impl CpuClassifier {
     /// The network (compiled with a CPU policy, e.g. `RoutePolicy::Uniform`) with an FC head
     /// of `classes` outputs, its memory plan on the host, and the amp step of `config`; the
-    /// master weights start from [`initial_weights`] of `seed`.
+    /// master weights start from [`initial_weights`] of `seed`. A `config` with an EMA
+    /// ([`StepConfig::with_ema`]) gets a plan with the EMA regions E and E16.
     ///
     /// # Errors
     /// A memory plan or step configuration the amp layer refuses: `classes` other than the
     /// spec's is [`crate::amp::PlanError::HeadClasses`].
     pub fn new(net: CompiledNet, classes: usize, config: StepConfig, seed: u64) -> Result<Self> {
-        let plan = memory_plan(&net, classes)?;
+        let plan = if config.ema_decay.is_some() {
+            memory_plan_with_ema(&net, classes)?
+        } else {
+            memory_plan(&net, classes)?
+        };
         let mut regions = CpuRegions::new(plan)?;
         for (name, values) in initial_weights(&net, classes, seed) {
             regions
@@ -129,42 +136,90 @@ impl CpuClassifier {
         Ok(self.net.set_float(name, values)?)
     }
 
-    /// Conv weights from A (FP16), BN parameters from W (FP32) into the layers' buffers.
-    fn load_weights(&mut self) -> Result<()> {
+    /// The (FP16, FP32) regions `weights` reads: (A, W) or (E16, E).
+    fn regions_of(&self, weights: EvalWeights) -> Result<(Region, Region)> {
+        match weights {
+            EvalWeights::Trained => Ok((Region::A, Region::W)),
+            EvalWeights::Ema if self.step.executor().plan_arc().has_region(Region::E) => {
+                Ok((Region::E16, Region::E))
+            }
+            EvalWeights::Ema => Err(ClassifierError::Input(
+                "the EMA weights were asked for, but the step keeps no EMA (StepConfig::with_ema)"
+                    .into(),
+            )),
+        }
+    }
+
+    /// Conv weights from the FP16 region (A, or E16), BN parameters from the FP32 one (W, or
+    /// E) into the layers' buffers.
+    fn load_weights(&mut self, weights: EvalWeights) -> Result<()> {
+        let (half, float) = self.regions_of(weights)?;
         let regions = self.step.executor();
         for name in &self.layers {
             let key = format!("{name}.w");
             self.net
-                .set_half(&key, regions.param_f16(&key, Region::A)?.to_vec())?;
+                .set_half(&key, regions.param_f16(&key, half)?.to_vec())?;
             for p in ["gamma", "beta"] {
                 let key = format!("{name}.{p}");
                 self.net
-                    .set_float(&key, regions.param_f32(&key, Region::W)?.to_vec())?;
+                    .set_float(&key, regions.param_f32(&key, float)?.to_vec())?;
             }
         }
         Ok(())
     }
 
-    /// Forward through the network, the pooling and the FC layer: FP16 logits
-    /// `[batch, classes]` and the pooled features.
-    fn forward(&mut self, images: &[f16]) -> Result<(Vec<f16>, Vec<f32>)> {
-        self.load_weights()?;
-        self.net.forward(images)?;
+    /// Forward through the network (training mode, or evaluation mode with `eval`), the
+    /// pooling and the FC layer: FP16 logits `[batch, classes]` and the pooled features.
+    fn forward(
+        &mut self,
+        images: &[f16],
+        eval: Option<EvalWeights>,
+    ) -> Result<(Vec<f16>, Vec<f32>)> {
+        let weights = eval.unwrap_or_default();
+        self.load_weights(weights)?;
+        match eval {
+            Some(_) => self.net.evaluate(images)?,
+            None => self.net.forward(images)?,
+        }
         let mut pooled = vec![0f32; self.shape.pooled_elems()];
         range::gap_forward(&self.shape, self.net.output(), &mut pooled)?;
         let mut logits = vec![f16::ZERO; self.shape.logits_elems()];
+        let (_, float) = self.regions_of(weights)?;
         let regions = self.step.executor();
         range::fc_forward(
             &self.shape,
             &pooled,
-            regions.param_f32("fc.w", Region::W)?,
-            regions.param_f32("fc.b", Region::W)?,
+            regions.param_f32("fc.w", float)?,
+            regions.param_f32("fc.b", float)?,
             &mut logits,
         )?;
         Ok((logits, pooled))
     }
 
-    /// The logits of `images` (NHWC FP16, one batch) with the current weights.
+    /// Evaluates one batch of `images` (NHWC FP16): forward only, BN in evaluation mode (each
+    /// layer normalizes with its running statistics: [`CpuNet::evaluate`]), with the trained
+    /// or the EMA weights. Running statistics, weights and the step are left as they were.
+    ///
+    /// # Errors
+    /// [`ClassifierError::Input`] for a batch of the wrong size, or for the EMA weights of a
+    /// step that keeps none; a running variance below `−ε`.
+    pub fn evaluate(&mut self, images: &[f16], weights: EvalWeights) -> Result<Evaluation> {
+        let labels = vec![0; self.shape.batch];
+        let want = self.net.net().buffers[self.net.net().input].elems;
+        check_batch(
+            images.len(),
+            want,
+            &labels,
+            self.shape.batch,
+            self.shape.classes,
+        )?;
+        let (logits, _) = self.forward(images, Some(weights))?;
+        Ok(Evaluation::from_logits(logits, self.shape.classes))
+    }
+
+    /// The logits of `images` (NHWC FP16, one batch) with the current weights, BN in training
+    /// mode (the batch's statistics, and the running statistics updated);
+    /// [`CpuClassifier::evaluate`] is the evaluation-mode forward.
     ///
     /// # Errors
     /// [`ClassifierError::Input`] for a batch of the wrong size.
@@ -178,7 +233,7 @@ impl CpuClassifier {
             self.shape.batch,
             self.shape.classes,
         )?;
-        Ok(self.forward(images)?.0)
+        Ok(self.forward(images, None)?.0)
     }
 
     /// One forward and backward pass on a batch: gradients land in G16 (conv weights) and G
@@ -216,7 +271,7 @@ impl CpuClassifier {
         let (batch, classes) = (self.shape.batch, self.shape.classes);
         let want = self.net.net().buffers[self.net.net().input].elems;
         check_batch(images.len(), want, labels, batch, classes)?;
-        let (logits, pooled) = self.forward(images)?;
+        let (logits, pooled) = self.forward(images, None)?;
         // The scaled loss gradient: scale / batch · (softmax − onehot), FP16.
         let scalars = self.step.executor().scalars();
         let mut dlogits = vec![f16::ZERO; logits.len()];

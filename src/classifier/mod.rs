@@ -15,6 +15,12 @@
 //!    [`crate::amp::step::AmpStep::capture_finish`]) casts, checks, updates and rescales,
 //!    with no host sync; `step_mut().set_lr(..)` between replays changes the learning rate.
 
+//!
+//! Evaluation (forward only, BN in evaluation mode: each layer normalizes with its running
+//! statistics, nothing statistical written): `evaluate(images, weights)` gives the logits and
+//! the top-1 class of each image, with the trained weights or, where the step keeps an EMA
+//! ([`crate::amp::step::StepConfig::with_ema`]), the EMA weights ([`EvalWeights`]).
+
 pub mod cpu;
 pub mod cuda;
 
@@ -58,6 +64,51 @@ impl From<crate::amp::PlanError> for ClassifierError {
 impl From<crate::amp::RangeOpError> for ClassifierError {
     fn from(e: crate::amp::RangeOpError) -> Self {
         ClassifierError::Amp(e.into())
+    }
+}
+
+/// Which weights an evaluation reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EvalWeights {
+    /// The trained weights: conv weights from A (FP16), BN and FC parameters from W (FP32),
+    /// as a training step reads them.
+    #[default]
+    Trained,
+    /// The EMA of the weights: conv weights from E16 (the FP16 copy of the EMA), BN and FC
+    /// parameters from E (FP32). Needs a step with EMA.
+    Ema,
+}
+
+/// One evaluated batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Evaluation {
+    /// FP16 logits, `[batch, classes]` row-major.
+    pub logits: Vec<half::f16>,
+    /// Per image, the predicted class: [`crate::amp::range::argmax_last`] of its logits (the
+    /// rule the training accuracy uses).
+    pub top1: Vec<usize>,
+}
+
+impl Evaluation {
+    /// From a batch's logits (`classes` per row, `classes > 0`).
+    pub(crate) fn from_logits(logits: Vec<half::f16>, classes: usize) -> Self {
+        let top1 = logits
+            .chunks(classes.max(1))
+            .map(|row| crate::amp::range::argmax_last(row).unwrap_or(0))
+            .collect();
+        Evaluation { logits, top1 }
+    }
+
+    /// The fraction of images whose top-1 class is their label (`labels` as long as the
+    /// batch; a label outside the classes never matches).
+    pub fn accuracy(&self, labels: &[i32]) -> f32 {
+        let correct = self
+            .top1
+            .iter()
+            .zip(labels)
+            .filter(|(&p, &l)| usize::try_from(l).is_ok_and(|l| l == p))
+            .count();
+        correct as f32 / self.top1.len().max(1) as f32
     }
 }
 

@@ -2,7 +2,7 @@
 //! reference ops, in FP16 storage (`T = f16`, the GPU's rounding points) or exact `f64`.
 
 use super::compile::{BufId, CompiledNet, NetBuffer};
-use super::exec::{run_pass, run_pass_observed, AfterStep, NetExecutor};
+use super::exec::{run_eval, run_pass, run_pass_observed, AfterStep, NetExecutor};
 use super::spec::PoolSpec;
 use cudnn_cbr_fusion::cbr::{BnSync, LayerIo, Pass, Src};
 use cudnn_cbr_fusion::graph::DataType;
@@ -201,6 +201,26 @@ impl<T: Element> CpuNet<T> {
             Buf::Half(images.to_vec()),
         )?;
         run_pass(self, false)
+    }
+
+    /// The forward pass on `images` (NHWC) in evaluation mode: each BN normalizes with its
+    /// layer's running statistics (`eq_scale = γ/sqrt(running_var + ε)`, `eq_bias = β −
+    /// running_mean·eq_scale`: [`cudnn_cbr_fusion::reference::bn_eval_finalize`]), applied
+    /// where training applies the batch statistics' coefficients. No statistics are written:
+    /// the running statistics and the saved batch statistics keep their values. The output is
+    /// in [`CpuNet::output`].
+    ///
+    /// # Errors
+    /// Images of the wrong length; a running variance below `−ε` or not finite.
+    pub fn evaluate(&mut self, images: &[T]) -> Result<()> {
+        let input = self.net.input;
+        touch(&mut self.versions, &mut self.clock, input);
+        set(
+            &mut self.bufs[input],
+            &self.net.buffers[input],
+            Buf::Half(images.to_vec()),
+        )?;
+        run_eval(self)
     }
 
     /// The backward pass from the gradient of the output (the head's backward). Leaves every

@@ -49,6 +49,34 @@ pub fn run_pass<E: NetExecutor + ?Sized>(exec: &mut E, backward: bool) -> Result
     run_pass_observed(exec, backward, &mut |_, _| Ok(()))
 }
 
+/// Runs the compiled forward order in evaluation mode: every layer step as
+/// [`Pass::Eval`] (BN from the running statistics, nothing statistical written), the adds and
+/// pools as in training.
+pub fn run_eval<E: NetExecutor + ?Sized>(exec: &mut E) -> Result<(), E::Error> {
+    let count = exec.compiled().forward.len();
+    for i in 0..count {
+        let step = exec.compiled().forward[i];
+        match step {
+            Step::Layer { layer, .. } => exec.layer_pass(layer, Pass::Eval)?,
+            Step::Add { a, b, out } => exec.add(a, b, out)?,
+            Step::MaxPool {
+                pool,
+                shape,
+                input,
+                output,
+            } => exec.max_pool(&pool, &shape, input, output)?,
+            Step::MaxPoolBackward {
+                pool,
+                shape,
+                input,
+                grad_output,
+                grad_input,
+            } => exec.max_pool_backward(&pool, &shape, input, grad_output, grad_input)?,
+        }
+    }
+    Ok(())
+}
+
 /// What [`run_pass_observed`] calls after each step: the executor and the step's index.
 pub type AfterStep<'a, E> = dyn FnMut(&mut E, usize) -> Result<(), <E as NetExecutor>::Error> + 'a;
 

@@ -26,8 +26,8 @@ pub use compile::{
 };
 pub use cpu::CpuNet;
 pub use cuda::{CudaNet, CudaNetError};
-pub use exec::{run_pass, run_pass_observed, NetExecutor};
+pub use exec::{run_eval, run_pass, run_pass_observed, NetExecutor};
 pub use memory::MemoryReport;
-pub use params::{initial_weights, memory_plan, memory_plan_with_buffers};
+pub use params::{initial_weights, memory_plan, memory_plan_with_buffers, memory_plan_with_ema};
 pub use prewarm::{prewarm, Prewarmed};
 pub use spec::{BlockKind, BlockSpec, NetSpec, PoolSpec, Preset, StemSpec};

@@ -20,6 +20,15 @@ pub fn memory_plan(net: &CompiledNet, classes: usize) -> Result<MemoryPlan, Plan
     builder(net, classes)?.finalize()
 }
 
+/// [`memory_plan`] with the EMA regions E (FP32) and E16 (FP16) allocated: the plan of a step
+/// with an EMA of the weights ([`crate::amp::step::StepConfig::with_ema`]).
+///
+/// # Errors
+/// As [`memory_plan`].
+pub fn memory_plan_with_ema(net: &CompiledNet, classes: usize) -> Result<MemoryPlan, PlanError> {
+    builder(net, classes)?.with_ema(true).finalize()
+}
+
 /// The builder of [`memory_plan`], its parameters registered.
 fn builder(net: &CompiledNet, classes: usize) -> Result<MemoryPlanBuilder, PlanError> {
     if classes != net.spec.classes {

@@ -26,6 +26,12 @@ pub enum Pass {
     Forward,
     /// Backward: gradients of the weights, of the previous BN and of the input.
     Backward,
+    /// Evaluation (inference) mode, CPU executor: the forward steps with BN normalizing by the
+    /// running statistics ([`crate::reference::bn_eval_finalize`]) instead of the batch's. No
+    /// statistics are computed or written: the running statistics, `sum`, `sq_sum` and the
+    /// saved statistics keep their values; `eq_scale` and `eq_bias` (or the unfused route's
+    /// activation) are overwritten.
+    Eval,
 }
 
 impl CbrLayer {
@@ -110,6 +116,13 @@ impl CbrLayer {
     ) -> Result<()> {
         let prev_given = io.has_prev().then_some(());
         self.check_prev(&prev_given)?;
+        if pass == Pass::Eval {
+            return Err(Error::CudnnMessage(format!(
+                "layer {}: evaluation mode runs its steps on the CPU executor; the GPU's \
+                 inference graphs are run by the network executor",
+                self.config().shape.label()
+            )));
+        }
         // Refused before anything is enqueued, so a pass never runs halfway.
         if let Some(step) = self
             .pass_steps(pass)
@@ -270,6 +283,13 @@ impl CbrLayer {
         mut sync: Option<&mut dyn BnSync<T::Acc>>,
     ) -> Result<()> {
         let roles: Vec<GraphRole> = self.pass_steps(pass).map(|s| s.role).collect();
+        if pass == Pass::Eval {
+            // Nothing to synchronize: no batch statistics.
+            for role in roles {
+                cpu_eval_step(self, role, io)?;
+            }
+            return Ok(());
+        }
         for role in roles {
             match sync.as_deref_mut() {
                 None => cpu_step(self, role, io, 1)?,
@@ -479,6 +499,112 @@ pub(super) fn residual_of<'a, T: Element, I: LayerIo<T> + ?Sized>(
         },
         _ => Residual::None,
     })
+}
+
+/// One forward role in evaluation mode ([`Pass::Eval`]): the conv steps as in training, minus
+/// the statistics; BN finalize replaced by [`r::bn_eval_finalize`] (eq_scale and eq_bias from
+/// the running statistics, nothing else written); the unfused route's BN forward normalizing
+/// with the running statistics in [`bn_recompute`]'s order, rounded once. The applies (the
+/// next conv's prologue, the materialized activation, the dual residual) read the same
+/// `eq_scale` / `eq_bias` buffers as in training.
+fn cpu_eval_step<T: Element, I: LayerIo<T> + ?Sized>(
+    layer: &CbrLayer,
+    role: GraphRole,
+    io: &mut I,
+) -> Result<()> {
+    let cfg = layer.config();
+    let s = &cfg.shape;
+    let bn = BnParams {
+        epsilon: cfg.epsilon,
+        momentum: cfg.momentum,
+    };
+    let eval = |io: &I| -> Result<r::BnFinalized<T>> {
+        Ok(r::bn_eval_finalize(
+            io.float(This("gamma"))?,
+            io.float(This("beta"))?,
+            io.float(This("running_mean"))?,
+            io.float(This("running_var"))?,
+            &bn,
+        )?)
+    };
+    match role {
+        GraphRole::ConvStats => {
+            let p = s.reference_params();
+            let through_bn = cfg.input == InputKind::ThroughBn;
+            let plain_in = if through_bn {
+                This("a_prev")
+            } else {
+                This("x")
+            };
+            let y = io.take_half(This("y"))?;
+            let mut scratch = io.take_scratch();
+            let prologue = through_bn && layer.route().kind() != RouteKind::Generic;
+            let input = if prologue {
+                prologue_input(io)?
+            } else {
+                ConvInput::Plain(io.half(plain_in)?)
+            };
+            let stamp = input_stamp(io, prologue, plain_in);
+            let w = io.half(This("w"))?;
+            // The conv of the training graph; its statistics are dropped, not stored.
+            let out = r::fprop_genstats_with(&p, input, w, &mut scratch, stamp, y);
+            io.put_scratch(scratch);
+            io.set_half(This("y"), out?.y)?;
+        }
+        GraphRole::Stats => {}
+        GraphRole::Finalize => {
+            let out = eval(io)?;
+            io.set_half(This("eq_scale"), out.eq_scale)?;
+            io.set_half(This("eq_bias"), out.eq_bias)?;
+        }
+        GraphRole::BnForward => {
+            let ys = Nhwc::new(s.n as usize, s.p() as usize, s.q() as usize, s.k as usize);
+            let out = eval(io)?;
+            let y = io.half(This("y"))?;
+            let (gamma, beta) = (io.float(This("gamma"))?, io.float(This("beta"))?);
+            let (mean, inv_std) = (&out.saved_mean, &out.saved_inv_std);
+            match cfg.apply {
+                Some(_) => {
+                    let a = bn_activation(
+                        &ys,
+                        y,
+                        mean,
+                        inv_std,
+                        gamma,
+                        beta,
+                        residual_of(io, cfg.apply)?,
+                    )?;
+                    io.set_half(This("a"), a)?;
+                }
+                None => {
+                    let c = ys.c;
+                    let y_bn = y
+                        .iter()
+                        .enumerate()
+                        .map(|(i, v)| {
+                            let ch = i % c;
+                            T::from_acc(bn_recompute(
+                                v.to_acc(),
+                                mean[ch],
+                                inv_std[ch],
+                                gamma[ch],
+                                beta[ch],
+                            ))
+                        })
+                        .collect();
+                    io.set_half(This("y_bn"), y_bn)?;
+                }
+            }
+        }
+        GraphRole::Conv | GraphRole::Apply | GraphRole::ApplyPrev => cpu_step(layer, role, io, 1)?,
+        backward => {
+            return Err(Error::CudnnMessage(format!(
+                "layer {}: {backward:?} is a backward step, not part of evaluation",
+                s.label()
+            )))
+        }
+    }
+    Ok(())
 }
 
 /// One role on the CPU. Mirrors the graphs in `route_graphs` buffer for buffer.

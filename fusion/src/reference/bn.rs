@@ -171,6 +171,66 @@ pub fn bn_finalize<A: Real>(
     Ok(out)
 }
 
+/// BN in evaluation mode: the per-channel coefficients from the **running** statistics, no
+/// batch statistics and nothing updated. In `f64`, from the stored (FP32) values:
+/// ```text
+/// inv_std  = 1 / sqrt(running_var + ε)
+/// eq_scale = γ·inv_std                      (rounded once to the storage type: FP16)
+/// eq_bias  = β − running_mean·γ·inv_std     (from the unrounded eq_scale; rounded once)
+/// ```
+/// the formula and rounding points of [`bn_finalize`] with the batch moments replaced by the
+/// running ones (same `ε`), so `y·eq_scale + eq_bias = (y − running_mean)·inv_std·γ + β`.
+/// `saved_mean` and `saved_inv_std` of the result carry `running_mean` and that `inv_std`
+/// (rounded to FP32), for the unfused route's normalization ([`bn_recompute`]'s order).
+///
+/// # Errors
+/// Lengths that differ from `gamma`'s, an invalid `ε`, and a running variance that is not
+/// finite or below `−ε` (the square root of a negative number).
+pub fn bn_eval_finalize<A: Real>(
+    gamma: &[A],
+    beta: &[A],
+    running_mean: &[A],
+    running_var: &[A],
+    params: &BnParams,
+) -> Result<BnFinalized<A::Storage>> {
+    let c = gamma.len();
+    if c == 0 {
+        return Err(ReferenceError::ZeroDimension {
+            tensor: "gamma",
+            dim: "c",
+        });
+    }
+    check_len("beta", beta, c)?;
+    check_len("running_mean", running_mean, c)?;
+    check_len("running_var", running_var, c)?;
+    params.validate()?;
+    let mut out = BnFinalized {
+        eq_scale: Vec::with_capacity(c),
+        eq_bias: Vec::with_capacity(c),
+        saved_mean: Vec::with_capacity(c),
+        saved_inv_std: Vec::with_capacity(c),
+    };
+    for k in 0..c {
+        let var = running_var[k].to_f64() + params.epsilon;
+        if !(var.is_finite() && var > 0.0) {
+            return Err(ReferenceError::InvalidBnParam {
+                param: "running_var",
+                value: running_var[k].to_f64(),
+                expected: "finite and greater than -epsilon",
+            });
+        }
+        let inv_std = 1.0 / var.sqrt();
+        let mean = running_mean[k].to_f64();
+        let scale = gamma[k].to_f64() * inv_std;
+        out.eq_scale.push(A::Storage::from_f64(scale));
+        out.eq_bias
+            .push(A::Storage::from_f64(beta[k].to_f64() - mean * scale));
+        out.saved_mean.push(running_mean[k]);
+        out.saved_inv_std.push(A::from_f64(inv_std));
+    }
+    Ok(out)
+}
+
 /// Unfused BN forward, training mode (cuDNN NormForward): normalizes `y` (NHWC, `shape`) with its
 /// own batch statistics, `out = (y − μ)·inv_std·γ + β`, and updates the running statistics.
 ///

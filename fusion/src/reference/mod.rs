@@ -67,8 +67,8 @@ pub mod pointwise;
 mod tests;
 
 pub use bn::{
-    bn_bwd, bn_finalize, bn_fwd_train, genstats, BnBackward, BnFinalized, BnForward, ChannelStats,
-    RunningStats,
+    bn_bwd, bn_eval_finalize, bn_finalize, bn_fwd_train, genstats, BnBackward, BnFinalized,
+    BnForward, ChannelStats, RunningStats,
 };
 pub use chain::{
     weighted_sum_loss, CbrChain, CbrLayer, ChainForward, ChainGrads, LayerForward, LayerGrads,

@@ -365,9 +365,45 @@ pub fn run(
 ) -> Result<RefRun, String> {
     validate_inputs(net, params, images, labels)?;
     match catch_unwind(AssertUnwindSafe(|| {
-        Step::execute(net, params, images, labels, true)
+        Step::new(net, params).execute(images, labels, true)
     })) {
         Ok(r) => r.map_err(|e| format!("candle error: {e}")),
+        Err(_) => Err("internal panic in the reference (please report)".into()),
+    }
+}
+
+/// The forward pass of `net` in f64 with BatchNorm in **evaluation mode**: every BN
+/// normalizes with its layer's running statistics (`{L}.running_mean`, `{L}.running_var`,
+/// read from `params`) written from tensor ops, `(y − running_mean) / sqrt(running_var + ε)
+/// · γ + β`; no batch statistic is computed. `images` is NHWC `[n, hw, hw, in_channels]`.
+///
+/// Returns the forward values as [`run`] names them (`logits`, `pooled`, `stem.out`, every
+/// `s{i}.b{j}.out`, each layer's `{L}.x` and `{L}.y`), without the batch statistics.
+///
+/// Bad input gives `Err` naming the problem; it never panics.
+pub fn eval(net: &RefNet, params: &Named, images: &[f64], n: usize) -> Result<Named, String> {
+    // Labels only feed the (ignored) loss; at least two values per channel, as `run` checks,
+    // is asked of eval batches too (the reference's validation is shared).
+    let labels = vec![0; n];
+    validate_inputs(net, params, images, &labels)?;
+    for name in param_shapes(net)
+        .iter()
+        .filter_map(|(n, _)| n.strip_suffix(".gamma"))
+    {
+        for stat in ["running_mean", "running_var"] {
+            if !params.contains_key(&format!("{name}.{stat}")) {
+                return Err(format!("missing {name}.{stat} (evaluation mode reads it)"));
+            }
+        }
+    }
+    match catch_unwind(AssertUnwindSafe(|| {
+        let mut st = Step::new(net, params);
+        st.eval = true;
+        st.execute(images, &labels, false)
+    })) {
+        Ok(r) => r
+            .map_err(|e| format!("candle error: {e}"))
+            .map(|r| r.forward),
         Err(_) => Err("internal panic in the reference (please report)".into()),
     }
 }
@@ -377,7 +413,7 @@ pub fn run(
 pub fn loss(net: &RefNet, params: &Named, images: &[f64], labels: &[usize]) -> Result<f64, String> {
     validate_inputs(net, params, images, labels)?;
     match catch_unwind(AssertUnwindSafe(|| {
-        Step::execute(net, params, images, labels, false)
+        Step::new(net, params).execute(images, labels, false)
     })) {
         Ok(r) => r
             .map_err(|e| format!("candle error: {e}"))
@@ -406,6 +442,8 @@ struct Step<'a> {
     /// Zero-valued variables added onto intermediates: candle keeps gradients only for
     /// variables, and d loss / d tap = d loss / d (intermediate).
     taps: Vec<(String, Var, Tap)>,
+    /// BatchNorm in evaluation mode (running statistics) instead of training mode.
+    eval: bool,
 }
 
 type CResult<T> = candle_core::Result<T>;
@@ -426,21 +464,21 @@ pub fn relu(x: &Tensor) -> CResult<Tensor> {
 }
 
 impl<'a> Step<'a> {
-    fn execute(
-        net: &'a RefNet,
-        params: &'a Named,
-        images: &[f64],
-        labels: &[usize],
-        backward: bool,
-    ) -> CResult<RefRun> {
-        let mut st = Step {
+    fn new(net: &'a RefNet, params: &'a Named) -> Self {
+        Step {
             net,
             params,
             dev: Device::Cpu,
             forward: Named::new(),
             vars: Vec::new(),
             taps: Vec::new(),
-        };
+            eval: false,
+        }
+    }
+
+    fn execute(mut self, images: &[f64], labels: &[usize], backward: bool) -> CResult<RefRun> {
+        let net = self.net;
+        let st = &mut self;
         let n = labels.len();
         let x = Tensor::from_slice(images, (n, net.hw, net.hw, net.in_channels), &st.dev)?
             .permute((0, 3, 1, 2))?
@@ -526,7 +564,7 @@ impl<'a> Step<'a> {
             }
         }
         Ok(RefRun {
-            forward: st.forward,
+            forward: std::mem::take(&mut st.forward),
             grads,
         })
     }
@@ -571,6 +609,24 @@ impl<'a> Step<'a> {
 
         let gamma = self.param(&format!("{name}.gamma"), c.cout)?;
         let beta = self.param(&format!("{name}.beta"), c.cout)?;
+        if self.eval {
+            // Evaluation mode: the running statistics, as constants of the graph.
+            let stat = |s: &Self, what: &str| -> CResult<Tensor> {
+                Tensor::from_slice(
+                    s.values(&format!("{name}.{what}"))?,
+                    (1, c.cout, 1, 1),
+                    &s.dev,
+                )
+            };
+            let rm = stat(self, "running_mean")?;
+            let rv = stat(self, "running_var")?;
+            let inv_std = rv.affine(1.0, self.net.epsilon)?.sqrt()?.recip()?;
+            return y
+                .broadcast_sub(&rm)?
+                .broadcast_mul(&inv_std)?
+                .broadcast_mul(&gamma.reshape((1, c.cout, 1, 1))?)?
+                .broadcast_add(&beta.reshape((1, c.cout, 1, 1))?);
+        }
         let mean = y.mean_keepdim((0, 2, 3))?;
         let centered = y.broadcast_sub(&mean)?;
         let var = centered.sqr()?.mean_keepdim((0, 2, 3))?;

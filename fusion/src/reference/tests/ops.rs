@@ -438,6 +438,69 @@ fn bn_finalize_pinned_case<T: Element>() {
     assert_close("running_var", &wide_acc::<T>(&rv), &running_var, r32, 0.0);
 }
 
+fn bn_eval_finalize_pinned_case<T: Element>() {
+    // Evaluation mode: the running statistics in place of the batch's, the same ε.
+    // Channel 0: running mean 0.5, var 1.25 → inv_std 1/sqrt(1.5); channel 1: mean −2,
+    // var 1 → inv_std 1/sqrt(1.25).
+    let a = |v: f64| <T::Acc as Real>::from_f64(v);
+    let (gamma, beta) = ([a(2.0), a(0.5)], [a(1.0), a(-1.0)]);
+    let (rm, rv) = ([a(0.5), a(-2.0)], [a(1.25), a(1.0)]);
+    let params = BnParams {
+        epsilon: 0.25,
+        momentum: 0.1,
+    };
+    let out = bn_eval_finalize(&gamma, &beta, &rm, &rv, &params).unwrap();
+    let inv_std = [0.816_496_580_927_726, 0.894_427_190_999_916];
+    // eq_scale = γ·inv_std; eq_bias = β − running_mean·γ·inv_std.
+    let eq_scale = [1.632_993_161_855_452, 0.447_213_595_499_958];
+    let eq_bias = [
+        1.0 - 0.5 * 1.632_993_161_855_452,
+        -1.0 + 2.0 * 0.447_213_595_499_958,
+    ];
+    let fp16 = is_half::<T>();
+    let (r32, r16) = if fp16 { (U32, U16) } else { (1e-15, 1e-15) };
+    assert_close("eq_scale", &wide(&out.eq_scale), &eq_scale, r16, 0.0);
+    assert_close("eq_bias", &wide(&out.eq_bias), &eq_bias, r16, 0.0);
+    assert_close(
+        "mean",
+        &wide_acc::<T>(&out.saved_mean),
+        &[0.5, -2.0],
+        0.0,
+        0.0,
+    );
+    assert_close(
+        "inv_std",
+        &wide_acc::<T>(&out.saved_inv_std),
+        &inv_std,
+        r32,
+        0.0,
+    );
+    // A running variance below −ε has no square root: a typed error naming it.
+    let bad = [a(-0.5), a(1.0)];
+    let err = bn_eval_finalize(&gamma, &beta, &rm, &bad, &params).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ReferenceError::InvalidBnParam {
+                param: "running_var",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    // A length that differs from γ's too.
+    let err = bn_eval_finalize(&gamma, &beta, &rm[..1], &rv, &params).unwrap_err();
+    assert!(
+        matches!(err, ReferenceError::ShapeMismatch { .. }),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn bn_eval_finalize_pinned_semantics() {
+    both_modes!(bn_eval_finalize_pinned_case);
+}
+
 /// Widens arithmetic-type vectors to f64.
 fn wide_acc<T: Element>(v: &[T::Acc]) -> Vec<f64> {
     v.iter().map(|x| x.to_f64()).collect()
