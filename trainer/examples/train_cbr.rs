@@ -100,6 +100,11 @@ struct Args {
     /// on the device, without a host sync.
     #[arg(long, value_name = "MAX_NORM")]
     clip_norm: Option<f32>,
+    /// Keep an exponential moving average of the weights with this decay (updated in the
+    /// step, skipped with it on overflow; CPU executors) and report the held-out accuracy
+    /// with the EMA weights too.
+    #[arg(long, value_name = "DECAY")]
+    ema: Option<f32>,
 }
 
 impl Args {
@@ -127,6 +132,7 @@ impl Args {
             ranks: self.ranks,
             sync_bn: self.sync_bn,
             clip_norm: self.clip_norm,
+            ema: self.ema,
             ..TrainConfig::default()
         }
     }
@@ -242,8 +248,18 @@ fn main() -> ExitCode {
     }
     match result {
         Ok(r) => {
+            // The held-out accuracies: BN mode, then the EMA weights' when kept.
+            let mode = if r.held_out_eval_mode {
+                "eval mode"
+            } else {
+                "train-mode BN"
+            };
+            let ema = r
+                .held_out_ema_accuracy
+                .map(|a| format!(", EMA held-out accuracy {:.1}% (eval mode)", a * 100.0))
+                .unwrap_or_default();
             println!(
-                "train_cbr summary: loss {:.4} -> {:.4}, train accuracy {:.1}% (last 10 steps), held-out accuracy {:.1}% (chance {:.1}%), skipped {} steps, loss scale {}, {:.0} img/s on {kind}, weights hash {:016x}",
+                "train_cbr summary: loss {:.4} -> {:.4}, train accuracy {:.1}% (last 10 steps), held-out accuracy {:.1}% ({mode}){ema} (chance {:.1}%), skipped {} steps, loss scale {}, {:.0} img/s on {kind}, weights hash {:016x}",
                 r.first_loss,
                 r.last_loss,
                 r.last_accuracy * 100.0,

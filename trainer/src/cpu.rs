@@ -9,12 +9,11 @@ use super::{
 use crate::checkpoint::{TrainState, SAVED_REGIONS};
 use crate::curves::CurvePoint;
 use cudnn_cbr::amp::plan::Region;
-use cudnn_cbr::amp::range;
 use cudnn_cbr::amp::range::HeadMetrics;
 use cudnn_cbr::amp::range::Scalars;
 use cudnn_cbr::amp::step::{AmpStep, CpuRegions};
 use cudnn_cbr::amp::AmpError;
-use cudnn_cbr::classifier::CpuClassifier;
+use cudnn_cbr::classifier::{CpuClassifier, EvalWeights};
 use half::f16;
 use std::time::Instant;
 
@@ -159,25 +158,32 @@ impl CpuTrainer {
         }
         let images_per_sec =
             ((cfg.steps - first) * cfg.batch) as f64 / start.elapsed().as_secs_f64();
-        // Held-out batches, forward only (the weights are not touched).
-        let mut correct = 0usize;
+        // Held-out batches, evaluation mode (running statistics; weights and statistics are
+        // not touched), with the trained weights and, with an EMA, the EMA weights.
+        let mut correct = [0usize; 2];
         for i in 0..HELD_OUT_BATCHES {
             let (images, labels) = self.data.held_out_batch(cfg.batch, i);
-            let logits = self.model.logits(&images)?;
-            let m =
-                range::head_metrics(&logits, &labels, None, cfg.classes).map_err(AmpError::from)?;
-            // accuracy = correct / batch exactly (batch < 2^24), so this recovers the count.
-            correct += (m.accuracy * cfg.batch as f32).round() as usize;
+            for (c, w) in correct.iter_mut().zip(eval_weights(&cfg)) {
+                let e = self.model.evaluate(&images, w)?;
+                *c += e
+                    .top1
+                    .iter()
+                    .zip(&labels)
+                    .filter(|(&p, &l)| p as i32 == l)
+                    .count();
+            }
         }
-        let held_out = correct as f32 / (HELD_OUT_BATCHES as usize * cfg.batch) as f32;
+        let n = (HELD_OUT_BATCHES as usize * cfg.batch) as f32;
+        let held_out = [correct[0] as f32 / n, correct[1] as f32 / n];
         let mut r = report(
             self.model.step_mut(),
             &metrics,
-            held_out,
+            held_out[0],
             images_per_sec,
             executor,
             trace,
         )?;
+        r.held_out_ema_accuracy = cfg.ema.map(|_| held_out[1]);
         r.start_step = first;
         r.curve = curve;
         Ok(r)
@@ -214,6 +220,8 @@ pub(crate) fn report(
         last_loss,
         last_accuracy,
         held_out_accuracy,
+        held_out_eval_mode: true,
+        held_out_ema_accuracy: None,
         skipped: s.skipped,
         loss_scale: s.loss_scale,
         images_per_sec,
@@ -224,6 +232,12 @@ pub(crate) fn report(
         start_step: 0,
         curve: Vec::new(),
     })
+}
+
+/// The weights the held-out batches are evaluated with: the trained ones, then the EMA's
+/// when the run keeps one.
+pub(crate) fn eval_weights(cfg: &TrainConfig) -> impl Iterator<Item = EvalWeights> {
+    std::iter::once(EvalWeights::Trained).chain(cfg.ema.map(|_| EvalWeights::Ema))
 }
 
 /// Overwrites one gradient element (chosen by `h`) with NaN, +Inf or −Inf: in G16 (the conv

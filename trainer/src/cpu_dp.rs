@@ -9,7 +9,6 @@ use super::{
     TrainReport, Window, HELD_OUT_BATCHES,
 };
 use cudnn_cbr::amp::dist::DistError;
-use cudnn_cbr::amp::range;
 use cudnn_cbr::amp::AmpError;
 use cudnn_cbr::classifier::CpuClassifier;
 use cudnn_cbr::dist::{Collective, Communicator, CpuComm, CpuGroup, CpuReplica, ReduceOp};
@@ -147,14 +146,21 @@ fn run_rank(
         }
     }
     let images_per_sec = (cfg.steps * cfg.batch * ranks) as f64 / start.elapsed().as_secs_f64();
-    // Held-out batches, forward only: each rank its shard, the correct counts summed.
-    let mut correct = [0f32];
+    // Held-out batches, evaluation mode: each rank its shard with its own running statistics
+    // (the same on every rank with synchronized BN), the correct counts summed; with an EMA,
+    // the EMA weights' count second.
+    let mut correct = [0f32; 2];
     for i in 0..HELD_OUT_BATCHES {
         let (images, labels) = shard(data.batch(cfg.batch * ranks, i, 1));
-        let logits = replica.logits(&images)?;
-        let m = range::head_metrics(&logits, &labels, None, cfg.classes).map_err(AmpError::from)?;
-        // accuracy = correct / batch exactly (batch < 2^24), so this recovers the count.
-        correct[0] += (m.accuracy * cfg.batch as f32).round();
+        for (c, w) in correct.iter_mut().zip(super::cpu::eval_weights(cfg)) {
+            let e = replica.model_mut().evaluate(&images, w)?;
+            *c += e
+                .top1
+                .iter()
+                .zip(&labels)
+                .filter(|(&p, &l)| p as i32 == l)
+                .count() as f32;
+        }
     }
     replica
         .comm_mut()
@@ -163,11 +169,11 @@ fn run_rank(
     if rank != 0 {
         return Ok(None);
     }
-    let held_out = correct[0] / (HELD_OUT_BATCHES as usize * cfg.batch * ranks) as f32;
+    let n = (HELD_OUT_BATCHES as usize * cfg.batch * ranks) as f32;
     super::cpu::report(
         replica.model_mut().step_mut(),
         &metrics,
-        held_out,
+        correct[0] / n,
         images_per_sec,
         executor.clone(),
         Vec::new(),
@@ -175,6 +181,7 @@ fn run_rank(
     .map(|r| {
         Some(TrainReport {
             curve: std::mem::take(&mut curve),
+            held_out_ema_accuracy: cfg.ema.map(|_| correct[1] / n),
             ..r
         })
     })

@@ -317,6 +317,13 @@ impl CudaTrainer {
     /// ranks compiled different networks (spec, batch, image size or routes).
     pub fn launched(cfg: &TrainConfig, launch: Option<LaunchEnv>) -> Result<Self, TrainError> {
         cfg.validate()?;
+        if cfg.ema.is_some() {
+            return Err(TrainError::Config(
+                "--ema runs on the CPU executors; the CUDA executor evaluates in training mode \
+                 and keeps no EMA yet"
+                    .into(),
+            ));
+        }
         cfg.check_host_memory(false)?;
         let launch = launch.filter(|l| l.world > 1);
         let ordinal = match &launch {
@@ -1129,6 +1136,8 @@ impl CudaTrainer {
             last_accuracy,
             held_out_accuracy: correct as f32
                 / (HELD_OUT_BATCHES as usize * cfg.batch * world) as f32,
+            held_out_eval_mode: false,
+            held_out_ema_accuracy: None,
             skipped: s.skipped,
             loss_scale: s.loss_scale,
             images_per_sec,

@@ -165,6 +165,11 @@ pub struct TrainConfig {
     /// norm of the unscaled gradients is computed on the device each step and SGD scales
     /// them by `min(1, max_norm / (norm + 1e-6))`; `None`: no clipping.
     pub clip_norm: Option<f32>,
+    /// An exponential moving average of the weights with this decay (region E, FP32, and its
+    /// FP16 copy E16; `e = decay·e + (1 − decay)·w` after every applied step, skipped with the
+    /// weights on overflow), evaluated besides the trained weights
+    /// ([`TrainReport::held_out_ema_accuracy`]). CPU executors. `None`: no EMA.
+    pub ema: Option<f32>,
 }
 
 /// A reliability drill: on about `per_mille`/1000 of the steps, chosen by `seed`, one
@@ -230,6 +235,7 @@ impl Default for TrainConfig {
             sync_bn: false,
             data: DataSource::Synthetic,
             clip_norm: None,
+            ema: None,
         }
     }
 }
@@ -282,6 +288,13 @@ impl TrainConfig {
             if !(max_norm.is_finite() && max_norm > 0.0) {
                 return Err(TrainError::Config(format!(
                     "clip-norm must be finite and > 0, got {max_norm}"
+                )));
+            }
+        }
+        if let Some(decay) = self.ema {
+            if !(decay.is_finite() && (0.0..1.0).contains(&decay)) {
+                return Err(TrainError::Config(format!(
+                    "ema decay must be in [0, 1), got {decay}"
                 )));
             }
         }
@@ -350,12 +363,16 @@ impl TrainConfig {
         }
     }
 
-    /// The amp step's configuration: [`TrainConfig::sgd`], with clipping by global norm when
-    /// asked.
+    /// The amp step's configuration: [`TrainConfig::sgd`], with clipping by global norm and
+    /// the EMA of the weights when asked.
     pub fn step_config(&self) -> StepConfig {
         let step = StepConfig::new(self.sgd());
-        match self.clip_norm {
+        let step = match self.clip_norm {
             Some(max_norm) => step.with_clip_norm(max_norm),
+            None => step,
+        };
+        match self.ema {
+            Some(decay) => step.with_ema(decay),
             None => step,
         }
     }
@@ -407,8 +424,16 @@ pub struct TrainReport {
     pub last_loss: f32,
     /// Mean batch accuracy of the last 10 steps.
     pub last_accuracy: f32,
-    /// Accuracy on 8 held-out batches (BN in training mode, batch statistics).
+    /// Accuracy on 8 held-out batches with the trained weights: BN in evaluation mode (the
+    /// running statistics) on the CPU executors, in training mode (the batch's statistics)
+    /// on the CUDA executor ([`TrainReport::held_out_eval_mode`]).
     pub held_out_accuracy: f32,
+    /// Whether [`TrainReport::held_out_accuracy`] was measured with BN in evaluation mode.
+    pub held_out_eval_mode: bool,
+    /// With an EMA ([`TrainConfig::ema`]): the accuracy on the same held-out batches with
+    /// the EMA weights (the FP16 copy E16 for the convs, E for BN and FC), BN in evaluation
+    /// mode.
+    pub held_out_ema_accuracy: Option<f32>,
     /// Steps skipped for overflow.
     pub skipped: u32,
     /// Final loss scale.
@@ -741,6 +766,16 @@ impl Trainer {
                     "the fault drill runs on the CPU executor only".into(),
                 )),
                 _ => cpu("a fault drill runs on the CPU executor".into()),
+            };
+        }
+        if cfg.ema.is_some() {
+            return match cfg.device {
+                Device::Cuda => Err(TrainError::Config(
+                    "--ema runs on the CPU executors; the CUDA executor evaluates in training \
+                     mode and keeps no EMA yet"
+                        .into(),
+                )),
+                _ => cpu("--ema (evaluation with the EMA weights) runs on the CPU executor".into()),
             };
         }
         match cfg.device {

@@ -24,6 +24,9 @@ fn a_short_run_learns_the_synthetic_task() {
     // Chance is 1/8; 40 steps reached 79% held-out when this was written. 3× chance is a
     // margin no broken gradient gets to.
     assert!(r.held_out_accuracy > 3.0 / 8.0, "{r:?}");
+    // Measured with BN in evaluation mode (the running statistics); no EMA was kept.
+    assert!(r.held_out_eval_mode);
+    assert_eq!(r.held_out_ema_accuracy, None);
     // Nothing overflowed at the default scale with this model, so nothing may be skipped.
     assert_eq!(r.skipped, 0);
     assert_eq!(r.loss_scale, 8192.0);
@@ -172,4 +175,41 @@ fn poisoned_gradients_on_one_percent_of_2000_steps_are_each_skipped_exactly() {
         "drill: {poisoned} of 2000 steps poisoned, all skipped, weights unchanged across each; final scale {}",
         r.loss_scale
     );
+}
+
+#[test]
+fn an_ema_run_reports_both_eval_mode_accuracies() {
+    let cfg = TrainConfig {
+        steps: 40,
+        batch: 16,
+        ema: Some(0.9),
+        ..TrainConfig::default()
+    };
+    let r = train(&cfg, 40, |_| {}).unwrap();
+    println!("{r:?}");
+    let ema = r
+        .held_out_ema_accuracy
+        .expect("an EMA run reports its accuracy");
+    // The EMA (decay 0.9: an average over the last ~10 steps) of weights that learn the task
+    // learns it too: 3× chance, as the trained weights' bound above.
+    assert!(ema > 3.0 / 8.0, "{r:?}");
+    assert!(r.held_out_accuracy > 3.0 / 8.0, "{r:?}");
+    // The EMA does not touch the trained weights: the same run without it ends on the same
+    // master weights, bit for bit.
+    let plain = train(&TrainConfig { ema: None, ..cfg }, 40, |_| {}).unwrap();
+    assert_eq!(plain.weights_hash(), r.weights_hash());
+    assert_eq!(plain.held_out_accuracy, r.held_out_accuracy);
+    // A decay outside [0, 1) is a typed error naming the flag.
+    for bad in [1.0, -0.1, f32::NAN] {
+        let err = train(
+            &TrainConfig {
+                ema: Some(bad),
+                ..cfg
+            },
+            1,
+            |_| {},
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("ema"), "{err}");
+    }
 }
