@@ -222,3 +222,112 @@ fn matches_the_cpu_executor(test: &str, spec: &NetSpec, (batch, hw): (usize, usi
         assert!(compared > 60, "only {compared} buffers compared");
     }
 }
+
+/// Evaluation mode ([`CudaNet::evaluate`]) against the CPU executor's
+/// ([`CpuNet::evaluate`]) on the device's fused route (with its fallbacks): one training
+/// forward first (so the running statistics are not their initial values), then the
+/// evaluation of other images; the output and every activation compared, and the running
+/// statistics on the device bit for bit what the training forward left.
+#[test]
+fn eval_mode_matches_the_cpu_executor() {
+    let Some(ctx) = common::gpu_or_skip("eval_mode_matches_the_cpu_executor") else {
+        return;
+    };
+    let [(spec, (batch, hw)), _] = common::gpu_shapes::network_cases();
+    let stream = ctx.default_stream();
+    let handle = Handle::new(stream.clone()).unwrap();
+    let target = handle.target().unwrap();
+    let kernels = AmpKernels::for_context(&ctx).unwrap();
+    let cache = PlanCache::new();
+    let policy = RoutePolicy::Planned {
+        target: &target,
+        cache: &cache,
+    };
+    let on_gpu = compile(&spec, batch, hw, &policy).unwrap();
+    let routes = on_gpu
+        .layers
+        .iter()
+        .map(|l| (l.name.clone(), l.layer.route().kind()))
+        .collect();
+    let cpu_net = compile(
+        &spec,
+        batch,
+        hw,
+        &RoutePolicy::PerLayer {
+            routes,
+            default: RouteKind::Fused,
+        },
+    )
+    .unwrap();
+    let mut cpu: CpuNet<f16> = CpuNet::new(cpu_net);
+    let mut gpu = CudaNet::new(on_gpu, handle.clone(), kernels, None).unwrap();
+    let mut seed = 11u64;
+    let buffers = cpu.net().buffers.clone();
+    let bytes16 = |v: &[f16]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    for b in buffers.iter().filter(|b| b.role == BufferRole::Param) {
+        let (scale, base) = if b.name.ends_with(".gamma") {
+            (0.2, 1.0)
+        } else {
+            (0.25, 0.0)
+        };
+        let v: Vec<f32> = (0..b.elems)
+            .map(|_| base + scale * common::uniform(&mut seed))
+            .collect();
+        if b.dtype == DataType::Half {
+            let h: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+            gpu.upload(&b.name, &bytes16(&h)).unwrap();
+            cpu.set_half(&b.name, h).unwrap();
+        } else {
+            let raw: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            gpu.upload(&b.name, &raw).unwrap();
+            cpu.set_float(&b.name, v).unwrap();
+        }
+    }
+    let input = cpu.net().input;
+    let half = |n: usize, seed: &mut u64| -> Vec<f16> {
+        (0..n)
+            .map(|_| f16::from_f32(common::uniform(seed)))
+            .collect()
+    };
+    let train = half(buffers[input].elems, &mut seed);
+    let images = half(buffers[input].elems, &mut seed);
+    cpu.forward(&train).unwrap();
+    gpu.upload(&buffers[input].name, &bytes16(&train)).unwrap();
+    gpu.forward().unwrap();
+    let running: Vec<&str> = buffers
+        .iter()
+        .map(|b| b.name.as_str())
+        .filter(|n| n.ends_with(".running_mean") || n.ends_with(".running_var"))
+        .collect();
+    assert!(!running.is_empty());
+    let before: Vec<Vec<u8>> = running.iter().map(|n| gpu.download(n).unwrap()).collect();
+    cpu.evaluate(&images).unwrap();
+    gpu.upload(&buffers[input].name, &bytes16(&images)).unwrap();
+    gpu.evaluate().unwrap();
+    stream.synchronize().unwrap();
+    let after: Vec<Vec<u8>> = running.iter().map(|n| gpu.download(n).unwrap()).collect();
+    assert!(
+        before == after,
+        "evaluation wrote a running statistic on the device"
+    );
+    let mut compared = 0;
+    let activation = |n: &str| !n.starts_with("d:") && (n.ends_with(".out") || n.ends_with(".a"));
+    for b in buffers.iter().filter(|b| activation(&b.name)) {
+        let on_gpu = decode(&gpu.download(&b.name).unwrap(), b.dtype);
+        let on_cpu = cpu.values(&b.name).unwrap();
+        let err = rel_l2(&on_gpu, &on_cpu);
+        println!("eval {:<28} rel L2 {err:.2e}", b.name);
+        // FP16 stores on both sides with FP32 accumulation in different orders, and the same
+        // FP16 eq coefficients (both from bn_eval_finalize): the forward's tolerance above.
+        assert!(err <= 5e-3, "{}: {err:.2e}", b.name);
+        compared += 1;
+    }
+    let out = &buffers[cpu.net().output];
+    let err = rel_l2(
+        &decode(&gpu.download(&out.name).unwrap(), out.dtype),
+        &cpu.values(&out.name).unwrap(),
+    );
+    println!("eval output {} rel L2 {err:.2e}", out.name);
+    assert!(err <= 5e-3, "output {}: {err:.2e}", out.name);
+    assert!(compared >= 2, "only {compared} activations compared");
+}

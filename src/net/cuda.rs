@@ -19,7 +19,7 @@
 
 use super::buckets::GradSchedule;
 use super::compile::{BufId, BufferRole, CompiledNet, NetBuffer};
-use super::exec::{run_pass, run_pass_observed, NetExecutor};
+use super::exec::{run_eval, run_pass, run_pass_observed, NetExecutor};
 use super::spec::PoolSpec;
 use crate::amp::cuda::{
     check_device_memory, AmpKernels, CudaRegions, CudaSlice, CudaStream, DevRange, DevRangeMut,
@@ -527,6 +527,26 @@ impl CudaNet {
     /// output in [`CompiledNet::output`].
     pub fn forward(&mut self) -> Result<()> {
         run_pass(&mut self.pass(None, None)?, false)
+    }
+
+    /// The forward pass in evaluation mode (the input uploaded) of a network whose
+    /// parameters are its own: every BN from its running statistics (eq_scale and eq_bias
+    /// computed on the host from the device's values, [`Pass::Eval`]), the running statistics
+    /// read and never written; the output in [`CompiledNet::output`].
+    ///
+    /// # Errors
+    /// A layer on the unfused route (its NormForward graph is training-mode BN); a driver
+    /// error.
+    pub fn evaluate(&mut self) -> Result<()> {
+        run_eval(&mut self.pass(None, None)?)
+    }
+
+    /// [`CudaNet::evaluate`] with the parameters in `regions`.
+    ///
+    /// # Errors
+    /// As [`CudaNet::evaluate`].
+    pub fn evaluate_with(&mut self, regions: &mut CudaRegions) -> Result<()> {
+        run_eval(&mut self.pass(Some(regions), None)?)
     }
 
     /// The backward pass (the output's gradient written) of a network whose parameters are

@@ -15,7 +15,7 @@ use super::BufferSpec;
 use crate::error::{Error, Result};
 use crate::exec::{Bindings, DeviceElement, Handle};
 use crate::graph::{DataType, TensorId};
-use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut, DevicePtrMut, SyncOnDrop};
+use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, SyncOnDrop};
 use half::f16;
 use std::collections::BTreeMap;
 use std::fmt;
@@ -379,6 +379,43 @@ impl Resolved<'_> {
         // SAFETY: as in `bind`: `buf.bytes` bytes at `buf.ptr` are borrowed memory of the
         // table (its size was taken from the allocation or checked by `place`).
         unsafe { handle.zero_device_bytes(buf.ptr, buf.bytes) }
+    }
+
+    /// Writes `values` (FP16, from the host) over the start of this layer's `name` and waits
+    /// for the copy (evaluation mode's coefficients, [`super::Pass::Eval`]).
+    pub(crate) fn upload_half(&self, handle: &Handle, name: &str, values: &[f16]) -> Result<()> {
+        let dst = self.get(Side::This, name)?;
+        let bytes = 2 * values.len();
+        if dst.dtype != DataType::Half || dst.bytes < bytes {
+            return Err(missing(
+                name,
+                &format!(
+                    "must hold {} FP16 values, has {} bytes of {}",
+                    values.len(),
+                    dst.bytes,
+                    dst.dtype
+                ),
+            ));
+        }
+        if values.is_empty() {
+            return Ok(());
+        }
+        let stream = handle.stream();
+        let upload = stream
+            .clone_htod(values)
+            .map_err(|e| crate::exec::driver("upload FP16 values", e))?;
+        {
+            let (src, _record) = upload.device_ptr(stream);
+            // SAFETY: `dst` is borrowed memory of the table holding at least `bytes` bytes
+            // (checked above); `src` is `upload`'s own allocation of exactly `bytes` bytes and
+            // cannot overlap it; the copy is ordered on the handle's stream, which cudarc's
+            // guard `_record` marks as `upload`'s last user.
+            unsafe { handle.copy_device_bytes(dst.ptr, src, bytes) }?;
+        }
+        // `upload` is freed when dropped: the copy must have run by then.
+        stream
+            .synchronize()
+            .map_err(|e| crate::exec::driver("wait for an upload", e))
     }
 
     /// Copies this layer's `src` over `dst` (the running-statistics copy after a forward).

@@ -194,6 +194,73 @@ pub fn apply(
 /// `v [+ r | + r·s2 + b2]` with the residual tensors (FP16 `r` over `dims`, `s2`, `b2` in
 /// `vec_dtype`):
 /// returns the sum and the residual's tensors.
+/// Real tensors of an evaluation-mode conv with its BN folded into an epilogue
+/// ([`conv_scale_bias_relu`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConvEpilogueTensors {
+    /// Input.
+    pub x: TensorId,
+    /// Filter.
+    pub w: TensorId,
+    /// The eval-mode BN's per-channel scale (FP16 `[K]`).
+    pub scale: TensorId,
+    /// The eval-mode BN's per-channel bias (FP16 `[K]`).
+    pub bias: TensorId,
+    /// Residual input, when present.
+    pub residual: Option<TensorId>,
+    /// Residual's own scale and bias (dual form).
+    pub residual_scale_bias: Option<(TensorId, TensorId)>,
+    /// The output: the activation (with `relu`), else the BN output.
+    pub out: TensorId,
+}
+
+/// Evaluation mode (inference), forward only: `out = relu(conv(x, w)·s + b [+ residual])`,
+/// the BN folded into the conv's epilogue with the running statistics' `eq_scale` / `eq_bias`
+/// (no statistics in the graph), the conv output virtual. `relu == false` leaves the ReLU
+/// out (a shortcut's BN output, or a BN whose ReLU the next conv's prologue applies);
+/// `residual` as in [`apply`].
+pub fn conv_scale_bias_relu(
+    shape: &ConvShape,
+    residual: ApplyResidual,
+    relu: bool,
+) -> (Graph, ConvEpilogueTensors) {
+    let name = match (residual, relu) {
+        (ApplyResidual::None, true) => "conv_scale_bias_relu",
+        (ApplyResidual::None, false) => "conv_scale_bias",
+        (ApplyResidual::Add, _) => "conv_scale_bias_add_relu",
+        (ApplyResidual::DualScaleBias, _) => "conv_scale_bias_dual_add_relu",
+    };
+    let dims = shape.y_dims();
+    let mut g = Graph::new(name);
+    let x = g.tensor(TensorAttrs::new("X", shape.x_dims()));
+    let w = g.tensor(TensorAttrs::new("W", shape.w_dims()));
+    let y = g.conv_fprop(x, w, shape.conv_attrs());
+    let s = g.tensor(TensorAttrs::vector("scale", dims[1]).dtype(DataType::Half));
+    let b = g.tensor(TensorAttrs::vector("bias", dims[1]).dtype(DataType::Half));
+    let v1 = g.mul(y, s);
+    let v = g.add(v1, b);
+    let (v, r_id, rsb) = residual_add(&mut g, v, dims, residual, DataType::Half);
+    // A residual is always followed by the block's ReLU.
+    let out = if relu || residual != ApplyResidual::None {
+        g.relu(v)
+    } else {
+        v
+    };
+    g.set_output(out, None).expect("in graph");
+    (
+        g,
+        ConvEpilogueTensors {
+            x,
+            w,
+            scale: s,
+            bias: b,
+            residual: r_id,
+            residual_scale_bias: rsb,
+            out,
+        },
+    )
+}
+
 fn residual_add(
     g: &mut Graph,
     v: TensorId,

@@ -117,11 +117,7 @@ impl CbrLayer {
         let prev_given = io.has_prev().then_some(());
         self.check_prev(&prev_given)?;
         if pass == Pass::Eval {
-            return Err(Error::CudnnMessage(format!(
-                "layer {}: evaluation mode runs its steps on the CPU executor; the GPU's \
-                 inference graphs are run by the network executor",
-                self.config().shape.label()
-            )));
+            return self.run_gpu_eval(handle, io);
         }
         // Refused before anything is enqueued, so a pass never runs halfway.
         if let Some(step) = self
@@ -194,6 +190,75 @@ impl CbrLayer {
             }
         }
         Ok(())
+    }
+
+    /// Evaluation mode on the GPU ([`Pass::Eval`]): the forward steps of the layer's route
+    /// with BN finalize replaced by the evaluation-mode coefficients (eq_scale, eq_bias from
+    /// the running statistics: [`crate::reference::bn_eval_finalize`], computed on the host
+    /// from the device's FP32 values and uploaded, one host sync per layer) and no GenStats
+    /// reduction of its own (the conv + GenStats graph still writes the layer's `sum` and
+    /// `sq_sum` scratch, which nothing reads). The running statistics are read, never written:
+    /// no finalize runs and nothing is copied over them.
+    ///
+    /// # Errors
+    /// [`Error::CudnnMessage`] for a layer on the unfused route (its NormForward graph is the
+    /// training-mode one, which updates the running statistics); a driver error.
+    fn run_gpu_eval(&self, handle: &Handle, io: &mut DeviceBuffers<'_>) -> Result<()> {
+        if let Some(step) = self
+            .pass_steps(Pass::Eval)
+            .find(|s| s.role == GraphRole::BnForward)
+        {
+            return Err(Error::CudnnMessage(format!(
+                "layer {} runs the {} route, whose {:?} graph is training-mode BN; evaluation \
+                 on the GPU needs the fused or generic route",
+                self.config().shape.label(),
+                self.route().name(),
+                step.role
+            )));
+        }
+        let stream = handle.stream().clone();
+        let r = io.resolve(&stream);
+        for step in self.pass_steps(Pass::Eval) {
+            match step.role {
+                GraphRole::Stats => {}
+                GraphRole::Finalize => self.gpu_eval_finalize(handle, &r)?,
+                _ => self.gpu_step(step, handle, &r, 1)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Evaluation-mode eq_scale and eq_bias of this layer's BN, through the host: γ, β and the
+    /// running statistics gathered into scratch and downloaded, [`r::bn_eval_finalize`] in
+    /// FP32 mode (FP16 results), the results uploaded and copied into `eq_scale`, `eq_bias`.
+    fn gpu_eval_finalize(&self, handle: &Handle, r: &Resolved<'_>) -> Result<()> {
+        let cfg = self.config();
+        let k = cfg.shape.k as usize;
+        let stream = handle.stream().clone();
+        let fail = |what: &str, e: cudarc::driver::DriverError| crate::exec::driver(what, e);
+        let mut params = SyncScratch::new(&stream, 2 * k)?;
+        params.gather(handle, r, [(Side::This, "gamma"), (Side::This, "beta")], k)?;
+        let mut running = SyncScratch::new(&stream, 2 * k)?;
+        running.gather(
+            handle,
+            r,
+            [(Side::This, "running_mean"), (Side::This, "running_var")],
+            k,
+        )?;
+        let p = stream
+            .clone_dtoh(params.slice_mut())
+            .map_err(|e| fail("download a layer's BN parameters", e))?;
+        let run = stream
+            .clone_dtoh(running.slice_mut())
+            .map_err(|e| fail("download a layer's running statistics", e))?;
+        let bn = BnParams {
+            epsilon: cfg.epsilon,
+            momentum: cfg.momentum,
+        };
+        let out: r::BnFinalized<f16> =
+            r::bn_eval_finalize(&p[..k], &p[k..2 * k], &run[..k], &run[k..2 * k], &bn)?;
+        r.upload_half(handle, "eq_scale", &out.eq_scale)?;
+        r.upload_half(handle, "eq_bias", &out.eq_bias)
     }
 
     fn cpu_only(&self, step: &LayerStep) -> Error {

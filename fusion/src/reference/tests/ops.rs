@@ -458,7 +458,9 @@ fn bn_eval_finalize_pinned_case<T: Element>() {
         -1.0 + 2.0 * 0.447_213_595_499_958,
     ];
     let fp16 = is_half::<T>();
-    let (r32, r16) = if fp16 { (U32, U16) } else { (1e-15, 1e-15) };
+    // f64: the expected values above are themselves computed in f64 (β − μ·scale rounds
+    // twice), so a few ulps of slack: 1e-14.
+    let (r32, r16) = if fp16 { (U32, U16) } else { (1e-15, 1e-14) };
     assert_close("eq_scale", &wide(&out.eq_scale), &eq_scale, r16, 0.0);
     assert_close("eq_bias", &wide(&out.eq_bias), &eq_bias, r16, 0.0);
     assert_close(
