@@ -17,9 +17,11 @@
 
 //!
 //! Evaluation (forward only, BN in evaluation mode: each layer normalizes with its running
-//! statistics, nothing statistical written): `evaluate(images, weights)` gives the logits and
-//! the top-1 class of each image, with the trained weights or, where the step keeps an EMA
-//! ([`crate::amp::step::StepConfig::with_ema`]), the EMA weights ([`EvalWeights`]).
+//! statistics, nothing statistical written): [`CpuClassifier::evaluate`]`(images, weights)`
+//! gives an [`Evaluation`] (the logits and each image's top-1 class), with the trained weights
+//! or, where the step keeps an EMA ([`crate::amp::step::StepConfig::with_ema`]), the EMA
+//! weights ([`EvalWeights`]). On a GPU the network's evaluation is
+//! [`crate::net::CudaNet::evaluate_with`] (the trainer's CUDA executor uses it).
 
 pub mod cpu;
 pub mod cuda;

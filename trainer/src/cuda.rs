@@ -319,9 +319,7 @@ impl CudaTrainer {
         cfg.validate()?;
         if cfg.ema.is_some() {
             return Err(TrainError::Config(
-                "--ema runs on the CPU executors; the CUDA executor evaluates in training mode \
-                 and keeps no EMA yet"
-                    .into(),
+                "--ema runs on the CPU executors; the CUDA executor keeps no EMA yet".into(),
             ));
         }
         cfg.check_host_memory(false)?;
@@ -561,6 +559,20 @@ impl CudaTrainer {
         self.net
             .forward_with(self.step.executor_mut())
             .map_err(net_error)?;
+        self.head_forward()
+    }
+
+    /// The network's forward pass in evaluation mode (BN from the running statistics, none
+    /// written: [`CudaNet::evaluate_with`]), then the head's.
+    fn forward_eval(&mut self) -> Result<(), TrainError> {
+        self.net
+            .evaluate_with(self.step.executor_mut())
+            .map_err(net_error)?;
+        self.head_forward()
+    }
+
+    /// Pooling and FC of the network's output into the logits.
+    fn head_forward(&mut self) -> Result<(), TrainError> {
         let shape = self.head.shape;
         let a = self
             .net
@@ -1100,11 +1112,23 @@ impl CudaTrainer {
             p.accuracy = m.accuracy;
         }
 
-        // Held-out batches, forward only (BN in training mode, like the CPU executor).
+        // Held-out batches, forward only: BN in evaluation mode (the running statistics, as
+        // the CPU executor) where every layer's route has a BN finalize to replace (fused,
+        // generic); in training mode where a layer runs the unfused route's NormForward.
+        let eval_mode = self
+            .net
+            .compiled()
+            .layers
+            .iter()
+            .all(|l| l.layer.route().kind() != RouteKind::Unfused);
         for i in 0..HELD_OUT_BATCHES {
             let (images, labels) = self.shard(self.data.batch(cfg.batch * world, i, 1));
             self.upload_batch(&images, &labels)?;
-            self.forward()?;
+            if eval_mode {
+                self.forward_eval()?;
+            } else {
+                self.forward()?;
+            }
             let h = &mut self.head;
             self.kernels
                 .head_metrics(
@@ -1136,7 +1160,7 @@ impl CudaTrainer {
             last_accuracy,
             held_out_accuracy: correct as f32
                 / (HELD_OUT_BATCHES as usize * cfg.batch * world) as f32,
-            held_out_eval_mode: false,
+            held_out_eval_mode: eval_mode,
             held_out_ema_accuracy: None,
             skipped: s.skipped,
             loss_scale: s.loss_scale,

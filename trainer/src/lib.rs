@@ -425,8 +425,9 @@ pub struct TrainReport {
     /// Mean batch accuracy of the last 10 steps.
     pub last_accuracy: f32,
     /// Accuracy on 8 held-out batches with the trained weights: BN in evaluation mode (the
-    /// running statistics) on the CPU executors, in training mode (the batch's statistics)
-    /// on the CUDA executor ([`TrainReport::held_out_eval_mode`]).
+    /// running statistics), except on the CUDA executor where a layer runs the unfused route
+    /// (its NormForward is training-mode BN): there the batch's statistics
+    /// ([`TrainReport::held_out_eval_mode`] says which).
     pub held_out_accuracy: f32,
     /// Whether [`TrainReport::held_out_accuracy`] was measured with BN in evaluation mode.
     pub held_out_eval_mode: bool,
@@ -771,9 +772,7 @@ impl Trainer {
         if cfg.ema.is_some() {
             return match cfg.device {
                 Device::Cuda => Err(TrainError::Config(
-                    "--ema runs on the CPU executors; the CUDA executor evaluates in training \
-                     mode and keeps no EMA yet"
-                        .into(),
+                    "--ema runs on the CPU executors; the CUDA executor keeps no EMA yet".into(),
                 )),
                 _ => cpu("--ema (evaluation with the EMA weights) runs on the CPU executor".into()),
             };

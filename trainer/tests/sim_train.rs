@@ -41,6 +41,7 @@ fn the_whole_step_captured_on_the_simulator_matches_the_cpu_executor() {
         // The child: train on the simulated device and print what the parent checks.
         let r = train(&cfg(Device::Cuda), 1, |_| {}).expect("CUDA training on the simulator");
         println!("EXECUTOR {:?} | {}", r.executor.kind, r.executor.detail);
+        println!("HELD {} {}", r.held_out_accuracy, r.held_out_eval_mode);
         for l in &r.step_losses {
             println!("LOSS {l}");
         }
@@ -103,6 +104,27 @@ fn the_whole_step_captured_on_the_simulator_matches_the_cpu_executor() {
         );
         assert!(rel < 1e-3, "step {}: simulated {s} vs cpu {c}", step + 1);
     }
+    // The held-out accuracy, BN in evaluation mode on both executors (the device's
+    // eval-mode coefficients from its running statistics, CudaNet::evaluate_with).
+    let held = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("HELD "))
+        .and_then(|l| l.split_once(' '))
+        .unwrap_or_else(|| panic!("no held-out line:\n{stdout}"));
+    let (sim_acc, sim_eval): (f32, bool) = (held.0.parse().unwrap(), held.1.parse().unwrap());
+    println!(
+        "held-out accuracy (eval mode): simulated cuda {sim_acc}, cpu {}",
+        cpu.held_out_accuracy
+    );
+    assert!(sim_eval && cpu.held_out_eval_mode);
+    // 8 batches of 16: an image whose two top logits are within the executors' rounding
+    // differences may flip; two of 128 (1.6%) allows that, a wrong coefficient or a
+    // training-mode BN moves it by far more (or not at all: then it matches exactly).
+    assert!(
+        (sim_acc - cpu.held_out_accuracy).abs() <= 2.0 / 128.0 + 1e-6,
+        "simulated {sim_acc} vs cpu {}",
+        cpu.held_out_accuracy
+    );
 }
 
 /// The SKIP line the included no-CUDA test prints where CUDA is usable.
