@@ -26,11 +26,12 @@ pub enum Pass {
     Forward,
     /// Backward: gradients of the weights, of the previous BN and of the input.
     Backward,
-    /// Evaluation (inference) mode, CPU executor: the forward steps with BN normalizing by the
-    /// running statistics ([`crate::reference::bn_eval_finalize`]) instead of the batch's. No
-    /// statistics are computed or written: the running statistics, `sum`, `sq_sum` and the
-    /// saved statistics keep their values; `eq_scale` and `eq_bias` (or the unfused route's
-    /// activation) are overwritten.
+    /// Evaluation (inference) mode: the forward steps with BN normalizing by the running
+    /// statistics ([`crate::reference::bn_eval_finalize`]) instead of the batch's. Nothing
+    /// statistical is written: the running statistics and the saved statistics keep their
+    /// values (on the CPU `sum` and `sq_sum` too; on the GPU the conv + GenStats graph still
+    /// writes that scratch); `eq_scale` and `eq_bias` (or the unfused route's activation, CPU
+    /// only: the GPU refuses the unfused route's training-mode NormForward) are overwritten.
     Eval,
 }
 
