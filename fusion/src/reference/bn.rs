@@ -181,7 +181,7 @@ pub fn bn_finalize<A: Real>(
 /// the formula and rounding points of [`bn_finalize`] with the batch moments replaced by the
 /// running ones (same `ε`), so `y·eq_scale + eq_bias = (y − running_mean)·inv_std·γ + β`.
 /// `saved_mean` and `saved_inv_std` of the result carry `running_mean` and that `inv_std`
-/// (rounded to FP32), for the unfused route's normalization ([`bn_recompute`]'s order).
+/// (rounded to FP32), for the unfused route's normalization (`bn_recompute`'s order).
 ///
 /// # Errors
 /// Lengths that differ from `gamma`'s, an invalid `ε`, and a running variance that is not
