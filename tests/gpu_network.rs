@@ -331,3 +331,85 @@ fn eval_mode_matches_the_cpu_executor() {
     assert!(err <= 5e-3, "output {}: {err:.2e}", out.name);
     assert!(compared >= 2, "only {compared} activations compared");
 }
+
+/// The classifiers end to end: two training steps on the CPU and on the device from the same
+/// weights and data (routes as the device planned them), then one batch evaluated by both
+/// (BN from the running statistics): the logits agree, the last training batch's metrics
+/// survive the evaluation, and the EMA weights are a typed error on the device so far.
+#[test]
+fn the_cuda_classifier_evaluates_like_the_cpu_classifier() {
+    use cudnn_cbr::classifier::{CpuClassifier, CudaClassifier, EvalWeights};
+    use cudnn_cbr::{Preset, SgdConfig, StepConfig};
+    let Some(ctx) = common::gpu_or_skip("the_cuda_classifier_evaluates_like_the_cpu_classifier")
+    else {
+        return;
+    };
+    let stream = ctx.default_stream();
+    let handle = Handle::new(stream.clone()).unwrap();
+    let target = handle.target().unwrap();
+    let cache = PlanCache::new();
+    let (batch, hw, classes) = (8, 16, 4);
+    let spec = Preset::Mini.spec(3, classes, 8);
+    let planned = RoutePolicy::Planned {
+        target: &target,
+        cache: &cache,
+    };
+    let on_gpu = compile(&spec, batch, hw, &planned).unwrap();
+    let routes = on_gpu
+        .layers
+        .iter()
+        .map(|l| (l.name.clone(), l.layer.route().kind()))
+        .collect();
+    let on_cpu = compile(
+        &spec,
+        batch,
+        hw,
+        &RoutePolicy::PerLayer {
+            routes,
+            default: RouteKind::Fused,
+        },
+    )
+    .unwrap();
+    let config = StepConfig::new(SgdConfig::new(0.05));
+    let mut cpu = CpuClassifier::new(on_cpu, classes, config, 7).unwrap();
+    let mut gpu = CudaClassifier::new(on_gpu, handle, classes, config, 7).unwrap();
+    let mut seed = 11u64;
+    let batch_of = |seed: &mut u64| -> Vec<f16> {
+        (0..batch * hw * hw * 3)
+            .map(|_| f16::from_f32(common::uniform(seed)))
+            .collect()
+    };
+    let labels: Vec<i32> = (0..batch as i32).map(|i| i % classes as i32).collect();
+    for _ in 0..2 {
+        let images = batch_of(&mut seed);
+        cpu.step_mut().begin().unwrap();
+        cpu.forward_backward(&images, &labels).unwrap();
+        cpu.step_mut().finish().unwrap();
+        let mut x = stream.clone_htod(&images).unwrap();
+        gpu.step_mut().begin().unwrap();
+        gpu.forward_backward(&mut x, &labels).unwrap();
+        gpu.step_mut().finish().unwrap();
+    }
+    let trained = gpu.metrics_blocking().unwrap();
+    let images = batch_of(&mut seed);
+    let want = cpu.evaluate(&images, EvalWeights::Trained).unwrap();
+    let mut x = stream.clone_htod(&images).unwrap();
+    let got = gpu.evaluate(&mut x, EvalWeights::Trained).unwrap();
+    let as_f64 = |v: &[f16]| v.iter().map(|x| x.to_f64()).collect::<Vec<_>>();
+    let err = rel_l2(&as_f64(&got.logits), &as_f64(&want.logits));
+    println!(
+        "evaluation logits rel L2 {err:.2e}; top-1 {:?} vs {:?}",
+        got.top1, want.top1
+    );
+    // Two training steps' updates (FP32 sums in other orders, 2e-2 as gradients above) and an
+    // FP16 forward (5e-3 as activations): the logits within 2e-2.
+    assert!(err <= 2e-2, "logits differ by {err:.2e}");
+    assert_eq!(got.logits.len(), batch * classes);
+    assert_eq!(
+        gpu.metrics_blocking().unwrap(),
+        trained,
+        "evaluation moved the metrics"
+    );
+    let ema = gpu.evaluate(&mut x, EvalWeights::Ema).unwrap_err();
+    assert!(ema.to_string().contains("trained weights only"), "{ema}");
+}

@@ -2,7 +2,7 @@
 //! [`CudaRegions`], all on the handle's stream. The caller's image buffer is read in place
 //! (borrowed for each pass); labels are copied into the head's own buffer.
 
-use super::{check_batch, ClassifierError};
+use super::{check_batch, ClassifierError, EvalWeights, Evaluation};
 use crate::amp::cuda::{CudaRegions, CudaSlice, CudaStream, DevRange, DevRangeMut};
 use crate::amp::plan::Region;
 use crate::amp::range::{self, HeadMetrics, HeadShape};
@@ -174,6 +174,69 @@ impl CudaClassifier {
         self.net
             .backward_from(Some(self.step.executor_mut()), images)?;
         Ok(())
+    }
+
+    /// Evaluates one batch of `images` (NHWC FP16, read in place): forward only, BN in
+    /// evaluation mode (each layer normalizes with its running statistics:
+    /// [`CudaNet::evaluate`]), then the pooling and the FC layer; the logits are read back
+    /// (this waits for the stream). Running statistics, weights, the step and the last
+    /// training batch's metrics are left as they were.
+    ///
+    /// # Errors
+    /// [`ClassifierError::Input`] for a batch of the wrong size, or for the EMA weights (the
+    /// CUDA classifier evaluates with the trained weights only, so far); a layer on the
+    /// unfused route (its BN forward graph is training-mode BN); a driver error.
+    pub fn evaluate(
+        &mut self,
+        images: &mut CudaSlice<f16>,
+        weights: EvalWeights,
+    ) -> Result<Evaluation> {
+        if weights == EvalWeights::Ema {
+            return Err(ClassifierError::Input(
+                "the CUDA classifier evaluates with the trained weights only (no EMA binding yet)"
+                    .into(),
+            ));
+        }
+        let shape = self.head.shape;
+        let net = self.net.compiled();
+        let want = net.buffers[net.input].elems;
+        check_batch(
+            images.len(),
+            want,
+            &vec![0; shape.batch],
+            shape.batch,
+            shape.classes,
+        )?;
+        self.net
+            .evaluate_from(Some(self.step.executor_mut()), images)?;
+        let output = self.net.compiled().output;
+        let kernels = self.step.executor().kernels().clone();
+        // Logits of their own, so that the last training batch's metrics stay readable.
+        let mut logits = self
+            .stream
+            .alloc_zeros::<u8>(shape.batch * shape.classes * 2)
+            .map_err(|e| driver("allocate the evaluation logits", e))?;
+        kernels.gap_forward(
+            &self.stream,
+            &shape,
+            DevRange::whole(self.net.buffer(output)?),
+            DevRangeMut::whole(&mut self.head.pooled),
+        )?;
+        self.step.executor_mut().fc_forward(
+            "fc.w",
+            "fc.b",
+            &shape,
+            DevRange::whole(&self.head.pooled),
+            DevRangeMut::whole(&mut logits),
+        )?;
+        let logits: Vec<f16> = self
+            .stream
+            .clone_dtoh(&logits)
+            .map_err(|e| driver("read the evaluation logits back", e))?
+            .chunks_exact(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]))
+            .collect();
+        Ok(Evaluation::from_logits(logits, shape.classes))
     }
 
     /// The last batch's loss and accuracy, read back (waits for the stream: call it every

@@ -549,6 +549,27 @@ impl CudaNet {
         run_eval(&mut self.pass(Some(regions), None)?)
     }
 
+    /// [`CudaNet::evaluate`] reading the caller's `input` (NHWC FP16, at least the network's
+    /// input size, borrowed for the pass), with the parameters in `regions` when given.
+    ///
+    /// # Errors
+    /// As [`CudaNet::evaluate`].
+    pub fn evaluate_from(
+        &mut self,
+        mut regions: Option<&mut CudaRegions>,
+        input: &mut CudaSlice<f16>,
+    ) -> Result<()> {
+        run_eval(&mut self.pass(regions.as_deref_mut(), Some(input))?)?;
+        if let Some(r) = regions {
+            if !Arc::ptr_eq(r.stream(), &self.stream) {
+                r.stream()
+                    .join(&self.stream)
+                    .map_err(|e| driver("order the amp stream after the pass".into(), e))?;
+            }
+        }
+        Ok(())
+    }
+
     /// The backward pass (the output's gradient written) of a network whose parameters are
     /// its own.
     pub fn backward(&mut self) -> Result<()> {
