@@ -15,8 +15,8 @@
 use std::time::Instant;
 
 use cudnn_cbr::amp::cuda::cuda_device;
-use cudnn_cbr::amp::cuda::cudarc::driver::sys::CUevent_flags;
 use cudnn_cbr::amp::cuda::cudarc::driver::CudaContext;
+use cudnn_cbr::amp::cuda::EventFlags;
 use cudnn_cbr::amp::dist::nccl::{NcclComm, NcclId};
 use cudnn_cbr::amp::dist::{Collective, ReduceOp};
 use cudnn_cbr::amp::plan::Region;
@@ -79,7 +79,7 @@ fn main() {
                     let stream = ctx.new_stream().expect("stream");
                     let mut comm =
                         NcclComm::new(stream.clone(), rank, gpus, &id).expect("NCCL init");
-                    let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+                    let timing = Some(EventFlags::CU_EVENT_DEFAULT);
                     let mut out = Vec::new();
                     for (label, bytes) in sizes {
                         let n = (bytes / 4).max(1);

@@ -69,7 +69,7 @@ fn time_ms(
     mut f: impl FnMut() -> Res<()>,
 ) -> Res<f64> {
     let ctx = stream.context();
-    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let flags = Some(cudnn_cbr::amp::cuda::EventFlags::CU_EVENT_DEFAULT);
     for _ in 0..warmup {
         f()?;
     }

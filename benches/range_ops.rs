@@ -12,8 +12,8 @@
 
 use std::sync::Arc;
 
-use cudnn_cbr::amp::cuda::cudarc::driver::sys::CUevent_flags;
 use cudnn_cbr::amp::cuda::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
+use cudnn_cbr::amp::cuda::EventFlags;
 use cudnn_cbr::amp::cuda::{self, CudaRegions};
 use cudnn_cbr::amp::plan::{ByteRange, MemoryPlan, MemoryPlanBuilder, ParamKind, Region};
 use cudnn_cbr::amp::range::{LossScalePolicy, OverflowPolicy, SgdConfig};
@@ -62,7 +62,7 @@ fn time_ms(
     mut work: impl FnMut() -> Result<(), AmpError>,
 ) -> Result<f64, AmpError> {
     let ev = || {
-        ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        ctx.new_event(Some(EventFlags::CU_EVENT_DEFAULT))
             .map_err(driver("create a timing event"))
     };
     let (start, end) = (ev()?, ev()?);

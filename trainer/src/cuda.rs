@@ -68,7 +68,6 @@ use super::{
 use crate::checkpoint::{TrainState, SAVED_REGIONS};
 use crate::curves::CurvePoint;
 pub use crate::snapshot::Snapshot;
-use cudnn_cbr::amp::cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudnn_cbr::amp::cuda::cudarc::driver::CudaEvent;
 use cudnn_cbr::amp::cuda::cudarc::driver::{CudaGraph, DriverError};
 use cudnn_cbr::amp::cuda::dist_grads::{NcclBnSync, SharedComm};
@@ -76,6 +75,7 @@ use cudnn_cbr::amp::cuda::{
     dist_grads, AmpKernels, CudaContext, CudaRegions, CudaSlice, CudaStepGraph, CudaStream,
     DevRange, DevRangeMut, Readback, Upload,
 };
+use cudnn_cbr::amp::cuda::{CaptureMode, GraphInstantiateFlags};
 use cudnn_cbr::amp::dist::bootstrap::{exchange_id, LaunchEnv};
 use cudnn_cbr::amp::dist::nccl::{NcclComm, NcclId};
 use cudnn_cbr::amp::dist::watchdog::{timeout_from_env, Health, Watchdog};
@@ -819,11 +819,11 @@ impl CudaTrainer {
     /// capture is avoided). Always ends the capture; the error says what failed.
     fn capture_step(&mut self) -> Result<CudaGraph, String> {
         self.stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .begin_capture(CaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| format!("begin stream capture: {e}"))?;
         let body = self.step_eager();
         // Always end the capture, so the stream is usable again whatever happened.
-        let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        let ended = self.stream.end_capture(GraphInstantiateFlags(0));
         body.map_err(|e| format!("while capturing: {e}"))?;
         let graph = ended
             .map_err(|e| format!("end capture and instantiate: {e}"))?

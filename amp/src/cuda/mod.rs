@@ -51,6 +51,14 @@ use std::sync::Arc;
 
 pub use compile::{compile_cubin, compile_cubin_cached, compile_ptx, Cubins};
 pub use cudarc;
+/// The driver's flags a trainer passes to cudarc's capture and event calls, under one curated
+/// path each, so that no user of this crate reaches into `cudarc::driver::sys`: the stream
+/// capture mode (`CudaStream::begin_capture`), the graph instantiation flags
+/// (`CudaStream::end_capture`) and the event flags (`CudaContext::new_event`).
+pub use cudarc::driver::sys::{
+    CUevent_flags as EventFlags, CUgraphInstantiate_flags as GraphInstantiateFlags,
+    CUstreamCaptureMode as CaptureMode,
+};
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 pub use dev_range::{DevRange, DevRangeMut};
 pub use launch::AmpKernels;
