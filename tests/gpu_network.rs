@@ -13,7 +13,7 @@ use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::{BnSync, DeviceBnSync, RouteKind};
 use cudnn_cbr::fusion::exec::Handle;
 use cudnn_cbr::fusion::graph::DataType;
-use cudnn_cbr::net::{compile, BufferRole, CpuNet, CudaNet, NetSpec, RoutePolicy};
+use cudnn_cbr::net::{compile, BufferRole, CompiledNet, CpuNet, CudaNet, NetSpec, RoutePolicy};
 use half::f16;
 
 fn rel_l2(a: &[f64], b: &[f64]) -> f64 {
@@ -75,6 +75,21 @@ impl DeviceBnSync for DeviceTwin {
     }
 }
 
+/// The network `on_gpu` was compiled from, compiled for the CPU executor on exactly the routes
+/// the device got.
+fn cpu_twin(on_gpu: &CompiledNet, spec: &NetSpec, batch: usize, hw: usize) -> CompiledNet {
+    let routes = on_gpu
+        .layers
+        .iter()
+        .map(|l| (l.name.clone(), l.layer.route().kind()))
+        .collect();
+    let policy = RoutePolicy::PerLayer {
+        routes,
+        default: RouteKind::Fused,
+    };
+    compile(spec, batch, hw, &policy).unwrap()
+}
+
 /// Forward + backward passes per side before comparing (an engine that accumulated into an
 /// output instead of overwriting it would differ on the second).
 const PASSES: usize = 2;
@@ -116,22 +131,7 @@ fn matches_the_cpu_executor(test: &str, spec: &NetSpec, (batch, hw): (usize, usi
             }
         };
         let on_gpu = compile(spec, batch, hw, &policy).unwrap();
-        // The CPU twin on exactly the routes the device got.
-        let routes = on_gpu
-            .layers
-            .iter()
-            .map(|l| (l.name.clone(), l.layer.route().kind()))
-            .collect();
-        let cpu_net = compile(
-            spec,
-            batch,
-            hw,
-            &RoutePolicy::PerLayer {
-                routes,
-                default: RouteKind::Fused,
-            },
-        )
-        .unwrap();
+        let cpu_net = cpu_twin(&on_gpu, spec, batch, hw);
         let mut cpu: CpuNet<f16> = CpuNet::new(cpu_net);
         let mut gpu = CudaNet::new(on_gpu, handle.clone(), kernels.clone(), None).unwrap();
         if synced {
@@ -244,21 +244,7 @@ fn eval_mode_matches_the_cpu_executor() {
         cache: &cache,
     };
     let on_gpu = compile(&spec, batch, hw, &policy).unwrap();
-    let routes = on_gpu
-        .layers
-        .iter()
-        .map(|l| (l.name.clone(), l.layer.route().kind()))
-        .collect();
-    let cpu_net = compile(
-        &spec,
-        batch,
-        hw,
-        &RoutePolicy::PerLayer {
-            routes,
-            default: RouteKind::Fused,
-        },
-    )
-    .unwrap();
+    let cpu_net = cpu_twin(&on_gpu, &spec, batch, hw);
     let mut cpu: CpuNet<f16> = CpuNet::new(cpu_net);
     let mut gpu = CudaNet::new(on_gpu, handle.clone(), kernels, None).unwrap();
     let mut seed = 11u64;
@@ -355,21 +341,7 @@ fn the_cuda_classifier_evaluates_like_the_cpu_classifier() {
         cache: &cache,
     };
     let on_gpu = compile(&spec, batch, hw, &planned).unwrap();
-    let routes = on_gpu
-        .layers
-        .iter()
-        .map(|l| (l.name.clone(), l.layer.route().kind()))
-        .collect();
-    let on_cpu = compile(
-        &spec,
-        batch,
-        hw,
-        &RoutePolicy::PerLayer {
-            routes,
-            default: RouteKind::Fused,
-        },
-    )
-    .unwrap();
+    let on_cpu = cpu_twin(&on_gpu, &spec, batch, hw);
     let config = StepConfig::new(SgdConfig::new(0.05));
     let mut cpu = CpuClassifier::new(on_cpu, classes, config, 7).unwrap();
     let mut gpu = CudaClassifier::new(on_gpu, handle, classes, config, 7).unwrap();

@@ -35,7 +35,7 @@ mod planted {
     use cudnn_cbr::fusion::exec::{Bindings, Handle, Workspace};
     use cudnn_cbr::fusion::graph::DataType;
     use cudnn_cbr::fusion::lower::OperationGraph;
-    use cudnn_cbr::fusion::plan::build_plan;
+    use cudnn_cbr::fusion::plan::{build_plan, ExecutionPlan};
     use cudnn_cbr::fusion::Error;
     use half::f16;
     use std::sync::Arc;
@@ -55,6 +55,18 @@ mod planted {
             return None;
         }
         Some((ctx, handle))
+    }
+
+    /// The conv fprop plan of [`shape`] for `handle`'s (deviceless) target, and its tensors.
+    fn conv_fprop_plan(handle: &Arc<Handle>) -> (ExecutionPlan, graphs::ConvFpropTensors) {
+        let target = handle.target().expect("target");
+        let (graph, t) = graphs::conv_fprop(&shape(), false, false);
+        let plan = build_plan(
+            &OperationGraph::for_target(&graph, &target).unwrap(),
+            &target,
+        )
+        .expect("plan");
+        (plan, t)
     }
 
     fn shape() -> ConvShape {
@@ -80,14 +92,8 @@ mod planted {
             return;
         };
         let stream = handle.stream().clone();
-        let target = handle.target().expect("target");
         let sh = shape();
-        let (graph, t) = graphs::conv_fprop(&sh, false, false);
-        let plan = build_plan(
-            &OperationGraph::for_target(&graph, &target).unwrap(),
-            &target,
-        )
-        .expect("plan");
+        let (plan, t) = conv_fprop_plan(&handle);
         let elems = |n: i64| vec![f16::from_f32(0.5); n as usize];
         let mut x = stream
             .clone_htod(&elems(sh.n * sh.c * sh.h * sh.w))
@@ -128,14 +134,8 @@ mod planted {
             return;
         };
         let stream = handle.stream().clone();
-        let target = handle.target().expect("target");
         let sh = shape();
-        let (graph, t) = graphs::conv_fprop(&sh, false, false);
-        let plan = build_plan(
-            &OperationGraph::for_target(&graph, &target).unwrap(),
-            &target,
-        )
-        .expect("plan");
+        let (plan, t) = conv_fprop_plan(&handle);
         let bytes = |n: i64| n as usize * 2;
         let round = |b: usize| b.div_ceil(256) * 256;
         let (x_len, w_len) = (bytes(sh.n * sh.c * sh.h * sh.w), bytes(sh.k * sh.c));
@@ -191,14 +191,8 @@ mod planted {
         let Some((ctx, handle)) = simulated(test) else {
             return;
         };
-        let target = handle.target().expect("target");
         let sh = shape();
-        let (graph, t) = graphs::conv_fprop(&sh, false, false);
-        let plan = build_plan(
-            &OperationGraph::for_target(&graph, &target).unwrap(),
-            &target,
-        )
-        .expect("plan");
+        let (plan, t) = conv_fprop_plan(&handle);
         let stream = handle.stream().clone();
         let elems = |n: i64, v: f32| vec![f16::from_f32(v); n as usize];
         let nx = sh.n * sh.c * sh.h * sh.w;
@@ -259,14 +253,8 @@ mod planted {
         let Some((ctx, handle)) = simulated(test) else {
             return;
         };
-        let target = handle.target().expect("target");
         let sh = shape();
-        let (graph, t) = graphs::conv_fprop(&sh, false, false);
-        let plan = build_plan(
-            &OperationGraph::for_target(&graph, &target).unwrap(),
-            &target,
-        )
-        .expect("plan");
+        let (plan, t) = conv_fprop_plan(&handle);
         let stream = handle.stream().clone();
         let elems = |n: i64| vec![f16::from_f32(0.5); n as usize];
         let mut x = stream

@@ -55,26 +55,37 @@ pub fn run_pass<E: NetExecutor + ?Sized>(exec: &mut E, backward: bool) -> Result
 pub fn run_eval<E: NetExecutor + ?Sized>(exec: &mut E) -> Result<(), E::Error> {
     let count = exec.compiled().forward.len();
     for i in 0..count {
-        let step = exec.compiled().forward[i];
-        match step {
-            Step::Layer { layer, .. } => exec.layer_pass(layer, Pass::Eval)?,
-            Step::Add { a, b, out } => exec.add(a, b, out)?,
-            Step::MaxPool {
-                pool,
-                shape,
-                input,
-                output,
-            } => exec.max_pool(&pool, &shape, input, output)?,
-            Step::MaxPoolBackward {
-                pool,
-                shape,
-                input,
-                grad_output,
-                grad_input,
-            } => exec.max_pool_backward(&pool, &shape, input, grad_output, grad_input)?,
-        }
+        let step = match exec.compiled().forward[i] {
+            Step::Layer { layer, .. } => Step::Layer {
+                layer,
+                pass: Pass::Eval,
+            },
+            other => other,
+        };
+        run_step(exec, step)?;
     }
     Ok(())
+}
+
+/// Runs one step on `exec`.
+fn run_step<E: NetExecutor + ?Sized>(exec: &mut E, step: Step) -> Result<(), E::Error> {
+    match step {
+        Step::Layer { layer, pass } => exec.layer_pass(layer, pass),
+        Step::Add { a, b, out } => exec.add(a, b, out),
+        Step::MaxPool {
+            pool,
+            shape,
+            input,
+            output,
+        } => exec.max_pool(&pool, &shape, input, output),
+        Step::MaxPoolBackward {
+            pool,
+            shape,
+            input,
+            grad_output,
+            grad_input,
+        } => exec.max_pool_backward(&pool, &shape, input, grad_output, grad_input),
+    }
 }
 
 /// What [`run_pass_observed`] calls after each step: the executor and the step's index.
@@ -92,23 +103,7 @@ pub fn run_pass_observed<E: NetExecutor + ?Sized>(
     for i in 0..count {
         // Steps are small copies: read one, then let the executor borrow itself mutably.
         let step = pass_steps(exec.compiled(), backward)[i];
-        match step {
-            Step::Layer { layer, pass } => exec.layer_pass(layer, pass)?,
-            Step::Add { a, b, out } => exec.add(a, b, out)?,
-            Step::MaxPool {
-                pool,
-                shape,
-                input,
-                output,
-            } => exec.max_pool(&pool, &shape, input, output)?,
-            Step::MaxPoolBackward {
-                pool,
-                shape,
-                input,
-                grad_output,
-                grad_input,
-            } => exec.max_pool_backward(&pool, &shape, input, grad_output, grad_input)?,
-        }
+        run_step(exec, step)?;
         after(exec, i)?;
     }
     Ok(())

@@ -22,8 +22,73 @@ use cudnn_cbr::net::Preset;
 use cudnn_cbr_trainer::{train, Device, ExecutorKind, TrainConfig};
 use std::process::Command;
 
-/// Set in the child run.
+/// Set in a child run (each child runs one test of this binary, `--exact`).
 const CHILD: &str = "CUDNN_CBR_SIM_TRAIN_CHILD";
+
+/// Whether this process is a child run on the simulated device.
+fn in_child() -> bool {
+    std::env::var_os(CHILD).is_some()
+}
+
+/// The child's side: trains `cfg` and prints what the parent reads (`EXECUTOR`, `HELD` and
+/// one `LOSS` line per step).
+fn train_and_print(cfg: &TrainConfig) {
+    let r = train(cfg, 1, |_| {}).expect("CUDA training on the simulator");
+    println!("EXECUTOR {:?} | {}", r.executor.kind, r.executor.detail);
+    println!("HELD {} {}", r.held_out_accuracy, r.held_out_eval_mode);
+    for l in &r.step_losses {
+        println!("LOSS {l}");
+    }
+}
+
+/// What a child run printed.
+struct Child {
+    stdout: String,
+    stderr: String,
+}
+
+impl Child {
+    /// The `EXECUTOR` line's text.
+    fn executor(&self) -> &str {
+        self.stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("EXECUTOR "))
+            .unwrap_or_else(|| panic!("no executor line:\n{}\n{}", self.stdout, self.stderr))
+    }
+
+    /// The `LOSS` lines' values, in order.
+    fn losses(&self) -> Vec<f32> {
+        self.stdout
+            .lines()
+            .filter_map(|l| l.strip_prefix("LOSS "))
+            .map(|v| v.parse().expect("a loss"))
+            .collect()
+    }
+}
+
+/// Runs `test` again in a child on the simulator built in `dir`, with `envs` set, and asserts
+/// that it exited 0.
+fn run_child(test: &str, dir: &std::path::Path, envs: &[(&str, &std::ffi::OsStr)]) -> Child {
+    let mut cmd = Command::new(std::env::current_exe().expect("this test binary"));
+    sim::select(&mut cmd, dir)
+        .args([test, "--exact", "--nocapture"])
+        .env(CHILD, "1");
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run the test under the simulator");
+    let child = Child {
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    };
+    assert!(
+        out.status.success(),
+        "the simulated run failed:\n{}\n{}",
+        child.stdout,
+        child.stderr
+    );
+    child
+}
 
 /// 3 eager warm-up steps, then 5 replays of the captured step.
 fn cfg(device: Device) -> TrainConfig {
@@ -37,40 +102,16 @@ fn cfg(device: Device) -> TrainConfig {
 
 #[test]
 fn the_whole_step_captured_on_the_simulator_matches_the_cpu_executor() {
-    if std::env::var_os(CHILD).is_some() {
-        // The child: train on the simulated device and print what the parent checks.
-        let r = train(&cfg(Device::Cuda), 1, |_| {}).expect("CUDA training on the simulator");
-        println!("EXECUTOR {:?} | {}", r.executor.kind, r.executor.detail);
-        println!("HELD {} {}", r.held_out_accuracy, r.held_out_eval_mode);
-        for l in &r.step_losses {
-            println!("LOSS {l}");
-        }
-        return;
+    if in_child() {
+        return train_and_print(&cfg(Device::Cuda));
     }
     let test = "the_whole_step_captured_on_the_simulator_matches_the_cpu_executor";
     let Some(dir) = sim::built(test) else {
         return;
     };
-    let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
-    let out = Command::new(std::env::current_exe().expect("this test binary"))
-        .args([test, "--exact", "--nocapture"])
-        .env(CHILD, "1")
-        .env("CUDNN_CBR_DEVICE", "sim")
-        .env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()))
-        .env("CUDNN_CBR_KERNEL_CACHE", dir.join("kernel-cache"))
-        .env("CUDNN_CBR_SIM_CACHE", dir.join("host-cache"))
-        .output()
-        .expect("run the trainer under the simulator");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "the simulated run failed:\n{stdout}\n{stderr}"
-    );
-    let executor = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("EXECUTOR "))
-        .unwrap_or_else(|| panic!("no executor line:\n{stdout}\n{stderr}"));
+    let child = run_child(test, &dir, &[]);
+    let stdout = &child.stdout;
+    let executor = child.executor();
     println!("{executor}");
     // The simulated CUDA device ran it (not the CPU fallback), with the whole step replayed.
     assert!(
@@ -82,11 +123,7 @@ fn the_whole_step_captured_on_the_simulator_matches_the_cpu_executor() {
         executor.contains("whole step replayed as one CUDA graph"),
         "{executor}"
     );
-    let sim_losses: Vec<f32> = stdout
-        .lines()
-        .filter_map(|l| l.strip_prefix("LOSS "))
-        .map(|v| v.parse().expect("a loss"))
-        .collect();
+    let sim_losses = child.losses();
     let cpu = train(&cfg(Device::Cpu), 1, |_| {}).expect("CPU training");
     assert_eq!(cpu.executor.kind, ExecutorKind::Cpu);
     assert_eq!(sim_losses.len(), cpu.step_losses.len(), "{stdout}");
@@ -171,9 +208,6 @@ fn the_trainers_gpu_tests_pass_on_the_simulated_device() {
     );
 }
 
-/// Set in the ResNet-18 child run.
-const RESNET18_CHILD: &str = "CUDNN_CBR_SIM_RESNET18_CHILD";
-
 /// ResNet-18 at 32×32, batch 2: 3 eager warm-up steps, then one replay of the whole step.
 fn resnet18(device: Device) -> TrainConfig {
     TrainConfig {
@@ -197,36 +231,15 @@ fn resnet18(device: Device) -> TrainConfig {
 /// is tests/gpu_network.rs's pooled network, run on the simulator by tests/sim_gpu_fusion.rs.
 #[test]
 fn a_resnet18_step_is_captured_and_replayed_on_the_simulator() {
-    if std::env::var_os(RESNET18_CHILD).is_some() {
-        let r = train(&resnet18(Device::Cuda), 1, |_| {}).expect("ResNet-18 on the simulator");
-        println!("EXECUTOR {:?} | {}", r.executor.kind, r.executor.detail);
-        for l in &r.step_losses {
-            println!("LOSS {l}");
-        }
-        return;
+    if in_child() {
+        return train_and_print(&resnet18(Device::Cuda));
     }
     let test = "a_resnet18_step_is_captured_and_replayed_on_the_simulator";
     let Some(dir) = sim::built(test) else {
         return;
     };
-    let out = sim::select(
-        &mut Command::new(std::env::current_exe().expect("this test binary")),
-        &dir,
-    )
-    .args([test, "--exact", "--nocapture"])
-    .env(RESNET18_CHILD, "1")
-    .output()
-    .expect("run ResNet-18 under the simulator");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "the simulated run failed:\n{stdout}\n{stderr}"
-    );
-    let executor = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("EXECUTOR "))
-        .unwrap_or_else(|| panic!("no executor line:\n{stdout}\n{stderr}"));
+    let child = run_child(test, &dir, &[]);
+    let executor = child.executor();
     println!("{executor}");
     assert!(
         executor.starts_with(&format!("{:?}", ExecutorKind::Cuda))
@@ -234,13 +247,9 @@ fn a_resnet18_step_is_captured_and_replayed_on_the_simulator() {
             && executor.contains("whole step replayed as one CUDA graph"),
         "{executor}"
     );
-    let losses: Vec<f32> = stdout
-        .lines()
-        .filter_map(|l| l.strip_prefix("LOSS "))
-        .map(|v| v.parse().expect("a loss"))
-        .collect();
+    let losses = child.losses();
     println!("losses {losses:?}");
-    assert_eq!(losses.len(), 4, "{stdout}");
+    assert_eq!(losses.len(), 4, "{}", child.stdout);
     // Eight classes: a loss from initial weights is near ln 8 ≈ 2.08, and any wrong binding
     // that reads NaN-filled fresh memory (the simulator's allocations start as NaN) shows as a
     // NaN or infinite loss.
@@ -250,9 +259,6 @@ fn a_resnet18_step_is_captured_and_replayed_on_the_simulator() {
     );
     assert!((losses[0] - 8f32.ln()).abs() < 1.5, "{losses:?}");
 }
-
-/// Set in the clipping child run.
-const CLIP_CHILD: &str = "CUDNN_CBR_SIM_CLIP_CHILD";
 
 /// The mini network with clipping by global norm at 0.5, below the gradients' norm.
 fn clipped(device: Device) -> TrainConfig {
@@ -270,38 +276,17 @@ fn clipped(device: Device) -> TrainConfig {
 /// them: the bound is below the gradients' norm, so every step after the first is clipped.
 #[test]
 fn clipping_by_norm_on_the_simulator_matches_the_cpu_executor() {
-    if std::env::var_os(CLIP_CHILD).is_some() {
-        let r = train(&clipped(Device::Cuda), 1, |_| {}).expect("clipped run on the simulator");
-        println!("EXECUTOR {:?} | {}", r.executor.kind, r.executor.detail);
-        for l in &r.step_losses {
-            println!("LOSS {l}");
-        }
-        return;
+    if in_child() {
+        return train_and_print(&clipped(Device::Cuda));
     }
     let test = "clipping_by_norm_on_the_simulator_matches_the_cpu_executor";
     let Some(dir) = sim::built(test) else {
         return;
     };
-    let out = sim::select(
-        &mut Command::new(std::env::current_exe().expect("this test binary")),
-        &dir,
-    )
-    .args([test, "--exact", "--nocapture"])
-    .env(CLIP_CHILD, "1")
-    .output()
-    .expect("run the clipped training under the simulator");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "the simulated run failed:\n{stdout}\n{stderr}"
-    );
+    let child = run_child(test, &dir, &[]);
+    let stdout = &child.stdout;
     assert!(stdout.contains("EXECUTOR Cuda"), "{stdout}");
-    let on_sim: Vec<f32> = stdout
-        .lines()
-        .filter_map(|l| l.strip_prefix("LOSS "))
-        .map(|v| v.parse().expect("a loss"))
-        .collect();
+    let on_sim = child.losses();
     let cpu = train(&clipped(Device::Cpu), 1, |_| {}).expect("clipped CPU training");
     let free = train(
         &TrainConfig {
@@ -333,9 +318,6 @@ fn clipping_by_norm_on_the_simulator_matches_the_cpu_executor() {
     );
 }
 
-/// Set in the too-large-batch child run.
-const TOO_BIG_CHILD: &str = "CUDNN_CBR_SIM_TOO_BIG_CHILD";
-
 /// A batch the device cannot hold is refused before the step allocates anything, with the
 /// memory report: the simulated device is given 64 MB (its device-properties document with
 /// a smaller `totalGlobalMem`), and the mini network at batch 512 needs more.
@@ -347,7 +329,7 @@ fn a_batch_the_device_cannot_hold_is_refused_with_the_memory_report() {
         device: Device::Cuda,
         ..TrainConfig::default()
     };
-    if std::env::var_os(TOO_BIG_CHILD).is_some() {
+    if in_child() {
         match train(&cfg, 1, |_| {}) {
             Ok(r) => println!("TRAINED {:?}", r.step_losses),
             Err(e) => println!("REFUSED {e}"),
@@ -367,19 +349,9 @@ fn a_batch_the_device_cannot_hold_is_refused_with_the_memory_report() {
     props["totalGlobalMem"] = serde_json::json!(64_000_000u64);
     let small = std::env::temp_dir().join(format!("cudnn-cbr-64mb-{}.json", std::process::id()));
     std::fs::write(&small, props.to_string()).expect("write the document");
-    let out = sim::select(
-        &mut Command::new(std::env::current_exe().expect("this test binary")),
-        &dir,
-    )
-    .args([test, "--exact", "--nocapture"])
-    .env(TOO_BIG_CHILD, "1")
-    .env("CUDNN_CBR_SIM_DEVPROPS", &small)
-    .output()
-    .expect("run the oversized batch under the simulator");
+    let child = run_child(test, &dir, &[("CUDNN_CBR_SIM_DEVPROPS", small.as_os_str())]);
     let _ = std::fs::remove_file(&small);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let (stdout, stderr) = (&child.stdout, &child.stderr);
     println!("{stdout}");
     assert!(
         stdout.contains("REFUSED") && stdout.contains("batch 512 does not fit"),

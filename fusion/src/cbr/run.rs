@@ -535,6 +535,32 @@ fn prologue_input<T: Element, I: LayerIo<T> + ?Sized>(io: &I) -> Result<ConvInpu
 
 /// The stamps of a conv's input buffers ([`InputStamp`]): the prologue's `y_prev`,
 /// `eq_scale` and `eq_bias`, or the plain input's; `None` unless the table stamps all of them.
+/// The convolution of a `ConvStats` graph with its batch statistics: through the previous
+/// layer's BN prologue where the layer reads its input so (the generic route convolves the
+/// materialized activation instead), else from `plain_in`. The conv's input stays in the
+/// scratch for this layer's wgrad.
+fn conv_stats<T: Element, I: LayerIo<T> + ?Sized>(
+    io: &mut I,
+    p: &r::ConvParams,
+    through_bn: bool,
+    kind: RouteKind,
+    plain_in: Src,
+) -> Result<r::FpropStats<T>> {
+    let y = io.take_half(This("y"))?;
+    let mut scratch = io.take_scratch();
+    let prologue = through_bn && kind != RouteKind::Generic;
+    let input = if prologue {
+        prologue_input(io)?
+    } else {
+        ConvInput::Plain(io.half(plain_in)?)
+    };
+    let stamp = input_stamp(io, prologue, plain_in);
+    let w = io.half(This("w"))?;
+    let out = r::fprop_genstats_with(p, input, w, &mut scratch, stamp, y);
+    io.put_scratch(scratch);
+    Ok(out?)
+}
+
 fn input_stamp<T: Element, I: LayerIo<T> + ?Sized>(
     io: &I,
     prologue: bool,
@@ -602,20 +628,9 @@ fn cpu_eval_step<T: Element, I: LayerIo<T> + ?Sized>(
             } else {
                 This("x")
             };
-            let y = io.take_half(This("y"))?;
-            let mut scratch = io.take_scratch();
-            let prologue = through_bn && layer.route().kind() != RouteKind::Generic;
-            let input = if prologue {
-                prologue_input(io)?
-            } else {
-                ConvInput::Plain(io.half(plain_in)?)
-            };
-            let stamp = input_stamp(io, prologue, plain_in);
-            let w = io.half(This("w"))?;
             // The conv of the training graph; its statistics are dropped, not stored.
-            let out = r::fprop_genstats_with(&p, input, w, &mut scratch, stamp, y);
-            io.put_scratch(scratch);
-            io.set_half(This("y"), out?.y)?;
+            let out = conv_stats(io, &p, through_bn, layer.route().kind(), plain_in)?;
+            io.set_half(This("y"), out.y)?;
         }
         GraphRole::Stats => {}
         GraphRole::Finalize => {
@@ -702,21 +717,7 @@ pub(super) fn cpu_step<T: Element, I: LayerIo<T> + ?Sized>(
     };
     match role {
         GraphRole::ConvStats => {
-            // The generic route convolves the materialized activation (no prologue).
-            let y = io.take_half(This("y"))?;
-            let mut scratch = io.take_scratch();
-            let prologue = through_bn && kind != RouteKind::Generic;
-            let input = if prologue {
-                prologue_input(io)?
-            } else {
-                ConvInput::Plain(io.half(plain_in)?)
-            };
-            // The conv's input stays in the scratch for this layer's wgrad.
-            let stamp = input_stamp(io, prologue, plain_in);
-            let w = io.half(This("w"))?;
-            let out = r::fprop_genstats_with(&p, input, w, &mut scratch, stamp, y);
-            io.put_scratch(scratch);
-            let out = out?;
+            let out = conv_stats(io, &p, through_bn, kind, plain_in)?;
             io.set_half(This("y"), out.y)?;
             io.set_float(This("sum"), out.stats.sum)?;
             io.set_float(This("sq_sum"), out.stats.sqsum)?;
