@@ -27,7 +27,7 @@
 //! which and why. `--device cuda` fails with the reason instead of falling back.
 
 use clap::Parser;
-use cudnn_cbr::net::{BlockKind, Preset};
+use cudnn_cbr::net::{Arena, BlockKind, Preset};
 use cudnn_cbr_trainer::{
     CudaGraphMode, DataSource, Device, ExecutorKind, Progress, TrainConfig, Trainer,
 };
@@ -105,6 +105,17 @@ struct Args {
     /// with the EMA weights too.
     #[arg(long, value_name = "DECAY")]
     ema: Option<f32>,
+    /// The network buffers' layout: `shared` (buffers never alive together share one
+    /// liveness-planned arena) or `separate` (one allocation each); same results.
+    #[arg(long, value_enum, default_value = "shared")]
+    arena: ArenaArg,
+}
+
+/// `--arena`.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum ArenaArg {
+    Shared,
+    Separate,
 }
 
 impl Args {
@@ -133,6 +144,10 @@ impl Args {
             sync_bn: self.sync_bn,
             clip_norm: self.clip_norm,
             ema: self.ema,
+            arena: match self.arena {
+                ArenaArg::Shared => Arena::Shared,
+                ArenaArg::Separate => Arena::Separate,
+            },
             ..TrainConfig::default()
         }
     }

@@ -50,6 +50,7 @@ use cudnn_cbr::amp::plan::{MemoryPlan, ParamInfo};
 use cudnn_cbr::amp::range::{HeadMetrics, SgdConfig};
 use cudnn_cbr::amp::step::StepConfig;
 use cudnn_cbr::amp::AmpError;
+pub use cudnn_cbr::net::Arena;
 use std::fmt;
 use std::str::FromStr;
 
@@ -170,6 +171,11 @@ pub struct TrainConfig {
     /// weights on overflow), evaluated besides the trained weights
     /// ([`TrainReport::held_out_ema_accuracy`]). CPU executors. `None`: no EMA.
     pub ema: Option<f32>,
+    /// How the network's buffers are laid out: [`Arena::Shared`] (the default) keeps the
+    /// activations, their gradients and the per-step scratch in one arena where buffers
+    /// never alive together share memory (the GPU's tensor arena, the CPU executor's shared
+    /// pools); [`Arena::Separate`] gives each its own allocation. Same results either way.
+    pub arena: Arena,
 }
 
 /// A reliability drill: on about `per_mille`/1000 of the steps, chosen by `seed`, one
@@ -236,6 +242,7 @@ impl Default for TrainConfig {
             data: DataSource::Synthetic,
             clip_norm: None,
             ema: None,
+            arena: Arena::Shared,
         }
     }
 }
