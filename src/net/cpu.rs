@@ -2,7 +2,7 @@
 //! reference ops, in FP16 storage (`T = f16`, the GPU's rounding points) or exact `f64`.
 
 use super::compile::{BufId, CompiledNet, NetBuffer};
-use super::exec::{run_eval, run_pass, run_pass_observed, AfterStep, NetExecutor};
+use super::exec::{run_pass, run_pass_observed, AfterStep, NetExecutor};
 pub use super::host_store::Arena;
 use super::host_store::HostStore;
 use super::spec::PoolSpec;
@@ -160,7 +160,7 @@ impl<T: Element> CpuNet<T> {
     /// The forward pass on `images` (NHWC). The output is in [`CpuNet::output`].
     pub fn forward(&mut self, images: &[T]) -> Result<()> {
         self.put(self.net.input, Buf::Half(images.to_vec()))?;
-        run_pass(self, false)
+        run_pass(self, Pass::Forward)
     }
 
     /// The forward pass on `images` (NHWC) in evaluation mode: each BN normalizes with its
@@ -174,7 +174,7 @@ impl<T: Element> CpuNet<T> {
     /// Images of the wrong length; a running variance below `−ε` or not finite.
     pub fn evaluate(&mut self, images: &[T]) -> Result<()> {
         self.put(self.net.input, Buf::Half(images.to_vec()))?;
-        run_eval(self)
+        run_pass(self, Pass::Eval)
     }
 
     /// The backward pass from the gradient of the output (the head's backward). Leaves every
@@ -191,7 +191,7 @@ impl<T: Element> CpuNet<T> {
         after: &mut AfterStep<'_, Self>,
     ) -> Result<()> {
         self.put(self.net.output_grad, Buf::Half(d_output))?;
-        run_pass_observed(self, true, after)
+        run_pass_observed(self, Pass::Backward, after)
     }
 
     fn half_id(&self, id: BufId) -> Result<&[T]> {

@@ -28,7 +28,7 @@ pub use compile::{
 };
 pub use cpu::{Arena, CpuNet};
 pub use cuda::{CudaNet, CudaNetError};
-pub use exec::{run_eval, run_pass, run_pass_observed, NetExecutor};
+pub use exec::{run_pass, run_pass_observed, NetExecutor};
 pub use memory::MemoryReport;
 pub use params::{
     initial_weights, memory_plan, memory_plan_of, memory_plan_with_buffers, memory_plan_with_ema,
