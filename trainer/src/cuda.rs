@@ -60,6 +60,9 @@
 //! when a copy has arrived. The loop synchronizes only after the last step (for the report,
 //! the held-out evaluation and the throughput).
 
+#[path = "cuda_eval.rs"]
+mod eval;
+
 use super::net::compile_net;
 use super::{
     checkpoint, data, plan_and_initial_weights, summarize, CudaGraphMode, ExecutorInfo,
@@ -317,11 +320,6 @@ impl CudaTrainer {
     /// ranks compiled different networks (spec, batch, image size or routes).
     pub fn launched(cfg: &TrainConfig, launch: Option<LaunchEnv>) -> Result<Self, TrainError> {
         cfg.validate()?;
-        if cfg.ema.is_some() {
-            return Err(TrainError::Config(
-                "--ema runs on the CPU executors; the CUDA executor keeps no EMA yet".into(),
-            ));
-        }
         cfg.check_host_memory(false)?;
         let launch = launch.filter(|l| l.world > 1);
         let ordinal = match &launch {
@@ -1114,43 +1112,12 @@ impl CudaTrainer {
 
         // Held-out batches, forward only: BN in evaluation mode (the running statistics, as
         // the CPU executor) where every layer's route has a BN finalize to replace (fused,
-        // generic); in training mode where a layer runs the unfused route's NormForward.
-        let eval_mode = self
-            .net
-            .compiled()
-            .layers
-            .iter()
-            .all(|l| l.layer.route().kind() != RouteKind::Unfused);
-        for i in 0..HELD_OUT_BATCHES {
-            let (images, labels) = self.shard(self.data.batch(cfg.batch * world, i, 1));
-            self.upload_batch(&images, &labels)?;
-            if eval_mode {
-                self.forward_eval()?;
-            } else {
-                self.forward()?;
-            }
-            let h = &mut self.head;
-            self.kernels
-                .head_metrics(
-                    &self.stream,
-                    cfg.classes,
-                    DevRange::whole(&h.logits),
-                    DevRange::whole(&h.labels),
-                    None,
-                    DevRangeMut::whole(&mut h.eval_log),
-                )
-                .map_err(amp_error)?;
-        }
-        let eval = self
-            .stream
-            .clone_dtoh(&self.head.eval_log)
-            .map_err(|e| driver("download the held-out log", e))?;
-        let eval = metrics_log_read(&eval).map_err(AmpError::from)?;
-        let eval = self.global_metrics(&eval.entries)?;
-        let correct: usize = eval
-            .iter()
-            .map(|m| (m.accuracy * (cfg.batch * world) as f32).round() as usize)
-            .sum();
+        // generic); in training mode where a layer runs the unfused route's NormForward. With
+        // an EMA, a second time with the EMA weights.
+        let held_out: Vec<_> = (0..HELD_OUT_BATCHES)
+            .map(|i| self.shard(self.data.batch(cfg.batch * world, i, 1)))
+            .collect();
+        let acc = self.evaluate_batches(&held_out)?;
         let (first_loss, last_loss, last_accuracy, step_losses) = summarize(&log.entries);
         let weights = self.master_weights()?;
         executor.detail = format!("{}; ran: {}", executor.detail, self.state);
@@ -1158,10 +1125,9 @@ impl CudaTrainer {
             first_loss,
             last_loss,
             last_accuracy,
-            held_out_accuracy: correct as f32
-                / (HELD_OUT_BATCHES as usize * cfg.batch * world) as f32,
-            held_out_eval_mode: eval_mode,
-            held_out_ema_accuracy: None,
+            held_out_accuracy: acc.trained,
+            held_out_eval_mode: acc.eval_mode,
+            held_out_ema_accuracy: acc.ema,
             skipped: s.skipped,
             loss_scale: s.loss_scale,
             images_per_sec,

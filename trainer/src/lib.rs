@@ -168,7 +168,8 @@ pub struct TrainConfig {
     /// An exponential moving average of the weights with this decay (region E, FP32, and its
     /// FP16 copy E16; `e = decay·e + (1 − decay)·w` after every applied step, skipped with the
     /// weights on overflow), evaluated besides the trained weights
-    /// ([`TrainReport::held_out_ema_accuracy`]). CPU executors. `None`: no EMA.
+    /// ([`TrainReport::held_out_ema_accuracy`]). Every executor (on CUDA the update runs in
+    /// the step, inside its CUDA graph). `None`: no EMA.
     pub ema: Option<f32>,
 }
 
@@ -769,14 +770,6 @@ impl Trainer {
                 _ => cpu("a fault drill runs on the CPU executor".into()),
             };
         }
-        if cfg.ema.is_some() {
-            return match cfg.device {
-                Device::Cuda => Err(TrainError::Config(
-                    "--ema runs on the CPU executors; the CUDA executor keeps no EMA yet".into(),
-                )),
-                _ => cpu("--ema (evaluation with the EMA weights) runs on the CPU executor".into()),
-            };
-        }
         match cfg.device {
             Device::Cpu => cpu("requested (device cpu)".into()),
             Device::Cuda => cuda("requested (device cuda)"),
@@ -966,7 +959,12 @@ pub(crate) fn plan_and_initial_weights(
 ) -> Result<(MemoryPlan, NamedValues), TrainError> {
     // Shapes do not depend on routes: compile for the CPU, without cuDNN.
     let net = compile_net(cfg, &net::cpu_policy(cfg))?;
-    let plan = cudnn_cbr::net::memory_plan(&net, cfg.classes)?;
+    // With an EMA the plan has E and E16 (as the CPU classifier's and the checkpoint's).
+    let plan = if cfg.ema.is_some() {
+        cudnn_cbr::net::memory_plan_with_ema(&net, cfg.classes)?
+    } else {
+        cudnn_cbr::net::memory_plan(&net, cfg.classes)?
+    };
     let init = cudnn_cbr::net::initial_weights(&net, cfg.classes, cfg.seed);
     Ok((plan, init))
 }
