@@ -1110,10 +1110,8 @@ impl CudaTrainer {
             p.accuracy = m.accuracy;
         }
 
-        // Held-out batches, forward only: BN in evaluation mode (the running statistics, as
-        // the CPU executor) where every layer's route has a BN finalize to replace (fused,
-        // generic); in training mode where a layer runs the unfused route's NormForward. With
-        // an EMA, a second time with the EMA weights.
+        // Held-out batches, forward only, BN in evaluation mode (the running statistics, as
+        // the CPU executor), on every route; with an EMA, a second time with the EMA weights.
         let held_out: Vec<_> = (0..HELD_OUT_BATCHES)
             .map(|i| self.shard(self.data.batch(cfg.batch * world, i, 1)))
             .collect();

@@ -18,7 +18,6 @@ use cudnn_cbr::amp::cuda::{CudaRegions, CudaSlice, CudaStream, DevRange, DevRang
 use cudnn_cbr::amp::plan::Region;
 use cudnn_cbr::amp::range::metrics_log_read;
 use cudnn_cbr::amp::AmpError;
-use cudnn_cbr::fusion::cbr::RouteKind;
 use half::f16;
 use std::sync::Arc;
 
@@ -29,8 +28,8 @@ pub(crate) struct Accuracies {
     pub trained: f32,
     /// Top-1 accuracy with the EMA weights, when the step keeps an EMA.
     pub ema: Option<f32>,
-    /// Whether BN ran in evaluation mode (the running statistics); training-mode BN where a
-    /// layer's route cannot evaluate ([`CudaTrainer::eval_mode`]).
+    /// Whether BN ran in evaluation mode (the running statistics): always, on every route
+    /// (the unfused route's BN through `cbr_bn_eval`).
     pub eval_mode: bool,
 }
 
@@ -107,15 +106,6 @@ fn swap_back(
 }
 
 impl CudaTrainer {
-    /// Whether every layer can run its BN in evaluation mode on the device.
-    pub(crate) fn eval_mode(&self) -> bool {
-        self.net
-            .compiled()
-            .layers
-            .iter()
-            .all(|l| l.layer.route().kind() != RouteKind::Unfused)
-    }
-
     /// Evaluates `batches` (this rank's shards: NHWC FP16 images, labels) forward only with
     /// the trained weights and, with an EMA, with the EMA weights; the accuracies are the
     /// group's (every rank calls it with as many batches). The training state is left as it
@@ -127,14 +117,13 @@ impl CudaTrainer {
         &mut self,
         batches: &[(Vec<f16>, Vec<i32>)],
     ) -> Result<Accuracies, TrainError> {
-        let eval_mode = self.eval_mode();
-        let trained = self.accuracy(batches, eval_mode)?;
+        let trained = self.accuracy(batches)?;
         let ema = match self.cfg.ema {
             None => None,
             Some(_) => {
                 let stream = self.stream.clone();
                 let aside = swap_in_ema(self.step.executor_mut(), &stream)?;
-                let acc = self.accuracy(batches, eval_mode);
+                let acc = self.accuracy(batches);
                 // Always restore, so that a failed evaluation leaves the trained weights.
                 swap_back(self.step.executor_mut(), &stream, &aside)?;
                 Some(acc?)
@@ -143,16 +132,12 @@ impl CudaTrainer {
         Ok(Accuracies {
             trained,
             ema,
-            eval_mode,
+            eval_mode: true,
         })
     }
 
     /// The group's top-1 accuracy over `batches` with the weights now in A and W.
-    fn accuracy(
-        &mut self,
-        batches: &[(Vec<f16>, Vec<i32>)],
-        eval_mode: bool,
-    ) -> Result<f32, TrainError> {
+    fn accuracy(&mut self, batches: &[(Vec<f16>, Vec<i32>)]) -> Result<f32, TrainError> {
         let capacity = cudnn_cbr::amp::range::metrics_log_capacity(self.head.eval_log.len());
         if batches.len() > capacity {
             return Err(TrainError::Config(format!(
@@ -165,11 +150,7 @@ impl CudaTrainer {
             .map_err(|e| driver("clear the evaluation log", e))?;
         for (images, labels) in batches {
             self.upload_batch(images, labels)?;
-            if eval_mode {
-                self.forward_eval()?;
-            } else {
-                self.forward()?;
-            }
+            self.forward_eval()?;
             let h = &mut self.head;
             self.kernels
                 .head_metrics(

@@ -426,9 +426,8 @@ pub struct TrainReport {
     /// Mean batch accuracy of the last 10 steps.
     pub last_accuracy: f32,
     /// Accuracy on 8 held-out batches with the trained weights: BN in evaluation mode (the
-    /// running statistics), except on the CUDA executor where a layer runs the unfused route
-    /// (its NormForward is training-mode BN): there the batch's statistics
-    /// ([`TrainReport::held_out_eval_mode`] says which).
+    /// running statistics) on every executor and route
+    /// ([`TrainReport::held_out_eval_mode`] says so).
     pub held_out_accuracy: f32,
     /// Whether [`TrainReport::held_out_accuracy`] was measured with BN in evaluation mode.
     pub held_out_eval_mode: bool,
