@@ -248,6 +248,19 @@ fn main() -> ExitCode {
     }
     match result {
         Ok(r) => {
+            // The test set after each epoch (data with epochs: CIFAR-10).
+            for e in &r.epochs {
+                let ema = e
+                    .ema_accuracy
+                    .map(|a| format!(", EMA {:.1}%", a * 100.0))
+                    .unwrap_or_default();
+                println!(
+                    "train_cbr: epoch {} (step {}): test accuracy {:.1}% (eval mode){ema}",
+                    e.epoch,
+                    e.step,
+                    e.accuracy * 100.0
+                );
+            }
             // The held-out accuracies: BN mode, then the EMA weights' when kept.
             let mode = if r.held_out_eval_mode {
                 "eval mode"

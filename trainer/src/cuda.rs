@@ -62,6 +62,8 @@
 
 #[path = "cuda_eval.rs"]
 mod eval;
+#[path = "cuda_input.rs"]
+mod input;
 
 use super::net::compile_net;
 use super::{
@@ -192,7 +194,7 @@ impl fmt::Display for GraphState {
 /// [`CudaTrainer::snapshot`], …) are what the loop and the tier-4 tests use.
 pub struct CudaTrainer {
     cfg: TrainConfig,
-    data: data::Synthetic,
+    data: std::sync::Arc<dyn data::Dataset>,
     head: Head,
     /// The compiled network on the device (its layers planned for it).
     net: CudaNet,
@@ -426,7 +428,7 @@ impl CudaTrainer {
         let staging = Upload::new(&ctx, batch_bytes).map_err(amp_error)?;
         Ok(CudaTrainer {
             cfg: *cfg,
-            data: data::Synthetic::new(cfg.hw, cfg.channels, cfg.classes, cfg.seed),
+            data: data::open(cfg)?,
             head,
             net,
             step,
@@ -1034,10 +1036,13 @@ impl CudaTrainer {
             });
             *reported = done;
         };
+        // Batches made ahead on a CPU thread, copied to the device beside the step before.
+        let mut feed = self.feed(first as u64..cfg.steps as u64)?;
+        let (ends, mut epochs) = (self.epoch_ends(), Vec::new());
         for i in first..cfg.steps {
-            let (images, labels) = self.shard(self.data.batch(cfg.batch * world, i as u64, 0));
-            self.upload_batch(&images, &labels)?;
+            self.take_batch(&mut feed, i as u64)?;
             self.step()?;
+            self.stage_next(&mut feed)?;
             if i + 1 - first == WARMUP_STEPS {
                 self.capture(cfg.cuda_graph)?;
             }
@@ -1067,6 +1072,9 @@ impl CudaTrainer {
                     .collect::<Vec<_>>()
                     .join(",");
                 checkpoint::save(path, &cfg, &state, (i + 1) as u64, &routes)?;
+            }
+            if let Some(e) = ends.iter().position(|&s| s == i + 1) {
+                epochs.push(self.test_epoch(e + 1, i + 1)?);
             }
             // Logging without syncs: poll what has arrived, request more every `every` steps.
             if let Some(bytes) = self.log_readback.poll().map_err(amp_error)? {
@@ -1113,7 +1121,7 @@ impl CudaTrainer {
         // Held-out batches, forward only, BN in evaluation mode (the running statistics, as
         // the CPU executor), on every route; with an EMA, a second time with the EMA weights.
         let held_out: Vec<_> = (0..HELD_OUT_BATCHES)
-            .map(|i| self.shard(self.data.batch(cfg.batch * world, i, 1)))
+            .map(|i| self.shard(self.data.held_out_batch(cfg.batch * world, i)))
             .collect();
         let acc = self.evaluate_batches(&held_out)?;
         let (first_loss, last_loss, last_accuracy, step_losses) = summarize(&log.entries);
@@ -1135,6 +1143,7 @@ impl CudaTrainer {
             trace: Vec::new(),
             start_step: first,
             curve,
+            epochs,
         })
     }
 }

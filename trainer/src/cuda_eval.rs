@@ -136,15 +136,54 @@ impl CudaTrainer {
         })
     }
 
+    /// The steps (1-based) after which an epoch of the training data ends, where it has
+    /// epochs ([`crate::data::Dataset::train_len`]).
+    pub(crate) fn epoch_ends(&self) -> Vec<usize> {
+        let images = self.cfg.batch * self.rank().1;
+        self.data
+            .train_len()
+            .map(|n| crate::data::epoch_ends(n, images, self.cfg.steps))
+            .unwrap_or_default()
+    }
+
+    /// The whole test set in evaluation mode, with the trained and (with an EMA) the EMA
+    /// weights, after epoch `epoch` ended at step `step`.
+    ///
+    /// # Errors
+    /// As [`CudaTrainer::evaluate_batches`].
+    pub(crate) fn test_epoch(
+        &mut self,
+        epoch: usize,
+        step: usize,
+    ) -> Result<crate::EpochEval, TrainError> {
+        let per = self.cfg.batch * self.rank().1;
+        let len = self.data.held_out_len().unwrap_or(0);
+        let batches: Vec<_> = (0..crate::data::test_batches(len, per))
+            .map(|i| self.shard(self.data.held_out_batch(per, i)))
+            .collect();
+        let acc = self.evaluate_batches(&batches)?;
+        Ok(crate::EpochEval {
+            epoch,
+            step,
+            accuracy: acc.trained,
+            ema_accuracy: acc.ema,
+        })
+    }
+
     /// The group's top-1 accuracy over `batches` with the weights now in A and W.
     fn accuracy(&mut self, batches: &[(Vec<f16>, Vec<i32>)]) -> Result<f32, TrainError> {
+        // As many batches at a time as the evaluation log holds.
         let capacity = cudnn_cbr::amp::range::metrics_log_capacity(self.head.eval_log.len());
-        if batches.len() > capacity {
-            return Err(TrainError::Config(format!(
-                "{} evaluation batches; the evaluation log holds {capacity}",
-                batches.len()
-            )));
+        let mut correct = 0usize;
+        for chunk in batches.chunks(capacity.max(1)) {
+            correct += self.correct(chunk)?;
         }
+        let per_batch = self.cfg.batch * self.rank().1;
+        Ok(correct as f32 / (batches.len() * per_batch).max(1) as f32)
+    }
+
+    /// The group's correct top-1 predictions over `batches` (at most the log's capacity).
+    fn correct(&mut self, batches: &[(Vec<f16>, Vec<i32>)]) -> Result<usize, TrainError> {
         self.stream
             .memset_zeros(&mut self.head.eval_log)
             .map_err(|e| driver("clear the evaluation log", e))?;
@@ -171,10 +210,9 @@ impl CudaTrainer {
         let entries = self.global_metrics(&log.entries)?;
         let world = self.rank().1;
         let per_batch = self.cfg.batch * world;
-        let correct: usize = entries
+        Ok(entries
             .iter()
             .map(|m| (m.accuracy * per_batch as f32).round() as usize)
-            .sum();
-        Ok(correct as f32 / (batches.len() * per_batch).max(1) as f32)
+            .sum())
     }
 }
