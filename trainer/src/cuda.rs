@@ -60,6 +60,8 @@
 //! when a copy has arrived. The loop synchronizes only after the last step (for the report,
 //! the held-out evaluation and the throughput).
 
+#[path = "cuda_curve.rs"]
+mod curve;
 #[path = "cuda_eval.rs"]
 mod eval;
 #[path = "cuda_input.rs"]
@@ -71,7 +73,6 @@ use super::{
     MasterWeights, Progress, Session, TrainConfig, TrainError, TrainReport, HELD_OUT_BATCHES,
 };
 use crate::checkpoint::{TrainState, SAVED_REGIONS};
-use crate::curves::CurvePoint;
 pub use crate::snapshot::Snapshot;
 use cudnn_cbr::amp::cuda::cudarc::driver::CudaEvent;
 use cudnn_cbr::amp::cuda::cudarc::driver::{CudaGraph, DriverError};
@@ -1010,7 +1011,11 @@ impl CudaTrainer {
     ) -> Result<TrainReport, TrainError> {
         let cfg = self.cfg;
         let first = session.start;
-        let mut curve: Vec<CurvePoint> = Vec::new();
+        let mut history = match session.curve {
+            true => Some(self.scalar_history(first, cfg.steps)?),
+            false => None,
+        };
+        let mut enqueued: Vec<f64> = Vec::new();
         let every = every.max(1);
         let world = self.rank().1;
         let start = Instant::now();
@@ -1046,22 +1051,15 @@ impl CudaTrainer {
             if i + 1 - first == WARMUP_STEPS {
                 self.capture(cfg.cuda_graph)?;
             }
-            if session.curve {
-                // Loss and accuracy come from the metrics log at the end.
-                let s = self
-                    .step
-                    .executor()
-                    .read_scalars_blocking()
-                    .map_err(amp_error)?;
-                curve.push(CurvePoint {
-                    step: i + 1,
-                    loss: f32::NAN,
-                    accuracy: f32::NAN,
-                    loss_scale: s.loss_scale,
-                    lr: s.lr,
-                    images_per_sec: ((i + 1 - first) * cfg.batch * world) as f64
-                        / start.elapsed().as_secs_f64(),
-                });
+            if let Some(h) = history.as_mut() {
+                // S's loss scale and learning rate copied on the device behind the step (no
+                // host wait); loss and accuracy come from the metrics log at the end. The
+                // throughput is the host's at enqueue, at most two steps ahead of the device
+                // (the input's double buffer).
+                self.record_scalars(h)?;
+                enqueued.push(
+                    ((i + 1 - first) * cfg.batch * world) as f64 / start.elapsed().as_secs_f64(),
+                );
             }
             if let Some(path) = session.saves_after(i + 1, cfg.steps) {
                 let state = self.train_state()?;
@@ -1113,6 +1111,10 @@ impl CudaTrainer {
         // The summary is the global batch's: each step's mean over the ranks' shards (the
         // progress lines above are rank 0's shard).
         log.entries = self.global_metrics(&log.entries)?;
+        let mut curve = match &history {
+            Some(h) => self.curve_from(h, |done| enqueued[done - 1])?,
+            None => Vec::new(),
+        };
         for (p, m) in curve.iter_mut().zip(&log.entries) {
             p.loss = m.loss;
             p.accuracy = m.accuracy;
