@@ -13,9 +13,12 @@
 //! | 6 | backward: the compiled network's backward steps | cuDNN plans; the gradient joins at block inputs with `amp_add_f16` |
 //! | 7 | cast G16→G, check, SGD, loss-scale update | amp `finish` |
 //!
-//! Before a step the batch is copied in (images into the network's input, labels into the head's
-//! buffer) through two page-locked staging slots ([`cudnn_cbr::amp::cuda::Upload`]): the copies
-//! are asynchronous, and the host waits only when the device is two batches behind.
+//! Before a step the batch is copied in (images into the network's input, labels into the
+//! head's buffer): in the training loop from the second of two device buffers that a copy
+//! stream of its own filled while the previous step trained (`trainer/src/cuda_input.rs`,
+//! [`cudnn_cbr::amp::cuda::DoubleInput`]); through [`CudaTrainer::upload_batch`] (two
+//! page-locked staging slots, [`cudnn_cbr::amp::cuda::Upload`]) for the evaluation batches
+//! and the step-level API. Neither makes the host wait for the step.
 //!
 //! **Buffers.** The network compiler ([`cudnn_cbr::net::compile()`]) lists every buffer once,
 //! shared ones included (a block input is one buffer that the block's first conv, its shortcut
@@ -1112,7 +1115,7 @@ impl CudaTrainer {
         // progress lines above are rank 0's shard).
         log.entries = self.global_metrics(&log.entries)?;
         let mut curve = match &history {
-            Some(h) => self.curve_from(h, |done| enqueued[done - 1])?,
+            Some(h) => self.curve_from(h, |done| enqueued.get(done - 1).copied().unwrap_or(0.0))?,
             None => Vec::new(),
         };
         for (p, m) in curve.iter_mut().zip(&log.entries) {
