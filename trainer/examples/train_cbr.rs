@@ -78,8 +78,9 @@ struct Args {
     #[arg(long)]
     sync_bn: bool,
     /// The training images: `synthetic`, or `cifar10:DIR` (the CIFAR-10 binary files in DIR;
-    /// CPU executor, one rank; 32x32 images, 10 classes; the held-out accuracy is then on the
-    /// first 8 batches of the test set).
+    /// one rank, CPU or CUDA executor; 32x32 images, 10 classes; the whole test set is
+    /// evaluated after every epoch, and the held-out accuracy is on the first 8 batches of
+    /// the test set).
     #[arg(long, default_value = "synthetic")]
     data: DataSource,
     /// Save a checkpoint (safetensors) here after the last step, and every --save-every steps.
