@@ -230,7 +230,23 @@ fn matches_the_cpu_executor(test: &str, spec: &NetSpec, (batch, hw): (usize, usi
 /// statistics on the device bit for bit what the training forward left.
 #[test]
 fn eval_mode_matches_the_cpu_executor() {
-    let Some(ctx) = common::gpu_or_skip("eval_mode_matches_the_cpu_executor") else {
+    eval_mode_case("eval_mode_matches_the_cpu_executor", None);
+}
+
+/// [`eval_mode_matches_the_cpu_executor`] with every layer on the unfused route: its BN forward
+/// (NormForward, training-mode BN) is replaced in evaluation by our `cbr_bn_eval` kernel
+/// (running statistics, then the residual and ReLU, or the BN output alone for `y_bn`).
+#[test]
+fn eval_mode_on_the_unfused_route_matches_the_cpu_executor() {
+    eval_mode_case(
+        "eval_mode_on_the_unfused_route_matches_the_cpu_executor",
+        Some(RouteKind::Unfused),
+    );
+}
+
+/// The bottleneck block with the device's planned routes, or every layer on `route`.
+fn eval_mode_case(test: &str, route: Option<RouteKind>) {
+    let Some(ctx) = common::gpu_or_skip(test) else {
         return;
     };
     let [(spec, (batch, hw)), _] = common::gpu_shapes::network_cases();
@@ -239,11 +255,24 @@ fn eval_mode_matches_the_cpu_executor() {
     let target = handle.target().unwrap();
     let kernels = AmpKernels::for_context(&ctx).unwrap();
     let cache = PlanCache::new();
-    let policy = RoutePolicy::Planned {
-        target: &target,
-        cache: &cache,
+    let policy = match route {
+        None => RoutePolicy::Planned {
+            target: &target,
+            cache: &cache,
+        },
+        Some(route) => RoutePolicy::PlannedRoute {
+            target: &target,
+            cache: &cache,
+            route,
+        },
     };
     let on_gpu = compile(&spec, batch, hw, &policy).unwrap();
+    if let Some(route) = route {
+        assert!(on_gpu
+            .layers
+            .iter()
+            .all(|l| l.layer.route().kind() == route));
+    }
     let cpu_net = cpu_twin(&on_gpu, &spec, batch, hw);
     let mut cpu: CpuNet<f16> = CpuNet::new(cpu_net);
     let mut gpu = CudaNet::new(on_gpu, handle.clone(), kernels, None).unwrap();
@@ -297,14 +326,17 @@ fn eval_mode_matches_the_cpu_executor() {
         "evaluation wrote a running statistic on the device"
     );
     let mut compared = 0;
-    let activation = |n: &str| !n.starts_with("d:") && (n.ends_with(".out") || n.ends_with(".a"));
+    let activation = |n: &str| {
+        !n.starts_with("d:") && (n.ends_with(".out") || n.ends_with(".a") || n.ends_with(".y_bn"))
+    };
     for b in buffers.iter().filter(|b| activation(&b.name)) {
         let on_gpu = decode(&gpu.download(&b.name).unwrap(), b.dtype);
         let on_cpu = cpu.values(&b.name).unwrap();
         let err = rel_l2(&on_gpu, &on_cpu);
         println!("eval {:<28} rel L2 {err:.2e}", b.name);
         // FP16 stores on both sides with FP32 accumulation in different orders, and the same
-        // FP16 eq coefficients (both from bn_eval_finalize): the forward's tolerance above.
+        // FP16 eq coefficients (both from bn_eval_finalize; on the unfused route the same
+        // FP32 normalization, in the same op order): the forward's tolerance above.
         assert!(err <= 5e-3, "{}: {err:.2e}", b.name);
         compared += 1;
     }

@@ -353,3 +353,119 @@ fn our_kernels_match_the_reference_ops_bit_for_bit_and_cudnn_within_an_ulp() {
         assert_eq!(bits(f16s(&h2, "dpre")), bits(f16s(c2, "dpre")));
     }
 }
+
+/// The unfused route's evaluation-mode BN (`cbr_bn_eval`, in place of its training-mode
+/// NormForward) on the device against its formula evaluated on the host over the very `y` the
+/// device's conv wrote: `((y − μ)·inv_std)·γ + β` in FP32 with the running statistics'
+/// `μ` and `inv_std` from `bn_eval_finalize` (what the CPU executor's evaluation computes),
+/// then the layer's residual form and ReLU, or the BN output alone (`y_bn`), rounded once.
+/// Both compute in FP32 in the same op order without contraction: bit for bit. The running
+/// statistics keep their bits.
+#[test]
+fn the_unfused_routes_eval_bn_matches_its_formula_bit_for_bit() {
+    let Some(ctx) =
+        common::gpu_or_skip("the_unfused_routes_eval_bn_matches_its_formula_bit_for_bit")
+    else {
+        return;
+    };
+    let stream = ctx.default_stream();
+    let handle = Handle::new(stream.clone()).unwrap();
+    let target = handle.target().unwrap();
+    let cache = PlanCache::new();
+    let mut seed = 23u64;
+    let mut cases = 0;
+    // 64 channels (16-byte accesses). cuDNN's NormForward has no engine where the channels
+    // are not a multiple of 8, so no unfused layer evaluates element by element; that path of
+    // `elementwise` is the other kernels' (their 20-channel layers above).
+    for k in [64] {
+        let shape = ConvShape::square(2, 16, 8, k, 3, 1, 1);
+        // (The dual scale-bias form has no unfused route: its training-mode NormForward with
+        // the dual residual has no engine, so no layer evaluates it this way.)
+        let forms = [None, Some(ApplyResidual::None), Some(ApplyResidual::Add)];
+        for apply in forms {
+            let config = match apply {
+                Some(a) => CbrConfig::first(shape).with_apply(a),
+                None => CbrConfig::first(shape),
+            };
+            let layer = CbrLayer::plan_route(config, &target, &cache, RouteKind::Unfused)
+                .unwrap_or_else(|e| panic!("{k} channels, {apply:?}: {e}"));
+            let mut h = HostBuffers::zeros(layer.buffers());
+            let ku = k as usize;
+            let y_elems = (shape.n * shape.p() * shape.q() * shape.k) as usize;
+            let x_elems = (shape.n * shape.c * shape.h * shape.w) as usize;
+            h.set("x", half(random(x_elems, &mut seed, 1.0, 0.0)));
+            h.set("w", half(random(16 * 9 * ku, &mut seed, 0.25, 0.0)));
+            h.set("gamma", HostBuffer::F32(random(ku, &mut seed, 0.2, 1.0)));
+            h.set("beta", HostBuffer::F32(random(ku, &mut seed, 0.2, 0.0)));
+            h.set(
+                "running_mean",
+                HostBuffer::F32(random(ku, &mut seed, 0.5, 0.0)),
+            );
+            h.set(
+                "running_var",
+                HostBuffer::F32(random(ku, &mut seed, 0.5, 1.0)),
+            );
+            if apply.is_some_and(|a| a != ApplyResidual::None) {
+                h.set("residual", half(random(y_elems, &mut seed, 1.0, 0.0)));
+            }
+            if apply == Some(ApplyResidual::DualScaleBias) {
+                h.set("residual_scale", half(random(ku, &mut seed, 0.2, 1.0)));
+                h.set("residual_bias", half(random(ku, &mut seed, 0.2, 0.0)));
+            }
+            let mut d = OwnedDeviceBuffers::alloc(layer.buffers(), &stream).unwrap();
+            for (name, buf) in h.iter() {
+                d.upload(name, buf, &stream).unwrap();
+            }
+            layer
+                .run_gpu(Pass::Eval, &handle, &mut d.io(None).unwrap())
+                .unwrap();
+            stream.synchronize().unwrap();
+            let mut g = HostBuffers::zeros(layer.buffers());
+            for spec in layer.buffers() {
+                g.set(spec.name, d.download(spec, &stream).unwrap());
+            }
+            for stat in ["running_mean", "running_var"] {
+                assert_eq!(f32s(&g, stat), f32s(&h, stat), "{stat} was written");
+            }
+            let bn = r::BnParams {
+                epsilon: config.epsilon,
+                momentum: config.momentum,
+            };
+            let (gamma, beta) = (f32s(&h, "gamma"), f32s(&h, "beta"));
+            let coef: r::BnFinalized<f16> = r::bn_eval_finalize(
+                gamma,
+                beta,
+                f32s(&h, "running_mean"),
+                f32s(&h, "running_var"),
+                &bn,
+            )
+            .unwrap();
+            let y = f16s(&g, "y");
+            let want: Vec<f16> = (0..y_elems)
+                .map(|i| {
+                    let c = i % ku;
+                    let v = (y[i].to_f32() - coef.saved_mean[c]) * coef.saved_inv_std[c] * gamma[c]
+                        + beta[c];
+                    let v = match apply {
+                        None => return f16::from_f32(v),
+                        Some(ApplyResidual::None) => v,
+                        Some(ApplyResidual::Add) => v + f16s(&h, "residual")[i].to_f32(),
+                        Some(ApplyResidual::DualScaleBias) => {
+                            v + (f16s(&h, "residual")[i].to_f32()
+                                * f16s(&h, "residual_scale")[c].to_f32()
+                                + f16s(&h, "residual_bias")[c].to_f32())
+                        }
+                    };
+                    f16::from_f32(if v > 0.0 { v } else { 0.0 })
+                })
+                .collect();
+            let out = if apply.is_some() { "a" } else { "y_bn" };
+            let (differ, worst) = compare(f16s(&g, out), &want);
+            println!("cbr_bn_eval {k} channels, {apply:?} → {out}: {differ} elements differ (worst {worst} ulp)");
+            assert_eq!(bits(f16s(&g, out)), bits(&want), "{k} channels, {apply:?}");
+            assert!(want.iter().any(|v| v.to_f32() != 0.0));
+            cases += 1;
+        }
+    }
+    assert_eq!(cases, 3);
+}

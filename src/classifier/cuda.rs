@@ -184,8 +184,7 @@ impl CudaClassifier {
     ///
     /// # Errors
     /// [`ClassifierError::Input`] for a batch of the wrong size, or for the EMA weights (the
-    /// CUDA classifier evaluates with the trained weights only, so far); a layer on the
-    /// unfused route (its BN forward graph is training-mode BN); a driver error.
+    /// CUDA classifier evaluates with the trained weights only, so far); a driver error.
     pub fn evaluate(
         &mut self,
         images: &mut CudaSlice<f16>,

@@ -538,12 +538,12 @@ impl CudaNet {
 
     /// The forward pass in evaluation mode (the input uploaded) of a network whose
     /// parameters are its own: every BN from its running statistics (eq_scale and eq_bias
-    /// computed on the host from the device's values, [`Pass::Eval`]), the running statistics
+    /// computed on the host from the device's values, [`Pass::Eval`]; on the unfused route our
+    /// `cbr_bn_eval` kernel in place of its training-mode NormForward), the running statistics
     /// read and never written; the output in [`CompiledNet::output`].
     ///
     /// # Errors
-    /// A layer on the unfused route (its NormForward graph is training-mode BN); a driver
-    /// error.
+    /// A running variance the evaluation refuses; a driver or kernel error.
     pub fn evaluate(&mut self) -> Result<()> {
         run_pass(&mut self.pass(None, None)?, Pass::Eval)
     }

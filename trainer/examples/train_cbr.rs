@@ -78,8 +78,9 @@ struct Args {
     #[arg(long)]
     sync_bn: bool,
     /// The training images: `synthetic`, or `cifar10:DIR` (the CIFAR-10 binary files in DIR;
-    /// CPU executor, one rank; 32x32 images, 10 classes; the held-out accuracy is then on the
-    /// first 8 batches of the test set).
+    /// one rank, CPU or CUDA executor; 32x32 images, 10 classes; the whole test set is
+    /// evaluated after every epoch, and the held-out accuracy is on the first 8 batches of
+    /// the test set).
     #[arg(long, default_value = "synthetic")]
     data: DataSource,
     /// Save a checkpoint (safetensors) here after the last step, and every --save-every steps.
@@ -263,6 +264,19 @@ fn main() -> ExitCode {
     }
     match result {
         Ok(r) => {
+            // The test set after each epoch (data with epochs: CIFAR-10).
+            for e in &r.epochs {
+                let ema = e
+                    .ema_accuracy
+                    .map(|a| format!(", EMA {:.1}%", a * 100.0))
+                    .unwrap_or_default();
+                println!(
+                    "train_cbr: epoch {} (step {}): test accuracy {:.1}% (eval mode){ema}",
+                    e.epoch,
+                    e.step,
+                    e.accuracy * 100.0
+                );
+            }
             // The held-out accuracies: BN mode, then the EMA weights' when kept.
             let mode = if r.held_out_eval_mode {
                 "eval mode"

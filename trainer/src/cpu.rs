@@ -99,6 +99,12 @@ impl CpuTrainer {
         let (mut trace, mut skipped_before) = (Vec::new(), 0u32);
         // Batches are made (and, for files, augmented) on a thread of their own while the
         // step runs; each is a pure function of its index, so the losses do not depend on it.
+        let ends = self
+            .data
+            .train_len()
+            .map(|n| data::epoch_ends(n, cfg.batch, cfg.steps))
+            .unwrap_or_default();
+        let mut epochs = Vec::new();
         let mut batches = data::Prefetch::spawn_range(
             self.data.clone(),
             cfg.batch,
@@ -156,6 +162,9 @@ impl CpuTrainer {
             if let Some(path) = session.saves_after(i + 1, cfg.steps) {
                 checkpoint::save(path, &cfg, &self.state()?, (i + 1) as u64, &self.routes())?;
             }
+            if let Some(e) = ends.iter().position(|&s| s == i + 1) {
+                epochs.push(self.test_epoch(e + 1, i + 1)?);
+            }
         }
         let images_per_sec =
             ((cfg.steps - first) * cfg.batch) as f64 / start.elapsed().as_secs_f64();
@@ -187,7 +196,36 @@ impl CpuTrainer {
         r.held_out_ema_accuracy = cfg.ema.map(|_| held_out[1]);
         r.start_step = first;
         r.curve = curve;
+        r.epochs = epochs;
         Ok(r)
+    }
+
+    /// The whole test set in evaluation mode, with the trained and (with an EMA) the EMA
+    /// weights, after epoch `epoch` ended at step `step`.
+    fn test_epoch(&mut self, epoch: usize, step: usize) -> Result<crate::EpochEval, TrainError> {
+        let cfg = self.cfg;
+        let len = self.data.held_out_len().unwrap_or(0);
+        let batches = data::test_batches(len, cfg.batch);
+        let mut correct = [0usize; 2];
+        for i in 0..batches {
+            let (images, labels) = self.data.held_out_batch(cfg.batch, i);
+            for (c, w) in correct.iter_mut().zip(eval_weights(&cfg)) {
+                let e = self.model.evaluate(&images, w)?;
+                *c += e
+                    .top1
+                    .iter()
+                    .zip(&labels)
+                    .filter(|(&p, &l)| p as i32 == l)
+                    .count();
+            }
+        }
+        let n = (batches as usize * cfg.batch).max(1) as f32;
+        Ok(crate::EpochEval {
+            epoch,
+            step,
+            accuracy: correct[0] as f32 / n,
+            ema_accuracy: cfg.ema.map(|_| correct[1] as f32 / n),
+        })
     }
 
     /// The route every layer runs (checkpoint metadata).
@@ -232,6 +270,7 @@ pub(crate) fn report(
         trace,
         start_step: 0,
         curve: Vec::new(),
+        epochs: Vec::new(),
     })
 }
 

@@ -13,9 +13,12 @@
 //! | 6 | backward: the compiled network's backward steps | cuDNN plans; the gradient joins at block inputs with `amp_add_f16` |
 //! | 7 | cast G16→G, check, SGD, loss-scale update | amp `finish` |
 //!
-//! Before a step the batch is copied in (images into the network's input, labels into the head's
-//! buffer) through two page-locked staging slots ([`cudnn_cbr::amp::cuda::Upload`]): the copies
-//! are asynchronous, and the host waits only when the device is two batches behind.
+//! Before a step the batch is copied in (images into the network's input, labels into the
+//! head's buffer): in the training loop from the second of two device buffers that a copy
+//! stream of its own filled while the previous step trained (`trainer/src/cuda_input.rs`,
+//! [`cudnn_cbr::amp::cuda::DoubleInput`]); through [`CudaTrainer::upload_batch`] (two
+//! page-locked staging slots, [`cudnn_cbr::amp::cuda::Upload`]) for the evaluation batches
+//! and the step-level API. Neither makes the host wait for the step.
 //!
 //! **Buffers.** The network compiler ([`cudnn_cbr::net::compile()`]) lists every buffer once,
 //! shared ones included (a block input is one buffer that the block's first conv, its shortcut
@@ -60,13 +63,19 @@
 //! when a copy has arrived. The loop synchronizes only after the last step (for the report,
 //! the held-out evaluation and the throughput).
 
+#[path = "cuda_curve.rs"]
+mod curve;
+#[path = "cuda_eval.rs"]
+mod eval;
+#[path = "cuda_input.rs"]
+mod input;
+
 use super::net::compile_net;
 use super::{
     checkpoint, data, plan_and_initial_weights, summarize, CudaGraphMode, ExecutorInfo,
     MasterWeights, Progress, Session, TrainConfig, TrainError, TrainReport, HELD_OUT_BATCHES,
 };
 use crate::checkpoint::{TrainState, SAVED_REGIONS};
-use crate::curves::CurvePoint;
 pub use crate::snapshot::Snapshot;
 use cudnn_cbr::amp::cuda::cudarc::driver::CudaEvent;
 use cudnn_cbr::amp::cuda::cudarc::driver::{CudaGraph, DriverError};
@@ -192,7 +201,7 @@ impl fmt::Display for GraphState {
 /// [`CudaTrainer::snapshot`], …) are what the loop and the tier-4 tests use.
 pub struct CudaTrainer {
     cfg: TrainConfig,
-    data: data::Synthetic,
+    data: std::sync::Arc<dyn data::Dataset>,
     head: Head,
     /// The compiled network on the device (its layers planned for it).
     net: CudaNet,
@@ -320,11 +329,6 @@ impl CudaTrainer {
     /// ranks compiled different networks (spec, batch, image size or routes).
     pub fn launched(cfg: &TrainConfig, launch: Option<LaunchEnv>) -> Result<Self, TrainError> {
         cfg.validate()?;
-        if cfg.ema.is_some() {
-            return Err(TrainError::Config(
-                "--ema runs on the CPU executors; the CUDA executor keeps no EMA yet".into(),
-            ));
-        }
         cfg.check_host_memory(false)?;
         let launch = launch.filter(|l| l.world > 1);
         let ordinal = match &launch {
@@ -439,7 +443,7 @@ impl CudaTrainer {
         let staging = Upload::new(&ctx, batch_bytes).map_err(amp_error)?;
         Ok(CudaTrainer {
             cfg: *cfg,
-            data: data::Synthetic::new(cfg.hw, cfg.channels, cfg.classes, cfg.seed),
+            data: data::open(cfg)?,
             head,
             net,
             step,
@@ -1030,7 +1034,11 @@ impl CudaTrainer {
     ) -> Result<TrainReport, TrainError> {
         let cfg = self.cfg;
         let first = session.start;
-        let mut curve: Vec<CurvePoint> = Vec::new();
+        let mut history = match session.curve {
+            true => Some(self.scalar_history(first, cfg.steps)?),
+            false => None,
+        };
+        let mut enqueued: Vec<f64> = Vec::new();
         let every = every.max(1);
         let world = self.rank().1;
         let start = Instant::now();
@@ -1056,29 +1064,25 @@ impl CudaTrainer {
             });
             *reported = done;
         };
+        // Batches made ahead on a CPU thread, copied to the device beside the step before.
+        let mut feed = self.feed(first as u64..cfg.steps as u64)?;
+        let (ends, mut epochs) = (self.epoch_ends(), Vec::new());
         for i in first..cfg.steps {
-            let (images, labels) = self.shard(self.data.batch(cfg.batch * world, i as u64, 0));
-            self.upload_batch(&images, &labels)?;
+            self.take_batch(&mut feed, i as u64)?;
             self.step()?;
+            self.stage_next(&mut feed)?;
             if i + 1 - first == WARMUP_STEPS {
                 self.capture(cfg.cuda_graph)?;
             }
-            if session.curve {
-                // Loss and accuracy come from the metrics log at the end.
-                let s = self
-                    .step
-                    .executor()
-                    .read_scalars_blocking()
-                    .map_err(amp_error)?;
-                curve.push(CurvePoint {
-                    step: i + 1,
-                    loss: f32::NAN,
-                    accuracy: f32::NAN,
-                    loss_scale: s.loss_scale,
-                    lr: s.lr,
-                    images_per_sec: ((i + 1 - first) * cfg.batch * world) as f64
-                        / start.elapsed().as_secs_f64(),
-                });
+            if let Some(h) = history.as_mut() {
+                // S's loss scale and learning rate copied on the device behind the step (no
+                // host wait); loss and accuracy come from the metrics log at the end. The
+                // throughput is the host's at enqueue, at most two steps ahead of the device
+                // (the input's double buffer).
+                self.record_scalars(h)?;
+                enqueued.push(
+                    ((i + 1 - first) * cfg.batch * world) as f64 / start.elapsed().as_secs_f64(),
+                );
             }
             if let Some(path) = session.saves_after(i + 1, cfg.steps) {
                 let state = self.train_state()?;
@@ -1089,6 +1093,9 @@ impl CudaTrainer {
                     .collect::<Vec<_>>()
                     .join(",");
                 checkpoint::save(path, &cfg, &state, (i + 1) as u64, &routes)?;
+            }
+            if let Some(e) = ends.iter().position(|&s| s == i + 1) {
+                epochs.push(self.test_epoch(e + 1, i + 1)?);
             }
             // Logging without syncs: poll what has arrived, request more every `every` steps.
             if let Some(bytes) = self.log_readback.poll().map_err(amp_error)? {
@@ -1127,50 +1134,21 @@ impl CudaTrainer {
         // The summary is the global batch's: each step's mean over the ranks' shards (the
         // progress lines above are rank 0's shard).
         log.entries = self.global_metrics(&log.entries)?;
+        let mut curve = match &history {
+            Some(h) => self.curve_from(h, |done| enqueued.get(done - 1).copied().unwrap_or(0.0))?,
+            None => Vec::new(),
+        };
         for (p, m) in curve.iter_mut().zip(&log.entries) {
             p.loss = m.loss;
             p.accuracy = m.accuracy;
         }
 
-        // Held-out batches, forward only: BN in evaluation mode (the running statistics, as
-        // the CPU executor) where every layer's route has a BN finalize to replace (fused,
-        // generic); in training mode where a layer runs the unfused route's NormForward.
-        let eval_mode = self
-            .net
-            .compiled()
-            .layers
-            .iter()
-            .all(|l| l.layer.route().kind() != RouteKind::Unfused);
-        for i in 0..HELD_OUT_BATCHES {
-            let (images, labels) = self.shard(self.data.batch(cfg.batch * world, i, 1));
-            self.upload_batch(&images, &labels)?;
-            if eval_mode {
-                self.forward_eval()?;
-            } else {
-                self.forward()?;
-            }
-            let h = &mut self.head;
-            self.kernels
-                .head_metrics(
-                    &self.stream,
-                    cfg.classes,
-                    DevRange::whole(&h.logits),
-                    DevRange::whole(&h.labels),
-                    None,
-                    DevRangeMut::whole(&mut h.eval_log),
-                )
-                .map_err(amp_error)?;
-        }
-        let eval = self
-            .stream
-            .clone_dtoh(&self.head.eval_log)
-            .map_err(|e| driver("download the held-out log", e))?;
-        let eval = metrics_log_read(&eval).map_err(AmpError::from)?;
-        let eval = self.global_metrics(&eval.entries)?;
-        let correct: usize = eval
-            .iter()
-            .map(|m| (m.accuracy * (cfg.batch * world) as f32).round() as usize)
-            .sum();
+        // Held-out batches, forward only, BN in evaluation mode (the running statistics, as
+        // the CPU executor), on every route; with an EMA, a second time with the EMA weights.
+        let held_out: Vec<_> = (0..HELD_OUT_BATCHES)
+            .map(|i| self.shard(self.data.held_out_batch(cfg.batch * world, i)))
+            .collect();
+        let acc = self.evaluate_batches(&held_out)?;
         let (first_loss, last_loss, last_accuracy, step_losses) = summarize(&log.entries);
         let weights = self.master_weights()?;
         executor.detail = format!("{}; ran: {}", executor.detail, self.state);
@@ -1178,10 +1156,9 @@ impl CudaTrainer {
             first_loss,
             last_loss,
             last_accuracy,
-            held_out_accuracy: correct as f32
-                / (HELD_OUT_BATCHES as usize * cfg.batch * world) as f32,
-            held_out_eval_mode: eval_mode,
-            held_out_ema_accuracy: None,
+            held_out_accuracy: acc.trained,
+            held_out_eval_mode: acc.eval_mode,
+            held_out_ema_accuracy: acc.ema,
             skipped: s.skipped,
             loss_scale: s.loss_scale,
             images_per_sec,
@@ -1191,6 +1168,7 @@ impl CudaTrainer {
             trace: Vec::new(),
             start_step: first,
             curve,
+            epochs,
         })
     }
 }

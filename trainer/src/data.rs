@@ -82,6 +82,33 @@ pub trait Dataset: Send + Sync + std::fmt::Debug {
     fn train_batch(&self, batch: usize, index: u64) -> (Vec<f16>, Vec<i32>);
     /// Held-out batch `index` of `batch` images and their labels.
     fn held_out_batch(&self, batch: usize, index: u64) -> (Vec<f16>, Vec<i32>);
+
+    /// The training set's size in images, where the data has epochs (`None`: a stream
+    /// without end, the synthetic data). The loop evaluates the test set after each epoch.
+    fn train_len(&self) -> Option<usize> {
+        None
+    }
+
+    /// The held-out (test) set's size in images, where it is finite.
+    fn held_out_len(&self) -> Option<usize> {
+        None
+    }
+}
+
+/// The epochs a run of `steps` steps of `images_per_step` images completes over a training
+/// set of `train_len` images, as the 1-based steps after which each ends: step `s` ends an
+/// epoch when `⌊s·B/n⌋ > ⌊(s−1)·B/n⌋` (batches run on across epoch boundaries).
+pub(crate) fn epoch_ends(train_len: usize, images_per_step: usize, steps: usize) -> Vec<usize> {
+    let (n, b) = (train_len.max(1), images_per_step);
+    (1..=steps)
+        .filter(|&s| (s * b) / n > ((s - 1) * b) / n)
+        .collect()
+}
+
+/// The test batches of `batch` images that cover a test set of `len` images once (the last
+/// one wraps around to the first images).
+pub(crate) fn test_batches(len: usize, batch: usize) -> u64 {
+    len.div_ceil(batch.max(1)) as u64
 }
 
 impl Dataset for Synthetic {
@@ -105,6 +132,14 @@ impl Dataset for crate::cifar::Cifar10 {
     /// [`Cifar10::test_batch`](crate::cifar::Cifar10::test_batch): the test set, in order.
     fn held_out_batch(&self, batch: usize, index: u64) -> (Vec<f16>, Vec<i32>) {
         crate::cifar::Cifar10::test_batch(self, batch, index)
+    }
+
+    fn train_len(&self) -> Option<usize> {
+        Some(self.train().len())
+    }
+
+    fn held_out_len(&self) -> Option<usize> {
+        Some(self.test().len())
     }
 }
 
@@ -237,5 +272,24 @@ impl Drop for Prefetch {
         if let Some(p) = self.producer.take() {
             let _ = p.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{epoch_ends, test_batches};
+
+    #[test]
+    fn epochs_end_where_the_images_seen_cross_a_multiple_of_the_set() {
+        // 100 images, 8 per step: 104 seen after step 13, 200 after step 25.
+        assert_eq!(epoch_ends(100, 8, 30), [13, 25]);
+        // A step that is exactly an epoch ends it; 50 per step: every second step.
+        assert_eq!(epoch_ends(100, 50, 6), [2, 4, 6]);
+        // Several epochs in one step count once.
+        assert_eq!(epoch_ends(3, 8, 2), [1, 2]);
+        assert!(epoch_ends(100, 8, 12).is_empty());
+        assert_eq!(test_batches(20, 8), 3);
+        assert_eq!(test_batches(24, 8), 3);
+        assert_eq!(test_batches(10_000, 256), 40);
     }
 }

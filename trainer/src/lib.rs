@@ -158,8 +158,8 @@ pub struct TrainConfig {
     /// Synchronized BN across the ranks (every layer normalizes with the global batch's
     /// statistics); local BN (each rank its shard's) otherwise.
     pub sync_bn: bool,
-    /// The training images: synthetic (the default) or CIFAR-10 files (CPU executor, one
-    /// rank; then `hw` must be 32 and `classes` 10, and `channels` ≥ 3 holds R, G, B and
+    /// The training images: synthetic (the default) or CIFAR-10 files (one rank, CPU or CUDA
+    /// executor; then `hw` must be 32 and `classes` 10, and `channels` ≥ 3 holds R, G, B and
     /// zeros).
     pub data: DataSource,
     /// Clipping by global norm (PyTorch's `clip_grad_norm_(max_norm)` after `unscale_`): the
@@ -169,7 +169,8 @@ pub struct TrainConfig {
     /// An exponential moving average of the weights with this decay (region E, FP32, and its
     /// FP16 copy E16; `e = decay·e + (1 − decay)·w` after every applied step, skipped with the
     /// weights on overflow), evaluated besides the trained weights
-    /// ([`TrainReport::held_out_ema_accuracy`]). CPU executors. `None`: no EMA.
+    /// ([`TrainReport::held_out_ema_accuracy`]). Every executor (on CUDA the update runs in
+    /// the step, inside its CUDA graph). `None`: no EMA.
     pub ema: Option<f32>,
     /// How the network's buffers are laid out: [`Arena::Shared`] (the default) keeps the
     /// activations, their gradients and the per-step scratch in one arena where buffers
@@ -432,9 +433,8 @@ pub struct TrainReport {
     /// Mean batch accuracy of the last 10 steps.
     pub last_accuracy: f32,
     /// Accuracy on 8 held-out batches with the trained weights: BN in evaluation mode (the
-    /// running statistics), except on the CUDA executor where a layer runs the unfused route
-    /// (its NormForward is training-mode BN): there the batch's statistics
-    /// ([`TrainReport::held_out_eval_mode`] says which).
+    /// running statistics) on every executor and route
+    /// ([`TrainReport::held_out_eval_mode`] says so).
     pub held_out_accuracy: f32,
     /// Whether [`TrainReport::held_out_accuracy`] was measured with BN in evaluation mode.
     pub held_out_eval_mode: bool,
@@ -462,12 +462,29 @@ pub struct TrainReport {
     /// One point per step of this run ([`curves`]): always on the CPU executors; on CUDA when
     /// [`Trainer::record_curve`] asked for it (it reads S back after every step).
     pub curve: Vec<curves::CurvePoint>,
+    /// The test set evaluated after each epoch of this run, where the data has epochs
+    /// (CIFAR-10, one rank): BN in evaluation mode, trained and EMA weights.
+    pub epochs: Vec<EpochEval>,
 }
 
 /// FNV-1a's 64-bit offset basis.
 pub(crate) const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 /// FNV-1a's 64-bit prime.
 pub(crate) const FNV_PRIME: u64 = 0x0100_0000_01b3;
+
+/// The test set after one epoch ([`TrainReport::epochs`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EpochEval {
+    /// The epoch (1-based).
+    pub epoch: usize,
+    /// The step after which it ended (1-based, counted from the start of training).
+    pub step: usize,
+    /// Top-1 accuracy on the whole test set (the last batch wraps around to its first
+    /// images) with the trained weights.
+    pub accuracy: f32,
+    /// The same with the EMA weights, when the run keeps an EMA.
+    pub ema_accuracy: Option<f32>,
+}
 
 impl TrainReport {
     /// [`MasterWeights::hash`] of the final master weights.
@@ -719,23 +736,14 @@ impl Trainer {
                 session: Session::default(),
             })
         };
-        if cfg.data != DataSource::Synthetic {
-            // Only the one-rank CPU executor reads files so far: the CUDA executor's
-            // double-buffered upload of batches is not built yet.
-            if cfg.data_parallel() || launch.is_some() {
-                return Err(TrainError::Config(format!(
-                    "--data {} trains on one rank of the CPU executor; drop --ranks / \
-                     --sync-bn and the launcher",
-                    cfg.data
-                )));
-            }
-            return match cfg.device {
-                Device::Cuda => Err(TrainError::Config(format!(
-                    "--data {} trains on the CPU executor only (run --device cpu)",
-                    cfg.data
-                ))),
-                _ => cpu(format!("--data {} trains on the CPU executor", cfg.data)),
-            };
+        // Files are read on one rank: the CPU executor or the CUDA executor (whose batches
+        // are made ahead on a CPU thread and copied on a stream of their own).
+        if cfg.data != DataSource::Synthetic && (cfg.data_parallel() || launch.is_some()) {
+            return Err(TrainError::Config(format!(
+                "--data {} trains on one rank (the CPU or CUDA executor); drop --ranks / \
+                 --sync-bn and the launcher",
+                cfg.data
+            )));
         }
         // Under a launcher, --sync-bn synchronizes the GPU ranks (one process each).
         if cfg.data_parallel() && launch.is_none() {
@@ -774,14 +782,6 @@ impl Trainer {
                     "the fault drill runs on the CPU executor only".into(),
                 )),
                 _ => cpu("a fault drill runs on the CPU executor".into()),
-            };
-        }
-        if cfg.ema.is_some() {
-            return match cfg.device {
-                Device::Cuda => Err(TrainError::Config(
-                    "--ema runs on the CPU executors; the CUDA executor keeps no EMA yet".into(),
-                )),
-                _ => cpu("--ema (evaluation with the EMA weights) runs on the CPU executor".into()),
             };
         }
         match cfg.device {
@@ -973,7 +973,12 @@ pub(crate) fn plan_and_initial_weights(
 ) -> Result<(MemoryPlan, NamedValues), TrainError> {
     // Shapes do not depend on routes: compile for the CPU, without cuDNN.
     let net = compile_net(cfg, &net::cpu_policy(cfg))?;
-    let plan = cudnn_cbr::net::memory_plan(&net, cfg.classes)?;
+    // With an EMA the plan has E and E16 (as the CPU classifier's and the checkpoint's).
+    let plan = if cfg.ema.is_some() {
+        cudnn_cbr::net::memory_plan_with_ema(&net, cfg.classes)?
+    } else {
+        cudnn_cbr::net::memory_plan(&net, cfg.classes)?
+    };
     let init = cudnn_cbr::net::initial_weights(&net, cfg.classes, cfg.seed);
     Ok((plan, init))
 }

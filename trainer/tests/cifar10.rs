@@ -360,12 +360,14 @@ fn three_cpu_steps_train_on_the_files() {
     assert!(r.step_losses.iter().all(|l| l.is_finite()));
     // Ten classes: the first losses are near ln 10 ≈ 2.3.
     assert!(r.first_loss > 1.0 && r.first_loss < 5.0, "{r:?}");
-    assert!(r.executor.reason.contains("cifar10"), "{:?}", r.executor);
+    assert_eq!(r.executor.kind, cudnn_cbr_trainer::ExecutorKind::Cpu);
     // The same files and seed train to the same losses, bit for bit.
     let again = train(&cfg, 3, |_| {}).unwrap();
     assert_eq!(r.step_losses, again.step_losses);
 
-    // What the files cannot train: another image size, CUDA, several ranks, a bad folder.
+    // What the files cannot train: another image size, several ranks, a bad folder. (CUDA
+    // trains on them, trainer/tests/sim_cifar.rs; without a device it is unavailable, not a
+    // configuration error.)
     let e = train(&TrainConfig { hw: 16, ..cfg }, 1, |_| {}).unwrap_err();
     assert!(
         matches!(e, TrainError::Data(CifarError::Shape { .. })),
@@ -379,8 +381,11 @@ fn three_cpu_steps_train_on_the_files() {
         1,
         |_| {},
     )
-    .unwrap_err();
-    assert!(matches!(e, TrainError::Config(_)), "{e}");
+    .map(|_| ());
+    assert!(
+        e.as_ref().map_or_else(|e| e.is_unavailable(), |_| true),
+        "{e:?}"
+    );
     let e = train(&TrainConfig { ranks: 2, ..cfg }, 1, |_| {}).unwrap_err();
     assert!(matches!(e, TrainError::Config(_)), "{e}");
     let bad = cifar_config(std::env::temp_dir().join("cifar10-no-such-folder"));

@@ -72,7 +72,15 @@ fn resuming_on_the_simulated_device_is_bit_exact() {
     let ck = ck.to_str().unwrap();
     let log = dir.join("log");
     let base = ["--device", "cuda", "--batch", "4", "--width", "8"];
-    let (whole, _, all, text) = run(&sim, &[&base[..], &["--steps", "12"]].concat());
+    let whole_log = dir.join("whole-log");
+    let (whole, _, all, text) = run(
+        &sim,
+        &[
+            &base[..],
+            &["--steps", "12", "--log-dir", whole_log.to_str().unwrap()],
+        ]
+        .concat(),
+    );
     assert!(
         text.contains("whole step replayed as one CUDA graph"),
         "{text}"
@@ -117,5 +125,29 @@ fn resuming_on_the_simulated_device_is_bit_exact() {
     let rows: Vec<&str> = csv.lines().skip(1).collect();
     assert_eq!(rows.len(), 7, "{csv}");
     assert!(rows[0].starts_with(&format!("6,{},", all[5])), "{csv}");
+    // The CUDA executor's loss scale and learning rate per step come from S copied on the
+    // device behind each step (no host wait): the same as the CPU executor's, step for step.
+    let cpu_log = dir.join("cpu-log");
+    let out = Command::new(train_cbr())
+        .args([
+            "--device", "cpu", "--batch", "4", "--width", "8", "--steps", "12",
+        ])
+        .args(["--log-dir", cpu_log.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let columns = |csv: &str| -> Vec<(String, String, String)> {
+        csv.lines()
+            .skip(1)
+            .map(|l| {
+                let f: Vec<&str> = l.split(',').collect();
+                (f[0].to_string(), f[3].to_string(), f[4].to_string())
+            })
+            .collect()
+    };
+    let gpu_csv = std::fs::read_to_string(whole_log.join("curves.csv")).unwrap();
+    let cpu_csv = std::fs::read_to_string(cpu_log.join("curves.csv")).unwrap();
+    assert_eq!(columns(&gpu_csv).len(), 12, "{gpu_csv}");
+    assert_eq!(columns(&gpu_csv), columns(&cpu_csv), "{gpu_csv}\n{cpu_csv}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -18,6 +18,9 @@
 //!    [`CudaRegions::fc_backward`], [`AmpKernels::gap_backward`], [`AmpKernels::add_f16`])
 //!    runs over checked byte ranges ([`DevRange`]) of buffers shared with cuDNN; a
 //!    [`Readback`] brings a device buffer (e.g. the metrics log) to the host without waiting.
+//! 5. A training loop's batches: [`Upload`] (page-locked staging on the compute stream) or
+//!    [`DoubleInput`] (two device buffers filled on a copy stream of their own beside the
+//!    step, ordered by events).
 //!
 //! Streams and ordering: every launch of [`CudaRegions`] goes to its one stream. Work that
 //! writes the regions (cuDNN wgrad, cuBLAS, copies) must go to the same stream, or be ordered
@@ -38,6 +41,7 @@ mod compile;
 mod dev_range;
 pub mod dist_grads;
 mod head_kernels;
+mod input;
 mod launch;
 pub(crate) mod nccl;
 mod net_kernels;
@@ -61,6 +65,7 @@ pub use cudarc::driver::sys::{
 };
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 pub use dev_range::{DevRange, DevRangeMut};
+pub use input::DoubleInput;
 pub use launch::AmpKernels;
 pub use readback::Readback;
 pub use regions::{CudaRegions, CudaStepGraph, RegionsMut};

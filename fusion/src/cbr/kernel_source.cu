@@ -92,6 +92,23 @@ struct DbnApply {
     }
 };
 
+// Evaluation-mode BN of the unfused route (its NormForward is training-mode BN): the running
+// statistics' FP32 mean and 1/sqrt(var + eps) with the FP32 gamma and beta, in the order of the
+// reference's bn_recompute (SUB, MUL, MUL, ADD), then by `mode`: 0 the BN output itself (no
+// ReLU: `y_bn`), 1 ReLU, 2 + r then ReLU, 3 + (r*s2 + b2) then ReLU; one rounding to FP16.
+struct BnEval {
+    const float *mean, *inv_std, *gamma, *beta;
+    const h16 *s2, *bias2;
+    int mode;
+    __device__ h16 operator()(h16 y, h16 r, unsigned k) const {
+        float v = (h2f(y) - mean[k]) * inv_std[k] * gamma[k] + beta[k];
+        if (mode == 0) return f2h(v);
+        if (mode == 2) v = v + h2f(r);
+        if (mode == 3) v = v + (h2f(r) * h2f(s2[k]) + h2f(bias2[k]));
+        return f2h(relu(v));
+    }
+};
+
 extern "C" __global__ void cbr_apply_relu(const h16* y, const h16* s, const h16* b, h16* out,
                                           u64 n, unsigned c, int vec) {
     elementwise(ApplyRelu{s, b}, y, nullptr, out, n, c, vec);
@@ -118,6 +135,16 @@ extern "C" __global__ void cbr_dbn_apply(const h16* dz, const h16* y_prev, const
                                          const float* b, const float* cc, h16* out, u64 n,
                                          unsigned c, int vec) {
     elementwise(DbnApply{a, b, cc}, dz, y_prev, out, n, c, vec);
+}
+
+// `r`, `s2` and `b2` are read only in the modes that use them (the host passes `y` for the
+// others, so every pointer is a live FP16 buffer).
+extern "C" __global__ void cbr_bn_eval(const h16* y, const h16* r, const float* mean,
+                                       const float* inv_std, const float* gamma,
+                                       const float* beta, const h16* s2, const h16* b2, int mode,
+                                       h16* out, u64 n, unsigned c, int vec) {
+    elementwise(BnEval{mean, inv_std, gamma, beta, s2, b2, mode}, y, mode >= 2 ? r : nullptr,
+                out, n, c, vec);
 }
 
 // Per-channel sum and sum of squares of y (FP32) into `sum` and `sq` (zeroed by the caller):

@@ -90,6 +90,32 @@ pub enum OwnKernel {
     DbnReduce,
     /// The dBN-apply coefficients A, B, C from `dγ`, `dβ`: [`super::graphs::dbn_coefficients`].
     DbnCoefficients,
+    /// Evaluation-mode BN of the unfused route, `((y − μ)·inv_std)·γ + β` in FP32 from the
+    /// running statistics, then the layer's residual and ReLU (or neither, for `y_bn`): no
+    /// graph of its own; launched directly by [`bn_eval_launch`].
+    BnEval,
+}
+
+/// What [`OwnKernel::BnEval`] writes after the BN: the unfused route's BN output `y_bn` (no
+/// ReLU), or its activation with each residual form (the [`ApplyResidual`] of the layer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BnEvalOutput {
+    /// `y_bn = bn(y)`.
+    BnOnly,
+    /// `a = relu(bn(y) [+ r | + r·s2 + b2])`.
+    Activation(ApplyResidual),
+}
+
+impl BnEvalOutput {
+    /// The kernel's `mode` argument.
+    fn mode(self) -> i32 {
+        match self {
+            BnEvalOutput::BnOnly => 0,
+            BnEvalOutput::Activation(ApplyResidual::None) => 1,
+            BnEvalOutput::Activation(ApplyResidual::Add) => 2,
+            BnEvalOutput::Activation(ApplyResidual::DualScaleBias) => 3,
+        }
+    }
 }
 
 /// A kernel argument: a graph tensor (by name), the element type the kernel reads, and its
@@ -133,7 +159,7 @@ const fn scalar(name: &'static str) -> Param {
 
 impl OwnKernel {
     /// Every kernel.
-    pub const ALL: [OwnKernel; 8] = [
+    pub const ALL: [OwnKernel; 9] = [
         OwnKernel::Apply(ApplyResidual::None),
         OwnKernel::Apply(ApplyResidual::Add),
         OwnKernel::Apply(ApplyResidual::DualScaleBias),
@@ -142,6 +168,7 @@ impl OwnKernel {
         OwnKernel::ChannelStats,
         OwnKernel::DbnReduce,
         OwnKernel::DbnCoefficients,
+        OwnKernel::BnEval,
     ];
 
     /// The kernel that computes `graph`, by the graph's name (the builders in
@@ -177,6 +204,7 @@ impl OwnKernel {
             OwnKernel::ChannelStats => "cbr_channel_stats",
             OwnKernel::DbnReduce => "cbr_dbn_reduce",
             OwnKernel::DbnCoefficients => "cbr_dbn_coefficients",
+            OwnKernel::BnEval => "cbr_bn_eval",
         }
     }
 
@@ -217,6 +245,16 @@ impl OwnKernel {
             vector("B", F),
             vector("C", F),
         ];
+        const BN_EVAL: &[Param] = &[
+            full("Y"),
+            full("R"),
+            vector("mean", F),
+            vector("inv_std", F),
+            vector("gamma", F),
+            vector("beta", F),
+            vector("scale2", H),
+            vector("bias2", H),
+        ];
         match self {
             OwnKernel::Apply(ApplyResidual::None) => APPLY,
             OwnKernel::Apply(ApplyResidual::Add) => APPLY_ADD,
@@ -226,6 +264,7 @@ impl OwnKernel {
             OwnKernel::ChannelStats => STATS,
             OwnKernel::DbnReduce => DBN_REDUCE,
             OwnKernel::DbnCoefficients => DBN_COEFFICIENTS,
+            OwnKernel::BnEval => BN_EVAL,
         }
     }
 }
@@ -661,6 +700,128 @@ pub fn dbn_coefficients_launch(
     Ok(Launch::new(kernel, values, c.into(), c))
 }
 
+/// The buffers of one [`OwnKernel::BnEval`] launch: FP16 `y` and the output (`n` elements),
+/// FP32 `[C]` running mean, `1/sqrt(running_var + ε)`, γ and β, and the residual (FP16 `[n]`)
+/// with its scale and bias (FP16 `[C]`) where `output` reads them.
+#[derive(Debug, Clone, Copy)]
+pub struct BnEvalBuffers {
+    /// The conv output, FP16 NHWC.
+    pub y: DeviceBuffer,
+    /// The running mean, FP32 per channel.
+    pub mean: DeviceBuffer,
+    /// `1/sqrt(running_var + ε)`, FP32 per channel.
+    pub inv_std: DeviceBuffer,
+    /// γ, FP32 per channel.
+    pub gamma: DeviceBuffer,
+    /// β, FP32 per channel.
+    pub beta: DeviceBuffer,
+    /// The residual (`Add`, `DualScaleBias`).
+    pub residual: Option<DeviceBuffer>,
+    /// The residual's own scale and bias (`DualScaleBias`).
+    pub residual_scale_bias: Option<(DeviceBuffer, DeviceBuffer)>,
+    /// `y_bn` or `a`, FP16 NHWC like `y`.
+    pub out: DeviceBuffer,
+}
+
+/// Enqueues [`OwnKernel::BnEval`] on the handle's stream ([`bn_eval_launch`]); the module is
+/// the one compiled for the device's architecture.
+///
+/// # Errors
+/// As [`bn_eval_launch`]; [`Error::Kernel`] when the module cannot be compiled or loaded.
+pub(crate) fn launch_bn_eval(
+    handle: &Handle,
+    bufs: &BnEvalBuffers,
+    output: BnEvalOutput,
+    elems: usize,
+    channels: usize,
+) -> Result<()> {
+    let launch = bn_eval_launch(bufs, output, elems, channels)?;
+    let stream = handle.stream();
+    let loaded = Loaded::load(stream.context())?;
+    enqueue(&loaded, stream, &launch)
+}
+
+/// The launch of [`OwnKernel::BnEval`] over `bufs` (`elems` elements of `channels` channels),
+/// every buffer checked (element type, size), built without a device. Where `output` reads
+/// no residual (or no residual scale and bias), `y` stands in for it: the kernel never reads
+/// it, and every pointer argument stays a live FP16 buffer.
+///
+/// # Errors
+/// [`Error::Buffer`] naming a buffer of another element type, too short, or missing for
+/// `output`; [`Error::Kernel`] for more elements or channels than the kernel's integers.
+pub fn bn_eval_launch(
+    bufs: &BnEvalBuffers,
+    output: BnEvalOutput,
+    elems: usize,
+    channels: usize,
+) -> Result<Launch> {
+    let kernel = OwnKernel::BnEval;
+    let c = u32::try_from(channels)
+        .ok()
+        .filter(|&c| c > 0)
+        .ok_or_else(|| kernel_error(kernel, format!("{channels} channels")))?;
+    let n = u64::try_from(elems).map_err(|_| kernel_error(kernel, format!("{elems} elements")))?;
+    let needs_residual = matches!(
+        output,
+        BnEvalOutput::Activation(ApplyResidual::Add | ApplyResidual::DualScaleBias)
+    );
+    let needs_dual = output == BnEvalOutput::Activation(ApplyResidual::DualScaleBias);
+    let absent = |name: &str| Error::Buffer {
+        name: name.into(),
+        problem: format!("is needed by kernel {} for {output:?}", kernel.entry()),
+    };
+    let residual = match (bufs.residual, needs_residual) {
+        (Some(r), true) => r,
+        (None, true) => return Err(absent("residual")),
+        (_, false) => bufs.y,
+    };
+    let (s2, b2) = match (bufs.residual_scale_bias, needs_dual) {
+        (Some(sb), true) => sb,
+        (None, true) => return Err(absent("residual_scale")),
+        (_, false) => (bufs.y, bufs.y),
+    };
+    let checked = [
+        ("y", bufs.y, DataType::Half, elems),
+        ("residual", residual, DataType::Half, elems),
+        ("mean", bufs.mean, DataType::Float, channels),
+        ("inv_std", bufs.inv_std, DataType::Float, channels),
+        ("gamma", bufs.gamma, DataType::Float, channels),
+        ("beta", bufs.beta, DataType::Float, channels),
+        ("residual_scale", s2, DataType::Half, channels),
+        ("residual_bias", b2, DataType::Half, channels),
+    ];
+    let mut values = Vec::with_capacity(10);
+    for (name, buf, dtype, count) in checked {
+        if buf.dtype != dtype || buf.bytes < count * dtype.size() {
+            return Err(Error::Buffer {
+                name: name.into(),
+                problem: format!(
+                    "has {} bytes of {}; kernel {} needs {count} {dtype} values",
+                    buf.bytes,
+                    buf.dtype,
+                    kernel.entry()
+                ),
+            });
+        }
+        values.push(KernelArg::Ptr(buf.ptr));
+    }
+    values.push(KernelArg::I32(output.mode()));
+    let out = bufs.out;
+    if out.dtype != DataType::Half || out.bytes < 2 * elems {
+        return Err(Error::Buffer {
+            name: "out".into(),
+            problem: format!(
+                "has {} bytes of {}; kernel {} writes {elems} FP16 values",
+                out.bytes,
+                out.dtype,
+                kernel.entry()
+            ),
+        });
+    }
+    values.push(KernelArg::Ptr(out.ptr));
+    Ok(Launch::new(kernel, values, n, c))
+}
+
 fn kernel_error(kernel: OwnKernel, problem: String) -> Error {
     Error::Kernel {
         kernel: kernel.entry().into(),
@@ -1062,6 +1223,45 @@ mod tests {
         let coefficients = dbn_coefficients_launch(inputs, -0.5, outputs, 20).unwrap();
         coefficients.check(&params["cbr_dbn_coefficients"]).unwrap();
         launched.insert("cbr_dbn_coefficients");
+        let half = |i: u64, n: usize| DeviceBuffer {
+            ptr: 0x7d00_0000_0000 + (i << 32),
+            bytes: 2 * n,
+            dtype: DataType::Half,
+        };
+        let (n, c) = (2 * 8 * 8 * 20, 20);
+        let bufs = BnEvalBuffers {
+            y: half(0, n),
+            mean: float_buffer(1, c),
+            inv_std: float_buffer(2, c),
+            gamma: float_buffer(3, c),
+            beta: float_buffer(4, c),
+            residual: Some(half(5, n)),
+            residual_scale_bias: Some((half(6, c), half(7, c))),
+            out: half(8, n),
+        };
+        for output in [
+            BnEvalOutput::BnOnly,
+            BnEvalOutput::Activation(ApplyResidual::None),
+            BnEvalOutput::Activation(ApplyResidual::Add),
+            BnEvalOutput::Activation(ApplyResidual::DualScaleBias),
+        ] {
+            let launch = bn_eval_launch(&bufs, output, n, c).unwrap();
+            launch.check(&params["cbr_bn_eval"]).unwrap();
+        }
+        // A residual form without its residual is refused by name.
+        let no_residual = BnEvalBuffers {
+            residual: None,
+            ..bufs
+        };
+        let e = bn_eval_launch(
+            &no_residual,
+            BnEvalOutput::Activation(ApplyResidual::Add),
+            n,
+            c,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("residual"), "{e}");
+        launched.insert("cbr_bn_eval");
         let all: HashSet<_> = OwnKernel::ALL.iter().map(|k| k.entry()).collect();
         assert_eq!(launched, all, "every kernel is launched by some layer");
     }

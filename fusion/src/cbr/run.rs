@@ -3,7 +3,7 @@
 
 use super::bn_sync::{sync_action, synced_step, BnSide, BnSync, DeviceBnSync, SyncAction};
 use super::buffers::{HostBuffer, HostBuffers};
-use super::device_buffers::{DeviceBuffers, Resolved, Side, SyncScratch};
+use super::device_buffers::{DeviceBuffer, DeviceBuffers, Resolved, Side, SyncScratch};
 use super::graphs::{ApplyResidual, BackwardResidual};
 use super::layer::{CbrLayer, GraphRole, InputKind, LayerStep, RouteKind, Src};
 use crate::error::{Error, Result};
@@ -30,8 +30,9 @@ pub enum Pass {
     /// statistics ([`crate::reference::bn_eval_finalize`]) instead of the batch's. Nothing
     /// statistical is written: the running statistics and the saved statistics keep their
     /// values (on the CPU `sum` and `sq_sum` too; on the GPU the conv + GenStats graph still
-    /// writes that scratch); `eq_scale` and `eq_bias` (or the unfused route's activation, CPU
-    /// only: the GPU refuses the unfused route's training-mode NormForward) are overwritten.
+    /// writes that scratch); `eq_scale` and `eq_bias` (or the unfused route's activation or BN
+    /// output, on the GPU by our `cbr_bn_eval` kernel in place of the training-mode
+    /// NormForward) are overwritten.
     Eval,
 }
 
@@ -198,41 +199,106 @@ impl CbrLayer {
     /// the running statistics: [`crate::reference::bn_eval_finalize`], computed on the host
     /// from the device's FP32 values and uploaded, one host sync per layer) and no GenStats
     /// reduction of its own (the conv + GenStats graph still writes the layer's `sum` and
-    /// `sq_sum` scratch, which nothing reads). The running statistics are read, never written:
-    /// no finalize runs and nothing is copied over them.
+    /// `sq_sum` scratch, which nothing reads). The unfused route's BN forward (NormForward,
+    /// training-mode BN) is replaced by our `cbr_bn_eval` kernel: the running statistics'
+    /// mean and `1/sqrt(var + ε)` (from the host, as above) with γ and β in FP32, the residual
+    /// and ReLU where the layer materializes its activation, in the CPU evaluation's op order
+    /// ([`OwnKernel::BnEval`](super::kernels::OwnKernel::BnEval)). The running statistics are
+    /// read, never written: no finalize runs and nothing is copied over them.
     ///
     /// # Errors
-    /// [`Error::CudnnMessage`] for a layer on the unfused route (its NormForward graph is the
-    /// training-mode one, which updates the running statistics); a driver error.
+    /// A driver or kernel error; a running variance the evaluation refuses.
     fn run_gpu_eval(&self, handle: &Handle, io: &mut DeviceBuffers<'_>) -> Result<()> {
-        if let Some(step) = self
-            .pass_steps(Pass::Eval)
-            .find(|s| s.role == GraphRole::BnForward)
-        {
-            return Err(Error::CudnnMessage(format!(
-                "layer {} runs the {} route, whose {:?} graph is training-mode BN; evaluation \
-                 on the GPU needs the fused or generic route",
-                self.config().shape.label(),
-                self.route().name(),
-                step.role
-            )));
-        }
         let stream = handle.stream().clone();
         let r = io.resolve(&stream);
         for step in self.pass_steps(Pass::Eval) {
             match step.role {
                 GraphRole::Stats => {}
                 GraphRole::Finalize => self.gpu_eval_finalize(handle, &r)?,
+                GraphRole::BnForward => self.gpu_eval_bn_forward(handle, &r)?,
                 _ => self.gpu_step(step, handle, &r, 1)?,
             }
         }
         Ok(())
     }
 
+    /// The unfused route's BN forward in evaluation mode: [`r::bn_eval_finalize`]'s FP32 mean
+    /// and `1/sqrt(var + ε)` uploaded into scratch, then `cbr_bn_eval` from `y` into the
+    /// layer's activation `a` (with its residual form) or its BN output `y_bn`. Waits for the
+    /// kernel before the scratch is freed.
+    fn gpu_eval_bn_forward(&self, handle: &Handle, r: &Resolved<'_>) -> Result<()> {
+        use super::kernels::{launch_bn_eval, BnEvalBuffers, BnEvalOutput};
+        use cudarc::driver::DevicePtrMut;
+        let cfg = self.config();
+        let k = cfg.shape.k as usize;
+        let out = self.eval_coefficients(handle, r)?;
+        let stream = handle.stream().clone();
+        let fail = |what: &str, e: cudarc::driver::DriverError| crate::exec::driver(what, e);
+        let stats: Vec<f32> = out
+            .saved_mean
+            .iter()
+            .chain(&out.saved_inv_std)
+            .copied()
+            .collect();
+        let mut scratch = stream
+            .clone_htod(&stats)
+            .map_err(|e| fail("upload the evaluation statistics", e))?;
+        let (output, out_name) = match cfg.apply {
+            Some(residual) => (BnEvalOutput::Activation(residual), "a"),
+            None => (BnEvalOutput::BnOnly, "y_bn"),
+        };
+        let residual = match cfg.apply {
+            Some(ApplyResidual::Add | ApplyResidual::DualScaleBias) => {
+                Some(r.get(Side::This, "residual")?)
+            }
+            _ => None,
+        };
+        let residual_scale_bias = match cfg.apply {
+            Some(ApplyResidual::DualScaleBias) => Some((
+                r.get(Side::This, "residual_scale")?,
+                r.get(Side::This, "residual_bias")?,
+            )),
+            _ => None,
+        };
+        let s = &cfg.shape;
+        let elems = (s.n * s.p() * s.q() * s.k) as usize;
+        {
+            let (base, _record) = scratch.device_ptr_mut(&stream);
+            let run = |i: u64| DeviceBuffer {
+                ptr: base + 4 * k as u64 * i,
+                bytes: 4 * k,
+                dtype: crate::graph::DataType::Float,
+            };
+            let bufs = BnEvalBuffers {
+                y: r.get(Side::This, "y")?,
+                mean: run(0),
+                inv_std: run(1),
+                gamma: r.get(Side::This, "gamma")?,
+                beta: r.get(Side::This, "beta")?,
+                residual,
+                residual_scale_bias,
+                out: r.get(Side::This, out_name)?,
+            };
+            launch_bn_eval(handle, &bufs, output, elems, k)?;
+        }
+        // `scratch` is freed when dropped: the kernel must have read it by then.
+        stream
+            .synchronize()
+            .map_err(|e| fail("wait for the evaluation-mode BN", e))
+    }
+
     /// Evaluation-mode eq_scale and eq_bias of this layer's BN, through the host: γ, β and the
     /// running statistics gathered into scratch and downloaded, [`r::bn_eval_finalize`] in
     /// FP32 mode (FP16 results), the results uploaded and copied into `eq_scale`, `eq_bias`.
     fn gpu_eval_finalize(&self, handle: &Handle, r: &Resolved<'_>) -> Result<()> {
+        let out = self.eval_coefficients(handle, r)?;
+        r.upload_half(handle, "eq_scale", &out.eq_scale)?;
+        r.upload_half(handle, "eq_bias", &out.eq_bias)
+    }
+
+    /// [`r::bn_eval_finalize`] of this layer's γ, β and running statistics, read from the
+    /// device (gathered into scratch and downloaded: waits for the stream).
+    fn eval_coefficients(&self, handle: &Handle, r: &Resolved<'_>) -> Result<r::BnFinalized<f16>> {
         let cfg = self.config();
         let k = cfg.shape.k as usize;
         let stream = handle.stream().clone();
@@ -256,10 +322,13 @@ impl CbrLayer {
             epsilon: cfg.epsilon,
             momentum: cfg.momentum,
         };
-        let out: r::BnFinalized<f16> =
-            r::bn_eval_finalize(&p[..k], &p[k..2 * k], &run[..k], &run[k..2 * k], &bn)?;
-        r.upload_half(handle, "eq_scale", &out.eq_scale)?;
-        r.upload_half(handle, "eq_bias", &out.eq_bias)
+        Ok(r::bn_eval_finalize(
+            &p[..k],
+            &p[k..2 * k],
+            &run[..k],
+            &run[k..2 * k],
+            &bn,
+        )?)
     }
 
     fn cpu_only(&self, step: &LayerStep) -> Error {
