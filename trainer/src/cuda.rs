@@ -366,7 +366,7 @@ impl CudaTrainer {
         // by their lifetimes in this planned network (its routes decide which buffers exist).
         let (_, init) = plan_and_initial_weights(cfg)?;
         let contents = PlanContents {
-            ema: false,
+            ema: cfg.ema.is_some(),
             buffers: cfg.arena == Arena::Shared,
         };
         let plan = memory_plan_of(&net, cfg.classes, contents)?;
