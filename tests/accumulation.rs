@@ -1,0 +1,188 @@
+//! Gradient accumulation through the classifier (`CpuClassifier::train_step` with
+//! `StepConfig::with_accum(N)`): the gradient the step applies is the sum of the N
+//! micro-batches' gradients, each from its own forward and backward pass (BN with that
+//! micro-batch's statistics), and a count other than N is a typed error.
+
+mod common;
+
+use cudnn_cbr::amp::plan::Region;
+use cudnn_cbr::amp::range::f16_to_f32;
+use cudnn_cbr::fusion::cbr::RouteKind;
+use cudnn_cbr::{
+    compile, ClassifierError, CompiledNet, CpuClassifier, Preset, RoutePolicy, SgdConfig,
+    StepConfig,
+};
+use half::f16;
+
+const BATCH: usize = 4;
+const HW: usize = 8;
+const CLASSES: usize = 3;
+
+fn net(kind: RouteKind) -> CompiledNet {
+    let spec = Preset::Mini.spec(3, CLASSES, 4);
+    compile(&spec, BATCH, HW, &RoutePolicy::Uniform(kind)).unwrap()
+}
+
+fn micro_batch(k: usize) -> (Vec<f16>, Vec<i32>) {
+    let mut s = 0x51ab + k as u64;
+    let images = (0..BATCH * HW * HW * 3)
+        .map(|_| f16::from_f32(common::uniform(&mut s)))
+        .collect();
+    let labels = (0..BATCH).map(|i| ((i * 7 + k) % CLASSES) as i32).collect();
+    (images, labels)
+}
+
+/// One micro-batch's FP32 gradient as the step sees it: G16 cast where G16 reaches (the conv
+/// weights), plus G (BN and FC; zero at the conv slots).
+fn gradient(model: &CpuClassifier) -> Vec<f32> {
+    let ex = model.step().executor();
+    let g = ex.f32_region(Region::G).unwrap();
+    let g16 = ex.f16_region(Region::G16).unwrap();
+    g.iter()
+        .enumerate()
+        .map(|(i, &x)| x + g16.get(i).map_or(0.0, |&h| f16_to_f32(h)))
+        .collect()
+}
+
+/// The accumulated gradient equals the sum of N separate backward passes: bit for bit
+/// against their FP32 sum in micro-batch order (the order the kernel adds in), and against
+/// their exact sum in f64 within the bound of N − 1 FP32 additions,
+/// `|fl(Σ) − Σ| ≤ γ_{N−1} · Σ|g_k|` with `γ_n = n·u / (1 − n·u)`, `u = 2^-24` (recursive
+/// summation, Higham's "Accuracy and Stability of Numerical Algorithms", §4.2). On both
+/// routes of the CPU executor.
+#[test]
+fn the_accumulated_gradient_is_the_sum_of_the_micro_batch_gradients() {
+    const N: usize = 3;
+    for kind in [RouteKind::Fused, RouteKind::Unfused] {
+        let config = StepConfig::new(SgdConfig::new(0.05).with_momentum(0.9));
+        let mut acc =
+            CpuClassifier::new(net(kind), CLASSES, config.with_accum(N as u32), 9).unwrap();
+        // The reference: the same weights, N separate passes, no update between them.
+        let mut one = CpuClassifier::new(net(kind), CLASSES, config, 9).unwrap();
+        let batches: Vec<(Vec<f16>, Vec<i32>)> = (0..N).map(micro_batch).collect();
+        let mut grads = Vec::new();
+        let mut want_metrics = Vec::new();
+        for (images, labels) in &batches {
+            one.step_mut().begin().unwrap();
+            want_metrics.push(one.forward_backward(images, labels).unwrap());
+            grads.push(gradient(&one));
+        }
+        let refs: Vec<(&[f16], &[i32])> = batches
+            .iter()
+            .map(|(i, l)| (i.as_slice(), l.as_slice()))
+            .collect();
+        let metrics = acc.train_step(&refs).unwrap();
+        assert_eq!(metrics, want_metrics, "{kind:?}: per-micro-batch losses");
+        // After the step G holds the sum SGD applied (the NaN/Inf check leaves it as is).
+        let got = acc
+            .step()
+            .executor()
+            .f32_region(Region::G)
+            .unwrap()
+            .to_vec();
+        let f32_sum: Vec<f32> = (0..got.len())
+            .map(|i| grads.iter().skip(1).fold(grads[0][i], |s, g| s + g[i]))
+            .collect();
+        assert!(got == f32_sum, "{kind:?}: not the FP32 sum in order");
+        let u = f64::powi(2.0, -24);
+        let gamma = (N - 1) as f64 * u / (1.0 - (N - 1) as f64 * u);
+        let mut nonzero = 0;
+        for (i, &x) in got.iter().enumerate() {
+            let exact: f64 = grads.iter().map(|g| f64::from(g[i])).sum();
+            let abs: f64 = grads.iter().map(|g| f64::from(g[i]).abs()).sum();
+            assert!(
+                (f64::from(x) - exact).abs() <= gamma * abs,
+                "{kind:?}: element {i}: {x} vs {exact} (Σ|g| {abs})"
+            );
+            nonzero += usize::from(exact != 0.0);
+        }
+        assert!(
+            nonzero > got.len() / 4,
+            "{kind:?}: the gradients are mostly zero"
+        );
+        // GA is clear for the next step, and the step was applied once.
+        let ex = acc.step().executor();
+        assert!(ex.f32_region(Region::GA).unwrap().iter().all(|&x| x == 0.0));
+        assert_eq!((ex.scalars().step, ex.scalars().accum), (1, N as u32));
+    }
+}
+
+#[test]
+fn a_micro_batch_count_other_than_the_steps_is_a_typed_error() {
+    let config = StepConfig::new(SgdConfig::new(0.05)).with_accum(2);
+    let kind = RouteKind::Fused;
+    let mut model = CpuClassifier::new(net(kind), CLASSES, config, 1).unwrap();
+    let (images, labels) = micro_batch(0);
+    for count in [0, 1, 3] {
+        let mbs = vec![(images.as_slice(), labels.as_slice()); count];
+        let e = model.train_step(&mbs).unwrap_err();
+        assert!(
+            matches!(&e, ClassifierError::Input(m) if m.contains("accumulates 2")),
+            "{count}: {e}"
+        );
+    }
+    assert_eq!(model.step().executor().scalars().step, 0, "nothing ran");
+    for bad in [0, 5000] {
+        let e = CpuClassifier::new(net(kind), CLASSES, config.with_accum(bad), 1).unwrap_err();
+        assert!(e.to_string().contains("accum"), "{bad}: {e}");
+    }
+}
+
+/// GPU tier: `CudaClassifier::train_step` over 2 micro-batches follows
+/// `CpuClassifier::train_step`, step by step (SKIPs without a device; on the simulated
+/// device: `scripts/sim-env.sh cargo test --release --test accumulation`).
+#[test]
+fn the_cuda_classifier_accumulates_as_the_cpu_one() {
+    const TEST: &str = "the_cuda_classifier_accumulates_as_the_cpu_one";
+    let Some(ctx) = common::gpu_or_skip(TEST) else {
+        return;
+    };
+    use cudnn_cbr::{CudaClassifier, Handle, PlanCache};
+    let stream = ctx.per_thread_stream();
+    let handle = Handle::new(stream.clone()).unwrap();
+    let target = handle.target().unwrap();
+    let cache = PlanCache::new();
+    let spec = Preset::Mini.spec(3, CLASSES, 4);
+    let policy = RoutePolicy::Planned {
+        target: &target,
+        cache: &cache,
+    };
+    let on_gpu = compile(&spec, BATCH, HW, &policy).unwrap();
+    let config = StepConfig::new(SgdConfig::new(0.05).with_momentum(0.9)).with_accum(2);
+    let mut gpu = CudaClassifier::new(on_gpu, handle, CLASSES, config, 3).unwrap();
+    let mut cpu = CpuClassifier::new(net(RouteKind::Fused), CLASSES, config, 3).unwrap();
+    let mut x0 = stream.alloc_zeros::<f16>(BATCH * HW * HW * 3).unwrap();
+    let mut x1 = stream.alloc_zeros::<f16>(BATCH * HW * HW * 3).unwrap();
+    for step in 0..3 {
+        let (a, b) = (micro_batch(2 * step), micro_batch(2 * step + 1));
+        stream.memcpy_htod(&a.0, &mut x0).unwrap();
+        stream.memcpy_htod(&b.0, &mut x1).unwrap();
+        gpu.train_step(&mut [(&mut x0, a.1.as_slice()), (&mut x1, b.1.as_slice())])
+            .unwrap();
+        let want = cpu
+            .train_step(&[
+                (a.0.as_slice(), a.1.as_slice()),
+                (b.0.as_slice(), b.1.as_slice()),
+            ])
+            .unwrap();
+        // The metrics buffer holds the last micro-batch's. FP16 storage on both sides and
+        // different summation orders (cuDNN's kernels vs the reference ops): about 1e-3
+        // relative per step, as tests/classifier.rs; 2e-2 leaves room for three steps.
+        let got = gpu.metrics_blocking().unwrap();
+        let rel = (got.loss - want[1].loss).abs() / want[1].loss.abs().max(1e-3);
+        assert!(
+            rel < 2e-2,
+            "step {step}: GPU {} vs CPU {}",
+            got.loss,
+            want[1].loss
+        );
+    }
+    let s = gpu.step().executor().read_scalars_blocking().unwrap();
+    assert_eq!((s.step, s.accum), (3, 2));
+    let ga = gpu
+        .step()
+        .executor()
+        .download_region_bytes(Region::GA)
+        .unwrap();
+    assert!(ga.iter().all(|&b| b == 0), "GA is clear after each step");
+}
