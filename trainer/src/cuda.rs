@@ -13,6 +13,12 @@
 //! | 6 | backward: the compiled network's backward steps | cuDNN plans; the gradient joins at block inputs with `amp_add_f16` |
 //! | 7 | cast G16→G, check, SGD, loss-scale update | amp `finish` |
 //!
+//! With gradient accumulation ([`TrainConfig::accum`] = N), a step is N micro-batches, each
+//! copied in before its own 1–6; the first N − 1 end with amp's `accumulate`
+//! (`amp_accum_grads`: G16 and G added into the FP32 accumulator GA) instead of 7, the last
+//! with 7, whose first op adds it and moves GA's sum into G in place of the cast. The metrics
+//! log gets one entry per micro-batch; a step's loss and accuracy are their means.
+//!
 //! Before a step the batch is copied in (images into the network's input, labels into the head's
 //! buffer) through two page-locked staging slots ([`cudnn_cbr::amp::cuda::Upload`]): the copies
 //! are asynchronous, and the host waits only when the device is two batches behind.
@@ -197,6 +203,10 @@ pub struct CudaTrainer {
     kernels: Arc<AmpKernels>,
     finish_graph: Option<StepGraph<CudaStepGraph>>,
     step_graph: Option<CudaGraph>,
+    /// With gradient accumulation: amp's `accumulate` op list as a graph, and steps 1–6 with
+    /// it as one graph (a micro-batch before the step's last).
+    accumulate_graph: Option<StepGraph<CudaStepGraph>>,
+    micro_graph: Option<CudaGraph>,
     state: GraphState,
     log_readback: Readback,
     /// Page-locked, double-buffered staging for each step's batch.
@@ -324,6 +334,12 @@ impl CudaTrainer {
         }
         cfg.check_host_memory(false)?;
         let launch = launch.filter(|l| l.world > 1);
+        if launch.is_some() && cfg.accum > 1 {
+            return Err(TrainError::Config(
+                "gradient accumulation runs on one rank so far; drop --accum in a launched group"
+                    .into(),
+            ));
+        }
         let ordinal = match &launch {
             Some(l) => {
                 let seen = cudnn_cbr::amp::cuda::cuda_device_count()
@@ -419,7 +435,11 @@ impl CudaTrainer {
             loss: alloc(4 * shape.batch, "per-row losses")?,
             dpooled: alloc(4 * shape.pooled_elems(), "pooled gradients")?,
             labels: alloc(4 * shape.batch, "labels")?,
-            log: alloc(metrics_log_bytes(cfg.steps), "metrics log")?,
+            // One entry per micro-batch.
+            log: alloc(
+                metrics_log_bytes(cfg.steps * cfg.accum.max(1)),
+                "metrics log",
+            )?,
             eval_log: alloc(metrics_log_bytes(HELD_OUT_BATCHES as usize), "held-out log")?,
             shape,
         };
@@ -435,6 +455,8 @@ impl CudaTrainer {
             kernels,
             finish_graph: None,
             step_graph: None,
+            accumulate_graph: None,
+            micro_graph: None,
             state: GraphState::Eager,
             log_readback,
             staging,
@@ -779,6 +801,51 @@ impl CudaTrainer {
         }
     }
 
+    /// With gradient accumulation, ends a micro-batch before the step's last: amp's
+    /// `accumulate` from its graph when one was captured (`graph`), else eager.
+    ///
+    /// # Errors
+    /// [`TrainError::Config`] when `graph` is asked without a captured accumulate graph.
+    fn accumulate(&mut self, graph: bool) -> Result<(), TrainError> {
+        if graph {
+            let g = self.accumulate_graph.as_ref().ok_or_else(|| {
+                TrainError::Config("no accumulate graph has been captured".into())
+            })?;
+            self.step.replay(g).map_err(amp_error)
+        } else {
+            self.step.accumulate().map_err(amp_error)
+        }
+    }
+
+    /// One micro-batch of a step with gradient accumulation ([`TrainConfig::accum`]) on the
+    /// uploaded batch: the step's `last` one is [`CudaTrainer::step`]; an earlier one runs
+    /// steps 1–6 and amp's `accumulate`, as [`CudaTrainer::graph_state`] says (from the
+    /// micro-batch graph, or eager 1–6 then the accumulate graph or eager accumulate).
+    ///
+    /// # Errors
+    /// As [`CudaTrainer::step`].
+    pub fn micro_step(&mut self, last: bool) -> Result<(), TrainError> {
+        if last {
+            return self.step();
+        }
+        match self.state {
+            GraphState::Step => match &self.micro_graph {
+                Some(g) => g
+                    .launch()
+                    .map_err(|e| driver("launch the micro-batch graph", e)),
+                None => Err(TrainError::Config("no micro-batch graph".into())),
+            },
+            GraphState::Finish { .. } => {
+                self.forward_backward()?;
+                self.accumulate(true)
+            }
+            GraphState::Eager => {
+                self.forward_backward()?;
+                self.accumulate(false)
+            }
+        }
+    }
+
     /// One eager step, whatever graphs exist (the reference a replay is compared with).
     ///
     /// # Errors
@@ -802,10 +869,20 @@ impl CudaTrainer {
         if self.finish_graph.is_none() {
             self.finish_graph = Some(self.step.capture_finish().map_err(amp_error)?);
         }
+        let accumulates = self.cfg.accum > 1;
+        if accumulates && self.accumulate_graph.is_none() {
+            self.accumulate_graph = Some(self.step.capture_accumulate().map_err(amp_error)?);
+        }
         self.state = GraphState::Finish { why: None };
         if mode == CudaGraphMode::Step {
-            match self.capture_step() {
-                Ok(g) => {
+            // The micro-batch graph (steps 1–6 and accumulate) where the step accumulates.
+            let micro = match accumulates {
+                true => self.capture_step(false).map(Some),
+                false => Ok(None),
+            };
+            match micro.and_then(|m| Ok((m, self.capture_step(true)?))) {
+                Ok((micro, g)) => {
+                    self.micro_graph = micro;
                     self.step_graph = Some(g);
                     self.state = GraphState::Step;
                 }
@@ -815,13 +892,20 @@ impl CudaTrainer {
         Ok(())
     }
 
-    /// Stream capture of steps 1–7 (eager finish launches inside: a graph launch inside a
-    /// capture is avoided). Always ends the capture; the error says what failed.
-    fn capture_step(&mut self) -> Result<CudaGraph, String> {
+    /// Stream capture of steps 1–7 (`last`), or of steps 1–6 and amp's `accumulate` (a
+    /// micro-batch before a step's last, with gradient accumulation), the amp ops launched
+    /// eagerly inside (a graph launch inside a capture is avoided). Always ends the capture;
+    /// the error says what failed.
+    fn capture_step(&mut self, last: bool) -> Result<CudaGraph, String> {
         self.stream
             .begin_capture(CaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| format!("begin stream capture: {e}"))?;
-        let body = self.step_eager();
+        let body = match last {
+            true => self.step_eager(),
+            false => self
+                .forward_backward()
+                .and_then(|()| self.accumulate(false)),
+        };
         // Always end the capture, so the stream is usable again whatever happened.
         let ended = self.stream.end_capture(GraphInstantiateFlags(0));
         body.map_err(|e| format!("while capturing: {e}"))?;
@@ -1013,6 +1097,9 @@ impl CudaTrainer {
         let mut curve: Vec<CurvePoint> = Vec::new();
         let every = every.max(1);
         let world = self.rank().1;
+        // Step i trains on batches i·accum .. (i + 1)·accum; the log has an entry for each.
+        let accum = cfg.accum.max(1);
+        let images_per_step = cfg.batch * world * accum;
         let start = Instant::now();
         let mut reported = 0usize;
         let emit = |log: &MetricsLog,
@@ -1020,11 +1107,12 @@ impl CudaTrainer {
                     skipped: u32,
                     reported: &mut usize,
                     progress: &mut dyn FnMut(&Progress)| {
-            let done = log.count as usize;
+            let done = log.count as usize / accum;
             if done <= *reported {
                 return;
             }
-            let window = &log.entries[(*reported).min(log.entries.len())..];
+            let steps = per_step(&log.entries, accum);
+            let window = &steps[(*reported).min(steps.len())..];
             let n = window.len().max(1) as f32;
             progress(&Progress {
                 step: first + done,
@@ -1032,14 +1120,17 @@ impl CudaTrainer {
                 accuracy: window.iter().map(|m| m.accuracy).sum::<f32>() / n,
                 loss_scale: scale,
                 skipped,
-                images_per_sec: (done * cfg.batch * world) as f64 / start.elapsed().as_secs_f64(),
+                images_per_sec: (done * images_per_step) as f64 / start.elapsed().as_secs_f64(),
             });
             *reported = done;
         };
         for i in first..cfg.steps {
-            let (images, labels) = self.shard(self.data.batch(cfg.batch * world, i as u64, 0));
-            self.upload_batch(&images, &labels)?;
-            self.step()?;
+            for k in 0..accum {
+                let index = (i * accum + k) as u64;
+                let (images, labels) = self.shard(self.data.batch(cfg.batch * world, index, 0));
+                self.upload_batch(&images, &labels)?;
+                self.micro_step(k + 1 == accum)?;
+            }
             if i + 1 - first == WARMUP_STEPS {
                 self.capture(cfg.cuda_graph)?;
             }
@@ -1056,7 +1147,7 @@ impl CudaTrainer {
                     accuracy: f32::NAN,
                     loss_scale: s.loss_scale,
                     lr: s.lr,
-                    images_per_sec: ((i + 1 - first) * cfg.batch * world) as f64
+                    images_per_sec: ((i + 1 - first) * images_per_step) as f64
                         / start.elapsed().as_secs_f64(),
                 });
             }
@@ -1089,7 +1180,7 @@ impl CudaTrainer {
             .synchronize()
             .map_err(|e| driver("synchronize after the last step", e))?;
         let images_per_sec =
-            ((cfg.steps - first) * cfg.batch * world) as f64 / start.elapsed().as_secs_f64();
+            ((cfg.steps - first) * images_per_step) as f64 / start.elapsed().as_secs_f64();
         self.request_readback()?;
         let bytes = self
             .log_readback
@@ -1104,6 +1195,8 @@ impl CudaTrainer {
             .read_scalars_blocking()
             .map_err(amp_error)?;
         emit(&log, s.loss_scale, s.skipped, &mut reported, &mut progress);
+        // One entry per step from here on: its micro-batches' means.
+        log.entries = per_step(&log.entries, accum);
         // The summary is the global batch's: each step's mean over the ranks' shards (the
         // progress lines above are rank 0's shard).
         log.entries = self.global_metrics(&log.entries)?;
@@ -1173,6 +1266,16 @@ impl CudaTrainer {
             curve,
         })
     }
+}
+
+/// One entry per optimizer step from a metrics log's per-micro-batch entries: each group of
+/// `accum` entries' mean loss and accuracy (a trailing partial group is dropped; with one
+/// micro-batch per step, the entries as they are).
+fn per_step(entries: &[HeadMetrics], accum: usize) -> Vec<HeadMetrics> {
+    entries
+        .chunks_exact(accum.max(1))
+        .map(super::mean_metrics)
+        .collect()
 }
 
 /// The network of `cfg` planned for `target`: each layer on the fused route with cuDNN's
