@@ -3,7 +3,7 @@
 //! accumulation, and bad values as typed errors. (The simulated CUDA device's run is in
 //! `trainer/tests/sim_train.rs`.)
 
-use cudnn_cbr_trainer::{train, FaultDrill, Preset, TrainConfig, TrainError, MAX_ACCUM};
+use cudnn_cbr_trainer::{train, FaultDrill, Preset, TrainConfig, TrainError, Trainer, MAX_ACCUM};
 
 fn small(accum: usize) -> TrainConfig {
     TrainConfig {
@@ -127,4 +127,44 @@ fn bad_micro_batch_counts_are_typed_errors() {
         matches!(&e, TrainError::Config(m) if m.contains("one rank")),
         "{e}"
     );
+}
+
+/// A run of 6 accumulated steps saved after step 3 and resumed in a new trainer ends with the
+/// per-step losses and weights hash of the run in one go (the data position is the optimizer
+/// step; its first batch is `step · accum`); a run with another micro-batch count refuses the
+/// file, naming `accum`.
+#[test]
+fn an_accumulating_run_resumes_bit_for_bit_and_another_count_is_refused() {
+    let dir = std::env::temp_dir().join(format!("cbr-accum-ck-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("ck.safetensors");
+    let cfg = TrainConfig {
+        steps: 6,
+        ..small(2)
+    };
+    let whole = train(&cfg, 6, |_| {}).unwrap();
+    let mut first = Trainer::new(&TrainConfig { steps: 3, ..cfg }).unwrap();
+    first.save_to(&path, 0).unwrap();
+    let head = first.run(3, |_| {}).unwrap();
+    let mut rest = Trainer::new(&cfg).unwrap();
+    assert_eq!(rest.resume(&path).unwrap(), 3);
+    let tail = rest.run(6, |_| {}).unwrap();
+    let joined: Vec<f32> = head
+        .step_losses
+        .iter()
+        .chain(&tail.step_losses)
+        .copied()
+        .collect();
+    assert_eq!(joined, whole.step_losses);
+    assert_eq!(tail.weights_hash(), whole.weights_hash());
+    for other in [1, 3] {
+        let mut t = Trainer::new(&TrainConfig {
+            accum: other,
+            ..cfg
+        })
+        .unwrap();
+        let e = t.resume(&path).unwrap_err();
+        assert!(e.to_string().contains("accum"), "{other}: {e}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }
