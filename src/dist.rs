@@ -7,7 +7,8 @@
 //! overflow flag shared (max) between the check and SGD, SGD unscaling the sums by
 //! `1 / (loss_scale · ranks)`. With synchronized BN every layer normalizes with the global
 //! batch's statistics ([`crate::fusion::cbr::BnSync`]), so N ranks × batch B train like one
-//! rank × batch N·B.
+//! rank × batch N·B. With gradient accumulation, [`CpuReplica::train_step`] runs a step's
+//! micro-batches, each summed over the ranks and added into the accumulator GA.
 //!
 //! ```no_run
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -149,6 +150,62 @@ impl CpuReplica {
         let step = self.model.step_mut();
         step.finish_with(|regions| grads::all_reduce_overflow(regions, comm))?;
         self.global_metrics(local)
+    }
+
+    /// One data-parallel optimizer step with gradient accumulation over `micro_batches`
+    /// (this rank's shard of each, as many as the step's
+    /// [`crate::amp::step::StepConfig::accum`]; every rank calls it together with its own
+    /// shards). Each micro-batch runs as in [`CpuReplica::step`] (its buckets summed over the
+    /// ranks as backward makes them final), then amp's `accumulate` adds the sums into GA;
+    /// the last one's `finish` adds it and moves GA into G, and the check, the shared
+    /// overflow flag, SGD (unscaling by `1 / (loss_scale · ranks · N)`) and the scale update
+    /// run once. Returns the global loss and accuracy, the mean over the micro-batches.
+    ///
+    /// # Errors
+    /// [`ClassifierError::Input`] for a count other than the step's (nothing runs, nothing
+    /// is exchanged); as [`CpuReplica::step`].
+    pub fn train_step(
+        &mut self,
+        micro_batches: &[(&[f16], &[i32])],
+    ) -> Result<HeadMetrics, ClassifierError> {
+        let accum = self.model.step().config().accum;
+        if micro_batches.len() != accum as usize {
+            return Err(ClassifierError::Input(format!(
+                "{} micro-batches for a step that accumulates {accum} (StepConfig::accum)",
+                micro_batches.len()
+            )));
+        }
+        let (mut loss, mut accuracy) = (0f32, 0f32);
+        for (k, (images, labels)) in micro_batches.iter().enumerate() {
+            self.model.step_mut().begin()?;
+            let comm = &mut self.comm;
+            let local = match self.model.forward_backward_reduced(
+                images,
+                labels,
+                &self.schedule,
+                &mut |regions, bucket| grads::all_reduce_bucket(regions, comm, bucket),
+            ) {
+                Ok(m) => m,
+                Err(e) => {
+                    self.comm.fail(format!("its forward/backward failed: {e}"));
+                    return Err(e);
+                }
+            };
+            loss += local.loss;
+            accuracy += local.accuracy;
+            let comm = &mut self.comm;
+            let step = self.model.step_mut();
+            if k + 1 < micro_batches.len() {
+                step.accumulate()?;
+            } else {
+                step.finish_with(|regions| grads::all_reduce_overflow(regions, comm))?;
+            }
+        }
+        let n = micro_batches.len().max(1) as f32;
+        self.global_metrics(HeadMetrics {
+            loss: loss / n,
+            accuracy: accuracy / n,
+        })
     }
 
     /// The logits of this rank's shard with the current weights. With synchronized BN every

@@ -121,9 +121,23 @@ fn run_rank(
     let mut metrics = Vec::with_capacity(cfg.steps);
     let mut curve = Vec::with_capacity(if rank == 0 { cfg.steps } else { 0 });
     let mut window = Window::default();
+    // Step i trains on global batches i·accum .. (i + 1)·accum, each sharded over the ranks.
+    let accum = cfg.accum.max(1);
+    let images_per_step = cfg.batch * ranks * accum;
     for i in 0..cfg.steps {
-        let (images, labels) = shard(data.batch(cfg.batch * ranks, i as u64, 0));
-        let m = replica.step(&images, &labels)?;
+        let m = if accum == 1 {
+            let (images, labels) = shard(data.batch(cfg.batch * ranks, i as u64, 0));
+            replica.step(&images, &labels)?
+        } else {
+            let micro: Vec<(Vec<f16>, Vec<i32>)> = (0..accum)
+                .map(|k| shard(data.batch(cfg.batch * ranks, (i * accum + k) as u64, 0)))
+                .collect();
+            let refs: Vec<(&[f16], &[i32])> = micro
+                .iter()
+                .map(|(x, l)| (x.as_slice(), l.as_slice()))
+                .collect();
+            replica.train_step(&refs)?
+        };
         metrics.push(m);
         window.add(m);
         if rank == 0 {
@@ -134,18 +148,17 @@ fn run_rank(
                 accuracy: m.accuracy,
                 loss_scale: s.loss_scale,
                 lr: s.lr,
-                images_per_sec: ((i + 1) * cfg.batch * ranks) as f64
-                    / start.elapsed().as_secs_f64(),
+                images_per_sec: ((i + 1) * images_per_step) as f64 / start.elapsed().as_secs_f64(),
             });
         }
         if rank == 0 && ((i + 1) % every.max(1) == 0 || i + 1 == cfg.steps) {
             let step = replica.model_mut().step_mut();
             step.request_scalars()?;
             let s = step.poll_scalars()?.unwrap_or_default();
-            progress(&window.report(i + 1, i + 1, cfg.batch * ranks, start, s));
+            progress(&window.report(i + 1, i + 1, images_per_step, start, s));
         }
     }
-    let images_per_sec = (cfg.steps * cfg.batch * ranks) as f64 / start.elapsed().as_secs_f64();
+    let images_per_sec = (cfg.steps * images_per_step) as f64 / start.elapsed().as_secs_f64();
     // Held-out batches, evaluation mode: each rank its shard with its own running statistics
     // (the same on every rank with synchronized BN), the correct counts summed; with an EMA,
     // the EMA weights' count second.

@@ -319,13 +319,6 @@ impl TrainConfig {
                 self.accum
             )));
         }
-        if self.accum > 1 && self.data_parallel() {
-            return Err(TrainError::Config(
-                "gradient accumulation runs on one rank so far; drop --ranks / --sync-bn or \
-                 --accum"
-                    .into(),
-            ));
-        }
         self.steps
             .checked_mul(self.accum)
             .and_then(|b| b.checked_mul(self.batch))
