@@ -66,6 +66,9 @@
 //! when a copy has arrived. The loop synchronizes only after the last step (for the report,
 //! the held-out evaluation and the throughput).
 
+#[path = "cuda_accum.rs"]
+mod accum;
+
 use super::net::compile_net;
 use super::{
     checkpoint, data, plan_and_initial_weights, summarize, CudaGraphMode, ExecutorInfo,
@@ -801,51 +804,6 @@ impl CudaTrainer {
         }
     }
 
-    /// With gradient accumulation, ends a micro-batch before the step's last: amp's
-    /// `accumulate` from its graph when one was captured (`graph`), else eager.
-    ///
-    /// # Errors
-    /// [`TrainError::Config`] when `graph` is asked without a captured accumulate graph.
-    fn accumulate(&mut self, graph: bool) -> Result<(), TrainError> {
-        if graph {
-            let g = self.accumulate_graph.as_ref().ok_or_else(|| {
-                TrainError::Config("no accumulate graph has been captured".into())
-            })?;
-            self.step.replay(g).map_err(amp_error)
-        } else {
-            self.step.accumulate().map_err(amp_error)
-        }
-    }
-
-    /// One micro-batch of a step with gradient accumulation ([`TrainConfig::accum`]) on the
-    /// uploaded batch: the step's `last` one is [`CudaTrainer::step`]; an earlier one runs
-    /// steps 1–6 and amp's `accumulate`, as [`CudaTrainer::graph_state`] says (from the
-    /// micro-batch graph, or eager 1–6 then the accumulate graph or eager accumulate).
-    ///
-    /// # Errors
-    /// As [`CudaTrainer::step`].
-    pub fn micro_step(&mut self, last: bool) -> Result<(), TrainError> {
-        if last {
-            return self.step();
-        }
-        match self.state {
-            GraphState::Step => match &self.micro_graph {
-                Some(g) => g
-                    .launch()
-                    .map_err(|e| driver("launch the micro-batch graph", e)),
-                None => Err(TrainError::Config("no micro-batch graph".into())),
-            },
-            GraphState::Finish { .. } => {
-                self.forward_backward()?;
-                self.accumulate(true)
-            }
-            GraphState::Eager => {
-                self.forward_backward()?;
-                self.accumulate(false)
-            }
-        }
-    }
-
     /// One eager step, whatever graphs exist (the reference a replay is compared with).
     ///
     /// # Errors
@@ -1111,7 +1069,7 @@ impl CudaTrainer {
             if done <= *reported {
                 return;
             }
-            let steps = per_step(&log.entries, accum);
+            let steps = accum::per_step(&log.entries, accum);
             let window = &steps[(*reported).min(steps.len())..];
             let n = window.len().max(1) as f32;
             progress(&Progress {
@@ -1196,7 +1154,7 @@ impl CudaTrainer {
             .map_err(amp_error)?;
         emit(&log, s.loss_scale, s.skipped, &mut reported, &mut progress);
         // One entry per step from here on: its micro-batches' means.
-        log.entries = per_step(&log.entries, accum);
+        log.entries = accum::per_step(&log.entries, accum);
         // The summary is the global batch's: each step's mean over the ranks' shards (the
         // progress lines above are rank 0's shard).
         log.entries = self.global_metrics(&log.entries)?;
@@ -1266,16 +1224,6 @@ impl CudaTrainer {
             curve,
         })
     }
-}
-
-/// One entry per optimizer step from a metrics log's per-micro-batch entries: each group of
-/// `accum` entries' mean loss and accuracy (a trailing partial group is dropped; with one
-/// micro-batch per step, the entries as they are).
-fn per_step(entries: &[HeadMetrics], accum: usize) -> Vec<HeadMetrics> {
-    entries
-        .chunks_exact(accum.max(1))
-        .map(super::mean_metrics)
-        .collect()
 }
 
 /// The network of `cfg` planned for `target`: each layer on the fused route with cuDNN's
