@@ -502,6 +502,13 @@ impl CudaTrainer {
                     format!("whole step as one CUDA graph after {WARMUP_STEPS} warm-up steps")
                 }
             };
+        let graphs = match self.cfg.accum {
+            0 | 1 => graphs,
+            n => format!(
+                "{graphs}; {n} micro-batches per step (gradient accumulation: each before the \
+                 last ends with amp's accumulate, from a graph of its own)"
+            ),
+        };
         let group = match &self.dist {
             Some(g) => format!(
                 "rank {} of {} (NCCL {}, watchdog {:.0} s); ",

@@ -4,7 +4,8 @@
 //! and 7 more in a new process (the first run also saving after steps 2 and 4). Each run plans, warms up 3 eager steps and then replays the
 //! whole step as a CUDA graph, so the resumed run replays from its step 8 where the one-go
 //! run did from step 3: the losses and the weights hash must still be equal bit for bit. The
-//! same with gradient accumulation (`--accum 2`, 8 steps against 5 + 3).
+//! same with gradient accumulation (`--accum 2`, 8 steps against 5 + 3), whose replayed
+//! graphs also train the eager run's bits (`--cuda-graph off`, `finish`, `step`).
 
 #[path = "../../amp/tests/sim/mod.rs"]
 mod sim;
@@ -167,4 +168,34 @@ fn resuming_an_accumulating_run_on_the_simulated_device_is_bit_exact() {
         "{err}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// With gradient accumulation, every micro-batch replayed from its graph (`step`), only amp's
+/// accumulate and finish op lists replayed (`finish`) and every launch eager (`off`) train
+/// the same bits: the same per-step losses and weights hash.
+#[test]
+fn accumulating_steps_replayed_from_graphs_equal_eager_ones_on_the_simulated_device() {
+    let test = "accumulating_steps_replayed_from_graphs_equal_eager_ones_on_the_simulated_device";
+    let Some(sim) = sim::built(test) else {
+        return;
+    };
+    let base = [
+        "--device", "cuda", "--batch", "4", "--width", "8", "--accum", "2",
+    ];
+    let runs: Vec<(String, Vec<String>)> = ["off", "finish", "step"]
+        .iter()
+        .map(|mode| {
+            let (hash, _, losses, text) = run(
+                &sim,
+                &[&base[..], &["--steps", "6", "--cuda-graph", mode]].concat(),
+            );
+            if *mode == "step" {
+                assert!(text.contains("whole step replayed"), "{text}");
+            }
+            (hash, losses)
+        })
+        .collect();
+    assert_eq!(runs[0].1.len(), 6);
+    assert_eq!(runs[1], runs[0], "finish graphs vs eager");
+    assert_eq!(runs[2], runs[0], "step graphs vs eager");
 }
