@@ -109,24 +109,22 @@ impl CpuTrainer {
         );
         for i in first..cfg.steps {
             let poison = cfg.drill.and_then(|d| d.poisons(i));
-            let micro = (0..accum)
-                .map(|k| {
-                    batches.next_batch().ok_or_else(|| {
-                        let b = i * accum + k;
-                        TrainError::Config(format!("the batch producer stopped before batch {b}"))
-                    })
-                })
-                .collect::<Result<Vec<_>, _>>()?;
             let model = &mut self.model;
+            let batches = &mut batches;
             // The step runs on a worker of rayon's pool, so the reference ops' parallel loops
             // start there (their tasks are pushed to that worker's deque and stolen by the
             // others) instead of each being handed over from this thread, which would sleep
             // until it is done: one hand-over per step instead of one per loop.
             let m = rayon::scope(|_| -> Result<HeadMetrics, TrainError> {
                 let mut each = Vec::with_capacity(accum);
-                for (k, (images, labels)) in micro.iter().enumerate() {
+                // One micro-batch in memory at a time (the producer keeps a few ahead).
+                for k in 0..accum {
+                    let (images, labels) = batches.next_batch().ok_or_else(|| {
+                        let b = i * accum + k;
+                        TrainError::Config(format!("the batch producer stopped before batch {b}"))
+                    })?;
                     model.step_mut().begin()?;
-                    each.push(model.forward_backward(images, labels)?);
+                    each.push(model.forward_backward(&images, &labels)?);
                     let step = model.step_mut();
                     if let Some(h) = poison.filter(|&h| FaultDrill::micro_batch(h, accum) == k) {
                         poison_gradient(step.executor_mut(), h)?;

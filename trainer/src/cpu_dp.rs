@@ -9,6 +9,7 @@ use super::{
     TrainReport, Window, HELD_OUT_BATCHES,
 };
 use cudnn_cbr::amp::dist::DistError;
+use cudnn_cbr::amp::range::HeadMetrics;
 use cudnn_cbr::amp::AmpError;
 use cudnn_cbr::classifier::CpuClassifier;
 use cudnn_cbr::dist::{Collective, Communicator, CpuComm, CpuGroup, CpuReplica, ReduceOp};
@@ -129,14 +130,24 @@ fn run_rank(
             let (images, labels) = shard(data.batch(cfg.batch * ranks, i as u64, 0));
             replica.step(&images, &labels)?
         } else {
-            let micro: Vec<(Vec<f16>, Vec<i32>)> = (0..accum)
-                .map(|k| shard(data.batch(cfg.batch * ranks, (i * accum + k) as u64, 0)))
-                .collect();
-            let refs: Vec<(&[f16], &[i32])> = micro
-                .iter()
-                .map(|(x, l)| (x.as_slice(), l.as_slice()))
-                .collect();
-            replica.train_step(&refs)?
+            // One micro-batch in memory at a time; the step's mean loss and accuracy over
+            // the micro-batches, then over the ranks.
+            let mut v = [0f32; 2];
+            for k in 0..accum {
+                let (images, labels) =
+                    shard(data.batch(cfg.batch * ranks, (i * accum + k) as u64, 0));
+                let local = replica.micro_batch(&images, &labels, k + 1 == accum)?;
+                v[0] += local.loss / accum as f32;
+                v[1] += local.accuracy / accum as f32;
+            }
+            replica
+                .comm_mut()
+                .all_reduce(&mut v[..], ReduceOp::Sum)
+                .map_err(AmpError::from)?;
+            HeadMetrics {
+                loss: v[0] / ranks as f32,
+                accuracy: v[1] / ranks as f32,
+            }
         };
         metrics.push(m);
         window.add(m);

@@ -536,8 +536,10 @@ impl<X: AmpExecutor> AmpStep<X> {
     /// Replaces the configuration. The loss scale, flag and counters in S stay as they are;
     /// the SGD hyper-parameters in S take the new values. Graphs captured before become stale
     /// ([`AmpStep::replay`] refuses them) only when the structure changed (Nesterov, overflow
-    /// or loss-scale policy, EMA, clipping by norm); a change of learning rate, momentum or weight decay alone
-    /// keeps them valid, as with [`AmpStep::set_hyper`].
+    /// or loss-scale policy, EMA, clipping by norm, the micro-batch count); a change of
+    /// learning rate, momentum or weight decay alone keeps them valid, as with
+    /// [`AmpStep::set_hyper`]. Change the micro-batch count between steps only: GA holds
+    /// the sum of the step's micro-batches so far.
     ///
     /// # Errors
     /// As [`StepConfig::validate`]; the step is unchanged on error.
