@@ -83,8 +83,8 @@ fn print_memory(net: &CompiledNet, target: &Target) {
     let device = target.props().total_memory();
     match report.largest_batch(device) {
         Some(b) => println!(
-            "largest batch that fits {} ({:.1} GB): {b} (activations and their gradients \
-             scale with the batch; the workspace is this batch's)",
+            "largest batch that fits {} ({:.1} GB): {b} (the arena and the input, output and \
+             its gradient scale with the batch; the workspace is this batch's)",
             target.props().name(),
             device as f64 / 1e9
         ),

@@ -9,7 +9,7 @@ use crate::amp::range::{self, softmax_xent_backward, HeadMetrics, HeadShape};
 use crate::amp::step::{AmpStep, CpuRegions, StepConfig};
 use crate::amp::AmpError;
 use crate::net::{
-    initial_weights, memory_plan, memory_plan_with_ema, CompiledNet, CpuNet, GradSchedule,
+    initial_weights, memory_plan, memory_plan_with_ema, Arena, CompiledNet, CpuNet, GradSchedule,
 };
 
 /// What a data-parallel step does with a gradient bucket once it is in the regions
@@ -66,6 +66,21 @@ impl CpuClassifier {
     /// spec's is [`crate::amp::PlanError::HeadClasses`], a micro-batch count outside
     /// `1..=`[`crate::amp::step::MAX_ACCUM`] is [`crate::amp::RangeOpError::InvalidConfig`].
     pub fn new(net: CompiledNet, classes: usize, config: StepConfig, seed: u64) -> Result<Self> {
+        Self::with_arena(net, classes, config, seed, Arena::Separate)
+    }
+
+    /// [`CpuClassifier::new`] with the network's buffers laid out as `arena` says
+    /// ([`Arena::Shared`]: the liveness-planned arena, the same results in less memory).
+    ///
+    /// # Errors
+    /// As [`CpuClassifier::new`]; a host allocation that fails.
+    pub fn with_arena(
+        net: CompiledNet,
+        classes: usize,
+        config: StepConfig,
+        seed: u64,
+        arena: Arena,
+    ) -> Result<Self> {
         let plan = if config.ema_decay.is_some() {
             memory_plan_with_ema(&net, classes)?
         } else {
@@ -87,7 +102,7 @@ impl CpuClassifier {
         let shape = HeadShape::new(net.batch, net.out_hw * net.out_hw, net.features, classes);
         let layers = net.layers.iter().map(|l| l.name.clone()).collect();
         Ok(CpuClassifier {
-            net: CpuNet::new(net),
+            net: CpuNet::with_arena(net, arena)?,
             step,
             shape,
             layers,

@@ -46,14 +46,8 @@ pub fn grad_schedule(net: &CompiledNet, plan: &MemoryPlan) -> Result<GradSchedul
                 .into_iter()
                 .map(|(_, _, id)| id)
                 .collect(),
-            Step::Add { a, b, out } => vec![a, b, out],
-            Step::MaxPool { input, output, .. } => vec![input, output],
-            Step::MaxPoolBackward {
-                input,
-                grad_output,
-                grad_input,
-                ..
-            } => vec![input, grad_output, grad_input],
+            // Adds and pools bind their operands (never an error).
+            other => super::liveness::step_buffers(net, &other)?,
         };
         for id in bound {
             last.insert(id, i);

@@ -2,7 +2,9 @@
 //! reference ops, in FP16 storage (`T = f16`, the GPU's rounding points) or exact `f64`.
 
 use super::compile::{BufId, CompiledNet, NetBuffer};
-use super::exec::{run_eval, run_pass, run_pass_observed, AfterStep, NetExecutor};
+use super::exec::{run_pass, run_pass_observed, AfterStep, NetExecutor};
+pub use super::host_store::Arena;
+use super::host_store::HostStore;
 use super::spec::PoolSpec;
 use cudnn_cbr_fusion::cbr::{BnSync, LayerIo, Pass, Src};
 use cudnn_cbr_fusion::graph::DataType;
@@ -19,17 +21,15 @@ pub enum Buf<T: Element> {
     Float(Vec<T::Acc>),
 }
 
-/// A compiled network with its buffers in host memory.
+/// A compiled network with its buffers in host memory ([`Arena`]: one vector each, or a
+/// shared arena laid out by lifetime).
 #[derive(Debug)]
 pub struct CpuNet<T: Element> {
     net: CompiledNet,
-    bufs: Vec<Buf<T>>,
+    /// The buffers, with a write stamp each ([`LayerIo::stamp`]).
+    store: HostStore<T>,
     /// Each layer's conv scratch, kept from step to step ([`ConvScratch`]).
     scratch: Vec<ConvScratch<T>>,
-    /// Per buffer, the write clock's value at its last write ([`LayerIo::stamp`]).
-    versions: Vec<u64>,
-    /// Counts writes to any buffer.
-    clock: u64,
     sync: Option<SyncSlot<T::Acc>>,
 }
 
@@ -49,13 +49,6 @@ fn no_buffer(name: &str) -> Error {
     }
 }
 
-fn wrong_kind(name: &str, want: &str) -> Error {
-    Error::Buffer {
-        name: name.into(),
-        problem: format!("is not {want}"),
-    }
-}
-
 fn wrong_len(name: &str, got: usize, want: usize) -> Error {
     Error::Buffer {
         name: name.into(),
@@ -64,22 +57,14 @@ fn wrong_len(name: &str, got: usize, want: usize) -> Error {
 }
 
 impl<T: Element> CpuNet<T> {
-    /// Zeroed buffers for `net`, with running variances at 1 (as every framework starts).
-    /// The process aborts where the host cannot hold them; [`CpuNet::try_new`] returns an
-    /// error instead.
+    /// Zeroed buffers for `net`, one vector each ([`Arena::Separate`]), with running
+    /// variances at 1 (as every framework starts). The process aborts where the host cannot
+    /// hold them; [`CpuNet::try_new`] returns an error instead.
     pub fn new(net: CompiledNet) -> Self {
-        let bufs = net
-            .buffers
-            .iter()
-            .map(|b| {
-                let init = Self::init(b);
-                match b.dtype {
-                    DataType::Half => Buf::Half(vec![T::default(); b.elems]),
-                    _ => Buf::Float(vec![init; b.elems]),
-                }
-            })
-            .collect();
-        Self::with_buffers(net, bufs)
+        match Self::with_arena(net, Arena::Separate) {
+            Ok(n) => n,
+            Err(e) => panic!("cannot allocate the network's host buffers: {e}"),
+        }
     }
 
     /// As [`CpuNet::new`], but a buffer the host cannot allocate is an error, not an abort.
@@ -87,49 +72,31 @@ impl<T: Element> CpuNet<T> {
     /// # Errors
     /// [`Error::Buffer`] naming the first buffer that could not be allocated and its size.
     pub fn try_new(net: CompiledNet) -> Result<Self> {
-        fn filled<V: Clone>(name: &str, elems: usize, v: V) -> Result<Vec<V>> {
-            let mut out = Vec::new();
-            out.try_reserve_exact(elems).map_err(|e| Error::Buffer {
-                name: name.into(),
-                problem: format!(
-                    "cannot be allocated on the host: {elems} elements of {} bytes ({e})",
-                    std::mem::size_of::<V>()
-                ),
-            })?;
-            out.resize(elems, v);
-            Ok(out)
-        }
-        let mut bufs = Vec::with_capacity(net.buffers.len());
-        for b in &net.buffers {
-            bufs.push(match b.dtype {
-                DataType::Half => Buf::Half(filled(&b.name, b.elems, T::default())?),
-                _ => Buf::Float(filled(&b.name, b.elems, Self::init(b))?),
-            });
-        }
-        Ok(Self::with_buffers(net, bufs))
+        Self::with_arena(net, Arena::Separate)
     }
 
-    fn init(b: &NetBuffer) -> T::Acc {
-        if b.name.ends_with("running_var") {
-            T::Acc::ONE
-        } else {
-            T::Acc::ZERO
-        }
-    }
-
-    fn with_buffers(net: CompiledNet, bufs: Vec<Buf<T>>) -> Self {
+    /// Zeroed buffers for `net` laid out as `arena` says: [`Arena::Shared`] keeps the
+    /// activations, their gradients and the per-step scratch in an arena where buffers never
+    /// alive together share memory (the layout of the GPU's tensor arena, with the same
+    /// lifetimes), and gives the same results bit for bit.
+    ///
+    /// # Errors
+    /// [`Error::Buffer`] naming a buffer or arena the host cannot allocate.
+    pub fn with_arena(net: CompiledNet, arena: Arena) -> Result<Self> {
+        let store = HostStore::new(&net, arena)?;
         let scratch = net.layers.iter().map(|_| ConvScratch::default()).collect();
-        // Every buffer starts with a stamp of its own.
-        let versions: Vec<u64> = (1..=net.buffers.len() as u64).collect();
-        let clock = net.buffers.len() as u64;
-        CpuNet {
+        Ok(CpuNet {
             net,
-            bufs,
+            store,
             scratch,
-            versions,
-            clock,
             sync: None,
-        }
+        })
+    }
+
+    /// Elements of the shared arena (FP16-storage pool, FP32 pool); zeros with the separate
+    /// layout.
+    pub fn arena_elems(&self) -> (usize, usize) {
+        self.store.arena_elems()
     }
 
     /// Synchronized BN from now on: every layer's batch statistics (forward) and `dγ`, `dβ`
@@ -155,52 +122,45 @@ impl<T: Element> CpuNet<T> {
 
     /// A `Float` buffer by name (`stem.gamma`, `stem.dgamma`, …).
     pub fn float(&self, name: &str) -> Result<&[T::Acc]> {
-        match &self.bufs[self.id(name)?] {
-            Buf::Float(v) => Ok(v),
-            Buf::Half(_) => Err(wrong_kind(name, "FP32")),
-        }
+        self.store.float(self.id(name)?, &self.net.buffers)
     }
 
     /// Sets a `Half` buffer (its length must match).
     pub fn set_half(&mut self, name: &str, v: Vec<T>) -> Result<()> {
         let id = self.id(name)?;
-        touch(&mut self.versions, &mut self.clock, id);
-        set(&mut self.bufs[id], &self.net.buffers[id], Buf::Half(v))
+        self.put(id, Buf::Half(v))
     }
 
     /// Sets a `Float` buffer (its length must match).
     pub fn set_float(&mut self, name: &str, v: Vec<T::Acc>) -> Result<()> {
         let id = self.id(name)?;
-        touch(&mut self.versions, &mut self.clock, id);
-        set(&mut self.bufs[id], &self.net.buffers[id], Buf::Float(v))
+        self.put(id, Buf::Float(v))
     }
 
     /// A buffer widened to `f64`, whatever its kind.
     pub fn values(&self, name: &str) -> Result<Vec<f64>> {
-        Ok(match &self.bufs[self.id(name)?] {
-            Buf::Half(v) => v.iter().map(|x| x.to_f64()).collect(),
-            Buf::Float(v) => v.iter().map(|x| x.to_f64()).collect(),
+        let id = self.id(name)?;
+        Ok(match self.net.buffers[id].dtype {
+            DataType::Half => self.half_id(id)?.iter().map(|x| x.to_f64()).collect(),
+            _ => self
+                .store
+                .float(id, &self.net.buffers)?
+                .iter()
+                .map(|x| x.to_f64())
+                .collect(),
         })
     }
 
     /// The last block's output after [`CpuNet::forward`].
     pub fn output(&self) -> &[T] {
-        match &self.bufs[self.net.output] {
-            Buf::Half(v) => v,
-            Buf::Float(_) => &[],
-        }
+        // The output keeps a vector of its own in every layout ([`Arena`]).
+        self.half_id(self.net.output).unwrap_or(&[])
     }
 
     /// The forward pass on `images` (NHWC). The output is in [`CpuNet::output`].
     pub fn forward(&mut self, images: &[T]) -> Result<()> {
-        let input = self.net.input;
-        touch(&mut self.versions, &mut self.clock, input);
-        set(
-            &mut self.bufs[input],
-            &self.net.buffers[input],
-            Buf::Half(images.to_vec()),
-        )?;
-        run_pass(self, false)
+        self.put(self.net.input, Buf::Half(images.to_vec()))?;
+        run_pass(self, Pass::Forward)
     }
 
     /// The forward pass on `images` (NHWC) in evaluation mode: each BN normalizes with its
@@ -213,14 +173,8 @@ impl<T: Element> CpuNet<T> {
     /// # Errors
     /// Images of the wrong length; a running variance below `−ε` or not finite.
     pub fn evaluate(&mut self, images: &[T]) -> Result<()> {
-        let input = self.net.input;
-        touch(&mut self.versions, &mut self.clock, input);
-        set(
-            &mut self.bufs[input],
-            &self.net.buffers[input],
-            Buf::Half(images.to_vec()),
-        )?;
-        run_eval(self)
+        self.put(self.net.input, Buf::Half(images.to_vec()))?;
+        run_pass(self, Pass::Eval)
     }
 
     /// The backward pass from the gradient of the output (the head's backward). Leaves every
@@ -236,26 +190,16 @@ impl<T: Element> CpuNet<T> {
         d_output: Vec<T>,
         after: &mut AfterStep<'_, Self>,
     ) -> Result<()> {
-        let id = self.net.output_grad;
-        touch(&mut self.versions, &mut self.clock, id);
-        set(
-            &mut self.bufs[id],
-            &self.net.buffers[id],
-            Buf::Half(d_output),
-        )?;
-        run_pass_observed(self, true, after)
+        self.put(self.net.output_grad, Buf::Half(d_output))?;
+        run_pass_observed(self, Pass::Backward, after)
     }
 
     fn half_id(&self, id: BufId) -> Result<&[T]> {
-        match &self.bufs[id] {
-            Buf::Half(v) => Ok(v),
-            Buf::Float(_) => Err(wrong_kind(&self.net.buffers[id].name, "FP16")),
-        }
+        self.store.half(id, &self.net.buffers)
     }
 
     fn put(&mut self, id: BufId, v: Buf<T>) -> Result<()> {
-        touch(&mut self.versions, &mut self.clock, id);
-        set(&mut self.bufs[id], &self.net.buffers[id], v)
+        self.store.put(id, v, &self.net.buffers)
     }
 }
 
@@ -269,14 +213,12 @@ impl<T: Element> NetExecutor for CpuNet<T> {
     fn layer_pass(&mut self, layer: usize, pass: Pass) -> Result<()> {
         let l = &self.net.layers[layer];
         let mut io = NetIo {
-            bufs: &mut self.bufs,
+            store: &mut self.store,
             buffers: &self.net.buffers,
             this: &l.table,
             prev: l.prev.map(|p| &self.net.layers[p].table),
             layer: &l.name,
             scratch: &mut self.scratch[layer],
-            versions: &mut self.versions,
-            clock: &mut self.clock,
         };
         let sync = self
             .sync
@@ -299,9 +241,10 @@ impl<T: Element> NetExecutor for CpuNet<T> {
         } else {
             // The output's storage reused (every element is overwritten), unless the output
             // is also an operand.
-            let storage = match &mut self.bufs[out] {
-                Buf::Half(v) if out != a && out != b => std::mem::take(v),
-                _ => Vec::new(),
+            let storage = if out != a && out != b {
+                self.store.take_half(out, &self.net.buffers)?
+            } else {
+                Vec::new()
             };
             let (x, y) = (self.half_id(a)?, self.half_id(b)?);
             cudnn_cbr_fusion::reference::add_into(&Nhwc::new(x.len(), 1, 1, 1), x, y, storage)?
@@ -338,13 +281,6 @@ impl<T: Element> NetExecutor for CpuNet<T> {
     }
 }
 
-/// Records a write to buffer `id`: a new value of the write clock, so a buffer's stamp is the
-/// same only while its contents are.
-fn touch(versions: &mut [u64], clock: &mut u64, id: BufId) {
-    *clock += 1;
-    versions[id] = *clock;
-}
-
 fn at_layer(layer: &str, e: Error) -> Error {
     match e {
         Error::Buffer { name, problem } => Error::Buffer {
@@ -355,36 +291,14 @@ fn at_layer(layer: &str, e: Error) -> Error {
     }
 }
 
-/// Replaces `slot` (the storage of `buf`) with `v`, of `buf`'s kind and declared size (checked
-/// against the declaration, not the slot: its storage may be out on loan).
-fn set<T: Element>(slot: &mut Buf<T>, buf: &NetBuffer, v: Buf<T>) -> Result<()> {
-    let name = &buf.name;
-    match (&*slot, &v) {
-        (Buf::Half(_), Buf::Half(new)) if new.len() != buf.elems => {
-            Err(wrong_len(name, new.len(), buf.elems))
-        }
-        (Buf::Float(_), Buf::Float(new)) if new.len() != buf.elems => {
-            Err(wrong_len(name, new.len(), buf.elems))
-        }
-        (Buf::Half(_), Buf::Half(_)) | (Buf::Float(_), Buf::Float(_)) => {
-            *slot = v;
-            Ok(())
-        }
-        (Buf::Half(_), Buf::Float(_)) => Err(wrong_kind(name, "FP32")),
-        (Buf::Float(_), Buf::Half(_)) => Err(wrong_kind(name, "FP16")),
-    }
-}
-
 /// One layer's view of the network's buffers: its own names and its prologue layer's.
 struct NetIo<'a, T: Element> {
-    bufs: &'a mut Vec<Buf<T>>,
+    store: &'a mut HostStore<T>,
     buffers: &'a [NetBuffer],
     this: &'a BTreeMap<&'static str, BufId>,
     prev: Option<&'a BTreeMap<&'static str, BufId>>,
     layer: &'a str,
     scratch: &'a mut ConvScratch<T>,
-    versions: &'a mut [u64],
-    clock: &'a mut u64,
 }
 
 impl<T: Element> NetIo<'_, T> {
@@ -410,39 +324,25 @@ impl<T: Element> NetIo<'_, T> {
 
 impl<T: Element> LayerIo<T> for NetIo<'_, T> {
     fn half(&self, src: Src) -> Result<&[T]> {
-        let id = self.resolve(src)?;
-        match &self.bufs[id] {
-            Buf::Half(v) => Ok(v),
-            Buf::Float(_) => Err(wrong_kind(&self.buffers[id].name, "FP16")),
-        }
+        self.store.half(self.resolve(src)?, self.buffers)
     }
     fn float(&self, src: Src) -> Result<&[T::Acc]> {
-        let id = self.resolve(src)?;
-        match &self.bufs[id] {
-            Buf::Float(v) => Ok(v),
-            Buf::Half(_) => Err(wrong_kind(&self.buffers[id].name, "FP32")),
-        }
+        self.store.float(self.resolve(src)?, self.buffers)
     }
     fn set_half(&mut self, src: Src, v: Vec<T>) -> Result<()> {
         let id = self.resolve(src)?;
-        touch(self.versions, self.clock, id);
-        set(&mut self.bufs[id], &self.buffers[id], Buf::Half(v))
+        self.store.put(id, Buf::Half(v), self.buffers)
     }
     fn set_float(&mut self, src: Src, v: Vec<T::Acc>) -> Result<()> {
         let id = self.resolve(src)?;
-        touch(self.versions, self.clock, id);
-        set(&mut self.bufs[id], &self.buffers[id], Buf::Float(v))
+        self.store.put(id, Buf::Float(v), self.buffers)
     }
     fn take_half(&mut self, src: Src) -> Result<Vec<T>> {
         let id = self.resolve(src)?;
-        touch(self.versions, self.clock, id);
-        match &mut self.bufs[id] {
-            Buf::Half(v) => Ok(std::mem::take(v)),
-            Buf::Float(_) => Err(wrong_kind(&self.buffers[id].name, "FP16")),
-        }
+        self.store.take_half(id, self.buffers)
     }
     fn stamp(&self, src: Src) -> Option<u64> {
-        self.resolve(src).ok().map(|id| self.versions[id])
+        self.resolve(src).ok().map(|id| self.store.stamp(id))
     }
     fn take_scratch(&mut self) -> ConvScratch<T> {
         std::mem::take(self.scratch)

@@ -19,7 +19,7 @@
 
 use super::buckets::GradSchedule;
 use super::compile::{BufId, BufferRole, CompiledNet, NetBuffer};
-use super::exec::{run_eval, run_pass, run_pass_observed, NetExecutor};
+use super::exec::{run_pass, run_pass_observed, NetExecutor};
 use super::spec::PoolSpec;
 use crate::amp::cuda::{
     check_device_memory, AmpKernels, CudaRegions, CudaSlice, CudaStream, DevRange, DevRangeMut,
@@ -472,10 +472,17 @@ impl CudaNet {
     }
 
     fn not_own(&self, id: BufId) -> CudaNetError {
-        CudaNetError::Binding(format!(
-            "network buffer `{}` is a slot of the amp plan, not an allocation of its own",
-            self.net.buffers[id].name
-        ))
+        let name = &self.net.buffers[id].name;
+        CudaNetError::Binding(match self.slots[id] {
+            Some((Home::Tensors, ..)) => format!(
+                "network buffer `{name}` lives in the amp plan's tensor arena, where buffers \
+                 never alive together share bytes (its value is gone once its lifetime ends); \
+                 make the network with a plan without buffers (one allocation each) to read it"
+            ),
+            _ => format!(
+                "network buffer `{name}` is a slot of the amp plan, not an allocation of its own"
+            ),
+        })
     }
 
     fn id(&self, name: &str) -> Result<BufId> {
@@ -526,7 +533,7 @@ impl CudaNet {
     /// The forward pass (the input uploaded) of a network whose parameters are its own; the
     /// output in [`CompiledNet::output`].
     pub fn forward(&mut self) -> Result<()> {
-        run_pass(&mut self.pass(None, None)?, false)
+        run_pass(&mut self.pass(None, None)?, Pass::Forward)
     }
 
     /// The forward pass in evaluation mode (the input uploaded) of a network whose
@@ -538,7 +545,7 @@ impl CudaNet {
     /// A layer on the unfused route (its NormForward graph is training-mode BN); a driver
     /// error.
     pub fn evaluate(&mut self) -> Result<()> {
-        run_eval(&mut self.pass(None, None)?)
+        run_pass(&mut self.pass(None, None)?, Pass::Eval)
     }
 
     /// [`CudaNet::evaluate`] with the parameters in `regions`.
@@ -546,7 +553,7 @@ impl CudaNet {
     /// # Errors
     /// As [`CudaNet::evaluate`].
     pub fn evaluate_with(&mut self, regions: &mut CudaRegions) -> Result<()> {
-        run_eval(&mut self.pass(Some(regions), None)?)
+        run_pass(&mut self.pass(Some(regions), None)?, Pass::Eval)
     }
 
     /// [`CudaNet::evaluate`] reading the caller's `input` (NHWC FP16, at least the network's
@@ -559,7 +566,10 @@ impl CudaNet {
         mut regions: Option<&mut CudaRegions>,
         input: &mut CudaSlice<f16>,
     ) -> Result<()> {
-        run_eval(&mut self.pass(regions.as_deref_mut(), Some(input))?)?;
+        run_pass(
+            &mut self.pass(regions.as_deref_mut(), Some(input))?,
+            Pass::Eval,
+        )?;
         if let Some(r) = regions {
             if !Arc::ptr_eq(r.stream(), &self.stream) {
                 r.stream()
@@ -573,18 +583,18 @@ impl CudaNet {
     /// The backward pass (the output's gradient written) of a network whose parameters are
     /// its own.
     pub fn backward(&mut self) -> Result<()> {
-        run_pass(&mut self.pass(None, None)?, true)
+        run_pass(&mut self.pass(None, None)?, Pass::Backward)
     }
 
     /// The forward pass with the parameters in `regions` (made from the plan given to
     /// [`CudaNet::new`]).
     pub fn forward_with(&mut self, regions: &mut CudaRegions) -> Result<()> {
-        self.run(Some(regions), None, false)
+        self.run(Some(regions), None, Pass::Forward)
     }
 
     /// The backward pass with the parameters and their gradients in `regions`.
     pub fn backward_with(&mut self, regions: &mut CudaRegions) -> Result<()> {
-        self.run(Some(regions), None, true)
+        self.run(Some(regions), None, Pass::Backward)
     }
 
     /// The backward pass with the parameters and their gradients in `regions` (and the
@@ -617,16 +627,19 @@ impl CudaNet {
         }
         {
             let mut pass = self.pass(Some(&mut *regions), input)?;
-            run_pass_observed(&mut pass, true, &mut |pass: &mut NetPass<'_>, i| {
-                let regions = pass
-                    .regions
-                    .as_deref_mut()
-                    .ok_or_else(|| CudaNetError::Binding("the pass has no amp regions".into()))?;
-                for &b in &schedule.after[i] {
-                    reduce(regions, b, &stream)?;
-                }
-                Ok(())
-            })?;
+            run_pass_observed(
+                &mut pass,
+                Pass::Backward,
+                &mut |pass: &mut NetPass<'_>, i| {
+                    let regions = pass.regions.as_deref_mut().ok_or_else(|| {
+                        CudaNetError::Binding("the pass has no amp regions".into())
+                    })?;
+                    for &b in &schedule.after[i] {
+                        reduce(regions, b, &stream)?;
+                    }
+                    Ok(())
+                },
+            )?;
         }
         if !Arc::ptr_eq(regions.stream(), &self.stream) {
             regions
@@ -645,7 +658,7 @@ impl CudaNet {
         regions: Option<&mut CudaRegions>,
         input: &mut CudaSlice<f16>,
     ) -> Result<()> {
-        self.run(regions, Some(input), false)
+        self.run(regions, Some(input), Pass::Forward)
     }
 
     /// The backward pass of a forward pass made with [`CudaNet::forward_from`]: the first
@@ -655,7 +668,7 @@ impl CudaNet {
         regions: Option<&mut CudaRegions>,
         input: &mut CudaSlice<f16>,
     ) -> Result<()> {
-        self.run(regions, Some(input), true)
+        self.run(regions, Some(input), Pass::Backward)
     }
 
     /// One pass; with the regions on a stream of their own (an update stream beside the
@@ -665,9 +678,9 @@ impl CudaNet {
         &mut self,
         mut regions: Option<&mut CudaRegions>,
         input: Option<&mut CudaSlice<f16>>,
-        backward: bool,
+        pass: Pass,
     ) -> Result<()> {
-        run_pass(&mut self.pass(regions.as_deref_mut(), input)?, backward)?;
+        run_pass(&mut self.pass(regions.as_deref_mut(), input)?, pass)?;
         if let Some(r) = regions {
             if !Arc::ptr_eq(r.stream(), &self.stream) {
                 r.stream()

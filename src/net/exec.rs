@@ -43,28 +43,13 @@ pub trait NetExecutor {
     ) -> Result<(), Self::Error>;
 }
 
-/// Runs the compiled network's forward pass (`backward == false`) or backward pass on `exec`.
-/// The backward pass expects the output's gradient ([`CompiledNet::output_grad`]) written.
-pub fn run_pass<E: NetExecutor + ?Sized>(exec: &mut E, backward: bool) -> Result<(), E::Error> {
-    run_pass_observed(exec, backward, &mut |_, _| Ok(()))
-}
-
-/// Runs the compiled forward order in evaluation mode: every layer step as
-/// [`Pass::Eval`] (BN from the running statistics, nothing statistical written), the adds and
-/// pools as in training.
-pub fn run_eval<E: NetExecutor + ?Sized>(exec: &mut E) -> Result<(), E::Error> {
-    let count = exec.compiled().forward.len();
-    for i in 0..count {
-        let step = match exec.compiled().forward[i] {
-            Step::Layer { layer, .. } => Step::Layer {
-                layer,
-                pass: Pass::Eval,
-            },
-            other => other,
-        };
-        run_step(exec, step)?;
-    }
-    Ok(())
+/// Runs one pass of the compiled network on `exec`: [`Pass::Forward`] and
+/// [`Pass::Backward`] walk the compiled forward and backward orders ([`Pass::Backward`]
+/// expects the output's gradient, [`CompiledNet::output_grad`], written); [`Pass::Eval`]
+/// walks the forward order with every layer step in evaluation mode (BN from the running
+/// statistics, nothing statistical written), the adds and pools as in training.
+pub fn run_pass<E: NetExecutor + ?Sized>(exec: &mut E, pass: Pass) -> Result<(), E::Error> {
+    run_pass_observed(exec, pass, &mut |_, _| Ok(()))
 }
 
 /// Runs one step on `exec`.
@@ -96,23 +81,25 @@ pub type AfterStep<'a, E> = dyn FnMut(&mut E, usize) -> Result<(), <E as NetExec
 /// ([`super::GradSchedule`]).
 pub fn run_pass_observed<E: NetExecutor + ?Sized>(
     exec: &mut E,
-    backward: bool,
+    pass: Pass,
     after: &mut AfterStep<'_, E>,
 ) -> Result<(), E::Error> {
-    let count = pass_steps(exec.compiled(), backward).len();
+    let count = pass_steps(exec.compiled(), pass).len();
     for i in 0..count {
         // Steps are small copies: read one, then let the executor borrow itself mutably.
-        let step = pass_steps(exec.compiled(), backward)[i];
+        let step = match pass_steps(exec.compiled(), pass)[i] {
+            Step::Layer { layer, .. } if pass == Pass::Eval => Step::Layer { layer, pass },
+            other => other,
+        };
         run_step(exec, step)?;
         after(exec, i)?;
     }
     Ok(())
 }
 
-fn pass_steps(net: &CompiledNet, backward: bool) -> &[Step] {
-    if backward {
-        &net.backward
-    } else {
-        &net.forward
+fn pass_steps(net: &CompiledNet, pass: Pass) -> &[Step] {
+    match pass {
+        Pass::Backward => &net.backward,
+        Pass::Forward | Pass::Eval => &net.forward,
     }
 }

@@ -3,16 +3,22 @@
 //!
 //! The figures are the sizes of what the CUDA executor allocates for a step, as planned: the
 //! amp regions ([`memory_plan`]: FP32 master weights W and their FP16 copy A, the gradients G
-//! and G16, momentum M, EMA E/E16 when asked, the scalars S), the network's own buffers by
-//! role (each its own slot today, alive for the whole step), and one cuDNN workspace, the
-//! largest any layer's plans need. The activations and their gradients are proportional to the
-//! batch; everything else is not, which is what [`MemoryReport::largest_batch`] uses.
+//! and G16, momentum M, EMA E/E16 when asked, the scalars S), the network's buffers, and one
+//! cuDNN workspace, the largest any layer's plans need.
+//!
+//! The network's buffers are counted twice: by role with one slot each (what a plan without
+//! lifetimes allocates), and as they are allocated, in the liveness-planned tensor arena of
+//! [`super::memory_plan_with_buffers`] (buffers never alive together share bytes:
+//! [`super::liveness`]) plus the buffers of their own (input, output and its gradient, running
+//! statistics). The arena and the head-facing buffers are proportional to the batch;
+//! everything else is not, which is what [`MemoryReport::largest_batch`] uses.
 
 use std::fmt;
 
 use super::compile::{BufferRole, CompiledNet};
-use super::params::memory_plan;
-use crate::amp::plan::Region;
+use super::liveness::lifetimes;
+use super::params::{in_arena, memory_plan};
+use crate::amp::plan::{assign_tensor_offsets, peak_live, Lifetime, Region, SLOT_ALIGN};
 use crate::amp::PlanError;
 
 /// One megabyte as the report prints it (10^6 bytes).
@@ -29,12 +35,23 @@ pub struct MemoryReport {
     pub gradients: u64,
     /// Optimizer state: momentum (M), EMA (E, E16) when planned, and the scalars (S).
     pub optimizer: u64,
-    /// Stored activations: the input images and every activation the backward pass reads.
+    /// Activations, one slot each: the input images and every activation (stored for the
+    /// backward pass or passed between layers).
     pub activations: u64,
-    /// Activation gradients.
+    /// Activation gradients, one slot each.
     pub activation_grads: u64,
-    /// BN running statistics and per-channel scratch (statistics, coefficients).
+    /// BN running statistics and per-channel scratch (statistics, coefficients), one slot
+    /// each.
     pub per_channel: u64,
+    /// The liveness-planned tensor arena that holds the activations, their gradients and the
+    /// per-channel scratch (all but the buffers of their own).
+    pub arena: u64,
+    /// The most bytes of the arena's buffers alive at one step: no arena can be smaller.
+    pub arena_peak: u64,
+    /// The buffers of their own: input, output and its gradient, running statistics.
+    pub own: u64,
+    /// The part of [`MemoryReport::own`] proportional to the batch (input, output, gradient).
+    pub own_batched: u64,
     /// The cuDNN workspace: the largest any layer's plans need (one, shared by all).
     pub workspace: u64,
 }
@@ -54,6 +71,35 @@ impl MemoryReport {
                 .map(|b| b.elems as u64 * b.dtype.size() as u64)
                 .sum()
         };
+        let live = lifetimes(net).map_err(|e| PlanError::Invariant {
+            name: net.spec.name.clone(),
+            what: format!("buffer lifetimes: {e}"),
+        })?;
+        let bytes = |id: usize| net.buffers[id].elems as u64 * net.buffers[id].dtype.size() as u64;
+        let items: Vec<(usize, Lifetime)> = (0..net.buffers.len())
+            .filter(|&id| in_arena(net, id))
+            .map(|id| (bytes(id) as usize, live[id]))
+            .collect();
+        let (_, arena) =
+            assign_tensor_offsets(&items, SLOT_ALIGN).ok_or_else(|| PlanError::SizeOverflow {
+                name: net.spec.name.clone(),
+                shape: Vec::new(),
+                what: "tensor arena total",
+            })?;
+        let own_ids = || {
+            (0..net.buffers.len()).filter(|&id| {
+                !in_arena(net, id)
+                    && !matches!(
+                        net.buffers[id].role,
+                        BufferRole::Param | BufferRole::ParamGrad
+                    )
+            })
+        };
+        let own: u64 = own_ids().map(bytes).sum();
+        let own_batched: u64 = own_ids()
+            .filter(|&id| net.buffers[id].role != BufferRole::Running)
+            .map(bytes)
+            .sum();
         let workspace = net
             .layers
             .iter()
@@ -68,34 +114,56 @@ impl MemoryReport {
             activations: by_role(&[BufferRole::Input, BufferRole::Activation]),
             activation_grads: by_role(&[BufferRole::Gradient]),
             per_channel: by_role(&[BufferRole::Running, BufferRole::Scratch]),
+            arena: arena as u64,
+            arena_peak: peak_live(&items) as u64,
+            own,
+            own_batched,
             workspace,
         })
     }
 
-    /// Every byte of the report.
+    /// The report of the same step with one allocation per buffer (no shared arena: what
+    /// a [`crate::net::CudaNet`] made without the tensor arena allocates): the arena's
+    /// buffers counted one slot each.
+    pub fn separate(mut self) -> Self {
+        self.arena = self.network_separate() - self.own;
+        self.arena_peak = self.arena;
+        self
+    }
+
+    /// Every byte the step allocates (the network's buffers as allocated: the arena and the
+    /// buffers of their own).
     pub fn total(&self) -> u64 {
-        self.parameters
-            + self.gradients
-            + self.optimizer
-            + self.activations
-            + self.activation_grads
-            + self.per_channel
-            + self.workspace
+        self.parameters + self.gradients + self.optimizer + self.network() + self.workspace
     }
 
-    /// The network's buffers (activations, their gradients, per-channel buffers) per image.
+    /// The network's buffers as allocated: the arena and the buffers of their own.
+    pub fn network(&self) -> u64 {
+        self.arena + self.own
+    }
+
+    /// The network's buffers with one slot each (activations, their gradients, per-channel).
+    pub fn network_separate(&self) -> u64 {
+        self.activations + self.activation_grads + self.per_channel
+    }
+
+    /// The network's buffers as allocated, per image.
     pub fn network_bytes_per_image(&self) -> f64 {
-        (self.activations + self.activation_grads + self.per_channel) as f64
-            / self.batch.max(1) as f64
+        self.network() as f64 / self.batch.max(1) as f64
     }
 
-    /// The largest batch whose step fits in `device_bytes`, counting the activations and their
-    /// gradients as proportional to the batch and everything else (the workspace at this
-    /// report's batch included) as fixed; `None` when not even one image fits.
+    /// The network's buffers with one slot each, per image (the figure before the arena).
+    pub fn separate_bytes_per_image(&self) -> f64 {
+        self.network_separate() as f64 / self.batch.max(1) as f64
+    }
+
+    /// The largest batch whose step fits in `device_bytes`, counting the arena and the
+    /// head-facing buffers as proportional to the batch and everything else (the workspace at
+    /// this report's batch included) as fixed; `None` when not even one image fits.
     pub fn largest_batch(&self, device_bytes: u64) -> Option<u64> {
-        let per_image =
-            (self.activations + self.activation_grads).div_ceil(self.batch.max(1) as u64);
-        let fixed = self.total() - self.activations - self.activation_grads;
+        let batched = self.arena + self.own_batched;
+        let per_image = batched.div_ceil(self.batch.max(1) as u64);
+        let fixed = self.total() - batched;
         let room = device_bytes.checked_sub(fixed)?;
         let batch = room / per_image.max(1);
         (batch > 0).then_some(batch)
@@ -120,8 +188,18 @@ impl fmt::Display for MemoryReport {
         row(f, "activations", self.activations)?;
         row(f, "activation gradients", self.activation_grads)?;
         row(f, "per-channel buffers", self.per_channel)?;
+        row(f, "  one slot each", self.network_separate())?;
+        row(f, "  shared arena", self.arena)?;
+        row(f, "  (peak alive)", self.arena_peak)?;
+        row(f, "  own buffers", self.own)?;
+        row(f, "  as allocated", self.network())?;
         row(f, "cuDNN workspace", self.workspace)?;
         row(f, "total", self.total())?;
+        writeln!(
+            f,
+            "one slot per buffer: {:.1} MB per image",
+            self.separate_bytes_per_image() / MB
+        )?;
         write!(
             f,
             "network buffers {:.1} MB per image",

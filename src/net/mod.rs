@@ -14,6 +14,8 @@ pub mod cpu;
 pub mod cuda;
 pub mod exec;
 pub mod head;
+mod host_store;
+pub mod liveness;
 pub mod memory;
 pub mod params;
 pub mod prewarm;
@@ -24,10 +26,13 @@ pub use compile::{
     compile, validate, BufId, BufferRole, CompiledNet, LayerRole, NetBuffer, NetLayer, RoutePolicy,
     Step,
 };
-pub use cpu::CpuNet;
+pub use cpu::{Arena, CpuNet};
 pub use cuda::{CudaNet, CudaNetError};
-pub use exec::{run_eval, run_pass, run_pass_observed, NetExecutor};
+pub use exec::{run_pass, run_pass_observed, NetExecutor};
 pub use memory::MemoryReport;
-pub use params::{initial_weights, memory_plan, memory_plan_with_buffers, memory_plan_with_ema};
+pub use params::{
+    initial_weights, memory_plan, memory_plan_of, memory_plan_with_buffers, memory_plan_with_ema,
+    PlanContents,
+};
 pub use prewarm::{prewarm, Prewarmed};
 pub use spec::{BlockKind, BlockSpec, NetSpec, PoolSpec, Preset, StemSpec};

@@ -6,6 +6,7 @@
 //! [`crate::net::cuda::param_slot`] maps the network's parameter buffers to these slots.
 
 use super::compile::{BufferRole, CompiledNet};
+use super::liveness::lifetimes;
 use crate::amp::plan::{MemoryPlan, MemoryPlanBuilder, ParamKind};
 use crate::amp::PlanError;
 
@@ -17,7 +18,42 @@ use crate::amp::PlanError;
 /// A [`PlanError`] naming the parameter, or [`PlanError::HeadClasses`] when `classes` is not
 /// the spec's.
 pub fn memory_plan(net: &CompiledNet, classes: usize) -> Result<MemoryPlan, PlanError> {
-    builder(net, classes)?.finalize()
+    memory_plan_of(net, classes, PlanContents::default())
+}
+
+/// What a network's memory plan holds besides its parameters ([`memory_plan_of`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PlanContents {
+    /// The EMA regions E and E16 ([`memory_plan_with_ema`]).
+    pub ema: bool,
+    /// The network's step-long buffers in the liveness-planned tensor arena
+    /// ([`memory_plan_with_buffers`]).
+    pub buffers: bool,
+}
+
+/// The memory plan of `net`'s parameters and an FC head of `classes` outputs, with what
+/// `contents` asks for.
+///
+/// # Errors
+/// As [`memory_plan`] and [`memory_plan_with_buffers`].
+pub fn memory_plan_of(
+    net: &CompiledNet,
+    classes: usize,
+    contents: PlanContents,
+) -> Result<MemoryPlan, PlanError> {
+    let mut b = builder(net, classes)?.with_ema(contents.ema);
+    if contents.buffers {
+        let live = lifetimes(net).map_err(|e| PlanError::Invariant {
+            name: net.spec.name.clone(),
+            what: format!("buffer lifetimes: {e}"),
+        })?;
+        for (id, buf) in net.buffers.iter().enumerate() {
+            if in_arena(net, id) {
+                b.add_tensor_live(&buf.name, buf.dtype, buf.elems, live[id])?;
+            }
+        }
+    }
+    b.finalize()
 }
 
 /// [`memory_plan`] with the EMA regions E (FP32) and E16 (FP16) allocated: the plan of a step
@@ -26,7 +62,14 @@ pub fn memory_plan(net: &CompiledNet, classes: usize) -> Result<MemoryPlan, Plan
 /// # Errors
 /// As [`memory_plan`].
 pub fn memory_plan_with_ema(net: &CompiledNet, classes: usize) -> Result<MemoryPlan, PlanError> {
-    builder(net, classes)?.with_ema(true).finalize()
+    memory_plan_of(
+        net,
+        classes,
+        PlanContents {
+            ema: true,
+            buffers: false,
+        },
+    )
 }
 
 /// The builder of [`memory_plan`], its parameters registered.
@@ -62,28 +105,39 @@ fn builder(net: &CompiledNet, classes: usize) -> Result<MemoryPlanBuilder, PlanE
     Ok(b)
 }
 
-/// [`memory_plan`] with every other buffer of the network in the plan's tensor arena
-/// (activations, their gradients, batch and running statistics), except the input, the output
-/// and the output's gradient, which stay the caller's and the head's. A
-/// [`crate::net::CudaNet`] made with this plan allocates only those three; its passes borrow
-/// the rest from the amp regions.
+/// [`memory_plan`] with the network's step-long buffers in the plan's tensor arena
+/// (activations, their gradients, batch statistics and coefficients), each registered with its
+/// lifetime over the training step ([`super::liveness::lifetimes`]) so that buffers never
+/// alive together share bytes. The input, the output and its gradient (the caller's and the
+/// head's) and the running statistics (kept from step to step, read by checkpoints) stay
+/// allocations of the network's own. A [`crate::net::CudaNet`] made with this plan allocates
+/// only those; its passes borrow the rest from the amp regions.
 ///
 /// # Errors
-/// As [`memory_plan`].
+/// As [`memory_plan`]; [`PlanError::Invariant`] naming a buffer a layer's graph binds but the
+/// compiled network lacks (a compiler defect).
 pub fn memory_plan_with_buffers(
     net: &CompiledNet,
     classes: usize,
 ) -> Result<MemoryPlan, PlanError> {
-    let mut b = builder(net, classes)?;
-    for (id, buf) in net.buffers.iter().enumerate() {
-        let head_facing = [net.input, net.output, net.output_grad].contains(&id);
-        let param = matches!(buf.role, BufferRole::Param | BufferRole::ParamGrad);
-        if head_facing || param {
-            continue;
-        }
-        b.add_tensor(&buf.name, buf.dtype, buf.elems)?;
-    }
-    b.finalize()
+    memory_plan_of(
+        net,
+        classes,
+        PlanContents {
+            ema: false,
+            buffers: true,
+        },
+    )
+}
+
+/// Whether [`memory_plan_with_buffers`] puts buffer `id` in the tensor arena.
+pub fn in_arena(net: &CompiledNet, id: usize) -> bool {
+    let head_facing = [net.input, net.output, net.output_grad].contains(&id);
+    let own = matches!(
+        net.buffers[id].role,
+        BufferRole::Param | BufferRole::ParamGrad | BufferRole::Running
+    );
+    !head_facing && !own
 }
 
 /// Initial master weights for [`memory_plan`]'s FP32 region W, as (parameter, values):

@@ -27,7 +27,7 @@
 //! which and why. `--device cuda` fails with the reason instead of falling back.
 
 use clap::Parser;
-use cudnn_cbr::net::{BlockKind, Preset};
+use cudnn_cbr::net::{Arena, BlockKind, Preset};
 use cudnn_cbr_trainer::{
     CudaGraphMode, DataSource, Device, ExecutorKind, Progress, TrainConfig, Trainer,
 };
@@ -111,6 +111,17 @@ struct Args {
     /// (1..=4096; 1: none).
     #[arg(long, value_name = "N", default_value_t = TrainConfig::default().accum)]
     accum: usize,
+    /// The network buffers' layout: `shared` (buffers never alive together share one
+    /// liveness-planned arena) or `separate` (one allocation each); same results.
+    #[arg(long, value_enum, default_value = "shared")]
+    arena: ArenaArg,
+}
+
+/// `--arena`.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum ArenaArg {
+    Shared,
+    Separate,
 }
 
 impl Args {
@@ -140,6 +151,10 @@ impl Args {
             clip_norm: self.clip_norm,
             ema: self.ema,
             accum: self.accum,
+            arena: match self.arena {
+                ArenaArg::Shared => Arena::Shared,
+                ArenaArg::Separate => Arena::Separate,
+            },
             ..TrainConfig::default()
         }
     }

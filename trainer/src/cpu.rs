@@ -35,7 +35,8 @@ impl CpuTrainer {
         // (The same initial weights as the CUDA executor's: `net::initial_weights` of the seed;
         // running variances start at 1, as in every framework: `CpuNet::new`.)
         let net = compile_net(cfg, &cpu_policy(cfg))?;
-        let model = CpuClassifier::new(net, cfg.classes, cfg.step_config(), cfg.seed)?;
+        let model =
+            CpuClassifier::with_arena(net, cfg.classes, cfg.step_config(), cfg.seed, cfg.arena)?;
         Ok(CpuTrainer {
             cfg: *cfg,
             data,

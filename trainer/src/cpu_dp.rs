@@ -108,7 +108,8 @@ fn run_rank(
     let (rank, ranks) = (grads.rank(), cfg.ranks);
     let data = data::Synthetic::new(cfg.hw, cfg.channels, cfg.classes, cfg.seed);
     let net = compile_net(cfg, &cpu_policy(cfg))?;
-    let model = CpuClassifier::new(net, cfg.classes, cfg.step_config(), cfg.seed)?;
+    let model =
+        CpuClassifier::with_arena(net, cfg.classes, cfg.step_config(), cfg.seed, cfg.arena)?;
     let mut replica = CpuReplica::new(model, grads, bn)?;
     let per = cfg.hw * cfg.hw * cfg.channels;
     let shard = |(images, labels): (Vec<f16>, Vec<i32>)| {

@@ -100,7 +100,10 @@ use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::fusion::exec::{cuda_device, Handle};
 use cudnn_cbr::net::cuda::{running_stats, CudaNet, CudaNetError};
-use cudnn_cbr::net::{grad_schedule, CompiledNet, GradSchedule, MemoryReport, RoutePolicy};
+use cudnn_cbr::net::{
+    grad_schedule, memory_plan_of, Arena, CompiledNet, GradSchedule, MemoryReport, PlanContents,
+    RoutePolicy,
+};
 use half::f16;
 use std::collections::VecDeque;
 use std::fmt;
@@ -373,7 +376,21 @@ impl CudaTrainer {
         // the step's capture.)
 
         // The memory plan and its regions, with the CPU executor's initial weights.
-        let (plan, init) = plan_and_initial_weights(cfg)?;
+        // The regions' layout is the CPU plan's (the same parameters in the same places);
+        // with the shared arena, the network's step-long buffers are added to it, laid out
+        // by their lifetimes in this planned network (its routes decide which buffers exist).
+        let (_, init) = plan_and_initial_weights(cfg)?;
+        let contents = PlanContents {
+            ema: false,
+            buffers: cfg.arena == Arena::Shared,
+        };
+        let plan = memory_plan_of(&net, cfg.classes, contents)?;
+        // Gradient accumulation adds the FP32 accumulator GA; nothing else moves.
+        let plan = if cfg.accum > 1 {
+            plan.with_grad_accumulator()?
+        } else {
+            plan
+        };
         let mut regions = CudaRegions::new(plan, stream.clone()).map_err(amp_error)?;
         for (name, values) in init {
             regions
@@ -519,8 +536,17 @@ impl CudaTrainer {
             ),
             None => String::new(),
         };
+        let arena = self.step.executor().plan_arc().tensor_bytes();
+        let buffers = if arena > 0 {
+            format!(
+                "network buffers in a shared arena of {:.1} MB",
+                arena as f64 / 1e6
+            )
+        } else {
+            "network buffers allocated one by one".into()
+        };
         format!(
-            "{group}cuda:{} {}; routes: {}; {graphs}; amp kernels as {}",
+            "{group}cuda:{} {}; routes: {}; {graphs}; {buffers}; amp kernels as {}",
             self.ctx.ordinal(),
             self.device_name,
             routes.join(", "),
@@ -1312,6 +1338,10 @@ fn check_fits(
 ) -> Result<(), TrainError> {
     let report = MemoryReport::of(net, cfg.classes)
         .map_err(|e| TrainError::Config(format!("the memory plan: {e}")))?;
+    let report = match cfg.arena {
+        Arena::Shared => report,
+        Arena::Separate => report.separate(),
+    };
     let (free, _total) = ctx
         .mem_get_info()
         .map_err(|e| TrainError::Config(format!("cannot query the device memory: {e}")))?;

@@ -50,6 +50,7 @@ use cudnn_cbr::amp::plan::{MemoryPlan, ParamInfo};
 use cudnn_cbr::amp::range::{HeadMetrics, SgdConfig};
 use cudnn_cbr::amp::step::StepConfig;
 use cudnn_cbr::amp::AmpError;
+pub use cudnn_cbr::net::Arena;
 use std::fmt;
 use std::str::FromStr;
 
@@ -177,6 +178,11 @@ pub struct TrainConfig {
     /// loss-scale update run once per step. Step `i` trains on batches `i·accum ..
     /// (i + 1)·accum` of the dataset; its loss and accuracy are its micro-batches' means.
     pub accum: usize,
+    /// How the network's buffers are laid out: [`Arena::Shared`] (the default) keeps the
+    /// activations, their gradients and the per-step scratch in one arena where buffers
+    /// never alive together share memory (the GPU's tensor arena, the CPU executor's shared
+    /// pools); [`Arena::Separate`] gives each its own allocation. Same results either way.
+    pub arena: Arena,
 }
 
 /// The most micro-batches per optimizer step ([`TrainConfig::accum`]): the amp step's bound,
@@ -271,6 +277,7 @@ impl Default for TrainConfig {
             clip_norm: None,
             ema: None,
             accum: 1,
+            arena: Arena::Shared,
         }
     }
 }

@@ -19,7 +19,7 @@ mod gpu_train;
 mod sim;
 
 use cudnn_cbr::net::Preset;
-use cudnn_cbr_trainer::{train, Device, ExecutorKind, TrainConfig};
+use cudnn_cbr_trainer::{train, Arena, Device, ExecutorKind, TrainConfig};
 use std::process::Command;
 
 /// Set in a child run (each child runs one test of this binary, `--exact`).
@@ -36,6 +36,7 @@ fn train_and_print(cfg: &TrainConfig) {
     let r = train(cfg, 1, |_| {}).expect("CUDA training on the simulator");
     println!("EXECUTOR {:?} | {}", r.executor.kind, r.executor.detail);
     println!("HELD {} {}", r.held_out_accuracy, r.held_out_eval_mode);
+    println!("HASH {:016x}", r.weights.hash());
     for l in &r.step_losses {
         println!("LOSS {l}");
     }
@@ -260,6 +261,75 @@ fn a_resnet18_step_is_captured_and_replayed_on_the_simulator() {
     assert!((losses[0] - 8f32.ln()).abs() < 1.5, "{losses:?}");
 }
 
+/// The mini network (eager warm-up, then the whole step replayed) and ResNet-18 (stem,
+/// max-pool, projections) with the network's buffers in the liveness-planned tensor arena
+/// and with one allocation each: the same losses and the same weights bit for bit, and the
+/// held-out accuracy (evaluation mode reads the arena too). The simulator checks every
+/// binding of every plan execution and kernel launch against its allocation, and flags a
+/// graph whose output overlaps an input.
+#[test]
+fn the_shared_arena_on_the_simulator_gives_the_same_bits_as_separate_buffers() {
+    let runs = |arena| {
+        [
+            TrainConfig {
+                arena,
+                ..cfg(Device::Cuda)
+            },
+            TrainConfig {
+                arena,
+                ..resnet18(Device::Cuda)
+            },
+        ]
+    };
+    if in_child() {
+        let arena = match std::env::var("CUDNN_CBR_TEST_ARENA").as_deref() {
+            Ok("separate") => Arena::Separate,
+            _ => Arena::Shared,
+        };
+        for c in runs(arena) {
+            train_and_print(&c);
+        }
+        return;
+    }
+    let test = "the_shared_arena_on_the_simulator_gives_the_same_bits_as_separate_buffers";
+    let Some(dir) = sim::built(test) else {
+        return;
+    };
+    let var = "CUDNN_CBR_TEST_ARENA";
+    let shared = run_child(test, &dir, &[(var, "shared".as_ref())]);
+    let separate = run_child(test, &dir, &[(var, "separate".as_ref())]);
+    let lines = |c: &Child, tag: &str| -> Vec<String> {
+        c.stdout
+            .lines()
+            .filter(|l| l.starts_with(tag))
+            .map(str::to_owned)
+            .collect()
+    };
+    for tag in ["LOSS ", "HASH ", "HELD "] {
+        let (a, b) = (lines(&shared, tag), lines(&separate, tag));
+        println!("{tag}shared {a:?}\n{tag}separate {b:?}");
+        assert!(!a.is_empty(), "{}", shared.stdout);
+        assert_eq!(a, b, "{tag}: the layouts differ");
+    }
+    assert_eq!(lines(&shared, "HASH ").len(), 2);
+    assert!(
+        shared.executor().contains("whole step replayed"),
+        "{}",
+        shared.stdout
+    );
+    // The layouts really differ: the shared run's buffers are in the tensor arena.
+    assert!(
+        shared.executor().contains("shared arena of"),
+        "{}",
+        shared.executor()
+    );
+    assert!(
+        separate.executor().contains("one by one"),
+        "{}",
+        separate.executor()
+    );
+}
+
 /// The mini network with clipping by global norm at 0.5, below the gradients' norm.
 fn clipped(device: Device) -> TrainConfig {
     TrainConfig {
@@ -370,12 +440,13 @@ fn gradient_accumulation_on_the_simulator_matches_the_cpu_executor() {
 
 /// A batch the device cannot hold is refused before the step allocates anything, with the
 /// memory report: the simulated device is given 64 MB (its device-properties document with
-/// a smaller `totalGlobalMem`), and the mini network at batch 512 needs more.
+/// a smaller `totalGlobalMem`), and the mini network at batch 1024 needs more (about 100 MB;
+/// batch 512 fits in 50 MB since its buffers share the liveness-planned arena).
 #[test]
 fn a_batch_the_device_cannot_hold_is_refused_with_the_memory_report() {
     let cfg = TrainConfig {
         steps: 1,
-        batch: 512,
+        batch: 1024,
         device: Device::Cuda,
         ..TrainConfig::default()
     };
@@ -404,12 +475,13 @@ fn a_batch_the_device_cannot_hold_is_refused_with_the_memory_report() {
     let (stdout, stderr) = (&child.stdout, &child.stderr);
     println!("{stdout}");
     assert!(
-        stdout.contains("REFUSED") && stdout.contains("batch 512 does not fit"),
+        stdout.contains("REFUSED") && stdout.contains("batch 1024 does not fit"),
         "{stdout}\n{stderr}"
     );
     for needle in [
         "the largest batch that fits is about",
         "activation gradients",
+        "shared arena",
         "network buffers",
         "MB per image",
     ] {

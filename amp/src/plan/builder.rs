@@ -4,7 +4,7 @@ use std::collections::HashSet;
 
 use crate::error::PlanError;
 use crate::plan::layout::{BucketInfo, MemoryPlan, ParamInfo};
-use crate::plan::tensors::lay_out;
+use crate::plan::tensors::{lay_out, Lifetime};
 use crate::plan::types::{
     fp16_slot_bytes, fp32_slot_bytes, Bucket, DataType, ParamKind, PlanOptions,
 };
@@ -29,8 +29,8 @@ pub struct MemoryPlanBuilder {
     options: PlanOptions,
     buckets: Vec<String>,
     params: Vec<Pending>,
-    /// Non-parameter buffers for the tensor arena: (name, dtype, elems), in order.
-    tensors: Vec<(String, DataType, usize)>,
+    /// Non-parameter buffers for the tensor arena: (name, dtype, elems, lifetime), in order.
+    tensors: Vec<(String, DataType, usize, Lifetime)>,
     names: HashSet<String>,
     finalized: bool,
 }
@@ -152,7 +152,8 @@ impl MemoryPlanBuilder {
     }
 
     /// Registers a non-parameter buffer (an activation, a gradient, a statistic) of `elems`
-    /// elements of `dtype` in the tensor arena. Names share one namespace with parameters.
+    /// elements of `dtype` in the tensor arena, with bytes of its own for the whole step.
+    /// Names share one namespace with parameters.
     ///
     /// # Errors
     /// [`PlanError::RegisterAfterFinalize`], [`PlanError::EmptyName`],
@@ -164,6 +165,31 @@ impl MemoryPlanBuilder {
         dtype: DataType,
         elems: usize,
     ) -> Result<(), PlanError> {
+        self.add_tensor_live(name, dtype, elems, Lifetime::Whole)
+    }
+
+    /// [`MemoryPlanBuilder::add_tensor`] for a buffer needed only during `live`: it may share
+    /// bytes with tensors whose lifetimes do not meet its own (module `tensors`: the interval
+    /// assignment, and the check that proves it).
+    ///
+    /// # Errors
+    /// As [`MemoryPlanBuilder::add_tensor`]; [`PlanError::Invariant`] for a span that ends
+    /// before it starts.
+    pub fn add_tensor_live(
+        &mut self,
+        name: &str,
+        dtype: DataType,
+        elems: usize,
+        live: Lifetime,
+    ) -> Result<(), PlanError> {
+        if let Lifetime::Span { first, last } = live {
+            if last < first {
+                return Err(PlanError::Invariant {
+                    name: name.to_owned(),
+                    what: format!("its lifetime ends at {last}, before it starts at {first}"),
+                });
+            }
+        }
         let owned = || name.to_owned();
         if self.finalized {
             return Err(PlanError::RegisterAfterFinalize { name: owned() });
@@ -190,7 +216,7 @@ impl MemoryPlanBuilder {
             });
         }
         self.names.insert(owned());
-        self.tensors.push((owned(), dtype, elems));
+        self.tensors.push((owned(), dtype, elems, live));
         Ok(())
     }
 

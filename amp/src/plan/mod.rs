@@ -10,8 +10,10 @@
 //!    [`MemoryPlan::arena_layout`]), zero them, and upload S from
 //!    [`crate::range::Scalars::to_bytes`].
 //! 6. Optionally, register a network's other buffers (activations, gradients, statistics)
-//!    with [`MemoryPlanBuilder::add_tensor`]: they get 256-byte aligned slots in one tensor
-//!    arena beside the regions ([`MemoryPlan::tensors`], [`MemoryPlan::tensor_bytes`]).
+//!    with [`MemoryPlanBuilder::add_tensor`] (bytes of their own) or
+//!    [`MemoryPlanBuilder::add_tensor_live`] (a [`Lifetime`]: buffers whose lifetimes never
+//!    meet share bytes): they get 256-byte aligned slots in one tensor arena beside the regions
+//!    ([`MemoryPlan::tensors`], [`MemoryPlan::tensor_bytes`]).
 //! 7. Bind tensors with [`MemoryPlan::view`]; launch range ops over
 //!    [`MemoryPlan::region_range`], [`MemoryPlan::bucket_range`] and
 //!    [`MemoryPlan::g16_cast_ranges`].
@@ -53,7 +55,7 @@ mod types;
 
 pub use builder::MemoryPlanBuilder;
 pub use layout::{BucketInfo, MemoryPlan, ParamInfo, ParamView, RegionLayout};
-pub use tensors::TensorSlot;
+pub use tensors::{assign as assign_tensor_offsets, peak_live, Lifetime, TensorSlot};
 pub use types::{
     align_up, fp16_slot_bytes, fp32_slot_bytes, Bucket, ByteRange, DataType, GradPath, ParamKind,
     PlanOptions, Region, SLOT_ALIGN, SLOT_PAD,

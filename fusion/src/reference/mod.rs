@@ -30,8 +30,9 @@
 //!    feeds no conv: [`relu_bwd`] + [`bn_bwd`].
 //!
 //! The unfused route uses [`conv_fprop`], [`bn_fwd_train`], [`relu_fwd`], [`add`] forward and
-//! [`relu_bwd`], [`bn_bwd`], [`conv_dgrad`], [`conv_wgrad`] backward. [`CbrChain`] composes
-//! either route for a chain of layers.
+//! [`relu_bwd`], [`bn_bwd`], [`conv_dgrad`], [`conv_wgrad`] backward. This crate's unit tests
+//! compose either route for a chain of layers (a private `chain` module) and check the two
+//! against each other.
 //!
 //! # Where values are rounded to FP16 (FP16 mode)
 //! | op | rounded to FP16 | stays FP32 (or summed in f64, then FP32) |
@@ -54,7 +55,10 @@
 #![warn(missing_docs)]
 
 pub mod bn;
-pub mod chain;
+// A chain of layers on either route: the route-parity oracle of this crate's unit tests
+// (module `tests`), not part of the API.
+#[cfg(test)]
+mod chain;
 pub mod conv;
 pub mod element;
 pub mod error;
@@ -70,10 +74,8 @@ pub use bn::{
     bn_bwd, bn_eval_finalize, bn_finalize, bn_fwd_train, genstats, BnBackward, BnFinalized,
     BnForward, ChannelStats, RunningStats,
 };
-pub use chain::{
-    weighted_sum_loss, CbrChain, CbrLayer, ChainForward, ChainGrads, LayerForward, LayerGrads,
-    Route,
-};
+#[cfg(test)]
+pub(crate) use chain::{weighted_sum_loss, CbrChain, CbrLayer, Route};
 pub use conv::{conv_dgrad, conv_dgrad_into, conv_fprop, conv_wgrad};
 pub use element::{Element, Real};
 pub use error::{ReferenceError, Result};

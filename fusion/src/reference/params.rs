@@ -278,7 +278,8 @@ pub(crate) fn check_len<T>(tensor: &'static str, data: &[T], expected: usize) ->
     }
 }
 
-/// Checks that two shapes are equal.
+/// Checks that two shapes are equal (the test-only layer chain's check).
+#[cfg(test)]
 pub(crate) fn check_shape(tensor: &'static str, got: Nhwc, expected: Nhwc) -> Result<()> {
     if got == expected {
         Ok(())
