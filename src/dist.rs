@@ -7,7 +7,8 @@
 //! overflow flag shared (max) between the check and SGD, SGD unscaling the sums by
 //! `1 / (loss_scale · ranks)`. With synchronized BN every layer normalizes with the global
 //! batch's statistics ([`crate::fusion::cbr::BnSync`]), so N ranks × batch B train like one
-//! rank × batch N·B.
+//! rank × batch N·B. With gradient accumulation, [`CpuReplica::train_step`] runs a step's
+//! micro-batches, each summed over the ranks and added into the accumulator GA.
 //!
 //! ```no_run
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -149,6 +150,80 @@ impl CpuReplica {
         let step = self.model.step_mut();
         step.finish_with(|regions| grads::all_reduce_overflow(regions, comm))?;
         self.global_metrics(local)
+    }
+
+    /// One data-parallel optimizer step with gradient accumulation over `micro_batches`
+    /// (this rank's shard of each, as many as the step's
+    /// [`crate::amp::step::StepConfig::accum`]; every rank calls it together with its own
+    /// shards): [`CpuReplica::micro_batch`] for each, the last one with `last`. Returns the
+    /// global loss and accuracy, the mean over the micro-batches.
+    ///
+    /// # Errors
+    /// [`ClassifierError::Input`] for a count other than the step's (nothing runs, nothing
+    /// is exchanged); as [`CpuReplica::step`].
+    pub fn train_step(
+        &mut self,
+        micro_batches: &[(&[f16], &[i32])],
+    ) -> Result<HeadMetrics, ClassifierError> {
+        let accum = self.model.step().config().accum;
+        if micro_batches.len() != accum as usize {
+            return Err(ClassifierError::Input(format!(
+                "{} micro-batches for a step that accumulates {accum} (StepConfig::accum)",
+                micro_batches.len()
+            )));
+        }
+        let (mut loss, mut accuracy) = (0f32, 0f32);
+        for (k, (images, labels)) in micro_batches.iter().enumerate() {
+            let local = self.micro_batch(images, labels, k + 1 == micro_batches.len())?;
+            loss += local.loss;
+            accuracy += local.accuracy;
+        }
+        let n = micro_batches.len().max(1) as f32;
+        self.global_metrics(HeadMetrics {
+            loss: loss / n,
+            accuracy: accuracy / n,
+        })
+    }
+
+    /// One micro-batch of a data-parallel step with gradient accumulation, on this rank's
+    /// shard (every rank calls it together): as in [`CpuReplica::step`] its buckets are
+    /// summed over the ranks as backward makes them final; then amp's `accumulate` adds the
+    /// sums into GA, or for the step's `last` micro-batch `finish` adds it and moves GA into
+    /// G, and the check, the shared overflow flag, SGD (unscaling by
+    /// `1 / (loss_scale · ranks · N)`) and the scale update run once. The caller runs the
+    /// step's N micro-batches in order, the last with `last` ([`CpuReplica::train_step`]
+    /// does). Returns this rank's loss and accuracy (not reduced).
+    ///
+    /// # Errors
+    /// As [`CpuReplica::step`].
+    pub fn micro_batch(
+        &mut self,
+        images: &[f16],
+        labels: &[i32],
+        last: bool,
+    ) -> Result<HeadMetrics, ClassifierError> {
+        self.model.step_mut().begin()?;
+        let comm = &mut self.comm;
+        let local = match self.model.forward_backward_reduced(
+            images,
+            labels,
+            &self.schedule,
+            &mut |regions, bucket| grads::all_reduce_bucket(regions, comm, bucket),
+        ) {
+            Ok(m) => m,
+            Err(e) => {
+                self.comm.fail(format!("its forward/backward failed: {e}"));
+                return Err(e);
+            }
+        };
+        let comm = &mut self.comm;
+        let step = self.model.step_mut();
+        if last {
+            step.finish_with(|regions| grads::all_reduce_overflow(regions, comm))?;
+        } else {
+            step.accumulate()?;
+        }
+        Ok(local)
     }
 
     /// The logits of this rank's shard with the current weights. With synchronized BN every

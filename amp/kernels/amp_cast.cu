@@ -34,3 +34,31 @@ extern "C" __global__ void amp_cast_f16_to_f32(const __half* __restrict__ src,
     }
     for (size_t i = groups * 8 + tid; i < n; i += stride) dst[i] = amp_h2f(src[i]);
 }
+
+// Gradient accumulation over micro-batches, one pass per micro-batch. For i < n:
+//   x = g[i] + (i < n16 ? f32(g16[i]) : 0)     this micro-batch's FP32 gradient: G holds the
+//                                               FP32 parts (BN, FC), G16 the conv wgrads, and
+//                                               each element is zero in the one not written
+//   sum = acc[i] + x
+//   drain == 0: acc[i] = sum                    (a micro-batch before the last)
+//   drain != 0: g[i] = sum, acc[i] = 0          (the last: G holds the step's sum, GA is
+//                                               clear for the next step, even a skipped one)
+// A NaN result is the canonical 0x7FFFFFFF. Twin: cudnn_cbr_amp::range::accum_grads.
+extern "C" __global__ void amp_accum_grads(const __half* __restrict__ g16, float* __restrict__ g,
+                                           float* __restrict__ acc, size_t n, size_t n16,
+                                           unsigned int drain) {
+    const size_t tid = amp_tid();
+    const size_t stride = amp_stride();
+    for (size_t i = tid; i < n; i += stride) {
+        float x = g[i];
+        if (i < n16) x = __fadd_rn(x, amp_h2f(g16[i]));
+        float sum = __fadd_rn(acc[i], x);
+        if (amp_isnan(sum)) sum = __uint_as_float(0x7fffffffu);
+        if (drain != 0u) {
+            g[i] = sum;
+            acc[i] = 0.0f;
+        } else {
+            acc[i] = sum;
+        }
+    }
+}

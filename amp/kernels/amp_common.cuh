@@ -30,7 +30,8 @@ struct AmpScalars {
     unsigned int ranks;           // byte 32: data-parallel ranks summed into G (0, 1: one)
     float clip_norm;              // byte 36: global-norm clipping bound (0: off; SGD reads)
     float grad_norm;              // byte 40: unscaled global L2 norm of G (amp_grad_norm)
-    unsigned int reserved0[5];    // bytes 44..63: zero
+    unsigned int accum;           // byte 44: micro-batches accumulated into G (0, 1: one)
+    unsigned int reserved0[4];    // bytes 48..63: zero
     float norm_partials[AMP_NORM_BLOCKS];  // bytes 64..191: amp_grad_sumsq's block sums
 };
 static_assert(__builtin_offsetof(AmpScalars, loss_scale) == 0, "S layout: loss_scale");
@@ -44,6 +45,7 @@ static_assert(__builtin_offsetof(AmpScalars, weight_decay) == 28, "S layout: wei
 static_assert(__builtin_offsetof(AmpScalars, ranks) == 32, "S layout: ranks");
 static_assert(__builtin_offsetof(AmpScalars, clip_norm) == 36, "S layout: clip_norm");
 static_assert(__builtin_offsetof(AmpScalars, grad_norm) == 40, "S layout: grad_norm");
+static_assert(__builtin_offsetof(AmpScalars, accum) == 44, "S layout: accum");
 static_assert(__builtin_offsetof(AmpScalars, norm_partials) == 64, "S layout: norm_partials");
 static_assert(sizeof(AmpScalars) == 192, "S layout: size");
 
@@ -78,6 +80,15 @@ __device__ __forceinline__ float amp_neg_inf() {
 // handling is not specified tightly enough for a bit-exact CPU twin, so we pick the NaN.
 __device__ __forceinline__ __half amp_f2h(float x) {
     return amp_isnan(x) ? __ushort_as_half((unsigned short)0x7fffu) : __float2half_rn(x);
+}
+
+// What G is divided by to unscale and average it: loss_scale, times ranks when above 1, then
+// times accum when above 1, each product rounded once. Twin: Scalars::unscale_denominator.
+__device__ __forceinline__ float amp_unscale_denominator(const AmpScalars* s) {
+    float denom = s->loss_scale;
+    if (s->ranks > 1u) denom = __fmul_rn(denom, (float)s->ranks);
+    if (s->accum > 1u) denom = __fmul_rn(denom, (float)s->accum);
+    return denom;
 }
 
 // FP16 -> FP32, exact, NaN -> canonical 0x7FFFFFFF.

@@ -29,13 +29,13 @@ extern "C" __global__ void amp_grad_sumsq(const float* __restrict__ g, size_t n,
     if (t == 0) s->norm_partials[blockIdx.x] = sums[0];
 }
 
-// grad_norm = sqrt(partials[0] + ... + partials[31], added in order) / (scale * ranks): the
-// norm of the unscaled (and, over several ranks, averaged) gradients SGD applies.
+// grad_norm = sqrt(partials[0] + ... + partials[31], added in order) / (scale * ranks * accum):
+// the norm of the unscaled (and, over several ranks or micro-batches, averaged) gradients SGD
+// applies.
 extern "C" __global__ void amp_grad_norm(AmpScalars* __restrict__ s) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     float sum = 0.0f;
     for (int b = 0; b < AMP_NORM_BLOCKS; ++b) sum = __fadd_rn(sum, s->norm_partials[b]);
-    const float denom =
-        s->ranks > 1u ? __fmul_rn(s->loss_scale, (float)s->ranks) : s->loss_scale;
+    const float denom = amp_unscale_denominator(s);
     s->grad_norm = __fdiv_rn(__fsqrt_rn(sum), denom);
 }

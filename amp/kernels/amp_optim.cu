@@ -28,7 +28,7 @@ __device__ __forceinline__ float amp_sgd1(float w, float g, float* m, float inv,
     return __fsub_rn(w, __fmul_rn(lr, d));
 }
 
-// SGD (momentum, weight decay, optional Nesterov) with the 1/(scale·ranks) unscale (times the
+// SGD (momentum, weight decay, optional Nesterov) with the 1/(scale·ranks·accum) unscale (times the
 // global-norm clipping factor when S's clip_norm is set) folded in, then
 // a[i] = f16(w[i]). The hyper-parameters are read from S, so a captured step follows a
 // schedule the host writes there between replays. m is null when the plan has no M region
@@ -38,8 +38,8 @@ extern "C" __global__ void amp_sgd_step(float* __restrict__ w, float* __restrict
                                         const AmpScalars* __restrict__ s, int nesterov,
                                         int decay, size_t n) {
     if (s->overflow != 0u) return;
-    // Over several ranks G holds sums: averaging them is part of the unscale.
-    const float denom = s->ranks > 1u ? __fmul_rn(s->loss_scale, (float)s->ranks) : s->loss_scale;
+    // Over several ranks or micro-batches G holds sums: averaging them is part of the unscale.
+    const float denom = amp_unscale_denominator(s);
     float inv = __fdiv_rn(1.0f, denom);
     // Clipping by global norm (amp_grad_norm wrote grad_norm): PyTorch's clip_grad_norm_
     // factor, folded into the unscale so that G is not read twice.

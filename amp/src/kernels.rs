@@ -30,6 +30,9 @@ pub mod entry {
     pub const CAST_F32_TO_F16: &str = "amp_cast_f32_to_f16";
     /// FP16 → FP32 cast over a range (G16→G). Twin: `range::cast_f16_to_f32`.
     pub const CAST_F16_TO_F32: &str = "amp_cast_f16_to_f32";
+    /// Gradient accumulation: G16 and G added into GA, or drained into G. Twin:
+    /// `range::accum_grads`.
+    pub const ACCUM_GRADS: &str = "amp_accum_grads";
     /// NaN/Inf check setting the flag. Twin: `range::check_nonfinite`.
     pub const CHECK_NONFINITE: &str = "amp_check_nonfinite";
     /// NaN check and Inf/large clip. Twin: `range::check_and_clip`.
@@ -98,6 +101,8 @@ pub fn signature(entry_point: &str) -> Option<&'static [ParamType]> {
     Some(match entry_point {
         // (src, dst, n)
         entry::CAST_F32_TO_F16 | entry::CAST_F16_TO_F32 => &[U64, U64, U64],
+        // (g16, g, acc, n, n16, drain)
+        entry::ACCUM_GRADS => &[U64, U64, U64, U64, U64, U32],
         // (g, n, s)
         entry::CHECK_NONFINITE => &[U64, U64, U64],
         // (g, n, bound, s)
@@ -158,12 +163,16 @@ impl KernelSource {
     }
 }
 
-/// Casts between FP32 and FP16 regions.
+/// Casts between FP32 and FP16 regions, and gradient accumulation.
 pub const CAST: KernelSource = KernelSource {
     name: "cast",
     file: "amp_cast.cu",
     source: include_str!("../kernels/amp_cast.cu"),
-    entry_points: &[entry::CAST_F32_TO_F16, entry::CAST_F16_TO_F32],
+    entry_points: &[
+        entry::CAST_F32_TO_F16,
+        entry::CAST_F16_TO_F32,
+        entry::ACCUM_GRADS,
+    ],
 };
 
 /// Overflow check and check-and-clip.

@@ -2,7 +2,7 @@
 //!
 //! | concept   | what it is                                   | where                     |
 //! |-----------|----------------------------------------------|---------------------------|
-//! | region    | one contiguous allocation (W, A, G, G16, M, E, E16, S) | [`plan::Region`] |
+//! | region    | one contiguous allocation (W, A, G, G16, M, E, E16, GA, S) | [`plan::Region`] |
 //! | slot      | one parameter's bytes in one region          | [`plan::ParamView`]       |
 //! | bucket    | parameters contiguous in every region        | [`plan::Bucket`]          |
 //! | plan      | every slot of every parameter, validated     | [`plan::MemoryPlan`]      |
@@ -21,7 +21,9 @@
 //! 3. Write W, then [`step::AmpStep::new`] and [`step::AmpStep::init_weights`].
 //! 4. Each step: [`step::AmpStep::begin`], forward and backward on the executor's stream,
 //!    [`step::AmpStep::finish`] (or a replay of [`step::AmpStep::capture_finish`]); the
-//!    overflow flag and the loss scale never leave the device.
+//!    overflow flag and the loss scale never leave the device. With gradient accumulation
+//!    over N micro-batches ([`step::StepConfig::with_accum`], a plan with GA), each
+//!    micro-batch but the last ends with [`step::AmpStep::accumulate`] instead.
 //!
 //! Unsafe code lives only in [`cuda`], the kernel-launch module; everything else denies it.
 

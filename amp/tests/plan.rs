@@ -365,10 +365,25 @@ fn small_network_layout_is_bucket_major_conv_first() {
     assert_eq!(w.elem_offset(), 2048);
     assert_eq!(ParamKind::FcWeight.grad_path(), GradPath::DirectF32);
     assert_eq!(ParamKind::ConvWeight.grad_path(), GradPath::ViaG16);
-    // Arena: W A G G16 M E E16 S, back to back.
+    // Arena: W A G G16 M E E16 S, back to back; GA (gradient accumulation) only when asked,
+    // between E16 and S, as long as G.
     let arena = plan.arena_layout();
     let regions: Vec<Region> = arena.iter().map(|r| r.region).collect();
-    assert_eq!(regions, Region::ALL);
+    let without_ga: Vec<Region> = Region::ALL
+        .into_iter()
+        .filter(|&r| r != Region::GA)
+        .collect();
+    assert_eq!(regions, without_ga);
+    assert!(!plan.has_region(Region::GA));
+    let with_ga = plan.clone().with_grad_accumulator().unwrap();
+    let ga_regions: Vec<Region> = with_ga.arena_layout().iter().map(|r| r.region).collect();
+    assert_eq!(ga_regions, Region::ALL);
+    assert_eq!(with_ga.region_len(Region::GA), plan.region_len(Region::G));
+    assert_eq!(
+        with_ga.total_bytes(),
+        plan.total_bytes() + plan.region_len(Region::G)
+    );
+    with_ga.validate().unwrap();
     let mut expect = 0;
     for r in &arena {
         assert_eq!(r.arena_offset, expect);

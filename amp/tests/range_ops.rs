@@ -65,13 +65,14 @@ fn scalars_round_trip_through_the_s_image() {
         ranks: 3,
         clip_norm: 1.5,
         grad_norm: 0.25,
+        accum: 7,
         norm_partials: std::array::from_fn(|k| k as f32 + 0.5),
     };
     let bytes = s.to_bytes();
     assert_eq!(bytes.len(), S_REGION_BYTES);
     let partials = s_layout::NORM_PARTIALS..s_layout::NORM_PARTIALS + 4 * s_layout::NORM_BLOCKS;
     assert!(
-        bytes[s_layout::USED..partials.start]
+        bytes[s_layout::ACCUM + 4..partials.start]
             .iter()
             .chain(&bytes[partials.end..])
             .all(|&b| b == 0),
@@ -92,6 +93,11 @@ fn scalars_round_trip_through_the_s_image() {
     );
     assert_eq!(Scalars::from_bytes(&bytes).unwrap(), s);
     assert_eq!(&bytes[s_layout::RANKS..][..4], &3u32.to_le_bytes());
+    assert_eq!(&bytes[s_layout::ACCUM..][..4], &7u32.to_le_bytes());
+    // An image that ends before ACCUM (as S images written before the field existed) reads
+    // one micro-batch.
+    let short = Scalars::from_bytes(&bytes[..s_layout::USED]).unwrap();
+    assert_eq!((short.accum, short.unscale()), (0, 1.0 / (1024.0 * 3.0)));
     assert_eq!(
         Scalars::from_bytes(&bytes[..43]).unwrap_err(),
         RangeOpError::ScalarsTooShort {
@@ -115,6 +121,7 @@ fn s_layout_matches_the_cuda_struct() {
         ("skipped", s_layout::SKIPPED),
         ("clip_norm", s_layout::CLIP_NORM),
         ("grad_norm", s_layout::GRAD_NORM),
+        ("accum", s_layout::ACCUM),
         ("norm_partials", s_layout::NORM_PARTIALS),
     ] {
         let assert = format!("__builtin_offsetof(AmpScalars, {field}) == {offset},");

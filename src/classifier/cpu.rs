@@ -57,11 +57,14 @@ impl CpuClassifier {
     /// The network (compiled with a CPU policy, e.g. `RoutePolicy::Uniform`) with an FC head
     /// of `classes` outputs, its memory plan on the host, and the amp step of `config`; the
     /// master weights start from [`initial_weights`] of `seed`. A `config` with an EMA
-    /// ([`StepConfig::with_ema`]) gets a plan with the EMA regions E and E16.
+    /// ([`StepConfig::with_ema`]) gets a plan with the EMA regions E and E16; one that
+    /// accumulates gradients over several micro-batches ([`StepConfig::with_accum`]) gets the
+    /// accumulator GA ([`CpuClassifier::train_step`]).
     ///
     /// # Errors
     /// A memory plan or step configuration the amp layer refuses: `classes` other than the
-    /// spec's is [`crate::amp::PlanError::HeadClasses`].
+    /// spec's is [`crate::amp::PlanError::HeadClasses`], a micro-batch count outside
+    /// `1..=`[`crate::amp::step::MAX_ACCUM`] is [`crate::amp::RangeOpError::InvalidConfig`].
     pub fn new(net: CompiledNet, classes: usize, config: StepConfig, seed: u64) -> Result<Self> {
         Self::with_arena(net, classes, config, seed, Arena::Separate)
     }
@@ -82,6 +85,11 @@ impl CpuClassifier {
             memory_plan_with_ema(&net, classes)?
         } else {
             memory_plan(&net, classes)?
+        };
+        let plan = if config.accum > 1 {
+            plan.with_grad_accumulator()?
+        } else {
+            plan
         };
         let mut regions = CpuRegions::new(plan)?;
         for (name, values) in initial_weights(&net, classes, seed) {
@@ -258,6 +266,32 @@ impl CpuClassifier {
     /// [`ClassifierError::Input`] for a batch of the wrong size or a label out of range.
     pub fn forward_backward(&mut self, images: &[f16], labels: &[i32]) -> Result<HeadMetrics> {
         self.forward_backward_with(images, labels, None)
+    }
+
+    /// One optimizer step over `micro_batches` (images NHWC FP16, labels), as many as the
+    /// step's [`StepConfig::accum`]: for each, [`AmpStep::begin`] and
+    /// [`CpuClassifier::forward_backward`] (BN normalizes with that micro-batch's statistics
+    /// and updates the running statistics once per micro-batch, as PyTorch's does), then
+    /// [`AmpStep::accumulate`], or [`AmpStep::finish`] after the last one: the check, SGD
+    /// (unscaling by `1 / (loss_scale · N)`) and the scale update run once, over the sum of
+    /// the micro-batches' gradients. Returns each micro-batch's loss and accuracy.
+    ///
+    /// # Errors
+    /// [`ClassifierError::Input`] for a count other than the step's (nothing runs) or a bad
+    /// micro-batch (the step stops there, before its update).
+    pub fn train_step(&mut self, micro_batches: &[(&[f16], &[i32])]) -> Result<Vec<HeadMetrics>> {
+        super::check_micro_batches(micro_batches.len(), self.step.config().accum)?;
+        let mut metrics = Vec::with_capacity(micro_batches.len());
+        for (k, (images, labels)) in micro_batches.iter().enumerate() {
+            self.step.begin()?;
+            metrics.push(self.forward_backward(images, labels)?);
+            if k + 1 < micro_batches.len() {
+                self.step.accumulate()?;
+            } else {
+                self.step.finish()?;
+            }
+        }
+        Ok(metrics)
     }
 
     /// [`CpuClassifier::forward_backward`] for a data-parallel step: each gradient bucket is

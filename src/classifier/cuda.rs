@@ -48,11 +48,14 @@ impl CudaClassifier {
     /// The network (compiled with a planned policy for `handle`'s target) with an FC head of
     /// `classes` outputs, its memory plan in device regions on the handle's stream, and the
     /// amp step of `config`; the master weights start from [`initial_weights`] of `seed`
-    /// (the same as [`super::CpuClassifier`]'s).
+    /// (the same as [`super::CpuClassifier`]'s). A `config` that accumulates gradients over
+    /// several micro-batches ([`StepConfig::with_accum`]) gets the accumulator GA
+    /// ([`CudaClassifier::train_step`]).
     ///
     /// # Errors
-    /// As [`CudaRegions::new`] and [`CudaNet::new`]; a plan the amp layer refuses (`classes`
-    /// other than the spec's is [`crate::amp::PlanError::HeadClasses`]).
+    /// As [`CudaRegions::new`] and [`CudaNet::new`]; a plan or step configuration the amp
+    /// layer refuses (`classes` other than the spec's is
+    /// [`crate::amp::PlanError::HeadClasses`]).
     pub fn new(
         net: CompiledNet,
         handle: Arc<Handle>,
@@ -62,7 +65,12 @@ impl CudaClassifier {
     ) -> Result<Self> {
         let stream = handle.stream().clone();
         // Every buffer but the input, output and its gradient in the plan's tensor arena.
-        let plan = Arc::new(memory_plan_with_buffers(&net, classes)?);
+        let plan = memory_plan_with_buffers(&net, classes)?;
+        let plan = Arc::new(if config.accum > 1 {
+            plan.with_grad_accumulator()?
+        } else {
+            plan
+        });
         let mut regions = CudaRegions::new(plan.clone(), stream.clone())?;
         for (name, values) in initial_weights(&net, classes, seed) {
             regions.upload_f32(Region::W, &name, &values)?;
@@ -173,6 +181,36 @@ impl CudaClassifier {
         )?;
         self.net
             .backward_from(Some(self.step.executor_mut()), images)?;
+        Ok(())
+    }
+
+    /// One optimizer step over `micro_batches` (each the caller's image buffer, read in
+    /// place, and its labels), as many as the step's [`StepConfig::accum`], enqueued on the
+    /// handle's stream without a host sync: for each, [`AmpStep::begin`] and
+    /// [`CudaClassifier::forward_backward`] (BN with that micro-batch's statistics), then
+    /// [`AmpStep::accumulate`] (`amp_accum_grads` into GA), or [`AmpStep::finish`] after the
+    /// last one (the sum into G, then the check, SGD and scale update once). The same
+    /// sequence as [`super::CpuClassifier::train_step`]; a stream capture of it is a
+    /// replayable step.
+    ///
+    /// # Errors
+    /// [`ClassifierError::Input`] for a count other than the step's (nothing runs) or a bad
+    /// micro-batch; a refused plan or kernel; a driver error.
+    pub fn train_step(
+        &mut self,
+        micro_batches: &mut [(&mut CudaSlice<f16>, &[i32])],
+    ) -> Result<()> {
+        super::check_micro_batches(micro_batches.len(), self.step.config().accum)?;
+        let n = micro_batches.len();
+        for (k, (images, labels)) in micro_batches.iter_mut().enumerate() {
+            self.step.begin()?;
+            self.forward_backward(images, labels)?;
+            if k + 1 < n {
+                self.step.accumulate()?;
+            } else {
+                self.step.finish()?;
+            }
+        }
         Ok(())
     }
 

@@ -14,6 +14,12 @@
 //! 3. `step_mut().finish()` (or `replay` of a captured finish, see
 //!    [`crate::amp::step::AmpStep::capture_finish`]) casts, checks, updates and rescales,
 //!    with no host sync; `step_mut().set_lr(..)` between replays changes the learning rate.
+//!
+//! With gradient accumulation ([`crate::amp::step::StepConfig::with_accum`]`(N)`), one
+//! optimizer step is N micro-batches: `train_step` runs 1–2 for each and ends the first N − 1
+//! with `step_mut().accumulate()` (their gradients summed in FP32 into the plan's GA region)
+//! and the last with 3, which runs once over the sum ([`CpuClassifier::train_step`],
+//! [`CudaClassifier::train_step`]; docs/training.md).
 
 //!
 //! Evaluation (forward only, BN in evaluation mode: each layer normalizes with its running
@@ -112,6 +118,17 @@ impl Evaluation {
             .count();
         correct as f32 / self.top1.len().max(1) as f32
     }
+}
+
+/// Checks the number of micro-batches handed to a `train_step` against the step's
+/// [`crate::amp::step::StepConfig::accum`].
+fn check_micro_batches(got: usize, accum: u32) -> Result<(), ClassifierError> {
+    if got != accum as usize {
+        return Err(ClassifierError::Input(format!(
+            "{got} micro-batches for a step that accumulates {accum} (StepConfig::accum)"
+        )));
+    }
+    Ok(())
 }
 
 /// Checks a batch's sizes and labels against the network and head.

@@ -6,7 +6,7 @@
 //!  mini|resnet18|resnet34|resnet50|resnet101] [--device auto|cuda|cpu] [--steps N] [--batch N]
 //!  [--hw N] [--width N] [--seed N] [--lr X] [--unfused] [--cuda-graph off|finish|step]
 //!  [--ranks N [--sync-bn]] [--data synthetic|cifar10:DIR] [--save PATH [--save-every N]]
-//!  [--resume PATH] [--log-dir DIR]`
+//!  [--resume PATH] [--log-dir DIR] [--clip-norm X] [--ema DECAY] [--accum N]`
 //!  (`--help` lists them with their defaults)
 //!
 //! `--save PATH` writes a checkpoint (the whole training state, safetensors with torchvision's
@@ -106,6 +106,12 @@ struct Args {
     /// with the EMA weights too.
     #[arg(long, value_name = "DECAY")]
     ema: Option<f32>,
+    /// Gradient accumulation: N micro-batches of --batch images per optimizer step, each
+    /// with its own forward and backward pass (BN with its statistics), their gradients
+    /// summed in FP32; the overflow check, SGD and the loss-scale update once per step
+    /// (1..=4096; 1: none).
+    #[arg(long, value_name = "N", default_value_t = TrainConfig::default().accum)]
+    accum: usize,
     /// The network buffers' layout: `shared` (buffers never alive together share one
     /// liveness-planned arena) or `separate` (one allocation each); same results.
     #[arg(long, value_enum, default_value = "shared")]
@@ -145,6 +151,7 @@ impl Args {
             sync_bn: self.sync_bn,
             clip_norm: self.clip_norm,
             ema: self.ema,
+            accum: self.accum,
             arena: match self.arena {
                 ArenaArg::Shared => Arena::Shared,
                 ArenaArg::Separate => Arena::Separate,
@@ -221,7 +228,13 @@ fn main() -> ExitCode {
         cfg.channels,
         cfg.data,
         cfg.classes,
-        if cfg.data_parallel() { format!("{} ranks x {}", cfg.ranks, cfg.batch) } else { cfg.batch.to_string() },
+        if cfg.data_parallel() {
+            format!("{} ranks x {}", cfg.ranks, cfg.batch)
+        } else if cfg.accum > 1 {
+            format!("{} micro-batches x {}", cfg.accum, cfg.batch)
+        } else {
+            cfg.batch.to_string()
+        },
         cfg.steps,
         cfg.lr
     );

@@ -211,7 +211,8 @@ impl Meta {
         self.0.get(field).map(String::as_str)
     }
 
-    /// The data position: training steps done (the next batch's index).
+    /// The data position: training steps done (the next step's index; its first batch is
+    /// `step · accum`).
     pub fn step(&self) -> Option<u64> {
         self.get("step")?.parse().ok()
     }
@@ -489,9 +490,11 @@ pub fn size_limit(cfg: &TrainConfig) -> Result<u64, crate::TrainError> {
     Ok(tensors.saturating_mul(2).saturating_add(1 << 20))
 }
 
-/// The metadata fields that must equal this run's, and their values for `cfg`.
+/// The metadata fields that must equal this run's, and their values for `cfg`. `accum`
+/// (micro-batches per step) only when above 1, so that a file without it (one batch per
+/// step, or written before gradient accumulation existed) reads as 1.
 fn run_fields(cfg: &TrainConfig) -> Vec<(&'static str, String)> {
-    vec![
+    let mut fields = vec![
         ("net", cfg.net.to_string()),
         ("width", cfg.width.to_string()),
         ("channels", cfg.channels.to_string()),
@@ -500,7 +503,11 @@ fn run_fields(cfg: &TrainConfig) -> Vec<(&'static str, String)> {
         ("batch", cfg.batch.to_string()),
         ("seed", cfg.seed.to_string()),
         ("data", cfg.data.to_string()),
-    ]
+    ];
+    if cfg.accum > 1 {
+        fields.push(("accum", cfg.accum.to_string()));
+    }
+    fields
 }
 
 /// Saves `state` after `step` training steps of `cfg` to `path`, atomically (module docs).
@@ -775,8 +782,21 @@ pub fn load(path: &Path, cfg: &TrainConfig) -> Result<Loaded, crate::TrainError>
         }
         .into());
     }
+    // A file of an accumulating run, loaded by a run that does not accumulate.
+    if let (Some(file), 1) = (meta.get("accum"), cfg.accum) {
+        return Err(CheckpointError::OtherRun {
+            field: "accum".into(),
+            file: file.into(),
+            run: "1".into(),
+        }
+        .into());
+    }
     for (f, run) in run_fields(cfg) {
-        let got = field(f)?;
+        let got = match (f, meta.get(f)) {
+            // Written without it: one micro-batch per step.
+            ("accum", None) => "1",
+            _ => field(f)?,
+        };
         if got != run {
             return Err(CheckpointError::OtherRun {
                 field: f.into(),

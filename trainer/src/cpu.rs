@@ -3,8 +3,9 @@
 //! [`CpuRegions`].
 
 use super::{
-    checkpoint, data, net::compile_net, net::cpu_policy, summarize, ExecutorInfo, MasterWeights,
-    Progress, Session, StepTrace, TrainConfig, TrainError, TrainReport, Window, HELD_OUT_BATCHES,
+    checkpoint, data, mean_metrics, net::compile_net, net::cpu_policy, summarize, ExecutorInfo,
+    FaultDrill, MasterWeights, Progress, Session, StepTrace, TrainConfig, TrainError, TrainReport,
+    Window, HELD_OUT_BATCHES,
 };
 use crate::checkpoint::{TrainState, SAVED_REGIONS};
 use crate::curves::CurvePoint;
@@ -97,38 +98,53 @@ impl CpuTrainer {
         let mut curve = Vec::with_capacity(cfg.steps - first);
         let mut window = Window::default();
         let (mut trace, mut skipped_before) = (Vec::new(), 0u32);
-        // Batches are made (and, for files, augmented) on a thread of their own while the
-        // step runs; each is a pure function of its index, so the losses do not depend on it.
+        // Step i trains on batches i·accum .. (i + 1)·accum (its micro-batches).
+        let accum = cfg.accum.max(1);
+        let images_per_step = cfg.batch * accum;
         let ends = self
             .data
             .train_len()
-            .map(|n| data::epoch_ends(n, cfg.batch, cfg.steps))
+            .map(|n| data::epoch_ends(n, images_per_step, cfg.steps))
             .unwrap_or_default();
         let mut epochs = Vec::new();
+        // Batches are made (and, for files, augmented) on a thread of their own while the
+        // step runs; each is a pure function of its index, so the losses do not depend on it.
         let mut batches = data::Prefetch::spawn_range(
             self.data.clone(),
             cfg.batch,
-            first as u64..cfg.steps as u64,
+            (first * accum) as u64..(cfg.steps * accum) as u64,
         );
         for i in first..cfg.steps {
             let poison = cfg.drill.and_then(|d| d.poisons(i));
-            let (images, labels) = batches.next_batch().ok_or_else(|| {
-                TrainError::Config(format!("the batch producer stopped before batch {i}"))
-            })?;
             let model = &mut self.model;
+            let batches = &mut batches;
             // The step runs on a worker of rayon's pool, so the reference ops' parallel loops
             // start there (their tasks are pushed to that worker's deque and stolen by the
             // others) instead of each being handed over from this thread, which would sleep
             // until it is done: one hand-over per step instead of one per loop.
             let m = rayon::scope(|_| -> Result<HeadMetrics, TrainError> {
-                model.step_mut().begin()?;
-                let m = model.forward_backward(&images, &labels)?;
-                let step = model.step_mut();
-                if let Some(h) = poison {
-                    poison_gradient(step.executor_mut(), h)?;
+                let mut each = Vec::with_capacity(accum);
+                // One micro-batch in memory at a time (the producer keeps a few ahead).
+                for k in 0..accum {
+                    let (images, labels) = batches.next_batch().ok_or_else(|| {
+                        let b = i * accum + k;
+                        TrainError::Config(format!("the batch producer stopped before batch {b}"))
+                    })?;
+                    model.step_mut().begin()?;
+                    each.push(model.forward_backward(&images, &labels)?);
+                    let step = model.step_mut();
+                    if let Some(h) = poison.filter(|&h| FaultDrill::micro_batch(h, accum) == k) {
+                        poison_gradient(step.executor_mut(), h)?;
+                    }
+                    // The first accum − 1 micro-batches add into GA; the last one's finish
+                    // adds it, then checks, updates and rescales once (amp::step).
+                    if k + 1 < accum {
+                        step.accumulate()?;
+                    } else {
+                        step.finish()?;
+                    }
                 }
-                step.finish()?;
-                Ok(m)
+                Ok(mean_metrics(&each))
             })?;
             let step = self.model.step_mut();
             if cfg.drill.is_some() {
@@ -151,13 +167,13 @@ impl CpuTrainer {
                 accuracy: m.accuracy,
                 loss_scale: s.loss_scale,
                 lr: s.lr,
-                images_per_sec: (done * cfg.batch) as f64 / start.elapsed().as_secs_f64(),
+                images_per_sec: (done * images_per_step) as f64 / start.elapsed().as_secs_f64(),
             });
             if (i + 1) % every.max(1) == 0 || i + 1 == cfg.steps {
                 let step = self.model.step_mut();
                 step.request_scalars()?;
                 let s = step.poll_scalars()?.unwrap_or_default();
-                progress(&window.report(i + 1, done, cfg.batch, start, s));
+                progress(&window.report(i + 1, done, images_per_step, start, s));
             }
             if let Some(path) = session.saves_after(i + 1, cfg.steps) {
                 checkpoint::save(path, &cfg, &self.state()?, (i + 1) as u64, &self.routes())?;
@@ -167,7 +183,7 @@ impl CpuTrainer {
             }
         }
         let images_per_sec =
-            ((cfg.steps - first) * cfg.batch) as f64 / start.elapsed().as_secs_f64();
+            ((cfg.steps - first) * images_per_step) as f64 / start.elapsed().as_secs_f64();
         // Held-out batches, evaluation mode (running statistics; weights and statistics are
         // not touched), with the trained weights and, with an EMA, the EMA weights.
         let mut correct = [0usize; 2];

@@ -9,6 +9,7 @@ use super::{
     TrainReport, Window, HELD_OUT_BATCHES,
 };
 use cudnn_cbr::amp::dist::DistError;
+use cudnn_cbr::amp::range::HeadMetrics;
 use cudnn_cbr::amp::AmpError;
 use cudnn_cbr::classifier::CpuClassifier;
 use cudnn_cbr::dist::{Collective, Communicator, CpuComm, CpuGroup, CpuReplica, ReduceOp};
@@ -122,9 +123,33 @@ fn run_rank(
     let mut metrics = Vec::with_capacity(cfg.steps);
     let mut curve = Vec::with_capacity(if rank == 0 { cfg.steps } else { 0 });
     let mut window = Window::default();
+    // Step i trains on global batches i·accum .. (i + 1)·accum, each sharded over the ranks.
+    let accum = cfg.accum.max(1);
+    let images_per_step = cfg.batch * ranks * accum;
     for i in 0..cfg.steps {
-        let (images, labels) = shard(data.batch(cfg.batch * ranks, i as u64, 0));
-        let m = replica.step(&images, &labels)?;
+        let m = if accum == 1 {
+            let (images, labels) = shard(data.batch(cfg.batch * ranks, i as u64, 0));
+            replica.step(&images, &labels)?
+        } else {
+            // One micro-batch in memory at a time; the step's mean loss and accuracy over
+            // the micro-batches, then over the ranks.
+            let mut v = [0f32; 2];
+            for k in 0..accum {
+                let (images, labels) =
+                    shard(data.batch(cfg.batch * ranks, (i * accum + k) as u64, 0));
+                let local = replica.micro_batch(&images, &labels, k + 1 == accum)?;
+                v[0] += local.loss / accum as f32;
+                v[1] += local.accuracy / accum as f32;
+            }
+            replica
+                .comm_mut()
+                .all_reduce(&mut v[..], ReduceOp::Sum)
+                .map_err(AmpError::from)?;
+            HeadMetrics {
+                loss: v[0] / ranks as f32,
+                accuracy: v[1] / ranks as f32,
+            }
+        };
         metrics.push(m);
         window.add(m);
         if rank == 0 {
@@ -135,18 +160,17 @@ fn run_rank(
                 accuracy: m.accuracy,
                 loss_scale: s.loss_scale,
                 lr: s.lr,
-                images_per_sec: ((i + 1) * cfg.batch * ranks) as f64
-                    / start.elapsed().as_secs_f64(),
+                images_per_sec: ((i + 1) * images_per_step) as f64 / start.elapsed().as_secs_f64(),
             });
         }
         if rank == 0 && ((i + 1) % every.max(1) == 0 || i + 1 == cfg.steps) {
             let step = replica.model_mut().step_mut();
             step.request_scalars()?;
             let s = step.poll_scalars()?.unwrap_or_default();
-            progress(&window.report(i + 1, i + 1, cfg.batch * ranks, start, s));
+            progress(&window.report(i + 1, i + 1, images_per_step, start, s));
         }
     }
-    let images_per_sec = (cfg.steps * cfg.batch * ranks) as f64 / start.elapsed().as_secs_f64();
+    let images_per_sec = (cfg.steps * images_per_step) as f64 / start.elapsed().as_secs_f64();
     // Held-out batches, evaluation mode: each rank its shard with its own running statistics
     // (the same on every rank with synchronized BN), the correct counts summed; with an EMA,
     // the EMA weights' count second.

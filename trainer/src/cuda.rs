@@ -13,6 +13,12 @@
 //! | 6 | backward: the compiled network's backward steps | cuDNN plans; the gradient joins at block inputs with `amp_add_f16` |
 //! | 7 | cast G16→G, check, SGD, loss-scale update | amp `finish` |
 //!
+//! With gradient accumulation ([`TrainConfig::accum`] = N), a step is N micro-batches, each
+//! copied in before its own 1–6; the first N − 1 end with amp's `accumulate`
+//! (`amp_accum_grads`: G16 and G added into the FP32 accumulator GA) instead of 7, the last
+//! with 7, whose first op adds it and moves GA's sum into G in place of the cast. The metrics
+//! log gets one entry per micro-batch; a step's loss and accuracy are their means.
+//!
 //! Before a step the batch is copied in (images into the network's input, labels into the
 //! head's buffer): in the training loop from the second of two device buffers that a copy
 //! stream of its own filled while the previous step trained (`trainer/src/cuda_input.rs`,
@@ -63,6 +69,8 @@
 //! when a copy has arrived. The loop synchronizes only after the last step (for the report,
 //! the held-out evaluation and the throughput).
 
+#[path = "cuda_accum.rs"]
+mod accum;
 #[path = "cuda_curve.rs"]
 mod curve;
 #[path = "cuda_eval.rs"]
@@ -209,6 +217,10 @@ pub struct CudaTrainer {
     kernels: Arc<AmpKernels>,
     finish_graph: Option<StepGraph<CudaStepGraph>>,
     step_graph: Option<CudaGraph>,
+    /// With gradient accumulation: amp's `accumulate` op list as a graph, and steps 1–6 with
+    /// it as one graph (a micro-batch before the step's last).
+    accumulate_graph: Option<StepGraph<CudaStepGraph>>,
+    micro_graph: Option<CudaGraph>,
     state: GraphState,
     log_readback: Readback,
     /// Page-locked, double-buffered staging for each step's batch.
@@ -331,6 +343,12 @@ impl CudaTrainer {
         cfg.validate()?;
         cfg.check_host_memory(false)?;
         let launch = launch.filter(|l| l.world > 1);
+        if launch.is_some() && cfg.accum > 1 {
+            return Err(TrainError::Config(
+                "gradient accumulation runs on one rank so far; drop --accum in a launched group"
+                    .into(),
+            ));
+        }
         let ordinal = match &launch {
             Some(l) => {
                 let seen = cudnn_cbr::amp::cuda::cuda_device_count()
@@ -370,6 +388,12 @@ impl CudaTrainer {
             buffers: cfg.arena == Arena::Shared,
         };
         let plan = memory_plan_of(&net, cfg.classes, contents)?;
+        // Gradient accumulation adds the FP32 accumulator GA; nothing else moves.
+        let plan = if cfg.accum > 1 {
+            plan.with_grad_accumulator()?
+        } else {
+            plan
+        };
         let mut regions = CudaRegions::new(plan, stream.clone()).map_err(amp_error)?;
         for (name, values) in init {
             regions
@@ -434,7 +458,11 @@ impl CudaTrainer {
             loss: alloc(4 * shape.batch, "per-row losses")?,
             dpooled: alloc(4 * shape.pooled_elems(), "pooled gradients")?,
             labels: alloc(4 * shape.batch, "labels")?,
-            log: alloc(metrics_log_bytes(cfg.steps), "metrics log")?,
+            // One entry per micro-batch.
+            log: alloc(
+                metrics_log_bytes(cfg.steps * cfg.accum.max(1)),
+                "metrics log",
+            )?,
             eval_log: alloc(metrics_log_bytes(HELD_OUT_BATCHES as usize), "held-out log")?,
             shape,
         };
@@ -450,6 +478,8 @@ impl CudaTrainer {
             kernels,
             finish_graph: None,
             step_graph: None,
+            accumulate_graph: None,
+            micro_graph: None,
             state: GraphState::Eager,
             log_readback,
             staging,
@@ -492,6 +522,13 @@ impl CudaTrainer {
                     format!("whole step as one CUDA graph after {WARMUP_STEPS} warm-up steps")
                 }
             };
+        let graphs = match self.cfg.accum {
+            0 | 1 => graphs,
+            n => format!(
+                "{graphs}; {n} micro-batches per step (gradient accumulation: each before the \
+                 last ends with amp's accumulate, from a graph of its own)"
+            ),
+        };
         let group = match &self.dist {
             Some(g) => format!(
                 "rank {} of {} (NCCL {}, watchdog {:.0} s); ",
@@ -826,10 +863,20 @@ impl CudaTrainer {
         if self.finish_graph.is_none() {
             self.finish_graph = Some(self.step.capture_finish().map_err(amp_error)?);
         }
+        let accumulates = self.cfg.accum > 1;
+        if accumulates && self.accumulate_graph.is_none() {
+            self.accumulate_graph = Some(self.step.capture_accumulate().map_err(amp_error)?);
+        }
         self.state = GraphState::Finish { why: None };
         if mode == CudaGraphMode::Step {
-            match self.capture_step() {
-                Ok(g) => {
+            // The micro-batch graph (steps 1–6 and accumulate) where the step accumulates.
+            let micro = match accumulates {
+                true => self.capture_step(false).map(Some),
+                false => Ok(None),
+            };
+            match micro.and_then(|m| Ok((m, self.capture_step(true)?))) {
+                Ok((micro, g)) => {
+                    self.micro_graph = micro;
                     self.step_graph = Some(g);
                     self.state = GraphState::Step;
                 }
@@ -839,13 +886,20 @@ impl CudaTrainer {
         Ok(())
     }
 
-    /// Stream capture of steps 1–7 (eager finish launches inside: a graph launch inside a
-    /// capture is avoided). Always ends the capture; the error says what failed.
-    fn capture_step(&mut self) -> Result<CudaGraph, String> {
+    /// Stream capture of steps 1–7 (`last`), or of steps 1–6 and amp's `accumulate` (a
+    /// micro-batch before a step's last, with gradient accumulation), the amp ops launched
+    /// eagerly inside (a graph launch inside a capture is avoided). Always ends the capture;
+    /// the error says what failed.
+    fn capture_step(&mut self, last: bool) -> Result<CudaGraph, String> {
         self.stream
             .begin_capture(CaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| format!("begin stream capture: {e}"))?;
-        let body = self.step_eager();
+        let body = match last {
+            true => self.step_eager(),
+            false => self
+                .forward_backward()
+                .and_then(|()| self.accumulate(false)),
+        };
         // Always end the capture, so the stream is usable again whatever happened.
         let ended = self.stream.end_capture(GraphInstantiateFlags(0));
         body.map_err(|e| format!("while capturing: {e}"))?;
@@ -1041,6 +1095,9 @@ impl CudaTrainer {
         let mut enqueued: Vec<f64> = Vec::new();
         let every = every.max(1);
         let world = self.rank().1;
+        // Step i trains on batches i·accum .. (i + 1)·accum; the log has an entry for each.
+        let accum = cfg.accum.max(1);
+        let images_per_step = cfg.batch * world * accum;
         let start = Instant::now();
         let mut reported = 0usize;
         let emit = |log: &MetricsLog,
@@ -1048,11 +1105,12 @@ impl CudaTrainer {
                     skipped: u32,
                     reported: &mut usize,
                     progress: &mut dyn FnMut(&Progress)| {
-            let done = log.count as usize;
+            let done = log.count as usize / accum;
             if done <= *reported {
                 return;
             }
-            let window = &log.entries[(*reported).min(log.entries.len())..];
+            let steps = accum::per_step(&log.entries, accum);
+            let window = &steps[(*reported).min(steps.len())..];
             let n = window.len().max(1) as f32;
             progress(&Progress {
                 step: first + done,
@@ -1060,28 +1118,32 @@ impl CudaTrainer {
                 accuracy: window.iter().map(|m| m.accuracy).sum::<f32>() / n,
                 loss_scale: scale,
                 skipped,
-                images_per_sec: (done * cfg.batch * world) as f64 / start.elapsed().as_secs_f64(),
+                images_per_sec: (done * images_per_step) as f64 / start.elapsed().as_secs_f64(),
             });
             *reported = done;
         };
         // Batches made ahead on a CPU thread, copied to the device beside the step before.
-        let mut feed = self.feed(first as u64..cfg.steps as u64)?;
+        let mut feed = self.feed((first * accum) as u64..(cfg.steps * accum) as u64)?;
         let (ends, mut epochs) = (self.epoch_ends(), Vec::new());
         for i in first..cfg.steps {
-            self.take_batch(&mut feed, i as u64)?;
-            self.step()?;
-            self.stage_next(&mut feed)?;
+            for k in 0..accum {
+                // Micro-batch `i·accum + k`, copied beside the one before; the next is staged
+                // once this one's work is enqueued.
+                self.take_batch(&mut feed, (i * accum + k) as u64)?;
+                self.micro_step(k + 1 == accum)?;
+                self.stage_next(&mut feed)?;
+            }
             if i + 1 - first == WARMUP_STEPS {
                 self.capture(cfg.cuda_graph)?;
             }
             if let Some(h) = history.as_mut() {
                 // S's loss scale and learning rate copied on the device behind the step (no
                 // host wait); loss and accuracy come from the metrics log at the end. The
-                // throughput is the host's at enqueue, at most two steps ahead of the device
-                // (the input's double buffer).
+                // throughput is the host's at enqueue, at most two micro-batches ahead of the
+                // device (the input's double buffer).
                 self.record_scalars(h)?;
                 enqueued.push(
-                    ((i + 1 - first) * cfg.batch * world) as f64 / start.elapsed().as_secs_f64(),
+                    ((i + 1 - first) * images_per_step) as f64 / start.elapsed().as_secs_f64(),
                 );
             }
             if let Some(path) = session.saves_after(i + 1, cfg.steps) {
@@ -1116,7 +1178,7 @@ impl CudaTrainer {
             .synchronize()
             .map_err(|e| driver("synchronize after the last step", e))?;
         let images_per_sec =
-            ((cfg.steps - first) * cfg.batch * world) as f64 / start.elapsed().as_secs_f64();
+            ((cfg.steps - first) * images_per_step) as f64 / start.elapsed().as_secs_f64();
         self.request_readback()?;
         let bytes = self
             .log_readback
@@ -1131,6 +1193,8 @@ impl CudaTrainer {
             .read_scalars_blocking()
             .map_err(amp_error)?;
         emit(&log, s.loss_scale, s.skipped, &mut reported, &mut progress);
+        // One entry per step from here on: its micro-batches' means.
+        log.entries = accum::per_step(&log.entries, accum);
         // The summary is the global batch's: each step's mean over the ranks' shards (the
         // progress lines above are rank 0's shard).
         log.entries = self.global_metrics(&log.entries)?;

@@ -139,7 +139,7 @@ impl CudaTrainer {
     /// The steps (1-based) after which an epoch of the training data ends, where it has
     /// epochs ([`crate::data::Dataset::train_len`]).
     pub(crate) fn epoch_ends(&self) -> Vec<usize> {
-        let images = self.cfg.batch * self.rank().1;
+        let images = self.cfg.batch * self.rank().1 * self.cfg.accum.max(1);
         self.data
             .train_len()
             .map(|n| crate::data::epoch_ends(n, images, self.cfg.steps))

@@ -172,6 +172,13 @@ pub struct TrainConfig {
     /// ([`TrainReport::held_out_ema_accuracy`]). Every executor (on CUDA the update runs in
     /// the step, inside its CUDA graph). `None`: no EMA.
     pub ema: Option<f32>,
+    /// Gradient accumulation: micro-batches of `batch` images per optimizer step (1: none;
+    /// at most [`MAX_ACCUM`]). Each micro-batch runs its own forward and backward pass (BN
+    /// with its statistics) and its gradient is added in FP32 into the plan's accumulator;
+    /// the overflow check, SGD (unscaling by `1 / (loss_scale · accum · ranks)`) and the
+    /// loss-scale update run once per step. Step `i` trains on batches `i·accum ..
+    /// (i + 1)·accum` of the dataset; its loss and accuracy are its micro-batches' means.
+    pub accum: usize,
     /// How the network's buffers are laid out: [`Arena::Shared`] (the default) keeps the
     /// activations, their gradients and the per-step scratch in one arena where buffers
     /// never alive together share memory (the GPU's tensor arena, the CPU executor's shared
@@ -179,11 +186,17 @@ pub struct TrainConfig {
     pub arena: Arena,
 }
 
+/// The most micro-batches per optimizer step ([`TrainConfig::accum`]): the amp step's bound,
+/// [`cudnn_cbr::amp::step::MAX_ACCUM`].
+pub const MAX_ACCUM: usize = cudnn_cbr::amp::step::MAX_ACCUM as usize;
+
 /// A reliability drill: on about `per_mille`/1000 of the steps, chosen by `seed`, one
 /// gradient element is overwritten with NaN, +Inf or −Inf (in turn) after the backward pass
 /// and before the amp step's finish, as an overflow in the backward pass would leave it. The
 /// amp step must then skip that step (weights, momentum and EMA untouched) and halve the loss
-/// scale (floor 1).
+/// scale (floor 1). With gradient accumulation the element is poisoned in one micro-batch of
+/// the step ([`FaultDrill::micro_batch`]), before it is added into the accumulator: the whole
+/// step must be skipped and the scale halved once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FaultDrill {
     /// Poisoned steps per 1000.
@@ -197,6 +210,27 @@ impl FaultDrill {
     pub fn poisons(&self, step: usize) -> Option<u64> {
         let h = mix(self.seed ^ mix(step as u64));
         (h % 1000 < u64::from(self.per_mille)).then_some(mix(h))
+    }
+}
+
+impl FaultDrill {
+    /// Which of a poisoned step's `accum` micro-batches gets the bad value, from the hash
+    /// [`FaultDrill::poisons`] gave (always 0 with one micro-batch).
+    pub fn micro_batch(hash: u64, accum: usize) -> usize {
+        ((hash >> 8) % accum.max(1) as u64) as usize
+    }
+}
+
+/// The mean loss and accuracy of a step's micro-batches (the one micro-batch's own values
+/// without accumulation).
+pub(crate) fn mean_metrics(each: &[HeadMetrics]) -> HeadMetrics {
+    if let [one] = each {
+        return *one;
+    }
+    let n = each.len().max(1) as f32;
+    HeadMetrics {
+        loss: each.iter().map(|m| m.loss).sum::<f32>() / n,
+        accuracy: each.iter().map(|m| m.accuracy).sum::<f32>() / n,
     }
 }
 
@@ -243,6 +277,7 @@ impl Default for TrainConfig {
             data: DataSource::Synthetic,
             clip_norm: None,
             ema: None,
+            accum: 1,
             arena: Arena::Shared,
         }
     }
@@ -286,6 +321,16 @@ impl TrainConfig {
                 self.steps
             )));
         }
+        if self.accum == 0 || self.accum > MAX_ACCUM {
+            return Err(TrainError::Config(format!(
+                "accum (micro-batches per optimizer step) must be in 1..={MAX_ACCUM}, got {}",
+                self.accum
+            )));
+        }
+        self.steps
+            .checked_mul(self.accum)
+            .and_then(|b| b.checked_mul(self.batch))
+            .ok_or_else(|| TrainError::Config("steps × accum × batch overflows".into()))?;
         if self.ranks == 0 || self.ranks > 1024 {
             return Err(TrainError::Config(format!(
                 "ranks must be in 1..=1024 (CPU ranks are threads), got {}",
@@ -371,10 +416,15 @@ impl TrainConfig {
         }
     }
 
-    /// The amp step's configuration: [`TrainConfig::sgd`], with clipping by global norm and
-    /// the EMA of the weights when asked.
+    /// The amp step's configuration: [`TrainConfig::sgd`], with clipping by global norm,
+    /// the EMA of the weights and gradient accumulation when asked.
     pub fn step_config(&self) -> StepConfig {
         let step = StepConfig::new(self.sgd());
+        // validate() bounds accum by MAX_ACCUM, a u32; the fallback only keeps this total.
+        let step = match self.accum {
+            0 | 1 => step,
+            n => step.with_accum(u32::try_from(n).unwrap_or(u32::MAX)),
+        };
         let step = match self.clip_norm {
             Some(max_norm) => step.with_clip_norm(max_norm),
             None => step,
@@ -978,6 +1028,12 @@ pub(crate) fn plan_and_initial_weights(
         cudnn_cbr::net::memory_plan_with_ema(&net, cfg.classes)?
     } else {
         cudnn_cbr::net::memory_plan(&net, cfg.classes)?
+    };
+    // Gradient accumulation adds the FP32 accumulator GA; nothing else moves.
+    let plan = if cfg.accum > 1 {
+        plan.with_grad_accumulator()?
+    } else {
+        plan
     };
     let init = cudnn_cbr::net::initial_weights(&net, cfg.classes, cfg.seed);
     Ok((plan, init))

@@ -3,7 +3,9 @@
 //! (as `sim_train.rs` runs its children), 12 steps in one go against 5 steps, a checkpoint,
 //! and 7 more in a new process (the first run also saving after steps 2 and 4). Each run plans, warms up 3 eager steps and then replays the
 //! whole step as a CUDA graph, so the resumed run replays from its step 8 where the one-go
-//! run did from step 3: the losses and the weights hash must still be equal bit for bit.
+//! run did from step 3: the losses and the weights hash must still be equal bit for bit. The
+//! same with gradient accumulation (`--accum 2`, 8 steps against 5 + 3), whose replayed
+//! graphs also train the eager run's bits (`--cuda-graph off`, `finish`, `step`).
 
 #[path = "../../amp/tests/sim/mod.rs"]
 mod sim;
@@ -150,4 +152,82 @@ fn resuming_on_the_simulated_device_is_bit_exact() {
     assert_eq!(columns(&gpu_csv).len(), 12, "{gpu_csv}");
     assert_eq!(columns(&gpu_csv), columns(&cpu_csv), "{gpu_csv}\n{cpu_csv}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The same with gradient accumulation (`--accum 2`): 8 steps in one go against 5, a
+/// checkpoint (the optimizer state after a drained step: GA is zero there and not saved),
+/// and 3 more in a new process, which captures its two graphs at step 8; and a run with
+/// another micro-batch count refuses the checkpoint.
+#[test]
+fn resuming_an_accumulating_run_on_the_simulated_device_is_bit_exact() {
+    let test = "resuming_an_accumulating_run_on_the_simulated_device_is_bit_exact";
+    let Some(sim) = sim::built(test) else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("cbr-sim-resume-accum-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let ck = dir.join("ck.safetensors");
+    let ck = ck.to_str().unwrap();
+    let base = [
+        "--device", "cuda", "--batch", "4", "--width", "8", "--accum", "2",
+    ];
+    let (whole, _, all, text) = run(&sim, &[&base[..], &["--steps", "8"]].concat());
+    assert!(
+        text.contains("whole step replayed as one CUDA graph"),
+        "{text}"
+    );
+    assert_eq!(all.len(), 8, "{text}");
+    let (_, _, first, _) = run(&sim, &[&base[..], &["--steps", "5", "--save", ck]].concat());
+    assert_eq!(first[..], all[..5]);
+    let (resumed, from, rest, _) = run(
+        &sim,
+        &[&base[..], &["--steps", "8", "--resume", ck]].concat(),
+    );
+    assert_eq!(from, 6);
+    assert_eq!(rest[..], all[5..], "the resumed steps' losses differ");
+    assert_eq!(resumed, whole, "the resumed run ends with other weights");
+    let out = sim::select(&mut Command::new(train_cbr()), &sim)
+        .args([
+            "--device", "cuda", "--batch", "4", "--width", "8", "--steps", "8",
+        ])
+        .args(["--resume", ck])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("`accum` is 2"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// With gradient accumulation, every micro-batch replayed from its graph (`step`), only amp's
+/// accumulate and finish op lists replayed (`finish`) and every launch eager (`off`) train
+/// the same bits: the same per-step losses and weights hash.
+#[test]
+fn accumulating_steps_replayed_from_graphs_equal_eager_ones_on_the_simulated_device() {
+    let test = "accumulating_steps_replayed_from_graphs_equal_eager_ones_on_the_simulated_device";
+    let Some(sim) = sim::built(test) else {
+        return;
+    };
+    let base = [
+        "--device", "cuda", "--batch", "4", "--width", "8", "--accum", "2",
+    ];
+    let runs: Vec<(String, Vec<String>)> = ["off", "finish", "step"]
+        .iter()
+        .map(|mode| {
+            let (hash, _, losses, text) = run(
+                &sim,
+                &[&base[..], &["--steps", "6", "--cuda-graph", mode]].concat(),
+            );
+            if *mode == "step" {
+                assert!(text.contains("whole step replayed"), "{text}");
+            }
+            (hash, losses)
+        })
+        .collect();
+    assert_eq!(runs[0].1.len(), 6);
+    assert_eq!(runs[1], runs[0], "finish graphs vs eager");
+    assert_eq!(runs[2], runs[0], "step graphs vs eager");
 }

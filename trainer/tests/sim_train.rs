@@ -388,6 +388,56 @@ fn clipping_by_norm_on_the_simulator_matches_the_cpu_executor() {
     );
 }
 
+/// The mini network with gradient accumulation over 2 micro-batches of 8: 3 eager warm-up
+/// steps, then 3 steps replayed from the two captured graphs (a micro-batch with amp's
+/// `accumulate`, the last one with `finish`).
+fn accumulated(device: Device) -> TrainConfig {
+    TrainConfig {
+        steps: 6,
+        batch: 8,
+        accum: 2,
+        device,
+        ..TrainConfig::default()
+    }
+}
+
+/// `train_cbr --accum 2` on the simulated device: the CUDA executor (`amp_accum_grads` into
+/// GA, every micro-batch replayed from its graph after the warm-up) has the CPU executor's
+/// per-step losses (each the mean of its two micro-batches').
+#[test]
+fn gradient_accumulation_on_the_simulator_matches_the_cpu_executor() {
+    if in_child() {
+        return train_and_print(&accumulated(Device::Cuda));
+    }
+    let test = "gradient_accumulation_on_the_simulator_matches_the_cpu_executor";
+    let Some(dir) = sim::built(test) else {
+        return;
+    };
+    let child = run_child(test, &dir, &[]);
+    let stdout = &child.stdout;
+    assert!(
+        child.executor().starts_with("Cuda")
+            && child
+                .executor()
+                .contains("whole step replayed as one CUDA graph"),
+        "{stdout}"
+    );
+    let on_sim = child.losses();
+    let cpu = train(&accumulated(Device::Cpu), 1, |_| {}).expect("CPU training");
+    assert_eq!(on_sim.len(), 6, "{stdout}");
+    assert_eq!(on_sim.len(), cpu.step_losses.len(), "{stdout}");
+    for (step, (s, c)) in on_sim.iter().zip(&cpu.step_losses).enumerate() {
+        println!("step {}: simulated cuda {s:.6}, cpu {c:.6}", step + 1);
+        // As the comparison without accumulation: FP32 sums in other orders (cuDNN's
+        // kernels vs the reference ops), absorbed by FP16 storage.
+        assert!(
+            (s - c).abs() / c.abs() < 1e-3,
+            "step {}: {s} vs {c}",
+            step + 1
+        );
+    }
+}
+
 /// A batch the device cannot hold is refused before the step allocates anything, with the
 /// memory report: the simulated device is given 64 MB (its device-properties document with
 /// a smaller `totalGlobalMem`), and the mini network at batch 1024 needs more (about 100 MB;

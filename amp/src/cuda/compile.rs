@@ -239,6 +239,7 @@ impl AmpKernels {
         let f = Functions {
             cast_f32_to_f16: take(entry::CAST_F32_TO_F16)?,
             cast_f16_to_f32: take(entry::CAST_F16_TO_F32)?,
+            accum_grads: take(entry::ACCUM_GRADS)?,
             check_nonfinite: take(entry::CHECK_NONFINITE)?,
             check_clip: take(entry::CHECK_CLIP)?,
             grad_sumsq: take(entry::GRAD_SUMSQ)?,

@@ -109,6 +109,11 @@ pub fn op_ranges(op: &RangeOp) -> Vec<(Region, ByteRange)> {
         RangeOp::CastF16ToF32 { src, dst, span16 }
         | RangeOp::CastF32ToF16 { src, dst, span16 }
         | RangeOp::CopyF32 { src, dst, span16 } => vec![at(src, span16), at(dst, span16)],
+        RangeOp::AccumGrads { span16, .. } => vec![
+            at(Region::G16, span16),
+            at(Region::G, span16),
+            at(Region::GA, span16),
+        ],
         RangeOp::Check { span16, .. } | RangeOp::GradNorm { span16 } => {
             vec![at(Region::G, span16), s]
         }

@@ -53,6 +53,7 @@ impl Arg {
 pub(super) struct Functions {
     pub(super) cast_f32_to_f16: CudaFunction,
     pub(super) cast_f16_to_f32: CudaFunction,
+    pub(super) accum_grads: CudaFunction,
     pub(super) check_nonfinite: CudaFunction,
     pub(super) check_clip: CudaFunction,
     pub(super) grad_sumsq: CudaFunction,

@@ -47,7 +47,7 @@ pub struct CudaRegions {
     /// The asynchronous copies of S behind [`AmpExecutor::request_scalars`]. Declared
     /// before `regions` so that it drops first: its drop waits for a copy still in flight.
     s_readback: Readback,
-    regions: [Option<DeviceRegion>; 8],
+    regions: [Option<DeviceRegion>; 9],
     /// The plan's tensor arena (a network's activations, gradients and statistics), when it
     /// has one.
     tensors: Option<CudaSlice<u8>>,
@@ -111,7 +111,8 @@ const fn region_index(region: Region) -> usize {
         Region::M => 4,
         Region::E => 5,
         Region::E16 => 6,
-        Region::S => 7,
+        Region::GA => 7,
+        Region::S => 8,
     }
 }
 
@@ -156,7 +157,7 @@ impl CudaRegions {
             "the memory plan's regions and tensor arena",
             plan.total_bytes() as u128 + plan.tensor_bytes() as u128,
         )?;
-        let mut regions: [Option<DeviceRegion>; 8] = Default::default();
+        let mut regions: [Option<DeviceRegion>; 9] = Default::default();
         for region in Region::ALL {
             if !plan.has_region(region) {
                 continue;
@@ -657,6 +658,23 @@ impl CudaRegions {
                 unsafe { cudarc::driver::result::memcpy_dtod_async(d, s, n * 4, st.cu_stream()) }
                     .map_err(|e| driver_error("copy between regions", e))
             }
+            RangeOp::AccumGrads { drain, span16 } => {
+                let g = self.addr(Region::G, span16)?;
+                let acc = self.addr(Region::GA, span16)?;
+                // G16 ends at the last conv parameter: the span's elements it covers.
+                let g16_elems = self.plan.region_len(Region::G16) / 2;
+                let n16 = g16_elems.saturating_sub(span16.start / 2).min(n);
+                let g16 = if n16 > 0 {
+                    self.addr(Region::G16, span16)?
+                } else {
+                    0
+                };
+                // SAFETY: validated: n f32 of G and of GA at `g` and `acc`; G16 is read only
+                // for the n16 elements that lie inside it (computed from the plan just above),
+                // never when n16 is 0; the three are separate allocations of this executor,
+                // freed on this stream after the launch.
+                unsafe { k.raw_accum_grads(st, g16, g, acc, n, n16, drain) }
+            }
             RangeOp::Check { policy, span16 } => {
                 let (g, s) = (self.addr(Region::G, span16)?, self.get(Region::S)?.ptr);
                 // SAFETY: validated: n f32 of G at `g`; S is the plan's 256-byte region
@@ -800,6 +818,12 @@ impl AmpExecutor for CudaRegions {
         use crate::range::s_layout::CLIP_NORM;
         let at = ByteRange::new(CLIP_NORM, CLIP_NORM + 4);
         self.upload_bytes(Region::S, at, &max_norm.to_le_bytes())
+    }
+
+    fn write_accum(&mut self, accum: u32) -> Result<(), AmpError> {
+        use crate::range::s_layout::ACCUM;
+        let at = ByteRange::new(ACCUM, ACCUM + 4);
+        self.upload_bytes(Region::S, at, &accum.to_le_bytes())
     }
 
     fn request_scalars(&mut self) -> Result<(), AmpError> {

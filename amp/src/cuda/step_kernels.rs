@@ -104,6 +104,44 @@ impl AmpKernels {
     }
 
     /// # Safety
+    /// `g` and `acc` hold `n` f32 each and `g16` (when `n16 > 0`) `n16 ≤ n` f16, live until
+    /// the launch has run; the three do not overlap.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn raw_accum_grads(
+        &self,
+        stream: &CudaStream,
+        g16: u64,
+        g: u64,
+        acc: u64,
+        n: usize,
+        n16: usize,
+        drain: bool,
+    ) -> Result<(), AmpError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [
+            Arg::U64(g16),
+            Arg::U64(g),
+            Arg::U64(acc),
+            Arg::size(n),
+            Arg::size(n16.min(n)),
+            Arg::U32(u32::from(drain)),
+        ];
+        // SAFETY: the kernel reads g16[0..n16) and reads/writes g[0..n) and acc[0..n) only,
+        // which the caller guarantees exist and do not overlap.
+        unsafe {
+            self.launch_raw(
+                stream,
+                &self.f.accum_grads,
+                entry::ACCUM_GRADS,
+                self.grid_elems(n),
+                &args,
+            )
+        }
+    }
+
+    /// # Safety
     /// `g` holds `n` f32 (written too under `ClipInf`); `s` is a 4-aligned S image of at
     /// least 20 bytes; both live until the launch has run and do not overlap.
     pub(crate) unsafe fn raw_check(

@@ -262,6 +262,9 @@ impl MemoryPlan {
         if options.ema {
             sum = sum.checked_add(fp32)?.checked_add(total16)?;
         }
+        if options.grad_accumulator {
+            sum = sum.checked_add(fp32)?;
+        }
         sum.checked_add(S_REGION_BYTES)
     }
 
@@ -298,7 +301,32 @@ impl MemoryPlan {
             Region::G16 => self.g16_len > 0,
             Region::M => self.options.momentum,
             Region::E | Region::E16 => self.options.ema,
+            Region::GA => self.options.grad_accumulator,
         }
+    }
+
+    /// This plan with the gradient accumulator GA allocated (an FP32 region laid out as G):
+    /// the plan of a step that accumulates gradients over several micro-batches
+    /// ([`crate::step::StepConfig::with_accum`]). Nothing else moves: GA only adds a region.
+    ///
+    /// # Errors
+    /// [`PlanError::SizeOverflow`] (naming the last parameter) when the regions with GA no
+    /// longer fit in `usize`.
+    pub fn with_grad_accumulator(mut self) -> Result<Self, PlanError> {
+        let options = PlanOptions {
+            grad_accumulator: true,
+            ..self.options
+        };
+        if Self::arena_bytes_for(options, self.total16, self.g16_len).is_none() {
+            let last = self.params.last();
+            return Err(PlanError::SizeOverflow {
+                name: last.map(|p| p.name.clone()).unwrap_or_default(),
+                shape: last.map(|p| p.shape.clone()).unwrap_or_default(),
+                what: "the regions' total with the gradient accumulator GA",
+            });
+        }
+        self.options = options;
+        Ok(self)
     }
 
     /// Byte length of `region` (0 when absent). Always a multiple of 256.
@@ -308,7 +336,7 @@ impl MemoryPlan {
         }
         match region {
             // The builder checked every FP32 total with checked_mul.
-            Region::W | Region::G | Region::M | Region::E => self.total16 * 2,
+            Region::W | Region::G | Region::M | Region::E | Region::GA => self.total16 * 2,
             Region::A | Region::E16 => self.total16,
             Region::G16 => self.g16_len,
             Region::S => S_REGION_BYTES,
@@ -358,6 +386,7 @@ impl MemoryPlan {
             Region::G16 => param.kind == ParamKind::ConvWeight,
             Region::M => self.options.momentum,
             Region::E | Region::E16 => self.options.ema,
+            Region::GA => self.options.grad_accumulator,
             Region::S => false,
         }
     }

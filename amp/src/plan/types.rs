@@ -61,13 +61,18 @@ pub enum Region {
     E,
     /// FP16 copy of E, for evaluating with the EMA weights (optional, with E).
     E16,
+    /// FP32 gradient accumulator, same layout as G, for gradient accumulation over several
+    /// micro-batches (optional: only a plan made with
+    /// [`crate::plan::MemoryPlan::with_grad_accumulator`]). Each micro-batch's gradient is
+    /// added into it; the last one's sum goes to G for the step ([`crate::range::accum_grads`]).
+    GA,
     /// Device scalars: loss scale, overflow flag, counters. See [`crate::range::Scalars`].
     S,
 }
 
 impl Region {
     /// All regions, in arena order.
-    pub const ALL: [Region; 8] = [
+    pub const ALL: [Region; 9] = [
         Region::W,
         Region::A,
         Region::G,
@@ -75,13 +80,14 @@ impl Region {
         Region::M,
         Region::E,
         Region::E16,
+        Region::GA,
         Region::S,
     ];
 
     /// The element type of a parameter region; `None` for S, which mixes types.
     pub const fn dtype(self) -> Option<DataType> {
         match self {
-            Region::W | Region::G | Region::M | Region::E => Some(DataType::Float),
+            Region::W | Region::G | Region::M | Region::E | Region::GA => Some(DataType::Float),
             Region::A | Region::G16 | Region::E16 => Some(DataType::Half),
             Region::S => None,
         }
@@ -107,7 +113,7 @@ impl Region {
             Region::G16 => Some(Region::G),
             Region::E => Some(Region::E16),
             Region::E16 => Some(Region::E),
-            Region::M | Region::S => None,
+            Region::M | Region::GA | Region::S => None,
         }
     }
 }
@@ -245,6 +251,8 @@ pub struct PlanOptions {
     pub momentum: bool,
     /// Allocate E and E16 (weight EMA). Default off.
     pub ema: bool,
+    /// Allocate GA (the FP32 gradient accumulator of gradient accumulation). Default off.
+    pub grad_accumulator: bool,
 }
 
 impl Default for PlanOptions {
@@ -252,6 +260,7 @@ impl Default for PlanOptions {
         PlanOptions {
             momentum: true,
             ema: false,
+            grad_accumulator: false,
         }
     }
 }

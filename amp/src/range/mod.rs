@@ -10,6 +10,9 @@
 //! 2. Backward writes conv wgrads FP16 into G16 and FC/BN grads FP32 into G; the loss seed
 //!    is [`softmax_xent_backward`], which multiplies by the loss scale from S.
 //! 3. [`cast_f16_to_f32`] over each of [`crate::plan::MemoryPlan::g16_cast_ranges`] (G16→G).
+//!    With gradient accumulation over N micro-batches, [`accum_grads`] instead: the first
+//!    N − 1 micro-batches add G16 and G into the accumulator GA, the last adds and drains
+//!    GA into G.
 //! 4. [`check_grads`] over G or per bucket, by [`OverflowPolicy`]: sets the flag in S.
 //!    With clipping by norm, then [`grad_norm`] over G: the global norm into S.
 //! 5. [`sgd_step`] over W/M/G/A: unscales by 1/scale (times the clipping factor), skips
@@ -30,6 +33,7 @@
 
 #![forbid(unsafe_code)]
 
+mod accum;
 mod cast;
 mod check;
 mod head;
@@ -40,6 +44,7 @@ mod scalars;
 mod scale;
 mod seed;
 
+pub use accum::accum_grads;
 pub use cast::{
     cast_f16_to_f32, cast_f32_to_f16, f16_to_f32, f32_to_f16, F16_CANONICAL_NAN, F32_CANONICAL_NAN,
 };

@@ -11,13 +11,13 @@ use crate::range::scalars::{s_layout, Scalars};
 pub const NORM_THREADS: usize = 256;
 
 /// CPU twin of `amp_grad_sumsq` then `amp_grad_norm` over `g` (the FP32 gradients of a step,
-/// still scaled by the loss scale and summed over `s.ranks`).
+/// still scaled by the loss scale and summed over `s.ranks` and `s.accum`).
 ///
 /// Thread `t` of block `b` sums `g[i]²` for `i = b·256 + t + k·(32·256)`, `k = 0, 1, …` in
 /// order; each block adds its 256 sums pairwise (`sum[t] += sum[t + h]` for
 /// `h = 128, 64, …, 1`) into `s.norm_partials[b]`; then
-/// `s.grad_norm = sqrt(Σ_b partials[b], added in order) / (loss_scale · ranks)`, the norm of
-/// the gradients SGD applies ([`Scalars::unscale`]). Every operation is one FP32 rounding. A
+/// `s.grad_norm = sqrt(Σ_b partials[b], added in order) / (loss_scale · ranks · accum)`
+/// ([`Scalars::unscale_denominator`]), the norm of the gradients SGD applies. Every operation is one FP32 rounding. A
 /// NaN or infinite gradient makes the norm NaN or infinite; the step is then skipped by the
 /// overflow check anyway.
 pub fn grad_norm(g: &[f32], s: &mut Scalars) {
@@ -41,12 +41,7 @@ pub fn grad_norm(g: &[f32], s: &mut Scalars) {
         *partial = sums[0];
     }
     let sum = s.norm_partials.iter().fold(0.0f32, |acc, p| acc + p);
-    let denom = if s.ranks > 1 {
-        s.loss_scale * s.ranks as f32
-    } else {
-        s.loss_scale
-    };
-    s.grad_norm = sum.sqrt() / denom;
+    s.grad_norm = sum.sqrt() / s.unscale_denominator();
 }
 
 #[cfg(test)]

@@ -17,7 +17,8 @@
 //! |     32 | u32  | `ranks`          | the host, at start (SGD reads)       |
 //! |     36 | f32  | `clip_norm`      | the host (SGD reads; 0: no clipping) |
 //! |     40 | f32  | `grad_norm`      | gradient-norm op (SGD reads)         |
-//! |  44–63 | —    | reserved, zero   | nobody                               |
+//! |     44 | u32  | `accum`          | the host, at start (SGD reads)       |
+//! |  48–63 | —    | reserved, zero   | nobody                               |
 //! | 64–191 | f32×32 | `norm_partials` | gradient-norm op (its block sums)   |
 //! |192–255 | —    | reserved, zero   | nobody                               |
 //!
@@ -56,7 +57,11 @@ pub mod s_layout {
     pub const CLIP_NORM: usize = 36;
     /// `f32` the global L2 norm of the unscaled gradients, written by the gradient-norm op.
     pub const GRAD_NORM: usize = 40;
-    /// Bytes of the scalar fields; [`super::Scalars::from_bytes`] needs at least these.
+    /// `u32` micro-batches whose gradients G sums (gradient accumulation; 0 and 1: one).
+    pub const ACCUM: usize = 44;
+    /// Bytes of the scalar fields before [`ACCUM`]; [`super::Scalars::from_bytes`] needs at
+    /// least these (an image that ends before `ACCUM`, as images written before it existed
+    /// do, reads `accum` as 0: one micro-batch).
     pub const USED: usize = 44;
     /// `[f32; NORM_BLOCKS]` the gradient-norm op's per-block sums of squares.
     pub const NORM_PARTIALS: usize = 64;
@@ -95,6 +100,10 @@ pub struct Scalars {
     /// The global L2 norm of the unscaled gradients of the current step, written by the
     /// gradient-norm op ([`crate::range::grad_norm`]) before SGD reads it.
     pub grad_norm: f32,
+    /// Micro-batches whose summed gradients G holds (gradient accumulation,
+    /// [`crate::range::accum_grads`]): SGD unscales by `1 / (loss_scale · ranks · accum)`,
+    /// which averages them at no extra cost (0 and 1: one micro-batch).
+    pub accum: u32,
     /// The gradient-norm op's per-block sums of squares (its fixed summation order).
     pub norm_partials: [f32; s_layout::NORM_BLOCKS],
 }
@@ -115,6 +124,7 @@ impl Scalars {
             ranks: 1,
             clip_norm: 0.0,
             grad_norm: 0.0,
+            accum: 1,
             norm_partials: [0.0; s_layout::NORM_BLOCKS],
         }
     }
@@ -138,15 +148,26 @@ impl Scalars {
         }
     }
 
-    /// The unscale factor of SGD: `1 / loss_scale`, or `1 / (loss_scale · ranks)` for a
-    /// data-parallel step over more than one rank (each product rounded once, as the kernel).
+    /// The unscale factor of SGD: `1 / loss_scale`, or `1 / (loss_scale · ranks · accum)`
+    /// for a data-parallel step over more than one rank and a step that accumulates more than
+    /// one micro-batch ([`Scalars::unscale_denominator`]).
     pub fn unscale(&self) -> f32 {
-        let denom = if self.ranks > 1 {
-            self.loss_scale * self.ranks as f32
-        } else {
-            self.loss_scale
-        };
-        1.0f32 / denom
+        1.0f32 / self.unscale_denominator()
+    }
+
+    /// What G is divided by to unscale and average it: `loss_scale`, times `ranks` when
+    /// above 1, then times `accum` when above 1, each product rounded once, as the kernels
+    /// (`amp_sgd_step`, `amp_grad_norm`). With one rank and one micro-batch it is exactly
+    /// the loss scale.
+    pub fn unscale_denominator(&self) -> f32 {
+        let mut denom = self.loss_scale;
+        if self.ranks > 1 {
+            denom *= self.ranks as f32;
+        }
+        if self.accum > 1 {
+            denom *= self.accum as f32;
+        }
+        denom
     }
 
     /// The factor SGD multiplies the unscale by: 1 without clipping (`clip_norm` 0), else
@@ -210,6 +231,7 @@ impl Scalars {
         put(s_layout::RANKS, self.ranks.to_le_bytes());
         put(s_layout::CLIP_NORM, self.clip_norm.to_le_bytes());
         put(s_layout::GRAD_NORM, self.grad_norm.to_le_bytes());
+        put(s_layout::ACCUM, self.accum.to_le_bytes());
         for (k, p) in self.norm_partials.iter().enumerate() {
             put(s_layout::NORM_PARTIALS + 4 * k, p.to_le_bytes());
         }
@@ -242,6 +264,9 @@ impl Scalars {
             ranks: u32::from_le_bytes(word(s_layout::RANKS)),
             clip_norm: f32::from_le_bytes(word(s_layout::CLIP_NORM)),
             grad_norm: f32::from_le_bytes(word(s_layout::GRAD_NORM)),
+            accum: bytes
+                .get(s_layout::ACCUM..s_layout::ACCUM + 4)
+                .map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
             norm_partials: std::array::from_fn(|k| {
                 let at = s_layout::NORM_PARTIALS + 4 * k;
                 // A short image (USED bytes only) has no partials: they read as 0.

@@ -26,6 +26,7 @@ pub struct CpuRegions {
     m: Vec<f32>,
     e: Vec<f32>,
     e16: Vec<f16>,
+    ga: Vec<f32>,
     s: Scalars,
     snapshot: Option<Scalars>,
 }
@@ -44,6 +45,7 @@ impl Clone for CpuRegions {
             m: self.m.clone(),
             e: self.e.clone(),
             e16: self.e16.clone(),
+            ga: self.ga.clone(),
             s: self.s,
             snapshot: self.snapshot,
         }
@@ -69,7 +71,7 @@ fn f32_view_error(op: &'static str, region: Region) -> AmpError {
         op,
         region,
         role: "FP32 view",
-        needs: "an FP32 region (W, G, M, E)",
+        needs: "an FP32 region (W, G, M, E, GA)",
     }
     .into()
 }
@@ -104,6 +106,7 @@ impl CpuRegions {
             m: f32s(Region::M),
             e: f32s(Region::E),
             e16: f16s(Region::E16),
+            ga: f32s(Region::GA),
             s: Scalars::default(),
             snapshot: None,
             plan,
@@ -126,6 +129,7 @@ impl CpuRegions {
             Region::G => Some(&self.g),
             Region::M => Some(&self.m),
             Region::E => Some(&self.e),
+            Region::GA => Some(&self.ga),
             _ => None,
         }
     }
@@ -136,6 +140,7 @@ impl CpuRegions {
             Region::G => Some(&mut self.g),
             Region::M => Some(&mut self.m),
             Region::E => Some(&mut self.e),
+            Region::GA => Some(&mut self.ga),
             _ => None,
         }
     }
@@ -363,6 +368,13 @@ impl CpuRegions {
                     *v = out;
                 }
             }
+            RangeOp::AccumGrads { drain, span16 } => {
+                let r = span16.elem_range(DataType::Half);
+                // G16 ends at the last conv parameter: the part of the span it covers.
+                let end16 = self.g16.len().min(r.end);
+                let g16 = self.g16.get(r.start..end16).unwrap_or_default();
+                range::accum_grads(g16, &mut self.g[r.clone()], &mut self.ga[r], drain)?;
+            }
             RangeOp::Check { policy, span16 } => {
                 let r = span16.elem_range(DataType::Half);
                 range::check_grads(&mut self.g[r], policy, &mut self.s)?;
@@ -458,6 +470,11 @@ impl AmpExecutor for CpuRegions {
 
     fn write_clip_norm(&mut self, max_norm: f32) -> Result<(), AmpError> {
         self.s.clip_norm = max_norm;
+        Ok(())
+    }
+
+    fn write_accum(&mut self, accum: u32) -> Result<(), AmpError> {
+        self.s.accum = accum;
         Ok(())
     }
 

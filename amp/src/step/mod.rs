@@ -11,6 +11,12 @@
 //! 3. Each step: [`AmpStep::begin`] (zero G and G16), your forward and backward on the same
 //!    stream (conv wgrads FP16 into G16, FC/BN grads FP32 into G, the loss seed multiplied by
 //!    the scale read from S), then [`AmpStep::finish`].
+//!    With gradient accumulation over N micro-batches ([`StepConfig::with_accum`], a plan
+//!    with GA), each micro-batch runs [`AmpStep::begin`], its forward and backward, then
+//!    [`AmpStep::accumulate`] (GA += G + f32(G16)); the last runs [`AmpStep::finish`]
+//!    instead, whose first op adds the last micro-batch and moves the sum into G (zeroing GA,
+//!    even when the step is then skipped). The check, norm, SGD (unscaling by
+//!    `1 / (loss_scale · ranks · N)`) and scale update run once per step, over the sum.
 //! 4. For logging, [`AmpStep::request_scalars`] after a step and [`AmpStep::poll_scalars`]
 //!    whenever convenient: the host never waits for the device.
 //! 5. On CUDA, [`AmpStep::capture_finish`] (and [`AmpStep::capture_begin`]) record the op
@@ -24,6 +30,7 @@
 //! | # | op | over | notes |
 //! |--:|----|------|-------|
 //! | 1 | cast G16 → G | each of [`crate::plan::MemoryPlan::g16_cast_ranges`] | never the holes of G16 |
+//! | 1′ | with [`StepConfig::accum`] > 1, instead: accumulate and drain GA → G | all of G, GA (G16 where it reaches) | G = GA + G + f32(G16), GA = 0 |
 //! | 2 | check (NaN/Inf, or clip) | all of G | sets the flag in S |
 //! | 2b | gradient norm (with [`StepConfig::clip_norm`]) | all of G | the global norm into S, in a fixed order |
 //! | 3 | SGD, A = f16(W) | all of W/M/G/A, split where weight decay applies | skipped on the device when the flag is set; scales by the clipping factor |
@@ -156,6 +163,13 @@ pub trait AmpExecutor {
     /// On CUDA, a driver error.
     fn write_clip_norm(&mut self, max_norm: f32) -> Result<(), AmpError>;
 
+    /// Overwrites only S's micro-batch count (gradient accumulation: SGD unscales G's sums by
+    /// `1 / (loss_scale · ranks · accum)`), ordered like [`AmpExecutor::write_hyper`].
+    ///
+    /// # Errors
+    /// On CUDA, a driver error.
+    fn write_accum(&mut self, accum: u32) -> Result<(), AmpError>;
+
     /// Asks for a snapshot of S as it will be once the work enqueued so far has run. Never
     /// waits: on CUDA it enqueues an asynchronous copy into pinned host memory.
     ///
@@ -189,7 +203,17 @@ pub struct StepConfig {
     /// `Some(max_norm)` adds the gradient-norm op to the step and SGD scales every gradient
     /// by `min(1, max_norm / (‖g‖ + 1e-6))`, both on the device; `None`: no clipping.
     pub clip_norm: Option<f32>,
+    /// Micro-batches per optimizer step (gradient accumulation; 1: none). Above 1 the plan
+    /// needs the accumulator GA ([`MemoryPlan::with_grad_accumulator`]), each micro-batch but
+    /// the last ends with [`AmpStep::accumulate`] and the last with [`AmpStep::finish`];
+    /// SGD unscales by `1 / (loss_scale · ranks · accum)`. At most [`MAX_ACCUM`].
+    pub accum: u32,
 }
+
+/// The most micro-batches one optimizer step accumulates ([`StepConfig::accum`]): far more
+/// than any schedule needs, and small enough that `loss_scale · ranks · accum` stays an exact
+/// FP32 product for power-of-two loss scales and rank counts below 2^12.
+pub const MAX_ACCUM: u32 = 4096;
 
 impl StepConfig {
     /// `sgd` with no EMA, the default overflow policy (NaN/Inf skip the step) and the default
@@ -201,7 +225,14 @@ impl StepConfig {
             overflow: OverflowPolicy::default(),
             loss_scale: LossScalePolicy::default(),
             clip_norm: None,
+            accum: 1,
         }
+    }
+
+    /// Sets gradient accumulation over `micro_batches` per optimizer step (1: none).
+    pub fn with_accum(mut self, micro_batches: u32) -> Self {
+        self.accum = micro_batches;
+        self
     }
 
     /// Sets clipping by global norm to `max_norm`.
@@ -248,6 +279,22 @@ impl StepConfig {
                 }
                 .into());
             }
+        }
+        if !(1..=MAX_ACCUM).contains(&self.accum) {
+            return Err(crate::RangeOpError::InvalidConfig {
+                op: "StepConfig",
+                field: "accum",
+                value: self.accum.to_string(),
+                why: "micro-batches per step must be in 1..=4096 (MAX_ACCUM)",
+            }
+            .into());
+        }
+        if self.accum > 1 && !plan.has_region(Region::GA) {
+            return Err(ExecError::MissingRegion {
+                what: format!("gradient accumulation over {} micro-batches", self.accum),
+                region: Region::GA,
+            }
+            .into());
         }
         if self.sgd.momentum != 0.0 && !plan.has_region(Region::M) {
             return Err(ExecError::MissingRegion {
@@ -329,17 +376,39 @@ fn sgd_ops(plan: &MemoryPlan, sgd: SgdConfig) -> Vec<RangeOp> {
     ops
 }
 
+/// The ops of [`AmpStep::accumulate`] for `plan` and `cfg`: with [`StepConfig::accum`] above
+/// 1, one [`RangeOp::AccumGrads`] over all of G (this micro-batch's G and G16 added into GA);
+/// none otherwise.
+pub fn accumulate_ops(plan: &MemoryPlan, cfg: &StepConfig) -> Vec<RangeOp> {
+    if cfg.accum > 1 {
+        vec![RangeOp::AccumGrads {
+            drain: false,
+            span16: whole16(plan),
+        }]
+    } else {
+        Vec::new()
+    }
+}
+
 /// The ops of [`AmpStep::finish`] for `plan` and `cfg` (the table in the module docs).
 pub fn finish_ops(plan: &MemoryPlan, cfg: &StepConfig) -> Vec<RangeOp> {
-    let mut ops: Vec<RangeOp> = plan
-        .g16_cast_ranges()
-        .into_iter()
-        .map(|span16| RangeOp::CastF16ToF32 {
-            src: Region::G16,
-            dst: Region::G,
-            span16,
-        })
-        .collect();
+    let mut ops: Vec<RangeOp> = if cfg.accum > 1 {
+        // The last micro-batch: its gradient plus GA's sum into G, GA zeroed (one pass
+        // instead of the cast).
+        vec![RangeOp::AccumGrads {
+            drain: true,
+            span16: whole16(plan),
+        }]
+    } else {
+        plan.g16_cast_ranges()
+            .into_iter()
+            .map(|span16| RangeOp::CastF16ToF32 {
+                src: Region::G16,
+                dst: Region::G,
+                span16,
+            })
+            .collect()
+    };
     ops.push(RangeOp::Check {
         policy: cfg.overflow,
         span16: whole16(plan),
@@ -392,6 +461,8 @@ pub enum StepPhase {
     Begin,
     /// [`AmpStep::finish_ops`].
     Finish,
+    /// [`AmpStep::accumulate_ops`].
+    Accumulate,
 }
 
 /// A captured part of a step: replay it with [`AmpStep::replay`].
@@ -424,6 +495,7 @@ pub struct AmpStep<X: AmpExecutor> {
     config: StepConfig,
     begin: Vec<RangeOp>,
     finish: Vec<RangeOp>,
+    accumulate: Vec<RangeOp>,
     /// Bumped by every change of the step's structure; graphs remember the one they were
     /// captured at.
     generation: u64,
@@ -439,16 +511,19 @@ impl<X: AmpExecutor> AmpStep<X> {
         config.validate(exec.plan())?;
         let s = Scalars {
             clip_norm: config.clip_norm.unwrap_or(0.0),
+            accum: config.accum,
             ..Scalars::new(&config.loss_scale).with_sgd(&config.sgd)
         };
         exec.write_scalars(&s)?;
         let begin = begin_ops(exec.plan());
         let finish = finish_ops(exec.plan(), &config);
+        let accumulate = accumulate_ops(exec.plan(), &config);
         Ok(AmpStep {
             exec,
             config,
             begin,
             finish,
+            accumulate,
             generation: 0,
         })
     }
@@ -461,8 +536,10 @@ impl<X: AmpExecutor> AmpStep<X> {
     /// Replaces the configuration. The loss scale, flag and counters in S stay as they are;
     /// the SGD hyper-parameters in S take the new values. Graphs captured before become stale
     /// ([`AmpStep::replay`] refuses them) only when the structure changed (Nesterov, overflow
-    /// or loss-scale policy, EMA, clipping by norm); a change of learning rate, momentum or weight decay alone
-    /// keeps them valid, as with [`AmpStep::set_hyper`].
+    /// or loss-scale policy, EMA, clipping by norm, the micro-batch count); a change of
+    /// learning rate, momentum or weight decay alone keeps them valid, as with
+    /// [`AmpStep::set_hyper`]. Change the micro-batch count between steps only: GA holds
+    /// the sum of the step's micro-batches so far.
     ///
     /// # Errors
     /// As [`StepConfig::validate`]; the step is unchanged on error.
@@ -476,8 +553,12 @@ impl<X: AmpExecutor> AmpStep<X> {
         if config.clip_norm != self.config.clip_norm {
             self.exec.write_clip_norm(config.clip_norm.unwrap_or(0.0))?;
         }
+        if config.accum != self.config.accum {
+            self.exec.write_accum(config.accum)?;
+        }
         if structural {
             self.finish = finish_ops(self.exec.plan(), &config);
+            self.accumulate = accumulate_ops(self.exec.plan(), &config);
             self.generation += 1;
         }
         self.config = config;
@@ -521,6 +602,7 @@ impl<X: AmpExecutor> AmpStep<X> {
         s.validate()?;
         let s = Scalars {
             clip_norm: self.config.clip_norm.unwrap_or(0.0),
+            accum: self.config.accum,
             ..s.with_sgd(&self.config.sgd)
         };
         self.exec.write_scalars(&s)
@@ -534,6 +616,11 @@ impl<X: AmpExecutor> AmpStep<X> {
     /// The ops [`AmpStep::finish`] runs.
     pub fn finish_ops(&self) -> &[RangeOp] {
         &self.finish
+    }
+
+    /// The ops [`AmpStep::accumulate`] runs (none without gradient accumulation).
+    pub fn accumulate_ops(&self) -> &[RangeOp] {
+        &self.accumulate
     }
 
     /// Makes the compute copies from the master weights in W: A = f16(W), and with EMA
@@ -552,6 +639,21 @@ impl<X: AmpExecutor> AmpStep<X> {
     /// On CUDA, a driver error.
     pub fn begin(&mut self) -> Result<(), AmpError> {
         self.exec.run_all(&self.begin)
+    }
+
+    /// Ends a micro-batch other than the step's last, with gradient accumulation
+    /// ([`StepConfig::accum`] above 1): adds its gradient (G16 and G) into GA. Run
+    /// [`AmpStep::begin`] before each micro-batch's backward pass and this after it, for the
+    /// first `accum − 1` micro-batches; after the last one's, [`AmpStep::finish`] (which
+    /// adds it and moves the sum into G). Without accumulation it runs nothing.
+    ///
+    /// # Errors
+    /// On CUDA, a driver error.
+    pub fn accumulate(&mut self) -> Result<(), AmpError> {
+        if self.accumulate.is_empty() {
+            return Ok(());
+        }
+        self.exec.run_all(&self.accumulate)
     }
 
     /// Ends a step after backward: cast, check, SGD, EMA, scale update (module docs).
@@ -607,6 +709,7 @@ impl<X: AmpExecutor> AmpStep<X> {
         let ops = match phase {
             StepPhase::Begin => &self.begin,
             StepPhase::Finish => &self.finish,
+            StepPhase::Accumulate => &self.accumulate,
         };
         Ok(StepGraph {
             graph: self.exec.capture(ops)?,
@@ -623,6 +726,14 @@ impl<X: AmpExecutor> AmpStep<X> {
         self.capture(StepPhase::Begin)
     }
 
+    /// Records [`AmpStep::accumulate_ops`] into a graph (nothing runs).
+    ///
+    /// # Errors
+    /// As [`AmpExecutor::capture`] ([`ExecError::EmptyCapture`] without accumulation).
+    pub fn capture_accumulate(&mut self) -> Result<StepGraph<X::Graph>, AmpError> {
+        self.capture(StepPhase::Accumulate)
+    }
+
     /// Records [`AmpStep::finish_ops`] into a graph (nothing runs).
     ///
     /// # Errors
@@ -637,7 +748,7 @@ impl<X: AmpExecutor> AmpStep<X> {
     /// [`ExecError::StaleGraph`] when the configuration changed since the capture,
     /// [`ExecError::ForeignGraph`] for another executor's graph; on CUDA, a driver error.
     pub fn replay(&mut self, graph: &StepGraph<X::Graph>) -> Result<(), AmpError> {
-        if graph.phase == StepPhase::Finish && graph.generation != self.generation {
+        if graph.phase != StepPhase::Begin && graph.generation != self.generation {
             return Err(ExecError::StaleGraph {
                 captured: graph.generation,
                 current: self.generation,

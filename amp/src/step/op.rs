@@ -52,6 +52,15 @@ pub enum RangeOp {
         /// FP16-layout bytes.
         span16: ByteRange,
     },
+    /// Gradient accumulation (`amp_accum_grads`): this micro-batch's gradient (G, plus G16
+    /// cast to FP32 where G16 reaches) added into GA; with `drain` (the last micro-batch of
+    /// a step) the sum is written into G instead and GA is zeroed.
+    AccumGrads {
+        /// Write the sum into G and zero GA (the step's last micro-batch).
+        drain: bool,
+        /// FP16-layout bytes (of G and GA; G16 where it reaches).
+        span16: ByteRange,
+    },
     /// Overflow check over G by `policy` (`amp_check_nonfinite` or `amp_check_clip`); sets
     /// the flag in S.
     Check {
@@ -104,6 +113,7 @@ impl RangeOp {
             RangeOp::CastF16ToF32 { .. } => entry::CAST_F16_TO_F32,
             RangeOp::CastF32ToF16 { .. } => entry::CAST_F32_TO_F16,
             RangeOp::CopyF32 { .. } => "copy_f32",
+            RangeOp::AccumGrads { .. } => entry::ACCUM_GRADS,
             RangeOp::Check {
                 policy: OverflowPolicy::NanOrInf,
                 ..
@@ -123,6 +133,7 @@ impl RangeOp {
             | RangeOp::CastF16ToF32 { span16, .. }
             | RangeOp::CastF32ToF16 { span16, .. }
             | RangeOp::CopyF32 { span16, .. }
+            | RangeOp::AccumGrads { span16, .. }
             | RangeOp::Check { span16, .. }
             | RangeOp::GradNorm { span16 }
             | RangeOp::Sgd { span16, .. }
@@ -145,6 +156,8 @@ impl RangeOp {
             RangeOp::Zero { region, .. } => n * region.dtype().map_or(0, DataType::size),
             RangeOp::CastF16ToF32 { .. } | RangeOp::CastF32ToF16 { .. } => n * 6,
             RangeOp::CopyF32 { .. } => n * 8,
+            // Reads G, GA (and G16 where it reaches); writes GA (or G and GA).
+            RangeOp::AccumGrads { drain, .. } => n * (8 + 2 + if drain { 8 } else { 4 }),
             RangeOp::Check { .. } | RangeOp::GradNorm { .. } => n * 4,
             // Reads W, G (+M); writes W, A (+M).
             RangeOp::Sgd {
@@ -191,6 +204,31 @@ impl RangeOp {
                     .into());
                 }
                 Ok(())
+            }
+            RangeOp::AccumGrads { span16, .. } => {
+                if !plan.has_region(Region::GA) {
+                    return Err(ExecError::MissingRegion {
+                        what: "gradient accumulation".into(),
+                        region: Region::GA,
+                    }
+                    .into());
+                }
+                span_in(
+                    op,
+                    plan,
+                    Region::G,
+                    "gradients",
+                    span16,
+                    Some(DataType::Float),
+                )?;
+                span_in(
+                    op,
+                    plan,
+                    Region::GA,
+                    "accumulator",
+                    span16,
+                    Some(DataType::Float),
+                )
             }
             RangeOp::Check { policy, span16 } => {
                 policy.validate()?;

@@ -1,0 +1,86 @@
+//! GPU tier of gradient accumulation through the classifier: `CudaClassifier::train_step`
+//! follows `CpuClassifier::train_step`. SKIPs without a device; `tests/sim_gpu_fusion.rs`
+//! runs it on the simulated device.
+
+mod common;
+
+use cudnn_cbr::amp::plan::Region;
+use cudnn_cbr::fusion::cbr::RouteKind;
+use cudnn_cbr::{compile, CompiledNet, CpuClassifier, Preset, RoutePolicy, SgdConfig, StepConfig};
+use half::f16;
+
+const BATCH: usize = 4;
+const HW: usize = 8;
+const CLASSES: usize = 3;
+
+fn net(kind: RouteKind) -> CompiledNet {
+    let spec = Preset::Mini.spec(3, CLASSES, 4);
+    compile(&spec, BATCH, HW, &RoutePolicy::Uniform(kind)).unwrap()
+}
+
+fn micro_batch(k: usize) -> (Vec<f16>, Vec<i32>) {
+    let mut s = 0x51ab + k as u64;
+    let images = (0..BATCH * HW * HW * 3)
+        .map(|_| f16::from_f32(common::uniform(&mut s)))
+        .collect();
+    let labels = (0..BATCH).map(|i| ((i * 7 + k) % CLASSES) as i32).collect();
+    (images, labels)
+}
+
+/// `CudaClassifier::train_step` over 2 micro-batches follows `CpuClassifier::train_step`,
+/// step by step, and leaves the accumulator clear after each step.
+#[test]
+fn gpu_the_cuda_classifier_accumulates_as_the_cpu_one() {
+    const TEST: &str = "gpu_the_cuda_classifier_accumulates_as_the_cpu_one";
+    let Some(ctx) = common::gpu_or_skip(TEST) else {
+        return;
+    };
+    use cudnn_cbr::{CudaClassifier, Handle, PlanCache};
+    let stream = ctx.per_thread_stream();
+    let handle = Handle::new(stream.clone()).unwrap();
+    let target = handle.target().unwrap();
+    let cache = PlanCache::new();
+    let spec = Preset::Mini.spec(3, CLASSES, 4);
+    let policy = RoutePolicy::Planned {
+        target: &target,
+        cache: &cache,
+    };
+    let on_gpu = compile(&spec, BATCH, HW, &policy).unwrap();
+    let config = StepConfig::new(SgdConfig::new(0.05).with_momentum(0.9)).with_accum(2);
+    let mut gpu = CudaClassifier::new(on_gpu, handle, CLASSES, config, 3).unwrap();
+    let mut cpu = CpuClassifier::new(net(RouteKind::Fused), CLASSES, config, 3).unwrap();
+    let mut x0 = stream.alloc_zeros::<f16>(BATCH * HW * HW * 3).unwrap();
+    let mut x1 = stream.alloc_zeros::<f16>(BATCH * HW * HW * 3).unwrap();
+    for step in 0..3 {
+        let (a, b) = (micro_batch(2 * step), micro_batch(2 * step + 1));
+        stream.memcpy_htod(&a.0, &mut x0).unwrap();
+        stream.memcpy_htod(&b.0, &mut x1).unwrap();
+        gpu.train_step(&mut [(&mut x0, a.1.as_slice()), (&mut x1, b.1.as_slice())])
+            .unwrap();
+        let want = cpu
+            .train_step(&[
+                (a.0.as_slice(), a.1.as_slice()),
+                (b.0.as_slice(), b.1.as_slice()),
+            ])
+            .unwrap();
+        // The metrics buffer holds the last micro-batch's. FP16 storage on both sides and
+        // different summation orders (cuDNN's kernels vs the reference ops): about 1e-3
+        // relative per step, as tests/classifier.rs; 2e-2 leaves room for three steps.
+        let got = gpu.metrics_blocking().unwrap();
+        let rel = (got.loss - want[1].loss).abs() / want[1].loss.abs().max(1e-3);
+        assert!(
+            rel < 2e-2,
+            "step {step}: GPU {} vs CPU {}",
+            got.loss,
+            want[1].loss
+        );
+    }
+    let s = gpu.step().executor().read_scalars_blocking().unwrap();
+    assert_eq!((s.step, s.accum), (3, 2));
+    let ga = gpu
+        .step()
+        .executor()
+        .download_region_bytes(Region::GA)
+        .unwrap();
+    assert!(ga.iter().all(|&b| b == 0), "GA is clear after each step");
+}
