@@ -510,7 +510,8 @@ pub struct TrainReport {
     /// [`TrainReport::step_losses`] are those of steps `start_step + 1 ..= steps`.
     pub start_step: usize,
     /// One point per step of this run ([`curves`]): always on the CPU executors; on CUDA when
-    /// [`Trainer::record_curve`] asked for it (it reads S back after every step).
+    /// [`Trainer::record_curve`] asked for it (S's loss scale and learning rate copied on the
+    /// device after every step, read back once at the end).
     pub curve: Vec<curves::CurvePoint>,
     /// The test set evaluated after each epoch of this run, where the data has epochs
     /// (CIFAR-10, one rank): BN in evaluation mode, trained and EMA weights.
@@ -878,7 +879,8 @@ impl Trainer {
     }
 
     /// Records a [`curves::CurvePoint`] per step on the CUDA executor too (the CPU executors
-    /// always do): S is read back after every step, which waits for the device.
+    /// always do): S's loss scale and learning rate are copied on the device behind every
+    /// step and read back once at the end, so the step never waits for the host.
     pub fn record_curve(&mut self, on: bool) {
         self.session.curve = on;
     }
