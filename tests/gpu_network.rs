@@ -374,7 +374,9 @@ fn the_cuda_classifier_evaluates_like_the_cpu_classifier() {
     };
     let on_gpu = compile(&spec, batch, hw, &planned).unwrap();
     let on_cpu = cpu_twin(&on_gpu, &spec, batch, hw);
-    let config = StepConfig::new(SgdConfig::new(0.05));
+    // With an EMA (decay 0.5: two steps move it well away from the weights), so the EMA
+    // evaluation reads other weights than the trained one.
+    let config = StepConfig::new(SgdConfig::new(0.05)).with_ema(0.5);
     let mut cpu = CpuClassifier::new(on_cpu, classes, config, 7).unwrap();
     let mut gpu = CudaClassifier::new(on_gpu, handle, classes, config, 7).unwrap();
     let mut seed = 11u64;
@@ -414,6 +416,22 @@ fn the_cuda_classifier_evaluates_like_the_cpu_classifier() {
         trained,
         "evaluation moved the metrics"
     );
-    let ema = gpu.evaluate(&mut x, EvalWeights::Ema).unwrap_err();
-    assert!(ema.to_string().contains("trained weights only"), "{ema}");
+    // The EMA weights (E16 and E in place of A and W on the device) against the CPU
+    // classifier's EMA evaluation, within the same tolerance; they differ from the trained
+    // weights' logits, and the trained weights come back bit for bit.
+    let want_ema = cpu.evaluate(&images, EvalWeights::Ema).unwrap();
+    let got_ema = gpu.evaluate(&mut x, EvalWeights::Ema).unwrap();
+    let err_ema = rel_l2(&as_f64(&got_ema.logits), &as_f64(&want_ema.logits));
+    let apart = rel_l2(&as_f64(&got_ema.logits), &as_f64(&got.logits));
+    println!("EMA evaluation logits rel L2 {err_ema:.2e} (trained vs EMA: {apart:.2e})");
+    assert!(err_ema <= 2e-2, "EMA logits differ by {err_ema:.2e}");
+    assert!(
+        apart > 10.0 * err_ema.max(1e-4),
+        "the EMA changed nothing: {apart:.2e}"
+    );
+    let again = gpu.evaluate(&mut x, EvalWeights::Trained).unwrap();
+    assert_eq!(
+        again.logits, got.logits,
+        "the trained weights did not come back bit for bit"
+    );
 }

@@ -8,7 +8,7 @@ use crate::amp::plan::Region;
 use crate::amp::range::{self, HeadMetrics, HeadShape};
 use crate::amp::step::{AmpStep, StepConfig};
 use crate::fusion::exec::Handle;
-use crate::net::{initial_weights, memory_plan_with_buffers, CompiledNet, CudaNet};
+use crate::net::{initial_weights, memory_plan_of, CompiledNet, CudaNet, PlanContents};
 use half::f16;
 use std::sync::Arc;
 
@@ -64,8 +64,13 @@ impl CudaClassifier {
         seed: u64,
     ) -> Result<Self> {
         let stream = handle.stream().clone();
-        // Every buffer but the input, output and its gradient in the plan's tensor arena.
-        let plan = memory_plan_with_buffers(&net, classes)?;
+        // The network's step-long buffers in the plan's liveness-planned tensor arena; E and
+        // E16 when the step keeps an EMA (as the CPU classifier's plan).
+        let contents = PlanContents {
+            ema: config.ema_decay.is_some(),
+            buffers: true,
+        };
+        let plan = memory_plan_of(&net, classes, contents)?;
         let plan = Arc::new(if config.accum > 1 {
             plan.with_grad_accumulator()?
         } else {
@@ -221,18 +226,20 @@ impl CudaClassifier {
     /// training batch's metrics are left as they were.
     ///
     /// # Errors
-    /// [`ClassifierError::Input`] for a batch of the wrong size, or for the EMA weights (the
-    /// CUDA classifier evaluates with the trained weights only, so far); a driver error.
+    /// [`ClassifierError::Input`] for a batch of the wrong size; the EMA weights of a
+    /// classifier made without an EMA ([`crate::amp::PlanError::RegionAbsent`]); a driver
+    /// error.
     pub fn evaluate(
         &mut self,
         images: &mut CudaSlice<f16>,
         weights: EvalWeights,
     ) -> Result<Evaluation> {
         if weights == EvalWeights::Ema {
-            return Err(ClassifierError::Input(
-                "the CUDA classifier evaluates with the trained weights only (no EMA binding yet)"
-                    .into(),
-            ));
+            let aside = self.step.executor_mut().swap_in_ema()?;
+            let out = self.evaluate(images, EvalWeights::Trained);
+            // Always restored, so that a failed evaluation leaves the trained weights.
+            self.step.executor_mut().swap_back(aside)?;
+            return out;
         }
         let shape = self.head.shape;
         let net = self.net.compiled();

@@ -2,24 +2,15 @@
 //! trained weights and, where the step keeps an EMA ([`TrainConfig::ema`]), with the EMA
 //! weights; top-1 counted on the device by the metrics kernel.
 //!
-//! **The EMA weights.** The network binds its conv weights to their slots in A and its BN
-//! parameters (and the FC layer its weights) to W ([`cudnn_cbr::net::cuda::param_slot`]). E16
-//! has A's layout and E has W's (one FP16 layout, FP32 regions at twice its offsets:
-//! `amp::plan`), so evaluating with the EMA is evaluating with A and W holding E16's and E's
-//! bytes: A and W are copied aside on the device, E16 and E copied over them, the batches
-//! evaluated, and A and W copied back, all in stream order (device-to-device copies, no host
-//! wait). The trained weights come back bit for bit, and the evaluation reads exactly what
-//! the CPU classifier reads with [`cudnn_cbr::classifier::EvalWeights::Ema`]: conv weights
-//! from E16 (the FP16 copy is what inference reads), BN and FC parameters from E.
+//! **The EMA weights** are put where the trained ones are read and back again on the device
+//! ([`cudnn_cbr::amp::cuda::CudaRegions::swap_in_ema`]), in stream order, no host wait.
 
 use super::{amp_error, driver, CudaTrainer};
 use crate::TrainError;
-use cudnn_cbr::amp::cuda::{CudaRegions, CudaSlice, CudaStream, DevRange, DevRangeMut};
-use cudnn_cbr::amp::plan::Region;
+use cudnn_cbr::amp::cuda::{DevRange, DevRangeMut};
 use cudnn_cbr::amp::range::metrics_log_read;
 use cudnn_cbr::amp::AmpError;
 use half::f16;
-use std::sync::Arc;
 
 /// The accuracies of one evaluation over a set of batches.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -31,78 +22,6 @@ pub(crate) struct Accuracies {
     /// Whether BN ran in evaluation mode (the running statistics): always, on every route
     /// (the unfused route's BN through `cbr_bn_eval`).
     pub eval_mode: bool,
-}
-
-/// The trained A and W, kept aside while the EMA's bytes are in their place.
-struct Aside {
-    a: CudaSlice<u8>,
-    w: CudaSlice<u8>,
-}
-
-/// Copies region `from` over region `to` (same length: E16 over A, E over W), in stream order.
-fn copy_region(
-    regions: &mut CudaRegions,
-    stream: &Arc<CudaStream>,
-    from: Region,
-    to: Region,
-) -> Result<(), TrainError> {
-    let mut src = None;
-    let mut dst = None;
-    for (r, slice) in regions.regions_mut() {
-        if r == from {
-            src = Some(slice);
-        } else if r == to {
-            dst = Some(slice);
-        }
-    }
-    let (Some(src), Some(dst)) = (src, dst) else {
-        return Err(TrainError::Config(format!(
-            "the memory plan lacks region {from} or {to} (evaluation with the EMA weights \
-             needs --ema)"
-        )));
-    };
-    if src.len() != dst.len() {
-        return Err(TrainError::Config(format!(
-            "regions {from} ({} bytes) and {to} ({} bytes) differ in length",
-            src.len(),
-            dst.len()
-        )));
-    }
-    stream
-        .memcpy_dtod(&*src, dst)
-        .map_err(|e| driver(&format!("copy region {from} over {to}"), e))
-}
-
-/// Puts the EMA weights where the network and the head read the trained ones (module docs).
-fn swap_in_ema(regions: &mut CudaRegions, stream: &Arc<CudaStream>) -> Result<Aside, TrainError> {
-    let keep = |r: Region| -> Result<CudaSlice<u8>, TrainError> {
-        let slice = regions.region(r).map_err(amp_error)?;
-        stream
-            .clone_dtod(slice)
-            .map_err(|e| driver(&format!("keep region {r} aside"), e))
-    };
-    let aside = Aside {
-        a: keep(Region::A)?,
-        w: keep(Region::W)?,
-    };
-    copy_region(regions, stream, Region::E16, Region::A)?;
-    copy_region(regions, stream, Region::E, Region::W)?;
-    Ok(aside)
-}
-
-/// Puts the trained weights back (bit for bit).
-fn swap_back(
-    regions: &mut CudaRegions,
-    stream: &Arc<CudaStream>,
-    aside: &Aside,
-) -> Result<(), TrainError> {
-    for (r, kept) in [(Region::A, &aside.a), (Region::W, &aside.w)] {
-        let dst = regions.region_mut(r).map_err(amp_error)?;
-        stream
-            .memcpy_dtod(kept, dst)
-            .map_err(|e| driver(&format!("restore region {r}"), e))?;
-    }
-    Ok(())
 }
 
 impl CudaTrainer {
@@ -121,11 +40,13 @@ impl CudaTrainer {
         let ema = match self.cfg.ema {
             None => None,
             Some(_) => {
-                let stream = self.stream.clone();
-                let aside = swap_in_ema(self.step.executor_mut(), &stream)?;
+                let aside = self.step.executor_mut().swap_in_ema().map_err(amp_error)?;
                 let acc = self.accuracy(batches);
                 // Always restore, so that a failed evaluation leaves the trained weights.
-                swap_back(self.step.executor_mut(), &stream, &aside)?;
+                self.step
+                    .executor_mut()
+                    .swap_back(aside)
+                    .map_err(amp_error)?;
                 Some(acc?)
             }
         };

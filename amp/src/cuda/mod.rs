@@ -40,6 +40,7 @@
 mod compile;
 mod dev_range;
 pub mod dist_grads;
+mod ema_weights;
 mod head_kernels;
 mod input;
 mod launch;
@@ -65,6 +66,7 @@ pub use cudarc::driver::sys::{
 };
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 pub use dev_range::{DevRange, DevRangeMut};
+pub use ema_weights::TrainedWeights;
 pub use input::DoubleInput;
 pub use launch::AmpKernels;
 pub use readback::Readback;
