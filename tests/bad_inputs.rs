@@ -2492,7 +2492,7 @@ fn program_rows() -> Vec<Row> {
                 "train_cbr",
                 &["--ranks", "2", "--data", "cifar10:/tmp", "--device", "cpu"],
                 1,
-                "trains on one rank of the CPU executor",
+                "trains on one rank (the CPU or CUDA executor)",
             )
         }),
         ("train_cbr", "--width 0", || {
