@@ -285,11 +285,10 @@ impl DoubleInput {
         let mut at = 0u64;
         for (d, &len) in dsts.iter_mut().zip(lens) {
             let (dst, _write) = d.addr_mut(stream);
-            // SAFETY: `src + at` starts `len` bytes inside the slot's live device buffer (the
-            // parts were staged there back to back, within its capacity); `dst` starts a
-            // range of exactly `len` bytes inside a live buffer of the same context (checked
-            // above); the slot and the destination are distinct allocations; the copy is
-            // ordered on `stream` after the slot's host → device copy (the wait above).
+            // The parts were staged in the slot back to back, within its capacity, and each
+            // destination was checked above to hold exactly `len` bytes in this context.
+            // SAFETY: `src + at` and `dst` start `len`-byte ranges of two distinct live device
+            // buffers; the copy is ordered on `stream` after the slot's host → device copy.
             unsafe { result::memcpy_dtod_async(dst, src + at, len, stream.cu_stream()) }
                 .map_err(|e| driver_error("copy a batch into the step's buffers", e))?;
             at += len as u64;
