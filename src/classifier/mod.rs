@@ -33,7 +33,7 @@ pub mod cpu;
 pub mod cuda;
 
 pub use cpu::CpuClassifier;
-pub use cuda::CudaClassifier;
+pub use cuda::{CudaClassifier, EngineConfig};
 
 use crate::amp::AmpError;
 use crate::net::CudaNetError;
@@ -61,6 +61,28 @@ pub enum ClassifierError {
     /// An input does not fit the network (its size, a label out of range).
     #[error("{0}")]
     Input(String),
+    /// A setup or call the GPU engine refuses: a step that does not fit on the device, a
+    /// graph replayed before its capture, a group with gradient accumulation.
+    #[error("{0}")]
+    Config(String),
+    /// No CUDA device can be opened.
+    #[error("no CUDA device: {reason}")]
+    NoDevice {
+        /// Why.
+        reason: String,
+    },
+    /// cuDNN cannot be loaded.
+    #[error("cuDNN cannot be loaded: {reason}")]
+    NoCudnn {
+        /// Why (the loader's first line).
+        reason: String,
+    },
+    /// NVRTC (the amp kernels' compiler) cannot be loaded.
+    #[error("NVRTC cannot be loaded: {reason}")]
+    NoNvrtc {
+        /// Why.
+        reason: String,
+    },
 }
 
 impl From<crate::amp::PlanError> for ClassifierError {

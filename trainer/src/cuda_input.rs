@@ -6,10 +6,9 @@
 //! the network's input and the head's labels on the compute stream, outside the step's CUDA
 //! graph, so one captured graph serves both buffers (`amp/src/cuda/input.rs` says why).
 
-use super::{amp_error, net_error, CudaTrainer};
+use super::CudaTrainer;
 use crate::{data, TrainError};
-use cudnn_cbr::amp::cuda::{DevRangeMut, DoubleInput};
-use cudnn_cbr::amp::plan::ByteRange;
+use cudnn_cbr::amp::cuda::DoubleInput;
 use std::ops::Range;
 
 /// The batches of one run of the training loop, made ahead and staged one step ahead.
@@ -37,15 +36,14 @@ impl CudaTrainer {
     /// A driver error; a producer that stopped early.
     pub(crate) fn feed(&mut self, indices: Range<u64>) -> Result<Feed, TrainError> {
         let (rank_batch, world) = (self.cfg.batch, self.rank().1);
-        let c = &self.cfg;
-        let capacity = 2 * c.batch * c.hw * c.hw * c.channels + 4 * c.batch;
+        let capacity = self.engine.image_bytes() + 4 * self.cfg.batch;
         let mut feed = Feed {
             batches: data::Prefetch::spawn_range(
                 self.data.clone(),
                 rank_batch * world,
                 indices.clone(),
             ),
-            input: DoubleInput::new(&self.stream, capacity).map_err(amp_error)?,
+            input: DoubleInput::new(self.engine.stream(), capacity).map_err(super::amp_error)?,
             next: indices.start,
             end: indices.end,
         };
@@ -66,9 +64,9 @@ impl CudaTrainer {
             TrainError::Config(format!("the batch producer stopped before batch {i}"))
         })?;
         let (images, labels) = self.shard(batch);
-        self.check_batch(&images, &labels)?;
+        self.engine.check_host_batch(&images, &labels)?;
         let (x, y) = bytes_of(&images, &labels);
-        feed.input.stage(i, &[&x, &y]).map_err(amp_error)?;
+        feed.input.stage(i, &[&x, &y]).map_err(super::amp_error)?;
         feed.next += 1;
         Ok(())
     }
@@ -80,32 +78,6 @@ impl CudaTrainer {
     /// # Errors
     /// A batch not staged (out of order); a driver error.
     pub(crate) fn take_batch(&mut self, feed: &mut Feed, i: u64) -> Result<(), TrainError> {
-        let c = &self.cfg;
-        let image_bytes = 2 * c.batch * c.hw * c.hw * c.channels;
-        let label_bytes = 4 * c.batch;
-        let input = self.net.compiled().input;
-        let x = self.net.buffer_mut(input).map_err(net_error)?;
-        let x = DevRangeMut::new(x, ByteRange::new(0, image_bytes)).map_err(amp_error)?;
-        let y = DevRangeMut::new(&mut self.head.labels, ByteRange::new(0, label_bytes))
-            .map_err(amp_error)?;
-        feed.input
-            .consume(i, &self.stream, &mut [x, y])
-            .map_err(amp_error)
-    }
-
-    /// A batch of this rank's size.
-    fn check_batch(&self, images: &[half::f16], labels: &[i32]) -> Result<(), TrainError> {
-        let c = &self.cfg;
-        let pixels = c.batch * c.hw * c.hw * c.channels;
-        if labels.len() != c.batch || images.len() != pixels {
-            return Err(TrainError::Config(format!(
-                "a batch of {} needs {} labels and {pixels} image values, got {} and {}",
-                c.batch,
-                c.batch,
-                labels.len(),
-                images.len()
-            )));
-        }
-        Ok(())
+        Ok(self.engine.take_input(&mut feed.input, i)?)
     }
 }

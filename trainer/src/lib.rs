@@ -40,7 +40,6 @@ pub mod cuda;
 pub mod curves;
 mod data;
 pub mod net;
-pub mod snapshot;
 
 pub use cudnn_cbr::net::Preset;
 pub use data::{DataSource, Dataset, Prefetch, Synthetic};
@@ -92,33 +91,8 @@ impl FromStr for Device {
 }
 
 /// What the CUDA executor replays from CUDA graphs after [`cuda::WARMUP_STEPS`] eager steps
-/// (the CPU executor ignores it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum CudaGraphMode {
-    /// Every step eager.
-    Off,
-    /// The amp step's `finish` op list (cast, check, SGD, loss-scale update) as one graph.
-    Finish,
-    /// The whole step (zero grads, forward, head, backward, finish) as one graph; when that
-    /// capture fails, the `finish` graph, and [`ExecutorInfo::detail`] says why.
-    #[default]
-    Step,
-}
-
-impl FromStr for CudaGraphMode {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "off" => Ok(CudaGraphMode::Off),
-            "finish" => Ok(CudaGraphMode::Finish),
-            "step" => Ok(CudaGraphMode::Step),
-            other => Err(format!(
-                "CUDA graph mode must be off, finish or step, got `{other}`"
-            )),
-        }
-    }
-}
+/// (the CPU executor ignores it): the library engine's capture mode.
+pub use cudnn_cbr::classifier::cuda::CudaGraphMode;
 
 /// What to train.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -1064,10 +1038,13 @@ impl From<cudnn_cbr::ClassifierError> for TrainError {
         use cudnn_cbr::ClassifierError as C;
         match e {
             C::Fusion(e) => TrainError::Fusion(e),
-            C::Amp(e) => TrainError::Amp(e),
-            C::Net(e) => TrainError::Config(e.to_string()),
+            C::Amp(e) => cuda::amp_error(e),
+            C::Net(e) => cuda::net_error(e),
             C::Driver { what, message } => TrainError::Driver { what, message },
-            C::Input(m) => TrainError::Config(m),
+            C::Input(m) | C::Config(m) => TrainError::Config(m),
+            C::NoDevice { reason } => TrainError::NoDevice { reason },
+            C::NoCudnn { reason } => TrainError::NoCudnn { reason },
+            C::NoNvrtc { reason } => TrainError::NoNvrtc { reason },
         }
     }
 }

@@ -1,12 +1,13 @@
 //! [`Snapshot`]: the device state a training step reads and writes, downloaded for tests and
 //! checkpoints, and its comparisons (relative L2 per part, counters bit for bit).
 
-use cudnn_cbr::amp::plan::{DataType, Region};
-use cudnn_cbr::amp::range::METRICS_LOG_HEADER;
+use crate::amp::plan::{DataType, Region};
+use crate::amp::range::METRICS_LOG_HEADER;
 use half::f16;
 
 /// Device state that a step reads and writes, downloaded (blocking) for tests and
-/// checkpoints: every amp region, each layer's running statistics, the metrics logs.
+/// checkpoints: every amp region, each layer's running statistics, the training metrics log
+/// ([`super::CudaClassifier::snapshot`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Snapshot {
     /// Each region's bytes.
@@ -60,10 +61,11 @@ impl Snapshot {
                 see(f64::from(*x), f64::from(*y));
             }
         }
-        for (x, y) in self.log[4..]
-            .chunks_exact(4)
-            .zip(other.log[4..].chunks_exact(4))
-        {
+        let (log_a, log_b) = (
+            self.log.get(4..).unwrap_or(&[]),
+            other.log.get(4..).unwrap_or(&[]),
+        );
+        for (x, y) in log_a.chunks_exact(4).zip(log_b.chunks_exact(4)) {
             see(
                 f64::from(f32::from_le_bytes([x[0], x[1], x[2], x[3]])),
                 f64::from(f32::from_le_bytes([y[0], y[1], y[2], y[3]])),
