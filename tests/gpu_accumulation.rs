@@ -1,6 +1,7 @@
 //! GPU tier of gradient accumulation through the classifier: `CudaClassifier::train_step`
-//! follows `CpuClassifier::train_step`. SKIPs without a device; `tests/sim_gpu_fusion.rs`
-//! runs it on the simulated device.
+//! follows `CpuClassifier::train_step`, and the engine's captured micro-batch and step graphs
+//! replay its eager steps bit for bit. SKIPs without a device; `tests/sim_gpu_fusion.rs` runs
+//! it on the simulated device.
 
 mod common;
 
@@ -83,4 +84,70 @@ fn gpu_the_cuda_classifier_accumulates_as_the_cpu_one() {
         .download_region_bytes(Region::GA)
         .unwrap();
     assert!(ga.iter().all(|&b| b == 0), "GA is clear after each step");
+}
+
+/// The GPU engine through the library's API alone: after the warm-up, a step of 2
+/// micro-batches captured (the micro-batch graph and the whole-step graph) and replayed from
+/// the engine's fixed buffers leaves the same bits as eager steps on the same batches (every
+/// region, the running statistics and the device-side metrics log), and the asynchronous
+/// readback returns that log.
+#[test]
+fn gpu_the_engines_replayed_steps_equal_its_eager_steps() {
+    const TEST: &str = "gpu_the_engines_replayed_steps_equal_its_eager_steps";
+    if common::gpu_or_skip(TEST).is_none() {
+        return;
+    }
+    use cudnn_cbr::classifier::cuda::{open_device, CudaGraphMode, GraphState, WARMUP_STEPS};
+    use cudnn_cbr::classifier::{CudaClassifier, EngineConfig};
+    use cudnn_cbr::PlanCache;
+    // The per-thread stream of a context object of its own: capture is sound on it.
+    let handle = open_device(None).unwrap();
+    let target = handle.target().unwrap();
+    let cache = PlanCache::new();
+    let spec = Preset::Mini.spec(3, CLASSES, 4);
+    let policy = RoutePolicy::Planned {
+        target: &target,
+        cache: &cache,
+    };
+    let net = compile(&spec, BATCH, HW, &policy).unwrap();
+    let config = StepConfig::new(SgdConfig::new(0.05).with_momentum(0.9)).with_accum(2);
+    let steps = WARMUP_STEPS + 2;
+    let engine = EngineConfig {
+        log_entries: 2 * steps,
+        ..EngineConfig::default()
+    };
+    let mut model = CudaClassifier::with_engine(net, handle, CLASSES, config, 3, engine).unwrap();
+    let run = |model: &mut CudaClassifier, step: usize, eager: bool| {
+        for k in 0..2 {
+            let (images, labels) = micro_batch(2 * step + k);
+            model.upload_batch(&images, &labels).unwrap();
+            match (eager, k) {
+                (false, _) => model.run_micro_step(k == 1).unwrap(),
+                (true, 0) => {
+                    model.run_forward_backward().unwrap();
+                    model.run_accumulate(false).unwrap();
+                }
+                (true, _) => model.run_step_eager().unwrap(),
+            }
+        }
+    };
+    for step in 0..WARMUP_STEPS {
+        run(&mut model, step, false);
+    }
+    let warm = model.snapshot().unwrap();
+    for step in WARMUP_STEPS..steps {
+        run(&mut model, step, true);
+    }
+    let eager = model.snapshot().unwrap();
+    model.restore(&warm).unwrap();
+    model.capture(CudaGraphMode::Step).unwrap();
+    assert_eq!(*model.graph_state(), GraphState::Step);
+    for step in WARMUP_STEPS..steps {
+        run(&mut model, step, false);
+    }
+    let replayed = model.snapshot().unwrap();
+    assert!(eager == replayed, "{:?}", replayed.max_abs_diff(&eager));
+    let (log, _) = model.wait_readback().unwrap();
+    assert_eq!(log.count as usize, 2 * steps);
+    assert!(log.entries.iter().all(|m| m.loss.is_finite()));
 }

@@ -5,7 +5,11 @@
 //! Two executors answer the same calls:
 //! - [`CpuClassifier`]: the CPU reference executor (host slices in, no GPU needed);
 //! - [`CudaClassifier`]: cuDNN plans and amp's kernels on the handle's stream, reading the
-//!   caller's cudarc image buffer in place.
+//!   caller's cudarc image buffer in place. It is also the GPU training engine
+//!   ([`cuda`]'s module docs; [`EngineConfig`]): whole-step capture into a CUDA graph, the
+//!   device-side metrics log read back asynchronously, the EMA evaluation and a launched
+//!   data-parallel group over NCCL, on the network's fixed input buffer. `train_cbr`'s CUDA
+//!   executor is a loop around it.
 //!
 //! One training step on either:
 //! 1. `step_mut().begin()` zeroes the gradients;
@@ -26,8 +30,8 @@
 //! statistics, nothing statistical written): [`CpuClassifier::evaluate`]`(images, weights)`
 //! gives an [`Evaluation`] (the logits and each image's top-1 class), with the trained weights
 //! or, where the step keeps an EMA ([`crate::amp::step::StepConfig::with_ema`]), the EMA
-//! weights ([`EvalWeights`]). On a GPU the network's evaluation is
-//! [`crate::net::CudaNet::evaluate_with`] (the trainer's CUDA executor uses it).
+//! weights ([`EvalWeights`]); [`CudaClassifier::evaluate`] answers the same on a GPU, and
+//! [`CudaClassifier::evaluate_batches`] counts the top-1 of host batches on the device.
 
 pub mod cpu;
 pub mod cuda;
