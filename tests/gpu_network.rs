@@ -3,8 +3,9 @@
 //! each compiled for the device on the fused route (with its fallbacks) and on the unfused
 //! route, run forward and backward by the CUDA executor ([`CudaNet`]) and by the CPU executor
 //! on the same routes and inputs; every buffer of the network compared; then the fused route
-//! again with synchronized BN over two identical replicas on both executors. Prints one SKIP
-//! line without a usable CUDA device or cuDNN.
+//! again with synchronized BN over two identical replicas on both executors; and the GPU
+//! engine's data-parallel group (two ranks as threads over NCCL, synchronized BN) keeping its
+//! ranks' weights identical. Prints one SKIP line without a usable CUDA device or cuDNN.
 
 mod common;
 
@@ -434,4 +435,99 @@ fn the_cuda_classifier_evaluates_like_the_cpu_classifier() {
         again.logits, got.logits,
         "the trained weights did not come back bit for bit"
     );
+}
+
+/// The GPU engine as two launched ranks (threads of this process: the simulated NCCL's ranks
+/// are threads) with synchronized BN, each on its own half of every global batch: the group
+/// meets through a rendezvous file, each gradient bucket is summed during backward, and after
+/// three steps both ranks hold the same master weights bit for bit (moved from the initial
+/// ones), the same global metrics, and finite losses.
+#[test]
+fn the_engines_two_ranks_keep_the_same_weights() {
+    const TEST: &str = "the_engines_two_ranks_keep_the_same_weights";
+    if common::gpu_or_skip(TEST).is_none() {
+        return;
+    }
+    use cudnn_cbr::amp::dist::bootstrap::LaunchEnv;
+    use cudnn_cbr::amp::plan::Region;
+    use cudnn_cbr::classifier::cuda::open_device;
+    use cudnn_cbr::classifier::{CudaClassifier, EngineConfig};
+    use cudnn_cbr::{Preset, SgdConfig, StepConfig};
+    const BATCH: usize = 4;
+    const HW: usize = 8;
+    const CLASSES: usize = 3;
+    let file = std::env::temp_dir().join(format!("engine-ranks-{}", std::process::id()));
+    let _ = std::fs::remove_file(&file);
+    let file_s = file.to_str().unwrap().to_owned();
+    let ranks: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
+        let threads: Vec<_> = (0..2usize)
+            .map(|rank| {
+                let file_s = file_s.clone();
+                s.spawn(move || {
+                    let launch = LaunchEnv::from_vars(|n| match n {
+                        "RANK" | "LOCAL_RANK" => Some(rank.to_string()),
+                        "WORLD_SIZE" => Some("2".into()),
+                        "CUDNN_CBR_RENDEZVOUS_FILE" => Some(file_s.clone()),
+                        _ => None,
+                    })
+                    .unwrap();
+                    let handle = open_device(Some(&launch)).unwrap();
+                    let target = handle.target().unwrap();
+                    let cache = PlanCache::new();
+                    let spec = Preset::Mini.spec(3, CLASSES, 4);
+                    let policy = RoutePolicy::Planned {
+                        target: &target,
+                        cache: &cache,
+                    };
+                    let net = compile(&spec, BATCH, HW, &policy).unwrap();
+                    let engine = EngineConfig {
+                        log_entries: 3,
+                        launch: Some(launch),
+                        sync_bn: true,
+                        ..EngineConfig::default()
+                    };
+                    let config = StepConfig::new(SgdConfig::new(0.05));
+                    let mut model =
+                        CudaClassifier::with_engine(net, handle, CLASSES, config, 3, engine)
+                            .unwrap();
+                    assert_eq!(model.rank(), (rank, 2));
+                    let initial = model.step().executor().download_f32(Region::W, "fc.w");
+                    for step in 0..3 {
+                        let mut seed = 0x7e57 + (2 * step + rank) as u64;
+                        let images: Vec<f16> = (0..BATCH * HW * HW * 3)
+                            .map(|_| f16::from_f32(common::uniform(&mut seed)))
+                            .collect();
+                        let labels: Vec<i32> = (0..BATCH)
+                            .map(|i| ((i + step + rank) % CLASSES) as i32)
+                            .collect();
+                        model.upload_batch(&images, &labels).unwrap();
+                        model.run_step().unwrap();
+                    }
+                    let (log, _) = model.wait_readback().unwrap();
+                    let global = model.global_metrics(&log.entries).unwrap();
+                    let w = model
+                        .step()
+                        .executor()
+                        .download_region_bytes(Region::W)
+                        .unwrap();
+                    let w: Vec<f32> = w
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                        .collect();
+                    let moved = model.step().executor().download_f32(Region::W, "fc.w");
+                    assert_ne!(initial.unwrap(), moved.unwrap(), "rank {rank}: no update");
+                    let losses = global.iter().map(|m| m.loss).collect();
+                    let accs = global.iter().map(|m| m.accuracy).collect();
+                    (w, losses, accs)
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    let _ = std::fs::remove_file(&file);
+    assert_eq!(ranks[0].0, ranks[1].0, "the ranks' master weights differ");
+    assert_eq!(ranks[0].1, ranks[1].1, "the global losses differ");
+    assert_eq!(ranks[0].2, ranks[1].2, "the global accuracies differ");
+    assert_eq!(ranks[0].1.len(), 3);
+    assert!(ranks[0].1.iter().all(|l| l.is_finite()), "{:?}", ranks[0].1);
 }
