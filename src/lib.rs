@@ -19,7 +19,7 @@
 //!
 //! | step | type | what it is |
 //! |---|---|---|
-//! | the GPU | [`cuda_device`], [`Handle`], [`Target`] | open a device; a cuDNN handle on your cudarc stream; a live target (`Handle::target`) or device-properties JSON (deviceless) |
+//! | the GPU | [`runtime::cuda_device`], [`Handle`], [`Target`] | open a device; a cuDNN handle on your cudarc stream; a live target (`Handle::target`) or device-properties JSON (deviceless) |
 //! | plans | [`PlanCache`] | built plans by graph and target, optionally persisted to a folder |
 //! | a network | [`NetSpec`], [`Preset`] | stem, stages of basic/bottleneck blocks, head |
 //! | compiling it | [`compile()`], [`RoutePolicy`], [`CompiledNet`] | every layer, buffer and step; [`prewarm()`] plans on threads first |
@@ -75,6 +75,7 @@
 
 pub use cudnn_cbr_amp as amp;
 pub use cudnn_cbr_fusion as fusion;
+pub use cudnn_cbr_runtime as runtime;
 pub use cudnn_fe_sys as sys;
 
 /// The README's code blocks, compiled and run as doc tests (its "Link cudnn-cbr into your
@@ -94,7 +95,7 @@ pub use amp::AmpError;
 pub use classifier::{ClassifierError, CpuClassifier, CudaClassifier, EvalWeights, Evaluation};
 pub use fusion::cache::PlanCache;
 pub use fusion::cbr::{keys, CbrConfig, CbrLayer, ConvShape, DeviceBuffers};
-pub use fusion::exec::{cuda_device, Handle};
+pub use fusion::exec::Handle;
 pub use fusion::Error as FusionError;
 pub use fusion::Target;
 pub use net::{

@@ -44,7 +44,7 @@ mod planted {
 
     /// The simulated device's handle, or `None` after a SKIP line.
     fn simulated(test: &str) -> Option<(Arc<cudarc::driver::CudaContext>, Arc<Handle>)> {
-        let ctx = match cudnn_cbr::fusion::exec::cuda_device(0) {
+        let ctx = match cudnn_cbr::runtime::cuda_device(0) {
             Ok(c) => c,
             Err(e) => {
                 println!("SKIP {test}: {e}");

@@ -33,7 +33,6 @@
 pub mod cuda;
 pub mod dist;
 pub mod error;
-pub use cudnn_cbr_fusion::kernel_cache;
 pub mod kernels;
 pub mod memory;
 pub mod plan;

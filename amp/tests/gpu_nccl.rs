@@ -343,7 +343,7 @@ fn gpu_nccl_sums_across_every_gpu_like_the_cpu_group() {
             .map(|rank| {
                 let plan = plan.clone();
                 s.spawn(move || {
-                    let ctx = cudnn_cbr_amp::cuda::cuda_device(rank).unwrap();
+                    let ctx = cudnn_cbr_runtime::cuda_device(rank).unwrap();
                     let stream = ctx.new_stream().unwrap();
                     let link = ctx.new_stream().unwrap();
                     let mut comm = NcclComm::new(link, rank, count, &id).unwrap();

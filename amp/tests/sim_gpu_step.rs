@@ -38,7 +38,7 @@ mod fusion_kernels {
     #[test]
     fn apply_relu_and_channel_stats_match_their_formulas() {
         let test = "fusion_kernels";
-        let ctx = match cudnn_cbr_amp::cuda::cuda_device(0) {
+        let ctx = match cudnn_cbr_runtime::cuda_device(0) {
             Ok(c) => c,
             Err(e) => {
                 println!("SKIP {test}: {e}");
@@ -138,10 +138,10 @@ mod oob {
             println!("SKIP oob: run in a process of its own by the simulator test (it crashes)");
             return;
         }
-        let ctx = cudnn_cbr_amp::cuda::cuda_device(0).expect("the simulated device");
-        let flags = cudnn_cbr_amp::kernels::cubin_flags("sm_90", None);
+        let ctx = cudnn_cbr_runtime::cuda_device(0).expect("the simulated device");
+        let flags = cudnn_cbr_runtime::rtc::cubin_flags("sm_90", None);
         let src = super::planted::FILL;
-        let cubin = cudnn_cbr_fusion::rtc::compile_cubin("fill.cu", src, &flags).expect("NVRTC");
+        let cubin = cudnn_cbr_runtime::rtc::compile_cubin("fill.cu", src, &flags).expect("NVRTC");
         let module = ctx.load_module(Ptx::from_binary(cubin)).expect("load");
         let f = module.load_function("fill").expect("fill");
         let stream = ctx.default_stream();
@@ -171,15 +171,15 @@ mod planted {
     /// Launches `fill` over 1000 floats with `blocks` × `threads`; the buffer afterwards, or
     /// the launch error.
     fn fill(test: &str, blocks: u32, threads: u32) -> Option<Result<Vec<f32>, String>> {
-        let ctx = match cudnn_cbr_amp::cuda::cuda_device(0) {
+        let ctx = match cudnn_cbr_runtime::cuda_device(0) {
             Ok(c) => c,
             Err(e) => {
                 println!("SKIP {test}: {e}");
                 return None;
             }
         };
-        let flags = cudnn_cbr_amp::kernels::cubin_flags("sm_90", None);
-        let cubin = cudnn_cbr_fusion::rtc::compile_cubin("fill.cu", FILL, &flags).expect("NVRTC");
+        let flags = cudnn_cbr_runtime::rtc::cubin_flags("sm_90", None);
+        let cubin = cudnn_cbr_runtime::rtc::compile_cubin("fill.cu", FILL, &flags).expect("NVRTC");
         let module = ctx.load_module(Ptx::from_binary(cubin)).expect("load");
         let f = module.load_function("fill").expect("fill");
         let stream = ctx.default_stream();
@@ -233,9 +233,9 @@ mod planted {
         if !on_sim(test) {
             return;
         }
-        let ctx = cudnn_cbr_amp::cuda::cuda_device(0).expect("the simulated device");
-        let flags = cudnn_cbr_amp::kernels::cubin_flags("sm_90", None);
-        let cubin = cudnn_cbr_fusion::rtc::compile_cubin("fill.cu", FILL, &flags).expect("NVRTC");
+        let ctx = cudnn_cbr_runtime::cuda_device(0).expect("the simulated device");
+        let flags = cudnn_cbr_runtime::rtc::cubin_flags("sm_90", None);
+        let cubin = cudnn_cbr_runtime::rtc::compile_cubin("fill.cu", FILL, &flags).expect("NVRTC");
         let module = ctx.load_module(Ptx::from_binary(cubin)).expect("load");
         let f = module.load_function("fill").expect("fill");
         let stream = ctx.new_stream().expect("stream");
@@ -271,7 +271,7 @@ mod planted {
     #[test]
     fn a_stream_that_joins_a_capture_is_recorded_into_its_graph() {
         let test = "a_stream_that_joins_a_capture";
-        let ctx = match cudnn_cbr_amp::cuda::cuda_device(0) {
+        let ctx = match cudnn_cbr_runtime::cuda_device(0) {
             Ok(c) => c,
             Err(e) => {
                 println!("SKIP {test}: {e}");
@@ -281,8 +281,8 @@ mod planted {
         // SAFETY: the test orders its two streams itself, with the events below.
         unsafe { ctx.disable_event_tracking() };
         let (a, b) = (ctx.new_stream().expect("a"), ctx.new_stream().expect("b"));
-        let flags = cudnn_cbr_amp::kernels::cubin_flags("sm_90", None);
-        let cubin = cudnn_cbr_fusion::rtc::compile_cubin("fill.cu", FILL, &flags).expect("NVRTC");
+        let flags = cudnn_cbr_runtime::rtc::cubin_flags("sm_90", None);
+        let cubin = cudnn_cbr_runtime::rtc::compile_cubin("fill.cu", FILL, &flags).expect("NVRTC");
         let module = ctx.load_module(Ptx::from_binary(cubin)).expect("load");
         let f = module.load_function("fill").expect("fill");
         let mut buf = a.alloc_zeros::<f32>(1000).expect("alloc");
@@ -323,7 +323,7 @@ mod planted {
         if !on_sim(test) {
             return;
         }
-        let ctx = match cudnn_cbr_amp::cuda::cuda_device(0) {
+        let ctx = match cudnn_cbr_runtime::cuda_device(0) {
             Ok(c) => c,
             Err(e) => {
                 println!("SKIP {test}: {e}");
@@ -335,8 +335,8 @@ mod planted {
         // buffer only through copies that complete before they return.
         unsafe { ctx.disable_event_tracking() };
         let (a, b) = (ctx.new_stream().expect("a"), ctx.new_stream().expect("b"));
-        let flags = cudnn_cbr_amp::kernels::cubin_flags("sm_90", None);
-        let cubin = cudnn_cbr_fusion::rtc::compile_cubin("fill.cu", FILL, &flags).expect("NVRTC");
+        let flags = cudnn_cbr_runtime::rtc::cubin_flags("sm_90", None);
+        let cubin = cudnn_cbr_runtime::rtc::compile_cubin("fill.cu", FILL, &flags).expect("NVRTC");
         let module = ctx.load_module(Ptx::from_binary(cubin)).expect("load");
         let f = module.load_function("fill").expect("fill");
         let mut buf = a.alloc_zeros::<f32>(1000).expect("alloc");

@@ -17,9 +17,7 @@
 //! | [`backend`] | every cuDNN backend call (through cudnn-fe-sys) |
 //! | [`exec`] | binding device addresses and executing plans on a stream |
 //! | `cbr::kernels`, `cbr::device_buffers` | launching our own kernels, device buffers by address |
-//! | [`rtc`] | NVRTC and module loading |
 //! | [`sim`], [`interp`] (`execute`, `raw`) | the simulated device: its driver's allocation table, raw memory |
-//! | [`untrusted`] | the effective user id (`geteuid`), for the cache folders' ownership rule |
 //! | `reference::element` | the `gemm` crate's FP32 GEMM, whose entry point is `unsafe fn` |
 #![deny(unsafe_code)]
 
@@ -31,15 +29,12 @@ mod error;
 pub mod exec;
 pub mod graph;
 pub mod interp;
-pub mod kernel_cache;
 pub mod lower;
 pub mod plan;
 pub mod probe;
 pub mod reference;
-pub mod rtc;
 pub mod sim;
 mod target;
-pub mod untrusted;
 
 pub use error::{BindingProblem, Error, Result};
 pub use target::{

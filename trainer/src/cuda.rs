@@ -106,12 +106,13 @@ use cudnn_cbr::amp::step::{AmpStep, StepGraph};
 use cudnn_cbr::amp::AmpError;
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::RouteKind;
-use cudnn_cbr::fusion::exec::{cuda_device, Handle};
+use cudnn_cbr::fusion::exec::Handle;
 use cudnn_cbr::net::cuda::{running_stats, CudaNet, CudaNetError};
 use cudnn_cbr::net::{
     grad_schedule, memory_plan_of, Arena, CompiledNet, GradSchedule, MemoryReport, PlanContents,
     RoutePolicy,
 };
+use cudnn_cbr::runtime::cuda_device;
 use half::f16;
 use std::collections::VecDeque;
 use std::fmt;
@@ -351,7 +352,7 @@ impl CudaTrainer {
         }
         let ordinal = match &launch {
             Some(l) => {
-                let seen = cudnn_cbr::amp::cuda::cuda_device_count()
+                let seen = cudnn_cbr::runtime::cuda_device_count()
                     .map_err(|e| TrainError::NoDevice { reason: e.reason })?;
                 l.local_rank.unwrap_or(l.rank) % seen.max(1)
             }
@@ -361,7 +362,7 @@ impl CudaTrainer {
         cudnn_cbr::sys::library().map_err(|e| TrainError::NoCudnn {
             reason: e.to_string().lines().next().unwrap_or_default().to_string(),
         })?;
-        if !cudnn_cbr::amp::cuda::nvrtc_library_present() {
+        if !cudnn_cbr::runtime::rtc::nvrtc_library_present() {
             return Err(TrainError::NoNvrtc {
                 reason: "the NVRTC library (libnvrtc) is not on the loader path".into(),
             });
