@@ -58,7 +58,7 @@
 //! so it overlaps the shallower layers' backward; the overflow flag is shared between the
 //! check and SGD ([`cudnn_cbr::amp::cuda::dist_grads`]). With `--sync-bn` every layer's BN
 //! uses the global batch's statistics (the sums over NCCL between the layer's steps:
-//! [`cudnn_cbr::amp::cuda::dist_grads::NcclBnSync`]). All collectives go through one
+//! [`cudnn_cbr::dist::NcclBnSync`]). All collectives go through one
 //! communicator in the same order on every rank. Those steps run eagerly. The summary's loss
 //! and accuracies are the global batch's; progress lines are rank 0's shard.
 //!
@@ -87,7 +87,7 @@ use crate::checkpoint::{TrainState, SAVED_REGIONS};
 pub use crate::snapshot::Snapshot;
 use cudnn_cbr::amp::cuda::cudarc::driver::CudaEvent;
 use cudnn_cbr::amp::cuda::cudarc::driver::{CudaGraph, DriverError};
-use cudnn_cbr::amp::cuda::dist_grads::{NcclBnSync, SharedComm};
+use cudnn_cbr::amp::cuda::dist_grads::SharedComm;
 use cudnn_cbr::amp::cuda::{
     dist_grads, AmpKernels, CudaContext, CudaRegions, CudaSlice, CudaStepGraph, CudaStream,
     DevRange, DevRangeMut, Readback, Upload,
@@ -104,6 +104,7 @@ use cudnn_cbr::amp::range::{
 };
 use cudnn_cbr::amp::step::{AmpStep, StepGraph};
 use cudnn_cbr::amp::AmpError;
+use cudnn_cbr::dist::NcclBnSync;
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::fusion::exec::Handle;
