@@ -2,6 +2,8 @@
 //! static, sync-free mixed-precision layer.
 //!
 //! This facade re-exports the workspace crates:
+//! - [`runtime`]: library discovery, preflight checks, the CUDA device opener, NVRTC and the
+//!   kernel cache (the floor under all the others);
 //! - [`sys`]: raw bindings to the cuDNN graph (backend) API, loaded at run time;
 //! - [`fusion`]: the safe graph frontend and the CBR ops;
 //! - [`amp`]: the mixed-precision layer (memory plan, range ops, loss scaling, the step);
@@ -10,7 +12,11 @@
 //!   the CPU executor of a compiled network (FP16 storage or exact `f64`);
 //! - [`classifier`]: a compiled network with a classification head and the amp step, on the
 //!   CPU executor or CUDA: what a trainer links;
-//! - [`dist`]: data-parallel training of a classifier over ranks (threads on the CPU).
+//! - [`dist`]: data-parallel training of a classifier over ranks (threads on the CPU), and
+//!   synchronized BN over NCCL for the CUDA executor.
+//!
+//! fusion and amp sit side by side and neither depends on the other; what needs both lives
+//! here (docs/architecture.md, "The floors").
 //!
 //! The main job's training loop (a small CBR ResNet on synthetic data) is the workspace crate
 //! `cudnn-cbr-trainer`, built on the types below.

@@ -1,5 +1,9 @@
 //! A safe Rust frontend over the cuDNN graph API, and the fused Conv+BN+ReLU ops.
 //!
+//! Built on `cudnn_fe_sys` (the bindings) and `cudnn_cbr_runtime` (NVRTC for our own kernels,
+//! the kernel cache, the device opener, reading untrusted files); the mixed-precision layer
+//! (amp) sits beside it and neither depends on the other.
+//!
 //! | concept | type | what it is |
 //! |---|---|---|
 //! | device properties | [`DeviceProps`] | the GPU a plan is built for (JSON, deviceless) |
