@@ -14,7 +14,6 @@
 
 use std::time::Instant;
 
-use cudnn_cbr::amp::cuda::cuda_device;
 use cudnn_cbr::amp::cuda::cudarc::driver::CudaContext;
 use cudnn_cbr::amp::cuda::EventFlags;
 use cudnn_cbr::amp::dist::nccl::{NcclComm, NcclId};
@@ -22,6 +21,7 @@ use cudnn_cbr::amp::dist::{Collective, ReduceOp};
 use cudnn_cbr::amp::plan::Region;
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::net::{compile, memory_plan, RoutePolicy};
+use cudnn_cbr::runtime::cuda_device;
 
 // The network it runs, which tests/planned_gpu_shapes.rs compiles in CI.
 #[path = "../tests/common/gpu_shapes.rs"]

@@ -176,7 +176,7 @@ fn network_table(target: &Target) {
             .env(cudnn_cbr::fusion::cbr::kernels::POINTWISE_ENV, pointwise)
             .env("PLAN_BUILD_PLANS", tmp.join(plans))
             .env(
-                cudnn_cbr::fusion::kernel_cache::KERNEL_CACHE_ENV,
+                cudnn_cbr::runtime::kernel_cache::KERNEL_CACHE_ENV,
                 tmp.join(kernels),
             )
             .output()

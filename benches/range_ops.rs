@@ -13,8 +13,8 @@
 use std::sync::Arc;
 
 use cudnn_cbr::amp::cuda::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
+use cudnn_cbr::amp::cuda::CudaRegions;
 use cudnn_cbr::amp::cuda::EventFlags;
-use cudnn_cbr::amp::cuda::{self, CudaRegions};
 use cudnn_cbr::amp::plan::{ByteRange, MemoryPlan, MemoryPlanBuilder, ParamKind, Region};
 use cudnn_cbr::amp::range::{LossScalePolicy, OverflowPolicy, SgdConfig};
 use cudnn_cbr::amp::step::{AmpExecutor, AmpStep, RangeOp, StepConfig};
@@ -141,7 +141,7 @@ fn run(full: bool) -> Result<(), AmpError> {
     };
     let plan = Arc::new(plan(params, k, c));
     let n = plan.total_elems();
-    let ctx = cuda::cuda_device(0)?;
+    let ctx = cudnn_cbr::runtime::cuda_device(0)?;
     let stream = ctx.new_stream().map_err(driver("create a stream"))?;
     let regions = CudaRegions::new(plan.clone(), stream.clone())?;
     let config = StepConfig::new(SgdConfig::new(0.01).with_momentum(0.9))

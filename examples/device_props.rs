@@ -8,8 +8,9 @@
 //! lacks make the run fail after the comparison.
 
 use clap::Parser;
-use cudnn_cbr::fusion::exec::{cuda_device, Handle};
+use cudnn_cbr::fusion::exec::Handle;
 use cudnn_cbr::fusion::{DeviceProps, Error, REQUIRED_KEYS};
+use cudnn_cbr::runtime::cuda_device;
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::process::ExitCode;

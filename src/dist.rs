@@ -10,6 +10,8 @@
 //! rank × batch N·B. With gradient accumulation, [`CpuReplica::train_step`] runs a step's
 //! micro-batches, each summed over the ranks and added into the accumulator GA.
 //!
+//! On the CUDA executor, [`NcclBnSync`] is synchronized BN over a rank's NCCL communicator.
+//!
 //! ```no_run
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use cudnn_cbr::dist::{CpuGroup, CpuReplica};
@@ -40,13 +42,16 @@
 pub use crate::amp::dist::cpu::{CpuComm, CpuGroup};
 pub use crate::amp::dist::{Collective, Communicator, DistError, ReduceOp};
 
+use crate::amp::cuda::dist_grads::{self, all_reduce_sum_ordered, SharedComm};
+use crate::amp::cuda::{CudaSlice, CudaStream};
 use crate::amp::dist::grads;
 use crate::amp::range::HeadMetrics;
 use crate::amp::AmpError;
 use crate::classifier::{ClassifierError, CpuClassifier};
-use crate::fusion::cbr::BnSync;
+use crate::fusion::cbr::{BnSync, DeviceBnSync};
 use crate::net::{grad_schedule, GradSchedule};
 use half::f16;
+use std::sync::Arc;
 
 /// A communicator as the CPU executor's synchronized-BN reducer.
 #[derive(Debug)]
@@ -60,6 +65,39 @@ impl<A, C: Collective<[A]>> BnSync<A> for CommBnSync<C> {
     fn all_reduce_sum(&mut self, values: &mut [A]) -> crate::fusion::Result<()> {
         self.0
             .all_reduce(values, ReduceOp::Sum)
+            .map_err(|e| crate::fusion::Error::BnSync(e.to_string()))
+    }
+}
+
+/// Synchronized BN over NCCL for the CUDA executor ([`crate::net::CudaNet::set_bn_sync`]):
+/// each sum is amp's [`all_reduce_sum_ordered`] on the rank's shared communicator, enqueued
+/// on its stream between events joining it with the layer's stream. It sits here, where the
+/// frontend and the mixed-precision layer meet, so that neither depends on the other.
+#[derive(Debug, Clone)]
+pub struct NcclBnSync {
+    comm: SharedComm,
+    world: usize,
+}
+
+impl NcclBnSync {
+    /// The reducer over `comm`'s group.
+    pub fn new(comm: SharedComm) -> Self {
+        let world = dist_grads::lock(&comm).world();
+        NcclBnSync { comm, world }
+    }
+}
+
+impl DeviceBnSync for NcclBnSync {
+    fn replicas(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce_sum(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        values: &mut CudaSlice<f32>,
+    ) -> crate::fusion::Result<()> {
+        all_reduce_sum_ordered(&self.comm, stream, values)
             .map_err(|e| crate::fusion::Error::BnSync(e.to_string()))
     }
 }

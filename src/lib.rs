@@ -2,6 +2,8 @@
 //! static, sync-free mixed-precision layer.
 //!
 //! This facade re-exports the workspace crates:
+//! - [`runtime`]: library discovery, preflight checks, the CUDA device opener, NVRTC and the
+//!   kernel cache (the floor under all the others);
 //! - [`sys`]: raw bindings to the cuDNN graph (backend) API, loaded at run time;
 //! - [`fusion`]: the safe graph frontend and the CBR ops;
 //! - [`amp`]: the mixed-precision layer (memory plan, range ops, loss scaling, the step);
@@ -10,7 +12,11 @@
 //!   the CPU executor of a compiled network (FP16 storage or exact `f64`);
 //! - [`classifier`]: a compiled network with a classification head and the amp step, on the
 //!   CPU executor or CUDA: what a trainer links;
-//! - [`dist`]: data-parallel training of a classifier over ranks (threads on the CPU).
+//! - [`dist`]: data-parallel training of a classifier over ranks (threads on the CPU), and
+//!   synchronized BN over NCCL for the CUDA executor.
+//!
+//! fusion and amp sit side by side and neither depends on the other; what needs both lives
+//! here (docs/architecture.md, "The floors").
 //!
 //! The main job's training loop (a small CBR ResNet on synthetic data) is the workspace crate
 //! `cudnn-cbr-trainer`, built on the types below.
@@ -19,7 +25,7 @@
 //!
 //! | step | type | what it is |
 //! |---|---|---|
-//! | the GPU | [`cuda_device`], [`Handle`], [`Target`] | open a device; a cuDNN handle on your cudarc stream; a live target (`Handle::target`) or device-properties JSON (deviceless) |
+//! | the GPU | [`runtime::cuda_device`], [`Handle`], [`Target`] | open a device; a cuDNN handle on your cudarc stream; a live target (`Handle::target`) or device-properties JSON (deviceless) |
 //! | plans | [`PlanCache`] | built plans by graph and target, optionally persisted to a folder |
 //! | a network | [`NetSpec`], [`Preset`] | stem, stages of basic/bottleneck blocks, head |
 //! | compiling it | [`compile()`], [`RoutePolicy`], [`CompiledNet`] | every layer, buffer and step; [`prewarm()`] plans on threads first |
@@ -75,6 +81,7 @@
 
 pub use cudnn_cbr_amp as amp;
 pub use cudnn_cbr_fusion as fusion;
+pub use cudnn_cbr_runtime as runtime;
 pub use cudnn_fe_sys as sys;
 
 /// The README's code blocks, compiled and run as doc tests (its "Link cudnn-cbr into your
@@ -94,7 +101,7 @@ pub use amp::AmpError;
 pub use classifier::{ClassifierError, CpuClassifier, CudaClassifier, EvalWeights, Evaluation};
 pub use fusion::cache::PlanCache;
 pub use fusion::cbr::{keys, CbrConfig, CbrLayer, ConvShape, DeviceBuffers};
-pub use fusion::exec::{cuda_device, Handle};
+pub use fusion::exec::Handle;
 pub use fusion::Error as FusionError;
 pub use fusion::Target;
 pub use net::{

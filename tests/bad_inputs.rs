@@ -1056,7 +1056,7 @@ fn loader_fault_child() {
     let link = |name: &str| std::os::unix::fs::symlink(src.join(name), dir.join(name)).unwrap();
     // A complete shared object for this machine that is not cuDNN (the C math library).
     let foreign = |name: &str| {
-        let libm = cudnn_cbr::sys::preflight::resolve_by_name("libm.so.6").expect("libm.so.6");
+        let libm = cudnn_cbr::runtime::preflight::resolve_by_name("libm.so.6").expect("libm.so.6");
         std::fs::copy(libm, dir.join(name)).unwrap();
     };
     let subs = [
@@ -1950,7 +1950,7 @@ fn library_rows() -> Vec<Row> {
             nccl_refused(&[NcclCandidate::Path(file)], "no ELF magic number")
         }),
         ("nccl", "a library that is not NCCL", || {
-            let libm = cudnn_cbr::sys::preflight::resolve_by_name("libm.so.6").unwrap();
+            let libm = cudnn_cbr::runtime::preflight::resolve_by_name("libm.so.6").unwrap();
             nccl_refused(&[NcclCandidate::Path(libm)], "missing ncclGetVersion")
         }),
         ("nccl", "no candidate places at all", || {

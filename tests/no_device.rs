@@ -1,7 +1,7 @@
 //! Without a GPU, execution entry points return typed errors instead of panicking.
 
-use cudnn_cbr::fusion::exec::cuda_device;
 use cudnn_cbr::fusion::Error;
+use cudnn_cbr::runtime::cuda_device;
 
 #[test]
 fn opening_a_device_without_one_is_a_typed_error() {

@@ -16,8 +16,9 @@ use cudnn_cbr::fusion::cbr::{
 };
 use cudnn_cbr::fusion::exec::Scalar;
 use cudnn_cbr::fusion::graph::DataType;
-use cudnn_cbr::fusion::kernel_cache::{CacheOutcome, KernelCache};
-use cudnn_cbr::fusion::{rtc, DeviceProps, Error, Target};
+use cudnn_cbr::fusion::{DeviceProps, Error, Target};
+use cudnn_cbr::runtime::kernel_cache::{CacheOutcome, KernelCache};
+use cudnn_cbr::runtime::rtc;
 
 fn h200() -> Target {
     let path = common::repo_root().join("tests/fixtures/devprops/h200-sm90.json");

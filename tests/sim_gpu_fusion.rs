@@ -44,7 +44,7 @@ mod planted {
 
     /// The simulated device's handle, or `None` after a SKIP line.
     fn simulated(test: &str) -> Option<(Arc<cudarc::driver::CudaContext>, Arc<Handle>)> {
-        let ctx = match cudnn_cbr::fusion::exec::cuda_device(0) {
+        let ctx = match cudnn_cbr::runtime::cuda_device(0) {
             Ok(c) => c,
             Err(e) => {
                 println!("SKIP {test}: {e}");
@@ -309,6 +309,113 @@ mod planted {
     }
 }
 
+/// fusion's own kernels (fusion/src/cbr/kernel_source.cu, compiled by fusion's own
+/// `kernels::compile`, which goes through NVRTC) launched directly, without cuDNN, against
+/// their formulas evaluated here. SKIPs without a device.
+mod fusion_kernels {
+    use cudarc::driver::{LaunchConfig, PushKernelArg};
+    use cudarc::nvrtc::Ptx;
+    use half::f16;
+
+    fn cfg(blocks: u32, shared: u32) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: shared,
+        }
+    }
+
+    #[test]
+    fn apply_relu_and_channel_stats_match_their_formulas() {
+        let test = "fusion_kernels";
+        let ctx = match cudnn_cbr::runtime::cuda_device(0) {
+            Ok(c) => c,
+            Err(e) => {
+                println!("SKIP {test}: {e}");
+                return;
+            }
+        };
+        let compiled = cudnn_cbr::fusion::cbr::kernels::compile("sm_90").expect("compile");
+        let module = ctx
+            .load_module(Ptx::from_binary(compiled.cubin.clone()))
+            .expect("load");
+        let stream = ctx.default_stream();
+        let (c, pixels) = (16usize, 75usize);
+        let n = c * pixels;
+        let mut z = 7u64;
+        let mut next = || {
+            z = z
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            // Multiples of 1/8 in [-4, 4): exact in FP16, and sums of a few thousand of them
+            // (and of their squares, multiples of 1/64 below 16) are exact in FP32, so the
+            // channel sums do not depend on the order the atomics land in.
+            f16::from_f32(((z >> 33) % 64) as f32 / 8.0 - 4.0)
+        };
+        let y: Vec<f16> = (0..n).map(|_| next()).collect();
+        let sc: Vec<f16> = (0..c).map(|_| next()).collect();
+        let bi: Vec<f16> = (0..c).map(|_| next()).collect();
+        let bits = |v: &[f16]| v.iter().map(|h| h.to_bits()).collect::<Vec<u16>>();
+        let y_d = stream.clone_htod(&bits(&y)).expect("y");
+        let s_d = stream.clone_htod(&bits(&sc)).expect("s");
+        let b_d = stream.clone_htod(&bits(&bi)).expect("b");
+        let want: Vec<u16> = (0..n)
+            .map(|e| {
+                let k = e % c;
+                let v = y[e].to_f32() * sc[k].to_f32() + bi[k].to_f32();
+                f16::from_f32(if v > 0.0 { v } else { 0.0 }).to_bits()
+            })
+            .collect();
+        let apply = module
+            .load_function("cbr_apply_relu")
+            .expect("cbr_apply_relu");
+        for vec in [1i32, 0] {
+            let mut out = stream.alloc_zeros::<u16>(n).expect("out");
+            let (n64, c32) = (n as u64, c as u32);
+            let mut l = stream.launch_builder(&apply);
+            l.arg(&y_d)
+                .arg(&s_d)
+                .arg(&b_d)
+                .arg(&mut out)
+                .arg(&n64)
+                .arg(&c32)
+                .arg(&vec);
+            // SAFETY: (y, s, b, out, n, c, vec) as kernel_source.cu declares them; y and out
+            // hold n halves, s and b hold c; c % 8 == 0 and the buffers are 256-byte aligned,
+            // as the vector path needs.
+            unsafe { l.launch(cfg(2, 0)) }.expect("launch cbr_apply_relu");
+            assert_eq!(stream.clone_dtoh(&out).expect("out"), want, "vec = {vec}");
+        }
+        let stats = module
+            .load_function("cbr_channel_stats")
+            .expect("cbr_channel_stats");
+        let mut sum = stream.alloc_zeros::<f32>(c).expect("sum");
+        let mut sq = stream.alloc_zeros::<f32>(c).expect("sq");
+        let (n64, c32, vec) = (n as u64, c as u32, 0i32);
+        let mut l = stream.launch_builder(&stats);
+        l.arg(&y_d)
+            .arg(&mut sum)
+            .arg(&mut sq)
+            .arg(&n64)
+            .arg(&c32)
+            .arg(&vec);
+        // SAFETY: (y, sum, sq, n, c, vec) as declared; sum and sq hold c floats, zeroed; the
+        // dynamic shared memory holds the 2·c floats the kernel accumulates in.
+        unsafe { l.launch(cfg(3, 2 * c as u32 * 4)) }.expect("launch cbr_channel_stats");
+        let (mut ws, mut wq) = (vec![0f32; c], vec![0f32; c]);
+        for (e, v) in y.iter().enumerate() {
+            ws[e % c] += v.to_f32();
+            wq[e % c] += v.to_f32() * v.to_f32();
+        }
+        assert_eq!(stream.clone_dtoh(&sum).expect("sum"), ws, "channel sums");
+        assert_eq!(
+            stream.clone_dtoh(&sq).expect("sq"),
+            wq,
+            "channel sums of squares"
+        );
+    }
+}
+
 /// The included modules' tests, counted from their sources.
 fn included_tests() -> usize {
     [
@@ -322,6 +429,7 @@ fn included_tests() -> usize {
     .map(|s| s.matches("#[test]").count())
     .sum::<usize>()
         + 4 // the planted tests (the replay fault returns at once there)
+        + 1 // fusion's kernels launched directly
 }
 
 /// Runs the included tests in a child with the simulator in `dir` selected (in the
@@ -336,6 +444,7 @@ fn run_on_the_simulator(dir: &std::path::Path, adversarial: bool) {
         "gpu_network::",
         "gpu_own_kernels::",
         "planted::",
+        "fusion_kernels::",
         "--test-threads",
         "1",
         // Passing tests' output too, so that a SKIP line cannot go unseen.

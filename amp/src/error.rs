@@ -397,8 +397,8 @@ pub enum CudaError {
     },
 }
 
-impl From<cudnn_fe_sys::NoCudaDevice> for AmpError {
-    fn from(e: cudnn_fe_sys::NoCudaDevice) -> Self {
+impl From<cudnn_cbr_runtime::NoCudaDevice> for AmpError {
+    fn from(e: cudnn_cbr_runtime::NoCudaDevice) -> Self {
         AmpError::NoDevice { reason: e.reason }
     }
 }

@@ -318,11 +318,6 @@ pub fn compile_options(
     }
 }
 
-pub use cudnn_cbr_fusion::rtc::real_arch;
-
-/// NVRTC's flags for machine code: the same arithmetic flags as [`compile_options`].
-pub use cudnn_cbr_fusion::rtc::cubin_flags;
-
 /// The CUDA include directory from [`CUDA_INCLUDE_ENV`], if set and non-empty.
 pub fn cuda_include_dir() -> Option<PathBuf> {
     std::env::var_os(CUDA_INCLUDE_ENV)
@@ -333,6 +328,7 @@ pub fn cuda_include_dir() -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cudnn_cbr_runtime::rtc::{cubin_flags, real_arch};
 
     #[test]
     fn cubin_flags_keep_the_ptx_arithmetic() {

@@ -25,6 +25,10 @@
 //!    over N micro-batches ([`step::StepConfig::with_accum`], a plan with GA), each
 //!    micro-batch but the last ends with [`step::AmpStep::accumulate`] instead.
 //!
+//! The crate builds on `cudnn_cbr_runtime` (NVRTC, the kernel cache, the device opener, the
+//! library checks) and takes only `DataType` from `cudnn_fe_sys`; it does not depend on the
+//! cuDNN frontend (fusion), which sits beside it.
+//!
 //! Unsafe code lives only in [`cuda`], the kernel-launch module; everything else denies it.
 
 #![deny(unsafe_code)]
@@ -33,7 +37,6 @@
 pub mod cuda;
 pub mod dist;
 pub mod error;
-pub use cudnn_cbr_fusion::kernel_cache;
 pub mod kernels;
 pub mod memory;
 pub mod plan;

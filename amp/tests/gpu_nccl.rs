@@ -12,11 +12,10 @@ use std::sync::Arc;
 
 use cudnn_cbr_amp::cuda::{dist_grads, CudaRegions, CudaStream};
 use cudnn_cbr_amp::dist::nccl::{NcclComm, NcclId};
-use cudnn_cbr_amp::dist::{Collective, ReduceOp};
+use cudnn_cbr_amp::dist::{Collective, Communicator, ReduceOp};
 use cudnn_cbr_amp::plan::{ByteRange, MemoryPlan, MemoryPlanBuilder, ParamKind, Region};
 use cudnn_cbr_amp::range::SgdConfig;
 use cudnn_cbr_amp::step::{AmpStep, StepConfig};
-use cudnn_cbr_fusion::cbr::DeviceBnSync;
 use half::f16;
 
 mod common;
@@ -153,11 +152,10 @@ fn gpu_per_bucket_sums_on_one_rank_equal_the_step_without_a_communicator() {
     }
     // Synchronized BN's reducer over the same one-rank group leaves values as they are.
     let shared = Arc::new(std::sync::Mutex::new(comm));
-    let mut bn = dist_grads::NcclBnSync::new(shared.clone());
-    assert_eq!(bn.replicas(), 1);
+    assert_eq!(dist_grads::lock(&shared).world(), 1);
     let host: Vec<f32> = (0..64).map(|i| i as f32 * 0.5).collect();
     let mut values = stream.clone_htod(&host).unwrap();
-    bn.all_reduce_sum(&stream, &mut values).unwrap();
+    dist_grads::all_reduce_sum_ordered(&shared, &stream, &mut values).unwrap();
     assert_eq!(stream.clone_dtoh(&values).unwrap(), host);
     println!("{TEST}: per-bucket sums and the BN reducer leave one rank's step unchanged");
 }
@@ -343,7 +341,7 @@ fn gpu_nccl_sums_across_every_gpu_like_the_cpu_group() {
             .map(|rank| {
                 let plan = plan.clone();
                 s.spawn(move || {
-                    let ctx = cudnn_cbr_amp::cuda::cuda_device(rank).unwrap();
+                    let ctx = cudnn_cbr_runtime::cuda_device(rank).unwrap();
                     let stream = ctx.new_stream().unwrap();
                     let link = ctx.new_stream().unwrap();
                     let mut comm = NcclComm::new(link, rank, count, &id).unwrap();

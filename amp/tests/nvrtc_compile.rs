@@ -183,7 +183,7 @@ fn every_source_compiles_to_machine_code_without_a_device() {
         return unavailable(&reason);
     }
     for (major, minor) in [(9, 0), (8, 0)] {
-        let sm = kernels::real_arch(major, minor).expect("a listed architecture");
+        let sm = cudnn_cbr_runtime::rtc::real_arch(major, minor).expect("a listed architecture");
         let cubins = cudnn_cbr_amp::cuda::compile_cubin(sm).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(cubins.len(), kernels::ALL.len());
         for (source, cubin) in &cubins {
@@ -207,7 +207,7 @@ fn every_source_compiles_to_machine_code_without_a_device() {
 /// (The times printed are for the note, not asserted.)
 #[test]
 fn machine_code_comes_back_from_the_kernel_cache() {
-    use cudnn_cbr_amp::kernel_cache::{CacheOutcome, KernelCache};
+    use cudnn_cbr_runtime::kernel_cache::{CacheOutcome, KernelCache};
     if let Err(reason) = environment() {
         return unavailable(&reason);
     }

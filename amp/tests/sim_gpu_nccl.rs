@@ -18,9 +18,10 @@ mod sim;
 /// Ranks of one communicator as threads of this process, on the simulated device.
 mod ranks {
     use cudnn_cbr_amp::cuda::cudarc::driver::DevicePtr;
-    use cudnn_cbr_amp::cuda::{cuda_device, CudaContext, CudaStream};
+    use cudnn_cbr_amp::cuda::{CudaContext, CudaStream};
     use cudnn_cbr_amp::dist::nccl::{NcclComm, NcclId};
     use cudnn_cbr_amp::dist::{Collective, ReduceOp};
+    use cudnn_cbr_runtime::cuda_device;
     use half::f16;
     use std::sync::Arc;
 

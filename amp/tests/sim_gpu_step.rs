@@ -19,113 +19,6 @@ mod gpu_head;
 mod gpu_step;
 mod sim;
 
-/// fusion's own kernels (fusion/src/cbr/kernel_source.cu, compiled by fusion's own
-/// `kernels::compile`, which goes through NVRTC) launched directly, without cuDNN, against
-/// their formulas evaluated here. SKIPs without a device.
-mod fusion_kernels {
-    use cudarc::driver::{LaunchConfig, PushKernelArg};
-    use cudarc::nvrtc::Ptx;
-    use half::f16;
-
-    fn cfg(blocks: u32, shared: u32) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: shared,
-        }
-    }
-
-    #[test]
-    fn apply_relu_and_channel_stats_match_their_formulas() {
-        let test = "fusion_kernels";
-        let ctx = match cudnn_cbr_amp::cuda::cuda_device(0) {
-            Ok(c) => c,
-            Err(e) => {
-                println!("SKIP {test}: {e}");
-                return;
-            }
-        };
-        let compiled = cudnn_cbr_fusion::cbr::kernels::compile("sm_90").expect("compile");
-        let module = ctx
-            .load_module(Ptx::from_binary(compiled.cubin.clone()))
-            .expect("load");
-        let stream = ctx.default_stream();
-        let (c, pixels) = (16usize, 75usize);
-        let n = c * pixels;
-        let mut z = 7u64;
-        let mut next = || {
-            z = z
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            // Multiples of 1/8 in [-4, 4): exact in FP16, and sums of a few thousand of them
-            // (and of their squares, multiples of 1/64 below 16) are exact in FP32, so the
-            // channel sums do not depend on the order the atomics land in.
-            f16::from_f32(((z >> 33) % 64) as f32 / 8.0 - 4.0)
-        };
-        let y: Vec<f16> = (0..n).map(|_| next()).collect();
-        let sc: Vec<f16> = (0..c).map(|_| next()).collect();
-        let bi: Vec<f16> = (0..c).map(|_| next()).collect();
-        let bits = |v: &[f16]| v.iter().map(|h| h.to_bits()).collect::<Vec<u16>>();
-        let y_d = stream.clone_htod(&bits(&y)).expect("y");
-        let s_d = stream.clone_htod(&bits(&sc)).expect("s");
-        let b_d = stream.clone_htod(&bits(&bi)).expect("b");
-        let want: Vec<u16> = (0..n)
-            .map(|e| {
-                let k = e % c;
-                let v = y[e].to_f32() * sc[k].to_f32() + bi[k].to_f32();
-                f16::from_f32(if v > 0.0 { v } else { 0.0 }).to_bits()
-            })
-            .collect();
-        let apply = module
-            .load_function("cbr_apply_relu")
-            .expect("cbr_apply_relu");
-        for vec in [1i32, 0] {
-            let mut out = stream.alloc_zeros::<u16>(n).expect("out");
-            let (n64, c32) = (n as u64, c as u32);
-            let mut l = stream.launch_builder(&apply);
-            l.arg(&y_d)
-                .arg(&s_d)
-                .arg(&b_d)
-                .arg(&mut out)
-                .arg(&n64)
-                .arg(&c32)
-                .arg(&vec);
-            // SAFETY: (y, s, b, out, n, c, vec) as kernel_source.cu declares them; y and out
-            // hold n halves, s and b hold c; c % 8 == 0 and the buffers are 256-byte aligned,
-            // as the vector path needs.
-            unsafe { l.launch(cfg(2, 0)) }.expect("launch cbr_apply_relu");
-            assert_eq!(stream.clone_dtoh(&out).expect("out"), want, "vec = {vec}");
-        }
-        let stats = module
-            .load_function("cbr_channel_stats")
-            .expect("cbr_channel_stats");
-        let mut sum = stream.alloc_zeros::<f32>(c).expect("sum");
-        let mut sq = stream.alloc_zeros::<f32>(c).expect("sq");
-        let (n64, c32, vec) = (n as u64, c as u32, 0i32);
-        let mut l = stream.launch_builder(&stats);
-        l.arg(&y_d)
-            .arg(&mut sum)
-            .arg(&mut sq)
-            .arg(&n64)
-            .arg(&c32)
-            .arg(&vec);
-        // SAFETY: (y, sum, sq, n, c, vec) as declared; sum and sq hold c floats, zeroed; the
-        // dynamic shared memory holds the 2·c floats the kernel accumulates in.
-        unsafe { l.launch(cfg(3, 2 * c as u32 * 4)) }.expect("launch cbr_channel_stats");
-        let (mut ws, mut wq) = (vec![0f32; c], vec![0f32; c]);
-        for (e, v) in y.iter().enumerate() {
-            ws[e % c] += v.to_f32();
-            wq[e % c] += v.to_f32() * v.to_f32();
-        }
-        assert_eq!(stream.clone_dtoh(&sum).expect("sum"), ws, "channel sums");
-        assert_eq!(
-            stream.clone_dtoh(&sq).expect("sq"),
-            wq,
-            "channel sums of squares"
-        );
-    }
-}
-
 /// A planted write past the end of a buffer, which ends the process: run on its own by the
 /// main test below (`CUDNN_CBR_SIM_OOB_CHILD=1`), which expects the crash and its message.
 mod oob {
@@ -138,10 +31,10 @@ mod oob {
             println!("SKIP oob: run in a process of its own by the simulator test (it crashes)");
             return;
         }
-        let ctx = cudnn_cbr_amp::cuda::cuda_device(0).expect("the simulated device");
-        let flags = cudnn_cbr_amp::kernels::cubin_flags("sm_90", None);
+        let ctx = cudnn_cbr_runtime::cuda_device(0).expect("the simulated device");
+        let flags = cudnn_cbr_runtime::rtc::cubin_flags("sm_90", None);
         let src = super::planted::FILL;
-        let cubin = cudnn_cbr_fusion::rtc::compile_cubin("fill.cu", src, &flags).expect("NVRTC");
+        let cubin = cudnn_cbr_runtime::rtc::compile_cubin("fill.cu", src, &flags).expect("NVRTC");
         let module = ctx.load_module(Ptx::from_binary(cubin)).expect("load");
         let f = module.load_function("fill").expect("fill");
         let stream = ctx.default_stream();
@@ -171,15 +64,15 @@ mod planted {
     /// Launches `fill` over 1000 floats with `blocks` × `threads`; the buffer afterwards, or
     /// the launch error.
     fn fill(test: &str, blocks: u32, threads: u32) -> Option<Result<Vec<f32>, String>> {
-        let ctx = match cudnn_cbr_amp::cuda::cuda_device(0) {
+        let ctx = match cudnn_cbr_runtime::cuda_device(0) {
             Ok(c) => c,
             Err(e) => {
                 println!("SKIP {test}: {e}");
                 return None;
             }
         };
-        let flags = cudnn_cbr_amp::kernels::cubin_flags("sm_90", None);
-        let cubin = cudnn_cbr_fusion::rtc::compile_cubin("fill.cu", FILL, &flags).expect("NVRTC");
+        let flags = cudnn_cbr_runtime::rtc::cubin_flags("sm_90", None);
+        let cubin = cudnn_cbr_runtime::rtc::compile_cubin("fill.cu", FILL, &flags).expect("NVRTC");
         let module = ctx.load_module(Ptx::from_binary(cubin)).expect("load");
         let f = module.load_function("fill").expect("fill");
         let stream = ctx.default_stream();
@@ -233,9 +126,9 @@ mod planted {
         if !on_sim(test) {
             return;
         }
-        let ctx = cudnn_cbr_amp::cuda::cuda_device(0).expect("the simulated device");
-        let flags = cudnn_cbr_amp::kernels::cubin_flags("sm_90", None);
-        let cubin = cudnn_cbr_fusion::rtc::compile_cubin("fill.cu", FILL, &flags).expect("NVRTC");
+        let ctx = cudnn_cbr_runtime::cuda_device(0).expect("the simulated device");
+        let flags = cudnn_cbr_runtime::rtc::cubin_flags("sm_90", None);
+        let cubin = cudnn_cbr_runtime::rtc::compile_cubin("fill.cu", FILL, &flags).expect("NVRTC");
         let module = ctx.load_module(Ptx::from_binary(cubin)).expect("load");
         let f = module.load_function("fill").expect("fill");
         let stream = ctx.new_stream().expect("stream");
@@ -271,7 +164,7 @@ mod planted {
     #[test]
     fn a_stream_that_joins_a_capture_is_recorded_into_its_graph() {
         let test = "a_stream_that_joins_a_capture";
-        let ctx = match cudnn_cbr_amp::cuda::cuda_device(0) {
+        let ctx = match cudnn_cbr_runtime::cuda_device(0) {
             Ok(c) => c,
             Err(e) => {
                 println!("SKIP {test}: {e}");
@@ -281,8 +174,8 @@ mod planted {
         // SAFETY: the test orders its two streams itself, with the events below.
         unsafe { ctx.disable_event_tracking() };
         let (a, b) = (ctx.new_stream().expect("a"), ctx.new_stream().expect("b"));
-        let flags = cudnn_cbr_amp::kernels::cubin_flags("sm_90", None);
-        let cubin = cudnn_cbr_fusion::rtc::compile_cubin("fill.cu", FILL, &flags).expect("NVRTC");
+        let flags = cudnn_cbr_runtime::rtc::cubin_flags("sm_90", None);
+        let cubin = cudnn_cbr_runtime::rtc::compile_cubin("fill.cu", FILL, &flags).expect("NVRTC");
         let module = ctx.load_module(Ptx::from_binary(cubin)).expect("load");
         let f = module.load_function("fill").expect("fill");
         let mut buf = a.alloc_zeros::<f32>(1000).expect("alloc");
@@ -323,7 +216,7 @@ mod planted {
         if !on_sim(test) {
             return;
         }
-        let ctx = match cudnn_cbr_amp::cuda::cuda_device(0) {
+        let ctx = match cudnn_cbr_runtime::cuda_device(0) {
             Ok(c) => c,
             Err(e) => {
                 println!("SKIP {test}: {e}");
@@ -335,8 +228,8 @@ mod planted {
         // buffer only through copies that complete before they return.
         unsafe { ctx.disable_event_tracking() };
         let (a, b) = (ctx.new_stream().expect("a"), ctx.new_stream().expect("b"));
-        let flags = cudnn_cbr_amp::kernels::cubin_flags("sm_90", None);
-        let cubin = cudnn_cbr_fusion::rtc::compile_cubin("fill.cu", FILL, &flags).expect("NVRTC");
+        let flags = cudnn_cbr_runtime::rtc::cubin_flags("sm_90", None);
+        let cubin = cudnn_cbr_runtime::rtc::compile_cubin("fill.cu", FILL, &flags).expect("NVRTC");
         let module = ctx.load_module(Ptx::from_binary(cubin)).expect("load");
         let f = module.load_function("fill").expect("fill");
         let mut buf = a.alloc_zeros::<f32>(1000).expect("alloc");
@@ -385,7 +278,6 @@ fn sim_gpu_step_tests_pass_on_the_simulated_device() {
         "gpu_head::",
         "gpu_accum::",
         "planted::",
-        "fusion_kernels::",
         "--test-threads",
         "2",
         // Passing tests' output too, so that a SKIP line cannot go unseen.
@@ -449,7 +341,7 @@ fn sim_gpu_step_tests_pass_on_the_simulated_device() {
     let tests = include_str!("gpu_step.rs").matches("#[test]").count()
         + include_str!("gpu_head.rs").matches("#[test]").count()
         + include_str!("gpu_accum.rs").matches("#[test]").count()
-        + 6; // the planted bugs, the joined capture, fusion's kernels
+        + 5; // the planted bugs, the joined capture
     assert!(
         tests >= 20,
         "gpu_step.rs and gpu_head.rs have {tests} tests"

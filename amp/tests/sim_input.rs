@@ -6,8 +6,9 @@
 
 mod sim;
 
-use cudnn_cbr_amp::cuda::{cuda_device, DevRangeMut, DoubleInput};
+use cudnn_cbr_amp::cuda::{DevRangeMut, DoubleInput};
 use cudnn_cbr_amp::plan::ByteRange;
+use cudnn_cbr_runtime::cuda_device;
 use std::process::Command;
 
 const CHILD: &str = "CUDNN_CBR_SIM_INPUT_CHILD";

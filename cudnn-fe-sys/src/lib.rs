@@ -13,17 +13,16 @@
 //! Only the graph-API functions the project needs are bound: version and error strings,
 //! handles and streams, backend descriptors, execute and CUDA-graph population.
 //!
-//! Two things every crate of the workspace shares live here too: [`DataType`], the one element
-//! type enum (cuDNN's tensor types; the mixed-precision layer's regions use `Half` and
-//! `Float`), and [`cuda_device`], the one CUDA device opener (a typed [`NoCudaDevice`] where
-//! cudarc would panic without a driver).
+//! [`DataType`], the one element type enum of the workspace (cuDNN's tensor types; the
+//! mixed-precision layer's regions use `Half` and `Float`), lives here too.
+//!
+//! Finding libraries in pip's wheels and checking a file before `dlopen` are the runtime
+//! floor's (`cudnn_cbr_runtime::{wheels, preflight}`); this crate knows what cuDNN needs (its
+//! search order, its sub-libraries and their symbols) and loads it.
 
-pub mod device;
 mod loader;
-pub mod preflight;
 mod status;
 mod types;
-pub mod wheels;
 
 #[rustfmt::skip]
 #[allow(
@@ -40,7 +39,6 @@ pub mod wheels;
 pub mod bindings;
 
 pub use bindings::*;
-pub use device::{cuda_device, cuda_device_count, NoCudaDevice};
 pub use loader::{
     library, load_from, Library, LoadAttempt, LoadError, SearchPaths, DEVICELESS_MIN_VERSION,
     MIN_VERSION,

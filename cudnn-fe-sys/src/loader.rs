@@ -11,13 +11,13 @@
 //! be a complete shared object for this machine that defines cuDNN's symbols (read from the
 //! file, so a foreign library's code never runs), and before cuDNN's first call, the
 //! sub-libraries its graph API loads lazily are found and checked the same way, each for the
-//! symbols of its own kind ([`crate::preflight::SUBLIBRARY_SYMBOLS`]), and so is the CUDA
+//! symbols of its own kind ([`SUBLIBRARY_SYMBOLS`]), and so is the CUDA
 //! driver library cuDNN opens ([`DRIVER_LIBRARY`]). Every failure is a [`LoadError`] that
 //! names the file and why it was rejected.
 
 use crate::bindings::{cudnnStatus_t, CudnnLib};
-use crate::preflight;
 use crate::status::c_str_lossy;
+use cudnn_cbr_runtime::preflight;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -31,6 +31,43 @@ const LIB_NAME: &str = "libcudnn.so.9";
 
 /// The CUDA driver library cuDNN's graph library opens by name.
 pub const DRIVER_LIBRARY: &str = "libcuda.so.1";
+
+/// The sub-libraries cuDNN's graph API loads: the backend itself, the heuristics, and both
+/// engine families. (ops, cnn, adv, ext and tensor_ir serve the legacy and other APIs.)
+pub const GRAPH_SUBLIBRARIES: [&str; 4] = [
+    "libcudnn_graph.so.9",
+    "libcudnn_heuristic.so.9",
+    "libcudnn_engines_precompiled.so.9",
+    "libcudnn_engines_runtime_compiled.so.9",
+];
+
+/// The sub-library that holds the backend API; it exports its own `cudnnGetVersion`.
+pub const GRAPH_LIBRARY: &str = GRAPH_SUBLIBRARIES[0];
+
+/// The dynamic symbols each graph-API sub-library must define, by file name: the graph
+/// library's entry points the shim calls first, and the marker symbol the heuristics and
+/// engine libraries export for cuDNN's own loader. A foreign shared object under one of
+/// these names (right machine, wrong library) lacks them, and cuDNN would abort in its first
+/// call or silently find no engine.
+pub const SUBLIBRARY_SYMBOLS: [(&str, &[&str]); 4] = [
+    (
+        GRAPH_SUBLIBRARIES[0],
+        &[
+            "cudnnGetVersion",
+            "cudnnBackendCreateDescriptor",
+            "cudnnBackendExecute",
+        ],
+    ),
+    (GRAPH_SUBLIBRARIES[1], &["dummyHeuristicSymbol"]),
+    (
+        GRAPH_SUBLIBRARIES[2],
+        &["dummyBackendEnginesPreCompiledSymbol"],
+    ),
+    (
+        GRAPH_SUBLIBRARIES[3],
+        &["dummyBackendEnginesRuntimeCompiledSymbol"],
+    ),
+];
 
 /// One place the loader looked, and why it did not use it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -185,7 +222,7 @@ impl SearchPaths {
                 .filter(|v| !v.is_empty())
                 .map(PathBuf::from),
             system_loader: true,
-            site_packages: crate::wheels::site_packages_dirs(),
+            site_packages: cudnn_cbr_runtime::wheels::site_packages_dirs(),
         }
     }
 
@@ -276,7 +313,7 @@ pub fn load_from(candidate: impl AsRef<Path>) -> Result<Library, LoadError> {
     let version = unsafe { (api.cudnnGetVersion)() };
     let sub_version = sublibrary_version(&graph).map_err(|reason| LoadError::Incomplete {
         path: shown.clone(),
-        sublibrary: preflight::GRAPH_LIBRARY.into(),
+        sublibrary: GRAPH_LIBRARY.into(),
         reason,
     })?;
     if sub_version != version {
@@ -303,7 +340,7 @@ pub fn load_from(candidate: impl AsRef<Path>) -> Result<Library, LoadError> {
 /// Finds and checks every sub-library the graph API needs; returns the graph library's path.
 fn check_sublibraries(main: &Path, shown: &str) -> Result<PathBuf, LoadError> {
     let mut graph = None;
-    for name in preflight::GRAPH_SUBLIBRARIES {
+    for name in GRAPH_SUBLIBRARIES {
         let incomplete = |reason: String| LoadError::Incomplete {
             path: shown.to_string(),
             sublibrary: name.to_string(),
@@ -317,7 +354,7 @@ fn check_sublibraries(main: &Path, shown: &str) -> Result<PathBuf, LoadError> {
         })?;
         preflight::check_shared_object(&found)
             .map_err(|why| incomplete(format!("at {} is unusable: {why}", found.display())))?;
-        let wanted = preflight::SUBLIBRARY_SYMBOLS
+        let wanted = SUBLIBRARY_SYMBOLS
             .iter()
             .find(|(n, _)| *n == name)
             .map_or(&[][..], |(_, s)| *s);
@@ -403,14 +440,14 @@ static LIBRARY: OnceLock<Result<Library, LoadError>> = OnceLock::new();
 ///
 /// cuDNN opens NVRTC (runtime-compiled engines) and cuBLASLt (heuristics) by name later on;
 /// where the loader's path lacks them but pip's CUDA wheels have them, they are loaded from
-/// there first ([`crate::wheels::ensure_loadable`]), as a PyTorch install arranges for itself.
+/// there first ([`cudnn_cbr_runtime::wheels::ensure_loadable`]), as a PyTorch install arranges for itself.
 pub fn library() -> Result<&'static Library, LoadError> {
     LIBRARY
         .get_or_init(|| {
             let lib = SearchPaths::from_env().load()?;
-            for soname in crate::wheels::CUDNN_COMPANIONS {
+            for soname in cudnn_cbr_runtime::wheels::CUDNN_COMPANIONS {
                 // A failure here is cuDNN's to report when it needs the library.
-                let _ = crate::wheels::ensure_loadable(soname);
+                let _ = cudnn_cbr_runtime::wheels::ensure_loadable(soname);
             }
             Ok(lib)
         })

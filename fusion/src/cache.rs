@@ -52,7 +52,7 @@ use crate::graph::{fnv1a, Graph, GraphSignature};
 use crate::lower::OperationGraph;
 use crate::plan::{build_plan, plan_from_choice, EngineChoice, ExecutionPlan};
 use crate::target::Target;
-use crate::untrusted::{
+use cudnn_cbr_runtime::untrusted::{
     check_private_folder, create_private_folder, parse_strict_json, read_private_text, warn_once,
     write_private, FileProblem,
 };

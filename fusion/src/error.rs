@@ -207,7 +207,7 @@ pub enum Error {
         /// The path.
         path: String,
         /// What it is instead, or what failed.
-        problem: crate::untrusted::FileProblem,
+        problem: cudnn_cbr_runtime::untrusted::FileProblem,
     },
 }
 
@@ -283,8 +283,8 @@ impl Error {
     }
 }
 
-impl From<cudnn_fe_sys::NoCudaDevice> for Error {
-    fn from(e: cudnn_fe_sys::NoCudaDevice) -> Self {
+impl From<cudnn_cbr_runtime::NoCudaDevice> for Error {
+    fn from(e: cudnn_cbr_runtime::NoCudaDevice) -> Self {
         Error::NoDevice { reason: e.reason }
     }
 }

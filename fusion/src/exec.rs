@@ -1,7 +1,8 @@
 //! Execution on a GPU: cuDNN handles on cudarc streams, bindings (the variant pack), workspace,
 //! and CUDA-graph population (autotuning: [`crate::autotune`]). The only module besides `backend` with `unsafe`.
 //!
-//! 1. [`cuda_device`] opens a device (a typed error, never a panic, where there is none).
+//! 1. `cudnn_cbr_runtime::cuda_device` opens a device (a typed error, never a panic, where
+//!    there is none).
 //! 2. [`Handle::new`] makes a cuDNN handle on a cudarc stream; [`Handle::target`] gives the
 //!    live [`Target`] plans are built for.
 //! 3. [`Bindings::new`] for a plan; bind every real tensor (buffers, or host scalars for by-value
@@ -23,9 +24,6 @@ use sys::cudnnBackendDescriptorType_t as K;
 
 /// The alignment every tensor pointer must have (cuDNN is told 16 bytes per tensor).
 pub const TENSOR_ALIGNMENT: u64 = 16;
-
-/// Opens CUDA device `ordinal`, or says why there is none (the workspace's one opener).
-pub use cudnn_fe_sys::{cuda_device, NoCudaDevice};
 
 /// A cuDNN handle bound to one cudarc stream, with a workspace pool for plans that need one.
 ///
@@ -171,12 +169,15 @@ impl Handle {
             let path = self.simulator_devprops()?;
             // As DeviceProps::from_file reads it: a regular file of bounded size (a FIFO
             // would block a plain read).
-            return crate::untrusted::read_regular_text(&path, crate::target::MAX_DOCUMENT_BYTES)
-                .map_err(|problem| Error::File {
-                    what: "device-properties file",
-                    path: path.display().to_string(),
-                    problem,
-                });
+            return cudnn_cbr_runtime::untrusted::read_regular_text(
+                &path,
+                crate::target::MAX_DOCUMENT_BYTES,
+            )
+            .map_err(|problem| Error::File {
+                what: "device-properties file",
+                path: path.display().to_string(),
+                problem,
+            });
         }
         let mut d = Descriptor::new(K::CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR)?;
         d.set_one(A::CUDNN_ATTR_DEVICEPROP_HANDLE, self.raw)?;

@@ -1,5 +1,9 @@
 //! A safe Rust frontend over the cuDNN graph API, and the fused Conv+BN+ReLU ops.
 //!
+//! Built on `cudnn_fe_sys` (the bindings) and `cudnn_cbr_runtime` (NVRTC for our own kernels,
+//! the kernel cache, the device opener, reading untrusted files); the mixed-precision layer
+//! (amp) sits beside it and neither depends on the other.
+//!
 //! | concept | type | what it is |
 //! |---|---|---|
 //! | device properties | [`DeviceProps`] | the GPU a plan is built for (JSON, deviceless) |
@@ -17,9 +21,7 @@
 //! | [`backend`] | every cuDNN backend call (through cudnn-fe-sys) |
 //! | [`exec`] | binding device addresses and executing plans on a stream |
 //! | `cbr::kernels`, `cbr::device_buffers` | launching our own kernels, device buffers by address |
-//! | [`rtc`] | NVRTC and module loading |
 //! | [`sim`], [`interp`] (`execute`, `raw`) | the simulated device: its driver's allocation table, raw memory |
-//! | [`untrusted`] | the effective user id (`geteuid`), for the cache folders' ownership rule |
 //! | `reference::element` | the `gemm` crate's FP32 GEMM, whose entry point is `unsafe fn` |
 #![deny(unsafe_code)]
 
@@ -31,15 +33,12 @@ mod error;
 pub mod exec;
 pub mod graph;
 pub mod interp;
-pub mod kernel_cache;
 pub mod lower;
 pub mod plan;
 pub mod probe;
 pub mod reference;
-pub mod rtc;
 pub mod sim;
 mod target;
-pub mod untrusted;
 
 pub use error::{BindingProblem, Error, Result};
 pub use target::{

@@ -225,13 +225,11 @@ impl DeviceProps {
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let origin = path.display().to_string();
-        let json =
-            crate::untrusted::read_regular_text(path, MAX_DOCUMENT_BYTES).map_err(|problem| {
-                Error::File {
-                    what: "device-properties file",
-                    path: origin.clone(),
-                    problem,
-                }
+        let json = cudnn_cbr_runtime::untrusted::read_regular_text(path, MAX_DOCUMENT_BYTES)
+            .map_err(|problem| Error::File {
+                what: "device-properties file",
+                path: origin.clone(),
+                problem,
             })?;
         Self::parse(&json, Some(origin))
     }
@@ -272,7 +270,7 @@ impl DeviceProps {
                 json.len()
             )));
         }
-        let value = crate::untrusted::parse_strict_json(json)
+        let value = cudnn_cbr_runtime::untrusted::parse_strict_json(json)
             .map_err(|e| fail(format!("not valid JSON: {e}")))?;
         let obj = value
             .as_object()

@@ -46,7 +46,7 @@ pub fn cudnn_or_skip(test: &str) -> Option<&'static cudnn_cbr::sys::Library> {
 /// A CUDA device with a loadable cuDNN for a tier-4 test, or `None` after printing the test's
 /// one SKIP line (GPU tests never fail for lack of a GPU, in CI or elsewhere).
 pub fn gpu_or_skip(test: &str) -> Option<std::sync::Arc<cudarc::driver::CudaContext>> {
-    let ctx = match cudnn_cbr::fusion::exec::cuda_device(0) {
+    let ctx = match cudnn_cbr::runtime::cuda_device(0) {
         Ok(ctx) => ctx,
         Err(e) => {
             println!("SKIP {test}: {e}");

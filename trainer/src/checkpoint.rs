@@ -742,7 +742,7 @@ pub fn load(path: &Path, cfg: &TrainConfig) -> Result<Loaded, crate::TrainError>
     let (plan, running) = layout(cfg)?;
     let slots = slots(&plan, &running)?;
     let limit = size_limit(cfg)?;
-    let bytes = cudnn_cbr::fusion::untrusted::read_regular(path, limit).map_err(|p| {
+    let bytes = cudnn_cbr::runtime::untrusted::read_regular(path, limit).map_err(|p| {
         CheckpointError::File {
             path: path.into(),
             problem: p.to_string(),
@@ -812,7 +812,7 @@ pub fn load(path: &Path, cfg: &TrainConfig) -> Result<Loaded, crate::TrainError>
             field: "step".into(),
             reason: format!("not a step count: {e}"),
         })?;
-    let sums = cudnn_cbr::fusion::untrusted::parse_strict_json(field("checksums")?)
+    let sums = cudnn_cbr::runtime::untrusted::parse_strict_json(field("checksums")?)
         .ok()
         .and_then(|v| v.as_object().cloned())
         .ok_or_else(|| CheckpointError::Metadata {

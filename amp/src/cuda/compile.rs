@@ -9,11 +9,11 @@ use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, Ptx};
 
 use crate::cuda::launch::{AmpKernels, Functions, BLOCKS_PER_SM};
-use crate::cuda::{cuda_include_dir, driver_error, nvrtc_library_present};
+use crate::cuda::{cuda_include_dir, driver_error};
 use crate::error::{AmpError, CudaError};
-use crate::kernel_cache::{CacheOutcome, KernelCache};
 use crate::kernels::{self, entry, CudaArch, KernelSource};
-use cudnn_cbr_fusion::rtc::nvrtc_version;
+use cudnn_cbr_runtime::kernel_cache::{CacheOutcome, KernelCache};
+use cudnn_cbr_runtime::rtc::{self, cubin_flags, nvrtc_library_present, nvrtc_version};
 
 /// Compiled kernels per CUDA context (keyed by the context handle; each entry holds an `Arc`
 /// to its context, so a handle in the map can never be reused by another context).
@@ -71,7 +71,7 @@ pub fn compile_ptx(arch: CudaArch) -> Result<Vec<(KernelSource, String)>, AmpErr
 }
 
 /// Compiles every source of [`crate::kernels::ALL`] to machine code (a cubin) for the real
-/// architecture `real_arch` (e.g. `"sm_90"`, see [`kernels::real_arch`]) with NVRTC. Needs
+/// architecture `real_arch` (e.g. `"sm_90"`, see [`rtc::real_arch`]) with NVRTC. Needs
 /// no device. This is what [`AmpKernels::for_context`] loads where it can: unlike PTX, a
 /// cubin does not depend on the driver accepting the NVRTC's PTX version.
 ///
@@ -80,11 +80,11 @@ pub fn compile_ptx(arch: CudaArch) -> Result<Vec<(KernelSource, String)>, AmpErr
 pub fn compile_cubin(real_arch: &'static str) -> Result<Cubins, AmpError> {
     require_nvrtc()?;
     let include = cuda_include_dir().and_then(|d| d.into_os_string().into_string().ok());
-    let flags = kernels::cubin_flags(real_arch, include.as_deref());
+    let flags = cubin_flags(real_arch, include.as_deref());
     kernels::ALL
         .iter()
         .map(|source| {
-            cudnn_cbr_fusion::rtc::compile_cubin(source.file, &source.program(), &flags)
+            rtc::compile_cubin(source.file, &source.program(), &flags)
                 .map(|cubin| (*source, cubin))
                 .map_err(|log| {
                     CudaError::Compile {
@@ -119,7 +119,7 @@ pub fn compile_cubin_cached(
         real_arch.as_bytes().to_vec(),
     ];
     parts.extend(
-        kernels::cubin_flags(real_arch, include.as_deref())
+        cubin_flags(real_arch, include.as_deref())
             .into_iter()
             .map(String::into_bytes),
     );
@@ -149,7 +149,7 @@ pub fn compile_cubin_cached(
 impl AmpKernels {
     /// The kernels for `ctx`: compiled and loaded on the first call for a context, shared
     /// afterwards. The first call takes about a second (NVRTC) unless the machine code is in
-    /// the disk cache ([`crate::kernel_cache`]; [`AmpKernels::code`] says which).
+    /// the disk cache ([`cudnn_cbr_runtime::kernel_cache`]; [`AmpKernels::code`] says which).
     ///
     /// # Errors
     /// [`AmpError::NoNvrtc`] without the NVRTC library, [`CudaError::UnsupportedArch`] below
@@ -180,8 +180,8 @@ impl AmpKernels {
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| driver_error("query the SM count", e))?;
         // Machine code for the device's own architecture where NVRTC knows it, else PTX for
-        // the driver to JIT (see `kernels::real_arch` for why machine code comes first).
-        let real = cc.and_then(|(ma, mi)| kernels::real_arch(ma, mi));
+        // the driver to JIT (see `rtc::real_arch` for why machine code comes first).
+        let real = cc.and_then(|(ma, mi)| rtc::real_arch(ma, mi));
         let (images, code): (Vec<(KernelSource, Ptx)>, String) = match real {
             Some(sm) => {
                 let cache = KernelCache::from_env();

@@ -22,14 +22,12 @@ use half::f16;
 use super::nccl::NcclComm;
 use super::{driver_error, CudaRegions};
 use crate::dist::grads::bucket_collectives;
-use crate::dist::Communicator;
 use crate::dist::{Collective, ReduceOp};
 use crate::error::AmpError;
 use crate::plan::{Bucket, ByteRange, DataType, Region};
 use crate::range::{s_layout, S_REGION_BYTES};
 use crate::step::RangeOp;
 use cudarc::driver::{CudaSlice, CudaStream};
-use cudnn_cbr_fusion::cbr::DeviceBnSync;
 use std::sync::{Arc, Mutex};
 
 /// `region`'s bytes `range` as `len` elements of `T` (the region holds `T`s there).
@@ -317,23 +315,6 @@ pub fn join_gradients(regions: &mut CudaRegions, _comm: &mut NcclComm) -> Result
 /// one communicator whose collectives every rank enqueues in the same order on one stream.
 pub type SharedComm = Arc<Mutex<NcclComm>>;
 
-/// Synchronized BN over NCCL ([`DeviceBnSync`]): each sum is enqueued on the communicator's
-/// stream between events joining it with the layer's stream (after any gradient bucket
-/// already enqueued there: the ranks issue both in the same order).
-#[derive(Debug, Clone)]
-pub struct NcclBnSync {
-    comm: SharedComm,
-    world: usize,
-}
-
-impl NcclBnSync {
-    /// The reducer over `comm`'s group.
-    pub fn new(comm: SharedComm) -> Self {
-        let world = lock(&comm).world();
-        NcclBnSync { comm, world }
-    }
-}
-
 /// The communicator, also after a thread panicked while holding it (its calls leave no
 /// half-made state behind on the host).
 pub fn lock(comm: &SharedComm) -> std::sync::MutexGuard<'_, NcclComm> {
@@ -341,27 +322,27 @@ pub fn lock(comm: &SharedComm) -> std::sync::MutexGuard<'_, NcclComm> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-impl DeviceBnSync for NcclBnSync {
-    fn replicas(&self) -> usize {
-        self.world
-    }
-
-    fn all_reduce_sum(
-        &mut self,
-        stream: &Arc<CudaStream>,
-        values: &mut CudaSlice<f32>,
-    ) -> cudnn_cbr_fusion::Result<()> {
-        let mut comm = lock(&self.comm);
-        let link = comm.stream().clone();
-        let fail = |e: String| cudnn_cbr_fusion::Error::BnSync(e);
-        link.join(stream)
-            .map_err(|e| fail(format!("order the sum after the statistics: {e}")))?;
-        comm.all_reduce(values, ReduceOp::Sum)
-            .map_err(|e| fail(e.to_string()))?;
-        stream
-            .join(&link)
-            .map_err(|e| fail(format!("order the layer after the sum: {e}")))
-    }
+/// Replaces FP32 `values` by their elementwise sum over `comm`'s group, enqueued on the
+/// communicator's stream between events joining it with `stream`: after the work enqueued on
+/// `stream` so far and before what is enqueued there next (no host wait), and after any
+/// gradient bucket already enqueued on the communicator (the ranks issue both in the same
+/// order). Synchronized BN's device sums (the root crate's `dist::NcclBnSync`).
+///
+/// # Errors
+/// [`AmpError::Dist`] from NCCL; a driver error ordering the streams.
+pub fn all_reduce_sum_ordered(
+    comm: &SharedComm,
+    stream: &Arc<CudaStream>,
+    values: &mut CudaSlice<f32>,
+) -> Result<(), AmpError> {
+    let mut comm = lock(comm);
+    let link = comm.stream().clone();
+    link.join(stream)
+        .map_err(|e| driver_error("order the sum after the statistics", e))?;
+    comm.all_reduce(values, ReduceOp::Sum)?;
+    stream
+        .join(&link)
+        .map_err(|e| driver_error("order the layer after the sum", e))
 }
 
 /// The overflow flag in S, the maximum over the group (between the check and SGD, as

@@ -107,7 +107,7 @@ impl AmpKernels {
 
     /// What was loaded and by which NVRTC: `"sm_90 machine code, NVRTC 13.0"`, or
     /// `"compute_90 PTX, JIT-compiled by the driver, NVRTC 13.0"` on an architecture
-    /// [`kernels::real_arch`] does not list.
+    /// [`cudnn_cbr_runtime::rtc::real_arch`] does not list.
     pub fn code(&self) -> &str {
         &self.code
     }

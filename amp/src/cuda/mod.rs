@@ -3,7 +3,7 @@
 //! with `unsafe` code; every unsafe block says why it is sound right above it.
 //!
 //! Recipe:
-//! 1. [`cuda_device`] opens a device, or says why there is none (no driver library, no
+//! 1. [`cudnn_cbr_runtime::cuda_device`] opens a device, or says why there is none (no driver library, no
 //!    device; [`AmpError::NoDevice`] with `?`): it never panics, unlike cudarc called without
 //!    a driver.
 //! 2. [`AmpKernels::for_context`] compiles every source of [`crate::kernels::ALL`] with NVRTC
@@ -85,8 +85,6 @@ pub fn driver_library_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
-pub use cudnn_cbr_fusion::rtc::nvrtc_library_present;
-
 /// Checks that `need` bytes fit in the device memory `ctx` has free, before allocating: a
 /// request too large is a typed error naming the sizes, not a driver failure halfway through.
 ///
@@ -107,10 +105,6 @@ pub fn check_device_memory(ctx: &CudaContext, what: &str, need: u128) -> Result<
     Ok(())
 }
 
-/// Opens CUDA device `ordinal`, or says why there is none (the workspace's one opener;
-/// its error converts into [`AmpError::NoDevice`]).
-pub use cudnn_fe_sys::{cuda_device, cuda_device_count, NoCudaDevice};
-
 /// The directory NVRTC gets as include path: the first of [`crate::kernels::cuda_include_dir`],
 /// `$CUDA_HOME/include`, `$CUDA_PATH/include`, `/usr/local/cuda/include` (and its
 /// `targets/x86_64-linux/include`) and the CUDA wheels' `include` folders that holds
@@ -129,7 +123,9 @@ pub fn cuda_include_dir() -> Option<PathBuf> {
         .chain(Some(PathBuf::from(
             "/usr/local/cuda/targets/x86_64-linux/include",
         )))
-        .chain(cudnn_fe_sys::wheels::cuda_wheel_include_dirs("cuda_fp16.h"))
+        .chain(cudnn_cbr_runtime::wheels::cuda_wheel_include_dirs(
+            "cuda_fp16.h",
+        ))
         .find(|d| Path::new(d).join("cuda_fp16.h").is_file())
 }
 

@@ -129,7 +129,7 @@ impl NcclLibrary {
                 if !p.exists() {
                     return Err("no such file".into());
                 }
-                cudnn_fe_sys::preflight::check_shared_object(p)?;
+                cudnn_cbr_runtime::preflight::check_shared_object(p)?;
                 // SAFETY: `p` is a complete ELF shared object (checked above) in a place
                 // named for NCCL; opening it runs NCCL's initialisers, which are sound on any
                 // thread. The handle is kept for the process (never closed) so the entry
@@ -139,8 +139,8 @@ impl NcclLibrary {
             NcclCandidate::Name(n) => {
                 // Checked where the loader will find it (when that can be told): a FIFO
                 // there would block dlopen.
-                if let Some(p) = cudnn_fe_sys::preflight::resolve_by_name(n) {
-                    cudnn_fe_sys::preflight::check_shared_object(&p)
+                if let Some(p) = cudnn_cbr_runtime::preflight::resolve_by_name(n) {
+                    cudnn_cbr_runtime::preflight::check_shared_object(&p)
                         .map_err(|why| format!("{}: {why}", p.display()))?;
                 }
                 // SAFETY: as above, for NCCL's names on the loader's path.

@@ -14,11 +14,12 @@ use crate::cuda::dist_grads::{must_wait_for, op_ranges};
 use crate::cuda::head_kernels::FcParams;
 use crate::cuda::launch::AmpKernels;
 use crate::cuda::readback::Readback;
-use crate::cuda::{check_device_memory, cuda_device, driver_error};
+use crate::cuda::{check_device_memory, driver_error};
 use crate::error::{AmpError, ExecError};
 use crate::plan::{ByteRange, DataType, MemoryPlan, Region};
 use crate::range::{HeadShape, Scalars, SgdConfig, S_REGION_BYTES};
 use crate::step::{check_graph_owner, next_executor_id, validate_capture, AmpExecutor, RangeOp};
+use cudnn_cbr_runtime::cuda_device;
 
 /// Every allocated region's buffer and the tensor arena, borrowed mutably at once
 /// ([`CudaRegions::regions_and_tensors_mut`]).

@@ -713,7 +713,7 @@ pub fn read_id_file<const N: usize>(
     // Only a regular file is read, and no more than a whole file's bytes: a FIFO at the path
     // would block a plain read for good, past the timeout.
     let read = || -> Result<Vec<u8>, String> {
-        let file = cudnn_fe_sys::preflight::open_regular(path)?;
+        let file = cudnn_cbr_runtime::preflight::open_regular(path)?;
         let mut b = Vec::new();
         file.take(22 + N as u64 + 1)
             .read_to_end(&mut b)

@@ -34,7 +34,7 @@
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let env = LaunchEnv::from_env()?;
 //! let bytes = exchange_id(&env, || Ok(NcclId::generate()?.to_bytes()), Duration::from_secs(300))?;
-//! let ctx = cudnn_cbr_amp::cuda::cuda_device(env.local_rank.unwrap_or(0))?;
+//! let ctx = cudnn_cbr_runtime::cuda_device(env.local_rank.unwrap_or(0))?;
 //! let comm_stream = ctx.new_stream()?;
 //! let mut comm = NcclComm::new(comm_stream, env.rank, env.world, &NcclId::from_bytes(&bytes)?)?;
 //! # let _ = &mut comm;
@@ -123,10 +123,10 @@ pub fn nccl_candidates(
 }
 
 /// The site-packages folders the NCCL wheel is looked for in: those
-/// [`cudnn_fe_sys::wheels::site_packages_dirs`] knows (active virtualenv, user, system,
+/// [`cudnn_cbr_runtime::wheels::site_packages_dirs`] knows (active virtualenv, user, system,
 /// `/opt` virtualenvs), then `python3`'s `purelib` when `python3` runs.
 pub fn nccl_site_packages() -> Vec<PathBuf> {
-    let mut dirs = cudnn_fe_sys::wheels::site_packages_dirs();
+    let mut dirs = cudnn_cbr_runtime::wheels::site_packages_dirs();
     if let Some(purelib) = python_purelib() {
         if !dirs.contains(&purelib) {
             dirs.push(purelib);

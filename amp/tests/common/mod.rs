@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use cudnn_cbr_amp::cuda::{self, AmpKernels, CudaSlice, CudaStream};
+use cudnn_cbr_amp::cuda::{AmpKernels, CudaSlice, CudaStream};
 use half::f16;
 
 /// splitmix64: a fixed, dependency-free source of test data.
@@ -45,7 +45,7 @@ impl Rng {
 /// Device 0's stream and kernels, or `None` after printing the one `SKIP <test>: <reason>`
 /// line (no driver, no device, no NVRTC). Kernels that do not build are a failure.
 pub fn device(test: &str) -> Option<(Arc<CudaStream>, Arc<AmpKernels>)> {
-    let ctx = match cuda::cuda_device(0) {
+    let ctx = match cudnn_cbr_runtime::cuda_device(0) {
         Ok(ctx) => ctx,
         Err(e) => {
             println!("SKIP {test}: {e}");

@@ -5,8 +5,8 @@
 //! cuDNN runs these as runtime-compiled pointwise graphs: NVRTC once per *shape*, about
 //! 0.5–0.9 s each on 2 cores, which is most of a network's cold planning time. Ours take the
 //! shape as arguments, so one module is compiled once per *architecture* (and kept in the
-//! disk [`crate::kernel_cache`]). They compute what the cuDNN graphs and the CPU reference ops
-//! compute, in the same op order with one FP16 rounding per output, and run wherever a
+//! disk [`cudnn_cbr_runtime::kernel_cache`]). They compute what the cuDNN graphs and the CPU
+//! reference ops compute, in the same op order with one FP16 rounding per output, and run wherever a
 //! planned layer has such a step ([`Pointwise::Own`], the default). [`Pointwise::Cudnn`]
 //! (`CUDNN_CBR_POINTWISE=cudnn`) plans cuDNN's graphs instead: the parity reference.
 
@@ -20,12 +20,12 @@ use super::layer::{LayerGraph, Src};
 use crate::error::{Error, Result};
 use crate::exec::{driver, Handle, Scalar};
 use crate::graph::{DataType, Graph, Node, TensorId};
-use crate::kernel_cache::{CacheOutcome, KernelCache};
-use crate::rtc::{self, PtxParam};
 use crate::Target;
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
+use cudnn_cbr_runtime::kernel_cache::{CacheOutcome, KernelCache};
+use cudnn_cbr_runtime::rtc::{self, PtxParam};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};

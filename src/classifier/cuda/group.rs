@@ -5,7 +5,7 @@
 
 use super::{driver, CudaClassifier, Result};
 use crate::amp::cuda::cudarc::driver::CudaEvent;
-use crate::amp::cuda::dist_grads::{self, NcclBnSync, SharedComm};
+use crate::amp::cuda::dist_grads::{self, SharedComm};
 use crate::amp::cuda::{CudaContext, CudaRegions, CudaStream};
 use crate::amp::dist::bootstrap::{exchange_id, LaunchEnv};
 use crate::amp::dist::nccl::{NcclComm, NcclId};
@@ -15,8 +15,10 @@ use crate::amp::range::HeadMetrics;
 use crate::amp::step::AmpStep;
 use crate::amp::AmpError;
 use crate::classifier::ClassifierError;
-use crate::fusion::exec::{cuda_device, Handle};
+use crate::dist::NcclBnSync;
+use crate::fusion::exec::Handle;
 use crate::net::{grad_schedule, CompiledNet, GradSchedule};
+use crate::runtime::cuda_device;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -35,7 +37,7 @@ pub const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
 pub fn open_device(launch: Option<&LaunchEnv>) -> Result<Arc<Handle>> {
     let ordinal = match launch.filter(|l| l.world > 1) {
         Some(l) => {
-            let seen = crate::amp::cuda::cuda_device_count()
+            let seen = crate::runtime::cuda_device_count()
                 .map_err(|e| ClassifierError::NoDevice { reason: e.reason })?;
             l.local_rank.unwrap_or(l.rank) % seen.max(1)
         }
@@ -45,7 +47,7 @@ pub fn open_device(launch: Option<&LaunchEnv>) -> Result<Arc<Handle>> {
     crate::sys::library().map_err(|e| ClassifierError::NoCudnn {
         reason: e.to_string().lines().next().unwrap_or_default().to_string(),
     })?;
-    if !crate::amp::cuda::nvrtc_library_present() {
+    if !crate::runtime::rtc::nvrtc_library_present() {
         return Err(ClassifierError::NoNvrtc {
             reason: "the NVRTC library (libnvrtc) is not on the loader path".into(),
         });

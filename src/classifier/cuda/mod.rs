@@ -50,7 +50,7 @@
 //! gradient bucket's NCCL sum is enqueued on a communication stream as soon as backward has
 //! written it ([`crate::net::GradSchedule`]), the overflow flag shared between the check and
 //! SGD ([`crate::amp::cuda::dist_grads`]), BN optionally synchronized
-//! ([`crate::amp::cuda::dist_grads::NcclBnSync`]); a watchdog aborts the communicator when
+//! ([`crate::dist::NcclBnSync`]); a watchdog aborts the communicator when
 //! steps stop completing. Those steps run eagerly.
 //!
 //! **Logging without syncs** (`metrics.rs`): loss and accuracy never leave the device during a

@@ -12,25 +12,14 @@
 //!
 //! So every file is checked to be a complete ELF shared object for this machine (headers,
 //! program headers and every loadable segment inside the file) that defines the symbols of
-//! its kind ([`missing_symbols`], read from the file), and the sub-libraries the graph API
-//! needs are found and checked the way the shim will look for them: next to it first (its
-//! RPATH is `$ORIGIN`), then the system loader's folders.
+//! its kind ([`missing_symbols`], read from the file), and sub-libraries are found the way a
+//! shim with RPATH `$ORIGIN` looks for them: next to it first, then the system loader's
+//! folders ([`locate_sublibrary`]). Which libraries and symbols cuDNN needs is cudnn-fe-sys's
+//! knowledge (its loader); NCCL's loader (amp) and the launcher bootstrap use the same checks.
 
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-
-/// The sub-libraries cuDNN's graph API loads: the backend itself, the heuristics, and both
-/// engine families. (ops, cnn, adv, ext and tensor_ir serve the legacy and other APIs.)
-pub const GRAPH_SUBLIBRARIES: [&str; 4] = [
-    "libcudnn_graph.so.9",
-    "libcudnn_heuristic.so.9",
-    "libcudnn_engines_precompiled.so.9",
-    "libcudnn_engines_runtime_compiled.so.9",
-];
-
-/// The sub-library that holds the backend API; it exports its own `cudnnGetVersion`.
-pub const GRAPH_LIBRARY: &str = GRAPH_SUBLIBRARIES[0];
 
 const ELF_MAGIC: [u8; 4] = [0x7f, b'E', b'L', b'F'];
 const ET_DYN: u16 = 3;
@@ -238,31 +227,6 @@ pub fn locate_sublibrary(main: &Path, name: &str) -> Option<PathBuf> {
         .filter(|p| p.exists())
         .or_else(|| resolve_by_name(name))
 }
-
-/// The dynamic symbols each graph-API sub-library must define, by file name: the graph
-/// library's entry points the shim calls first, and the marker symbol the heuristics and
-/// engine libraries export for cuDNN's own loader. A foreign shared object under one of
-/// these names (right machine, wrong library) lacks them, and cuDNN would abort in its first
-/// call or silently find no engine.
-pub const SUBLIBRARY_SYMBOLS: [(&str, &[&str]); 4] = [
-    (
-        GRAPH_SUBLIBRARIES[0],
-        &[
-            "cudnnGetVersion",
-            "cudnnBackendCreateDescriptor",
-            "cudnnBackendExecute",
-        ],
-    ),
-    (GRAPH_SUBLIBRARIES[1], &["dummyHeuristicSymbol"]),
-    (
-        GRAPH_SUBLIBRARIES[2],
-        &["dummyBackendEnginesPreCompiledSymbol"],
-    ),
-    (
-        GRAPH_SUBLIBRARIES[3],
-        &["dummyBackendEnginesRuntimeCompiledSymbol"],
-    ),
-];
 
 /// Reads at most this many bytes of one symbol or string table (cuDNN's largest, the graph
 /// library's, is a few MiB).

@@ -2,6 +2,9 @@
 //! one device opener of the workspace (the frontend and the mixed-precision layer convert
 //! its error into theirs).
 
+// cudarc's driver-library probe is an unsafe call (stated where it is made).
+#![allow(unsafe_code)]
+
 use cudarc::driver::CudaContext;
 use std::sync::Arc;
 

@@ -2,6 +2,9 @@
 //! whose loader path does not name them: a PyTorch virtualenv carries cuDNN, NVRTC, cuBLAS and
 //! the CUDA headers this way, and PyTorch loads them from there itself.
 
+// Loading a wheel's library runs its initialisers: each call's contract is stated where it is made.
+#![allow(unsafe_code)]
+
 use std::path::{Path, PathBuf};
 
 /// The libraries cuDNN opens by name after it is loaded: NVRTC (runtime-compiled engines,

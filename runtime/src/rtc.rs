@@ -1,4 +1,4 @@
-//! Runtime compilation with NVRTC, shared by our own kernels ([`crate::cbr::kernels`]) and the
+//! Runtime compilation with NVRTC, shared by fusion's own kernels (`cbr::kernels`) and the
 //! amp layer's: whether the library loads, its version, one source to machine code (a
 //! cubin) for a real architecture (with its PTX), and the PTX entries' parameter lists that
 //! launches are checked against ([`ptx_entry_params`], [`check_launch_params`]). Needs no
@@ -12,12 +12,12 @@ use std::ffi::CString;
 
 /// Whether the NVRTC library can be loaded (never panics). Where the loader's path lacks it
 /// but a CUDA wheel (a PyTorch virtualenv's) has it, it is loaded from there first
-/// ([`cudnn_fe_sys::wheels::ensure_loadable`]).
+/// ([`crate::wheels::ensure_loadable`]).
 pub fn nvrtc_library_present() -> bool {
     // SAFETY: `is_culib_present` only tries to dlopen NVRTC under its known names and drops
     // the handle again; it is called so that no later cudarc call panics on a missing library.
     let present = || unsafe { nvrtc_sys::is_culib_present() };
-    present() || (cudnn_fe_sys::wheels::ensure_loadable("libnvrtc.so.13").is_ok() && present())
+    present() || (crate::wheels::ensure_loadable("libnvrtc.so.13").is_ok() && present())
 }
 
 /// The loaded NVRTC's version, e.g. `"13.0"`; `"unknown"` when it does not say or cannot be
