@@ -21,6 +21,7 @@
 //! | [`sim`], [`interp`] (`execute`, `raw`) | the simulated device: its driver's allocation table, raw memory |
 //! | [`untrusted`] | the effective user id (`geteuid`), for the cache folders' ownership rule |
 //! | `reference::element` | the `gemm` crate's FP32 GEMM, whose entry point is `unsafe fn` |
+//! | `reference::convert` | FP16 ↔ FP32 conversion instructions chosen at run time (`std::arch`) |
 #![deny(unsafe_code)]
 
 pub mod autotune;

@@ -749,7 +749,8 @@ impl Trainer {
                     kind: ExecutorKind::Cpu,
                     reason,
                     detail: format!(
-                        "CPU reference executor, {} route ops",
+                        "CPU reference executor ({}), {} route ops",
+                        cudnn_cbr::fusion::reference::cpu_paths(),
                         if cfg.fused { "fused" } else { "unfused" }
                     ),
                 },
