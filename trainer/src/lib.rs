@@ -722,7 +722,7 @@ impl Session {
     /// Whether to save after `done` steps of a run of `steps`.
     pub(crate) fn saves_after(&self, done: usize, steps: usize) -> Option<&std::path::Path> {
         let (path, every) = self.save.as_ref()?;
-        (done == steps || (*every > 0 && done % every == 0)).then_some(path.as_path())
+        (done == steps || (*every > 0 && done.is_multiple_of(*every))).then_some(path.as_path())
     }
 }
 
