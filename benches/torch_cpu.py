@@ -91,6 +91,8 @@ def run_ours(args):
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"torch_cpu: {' '.join(cmd)} failed ({out.returncode}):\n{out.stderr}")
+    # Its first line names the SIMD paths the executor chose on this CPU.
+    print(out.stdout.splitlines()[0] if out.stdout else "train_cbr printed nothing")
     m = re.search(r"train_cbr summary:.* ([0-9.]+) img/s on cpu", out.stdout)
     if not m:
         sys.exit(f"torch_cpu: no summary line in the output of {' '.join(cmd)}:\n{out.stdout}")

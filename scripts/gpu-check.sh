@@ -418,6 +418,10 @@ run)
     date -u
     nvidia-smi || true
     echo "python: $py"
+    # The CPU model and its SIMD features, for the torch_cpu stage's figures.
+    grep -m1 '^model name' /proc/cpuinfo || true
+    grep -m1 '^flags' /proc/cpuinfo | grep -Eo 'avx512f|avx2|fma|f16c' | sort -u | tr '\n' ' ' || true
+    echo
     echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
     echo "CUDNN_LIB_DIR=${CUDNN_LIB_DIR:-}"
     echo "CUDNN_CBR_CUDA_INCLUDE=${CUDNN_CBR_CUDA_INCLUDE:-}"
@@ -485,6 +489,11 @@ run)
       --cache target/plan-cache-deviceless
     grep -E '^supported' "$logs/deviceless_plans.log" | sed 's/^/        | /' | tee -a "$summary" || true
   fi
+  # 9. The CPU executor against PyTorch on this machine's CPU (model and features in
+  # machine.log): our SIMD paths are chosen at run time, so the bundle's baseline build runs the
+  # widest this CPU has.
+  stage torch_cpu 15 60 env PYTHONUNBUFFERED=1 "$py" benches/torch_cpu.py --threads 2 \
+    --bin "$bin/example-train_cbr"
   rerun_failed
 
   # The summary says what came back; the files are checked against the limits on what comes back.
@@ -650,7 +659,7 @@ for st, secs, name, detail in stages:
 expect(names[:4] == ["versions", "device_props", "train_cbr", "custom_trainer"],
        f"the first stages are {names[:4]}, not versions, device_props, train_cbr, custom_trainer")
 tests = [i for i, n in enumerate(names) if n.startswith("test-gpu_")]
-benches = [i for i, n in enumerate(names) if n.startswith("bench-") or n == "torch_cbr"]
+benches = [i for i, n in enumerate(names) if n.startswith("bench-") or n.startswith("torch_")]
 expect(tests and benches and max(tests) < min(benches), "a bench runs before a GPU test")
 bundled = [l.split()[1] for l in open(manifest) if l.startswith("binary ")]
 for b in bundled:

@@ -7,19 +7,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 start=$(date +%s)
 step() { echo; echo "== $* ($(( $(date +%s) - start )) s)"; }
 
-# The workspace builds for x86-64-v3 (.cargo/config.toml); a CPU without those features
-# builds for the x86-64 baseline instead (RUSTFLAGS replaces the configured flags).
-if [ "$(uname -m)" = x86_64 ] && [ -z "${RUSTFLAGS+x}" ] && [ -r /proc/cpuinfo ]; then
-  flags=$(grep -m1 '^flags' /proc/cpuinfo || true)
-  for f in avx2 fma f16c bmi2 movbe; do
-    if ! grep -qw "$f" <<<"$flags"; then
-      echo "this CPU lacks $f (x86-64-v3): building for the x86-64 baseline"
-      export RUSTFLAGS="-C target-cpu=x86-64"
-      break
-    fi
-  done
-fi
-
 step "test dependencies"
 ./scripts/setup-test-deps.sh
 # shellcheck source=/dev/null

@@ -23,6 +23,7 @@
 //! | `cbr::kernels`, `cbr::device_buffers` | launching our own kernels, device buffers by address |
 //! | [`sim`], [`interp`] (`execute`, `raw`) | the simulated device: its driver's allocation table, raw memory |
 //! | `reference::element` | the `gemm` crate's FP32 GEMM, whose entry point is `unsafe fn` |
+//! | `reference::convert` | FP16 ↔ FP32 conversion instructions chosen at run time (`std::arch`) |
 #![deny(unsafe_code)]
 
 pub mod autotune;

@@ -222,7 +222,7 @@ pub fn read_file(path: &Path, limit: u64) -> Result<Records, CifarError> {
                 limit,
             });
         }
-        if size % RECORD_BYTES as u64 != 0 {
+        if !size.is_multiple_of(RECORD_BYTES as u64) {
             return Err(CifarError::BadSize {
                 path: path.to_owned(),
                 size,

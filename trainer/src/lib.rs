@@ -696,7 +696,7 @@ impl Session {
     /// Whether to save after `done` steps of a run of `steps`.
     pub(crate) fn saves_after(&self, done: usize, steps: usize) -> Option<&std::path::Path> {
         let (path, every) = self.save.as_ref()?;
-        (done == steps || (*every > 0 && done % every == 0)).then_some(path.as_path())
+        (done == steps || (*every > 0 && done.is_multiple_of(*every))).then_some(path.as_path())
     }
 }
 
@@ -723,7 +723,8 @@ impl Trainer {
                     kind: ExecutorKind::Cpu,
                     reason,
                     detail: format!(
-                        "CPU reference executor, {} route ops",
+                        "CPU reference executor ({}), {} route ops",
+                        cudnn_cbr::fusion::reference::cpu_paths(),
                         if cfg.fused { "fused" } else { "unfused" }
                     ),
                 },

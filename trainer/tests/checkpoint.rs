@@ -561,7 +561,7 @@ fn fuzzed_checkpoints_are_typed_errors_or_load_never_a_panic() {
             }
             // Truncated, or bytes appended.
             3 => {
-                if next(&mut state) % 2 == 0 {
+                if next(&mut state).is_multiple_of(2) {
                     bytes.truncate((next(&mut state) % good.len() as u64) as usize);
                 } else {
                     let extra = 1 + next(&mut state) % 4096;

@@ -65,7 +65,7 @@ pub(super) fn elems_of(
     range: ByteRange,
     size: usize,
 ) -> Result<usize, AmpError> {
-    if range.start % size != 0 || range.end % size != 0 {
+    if !range.start.is_multiple_of(size) || !range.end.is_multiple_of(size) {
         return Err(ExecError::Misaligned {
             op,
             what: what.into(),
@@ -100,7 +100,7 @@ pub(super) fn same_count(
 /// The S range of an op: 4-byte aligned start (the struct's alignment), at least the 20 bytes
 /// in use.
 pub(super) fn check_s(op: &'static str, range: ByteRange) -> Result<(), AmpError> {
-    if range.start % 4 != 0 {
+    if !range.start.is_multiple_of(4) {
         return Err(ExecError::Misaligned {
             op,
             what: "S".into(),

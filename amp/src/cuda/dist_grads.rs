@@ -37,7 +37,7 @@ fn typed<T>(
     range: ByteRange,
 ) -> Result<cudarc::driver::CudaViewMut<'_, u8>, AmpError> {
     let buf = regions.region_mut(region)?;
-    if range.end > buf.len() || range.len() % std::mem::size_of::<T>() != 0 {
+    if range.end > buf.len() || !range.len().is_multiple_of(std::mem::size_of::<T>()) {
         return Err(crate::ExecError::WrongRegion {
             op: "collective",
             region,

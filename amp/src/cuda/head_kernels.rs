@@ -394,7 +394,7 @@ impl AmpKernels {
             expect_elems(OP, "loss", l.range, 4, batch)?;
         }
         let capacity = metrics_log_capacity(log.range.len());
-        if capacity == 0 || log.range.start % 4 != 0 {
+        if capacity == 0 || !log.range.start.is_multiple_of(4) {
             return Err(crate::RangeOpError::LengthMismatch {
                 op: OP,
                 what: "log (bytes, 4-aligned)",

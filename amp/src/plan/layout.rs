@@ -663,7 +663,7 @@ impl MemoryPlan {
             return broken("", "buckets do not cover every parameter".into());
         }
         for r in Region::ALL {
-            if self.region_len(r) % SLOT_ALIGN != 0 {
+            if !self.region_len(r).is_multiple_of(SLOT_ALIGN) {
                 return broken("", format!("{r} length not a multiple of 256"));
             }
         }

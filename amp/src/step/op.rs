@@ -373,7 +373,7 @@ fn span_in(
     }
     let len = plan.region_range(region)?.len();
     let what = || format!("{region} (FP16-layout span)");
-    if span16.start % 2 != 0 || span16.end % 2 != 0 {
+    if !span16.start.is_multiple_of(2) || !span16.end.is_multiple_of(2) {
         return Err(ExecError::Misaligned {
             op,
             what: what(),

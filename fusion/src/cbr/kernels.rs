@@ -542,7 +542,7 @@ impl Launch {
         let aligned = values
             .iter()
             .all(|v| !matches!(v, KernelArg::Ptr(p) if p % 16 != 0));
-        let vec = !kernel.reduces() && channels % 8 == 0 && aligned;
+        let vec = !kernel.reduces() && channels.is_multiple_of(8) && aligned;
         values.extend([
             KernelArg::U64(elems),
             KernelArg::U32(channels),

@@ -270,7 +270,7 @@ where
     I: Fn() -> S + Sync,
     F: Fn(&mut S, usize, &mut [A], &mut [O]) + Sync,
 {
-    if out.len() != rows * k || k == 0 || chunk_rows == 0 || chunk_rows % TILE_ROWS != 0 {
+    if out.len() != rows * k || k == 0 || chunk_rows == 0 || !chunk_rows.is_multiple_of(TILE_ROWS) {
         return Err(super::error::ReferenceError::Internal {
             what: "gemm_chunks: output length or chunk size",
         });

@@ -22,6 +22,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use ndarray::{ArrayView2, ArrayViewMut2, ShapeBuilder};
 
+use super::convert;
 use super::error::{ReferenceError, Result};
 
 /// The storage type of tensors (FP16 on the GPU): [`half::f16`] or `f64`.
@@ -181,25 +182,27 @@ impl Element for f16 {
     }
 
     fn widen_slice(src: &[Self]) -> Vec<f32> {
-        src.to_f32_vec()
+        let mut out = vec![0.0; src.len()];
+        convert::widen(src, &mut out);
+        out
     }
 
     fn store_slice(src: &[f32]) -> Vec<Self> {
         let mut out = vec![f16::ZERO; src.len()];
-        out.convert_from_f32_slice(src);
+        convert::narrow(src, &mut out);
         out
     }
 
-    // The slice conversions use F16C where the CPU has it (exact widening; round to nearest
-    // even, as `f16::from_f32`).
+    // The widest conversion instructions the CPU has, chosen at run time (exact widening;
+    // round to nearest even, as `f16::from_f32`): `convert.rs`.
     #[inline]
     fn widen_into(src: &[Self], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst);
+        convert::widen(src, dst);
     }
 
     #[inline]
     fn store_into(src: &[f32], dst: &mut [Self]) {
-        dst.convert_from_f32_slice(src);
+        convert::narrow(src, dst);
     }
 }
 

@@ -60,6 +60,7 @@ pub mod bn;
 #[cfg(test)]
 mod chain;
 pub mod conv;
+mod convert;
 pub mod element;
 pub mod error;
 pub mod fused;
@@ -77,6 +78,7 @@ pub use bn::{
 #[cfg(test)]
 pub(crate) use chain::{weighted_sum_loss, CbrChain, CbrLayer, Route};
 pub use conv::{conv_dgrad, conv_dgrad_into, conv_fprop, conv_wgrad};
+pub use convert::cpu_paths;
 pub use element::{Element, Real};
 pub use error::{ReferenceError, Result};
 pub use fused::{

@@ -1,0 +1,284 @@
+//! FP16 ↔ FP32 slice conversions with the widest instructions the CPU has, chosen at run time.
+//!
+//! The CPU executor widens every FP16 operand to FP32 and rounds every result back, so these
+//! two loops are a tenth of a training step. The `half` crate converts eight values per call
+//! where the build does not target F16C (and a crate that depends on ours picks its own build
+//! flags), so this module dispatches itself: AVX-512F (16 per instruction) where the CPU has
+//! it, else F16C (8), else `half`'s portable code. All three give the same bits: widening is
+//! exact, and narrowing rounds to nearest even in each (the instructions' immediate
+//! `_MM_FROUND_TO_NEAREST_INT`, the IEEE default that `half` implements in software).
+#![allow(unsafe_code)]
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+/// The instruction set a conversion runs with (see [`level`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Level {
+    /// `half`'s conversions (F16C where the build targets it, else software).
+    Portable,
+    /// F16C with AVX (8 lanes).
+    F16c,
+    /// AVX-512F (16 lanes).
+    Avx512,
+}
+
+/// The widest conversion this CPU runs (feature detection is cached by the standard library).
+pub(crate) fn level() -> Level {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return Level::Avx512;
+        }
+        if std::arch::is_x86_feature_detected!("f16c") && std::arch::is_x86_feature_detected!("avx")
+        {
+            return Level::F16c;
+        }
+    }
+    Level::Portable
+}
+
+/// The instruction sets the CPU executor runs with on this machine, chosen at run time, e.g.
+/// `"AVX-512F FP16 conversions, AVX2+FMA GEMM"` (the `gemm` crate picks its kernels the same
+/// way: FMA where the CPU has it).
+pub fn cpu_paths() -> String {
+    let conversions = match level() {
+        Level::Avx512 => "AVX-512F",
+        Level::F16c => "F16C",
+        Level::Portable => "portable",
+    };
+    #[cfg(target_arch = "x86_64")]
+    let gemm = if std::arch::is_x86_feature_detected!("fma") {
+        "AVX2+FMA"
+    } else {
+        "scalar"
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let gemm = "the gemm crate's";
+    format!("{conversions} FP16 conversions, {gemm} GEMM")
+}
+
+/// `dst[i] = src[i]` widened, for `i < min(src.len(), dst.len())`.
+pub(crate) fn widen(src: &[f16], dst: &mut [f32]) {
+    widen_with(level(), src, dst);
+}
+
+/// `dst[i] = src[i]` rounded to nearest even, for `i < min(src.len(), dst.len())`.
+pub(crate) fn narrow(src: &[f32], dst: &mut [f16]) {
+    narrow_with(level(), src, dst);
+}
+
+/// [`widen`] at a given level; a level the CPU lacks falls back to [`Level::Portable`].
+pub(crate) fn widen_with(level: Level, src: &[f16], dst: &mut [f32]) {
+    let n = src.len().min(dst.len());
+    let (src, dst) = (&src[..n], &mut dst[..n]);
+    #[cfg(target_arch = "x86_64")]
+    match level {
+        Level::Avx512 if std::arch::is_x86_feature_detected!("avx512f") => {
+            // SAFETY: the CPU has AVX-512F (checked just above).
+            unsafe { x86::widen_avx512(src, dst) };
+            return;
+        }
+        Level::F16c
+            if std::arch::is_x86_feature_detected!("f16c")
+                && std::arch::is_x86_feature_detected!("avx") =>
+        {
+            // SAFETY: the CPU has F16C and AVX (checked just above).
+            unsafe { x86::widen_f16c(src, dst) };
+            return;
+        }
+        _ => {}
+    }
+    let _ = level;
+    src.convert_to_f32_slice(dst);
+}
+
+/// [`narrow`] at a given level; a level the CPU lacks falls back to [`Level::Portable`].
+pub(crate) fn narrow_with(level: Level, src: &[f32], dst: &mut [f16]) {
+    let n = src.len().min(dst.len());
+    let (src, dst) = (&src[..n], &mut dst[..n]);
+    #[cfg(target_arch = "x86_64")]
+    match level {
+        Level::Avx512 if std::arch::is_x86_feature_detected!("avx512f") => {
+            // SAFETY: the CPU has AVX-512F (checked just above).
+            unsafe { x86::narrow_avx512(src, dst) };
+            return;
+        }
+        Level::F16c
+            if std::arch::is_x86_feature_detected!("f16c")
+                && std::arch::is_x86_feature_detected!("avx") =>
+        {
+            // SAFETY: the CPU has F16C and AVX (checked just above).
+            unsafe { x86::narrow_f16c(src, dst) };
+            return;
+        }
+        _ => {}
+    }
+    let _ = level;
+    dst.convert_from_f32_slice(src);
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use core::arch::x86_64::*;
+    use half::f16;
+    use half::slice::HalfFloatSliceExt;
+
+    /// Round to nearest even (the rounding field of `vcvtps2ph`'s immediate; MXCSR masks the
+    /// floating-point exceptions, so none traps).
+    const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT;
+
+    /// # Safety
+    /// The CPU must have AVX-512F; `src` and `dst` have the same length.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn widen_avx512(src: &[f16], dst: &mut [f32]) {
+        debug_assert_eq!(src.len(), dst.len());
+        let mut s = src.chunks_exact(16);
+        let mut d = dst.chunks_exact_mut(16);
+        for (s, d) in (&mut s).zip(&mut d) {
+            // SAFETY: `s` holds 16 f16 (32 bytes, unaligned load) and `d` 16 f32 (64 bytes,
+            // unaligned store); AVX-512F is enabled on this function.
+            unsafe {
+                let h = _mm256_loadu_si256(s.as_ptr().cast());
+                _mm512_storeu_ps(d.as_mut_ptr(), _mm512_cvtph_ps(h));
+            }
+        }
+        // Fewer than 16 left: the portable path (exact either way).
+        s.remainder().convert_to_f32_slice(d.into_remainder());
+    }
+
+    /// # Safety
+    /// The CPU must have AVX-512F; `src` and `dst` have the same length.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn narrow_avx512(src: &[f32], dst: &mut [f16]) {
+        debug_assert_eq!(src.len(), dst.len());
+        let mut s = src.chunks_exact(16);
+        let mut d = dst.chunks_exact_mut(16);
+        for (s, d) in (&mut s).zip(&mut d) {
+            // SAFETY: `s` holds 16 f32 (64 bytes, unaligned load) and `d` 16 f16 (32 bytes,
+            // unaligned store); AVX-512F is enabled on this function.
+            unsafe {
+                let v = _mm512_loadu_ps(s.as_ptr());
+                _mm256_storeu_si256(d.as_mut_ptr().cast(), _mm512_cvtps_ph::<NEAREST>(v));
+            }
+        }
+        d.into_remainder().convert_from_f32_slice(s.remainder());
+    }
+
+    /// # Safety
+    /// The CPU must have F16C and AVX; `src` and `dst` have the same length.
+    #[target_feature(enable = "avx,f16c")]
+    pub(super) unsafe fn widen_f16c(src: &[f16], dst: &mut [f32]) {
+        debug_assert_eq!(src.len(), dst.len());
+        let mut s = src.chunks_exact(8);
+        let mut d = dst.chunks_exact_mut(8);
+        for (s, d) in (&mut s).zip(&mut d) {
+            // SAFETY: `s` holds 8 f16 (16 bytes, unaligned load) and `d` 8 f32 (32 bytes,
+            // unaligned store); F16C and AVX are enabled on this function.
+            unsafe {
+                let h = _mm_loadu_si128(s.as_ptr().cast());
+                _mm256_storeu_ps(d.as_mut_ptr(), _mm256_cvtph_ps(h));
+            }
+        }
+        s.remainder().convert_to_f32_slice(d.into_remainder());
+    }
+
+    /// # Safety
+    /// The CPU must have F16C and AVX; `src` and `dst` have the same length.
+    #[target_feature(enable = "avx,f16c")]
+    pub(super) unsafe fn narrow_f16c(src: &[f32], dst: &mut [f16]) {
+        debug_assert_eq!(src.len(), dst.len());
+        let mut s = src.chunks_exact(8);
+        let mut d = dst.chunks_exact_mut(8);
+        for (s, d) in (&mut s).zip(&mut d) {
+            // SAFETY: `s` holds 8 f32 (32 bytes, unaligned load) and `d` 8 f16 (16 bytes,
+            // unaligned store); F16C and AVX are enabled on this function.
+            unsafe {
+                let v = _mm256_loadu_ps(s.as_ptr());
+                _mm_storeu_si128(d.as_mut_ptr().cast(), _mm256_cvtps_ph::<NEAREST>(v));
+            }
+        }
+        d.into_remainder().convert_from_f32_slice(s.remainder());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every FP16 bit pattern widens to the same f32 bits at every level.
+    #[test]
+    fn every_level_widens_every_f16_alike() {
+        let all: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+        let mut want = vec![0f32; all.len()];
+        all.convert_to_f32_slice(&mut want);
+        for level in [Level::Portable, Level::F16c, Level::Avx512] {
+            // Odd lengths and offsets exercise the tails.
+            for (start, end) in [(0, all.len()), (3, all.len() - 5), (1, 30)] {
+                let mut got = vec![0f32; end - start];
+                widen_with(level, &all[start..end], &mut got);
+                let same = got
+                    .iter()
+                    .zip(&want[start..end])
+                    .all(|(g, w)| g.to_bits() == w.to_bits());
+                assert!(same, "{level:?} [{start}..{end}] widens differently");
+            }
+        }
+    }
+
+    /// Narrowing agrees with `half` at every level on values that stress rounding: every f16,
+    /// the midpoints between neighbours (ties to even), values just off them, overflow to
+    /// infinity, subnormals, NaNs.
+    #[test]
+    fn every_level_narrows_like_half() {
+        let mut src = Vec::new();
+        for bits in 0..=u16::MAX {
+            let v = f16::from_bits(bits).to_f32();
+            let next = f16::from_bits(bits.wrapping_add(1)).to_f32();
+            src.push(v);
+            if v.is_finite() && next.is_finite() {
+                let mid = (f64::from(v) + f64::from(next)) / 2.0;
+                src.push(mid as f32);
+                src.push(f32::from_bits((mid as f32).to_bits() + 1));
+                src.push(f32::from_bits((mid as f32).to_bits().wrapping_sub(1)));
+            }
+        }
+        src.extend([
+            65520.0,
+            65519.99,
+            -65520.0,
+            1e-8,
+            -6e-8,
+            f32::MIN_POSITIVE,
+            f32::NAN,
+        ]);
+        let want: Vec<u16> = src.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+        for level in [Level::Portable, Level::F16c, Level::Avx512] {
+            for (start, end) in [(0, src.len()), (7, src.len() - 3), (2, 17)] {
+                let mut got = vec![f16::ZERO; end - start];
+                narrow_with(level, &src[start..end], &mut got);
+                for (i, (g, w)) in got.iter().zip(&want[start..end]).enumerate() {
+                    let (g, w) = (g.to_bits(), *w);
+                    // NaN payloads may differ; a NaN must stay a NaN.
+                    let both_nan = f16::from_bits(g).is_nan() && f16::from_bits(w).is_nan();
+                    assert!(
+                        g == w || both_nan,
+                        "{level:?}: {} narrows to {g:#06x}, half gives {w:#06x}",
+                        src[start + i]
+                    );
+                }
+            }
+        }
+    }
+
+    /// This machine's level is at least what its features promise (the test names it).
+    #[test]
+    fn the_level_matches_the_cpu() {
+        let l = level();
+        println!("FP16 conversions on this CPU: {l:?}");
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            assert_eq!(l, Level::Avx512);
+        }
+    }
+}
