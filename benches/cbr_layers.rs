@@ -17,11 +17,11 @@ use cudnn_cbr::fusion::cbr::{
     graphs, CbrConfig, CbrLayer, HostBuffer, OwnedDeviceBuffers, Pass, Src,
 };
 use cudnn_cbr::fusion::exec::{Bindings, Handle, Workspace};
-use cudnn_cbr::fusion::graph::DataType;
 use cudnn_cbr::fusion::lower::OperationGraph;
 use cudnn_cbr::fusion::plan::build_plan;
 use cudnn_cbr::fusion::Target;
 use cudnn_cbr::runtime::cuda_device;
+use cudnn_cbr::sys::DataType;
 use half::f16;
 use std::collections::BTreeSet;
 use std::sync::Arc;

@@ -10,11 +10,12 @@
 use cudnn_cbr::fusion::cache::{PlanCache, PlanKey};
 use cudnn_cbr::fusion::cbr::kernels::{self, Pointwise};
 use cudnn_cbr::fusion::cbr::{graphs, ConvShape, RouteKind};
-use cudnn_cbr::fusion::graph::{DataType, Graph};
+use cudnn_cbr::fusion::graph::Graph;
 use cudnn_cbr::fusion::lower::OperationGraph;
 use cudnn_cbr::fusion::plan::build_plan;
 use cudnn_cbr::fusion::Target;
 use cudnn_cbr::net::{compile, prewarm, Preset, RoutePolicy};
+use cudnn_cbr::sys::DataType;
 use std::hint::black_box;
 use std::time::Instant;
 

@@ -16,10 +16,11 @@ mod common;
 
 use cudnn_cbr::fusion::cbr::graphs::{self, ApplyResidual, BackwardResidual};
 use cudnn_cbr::fusion::cbr::ConvShape;
-use cudnn_cbr::fusion::graph::{DataType, Graph};
+use cudnn_cbr::fusion::graph::Graph;
 use cudnn_cbr::fusion::lower::OperationGraph;
 use cudnn_cbr::fusion::plan::build_plan;
 use cudnn_cbr::fusion::Target;
+use cudnn_cbr::sys::DataType;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::PathBuf;
 

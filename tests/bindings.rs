@@ -5,10 +5,11 @@ mod common;
 
 use cudnn_cbr::fusion::cbr::{graphs, ConvShape};
 use cudnn_cbr::fusion::exec::{Bindings, Scalar};
-use cudnn_cbr::fusion::graph::{DataType, TensorId};
+use cudnn_cbr::fusion::graph::TensorId;
 use cudnn_cbr::fusion::lower::OperationGraph;
 use cudnn_cbr::fusion::plan::build_plan;
 use cudnn_cbr::fusion::{BindingProblem, Error, Target};
+use cudnn_cbr::sys::DataType;
 
 fn problem(e: Error) -> (String, BindingProblem) {
     match e {

@@ -4,10 +4,11 @@
 mod common;
 
 use cudnn_cbr::fusion::cbr::{graphs, ConvShape};
-use cudnn_cbr::fusion::graph::{DataType, Graph};
+use cudnn_cbr::fusion::graph::Graph;
 use cudnn_cbr::fusion::lower::OperationGraph;
 use cudnn_cbr::fusion::plan::build_plan;
 use cudnn_cbr::fusion::Target;
+use cudnn_cbr::sys::DataType;
 use std::time::Instant;
 
 fn basic_graphs(shape: &ConvShape) -> Vec<Graph> {

@@ -17,11 +17,12 @@ mod common;
 
 use cudnn_cbr::fusion::cbr::graphs::{self, ApplyResidual};
 use cudnn_cbr::fusion::cbr::{CbrConfig, RouteKind};
-use cudnn_cbr::fusion::graph::{DataType, Graph};
+use cudnn_cbr::fusion::graph::Graph;
 use cudnn_cbr::fusion::lower::OperationGraph;
 use cudnn_cbr::fusion::plan::build_plan;
 use cudnn_cbr::fusion::Target;
 use cudnn_cbr::net::{compile, Preset, RoutePolicy};
+use cudnn_cbr::sys::DataType;
 use std::collections::BTreeMap;
 use std::time::Instant;
 

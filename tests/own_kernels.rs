@@ -15,10 +15,10 @@ use cudnn_cbr::fusion::cbr::{
     route_graphs, CbrConfig, CbrLayer, ConvShape, GraphRole, LayerGraph, RouteKind,
 };
 use cudnn_cbr::fusion::exec::Scalar;
-use cudnn_cbr::fusion::graph::DataType;
 use cudnn_cbr::fusion::{DeviceProps, Error, Target};
 use cudnn_cbr::runtime::kernel_cache::{CacheOutcome, KernelCache};
 use cudnn_cbr::runtime::rtc;
+use cudnn_cbr::sys::DataType;
 
 fn h200() -> Target {
     let path = common::repo_root().join("tests/fixtures/devprops/h200-sm90.json");

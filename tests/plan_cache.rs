@@ -5,8 +5,8 @@ mod common;
 
 use cudnn_cbr::fusion::cache::{PlanCache, PlanKey};
 use cudnn_cbr::fusion::cbr::{graphs, ConvShape};
-use cudnn_cbr::fusion::graph::DataType;
 use cudnn_cbr::fusion::Target;
+use cudnn_cbr::sys::DataType;
 use std::sync::Arc;
 
 fn h200() -> Target {

@@ -35,10 +35,10 @@ mod planted {
     use cudarc::driver::DevicePtr;
     use cudnn_cbr::fusion::cbr::{graphs, ConvShape};
     use cudnn_cbr::fusion::exec::{Bindings, Handle, Workspace};
-    use cudnn_cbr::fusion::graph::DataType;
     use cudnn_cbr::fusion::lower::OperationGraph;
     use cudnn_cbr::fusion::plan::{build_plan, ExecutionPlan};
     use cudnn_cbr::fusion::Error;
+    use cudnn_cbr::sys::DataType;
     use half::f16;
     use std::sync::Arc;
 

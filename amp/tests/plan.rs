@@ -5,11 +5,12 @@
 use std::collections::HashMap;
 
 use cudnn_cbr_amp::plan::{
-    align_up, fp16_slot_bytes, Bucket, ByteRange, DataType, GradPath, MemoryPlan,
-    MemoryPlanBuilder, ParamKind, Region, SLOT_ALIGN, SLOT_PAD,
+    align_up, fp16_slot_bytes, Bucket, ByteRange, GradPath, MemoryPlan, MemoryPlanBuilder,
+    ParamKind, Region, SLOT_ALIGN, SLOT_PAD,
 };
 use cudnn_cbr_amp::range::S_REGION_BYTES;
 use cudnn_cbr_amp::PlanError;
+use cudnn_fe_sys::DataType;
 use proptest::prelude::*;
 
 fn one_bucket() -> (MemoryPlanBuilder, Bucket) {

@@ -4,7 +4,7 @@
 
 use approx::assert_relative_eq;
 use cudnn_cbr_amp::kernels::COMMON_HEADER;
-use cudnn_cbr_amp::plan::{ByteRange, DataType, MemoryPlanBuilder, ParamKind, Region};
+use cudnn_cbr_amp::plan::{ByteRange, MemoryPlanBuilder, ParamKind, Region};
 use cudnn_cbr_amp::range::{
     cast_f16_to_f32, check_and_clip, check_grads, check_nonfinite, ema_update, f32_to_f16,
     s_layout, sgd_step, softmax_xent_backward, update_loss_scale, zero_bytes, zero_f16, zero_f32,
@@ -12,6 +12,7 @@ use cudnn_cbr_amp::range::{
     DEFAULT_INIT_SCALE, S_REGION_BYTES,
 };
 use cudnn_cbr_amp::RangeOpError;
+use cudnn_fe_sys::DataType;
 use half::f16;
 use proptest::prelude::*;
 

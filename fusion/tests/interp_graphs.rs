@@ -11,10 +11,11 @@ use cudnn_cbr_fusion::cbr::{
     Pass, RouteKind, Src, RUNNING_COPIES,
 };
 use cudnn_cbr_fusion::exec::Scalar;
-use cudnn_cbr_fusion::graph::{DataType, Graph, TensorId};
+use cudnn_cbr_fusion::graph::{Graph, TensorId};
 use cudnn_cbr_fusion::interp::{execute_host, HostMemory, InterpError, Options, VariantPack};
 use cudnn_cbr_fusion::lower::real_tensor_layout;
 use cudnn_cbr_fusion::Target;
+use cudnn_fe_sys::DataType;
 use half::f16;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};

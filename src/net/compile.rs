@@ -23,10 +23,10 @@
 //! engines, [`CbrLayer::plan`]).
 
 use super::spec::{BlockKind, BlockSpec, NetSpec, PoolSpec};
+use crate::sys::DataType;
 use cudnn_cbr_fusion::cache::PlanCache;
 use cudnn_cbr_fusion::cbr::graphs::ApplyResidual;
 use cudnn_cbr_fusion::cbr::{CbrConfig, CbrLayer, ConvShape, InputKind, Pass, RouteKind};
-use cudnn_cbr_fusion::graph::DataType;
 use cudnn_cbr_fusion::reference::Nhwc;
 use cudnn_cbr_fusion::{Error, Result, Target};
 use std::collections::BTreeMap;

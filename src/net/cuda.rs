@@ -24,9 +24,10 @@ use super::spec::PoolSpec;
 use crate::amp::cuda::{
     check_device_memory, AmpKernels, CudaRegions, CudaSlice, CudaStream, DevRange, DevRangeMut,
 };
-use crate::amp::plan::{Bucket, ByteRange, DataType, MemoryPlan, Region};
+use crate::amp::plan::{Bucket, ByteRange, MemoryPlan, Region};
 use crate::amp::range::PoolShape;
 use crate::amp::AmpError;
+use crate::sys::DataType;
 use cudnn_cbr_fusion::cache::PlanCache;
 use cudnn_cbr_fusion::cbr::{ArenaId, DeviceBnSync, DeviceBuffers, Pass, Side};
 use cudnn_cbr_fusion::exec::Handle;

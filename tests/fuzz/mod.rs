@@ -16,11 +16,12 @@
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::{CbrConfig, CbrLayer, ConvShape, InputKind};
 use cudnn_cbr::fusion::graph::{
-    ConvAttrs, DataType, Graph, PointwiseAttrs, PointwiseMode, ReductionAttrs, ReductionMode,
-    TensorAttrs, TensorId,
+    ConvAttrs, Graph, PointwiseAttrs, PointwiseMode, ReductionAttrs, ReductionMode, TensorAttrs,
+    TensorId,
 };
 use cudnn_cbr::fusion::{DeviceProps, Error, Target};
 use cudnn_cbr::net::{compile, BlockKind, BlockSpec, NetSpec, PoolSpec, RoutePolicy, StemSpec};
+use cudnn_cbr::sys::DataType;
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 

@@ -45,8 +45,9 @@
 //! [safetensors]: https://github.com/huggingface/safetensors
 
 use crate::{plan_and_initial_weights, TrainConfig, FNV_OFFSET, FNV_PRIME};
-use cudnn_cbr::amp::plan::{DataType, MemoryPlan, ParamKind, Region};
+use cudnn_cbr::amp::plan::{MemoryPlan, ParamKind, Region};
 use cudnn_cbr::amp::range::Scalars;
+use cudnn_cbr::sys::DataType;
 use half::f16;
 use safetensors::{Dtype, SafeTensors};
 use std::collections::{BTreeMap, HashMap};

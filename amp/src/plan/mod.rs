@@ -56,7 +56,10 @@ mod types;
 pub use builder::MemoryPlanBuilder;
 pub use layout::{BucketInfo, MemoryPlan, ParamInfo, ParamView, RegionLayout};
 pub use tensors::{assign as assign_tensor_offsets, peak_live, Lifetime, TensorSlot};
+// The element type has one public path, `cudnn_fe_sys::DataType`; this crate's modules name
+// it from here.
+pub(crate) use types::DataType;
 pub use types::{
-    align_up, fp16_slot_bytes, fp32_slot_bytes, Bucket, ByteRange, DataType, GradPath, ParamKind,
+    align_up, fp16_slot_bytes, fp32_slot_bytes, Bucket, ByteRange, GradPath, ParamKind,
     PlanOptions, Region, SLOT_ALIGN, SLOT_PAD,
 };

@@ -34,9 +34,9 @@ pub fn fp32_slot_bytes(elems: usize) -> Option<usize> {
     fp16_slot_bytes(elems)?.checked_mul(2)
 }
 
-/// Element type of a region (the workspace's one data type enum; regions use `Half` and
-/// `Float`).
-pub use cudnn_fe_sys::DataType;
+// Element type of a region (the workspace's one data type enum; regions use `Half` and
+// `Float`).
+pub(crate) use cudnn_fe_sys::DataType;
 
 /// One contiguous device allocation of the AMP layer.
 ///

@@ -23,9 +23,10 @@ pub use node::{
     PointwiseAttrs, PointwiseMode, ReductionAttrs, ReductionMode,
 };
 pub use signature::{fnv1a, GraphSignature};
-pub use tensor::{
-    nhwc_strides, packed_strides, vector_dims, DataType, PrecisionContext, TensorAttrs,
-};
+// The element type has one public path, `cudnn_fe_sys::DataType`; this crate's modules name
+// it from here.
+pub(crate) use tensor::DataType;
+pub use tensor::{nhwc_strides, packed_strides, vector_dims, PrecisionContext, TensorAttrs};
 
 /// A tensor of one graph: a `Copy` index into the graph's arena.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

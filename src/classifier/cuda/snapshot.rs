@@ -1,8 +1,9 @@
 //! [`Snapshot`]: the device state a training step reads and writes, downloaded for tests and
 //! checkpoints, and its comparisons (relative L2 per part, counters bit for bit).
 
-use crate::amp::plan::{DataType, Region};
+use crate::amp::plan::Region;
 use crate::amp::range::METRICS_LOG_HEADER;
+use crate::sys::DataType;
 use half::f16;
 
 /// Device state that a step reads and writes, downloaded (blocking) for tests and
