@@ -44,7 +44,7 @@ struct Driver {
 
 /// Whether `CUDNN_CBR_DEVICE` selects the simulator.
 fn selected() -> bool {
-    std::env::var_os("CUDNN_CBR_DEVICE").is_some_and(|v| v == "sim")
+    std::env::var_os(cudnn_cbr_runtime::DEVICE_ENV).is_some_and(|v| v == "sim")
 }
 
 /// The loaded simulated driver, once some code (cudarc) has loaded it. A failed lookup is
