@@ -1,6 +1,6 @@
 //! fusion's GPU tier on the simulated CUDA device: `tests/gpu_own_kernels.rs`,
-//! `tests/gpu_cbr_parity.rs`, `tests/gpu_network.rs`, `tests/gpu_conv.rs` and
-//! `tests/gpu_accumulation.rs` (included unchanged as modules) run
+//! `tests/gpu_cbr_parity.rs`, `tests/gpu_network.rs`, `tests/gpu_conv.rs`,
+//! `tests/gpu_accumulation.rs` and `tests/classifier.rs` (included unchanged as modules) run
 //! again in a child of this binary with the simulator selected (`CUDNN_CBR_DEVICE=sim`, its
 //! folder first on the loader path, docs/simulator.md). There cuDNN plans are built deviceless
 //! for the simulator's device-properties document and each plan execution runs the plan's
@@ -13,6 +13,8 @@
 // Each included file declares `mod common;`.
 #![allow(clippy::duplicate_mod)]
 
+#[path = "classifier.rs"]
+mod classifier;
 #[path = "gpu_accumulation.rs"]
 mod gpu_accumulation;
 #[path = "gpu_cbr_parity.rs"]
@@ -419,6 +421,7 @@ mod fusion_kernels {
 /// The included modules' tests, counted from their sources.
 fn included_tests() -> usize {
     [
+        include_str!("classifier.rs"),
         include_str!("gpu_accumulation.rs"),
         include_str!("gpu_cbr_parity.rs"),
         include_str!("gpu_conv.rs"),
@@ -438,6 +441,7 @@ fn run_on_the_simulator(dir: &std::path::Path, adversarial: bool) {
     let mode = if adversarial { "adversarial" } else { "eager" };
     let mut child = sim::child(dir, adversarial);
     child.args([
+        "classifier::",
         "gpu_accumulation::",
         "gpu_cbr_parity::",
         "gpu_conv::",
