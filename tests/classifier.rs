@@ -96,17 +96,10 @@ fn the_cuda_classifier_follows_the_cpu_one() {
     let Some(ctx) = common::gpu_or_skip("the_cuda_classifier_follows_the_cpu_one") else {
         return;
     };
-    use cudnn_cbr::{CudaClassifier, Handle, PlanCache};
+    use cudnn_cbr::{CudaClassifier, Handle};
     let stream = ctx.per_thread_stream();
     let handle = Handle::new(stream.clone()).unwrap();
-    let target = handle.target().unwrap();
-    let cache = PlanCache::new();
-    let spec = Preset::Mini.spec(3, CLASSES, 4);
-    let policy = RoutePolicy::Planned {
-        target: &target,
-        cache: &cache,
-    };
-    let on_gpu = compile(&spec, BATCH, HW, &policy).unwrap();
+    let on_gpu = common::planned_mini(&handle, BATCH, HW, CLASSES);
     let config = StepConfig::new(SgdConfig::new(0.05));
     let mut gpu = CudaClassifier::new(on_gpu, handle, CLASSES, config, 3).unwrap();
     let mut cpu = CpuClassifier::new(net(), CLASSES, config, 3).unwrap();

@@ -36,17 +36,10 @@ fn gpu_the_cuda_classifier_accumulates_as_the_cpu_one() {
     let Some(ctx) = common::gpu_or_skip(TEST) else {
         return;
     };
-    use cudnn_cbr::{CudaClassifier, Handle, PlanCache};
+    use cudnn_cbr::{CudaClassifier, Handle};
     let stream = ctx.per_thread_stream();
     let handle = Handle::new(stream.clone()).unwrap();
-    let target = handle.target().unwrap();
-    let cache = PlanCache::new();
-    let spec = Preset::Mini.spec(3, CLASSES, 4);
-    let policy = RoutePolicy::Planned {
-        target: &target,
-        cache: &cache,
-    };
-    let on_gpu = compile(&spec, BATCH, HW, &policy).unwrap();
+    let on_gpu = common::planned_mini(&handle, BATCH, HW, CLASSES);
     let config = StepConfig::new(SgdConfig::new(0.05).with_momentum(0.9)).with_accum(2);
     let mut gpu = CudaClassifier::new(on_gpu, handle, CLASSES, config, 3).unwrap();
     let mut cpu = CpuClassifier::new(net(RouteKind::Fused), CLASSES, config, 3).unwrap();
@@ -99,17 +92,9 @@ fn gpu_the_engines_replayed_steps_equal_its_eager_steps() {
     }
     use cudnn_cbr::classifier::cuda::{open_device, CudaGraphMode, GraphState, WARMUP_STEPS};
     use cudnn_cbr::classifier::{CudaClassifier, EngineConfig};
-    use cudnn_cbr::PlanCache;
     // The per-thread stream of a context object of its own: capture is sound on it.
     let handle = open_device(None).unwrap();
-    let target = handle.target().unwrap();
-    let cache = PlanCache::new();
-    let spec = Preset::Mini.spec(3, CLASSES, 4);
-    let policy = RoutePolicy::Planned {
-        target: &target,
-        cache: &cache,
-    };
-    let net = compile(&spec, BATCH, HW, &policy).unwrap();
+    let net = common::planned_mini(&handle, BATCH, HW, CLASSES);
     let config = StepConfig::new(SgdConfig::new(0.05).with_momentum(0.9)).with_accum(2);
     let steps = WARMUP_STEPS + 2;
     let engine = EngineConfig {

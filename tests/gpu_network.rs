@@ -452,7 +452,7 @@ fn the_engines_two_ranks_keep_the_same_weights() {
     use cudnn_cbr::amp::plan::Region;
     use cudnn_cbr::classifier::cuda::open_device;
     use cudnn_cbr::classifier::{CudaClassifier, EngineConfig};
-    use cudnn_cbr::{Preset, SgdConfig, StepConfig};
+    use cudnn_cbr::{SgdConfig, StepConfig};
     const BATCH: usize = 4;
     const HW: usize = 8;
     const CLASSES: usize = 3;
@@ -472,14 +472,7 @@ fn the_engines_two_ranks_keep_the_same_weights() {
                     })
                     .unwrap();
                     let handle = open_device(Some(&launch)).unwrap();
-                    let target = handle.target().unwrap();
-                    let cache = PlanCache::new();
-                    let spec = Preset::Mini.spec(3, CLASSES, 4);
-                    let policy = RoutePolicy::Planned {
-                        target: &target,
-                        cache: &cache,
-                    };
-                    let net = compile(&spec, BATCH, HW, &policy).unwrap();
+                    let net = common::planned_mini(&handle, BATCH, HW, CLASSES);
                     let engine = EngineConfig {
                         log_entries: 3,
                         launch: Some(launch),
