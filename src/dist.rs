@@ -167,26 +167,8 @@ impl CpuReplica {
     /// As [`CpuClassifier::forward_backward`]; [`AmpError::Dist`] when another rank failed
     /// or timed out.
     pub fn step(&mut self, images: &[f16], labels: &[i32]) -> Result<HeadMetrics, ClassifierError> {
-        let step = self.model.step_mut();
-        step.begin()?;
-        // Each bucket is summed as soon as backward has made it final, the deepest first.
-        let comm = &mut self.comm;
-        let local = match self.model.forward_backward_reduced(
-            images,
-            labels,
-            &self.schedule,
-            &mut |regions, bucket| grads::all_reduce_bucket(regions, comm, bucket),
-        ) {
-            Ok(m) => m,
-            Err(e) => {
-                // Tell the others at once rather than at their next collective's timeout.
-                self.comm.fail(format!("its forward/backward failed: {e}"));
-                return Err(e);
-            }
-        };
-        let comm = &mut self.comm;
-        let step = self.model.step_mut();
-        step.finish_with(|regions| grads::all_reduce_overflow(regions, comm))?;
+        // A step without accumulation is its own last micro-batch.
+        let local = self.micro_batch(images, labels, true)?;
         self.global_metrics(local)
     }
 
@@ -241,6 +223,7 @@ impl CpuReplica {
         last: bool,
     ) -> Result<HeadMetrics, ClassifierError> {
         self.model.step_mut().begin()?;
+        // Each bucket is summed as soon as backward has made it final, the deepest first.
         let comm = &mut self.comm;
         let local = match self.model.forward_backward_reduced(
             images,
@@ -250,6 +233,7 @@ impl CpuReplica {
         ) {
             Ok(m) => m,
             Err(e) => {
+                // Tell the others at once rather than at their next collective's timeout.
                 self.comm.fail(format!("its forward/backward failed: {e}"));
                 return Err(e);
             }
