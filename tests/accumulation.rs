@@ -26,12 +26,7 @@ fn net(kind: RouteKind) -> CompiledNet {
 }
 
 fn micro_batch(k: usize) -> (Vec<f16>, Vec<i32>) {
-    let mut s = 0x51ab + k as u64;
-    let images = (0..BATCH * HW * HW * 3)
-        .map(|_| f16::from_f32(common::uniform(&mut s)))
-        .collect();
-    let labels = (0..BATCH).map(|i| ((i * 7 + k) % CLASSES) as i32).collect();
-    (images, labels)
+    common::micro_batch(k, BATCH, HW, CLASSES)
 }
 
 /// One micro-batch's FP32 gradient as the step sees it: G16 cast where G16 reaches (the conv

@@ -20,12 +20,7 @@ fn net(kind: RouteKind) -> CompiledNet {
 }
 
 fn micro_batch(k: usize) -> (Vec<f16>, Vec<i32>) {
-    let mut s = 0x51ab + k as u64;
-    let images = (0..BATCH * HW * HW * 3)
-        .map(|_| f16::from_f32(common::uniform(&mut s)))
-        .collect();
-    let labels = (0..BATCH).map(|i| ((i * 7 + k) % CLASSES) as i32).collect();
-    (images, labels)
+    common::micro_batch(k, BATCH, HW, CLASSES)
 }
 
 /// `CudaClassifier::train_step` over 2 micro-batches follows `CpuClassifier::train_step`,

@@ -121,3 +121,19 @@ pub fn planned_mini(
     };
     cudnn_cbr::compile(&spec, batch, hw, &policy).expect("compile the planned mini network")
 }
+
+/// Micro-batch `k` of the accumulation tests: `batch` images of `hw`×`hw`×3 from a seeded
+/// uniform stream, labels `(i·7 + k) mod classes`.
+pub fn micro_batch(
+    k: usize,
+    batch: usize,
+    hw: usize,
+    classes: usize,
+) -> (Vec<half::f16>, Vec<i32>) {
+    let mut s = 0x51ab + k as u64;
+    let images = (0..batch * hw * hw * 3)
+        .map(|_| half::f16::from_f32(uniform(&mut s)))
+        .collect();
+    let labels = (0..batch).map(|i| ((i * 7 + k) % classes) as i32).collect();
+    (images, labels)
+}
