@@ -11,6 +11,10 @@
 //! | dgrad `dx = convᵀ(dy, w)` | input pixels `(n, h, w)` | `dy`, pixel `p` with `p*stride = h + pad - r*dil` | `w` rearranged `[r*s*k, c]` |
 //! | wgrad `dw = Σ dyᵀ · col(x)` | output pixels | `x`, as fprop | `dy` (left operand) |
 //!
+//! Where the gather reads a zero-padded copy of the source, a tile's product can read that
+//! copy directly instead of gathering its column rows (`direct.rs`: the same bits, on CPUs
+//! with FMA); the gather and the GEMM run the rest.
+//!
 //! dgrad is a gather too (no scatter-add), so every op parallelizes over row tiles without
 //! write conflicts. wgrad sums the tiles in a fixed number of groups whose partial filters are
 //! added in order, so its result does not depend on the thread count.
@@ -275,33 +279,96 @@ where
             what: "gemm_chunks: output length or chunk size",
         });
     }
-    let w_t = weights;
+    let product = TileProduct::new(gatherer, depth, weights, k);
     out.par_chunks_mut(chunk_rows * k)
         .enumerate()
         .map_init(
-            || (Vec::new(), vec![A::ZERO; TILE_ROWS * k]),
-            |(col, acc), (chunk, out_chunk)| {
+            || (Scratch::default(), vec![A::ZERO; TILE_ROWS * k]),
+            |(scratch, acc), (chunk, out_chunk)| {
                 let mut state = init();
                 for (tile, out_tile) in out_chunk.chunks_mut(TILE_ROWS * k).enumerate() {
                     let n_rows = out_tile.len() / k;
                     let first = chunk * chunk_rows + tile * TILE_ROWS;
-                    gatherer.gather(first, n_rows, col);
                     let acc = &mut acc[..n_rows * k];
-                    A::gemm(
-                        n_rows,
-                        depth,
-                        k,
-                        Mat::row_major(col, depth),
-                        w_t,
-                        A::ZERO,
-                        acc,
-                    )?;
+                    product.tile(first, n_rows, scratch, acc)?;
                     sink(&mut state, first, acc, out_tile);
                 }
                 Ok(state)
             },
         )
         .collect()
+}
+
+/// A tile's gathered column rows and their bases, kept from tile to tile.
+#[derive(Debug, Default)]
+struct Scratch<A> {
+    col: Vec<A>,
+    bases: Vec<usize>,
+}
+
+/// `tile [n_rows, cout] = col rows first.. · weights [depth, cout]`: straight from the padded
+/// source where `direct.rs` runs the tile (the same bits), else by the gather and the GEMM.
+struct TileProduct<'g, 'a, A: Real> {
+    gatherer: &'g Gatherer<'a, A>,
+    depth: usize,
+    weights: Mat<'g, A>,
+    cout: usize,
+    /// Each column's offset from a row's base and `weights` row-major, where the tiles may
+    /// go direct.
+    direct: Option<(Vec<usize>, Cow<'g, [A]>)>,
+}
+
+impl<'g, 'a, A: Real> TileProduct<'g, 'a, A> {
+    fn new(gatherer: &'g Gatherer<'a, A>, depth: usize, weights: Mat<'g, A>, cout: usize) -> Self {
+        // The `gemm` crate's kernel path for this product (direct.rs): a reduced dimension of
+        // 3..=512 (no blocks, no vector-vector case) and at least two output channels.
+        let direct = (A::DIRECT && (3..=512).contains(&depth) && cout >= 2)
+            .then(|| gatherer.column_offsets())
+            .flatten()
+            .filter(|eoff| eoff.len() == depth)
+            .map(|eoff| (eoff, dense(weights, depth, cout)));
+        TileProduct {
+            gatherer,
+            depth,
+            weights,
+            cout,
+            direct,
+        }
+    }
+
+    fn tile(&self, first: usize, n_rows: usize, s: &mut Scratch<A>, out: &mut [A]) -> Result<()> {
+        // Tiles the crate would sum across lanes (m·n ≤ 256) or treat as a vector go its way.
+        if let (Some((eoff, w)), Gatherer::Padded(g)) = (&self.direct, self.gatherer) {
+            if n_rows >= 2 && n_rows * self.cout > 256 {
+                g.bases(first, n_rows, &mut s.bases);
+                if A::direct(&g.src[..], &s.bases, eoff, w, self.cout, out, false) {
+                    return Ok(());
+                }
+            }
+        }
+        self.gatherer.gather(first, n_rows, &mut s.col);
+        A::gemm(
+            n_rows,
+            self.depth,
+            self.cout,
+            Mat::row_major(&s.col, self.depth),
+            self.weights,
+            A::ZERO,
+            out,
+        )
+    }
+}
+
+/// `m` (`rows x cols`) as a row-major slice: borrowed where it already is one.
+fn dense<'m, A: Real>(m: Mat<'m, A>, rows: usize, cols: usize) -> Cow<'m, [A]> {
+    if m.col_stride == 1 && m.row_stride == cols && m.data.len() >= rows * cols {
+        return Cow::Borrowed(&m.data[..rows * cols]);
+    }
+    let mut out = Vec::with_capacity(rows * cols);
+    for i in 0..rows {
+        out.extend((0..cols).map(|j| m.data[i * m.row_stride + j * m.col_stride]));
+    }
+    Cow::Owned(out)
 }
 
 /// dgrad in the arithmetic type, unrounded. `p` validated, lengths checked.
@@ -517,10 +584,20 @@ pub(crate) fn wgrad_src<A: Real>(p: &ConvParams, x: Src<'_, A>, dy: &[A]) -> Res
     let tiles_per_group = tiles.div_ceil(WGRAD_GROUPS);
     let groups = tiles.div_ceil(tiles_per_group);
     let gatherer = Gatherer::from_src(PixelMap::fprop(p), x, p.c, taps);
+    // Straight from the padded source where direct.rs runs the tile (the `gemm` crate's kernel
+    // path: at least two output channels and two filter columns, and 3..=512 rows per tile,
+    // checked per tile below), the same bits as the gather and the GEMM.
+    let direct = match &gatherer {
+        Gatherer::Padded(g) if A::DIRECT && k >= 2 && depth >= 2 => gatherer
+            .column_offsets()
+            .filter(|eoff| eoff.len() == depth)
+            .map(|eoff| (g, eoff)),
+        _ => None,
+    };
     let partials = (0..groups)
         .into_par_iter()
-        // A column buffer per rayon job, reused by its groups.
-        .map_init(Vec::new, |col, group| {
+        // Column rows and bases per rayon job, reused by its groups.
+        .map_init(Scratch::default, |scratch, group| {
             // dwᵀ [depth, k]: the GEMM's long side is the filter depth, not the few output
             // channels (the faster orientation for the skinny shapes).
             let mut dw_t = vec![A::ZERO; depth * k];
@@ -528,6 +605,24 @@ pub(crate) fn wgrad_src<A: Real>(p: &ConvParams, x: Src<'_, A>, dy: &[A]) -> Res
             for tile in group * tiles_per_group..last_tile {
                 let first = tile * TILE_ROWS;
                 let n_rows = TILE_ROWS.min(rows - first);
+                let dy_rows = &dy[first * k..(first + n_rows) * k];
+                if let Some((g, eoff)) = &direct {
+                    if (3..=512).contains(&n_rows) {
+                        g.bases(first, n_rows, &mut scratch.bases);
+                        if A::direct(
+                            &g.src[..],
+                            eoff,
+                            &scratch.bases,
+                            dy_rows,
+                            k,
+                            &mut dw_t,
+                            true,
+                        ) {
+                            continue;
+                        }
+                    }
+                }
+                let col = &mut scratch.col;
                 gatherer.gather(first, n_rows, col);
                 // colᵀ of this tile as a [depth, n_rows] matrix.
                 let col_t = Mat {
@@ -540,7 +635,7 @@ pub(crate) fn wgrad_src<A: Real>(p: &ConvParams, x: Src<'_, A>, dy: &[A]) -> Res
                     n_rows,
                     k,
                     col_t,
-                    Mat::row_major(&dy[first * k..(first + n_rows) * k], k),
+                    Mat::row_major(dy_rows, k),
                     A::ONE,
                     &mut dw_t,
                 )?;
@@ -1018,6 +1113,24 @@ impl<'a, A: Real> Gatherer<'a, A> {
         Gatherer::Padded(Padded { src, layout })
     }
 
+    /// For the padded gather: each column's element offset from its row's base element
+    /// ([`Padded::bases`]), so element `(row, d)` of the column matrix is
+    /// `src[base(row) + offset(d)]`. `None` for the general gather.
+    fn column_offsets(&self) -> Option<Vec<usize>> {
+        let Gatherer::Padded(g) = self else {
+            return None;
+        };
+        let cin = g.layout.cin;
+        let mut eoff = vec![0; g.layout.taps * cin];
+        for &(t, len, off) in &g.layout.runs {
+            let run = &mut eoff[t * cin..(t + len) * cin];
+            for (i, e) in run.iter_mut().enumerate() {
+                *e = off * cin + i;
+            }
+        }
+        Some(eoff)
+    }
+
     /// Fills `col` with rows `first..first + n_rows` of the column matrix (see [`gather`]).
     fn gather(&self, first: usize, n_rows: usize, col: &mut Vec<A>) {
         match self {
@@ -1041,12 +1154,9 @@ impl<A: Real> Padded<'_, A> {
         if width == 0 {
             return;
         }
-        let (h, w) = l.dims;
-        let (sh, sw) = l.step;
-        let base_of = |n: usize, i: usize, j: usize| (n * l.hp + i * sh) * l.wp + j * sw;
-        let (mut n, mut i, mut j) = (first / (h * w), first % (h * w) / w, first % w);
-        let mut base = base_of(n, i, j);
-        for row in col.chunks_exact_mut(width) {
+        let mut rows = col.chunks_exact_mut(width);
+        self.walk(first, n_rows, |base| {
+            let Some(row) = rows.next() else { return };
             for &(t, len, off) in &l.runs {
                 let at = (base + off) * cin;
                 copy_pixels(
@@ -1054,6 +1164,30 @@ impl<A: Real> Padded<'_, A> {
                     &self.src[at..at + len * cin],
                 );
             }
+        });
+    }
+
+    /// The element index in the padded source of each of rows `first..first + n_rows`' base
+    /// pixel (the pixel its first tap reads, before the run offsets), into `out`.
+    fn bases(&self, first: usize, n_rows: usize, out: &mut Vec<usize>) {
+        out.clear();
+        let cin = self.layout.cin;
+        self.walk(first, n_rows, |base| out.push(base * cin));
+    }
+
+    /// Calls `row(base)` with the base pixel of each of rows `first..first + n_rows`, in order.
+    fn walk(&self, first: usize, n_rows: usize, mut row: impl FnMut(usize)) {
+        let l = &self.layout;
+        let (h, w) = l.dims;
+        if h * w == 0 {
+            return;
+        }
+        let (sh, sw) = l.step;
+        let base_of = |n: usize, i: usize, j: usize| (n * l.hp + i * sh) * l.wp + j * sw;
+        let (mut n, mut i, mut j) = (first / (h * w), first % (h * w) / w, first % w);
+        let mut base = base_of(n, i, j);
+        for _ in 0..n_rows {
+            row(base);
             j += 1;
             base += sw;
             if j == w {
@@ -1146,23 +1280,14 @@ fn gather_gemm<A: Real>(
     weights: Mat<'_, A>,
     cout: usize,
 ) -> Result<Vec<A>> {
-    let depth = taps * cin;
     let gatherer = Gatherer::new(map, src, cin, taps);
+    let product = TileProduct::new(&gatherer, taps * cin, weights, cout);
     let mut out = vec![A::ZERO; rows * cout];
     out.par_chunks_mut(TILE_ROWS * cout)
         .enumerate()
-        .try_for_each_init(Vec::new, |col, (tile, out_tile)| {
+        .try_for_each_init(Scratch::default, |scratch, (tile, out_tile)| {
             let n_rows = out_tile.len() / cout;
-            gatherer.gather(tile * TILE_ROWS, n_rows, col);
-            A::gemm(
-                n_rows,
-                depth,
-                cout,
-                Mat::row_major(col, depth),
-                weights,
-                A::ZERO,
-                out_tile,
-            )
+            product.tile(tile * TILE_ROWS, n_rows, scratch, out_tile)
         })?;
     Ok(out)
 }

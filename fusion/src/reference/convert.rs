@@ -39,13 +39,20 @@ pub(crate) fn level() -> Level {
 }
 
 /// The instruction sets the CPU executor runs with on this machine, chosen at run time, e.g.
-/// `"AVX-512F FP16 conversions, AVX2+FMA GEMM"` (the `gemm` crate picks its kernels the same
-/// way: FMA where the CPU has it).
+/// `"AVX-512F FP16 conversions, AVX-512F conv tiles, AVX2+FMA GEMM"`: the conversions here,
+/// the conv tiles read straight from their padded source (`direct.rs`), and the `gemm`
+/// crate's kernels for the other products (it picks them the same way: FMA where the CPU has
+/// it).
 pub fn cpu_paths() -> String {
     let conversions = match level() {
         Level::Avx512 => "AVX-512F",
         Level::F16c => "F16C",
         Level::Portable => "portable",
+    };
+    let tiles = match super::direct::level() {
+        super::direct::Level::Avx512 => "AVX-512F conv tiles",
+        super::direct::Level::Avx2 => "AVX2+FMA conv tiles",
+        super::direct::Level::None => "gathered conv tiles",
     };
     #[cfg(target_arch = "x86_64")]
     let gemm = if std::arch::is_x86_feature_detected!("fma") {
@@ -55,7 +62,7 @@ pub fn cpu_paths() -> String {
     };
     #[cfg(not(target_arch = "x86_64"))]
     let gemm = "the gemm crate's";
-    format!("{conversions} FP16 conversions, {gemm} GEMM")
+    format!("{conversions} FP16 conversions, {tiles}, {gemm} GEMM")
 }
 
 /// `dst[i] = src[i]` widened, for `i < min(src.len(), dst.len())`.

@@ -319,6 +319,24 @@ pub(crate) mod private {
             beta: Self,
             c: &mut [Self],
         ) -> Result<()>;
+
+        /// Whether [`Gemm::direct`] can ever take a tile (`f32` only).
+        const DIRECT: bool = false;
+
+        /// A conv tile straight from its padded source, with the bits of gathering it and
+        /// calling [`Gemm::gemm`] (`direct.rs`); false where it does not run (then the caller
+        /// gathers and multiplies).
+        fn direct(
+            _src: &[Self],
+            _p: &[usize],
+            _q: &[usize],
+            _m: &[Self],
+            _cout: usize,
+            _out: &mut [Self],
+            _add: bool,
+        ) -> bool {
+            false
+        }
     }
 }
 
@@ -426,6 +444,20 @@ impl private::Gemm for f32 {
             );
         }
         Ok(())
+    }
+
+    const DIRECT: bool = true;
+
+    fn direct(
+        src: &[Self],
+        p: &[usize],
+        q: &[usize],
+        m: &[Self],
+        cout: usize,
+        out: &mut [Self],
+        add: bool,
+    ) -> bool {
+        super::direct::product(src, p, q, m, cout, out, add)
     }
 }
 

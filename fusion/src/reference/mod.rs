@@ -2,9 +2,11 @@
 //! CPU executor for examples on machines without a GPU.
 //!
 //! Plain Rust over `f16` storage with `f32` arithmetic, rounding to FP16 exactly where the GPU
-//! graphs store FP16; im2col + GEMM for the convolutions (FP32: the `gemm` crate, one
-//! bounds-checked `unsafe` call in `element.rs`; f64: matrixmultiply through ndarray's safe
-//! API), rayon over rows and channels. Every op is generic
+//! graphs store FP16; im2col + GEMM for the convolutions (FP32: tiles read straight from
+//! the padded source with AVX2/AVX-512 FMA, `direct.rs`, with the bits of the `gemm` crate's
+//! product, which runs the rest; f64: matrixmultiply through ndarray's safe API), rayon over
+//! rows and channels. `unsafe` here: the bounds-checked `gemm` call (`element.rs`), and the
+//! run-time-dispatched SIMD of `convert.rs` and `direct.rs`. Every op is generic
 //! over the [`Element`] type, so the same code also runs in `f64` (no rounding anywhere) for
 //! finite-difference checks and exact comparisons.
 //!
@@ -61,6 +63,7 @@ pub mod bn;
 mod chain;
 pub mod conv;
 mod convert;
+pub(crate) mod direct;
 pub mod element;
 pub mod error;
 pub mod fused;

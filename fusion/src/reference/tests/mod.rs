@@ -3,6 +3,7 @@
 //! other, FP16 against f64, and the typed errors.
 
 mod chains;
+mod direct_tiles;
 mod errors;
 mod fast_paths;
 mod gradcheck;

@@ -1,0 +1,72 @@
+//! The conv tiles straight from the padded source (`direct.rs`) against the gather and the
+//! GEMM they replace: the same bits, at every instruction-set level this CPU has, on shapes
+//! whose tiles take the direct path, fall back to the gather (reductions over 512 or under 3,
+//! tiles of at most 256 outputs or two rows), or mix both (tail tiles), with output channels
+//! that leave vector remainders (7 = scalar columns only, 24 = 16 + 8, 40 = 32 + 8).
+
+use super::util::Rng;
+use crate::reference::conv::{dgrad_all_taps, fprop_acc, wgrad_acc};
+use crate::reference::direct::{forced, Level};
+use crate::reference::ConvParams;
+
+fn shapes() -> Vec<ConvParams> {
+    vec![
+        // The mini network's.
+        ConvParams::new(4, 8, 16, 16, 16, 3, 3).with_padding(1, 1),
+        ConvParams::new(2, 16, 16, 16, 32, 3, 3)
+            .with_padding(1, 1)
+            .with_stride(2, 2),
+        ConvParams::new(2, 16, 16, 16, 32, 1, 1).with_stride(2, 2),
+        ConvParams::new(2, 32, 8, 8, 32, 3, 3).with_padding(1, 1),
+        // Remainders: 297 rows (a 41-row tail tile), 7 output channels.
+        ConvParams::new(3, 5, 9, 11, 7, 3, 3).with_padding(1, 1),
+        ConvParams::new(2, 8, 16, 16, 40, 3, 3).with_padding(1, 1),
+        ConvParams::new(5, 8, 7, 7, 24, 3, 3).with_padding(1, 1),
+        // 130 rows: a 2-row tail tile (the gather's, in every op).
+        ConvParams::new(1, 16, 10, 13, 16, 3, 3).with_padding(1, 1),
+        // A 576-deep reduction (fprop and dgrad gather; wgrad goes direct).
+        ConvParams::new(1, 64, 6, 6, 16, 3, 3).with_padding(1, 1),
+        // A 1-deep reduction; 25-row products of at most 256 outputs.
+        ConvParams::new(2, 1, 8, 8, 8, 1, 1),
+        ConvParams::new(1, 4, 5, 5, 3, 3, 3).with_padding(1, 1),
+        // Dilation and asymmetric padding.
+        ConvParams::new(3, 5, 9, 11, 7, 3, 2)
+            .with_padding(2, 1)
+            .with_dilation(2, 3),
+    ]
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn direct_tiles_match_the_gather_and_gemm_bit_for_bit_at_every_level() {
+    let _held = forced::HELD.lock().unwrap_or_else(|e| e.into_inner());
+    let mut rng = Rng::new(0xD1);
+    for p in shapes() {
+        p.validate().unwrap();
+        // FP32 operands (not widened FP16, whose products are exact in FP32): a product
+        // rounded apart from its sum, or a sum in another order, changes bits.
+        let x = rng.floats(p.x_elems(), -2.0, 2.0);
+        let w = rng.floats(p.w_elems(), -2.0, 2.0);
+        let dy = rng.floats(p.y_elems(), -2.0, 2.0);
+        let run = |level| {
+            forced::set(Some(level));
+            let out = (
+                fprop_acc(&p, &x, &w).unwrap(),
+                dgrad_all_taps(&p, &dy, &w).unwrap(),
+                wgrad_acc(&p, &x, &dy).unwrap(),
+            );
+            forced::set(None);
+            out
+        };
+        let want = run(Level::None);
+        for level in [Level::Avx2, Level::Avx512] {
+            let got = run(level);
+            assert_eq!(bits(&got.0), bits(&want.0), "fprop {level:?} {p:?}");
+            assert_eq!(bits(&got.1), bits(&want.1), "dgrad {level:?} {p:?}");
+            assert_eq!(bits(&got.2), bits(&want.2), "wgrad {level:?} {p:?}");
+        }
+    }
+}
