@@ -27,7 +27,9 @@ pub(crate) enum Level {
 pub(crate) fn level() -> Level {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx2")
+        {
             return Level::Avx512;
         }
         if std::arch::is_x86_feature_detected!("f16c") && std::arch::is_x86_feature_detected!("avx")
@@ -81,8 +83,11 @@ pub(crate) fn widen_with(level: Level, src: &[f16], dst: &mut [f32]) {
     let (src, dst) = (&src[..n], &mut dst[..n]);
     #[cfg(target_arch = "x86_64")]
     match level {
-        Level::Avx512 if std::arch::is_x86_feature_detected!("avx512f") => {
-            // SAFETY: the CPU has AVX-512F (checked just above).
+        Level::Avx512
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx2") =>
+        {
+            // SAFETY: the CPU has AVX-512F and AVX2 (checked just above).
             unsafe { x86::widen_avx512(src, dst) };
             return;
         }
@@ -106,8 +111,11 @@ pub(crate) fn narrow_with(level: Level, src: &[f32], dst: &mut [f16]) {
     let (src, dst) = (&src[..n], &mut dst[..n]);
     #[cfg(target_arch = "x86_64")]
     match level {
-        Level::Avx512 if std::arch::is_x86_feature_detected!("avx512f") => {
-            // SAFETY: the CPU has AVX-512F (checked just above).
+        Level::Avx512
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx2") =>
+        {
+            // SAFETY: the CPU has AVX-512F and AVX2 (checked just above).
             unsafe { x86::narrow_avx512(src, dst) };
             return;
         }
@@ -135,19 +143,24 @@ mod x86 {
     /// floating-point exceptions, so none traps).
     const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT;
 
+    // Loads and stores below go through the masked intrinsics with an all-ones mask, which
+    // compile to plain unaligned moves: the unmasked ones go through `ptr::read_unaligned` /
+    // `write_unaligned`, whose precondition checks this workspace's release builds keep (and
+    // which then bounce every vector through the stack).
+
     /// # Safety
-    /// The CPU must have AVX-512F; `src` and `dst` have the same length.
-    #[target_feature(enable = "avx512f")]
+    /// The CPU must have AVX-512F and AVX2; `src` and `dst` have the same length.
+    #[target_feature(enable = "avx512f,avx2")]
     pub(super) unsafe fn widen_avx512(src: &[f16], dst: &mut [f32]) {
         debug_assert_eq!(src.len(), dst.len());
         let mut s = src.chunks_exact(16);
         let mut d = dst.chunks_exact_mut(16);
         for (s, d) in (&mut s).zip(&mut d) {
             // SAFETY: `s` holds 16 f16 (32 bytes, unaligned load) and `d` 16 f32 (64 bytes,
-            // unaligned store); AVX-512F is enabled on this function.
+            // unaligned store); AVX-512F and AVX2 are enabled on this function.
             unsafe {
-                let h = _mm256_loadu_si256(s.as_ptr().cast());
-                _mm512_storeu_ps(d.as_mut_ptr(), _mm512_cvtph_ps(h));
+                let h = _mm256_maskload_epi32(s.as_ptr().cast(), _mm256_set1_epi32(-1));
+                _mm512_mask_storeu_ps(d.as_mut_ptr(), !0, _mm512_cvtph_ps(h));
             }
         }
         // Fewer than 16 left: the portable path (exact either way).
@@ -155,18 +168,19 @@ mod x86 {
     }
 
     /// # Safety
-    /// The CPU must have AVX-512F; `src` and `dst` have the same length.
-    #[target_feature(enable = "avx512f")]
+    /// The CPU must have AVX-512F and AVX2; `src` and `dst` have the same length.
+    #[target_feature(enable = "avx512f,avx2")]
     pub(super) unsafe fn narrow_avx512(src: &[f32], dst: &mut [f16]) {
         debug_assert_eq!(src.len(), dst.len());
         let mut s = src.chunks_exact(16);
         let mut d = dst.chunks_exact_mut(16);
         for (s, d) in (&mut s).zip(&mut d) {
             // SAFETY: `s` holds 16 f32 (64 bytes, unaligned load) and `d` 16 f16 (32 bytes,
-            // unaligned store); AVX-512F is enabled on this function.
+            // unaligned store); AVX-512F and AVX2 are enabled on this function.
             unsafe {
-                let v = _mm512_loadu_ps(s.as_ptr());
-                _mm256_storeu_si256(d.as_mut_ptr().cast(), _mm512_cvtps_ph::<NEAREST>(v));
+                let v = _mm512_maskz_loadu_ps(!0, s.as_ptr());
+                let h = _mm512_cvtps_ph::<NEAREST>(v);
+                _mm256_maskstore_epi32(d.as_mut_ptr().cast(), _mm256_set1_epi32(-1), h);
             }
         }
         d.into_remainder().convert_from_f32_slice(s.remainder());
@@ -183,8 +197,8 @@ mod x86 {
             // SAFETY: `s` holds 8 f16 (16 bytes, unaligned load) and `d` 8 f32 (32 bytes,
             // unaligned store); F16C and AVX are enabled on this function.
             unsafe {
-                let h = _mm_loadu_si128(s.as_ptr().cast());
-                _mm256_storeu_ps(d.as_mut_ptr(), _mm256_cvtph_ps(h));
+                let h = _mm_castps_si128(_mm_maskload_ps(s.as_ptr().cast(), _mm_set1_epi32(-1)));
+                _mm256_maskstore_ps(d.as_mut_ptr(), _mm256_set1_epi32(-1), _mm256_cvtph_ps(h));
             }
         }
         s.remainder().convert_to_f32_slice(d.into_remainder());
@@ -201,8 +215,9 @@ mod x86 {
             // SAFETY: `s` holds 8 f32 (32 bytes, unaligned load) and `d` 8 f16 (16 bytes,
             // unaligned store); F16C and AVX are enabled on this function.
             unsafe {
-                let v = _mm256_loadu_ps(s.as_ptr());
-                _mm_storeu_si128(d.as_mut_ptr().cast(), _mm256_cvtps_ph::<NEAREST>(v));
+                let v = _mm256_maskload_ps(s.as_ptr(), _mm256_set1_epi32(-1));
+                let h = _mm_castsi128_ps(_mm256_cvtps_ph::<NEAREST>(v));
+                _mm_maskstore_ps(d.as_mut_ptr().cast(), _mm_set1_epi32(-1), h);
             }
         }
         d.into_remainder().convert_from_f32_slice(s.remainder());
