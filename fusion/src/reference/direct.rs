@@ -196,7 +196,7 @@ mod x86 {
         /// # Safety
         /// The CPU has the vector's instruction set.
         unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
-        /// `*p = self`, or `*p = *p + self` where `add`.
+        /// `*p = self`, or `*p = *p + self` where `add` (masked moves, as in `load`).
         ///
         /// # Safety
         /// `p` is valid for `N` reads and writes; the CPU has the vector's instruction set.
@@ -232,12 +232,13 @@ mod x86 {
         unsafe fn put(self, p: *mut f32, add: bool) {
             // SAFETY: the caller's contract.
             unsafe {
+                let all = _mm256_set1_epi32(-1);
                 let v = if add {
-                    _mm256_add_ps(_mm256_loadu_ps(p), self)
+                    _mm256_add_ps(_mm256_maskload_ps(p, all), self)
                 } else {
                     self
                 };
-                _mm256_storeu_ps(p, v);
+                _mm256_maskstore_ps(p, all, v);
             }
         }
     }
@@ -269,11 +270,11 @@ mod x86 {
             // SAFETY: the caller's contract.
             unsafe {
                 let v = if add {
-                    _mm512_add_ps(_mm512_loadu_ps(p), self)
+                    _mm512_add_ps(_mm512_maskz_loadu_ps(!0, p), self)
                 } else {
                     self
                 };
-                _mm512_storeu_ps(p, v);
+                _mm512_mask_storeu_ps(p, !0, v);
             }
         }
     }
