@@ -3,7 +3,7 @@
 //!
 //! Each conv op multiplies a column matrix `col` (every row a pixel, every column `d` one
 //! channel of one filter tap) with a dense matrix. Through the padded layout of
-//! `conv.rs`, element `(row, d)` of `col` is `src[base(row) + eoff(d)]`: a row's base pixel
+//! `conv/gather.rs`, element `(row, d)` of `col` is `src[base(row) + eoff(d)]`: a row's base pixel
 //! plus a fixed offset per column. So a tile's product can read `src` where the gather would
 //! have copied it from:
 //!
@@ -21,7 +21,7 @@
 //! AVX2 and AVX-512 give the same bits. The crate takes other paths, with other arithmetic,
 //! for some shapes (a reduced dimension over 512 split in cache-sized blocks, tiny products
 //! summed across lanes, vector-vector cases): callers use these tiles only where it takes
-//! the kernel path (`conv.rs`, `Direct`), and the gather and `gemm` otherwise.
+//! the kernel path (`conv/tile.rs`), and the gather and `gemm` otherwise.
 #![allow(unsafe_code)]
 
 /// The instruction set the tiles run with (see [`level`]).

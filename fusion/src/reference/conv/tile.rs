@@ -1,0 +1,91 @@
+//! One tile's product, straight from the padded source where `direct.rs` runs it (the same
+//! bits), else by the gather and the GEMM.
+
+use std::borrow::Cow;
+
+use super::super::element::{Mat, Real};
+use super::super::error::Result;
+use super::gather::Gatherer;
+
+/// A tile's gathered column rows and their bases, kept from tile to tile.
+#[derive(Debug, Default)]
+pub(super) struct Scratch<A> {
+    pub(super) col: Vec<A>,
+    pub(super) bases: Vec<usize>,
+}
+
+/// `tile [n_rows, cout] = col rows first.. · weights [depth, cout]`: straight from the padded
+/// source where `direct.rs` runs the tile (the same bits), else by the gather and the GEMM.
+pub(super) struct TileProduct<'g, 'a, A: Real> {
+    gatherer: &'g Gatherer<'a, A>,
+    depth: usize,
+    weights: Mat<'g, A>,
+    cout: usize,
+    /// Each column's offset from a row's base and `weights` row-major, where the tiles may
+    /// go direct.
+    direct: Option<(Vec<usize>, Cow<'g, [A]>)>,
+}
+
+impl<'g, 'a, A: Real> TileProduct<'g, 'a, A> {
+    pub(super) fn new(
+        gatherer: &'g Gatherer<'a, A>,
+        depth: usize,
+        weights: Mat<'g, A>,
+        cout: usize,
+    ) -> Self {
+        // The `gemm` crate's kernel path for this product (direct.rs): a reduced dimension of
+        // 3..=512 (no blocks, no vector-vector case) and at least two output channels.
+        let direct = (A::DIRECT && (3..=512).contains(&depth) && cout >= 2)
+            .then(|| gatherer.column_offsets())
+            .flatten()
+            .filter(|eoff| eoff.len() == depth)
+            .map(|eoff| (eoff, dense(weights, depth, cout)));
+        TileProduct {
+            gatherer,
+            depth,
+            weights,
+            cout,
+            direct,
+        }
+    }
+
+    pub(super) fn tile(
+        &self,
+        first: usize,
+        n_rows: usize,
+        s: &mut Scratch<A>,
+        out: &mut [A],
+    ) -> Result<()> {
+        // Tiles the crate would sum across lanes (m·n ≤ 256) or treat as a vector go its way.
+        if let (Some((eoff, w)), Gatherer::Padded(g)) = (&self.direct, self.gatherer) {
+            if n_rows >= 2 && n_rows * self.cout > 256 {
+                g.bases(first, n_rows, &mut s.bases);
+                if A::direct(&g.src[..], &s.bases, eoff, w, self.cout, out, false) {
+                    return Ok(());
+                }
+            }
+        }
+        self.gatherer.gather(first, n_rows, &mut s.col);
+        A::gemm(
+            n_rows,
+            self.depth,
+            self.cout,
+            Mat::row_major(&s.col, self.depth),
+            self.weights,
+            A::ZERO,
+            out,
+        )
+    }
+}
+
+/// `m` (`rows x cols`) as a row-major slice: borrowed where it already is one.
+fn dense<'m, A: Real>(m: Mat<'m, A>, rows: usize, cols: usize) -> Cow<'m, [A]> {
+    if m.col_stride == 1 && m.row_stride == cols && m.data.len() >= rows * cols {
+        return Cow::Borrowed(&m.data[..rows * cols]);
+    }
+    let mut out = Vec::with_capacity(rows * cols);
+    for i in 0..rows {
+        out.extend((0..cols).map(|j| m.data[i * m.row_stride + j * m.col_stride]));
+    }
+    Cow::Owned(out)
+}
