@@ -337,9 +337,16 @@ EOF
   # (RUST_BACKTRACE=1) still names functions: 44 MB instead of 33 MB uncompressed, both
   # under 7 MB in the archive.
   strip --strip-debug "$stage_dir"/gpu-bundle/*
+  # The CPU executor's bits on this machine (the weights hash of a short CPU run), for the
+  # run half's cpu_bits stage to compare on the GPU machine's CPU: the same bits on every CPU
+  # with FMA (fusion/src/reference/direct.rs), whatever its vector width.
+  cpu_hash=$(target/release/examples/train_cbr --device cpu --steps 20 |
+    sed -n 's/.*weights hash \([0-9a-f]*\).*/\1/p')
+  [ -n "$cpu_hash" ] || { echo "gpu-check bundle: the CPU run printed no weights hash" >&2; exit 1; }
   {
     echo "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)')"
     echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m)"
+    echo "cpu_bits $cpu_hash $(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2- | xargs)"
     (cd "$stage_dir/gpu-bundle" && ls -1 | grep -v '^MANIFEST$' | sed 's/^/binary /')
   } >"$stage_dir/gpu-bundle/MANIFEST"
   tar -C "$stage_dir" -cf - gpu-bundle | xz -T0 -6 >"$archive.tmp"
@@ -494,6 +501,11 @@ run)
   # widest this CPU has.
   stage torch_cpu 15 60 env PYTHONUNBUFFERED=1 "$py" benches/torch_cpu.py --threads 2 \
     --bin "$bin/example-train_cbr"
+  # 10. The same bits on this CPU as on the machine that built the bundle (MANIFEST's cpu_bits).
+  want_bits=$(sed -n 's/^cpu_bits \([0-9a-f]*\).*/\1/p' "$bin/MANIFEST")
+  stage cpu_bits 3 30 sh -c 'got=$("$1" --device cpu --steps 20 | sed -n "s/.*weights hash \([0-9a-f]*\).*/\1/p")
+    echo "CPU executor weights hash here $got, on the bundle machine ${2:-(none recorded)}"
+    [ -n "$got" ] && [ "$got" = "$2" ]' cpu_bits "$bin/example-train_cbr" "$want_bits"
   rerun_failed
 
   # The summary says what came back; the files are checked against the limits on what comes back.
