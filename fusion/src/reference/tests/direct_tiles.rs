@@ -4,20 +4,16 @@
 //! tiles of at most 256 outputs or two rows), or mix both (tail tiles), with output channels
 //! that leave vector remainders (7 = scalar columns only, 24 = 16 + 8, 40 = 32 + 8).
 
+use super::fast_paths::conv_shapes;
 use super::util::Rng;
 use crate::reference::conv::{dgrad_all_taps, fprop_acc, wgrad_acc};
 use crate::reference::direct::{forced, Level};
 use crate::reference::ConvParams;
 
 fn shapes() -> Vec<ConvParams> {
-    vec![
-        // The mini network's.
-        ConvParams::new(4, 8, 16, 16, 16, 3, 3).with_padding(1, 1),
-        ConvParams::new(2, 16, 16, 16, 32, 3, 3)
-            .with_padding(1, 1)
-            .with_stride(2, 2),
-        ConvParams::new(2, 16, 16, 16, 32, 1, 1).with_stride(2, 2),
-        ConvParams::new(2, 32, 8, 8, 32, 3, 3).with_padding(1, 1),
+    // The fast paths' conv shapes (the mini network's among them), then tails and fallbacks.
+    let mut shapes = conv_shapes();
+    shapes.extend([
         // Remainders: 297 rows (a 41-row tail tile), 7 output channels.
         ConvParams::new(3, 5, 9, 11, 7, 3, 3).with_padding(1, 1),
         ConvParams::new(2, 8, 16, 16, 40, 3, 3).with_padding(1, 1),
@@ -29,11 +25,8 @@ fn shapes() -> Vec<ConvParams> {
         // A 1-deep reduction; 25-row products of at most 256 outputs.
         ConvParams::new(2, 1, 8, 8, 8, 1, 1),
         ConvParams::new(1, 4, 5, 5, 3, 3, 3).with_padding(1, 1),
-        // Dilation and asymmetric padding.
-        ConvParams::new(3, 5, 9, 11, 7, 3, 2)
-            .with_padding(2, 1)
-            .with_dilation(2, 3),
-    ]
+    ]);
+    shapes
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {

@@ -559,7 +559,7 @@ fn channel_sums_and_bn_ops_match_the_per_row_sums_bit_for_bit() {
 
 /// Conv shapes: the mini network's, strides, dilations, padding wider than the filter's reach,
 /// 1×1 and 7×7 filters, and depths past matrixmultiply's 256-deep blocks.
-fn conv_shapes() -> Vec<ConvParams> {
+pub(super) fn conv_shapes() -> Vec<ConvParams> {
     vec![
         ConvParams::new(4, 8, 16, 16, 16, 3, 3).with_padding(1, 1),
         ConvParams::new(2, 16, 16, 16, 32, 3, 3)
