@@ -25,9 +25,15 @@ pub(crate) enum Level {
 
 /// The widest conversion this CPU runs (feature detection is cached by the standard library).
 pub(crate) fn level() -> Level {
+    let cap = super::simd::cap();
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f")
+        use super::simd::CpuSimd;
+        if cap == CpuSimd::Portable {
+            return Level::Portable;
+        }
+        if cap >= CpuSimd::Avx512
+            && std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx2")
         {
             return Level::Avx512;
@@ -37,6 +43,7 @@ pub(crate) fn level() -> Level {
             return Level::F16c;
         }
     }
+    let _ = cap;
     Level::Portable
 }
 

@@ -41,17 +41,21 @@ pub(crate) fn level() -> Level {
     if let Some(level) = forced::get() {
         return level;
     }
+    let cap = super::simd::cap();
     #[cfg(target_arch = "x86_64")]
     {
-        let avx2 = std::arch::is_x86_feature_detected!("avx2")
+        use super::simd::CpuSimd;
+        let avx2 = cap >= CpuSimd::Avx2
+            && std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma");
-        if avx2 && std::arch::is_x86_feature_detected!("avx512f") {
+        if avx2 && cap >= CpuSimd::Avx512 && std::arch::is_x86_feature_detected!("avx512f") {
             return Level::Avx512;
         }
         if avx2 {
             return Level::Avx2;
         }
     }
+    let _ = cap;
     Level::None
 }
 

@@ -95,6 +95,16 @@ pub enum ReferenceError {
         /// What went wrong there.
         inner: Box<ReferenceError>,
     },
+    /// An environment variable the CPU executor reads holds a value it does not accept.
+    #[error("{var}={value:?} is not accepted: expected {expected}")]
+    Env {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// The values accepted.
+        expected: &'static str,
+    },
     /// A broken internal invariant (a bug in this module, never a property of the input).
     #[error("internal error in the CPU reference executor: {what}")]
     Internal {

@@ -70,6 +70,7 @@ pub mod fused;
 pub(crate) mod parallel;
 pub mod params;
 pub mod pointwise;
+mod simd;
 
 #[cfg(test)]
 mod tests;
@@ -94,3 +95,4 @@ pub use pointwise::{
     add, add_into, bn_apply, bn_apply_into, dbn_apply, dbn_apply_into, relu_bwd, relu_bwd_into,
     relu_fwd, Activation, Residual,
 };
+pub use simd::{cpu_simd_from_env, CpuSimd, CPU_SIMD_ENV};
