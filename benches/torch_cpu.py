@@ -12,8 +12,12 @@ steps are not timed. Ours generates its synthetic batches inside its loop and re
 per second over all its steps (its own summary line). Without PyTorch it prints one SKIP line
 and exits 0; without the train_cbr binary it says how to build it and exits 0.
 
+`--simd avx2` runs both sides as on a CPU without AVX-512: PyTorch with
+`ATEN_CPU_CAPABILITY=avx2` and `ONEDNN_MAX_CPU_ISA=AVX2` (its own kernels and oneDNN's
+convolutions), ours with `CUDNN_CBR_CPU_SIMD=avx2` (the same bits, AVX2 lanes).
+
     python3 benches/torch_cpu.py [--steps 200] [--threads 2] [--batch 32] [--hw 16]
-        [--width 16] [--bin target/release/examples/train_cbr]
+        [--width 16] [--simd avx512|avx2] [--bin target/release/examples/train_cbr]
 """
 import argparse
 import os
@@ -88,6 +92,8 @@ def run_ours(args):
     cmd = [args.bin, "--device", "cpu", "--steps", str(args.steps), "--batch", str(args.batch),
            "--hw", str(args.hw), "--width", str(args.width), "--lr", str(args.lr)]
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
+    if args.simd:
+        env["CUDNN_CBR_CPU_SIMD"] = args.simd
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"torch_cpu: {' '.join(cmd)} failed ({out.returncode}):\n{out.stderr}")
@@ -109,7 +115,14 @@ def main():
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--bin", default=DEFAULT_BIN, help="our train_cbr example binary")
+    ap.add_argument("--simd", choices=["avx512", "avx2"],
+                    help="cap both sides' SIMD (default: the widest this CPU has)")
     args = ap.parse_args()
+    if args.simd:
+        # Read by PyTorch when it is imported, so set before the import below.
+        os.environ["ATEN_CPU_CAPABILITY"] = "avx512" if args.simd == "avx512" else "avx2"
+        if args.simd == "avx2":
+            os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
     try:
         import torch
     except ImportError as e:
@@ -122,7 +135,7 @@ def main():
         return 0
     print(f"torch {torch.__version__}; mini net width {args.width}, {args.hw}x{args.hw}x"
           f"{CHANNELS} inputs, {CLASSES} classes, batch {args.batch}, {args.steps} steps, "
-          f"{args.threads} threads")
+          f"{args.threads} threads; CPU capability {torch.backends.cpu.get_cpu_capability()}")
     theirs = run_torch(torch, args)
     ours = run_ours(args)
     print(f"{'executor':<44} {'img/s':>8}")
