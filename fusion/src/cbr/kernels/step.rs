@@ -4,7 +4,7 @@
 use super::launch::{enqueue, KernelArg, Launch};
 use super::{kernel_error, module::Loaded, OwnKernel, Size};
 use crate::cbr::device_buffers::{DeviceBuffer, Resolved, Side};
-use crate::cbr::layer::{LayerGraph, Src};
+use crate::cbr::layer::{CbrConfig, LayerGraph, RouteKind, Src};
 use crate::error::{Error, Result};
 use crate::exec::{Handle, Scalar};
 use crate::graph::{DataType, Node, TensorId};
@@ -36,7 +36,28 @@ impl KernelStep {
     /// it was written for, else `None` (cuDNN plans it). `arch` is what the kernels are
     /// compiled for ([`prepare`]).
     pub fn for_graph(lg: &LayerGraph, arch: &'static str) -> Option<Self> {
-        let kernel = OwnKernel::for_graph(&lg.graph)?;
+        Self::with_kernel(lg, OwnKernel::for_graph(&lg.graph)?, arch)
+    }
+
+    /// The step for `lg`, a graph of layer `config` on route `kind`, where its role's entry in
+    /// the per-role table names the own kernel its graph is written for (and the graph is
+    /// that kernel's: [`OwnKernel::for_graph`]), prepared as [`KernelStep::for_graph`]
+    /// prepares it; else `None` (cuDNN plans it).
+    pub(crate) fn for_role(
+        lg: &LayerGraph,
+        config: &CbrConfig,
+        kind: RouteKind,
+        arch: &'static str,
+    ) -> Option<Self> {
+        let kernel = (lg.role.def().kernel)(config, kind)?;
+        if OwnKernel::for_graph(&lg.graph)? != kernel {
+            return None;
+        }
+        Self::with_kernel(lg, kernel, arch)
+    }
+
+    /// [`KernelStep::for_graph`] with the kernel chosen.
+    fn with_kernel(lg: &LayerGraph, kernel: OwnKernel, arch: &'static str) -> Option<Self> {
         let g = &lg.graph;
         let src_of = |t: TensorId| lg.bindings.iter().find(|(b, _)| *b == t).map(|(_, s)| *s);
         let elems_of = |t: TensorId| {
