@@ -1,4 +1,5 @@
-//! A CBR layer: its configuration, the graphs of each route, and the plans built for a target.
+//! A CBR layer: its configuration, the graphs of each route ([`route_graphs`], each role's
+//! graphs built in its family module under `cbr::role`), and the plans built for a target.
 //!
 //! Layer *i* owns conv *i* and the BN that follows it (statistics, finalize, optional apply).
 //! When its input comes through the previous layer's BN ([`InputKind::ThroughBn`]), the fused
@@ -25,6 +26,7 @@
 use super::graphs::{ApplyResidual, BackwardResidual};
 use super::kernels::{self, KernelStep, Pointwise};
 use super::keys;
+pub use super::role::route_graphs;
 use super::ConvShape;
 use crate::autotune::PlanOptions;
 use crate::cache::PlanCache;
@@ -34,6 +36,7 @@ use crate::graph::{DataType, Graph, TensorId};
 use crate::plan::ExecutionPlan;
 use crate::target::Target;
 use std::sync::Arc;
+use Src::{Prev, This};
 
 /// Where a layer's input comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -338,9 +341,6 @@ pub struct LayerGraph {
     /// Real tensor → buffer.
     pub bindings: Vec<(TensorId, Src)>,
 }
-
-pub use super::role::route_graphs;
-use Src::{Prev, This};
 
 /// One buffer a layer reads or writes; the caller (or amp's memory plan) allocates it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -45,6 +45,8 @@ impl KernelArg {
 /// step's buffers and scalars, then `n: u64`, `c: unsigned`, `vec: int`), and the grid's
 /// inputs. Built without a device ([`KernelStep::launch_with`], [`dbn_coefficients_launch`]),
 /// checked against the compiled kernel's parameters ([`Launch::check`]) before it is pushed.
+///
+/// [`KernelStep::launch_with`]: super::KernelStep::launch_with
 #[derive(Debug, Clone, PartialEq)]
 pub struct Launch {
     kernel: OwnKernel,

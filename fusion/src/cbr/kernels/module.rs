@@ -23,7 +23,7 @@ pub struct Compiled {
     /// The machine code.
     pub cubin: Vec<u8>,
     /// Each entry's parameters in order, from the PTX of the same compilation: what a launch
-    /// must pass ([`Launch::check`]).
+    /// must pass ([`Launch::check`](super::Launch::check)).
     pub params: HashMap<String, Vec<PtxParam>>,
     /// Whether it came from the disk cache.
     pub outcome: CacheOutcome,

@@ -34,7 +34,7 @@ pub struct KernelStep {
 impl KernelStep {
     /// The step for `lg` when one of our kernels computes its graph with the element types
     /// it was written for, else `None` (cuDNN plans it). `arch` is what the kernels are
-    /// compiled for ([`prepare`]).
+    /// compiled for ([`prepare`](super::prepare)).
     pub fn for_graph(lg: &LayerGraph, arch: &'static str) -> Option<Self> {
         Self::with_kernel(lg, OwnKernel::for_graph(&lg.graph)?, arch)
     }

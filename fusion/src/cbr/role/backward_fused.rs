@@ -8,6 +8,7 @@ use super::common::{input_stamp, lg, prologue_input, Cx};
 use super::{no_kernel, RoleDef};
 use crate::cbr::bn_sync::{BnSide, SyncAction};
 use crate::cbr::graphs::{self, BackwardResidual};
+use crate::cbr::kernels::OwnKernel;
 use crate::cbr::keys as k;
 use crate::cbr::layer::{CbrConfig, GraphRole, LayerGraph, RouteKind, Src};
 use crate::cbr::run::LayerIo;
@@ -48,7 +49,7 @@ pub(super) const DBN_APPLY: RoleDef = RoleDef {
     backward: true,
     sync: SyncAction::Local,
     accumulates: &[],
-    kernel: |_, _| Some(crate::cbr::kernels::OwnKernel::DbnApply),
+    kernel: |_, _| Some(OwnKernel::DbnApply),
 };
 
 /// The fused route's backward through the previous BN: dgrad + dReLU + dBN weights → wgrad

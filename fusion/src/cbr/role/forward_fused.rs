@@ -7,6 +7,7 @@ use super::forward_unfused::conv_graph;
 use super::{no_kernel, RoleDef};
 use crate::cbr::bn_sync::SyncAction;
 use crate::cbr::graphs;
+use crate::cbr::kernels::OwnKernel;
 use crate::cbr::keys as k;
 use crate::cbr::layer::{CbrConfig, GraphRole, InputKind, LayerGraph, RouteKind, Src};
 use crate::cbr::run::LayerIo;
@@ -27,7 +28,7 @@ pub(super) const STATS: RoleDef = RoleDef {
     backward: false,
     sync: SyncAction::ReduceStats,
     accumulates: &[k::SUM.name(), k::SQ_SUM.name()],
-    kernel: |_, _| Some(crate::cbr::kernels::OwnKernel::ChannelStats),
+    kernel: |_, _| Some(OwnKernel::ChannelStats),
 };
 
 /// BN finalize: divides by the global element count under synchronized BN.

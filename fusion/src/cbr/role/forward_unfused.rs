@@ -8,6 +8,7 @@ use super::forward_fused::eval_finalized;
 use super::{no_kernel, RoleDef};
 use crate::cbr::bn_sync::{BnSync, SyncAction};
 use crate::cbr::graphs::{self, ApplyResidual};
+use crate::cbr::kernels::OwnKernel;
 use crate::cbr::keys as k;
 use crate::cbr::layer::{CbrConfig, GraphRole, InputKind, LayerGraph, RouteKind, Src};
 use crate::cbr::run::LayerIo;
@@ -24,10 +25,7 @@ pub(super) const APPLY_PREV: RoleDef = RoleDef {
     backward: false,
     sync: SyncAction::Local,
     accumulates: &[],
-    kernel: |_, kind| {
-        (kind != RouteKind::Unfused)
-            .then_some(crate::cbr::kernels::OwnKernel::Apply(ApplyResidual::None))
-    },
+    kernel: |_, kind| (kind != RouteKind::Unfused).then_some(OwnKernel::Apply(ApplyResidual::None)),
 };
 
 /// The plain conv.
