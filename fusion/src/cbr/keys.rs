@@ -11,6 +11,7 @@
 //! [`DeviceBuffers::bind`]: super::DeviceBuffers::bind
 //! [`DeviceBuffers::bind_prev`]: super::DeviceBuffers::bind_prev
 
+use super::layer::Src;
 use crate::exec::DeviceElement;
 use crate::graph::DataType;
 use half::f16;
@@ -35,6 +36,16 @@ impl<T> Key<T> {
     /// The buffer's name, as [`BufferSpec::name`](super::BufferSpec::name) spells it.
     pub const fn name(self) -> &'static str {
         self.name
+    }
+
+    /// This layer's buffer of this name, as a graph binding names it ([`Src::This`]).
+    pub const fn this(self) -> Src {
+        Src::This(self.name)
+    }
+
+    /// The previous layer's buffer of this name ([`Src::Prev`]).
+    pub const fn prev(self) -> Src {
+        Src::Prev(self.name)
     }
 }
 

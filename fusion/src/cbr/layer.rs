@@ -1,4 +1,5 @@
-//! A CBR layer: its configuration, the graphs of each route, and the plans built for a target.
+//! A CBR layer: its configuration, the graphs of each route ([`route_graphs`], each role's
+//! graphs built in its family module under `cbr::role`), and the plans built for a target.
 //!
 //! Layer *i* owns conv *i* and the BN that follows it (statistics, finalize, optional apply).
 //! When its input comes through the previous layer's BN ([`InputKind::ThroughBn`]), the fused
@@ -22,8 +23,10 @@
 //! multiple of 8), to the generic route, which uses no BN-specific engine at all;
 //! [`CbrLayer::route`] says which and why.
 
-use super::graphs::{self, ApplyResidual, BackwardResidual};
+use super::graphs::{ApplyResidual, BackwardResidual};
 use super::kernels::{self, KernelStep, Pointwise};
+use super::keys;
+pub use super::role::route_graphs;
 use super::ConvShape;
 use crate::autotune::PlanOptions;
 use crate::cache::PlanCache;
@@ -33,6 +36,7 @@ use crate::graph::{DataType, Graph, TensorId};
 use crate::plan::ExecutionPlan;
 use crate::target::Target;
 use std::sync::Arc;
+use Src::{Prev, This};
 
 /// Where a layer's input comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -311,23 +315,7 @@ pub enum GraphRole {
 impl GraphRole {
     /// Whether the role belongs to the backward pass.
     pub fn is_backward(self) -> bool {
-        matches!(
-            self,
-            GraphRole::DgradDreluDbn
-                | GraphRole::Wgrad
-                | GraphRole::DbnApply
-                | GraphRole::Dgrad
-                | GraphRole::AddBranch
-                | GraphRole::ReluBackward
-                | GraphRole::BnBackward
-                | GraphRole::ApplyReluBackward
-                | GraphRole::ApplyBnBackward
-                | GraphRole::DbnReduce
-                | GraphRole::DbnCoefficients
-                | GraphRole::ApplyDbnReduce
-                | GraphRole::ApplyDbnCoefficients
-                | GraphRole::ApplyDbnApply
-        )
+        self.def().backward
     }
 }
 
@@ -352,501 +340,6 @@ pub struct LayerGraph {
     pub graph: Graph,
     /// Real tensor → buffer.
     pub bindings: Vec<(TensorId, Src)>,
-}
-
-fn lg(role: GraphRole, graph: Graph, bindings: Vec<(TensorId, Src)>) -> LayerGraph {
-    LayerGraph {
-        role,
-        graph,
-        bindings,
-    }
-}
-
-use Src::{Prev, This};
-
-/// The graphs of one route of a layer in execution order (forward, then backward), with the
-/// buffer of every real tensor. Backward order: the apply's backward (when the activation is
-/// materialized) first, since it produces this layer's `dy`. `route` is a [`RouteKind`] (or a
-/// `bool`: `true` = fused, `false` = unfused).
-pub fn route_graphs(config: &CbrConfig, route: impl Into<RouteKind>) -> Vec<LayerGraph> {
-    let kind = route.into();
-    let s = &config.shape;
-    let through_bn = config.input == InputKind::ThroughBn;
-    let mut out = Vec::new();
-    // The unfused and generic routes materialize the previous BN's activation; the conv reads it.
-    let plain_in = if through_bn {
-        This("a_prev")
-    } else {
-        This("x")
-    };
-    if kind != RouteKind::Fused {
-        out.extend(apply_prev(config, kind));
-    }
-    match kind {
-        RouteKind::Fused | RouteKind::Generic => {
-            // The fused route applies the previous BN as the conv's prologue; the generic route
-            // convolves the materialized activation (conv + GenStats without the prologue has a
-            // runtime-compiled engine where ConvBNfprop has none). Both then run BN finalize.
-            let prologue = kind == RouteKind::Fused && through_bn;
-            let conv_in = if prologue { Prev("y") } else { plain_in };
-            if kind == RouteKind::Fused && split_stats(config) {
-                out.extend(conv_then_stats(config, conv_in));
-            } else {
-                let (g, t) = graphs::conv_fprop(s, prologue, true);
-                let mut b = vec![(t.x, conv_in), (t.w, This("w")), (t.y, This("y"))];
-                if let Some((sc, bi)) = t.prologue {
-                    b.extend([(sc, Prev("eq_scale")), (bi, Prev("eq_bias"))]);
-                }
-                if let Some((sum, sq)) = t.stats {
-                    b.extend([(sum, This("sum")), (sq, This("sq_sum"))]);
-                }
-                out.push(lg(GraphRole::ConvStats, g, b));
-            }
-            out.push(finalize(config));
-        }
-        RouteKind::Unfused => {
-            let (g, t) = graphs::conv_fprop(s, false, false);
-            out.push(lg(
-                GraphRole::Conv,
-                g,
-                vec![(t.x, plain_in), (t.w, This("w")), (t.y, This("y"))],
-            ));
-            out.push(unfused_bn_forward(config));
-        }
-    }
-    // The unfused route's BN forward already stored the activation; the others apply the BN
-    // from its eq coefficients.
-    if let Some(residual) = config.apply.filter(|_| kind != RouteKind::Unfused) {
-        let (g, t) = graphs::apply(s.y_dims(), DataType::Half, residual);
-        let mut b = vec![
-            (t.y, This("y")),
-            (t.scale, This("eq_scale")),
-            (t.bias, This("eq_bias")),
-            (t.a, This("a")),
-        ];
-        b.extend(residual_bindings(t.residual, t.residual_scale_bias));
-        out.push(lg(GraphRole::Apply, g, b));
-    }
-    if config.apply.is_some() {
-        // The activation's backward: dA → dpre (through the ReLU, using the stored activation
-        // as the mask), then dpre → dY, dγ, dβ through the BN backward.
-        let (g, [dy, x, dx]) = graphs::relu_backward(s.y_dims());
-        out.push(lg(
-            GraphRole::ApplyReluBackward,
-            g,
-            vec![(dy, This("da")), (x, This("a")), (dx, This("dpre"))],
-        ));
-    }
-    if config.apply.is_some() || config.shortcut_bn {
-        // A shortcut BN's `dpre` is the block output's: the same ReLU backward fed both BNs.
-        out.extend(bn_backward(
-            kind,
-            s.y_dims(),
-            GraphRole::ApplyBnBackward,
-            [
-                GraphRole::ApplyDbnReduce,
-                GraphRole::ApplyDbnCoefficients,
-                GraphRole::ApplyDbnApply,
-            ],
-            &BnBackwardNames {
-                dz: This("dpre"),
-                y: This("y"),
-                mean: This("saved_mean"),
-                inv_std: This("saved_inv_std"),
-                gamma: This("gamma"),
-                dgamma: This("dgamma"),
-                dbeta: This("dbeta"),
-                abc: [
-                    This("apply_dbn_a"),
-                    This("apply_dbn_b"),
-                    This("apply_dbn_c"),
-                ],
-                dy: This("dy"),
-            },
-        ));
-    }
-    match (kind, through_bn) {
-        (RouteKind::Fused, true) => {
-            let (g, t) = graphs::dgrad_drelu_dbn(s, config.backward_residual);
-            let mut b = vec![
-                (t.dy, This("dy")),
-                (t.w, This("w")),
-                (t.y_prev, Prev("y")),
-                (t.mean, Prev("saved_mean")),
-                (t.inv_std, Prev("saved_inv_std")),
-                (t.gamma, Prev("gamma")),
-                (t.beta, Prev("beta")),
-                (t.dz, This("dz_prev")),
-                (t.dbn.dscale, Prev("dgamma")),
-                (t.dbn.dbias, Prev("dbeta")),
-                (t.dbn.eq_dy_scale, This("dbn_a")),
-                (t.dbn.eq_x_scale, This("dbn_b")),
-                (t.dbn.eq_bias, This("dbn_c")),
-            ];
-            b.extend(t.residual.map(|r| (r, This("dy_branch"))));
-            out.push(lg(GraphRole::DgradDreluDbn, g, b));
-            let (g, t) = graphs::wgrad(s, true);
-            let (sc, bi) = t.prologue.expect("wgrad built with the prologue");
-            out.push(lg(
-                GraphRole::Wgrad,
-                g,
-                vec![
-                    (t.x, Prev("y")),
-                    (sc, Prev("eq_scale")),
-                    (bi, Prev("eq_bias")),
-                    (t.dy, This("dy")),
-                    (t.dw, This("dw")),
-                ],
-            ));
-            let (g, t) = graphs::dbn_apply(s.x_dims());
-            out.push(lg(
-                GraphRole::DbnApply,
-                g,
-                vec![
-                    (t.dz, This("dz_prev")),
-                    (t.y_prev, Prev("y")),
-                    (t.abc[0], This("dbn_a")),
-                    (t.abc[1], This("dbn_b")),
-                    (t.abc[2], This("dbn_c")),
-                    (t.dy_prev, Prev("dy")),
-                ],
-            ));
-        }
-        (_, false) => {
-            let (g, t) = graphs::wgrad(s, false);
-            out.push(lg(
-                GraphRole::Wgrad,
-                g,
-                vec![(t.x, This("x")), (t.dy, This("dy")), (t.dw, This("dw"))],
-            ));
-            if config.input_grad {
-                let (g, [dy, w, dx]) = graphs::conv_dgrad(s);
-                out.push(lg(
-                    GraphRole::Dgrad,
-                    g,
-                    vec![(dy, This("dy")), (w, This("w")), (dx, This("dx"))],
-                ));
-            }
-        }
-        (RouteKind::Unfused | RouteKind::Generic, true) => {
-            out.extend(materialized_backward(config));
-            out.extend(bn_backward(
-                kind,
-                s.x_dims(),
-                GraphRole::BnBackward,
-                [
-                    GraphRole::DbnReduce,
-                    GraphRole::DbnCoefficients,
-                    GraphRole::DbnApply,
-                ],
-                &BnBackwardNames {
-                    dz: This("dz_prev"),
-                    y: Prev("y"),
-                    mean: Prev("saved_mean"),
-                    inv_std: Prev("saved_inv_std"),
-                    gamma: Prev("gamma"),
-                    dgamma: Prev("dgamma"),
-                    dbeta: Prev("dbeta"),
-                    abc: [This("dbn_a"), This("dbn_b"), This("dbn_c")],
-                    dy: Prev("dy"),
-                },
-            ));
-        }
-    }
-    out
-}
-
-/// Whether the fused route computes a first conv's statistics in a step of their own: cuDNN
-/// 9.28 on sm_90 has only a runtime-compiled engine (about 2 s of NVRTC per shape) for conv +
-/// GenStats when the input channel count is not a multiple of 8 (a stem's 3), while the plain
-/// conv has precompiled ones and the statistics are one reduction over the stored output.
-fn split_stats(config: &CbrConfig) -> bool {
-    config.input == InputKind::Raw && config.shape.c % 8 != 0
-}
-
-/// A plain conv storing `y`, then its per-channel statistics from `y`.
-fn conv_then_stats(config: &CbrConfig, conv_in: Src) -> [LayerGraph; 2] {
-    let s = &config.shape;
-    let (g, t) = graphs::conv_fprop(s, false, false);
-    let conv = lg(
-        GraphRole::Conv,
-        g,
-        vec![(t.x, conv_in), (t.w, This("w")), (t.y, This("y"))],
-    );
-    let (g, [y, sum, sq_sum]) = graphs::channel_stats(s.y_dims());
-    let stats = lg(
-        GraphRole::Stats,
-        g,
-        vec![(y, This("y")), (sum, This("sum")), (sq_sum, This("sq_sum"))],
-    );
-    [conv, stats]
-}
-
-/// BN finalize with the layer's buffers (fused and generic routes).
-fn finalize(config: &CbrConfig) -> LayerGraph {
-    let s = &config.shape;
-    let (g, i, o) = graphs::bn_finalize(s.k);
-    lg(
-        GraphRole::Finalize,
-        g,
-        vec![
-            (i.sum, This("sum")),
-            (i.sq_sum, This("sq_sum")),
-            (i.scale, This("gamma")),
-            (i.bias, This("beta")),
-            // The updated running statistics get their own buffers (`*_next`, copied back
-            // after the forward pass): cuDNN documents no in-place form.
-            (i.prev_running_mean, This("running_mean")),
-            (i.prev_running_var, This("running_var")),
-            (i.epsilon, Src::Scalar(Scalar::F64(config.epsilon))),
-            (i.momentum, Src::Scalar(Scalar::F64(config.momentum))),
-            (i.accum_count, Src::Scalar(Scalar::I64(s.count()))),
-            (o.eq_scale, This("eq_scale")),
-            (o.eq_bias, This("eq_bias")),
-            (o.saved_mean, This("saved_mean")),
-            (o.saved_inv_std, This("saved_inv_std")),
-            (o.updated_running_mean, This("running_mean_next")),
-            (o.updated_running_var, This("running_var_next")),
-        ],
-    )
-}
-
-/// Unfused and generic routes, input through the previous BN: the previous BN's activation
-/// materialized as `a_prev`: the ReLU of its stored BN output `y_bn` on the unfused route (what
-/// an unfused framework runs), its apply from the eq coefficients on the generic route.
-fn apply_prev(config: &CbrConfig, kind: RouteKind) -> Option<LayerGraph> {
-    if config.input != InputKind::ThroughBn {
-        return None;
-    }
-    if kind == RouteKind::Unfused {
-        let (g, [x, a]) = graphs::relu_forward(config.shape.x_dims());
-        return Some(lg(
-            GraphRole::ApplyPrev,
-            g,
-            vec![(x, Prev("y_bn")), (a, This("a_prev"))],
-        ));
-    }
-    let (g, t) = graphs::apply(config.shape.x_dims(), DataType::Half, ApplyResidual::None);
-    Some(lg(
-        GraphRole::ApplyPrev,
-        g,
-        vec![
-            (t.y, Prev("y")),
-            (t.scale, Prev("eq_scale")),
-            (t.bias, Prev("eq_bias")),
-            (t.a, This("a_prev")),
-        ],
-    ))
-}
-
-/// The bindings of an activation's residual tensors (the residual, and its own scale and bias
-/// in the dual form), as both the apply and the unfused BN forward name them.
-fn residual_bindings(
-    residual: Option<TensorId>,
-    scale_bias: Option<(TensorId, TensorId)>,
-) -> Vec<(TensorId, Src)> {
-    let mut b: Vec<_> = residual
-        .map(|r| (r, This("residual")))
-        .into_iter()
-        .collect();
-    if let Some((s2, b2)) = scale_bias {
-        b.extend([(s2, This("residual_scale")), (b2, This("residual_bias"))]);
-    }
-    b
-}
-
-/// The unfused route's BN forward (NormForward, training): with the activation fused in and
-/// stored as `a` when the layer materializes it, else the BN output stored as `y_bn` (read by
-/// the next layer's ReLU, or by a block output's residual add for a shortcut BN).
-fn unfused_bn_forward(config: &CbrConfig) -> LayerGraph {
-    let dims = config.shape.y_dims();
-    let (g, i, o, act) = match config.apply {
-        Some(residual) => {
-            let (g, i, o, t) = graphs::batchnorm_activation(dims, residual);
-            (g, i, o, Some(t))
-        }
-        None => {
-            let (g, i, o) = graphs::batchnorm_forward(dims);
-            (g, i, o, None)
-        }
-    };
-    let mut b = vec![
-        (i.x, This("y")),
-        (i.scale, This("gamma")),
-        (i.bias, This("beta")),
-        (i.epsilon, Src::Scalar(Scalar::F32(config.epsilon as f32))),
-        (i.momentum, Src::Scalar(Scalar::F32(config.momentum as f32))),
-        (o.mean, This("saved_mean")),
-        (o.inv_variance, This("saved_inv_std")),
-    ];
-    b.extend(i.prev_running_mean.map(|t| (t, This("running_mean"))));
-    b.extend(i.prev_running_var.map(|t| (t, This("running_var"))));
-    b.extend(o.next_running_mean.map(|t| (t, This("running_mean_next"))));
-    b.extend(o.next_running_var.map(|t| (t, This("running_var_next"))));
-    match act {
-        Some(t) => {
-            b.push((t.a, This("a")));
-            b.extend(residual_bindings(t.residual, t.residual_scale_bias));
-        }
-        None => b.push((o.y, This("y_bn"))),
-    }
-    lg(GraphRole::BnForward, g, b)
-}
-
-/// Unfused and generic routes, input through the previous BN: wgrad and dgrad on the
-/// materialized `a_prev`, the shortcut gradient join, and the ReLU backward → `dz_prev`.
-fn materialized_backward(config: &CbrConfig) -> Vec<LayerGraph> {
-    let s = &config.shape;
-    let mut out = Vec::new();
-    let (g, t) = graphs::wgrad(s, false);
-    out.push(lg(
-        GraphRole::Wgrad,
-        g,
-        vec![
-            (t.x, This("a_prev")),
-            (t.dy, This("dy")),
-            (t.dw, This("dw")),
-        ],
-    ));
-    let (g, [dy, w, dx]) = graphs::conv_dgrad(s);
-    out.push(lg(
-        GraphRole::Dgrad,
-        g,
-        vec![(dy, This("dy")), (w, This("w")), (dx, This("da_prev"))],
-    ));
-    let mut grad = This("da_prev");
-    if config.backward_residual == BackwardResidual::FuseAdd {
-        let (g, [x, b, y]) = graphs::add(s.x_dims());
-        out.push(lg(
-            GraphRole::AddBranch,
-            g,
-            vec![
-                (x, This("da_prev")),
-                (b, This("dy_branch")),
-                (y, This("da_sum")),
-            ],
-        ));
-        grad = This("da_sum");
-    }
-    let (g, [dy, x, dx]) = graphs::relu_backward(s.x_dims());
-    out.push(lg(
-        GraphRole::ReluBackward,
-        g,
-        vec![(dy, grad), (x, This("a_prev")), (dx, This("dz_prev"))],
-    ));
-    out
-}
-
-/// The buffers a BN backward reads and writes (`abc` only on the generic route).
-struct BnBackwardNames {
-    /// Gradient w.r.t. the BN output.
-    dz: Src,
-    /// The BN input.
-    y: Src,
-    mean: Src,
-    inv_std: Src,
-    gamma: Src,
-    dgamma: Src,
-    dbeta: Src,
-    /// The dBN-apply coefficients A, B, C (fused and generic routes).
-    abc: [Src; 3],
-    /// Gradient w.r.t. the BN input.
-    dy: Src,
-}
-
-/// A BN's backward over `dims` with the buffers `n` names: NormBackward (`norm_role`) on the
-/// unfused route, the reduction chain of [`reduction_bn_backward`] (`generic_roles`) on the
-/// fused and generic routes.
-fn bn_backward(
-    kind: RouteKind,
-    dims: [i64; 4],
-    norm_role: GraphRole,
-    generic_roles: [GraphRole; 3],
-    n: &BnBackwardNames,
-) -> Vec<LayerGraph> {
-    // Only the unfused route (the baseline on cuDNN's BN ops) keeps NormBackward: it is
-    // runtime-compiled per shape (about 1.2 s of NVRTC each), while the reduction form runs on
-    // our kernels, compiled once per architecture.
-    if kind != RouteKind::Unfused {
-        return reduction_bn_backward(dims, generic_roles, n);
-    }
-    let (g, i, o) = graphs::batchnorm_backward(dims);
-    vec![lg(
-        norm_role,
-        g,
-        vec![
-            (i.dy, n.dz),
-            (i.x, n.y),
-            (i.scale, n.gamma),
-            (i.mean, n.mean),
-            (i.inv_variance, n.inv_std),
-            (o.dx, n.dy),
-            (o.dscale, n.dgamma),
-            (o.dbias, n.dbeta),
-        ],
-    )]
-}
-
-/// A BN's backward over `dims` without BN-specific engines (fused and generic routes):
-/// reductions (dγ, dβ) → coefficients A, B, C → dBN apply `dy = A·dz + B·y + C`, with `roles`
-/// for the three graphs.
-fn reduction_bn_backward(
-    dims: [i64; 4],
-    roles: [GraphRole; 3],
-    n: &BnBackwardNames,
-) -> Vec<LayerGraph> {
-    let count = dims[0] * dims[2] * dims[3];
-    let (g, t) = graphs::dbn_reduce(dims);
-    let reduce = lg(
-        roles[0],
-        g,
-        vec![
-            (t.y, n.y),
-            (t.dz, n.dz),
-            (t.mean, n.mean),
-            (t.inv_std, n.inv_std),
-            (t.dgamma, n.dgamma),
-            (t.dbeta, n.dbeta),
-        ],
-    );
-    let (g, t) = graphs::dbn_coefficients(dims[1]);
-    let coefficients = lg(
-        roles[1],
-        g,
-        vec![
-            (t.gamma, n.gamma),
-            (t.inv_std, n.inv_std),
-            (t.mean, n.mean),
-            (t.dgamma, n.dgamma),
-            (t.dbeta, n.dbeta),
-            (
-                t.neg_inv_count,
-                Src::Scalar(Scalar::F32(neg_inv_count(count))),
-            ),
-            (t.a, n.abc[0]),
-            (t.b, n.abc[1]),
-            (t.c, n.abc[2]),
-        ],
-    );
-    let (g, t) = graphs::dbn_apply(dims);
-    let apply = lg(
-        roles[2],
-        g,
-        vec![
-            (t.dz, n.dz),
-            (t.y_prev, n.y),
-            (t.abc[0], n.abc[0]),
-            (t.abc[1], n.abc[1]),
-            (t.abc[2], n.abc[2]),
-            (t.dy_prev, n.dy),
-        ],
-    );
-    vec![reduce, coefficients, apply]
-}
-
-/// `−1/M` rounded to FP32 (the by-value scalar of the dBN-coefficient graph).
-pub(crate) fn neg_inv_count(count: i64) -> f32 {
-    (-1.0 / count as f64) as f32
 }
 
 /// One buffer a layer reads or writes; the caller (or amp's memory plan) allocates it.
@@ -891,8 +384,12 @@ pub fn route_buffers(graphs: &[LayerGraph]) -> (Vec<BufferSpec>, Vec<BufferSpec>
     }
     // The layer's own BN-parameter gradients are written by the next layer's backward (or by
     // the apply's backward); they belong to this layer's table either way.
-    if let Some(k) = this.iter().find(|b| b.name == "gamma").map(|b| b.elems) {
-        for name in ["dgamma", "dbeta"] {
+    if let Some(k) = this
+        .iter()
+        .find(|b| b.name == keys::GAMMA.name())
+        .map(|b| b.elems)
+    {
+        for name in [keys::DGAMMA.name(), keys::DBETA.name()] {
             if !this.iter().any(|b| b.name == name) {
                 this.push(BufferSpec {
                     name,
@@ -1182,7 +679,7 @@ fn build_route(
     let steps = graphs
         .iter()
         .map(|lg| {
-            let kernel = arch.and_then(|a| KernelStep::for_graph(lg, a));
+            let kernel = arch.and_then(|a| KernelStep::for_role(lg, config, kind, a));
             let plan = match kernel {
                 Some(_) => None,
                 None => Some(cache.get_with(&lg.graph, target, options)?),

@@ -8,6 +8,7 @@ pub mod kernels;
 pub mod keys;
 mod layer;
 pub mod resnet50;
+mod role;
 mod run;
 mod shape;
 

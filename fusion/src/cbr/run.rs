@@ -4,18 +4,13 @@
 use super::bn_sync::{sync_action, synced_step, BnSide, BnSync, DeviceBnSync, SyncAction};
 use super::buffers::{HostBuffer, HostBuffers};
 use super::device_buffers::{DeviceBuffer, DeviceBuffers, Resolved, Side, SyncScratch};
-use super::graphs::{ApplyResidual, BackwardResidual};
-use super::layer::{CbrLayer, GraphRole, InputKind, LayerStep, RouteKind, Src};
+use super::graphs::ApplyResidual;
+use super::keys as k;
+use super::layer::{CbrLayer, GraphRole, InputKind, LayerStep, Src};
+use super::role::{cpu_eval_step, cpu_step};
 use crate::error::{Error, Result};
 use crate::exec::{Bindings, Handle, Scalar, Workspace};
-use crate::reference::bn::bn_recompute;
-use crate::reference::parallel::channel_sums;
-use crate::reference::params::check_len;
-use crate::reference::{
-    self as r, Activation, BnParams, ChannelStats, ConvInput, ConvScratch, InputStamp, Nhwc,
-    ReluJoin, Residual, RunningStats, SavedBn,
-};
-use crate::reference::{Element, Real};
+use crate::reference::{self as r, BnParams, ConvScratch, Element};
 use half::f16;
 use Src::{Prev, This};
 
@@ -150,7 +145,7 @@ impl CbrLayer {
                 SyncAction::GlobalCount => self.gpu_step(step, handle, &r, replicas)?,
                 SyncAction::ReduceStats => {
                     self.gpu_step(step, handle, &r, 1)?;
-                    let sums = [(Side::This, "sum"), (Side::This, "sq_sum")];
+                    let sums = [(Side::This, k::SUM.name()), (Side::This, k::SQ_SUM.name())];
                     scratch.gather(handle, &r, sums, k)?;
                     sync.all_reduce_sum(&stream, scratch.slice_mut())?;
                     scratch.scatter(handle, &r, sums, k)?;
@@ -167,13 +162,18 @@ impl CbrLayer {
                         BnSide::Prev => (Side::Prev, c, s.n * s.h * s.w),
                         BnSide::This => (Side::This, k, s.n * s.p() * s.q()),
                     };
-                    scratch.gather(handle, &r, [(side, "dgamma"), (side, "dbeta")], channels)?;
+                    scratch.gather(
+                        handle,
+                        &r,
+                        [(side, k::DGAMMA.name()), (side, k::DBETA.name())],
+                        channels,
+                    )?;
                     sync.all_reduce_sum(&stream, scratch.slice_mut())?;
                     let count = pixels as f64 * replicas as f64;
                     let inputs = [
-                        r.get(side, "gamma")?,
-                        r.get(side, "saved_inv_std")?,
-                        r.get(side, "saved_mean")?,
+                        r.get(side, k::GAMMA.name())?,
+                        r.get(side, k::SAVED_INV_STD.name())?,
+                        r.get(side, k::SAVED_MEAN.name())?,
                     ];
                     let [a, b, cc] = outputs.map(|n| r.get(Side::This, n));
                     scratch.coefficients(
@@ -244,19 +244,19 @@ impl CbrLayer {
             .clone_htod(&stats)
             .map_err(|e| fail("upload the evaluation statistics", e))?;
         let (output, out_name) = match cfg.apply {
-            Some(residual) => (BnEvalOutput::Activation(residual), "a"),
-            None => (BnEvalOutput::BnOnly, "y_bn"),
+            Some(residual) => (BnEvalOutput::Activation(residual), k::A.name()),
+            None => (BnEvalOutput::BnOnly, k::Y_BN.name()),
         };
         let residual = match cfg.apply {
             Some(ApplyResidual::Add | ApplyResidual::DualScaleBias) => {
-                Some(r.get(Side::This, "residual")?)
+                Some(r.get(Side::This, k::RESIDUAL.name())?)
             }
             _ => None,
         };
         let residual_scale_bias = match cfg.apply {
             Some(ApplyResidual::DualScaleBias) => Some((
-                r.get(Side::This, "residual_scale")?,
-                r.get(Side::This, "residual_bias")?,
+                r.get(Side::This, k::RESIDUAL_SCALE.name())?,
+                r.get(Side::This, k::RESIDUAL_BIAS.name())?,
             )),
             _ => None,
         };
@@ -270,11 +270,11 @@ impl CbrLayer {
                 dtype: crate::graph::DataType::Float,
             };
             let bufs = BnEvalBuffers {
-                y: r.get(Side::This, "y")?,
+                y: r.get(Side::This, k::Y.name())?,
                 mean: run(0),
                 inv_std: run(1),
-                gamma: r.get(Side::This, "gamma")?,
-                beta: r.get(Side::This, "beta")?,
+                gamma: r.get(Side::This, k::GAMMA.name())?,
+                beta: r.get(Side::This, k::BETA.name())?,
                 residual,
                 residual_scale_bias,
                 out: r.get(Side::This, out_name)?,
@@ -292,8 +292,8 @@ impl CbrLayer {
     /// FP32 mode (FP16 results), the results uploaded and copied into `eq_scale`, `eq_bias`.
     fn gpu_eval_finalize(&self, handle: &Handle, r: &Resolved<'_>) -> Result<()> {
         let out = self.eval_coefficients(handle, r)?;
-        r.upload_half(handle, "eq_scale", &out.eq_scale)?;
-        r.upload_half(handle, "eq_bias", &out.eq_bias)
+        r.upload_half(handle, k::EQ_SCALE.name(), &out.eq_scale)?;
+        r.upload_half(handle, k::EQ_BIAS.name(), &out.eq_bias)
     }
 
     /// [`r::bn_eval_finalize`] of this layer's γ, β and running statistics, read from the
@@ -304,12 +304,20 @@ impl CbrLayer {
         let stream = handle.stream().clone();
         let fail = |what: &str, e: cudarc::driver::DriverError| crate::exec::driver(what, e);
         let mut params = SyncScratch::new(&stream, 2 * k)?;
-        params.gather(handle, r, [(Side::This, "gamma"), (Side::This, "beta")], k)?;
+        params.gather(
+            handle,
+            r,
+            [(Side::This, k::GAMMA.name()), (Side::This, k::BETA.name())],
+            k,
+        )?;
         let mut running = SyncScratch::new(&stream, 2 * k)?;
         running.gather(
             handle,
             r,
-            [(Side::This, "running_mean"), (Side::This, "running_var")],
+            [
+                (Side::This, k::RUNNING_MEAN.name()),
+                (Side::This, k::RUNNING_VAR.name()),
+            ],
             k,
         )?;
         let p = stream
@@ -449,13 +457,7 @@ impl GraphRole {
     /// table both GPU paths zero from ([`LayerStep::outputs_to_zero`]); zeroing where cuDNN
     /// overwrites anyway costs a memset of a few hundred bytes.
     pub fn accumulated_outputs(self) -> &'static [&'static str] {
-        match self {
-            GraphRole::ConvStats | GraphRole::Stats => &["sum", "sq_sum"],
-            GraphRole::DgradDreluDbn | GraphRole::DbnReduce | GraphRole::ApplyDbnReduce => {
-                &["dgamma", "dbeta"]
-            }
-            _ => &[],
-        }
+        self.def().accumulates
     }
 }
 
@@ -480,8 +482,8 @@ impl LayerStep {
 /// statistics to their own buffers and copies them over the current ones after the forward
 /// pass (cuDNN documents no in-place update).
 pub const RUNNING_COPIES: [(&str, &str); 2] = [
-    ("running_mean_next", "running_mean"),
-    ("running_var_next", "running_var"),
+    (k::RUNNING_MEAN_NEXT.name(), k::RUNNING_MEAN.name()),
+    (k::RUNNING_VAR_NEXT.name(), k::RUNNING_VAR.name()),
 ];
 
 /// The buffers a layer's CPU steps read and write, by [`Src`] (this layer's or the previous
@@ -593,616 +595,11 @@ impl LayerIo<f16> for PairIo<'_> {
     }
 }
 
-/// The previous BN's apply as the conv's prologue, read from the previous layer's buffers.
-fn prologue_input<T: Element, I: LayerIo<T> + ?Sized>(io: &I) -> Result<ConvInput<'_, T>> {
-    Ok(ConvInput::Prologue {
-        y_prev: io.half(Prev("y"))?,
-        scale: io.half(Prev("eq_scale"))?,
-        bias: io.half(Prev("eq_bias"))?,
-    })
-}
-
-/// The stamps of a conv's input buffers ([`InputStamp`]): the prologue's `y_prev`,
-/// `eq_scale` and `eq_bias`, or the plain input's; `None` unless the table stamps all of them.
-/// The convolution of a `ConvStats` graph with its batch statistics: through the previous
-/// layer's BN prologue where the layer reads its input so (the generic route convolves the
-/// materialized activation instead), else from `plain_in`. The conv's input stays in the
-/// scratch for this layer's wgrad.
-fn conv_stats<T: Element, I: LayerIo<T> + ?Sized>(
-    io: &mut I,
-    p: &r::ConvParams,
-    through_bn: bool,
-    kind: RouteKind,
-    plain_in: Src,
-) -> Result<r::FpropStats<T>> {
-    let y = io.take_half(This("y"))?;
-    let mut scratch = io.take_scratch();
-    let prologue = through_bn && kind != RouteKind::Generic;
-    let input = if prologue {
-        prologue_input(io)?
-    } else {
-        ConvInput::Plain(io.half(plain_in)?)
-    };
-    let stamp = input_stamp(io, prologue, plain_in);
-    let w = io.half(This("w"))?;
-    let out = r::fprop_genstats_with(p, input, w, &mut scratch, stamp, y);
-    io.put_scratch(scratch);
-    Ok(out?)
-}
-
-fn input_stamp<T: Element, I: LayerIo<T> + ?Sized>(
-    io: &I,
-    prologue: bool,
-    plain_in: Src,
-) -> InputStamp {
-    if prologue {
-        Some([
-            io.stamp(Prev("y"))?,
-            io.stamp(Prev("eq_scale"))?,
-            io.stamp(Prev("eq_bias"))?,
-        ])
-    } else {
-        Some([io.stamp(plain_in)?, 0, 0])
-    }
-}
-
-/// The residual of a layer's activation, as its config names it.
-pub(super) fn residual_of<'a, T: Element, I: LayerIo<T> + ?Sized>(
-    io: &'a I,
-    residual: Option<ApplyResidual>,
-) -> Result<Residual<'a, T>> {
-    Ok(match residual {
-        Some(ApplyResidual::Add) => Residual::Add(io.half(This("residual"))?),
-        Some(ApplyResidual::DualScaleBias) => Residual::ScaleBias {
-            r: io.half(This("residual"))?,
-            scale: io.half(This("residual_scale"))?,
-            bias: io.half(This("residual_bias"))?,
-        },
-        _ => Residual::None,
-    })
-}
-
-/// One forward role in evaluation mode ([`Pass::Eval`]): the conv steps as in training, minus
-/// the statistics; BN finalize replaced by [`r::bn_eval_finalize`] (eq_scale and eq_bias from
-/// the running statistics, nothing else written); the unfused route's BN forward normalizing
-/// with the running statistics in [`bn_recompute`]'s order, rounded once. The applies (the
-/// next conv's prologue, the materialized activation, the dual residual) read the same
-/// `eq_scale` / `eq_bias` buffers as in training.
-fn cpu_eval_step<T: Element, I: LayerIo<T> + ?Sized>(
-    layer: &CbrLayer,
-    role: GraphRole,
-    io: &mut I,
-) -> Result<()> {
-    let cfg = layer.config();
-    let s = &cfg.shape;
-    let bn = BnParams {
-        epsilon: cfg.epsilon,
-        momentum: cfg.momentum,
-    };
-    let eval = |io: &I| -> Result<r::BnFinalized<T>> {
-        Ok(r::bn_eval_finalize(
-            io.float(This("gamma"))?,
-            io.float(This("beta"))?,
-            io.float(This("running_mean"))?,
-            io.float(This("running_var"))?,
-            &bn,
-        )?)
-    };
-    match role {
-        GraphRole::ConvStats => {
-            let p = s.reference_params();
-            let through_bn = cfg.input == InputKind::ThroughBn;
-            let plain_in = if through_bn {
-                This("a_prev")
-            } else {
-                This("x")
-            };
-            // The conv of the training graph; its statistics are dropped, not stored.
-            let out = conv_stats(io, &p, through_bn, layer.route().kind(), plain_in)?;
-            io.set_half(This("y"), out.y)?;
-        }
-        GraphRole::Stats => {}
-        GraphRole::Finalize => {
-            let out = eval(io)?;
-            io.set_half(This("eq_scale"), out.eq_scale)?;
-            io.set_half(This("eq_bias"), out.eq_bias)?;
-        }
-        GraphRole::BnForward => {
-            let ys = Nhwc::new(s.n as usize, s.p() as usize, s.q() as usize, s.k as usize);
-            let out = eval(io)?;
-            let y = io.half(This("y"))?;
-            let (gamma, beta) = (io.float(This("gamma"))?, io.float(This("beta"))?);
-            let (mean, inv_std) = (&out.saved_mean, &out.saved_inv_std);
-            match cfg.apply {
-                Some(_) => {
-                    let a = bn_activation(
-                        &ys,
-                        y,
-                        mean,
-                        inv_std,
-                        gamma,
-                        beta,
-                        residual_of(io, cfg.apply)?,
-                    )?;
-                    io.set_half(This("a"), a)?;
-                }
-                None => {
-                    let c = ys.c;
-                    let y_bn = y
-                        .iter()
-                        .enumerate()
-                        .map(|(i, v)| {
-                            let ch = i % c;
-                            T::from_acc(bn_recompute(
-                                v.to_acc(),
-                                mean[ch],
-                                inv_std[ch],
-                                gamma[ch],
-                                beta[ch],
-                            ))
-                        })
-                        .collect();
-                    io.set_half(This("y_bn"), y_bn)?;
-                }
-            }
-        }
-        GraphRole::Conv | GraphRole::Apply | GraphRole::ApplyPrev => cpu_step(layer, role, io, 1)?,
-        backward => {
-            return Err(Error::CudnnMessage(format!(
-                "layer {}: {backward:?} is a backward step, not part of evaluation",
-                s.label()
-            )))
-        }
-    }
-    Ok(())
-}
-
-/// One role on the CPU. Mirrors the graphs in `route_graphs` buffer for buffer.
-/// One step on the CPU; `replicas` multiplies the BN finalize's element count (synchronized
-/// BN, whose sums the caller has reduced).
-pub(super) fn cpu_step<T: Element, I: LayerIo<T> + ?Sized>(
-    layer: &CbrLayer,
-    role: GraphRole,
-    io: &mut I,
-    replicas: usize,
-) -> Result<()> {
-    let cfg = layer.config();
-    let s = &cfg.shape;
-    let p = s.reference_params();
-    let xs = Nhwc::new(s.n as usize, s.h as usize, s.w as usize, s.c as usize);
-    let ys = Nhwc::new(s.n as usize, s.p() as usize, s.q() as usize, s.k as usize);
-    let bn = BnParams {
-        epsilon: cfg.epsilon,
-        momentum: cfg.momentum,
-    };
-    let through_bn = cfg.input == InputKind::ThroughBn;
-    let kind = layer.route().kind();
-    // The conv's input where it is not read through the prologue, as `route_graphs` binds it:
-    // the materialized previous activation, or the raw input.
-    let plain_in = if through_bn {
-        This("a_prev")
-    } else {
-        This("x")
-    };
-    match role {
-        GraphRole::ConvStats => {
-            let out = conv_stats(io, &p, through_bn, kind, plain_in)?;
-            io.set_half(This("y"), out.y)?;
-            io.set_float(This("sum"), out.stats.sum)?;
-            io.set_float(This("sq_sum"), out.stats.sqsum)?;
-        }
-        GraphRole::Stats => {
-            let stats = r::genstats(&p.output_shape(), io.half(This("y"))?)?;
-            io.set_float(This("sum"), stats.sum)?;
-            io.set_float(This("sq_sum"), stats.sqsum)?;
-        }
-        GraphRole::Finalize => {
-            let stats = ChannelStats {
-                sum: io.float(This("sum"))?.to_vec(),
-                sqsum: io.float(This("sq_sum"))?.to_vec(),
-            };
-            let mut mean = io.float(This("running_mean"))?.to_vec();
-            let mut var = io.float(This("running_var"))?.to_vec();
-            let out: r::BnFinalized<T> = r::bn_finalize(
-                &stats,
-                io.float(This("gamma"))?,
-                io.float(This("beta"))?,
-                RunningStats {
-                    mean: &mut mean,
-                    var: &mut var,
-                },
-                s.count() as usize * replicas,
-                &bn,
-            )?;
-            io.set_float(This("running_mean_next"), mean)?;
-            io.set_float(This("running_var_next"), var)?;
-            io.set_half(This("eq_scale"), out.eq_scale)?;
-            io.set_half(This("eq_bias"), out.eq_bias)?;
-            io.set_float(This("saved_mean"), out.saved_mean)?;
-            io.set_float(This("saved_inv_std"), out.saved_inv_std)?;
-        }
-        GraphRole::Apply => {
-            let out = io.take_half(This("a"))?;
-            let a = r::bn_apply_into(
-                &ys,
-                io.half(This("y"))?,
-                io.half(This("eq_scale"))?,
-                io.half(This("eq_bias"))?,
-                residual_of(io, cfg.apply)?,
-                Activation::Relu,
-                out,
-            )?;
-            io.set_half(This("a"), a)?;
-        }
-        GraphRole::ApplyReluBackward => {
-            let out = io.take_half(This("dpre"))?;
-            let d = r::relu_bwd_into(&ys, io.half(This("da"))?, io.half(This("a"))?, out)?;
-            io.set_half(This("dpre"), d)?;
-        }
-        GraphRole::ApplyBnBackward => {
-            let out = r::bn_bwd(
-                &ys,
-                io.half(This("y"))?,
-                io.half(This("dpre"))?,
-                io.float(This("saved_mean"))?,
-                io.float(This("saved_inv_std"))?,
-                io.float(This("gamma"))?,
-            )?;
-            io.set_half(This("dy"), out.dx)?;
-            io.set_float(This("dgamma"), out.dgamma)?;
-            io.set_float(This("dbeta"), out.dbeta)?;
-        }
-        GraphRole::DgradDreluDbn => {
-            let dz = io.take_half(This("dz_prev"))?;
-            let mut scratch = io.take_scratch();
-            let join = match cfg.backward_residual {
-                BackwardResidual::None => ReluJoin::default(),
-                BackwardResidual::FuseAdd => ReluJoin {
-                    resid: None,
-                    dy_branch: Some(io.half(This("dy_branch"))?),
-                },
-            };
-            let out = r::dgrad_drelu_dbn_with(
-                &p,
-                io.half(This("dy"))?,
-                io.half(This("w"))?,
-                io.half(Prev("y"))?,
-                &SavedBn {
-                    mean: io.float(Prev("saved_mean"))?,
-                    inv_std: io.float(Prev("saved_inv_std"))?,
-                    gamma: io.float(Prev("gamma"))?,
-                    beta: io.float(Prev("beta"))?,
-                },
-                &join,
-                &mut scratch,
-                dz,
-            );
-            io.put_scratch(scratch);
-            let out = out?;
-            io.set_float(Prev("dgamma"), out.dgamma)?;
-            io.set_float(Prev("dbeta"), out.dbeta)?;
-            io.set_half(This("dz_prev"), out.dz)?;
-            io.set_float(This("dbn_a"), out.a)?;
-            io.set_float(This("dbn_b"), out.b)?;
-            io.set_float(This("dbn_c"), out.c)?;
-        }
-        GraphRole::Wgrad => {
-            let mut scratch = io.take_scratch();
-            let prologue = through_bn && kind == RouteKind::Fused;
-            let input = if prologue {
-                prologue_input(io)?
-            } else {
-                ConvInput::Plain(io.half(plain_in)?)
-            };
-            // The forward's input where the scratch holds this very input, else recomputed:
-            // `conv_wgrad`'s values either way.
-            let stamp = input_stamp(io, prologue, plain_in);
-            let dy = io.half(This("dy"))?;
-            let dw = r::wgrad_with_prologue_with(&p, input, dy, &mut scratch, stamp);
-            io.put_scratch(scratch);
-            io.set_half(This("dw"), dw?)?;
-        }
-        GraphRole::DbnApply => {
-            let out = io.take_half(Prev("dy"))?;
-            let d = r::dbn_apply_into(
-                &xs,
-                io.half(This("dz_prev"))?,
-                io.half(Prev("y"))?,
-                io.float(This("dbn_a"))?,
-                io.float(This("dbn_b"))?,
-                io.float(This("dbn_c"))?,
-                out,
-            )?;
-            io.set_half(Prev("dy"), d)?;
-        }
-        GraphRole::Dgrad => {
-            let dst = if through_bn {
-                This("da_prev")
-            } else {
-                This("dx")
-            };
-            let out = io.take_half(dst)?;
-            let mut scratch = io.take_scratch();
-            let (dy, w) = (io.half(This("dy"))?, io.half(This("w"))?);
-            let d = r::conv_dgrad_with(&p, dy, w, &mut scratch, out);
-            io.put_scratch(scratch);
-            io.set_half(dst, d?)?;
-        }
-        GraphRole::ApplyPrev => {
-            let a = if kind == RouteKind::Unfused {
-                r::relu_fwd(&xs, io.half(Prev("y_bn"))?)?
-            } else {
-                r::bn_apply(
-                    &xs,
-                    io.half(Prev("y"))?,
-                    io.half(Prev("eq_scale"))?,
-                    io.half(Prev("eq_bias"))?,
-                    Residual::None,
-                    Activation::Relu,
-                )?
-            };
-            io.set_half(This("a_prev"), a)?;
-        }
-        GraphRole::Conv => {
-            let y = r::conv_fprop(&p, io.half(plain_in)?, io.half(This("w"))?)?;
-            io.set_half(This("y"), y)?;
-        }
-        GraphRole::BnForward => {
-            let mut mean = io.float(This("running_mean"))?.to_vec();
-            let mut var = io.float(This("running_var"))?.to_vec();
-            let y = io.half(This("y"))?;
-            let (gamma, beta) = (io.float(This("gamma"))?, io.float(This("beta"))?);
-            let out = r::bn_fwd_train(
-                &ys,
-                y,
-                gamma,
-                beta,
-                RunningStats {
-                    mean: &mut mean,
-                    var: &mut var,
-                },
-                &bn,
-            )?;
-            let activation = match cfg.apply {
-                // The graph keeps the normalized value virtual (FP32) through the residual
-                // add and the ReLU, and stores only the activation: round once, at the end.
-                Some(_) => Some(bn_activation(
-                    &ys,
-                    y,
-                    &out.saved_mean,
-                    &out.saved_inv_std,
-                    gamma,
-                    beta,
-                    residual_of(io, cfg.apply)?,
-                )?),
-                None => None,
-            };
-            io.set_float(This("running_mean_next"), mean)?;
-            io.set_float(This("running_var_next"), var)?;
-            io.set_float(This("saved_mean"), out.saved_mean)?;
-            io.set_float(This("saved_inv_std"), out.saved_inv_std)?;
-            match activation {
-                Some(a) => io.set_half(This("a"), a)?,
-                None => io.set_half(This("y_bn"), out.out)?,
-            }
-        }
-        GraphRole::AddBranch => {
-            let d = r::add(&xs, io.half(This("da_prev"))?, io.half(This("dy_branch"))?)?;
-            io.set_half(This("da_sum"), d)?;
-        }
-        GraphRole::ReluBackward => {
-            let grad = if cfg.backward_residual == BackwardResidual::FuseAdd {
-                This("da_sum")
-            } else {
-                This("da_prev")
-            };
-            let d = r::relu_bwd(&xs, io.half(grad)?, io.half(This("a_prev"))?)?;
-            io.set_half(This("dz_prev"), d)?;
-        }
-        GraphRole::BnBackward => {
-            let out = r::bn_bwd(
-                &xs,
-                io.half(Prev("y"))?,
-                io.half(This("dz_prev"))?,
-                io.float(Prev("saved_mean"))?,
-                io.float(Prev("saved_inv_std"))?,
-                io.float(Prev("gamma"))?,
-            )?;
-            io.set_half(Prev("dy"), out.dx)?;
-            io.set_float(Prev("dgamma"), out.dgamma)?;
-            io.set_float(Prev("dbeta"), out.dbeta)?;
-        }
-        GraphRole::DbnReduce => {
-            let [dgamma, dbeta] = dbn_reduce(
-                &xs,
-                io.half(Prev("y"))?,
-                io.half(This("dz_prev"))?,
-                io.float(Prev("saved_mean"))?,
-                io.float(Prev("saved_inv_std"))?,
-            )?;
-            io.set_float(Prev("dgamma"), dgamma)?;
-            io.set_float(Prev("dbeta"), dbeta)?;
-        }
-        GraphRole::DbnCoefficients => {
-            let [a, b, c] = dbn_coefficients(
-                xs.pixels(),
-                io.float(Prev("gamma"))?,
-                io.float(Prev("saved_inv_std"))?,
-                io.float(Prev("saved_mean"))?,
-                io.float(Prev("dgamma"))?,
-                io.float(Prev("dbeta"))?,
-            )?;
-            io.set_float(This("dbn_a"), a)?;
-            io.set_float(This("dbn_b"), b)?;
-            io.set_float(This("dbn_c"), c)?;
-        }
-        GraphRole::ApplyDbnReduce => {
-            let [dgamma, dbeta] = dbn_reduce(
-                &ys,
-                io.half(This("y"))?,
-                io.half(This("dpre"))?,
-                io.float(This("saved_mean"))?,
-                io.float(This("saved_inv_std"))?,
-            )?;
-            io.set_float(This("dgamma"), dgamma)?;
-            io.set_float(This("dbeta"), dbeta)?;
-        }
-        GraphRole::ApplyDbnCoefficients => {
-            let [a, b, c] = dbn_coefficients(
-                ys.pixels(),
-                io.float(This("gamma"))?,
-                io.float(This("saved_inv_std"))?,
-                io.float(This("saved_mean"))?,
-                io.float(This("dgamma"))?,
-                io.float(This("dbeta"))?,
-            )?;
-            io.set_float(This("apply_dbn_a"), a)?;
-            io.set_float(This("apply_dbn_b"), b)?;
-            io.set_float(This("apply_dbn_c"), c)?;
-        }
-        GraphRole::ApplyDbnApply => {
-            let out = io.take_half(This("dy"))?;
-            let d = r::dbn_apply_into(
-                &ys,
-                io.half(This("dpre"))?,
-                io.half(This("y"))?,
-                io.float(This("apply_dbn_a"))?,
-                io.float(This("apply_dbn_b"))?,
-                io.float(This("apply_dbn_c"))?,
-                out,
-            )?;
-            io.set_half(This("dy"), d)?;
-        }
-    }
-    Ok(())
-}
-
-/// The unfused route's BN forward with the activation fused in:
-/// `relu(BN(y) [+ r | + r·s2 + b2])` with the normalized value, the residual sum and the ReLU
-/// in `T::Acc` (the graph's FP32 virtuals), rounded to `T` once.
-pub(super) fn bn_activation<T: Element>(
-    shape: &Nhwc,
-    y: &[T],
-    mean: &[T::Acc],
-    inv_std: &[T::Acc],
-    gamma: &[T::Acc],
-    beta: &[T::Acc],
-    residual: Residual<'_, T>,
-) -> Result<Vec<T>> {
-    let c = shape.c;
-    let n = y.len();
-    match residual {
-        Residual::Add(r) => check_len("residual", r, n)?,
-        Residual::ScaleBias { r, scale, bias } => {
-            check_len("residual", r, n)?;
-            check_len("residual_scale", scale, c)?;
-            check_len("residual_bias", bias, c)?;
-        }
-        Residual::None => {}
-    }
-    Ok((0..n)
-        .map(|i| {
-            let ch = i % c;
-            let v = bn_recompute(y[i].to_acc(), mean[ch], inv_std[ch], gamma[ch], beta[ch]);
-            let v = match residual {
-                Residual::None => v,
-                Residual::Add(r) => v + r[i].to_acc(),
-                Residual::ScaleBias { r, scale, bias } => {
-                    v + (r[i].to_acc() * scale[ch].to_acc() + bias[ch].to_acc())
-                }
-            };
-            T::from_acc(v.relu())
-        })
-        .collect())
-}
-
-/// The generic route's `dbn_reduce` graph on the CPU: per channel, `dγ = Σ dz·x̂` and
-/// `dβ = Σ dz` with `x̂ = (y − mean)·inv_std`.
-///
-/// Rounding points mirror the graph: `y − mean`, `·inv_std` and `dz·x̂` are each rounded to
-/// FP32 (the graph's FP32 virtual tensors); the sums run in `f64` and are rounded to FP32 once
-/// (the GPU's reduction sums FP32 values in an unspecified order, so it may differ in the last
-/// bits). The reductions read the stored FP16 `dz`, as the graph does.
-pub(super) fn dbn_reduce<T: Element>(
-    shape: &Nhwc,
-    y: &[T],
-    dz: &[T],
-    mean: &[T::Acc],
-    inv_std: &[T::Acc],
-) -> Result<[Vec<T::Acc>; 2]> {
-    shape.validate("y")?;
-    check_len("y", y, shape.elems())?;
-    check_len("dz", dz, shape.elems())?;
-    check_len("saved_mean", mean, shape.c)?;
-    check_len("saved_inv_std", inv_std, shape.c)?;
-    let c = shape.c;
-    // Blocks of pixels in parallel, each widened a slice at a time; the FP32 products are the
-    // graph's, summed in f64 (chunk by chunk, in row order within a chunk).
-    let sums = channel_sums::<2, Vec<T::Acc>, _>(shape.pixels(), c, |rows, buf, acc| {
-        let range = rows.start * c..rows.end * c;
-        let n = range.len();
-        buf.resize(2 * n, T::Acc::ZERO);
-        let (yv, dv) = buf.split_at_mut(n);
-        T::widen_into(&y[range.clone()], yv);
-        T::widen_into(&dz[range], dv);
-        let (mean, inv_std) = (&mean[..c], &inv_std[..c]);
-        let acc = &mut acc[..c];
-        for (yp, dp) in yv.chunks_exact(c).zip(dv.chunks_exact(c)) {
-            let (yp, dp) = (&yp[..c], &dp[..c]);
-            for k in 0..c {
-                let x_hat = (yp[k] - mean[k]) * inv_std[k];
-                acc[k][0] += (dp[k] * x_hat).to_f64();
-                acc[k][1] += dp[k].to_f64();
-            }
-        }
-    });
-    Ok([
-        sums.iter().map(|s| T::Acc::from_f64(s[0])).collect(),
-        sums.iter().map(|s| T::Acc::from_f64(s[1])).collect(),
-    ])
-}
-
-/// The generic route's `dbn_coefficients` graph on the CPU: the coefficients of
-/// `dy = A·dz + B·y + C` over `count` elements per channel, every step in FP32 in the graph's
-/// order (`a = γ·inv_std`, `B = ((a·inv_std)·dγ)·(−1/M)`, `C = ((a·dβ)·(−1/M)) − B·mean`,
-/// `A = a`, with `−1/M` rounded to FP32 as the graph's by-value scalar). The GPU may contract a
-/// multiply and the final subtraction into one FMA: at most one FP32 rounding apart.
-pub(super) fn dbn_coefficients<A: Real>(
-    count: usize,
-    gamma: &[A],
-    inv_std: &[A],
-    mean: &[A],
-    dgamma: &[A],
-    dbeta: &[A],
-) -> Result<[Vec<A>; 3]> {
-    let c = gamma.len();
-    check_len("saved_inv_std", inv_std, c)?;
-    check_len("saved_mean", mean, c)?;
-    check_len("dgamma", dgamma, c)?;
-    check_len("dbeta", dbeta, c)?;
-    // −1/M rounded once to the arithmetic type, as the graph's by-value FP32 scalar.
-    let nm = A::from_f64(-1.0 / count as f64);
-    let mut out = [
-        Vec::with_capacity(c),
-        Vec::with_capacity(c),
-        Vec::with_capacity(c),
-    ];
-    for k in 0..c {
-        let a = gamma[k] * inv_std[k];
-        let b = a * inv_std[k] * dgamma[k] * nm;
-        let cc = a * dbeta[k] * nm - b * mean[k];
-        out[0].push(a);
-        out[1].push(b);
-        out[2].push(cc);
-    }
-    Ok(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::super::kernels::test_support::{accumulated_params, configs};
     use super::super::kernels::KernelStep;
-    use super::super::layer::route_graphs;
+    use super::super::layer::{route_graphs, RouteKind};
     use super::*;
     use crate::graph::{Node, TensorId};
     use std::collections::HashSet;
