@@ -321,10 +321,10 @@ impl CompiledNet {
     }
 
     /// What every rank of a data-parallel group must agree on
-    /// ([`crate::amp::dist::same`]): the spec, the batch, the image size and each layer's
+    /// ([`crate::dist::same`]): the spec, the batch, the image size and each layer's
     /// route, hashed; the summary names the spec, its classes, batch, size and the routes in
     /// forward order (`f*3,u,f*4`: fused, unfused, generic).
-    pub fn fingerprint(&self) -> crate::amp::dist::same::Fingerprint {
+    pub fn fingerprint(&self) -> crate::dist::same::Fingerprint {
         let routes: Vec<&str> = self.layers.iter().map(|l| l.layer.route().name()).collect();
         let full = format!(
             "{:?}|batch {}|hw {}|routes {}",
@@ -359,7 +359,7 @@ impl CompiledNet {
             self.hw,
             runs.join(",")
         );
-        crate::amp::dist::same::Fingerprint::of(&full, summary)
+        crate::dist::same::Fingerprint::of(&full, summary)
     }
 
     /// (name, shape) of every conv layer, in forward order.

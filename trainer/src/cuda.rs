@@ -18,13 +18,13 @@ use super::{
 use crate::checkpoint::{TrainState, SAVED_REGIONS};
 use crate::curves::CurvePoint;
 use cudnn_cbr::amp::cuda::{CudaRegions, CudaStream};
-use cudnn_cbr::amp::dist::bootstrap::LaunchEnv;
 use cudnn_cbr::amp::plan::Region;
 use cudnn_cbr::amp::range::{HeadMetrics, MetricsLog};
 use cudnn_cbr::amp::step::AmpStep;
 use cudnn_cbr::amp::AmpError;
 use cudnn_cbr::classifier::cuda::{check_fits, open_device, Accuracies};
 use cudnn_cbr::classifier::{CudaClassifier, EngineConfig};
+use cudnn_cbr::dist::bootstrap::LaunchEnv;
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::net::cuda::CudaNetError;

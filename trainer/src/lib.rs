@@ -933,12 +933,12 @@ pub fn train(
 }
 
 /// The launcher's description of this process when one started several
-/// ([`cudnn_cbr::amp::dist::bootstrap`] lists the variables read); `None` without a launcher
+/// ([`cudnn_cbr::dist::bootstrap`] lists the variables read); `None` without a launcher
 /// or for a group of one.
 ///
 /// # Errors
 /// [`TrainError::Config`] when a launcher's variables are set but wrong.
-fn launch_env() -> Result<Option<cudnn_cbr::amp::dist::bootstrap::LaunchEnv>, TrainError> {
+fn launch_env() -> Result<Option<cudnn_cbr::dist::bootstrap::LaunchEnv>, TrainError> {
     const RANK_VARS: [&str; 4] = ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"];
     if !RANK_VARS
         .iter()
@@ -946,7 +946,7 @@ fn launch_env() -> Result<Option<cudnn_cbr::amp::dist::bootstrap::LaunchEnv>, Tr
     {
         return Ok(None);
     }
-    let env = cudnn_cbr::amp::dist::bootstrap::LaunchEnv::from_env()
+    let env = cudnn_cbr::dist::bootstrap::LaunchEnv::from_env()
         .map_err(|e| TrainError::Config(format!("the launcher's environment: {e}")))?;
     Ok((env.world > 1).then_some(env))
 }
