@@ -16,9 +16,9 @@ use std::time::Instant;
 
 use cudnn_cbr::amp::cuda::cudarc::driver::CudaContext;
 use cudnn_cbr::amp::cuda::EventFlags;
-use cudnn_cbr::amp::dist::nccl::{NcclComm, NcclId};
-use cudnn_cbr::amp::dist::{Collective, ReduceOp};
 use cudnn_cbr::amp::plan::Region;
+use cudnn_cbr::dist::nccl::{NcclComm, NcclId};
+use cudnn_cbr::dist::{Collective, ReduceOp};
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::net::{compile, memory_plan, RoutePolicy};
 use cudnn_cbr::runtime::cuda_device;

@@ -1,16 +1,20 @@
-//! Data-parallel training on the CPU executor: each rank a thread with its own
-//! [`CpuClassifier`] on its shard of the global batch, the ranks joined by an in-process
-//! group ([`CpuGroup`]).
+//! Data-parallel training: the distribution layer's communicators, collectives, launcher
+//! bootstrap and watchdog (the workspace crate `cudnn-cbr-dist`, whose one public path is this
+//! module), and data-parallel training on the CPU executor: each rank a thread with its own
+//! [`CpuClassifier`] on its shard of the global batch, the ranks joined by an in-process group
+//! ([`CpuGroup`]).
 //!
-//! A [`CpuReplica`] step is the amp step of [`crate::amp::dist`]: begin, forward and backward
-//! on the shard, the gradients summed over the ranks bucket by bucket (deepest first), the
-//! overflow flag shared (max) between the check and SGD, SGD unscaling the sums by
-//! `1 / (loss_scale · ranks)`. With synchronized BN every layer normalizes with the global
-//! batch's statistics ([`crate::fusion::cbr::BnSync`]), so N ranks × batch B train like one
-//! rank × batch N·B. With gradient accumulation, [`CpuReplica::train_step`] runs a step's
-//! micro-batches, each summed over the ranks and added into the accumulator GA.
+//! A [`CpuReplica`] step is the amp step of [`crate::amp::dist`] over this module's
+//! communicators: begin, forward and backward on the shard, the gradients summed over the
+//! ranks bucket by bucket (deepest first), the overflow flag shared (max) between the check and
+//! SGD, SGD unscaling the sums by `1 / (loss_scale · ranks)`. With synchronized BN every layer
+//! normalizes with the global batch's statistics ([`crate::fusion::cbr::BnSync`]), so N ranks ×
+//! batch B train like one rank × batch N·B. With gradient accumulation,
+//! [`CpuReplica::train_step`] runs a step's micro-batches, each summed over the ranks and added
+//! into the accumulator GA.
 //!
-//! On the CUDA executor, [`NcclBnSync`] is synchronized BN over a rank's NCCL communicator.
+//! On the CUDA executor, [`NcclBnSync`] is synchronized BN over a rank's NCCL communicator
+//! ([`nccl::NcclComm`]); a launched job finds its rank through [`bootstrap`].
 //!
 //! ```no_run
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -39,8 +43,11 @@
 //! # }
 //! ```
 
-pub use crate::amp::dist::cpu::{CpuComm, CpuGroup};
-pub use crate::amp::dist::{Collective, Communicator, DistError, ReduceOp};
+// The distribution crate's items: this module is their one public path (the workspace crate
+// `cudnn-cbr-dist` is not re-exported by name).
+pub use cudnn_cbr_dist::cpu::{CpuComm, CpuGroup};
+pub use cudnn_cbr_dist::{bootstrap, cpu, nccl, same, watchdog};
+pub use cudnn_cbr_dist::{Collective, Communicator, DistError, ReduceOp};
 
 use crate::amp::cuda::dist_grads::{self, all_reduce_sum_ordered, SharedComm};
 use crate::amp::cuda::{CudaSlice, CudaStream};
@@ -142,8 +149,7 @@ impl CpuReplica {
             model.set_bn_sync(Box::new(CommBnSync(bn)));
         }
         // Before anything is exchanged: ranks of different networks must not train together.
-        crate::amp::dist::same::check_same_model(&mut comm, &model.net().fingerprint())
-            .map_err(AmpError::from)?;
+        same::check_same_model(&mut comm, &model.net().fingerprint()).map_err(AmpError::from)?;
         let ranks = u32::try_from(comm.world()).map_err(|_| {
             ClassifierError::Input(format!("{} ranks do not fit S's counter", comm.world()))
         })?;

@@ -12,8 +12,10 @@
 //!   the CPU executor of a compiled network (FP16 storage or exact `f64`);
 //! - [`classifier`]: a compiled network with a classification head and the amp step, on the
 //!   CPU executor or CUDA: what a trainer links;
-//! - [`dist`]: data-parallel training of a classifier over ranks (threads on the CPU), and
-//!   synchronized BN over NCCL for the CUDA executor.
+//! - [`dist`]: the distribution crate's communicators (CPU group, NCCL), launcher bootstrap,
+//!   same-model check and watchdog (`cudnn-cbr-dist`, public only here), data-parallel training
+//!   of a classifier over ranks (threads on the CPU), and synchronized BN over NCCL for the
+//!   CUDA executor.
 //!
 //! fusion and amp sit side by side and neither depends on the other; what needs both lives
 //! here (docs/architecture.md, "The floors").

@@ -5,17 +5,17 @@
 
 mod common;
 
-use cudnn_cbr::amp::dist::bootstrap::{read_id_file, write_id_file, LaunchEnv};
-use cudnn_cbr::amp::dist::nccl::{
-    nccl_candidates, NcclCandidate, NcclLibrary, NCCL_LIB_DIR_ENV, NCCL_PATH_ENV,
-};
-use cudnn_cbr::amp::dist::watchdog::parse_timeout;
 use cudnn_cbr::amp::plan::{MemoryPlanBuilder, ParamKind, Region};
 use cudnn_cbr::amp::range::{LossScalePolicy, Scalars, SgdConfig};
 use cudnn_cbr::amp::step::AmpExecutor;
 use cudnn_cbr::amp::step::{AmpStep, CpuRegions, StepConfig};
 use cudnn_cbr::amp::RangeOpError;
 use cudnn_cbr::amp::{AmpError, PlanError};
+use cudnn_cbr::dist::bootstrap::{read_id_file, write_id_file, LaunchEnv};
+use cudnn_cbr::dist::nccl::{
+    nccl_candidates, NcclCandidate, NcclLibrary, NCCL_LIB_DIR_ENV, NCCL_PATH_ENV,
+};
+use cudnn_cbr::dist::watchdog::parse_timeout;
 use cudnn_cbr::dist::{CpuGroup, CpuReplica, DistError};
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::kernels::Pointwise;
@@ -1784,7 +1784,7 @@ fn group_rows() -> Vec<Row> {
             "group",
             "a gathered fingerprint buffer of the wrong length",
             || {
-                let e = cudnn_cbr::amp::dist::same::check_gathered(&[0; 7], 0, 2).unwrap_err();
+                let e = cudnn_cbr::dist::same::check_gathered(&[0; 7], 0, 2).unwrap_err();
                 assert!(matches!(e, DistError::Mismatch { .. }), "{e:?}");
                 typed(e)
             },

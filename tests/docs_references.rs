@@ -39,6 +39,7 @@ fn every_cited_docs_section_exists() {
         "src",
         "fusion",
         "amp",
+        "dist",
         "cudnn-fe-sys",
         "tests",
         "examples",

@@ -448,10 +448,10 @@ fn the_engines_two_ranks_keep_the_same_weights() {
     if common::gpu_or_skip(TEST).is_none() {
         return;
     }
-    use cudnn_cbr::amp::dist::bootstrap::LaunchEnv;
     use cudnn_cbr::amp::plan::Region;
     use cudnn_cbr::classifier::cuda::open_device;
     use cudnn_cbr::classifier::{CudaClassifier, EngineConfig};
+    use cudnn_cbr::dist::bootstrap::LaunchEnv;
     use cudnn_cbr::{SgdConfig, StepConfig};
     const BATCH: usize = 4;
     const HW: usize = 8;

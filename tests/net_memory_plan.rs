@@ -3,13 +3,14 @@
 //! running statistics has a slot (parameters in the regions, the rest in the tensor arena),
 //! slots hold their buffers, two slots share bytes only when no step of the pass binds both
 //! (checked here from the compiled steps themselves, not from the plan's lifetimes), and the
-//! parameters' layout is the same as without the arena.
+//! parameters' layout is the same as without the arena; and every route mix of the main job's
+//! network binds every buffer (`net::cuda::binding_plan`).
 
 use cudnn_cbr::amp::plan::Region;
 use cudnn_cbr::fusion::cbr::RouteKind;
-use cudnn_cbr::net::cuda::{placement, Placement};
+use cudnn_cbr::net::cuda::{binding_plan, check_binding, placement, Placement, Source};
 use cudnn_cbr::net::liveness::step_buffers;
-use cudnn_cbr::net::{memory_plan_with_buffers, BufferRole};
+use cudnn_cbr::net::{memory_plan_with_buffers, BufId, BufferRole, Step};
 use cudnn_cbr::{compile, memory_plan, Preset, RoutePolicy};
 
 #[test]
@@ -156,4 +157,72 @@ fn tensor_registration_errors_are_typed() {
         b.add_tensor("late", DataType::Half, 1),
         Err(PlanError::RegisterAfterFinalize { .. })
     ));
+}
+
+/// The binding plan of every route mix of the main job's network (the trainer's default:
+/// `Preset::Mini` with 8 input channels, 8 classes and width 16 on 16×16 images; batch 16
+/// here), each block's first and last convs on each route (so pairs are prologues or
+/// materialized), against the real memory plan: every parameter and parameter gradient has an
+/// amp slot of its type with room, every other buffer is allocated, and the buffers the
+/// executor reaches outside the layers (input, output and its gradient, the joins' operands)
+/// are allocations of equal size where they are added together. No device involved.
+#[test]
+fn every_route_mix_binds_every_buffer() {
+    let (batch, hw, channels, classes, width) = (16, 16, 8, 8, 16);
+    let spec = Preset::Mini.spec(channels, classes, width);
+    let kinds = [RouteKind::Fused, RouteKind::Unfused, RouteKind::Generic];
+    let mut mixes = 0;
+    for first in kinds {
+        for last in kinds {
+            let shapes = compile(&spec, batch, hw, &RoutePolicy::Uniform(RouteKind::Fused))
+                .unwrap()
+                .conv_shapes();
+            let routes = shapes
+                .iter()
+                .map(|(n, _)| (n.clone(), if n.ends_with("conv1") { first } else { last }))
+                .collect();
+            let policy = RoutePolicy::PerLayer {
+                routes,
+                default: RouteKind::Fused,
+            };
+            let net = compile(&spec, batch, hw, &policy).unwrap();
+            let plan = memory_plan(&net, classes).unwrap();
+            let sources = binding_plan(&net, true).unwrap();
+            for (b, source) in net.buffers.iter().zip(&sources) {
+                let (bytes, dtype) = match source {
+                    Source::Param { key, region } => {
+                        let v = plan
+                            .view(key, *region)
+                            .unwrap_or_else(|e| panic!("{first:?}/{last:?} {}: {e}", b.name));
+                        (v.len_bytes, v.dtype)
+                    }
+                    Source::Own => (b.elems * b.dtype.size(), b.dtype),
+                };
+                check_binding(b, bytes, dtype)
+                    .unwrap_or_else(|e| panic!("{first:?}/{last:?}: {e}"));
+            }
+            let own_bytes = |id: BufId| {
+                assert_eq!(sources[id], Source::Own, "{}", net.buffers[id].name);
+                net.buffers[id].elems * 2
+            };
+            let image = batch * hw * hw * channels * 2;
+            assert_eq!(own_bytes(net.input), image);
+            let pooled = batch * net.out_hw * net.out_hw * net.features * 2;
+            assert_eq!(
+                (own_bytes(net.output), own_bytes(net.output_grad)),
+                (pooled, pooled)
+            );
+            let mut joins = 0;
+            for step in &net.backward {
+                if let Step::Add { a, b, out } = *step {
+                    let sizes = (own_bytes(out), own_bytes(a), own_bytes(b));
+                    assert!(sizes.0 == sizes.1 && sizes.1 == sizes.2, "{sizes:?}");
+                    joins += 1;
+                }
+            }
+            assert_eq!(joins, 2, "one join per block");
+            mixes += 1;
+        }
+    }
+    assert_eq!(mixes, 9);
 }

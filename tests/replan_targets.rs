@@ -1,7 +1,7 @@
 //! Tier 2: a network planned for one target and run on another is planned again for the
-//! device it runs on (`CudaNet::new` does it through `replan_for`, src/net/cuda.rs). Here the
-//! "live" device is a second deviceless fixture: plan on the A100 fixture, re-plan for the
-//! H200 fixture.
+//! device it runs on (`CudaNet::new` does it through `replan_for`, src/net/cuda/replan.rs).
+//! Here the "live" device is a second deviceless fixture: plan on the A100 fixture, re-plan
+//! for the H200 fixture.
 
 mod common;
 

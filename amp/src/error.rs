@@ -36,7 +36,7 @@ pub enum AmpError {
     Cuda(#[from] CudaError),
     /// A data-parallel collective or group setup failed.
     #[error(transparent)]
-    Dist(#[from] crate::dist::DistError),
+    Dist(#[from] cudnn_cbr_dist::DistError),
     /// No usable CUDA device: no driver library, no device, or the device cannot be opened.
     #[error("no usable CUDA device: {reason}")]
     NoDevice {

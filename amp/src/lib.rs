@@ -26,8 +26,9 @@
 //!    micro-batch but the last ends with [`step::AmpStep::accumulate`] instead.
 //!
 //! The crate builds on `cudnn_cbr_runtime` (NVRTC, the kernel cache, the device opener, the
-//! library checks) and takes only `DataType` from `cudnn_fe_sys`; it does not depend on the
-//! cuDNN frontend (fusion), which sits beside it.
+//! library checks), takes only `DataType` from `cudnn_fe_sys`, and runs its gradient
+//! collectives over the communicators of `cudnn_cbr_dist`; it does not depend on the cuDNN
+//! frontend (fusion), which sits beside it.
 //!
 //! Unsafe code lives only in [`cuda`], the kernel-launch module; everything else denies it.
 

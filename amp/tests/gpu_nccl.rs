@@ -11,11 +11,11 @@
 use std::sync::Arc;
 
 use cudnn_cbr_amp::cuda::{dist_grads, CudaRegions, CudaStream};
-use cudnn_cbr_amp::dist::nccl::{NcclComm, NcclId};
-use cudnn_cbr_amp::dist::{Collective, Communicator, ReduceOp};
 use cudnn_cbr_amp::plan::{ByteRange, MemoryPlan, MemoryPlanBuilder, ParamKind, Region};
 use cudnn_cbr_amp::range::SgdConfig;
 use cudnn_cbr_amp::step::{AmpStep, StepConfig};
+use cudnn_cbr_dist::nccl::{NcclComm, NcclId};
+use cudnn_cbr_dist::{Collective, Communicator, ReduceOp};
 use half::f16;
 
 mod common;
@@ -129,7 +129,7 @@ fn gpu_a_one_rank_nccl_step_equals_the_step_without_a_communicator() {
     comm.destroy().unwrap();
     println!(
         "{TEST}: W, A and S identical after one step (NCCL {})",
-        cudnn_cbr_amp::dist::nccl::nccl_library()
+        cudnn_cbr_dist::nccl::nccl_library()
             .map(|l| l.version())
             .unwrap_or(0)
     );

@@ -1,12 +1,12 @@
 //! amp's NCCL tier (tests/gpu_nccl.rs, unchanged) on the simulated CUDA device and its
 //! simulated NCCL (sim/nccl.cc, docs/simulator.md): this binary holds those tests as module
 //! `gpu_nccl` and runs itself again with the simulator selected, eagerly and in the
-//! adversarial stream order, so the unchanged `NcclComm` path (libnccl found by amp's own
+//! adversarial stream order, so the unchanged `NcclComm` path (libnccl found by dist's own
 //! loader, communicators, collectives enqueued on their streams, aborts, the init timeout)
 //! runs without a GPU. The simulator has one device, so the one test that needs two GPUs
 //! still prints its SKIP line, and only that one.
 //!
-//! Module `ranks` runs several ranks in this process (a thread each, amp's `NcclComm` on the
+//! Module `ranks` runs several ranks in this process (a thread each, dist's `NcclComm` on the
 //! simulated device; NCCL refuses two ranks on one real GPU, so it SKIPs off the simulator),
 //! with a planted missing join; `sim/tests/nccl.cc` (`nccl-check`, built by sim/build.sh)
 //! checks the simulated NCCL's element types, ops, captures and refusals.
@@ -19,8 +19,8 @@ mod sim;
 mod ranks {
     use cudnn_cbr_amp::cuda::cudarc::driver::DevicePtr;
     use cudnn_cbr_amp::cuda::{CudaContext, CudaStream};
-    use cudnn_cbr_amp::dist::nccl::{NcclComm, NcclId};
-    use cudnn_cbr_amp::dist::{Collective, ReduceOp};
+    use cudnn_cbr_dist::nccl::{NcclComm, NcclId};
+    use cudnn_cbr_dist::{Collective, ReduceOp};
     use cudnn_cbr_runtime::cuda_device;
     use half::f16;
     use std::sync::Arc;

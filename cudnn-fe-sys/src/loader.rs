@@ -30,7 +30,7 @@ pub const DEVICELESS_MIN_VERSION: usize = 9_08_00;
 const LIB_NAME: &str = "libcudnn.so.9";
 
 /// The CUDA driver library cuDNN's graph library opens by name.
-pub const DRIVER_LIBRARY: &str = "libcuda.so.1";
+pub(crate) const DRIVER_LIBRARY: &str = "libcuda.so.1";
 
 /// The sub-libraries cuDNN's graph API loads: the backend itself, the heuristics, and both
 /// engine families. (ops, cnn, adv, ext and tensor_ir serve the legacy and other APIs.)

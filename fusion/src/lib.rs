@@ -36,6 +36,9 @@ pub mod graph;
 pub mod interp;
 pub mod lower;
 pub mod plan;
+// Test scaffolding (the `deviceless_smoke` example and test), not part of the library's API:
+// built only with the `testing` feature, which the root crate's tests and examples enable.
+#[cfg(feature = "testing")]
 pub mod probe;
 pub mod reference;
 pub mod sim;

@@ -3,6 +3,7 @@
 //!
 //! It proves that cuDNN works on the machine (library, sub-libraries, device-properties JSON,
 //! heuristics, plan finalize) without a GPU; the `deviceless_smoke` example and test call it.
+//! Test scaffolding, built only with the crate's `testing` feature.
 
 use crate::cbr::graphs;
 use crate::error::Result;

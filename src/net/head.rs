@@ -1,7 +1,8 @@
 //! The network head in exact arithmetic: global average pool, FC, mean softmax cross-entropy,
 //! and their gradients. All in `f64`; the f64-mode network runs (and the tests against an
 //! independent reference) use it. The training loop's FP16 head is amp's
-//! [`range`](crate::amp::range) twins of the CUDA head kernels.
+//! [`range`](crate::amp::range) twins of the CUDA head kernels. Test scaffolding, built only
+//! with the crate's `testing` feature.
 
 use cudnn_cbr_fusion::{Error, Result};
 

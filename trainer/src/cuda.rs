@@ -18,13 +18,13 @@ use super::{
 use crate::checkpoint::{TrainState, SAVED_REGIONS};
 use crate::curves::CurvePoint;
 use cudnn_cbr::amp::cuda::{CudaRegions, CudaStream};
-use cudnn_cbr::amp::dist::bootstrap::LaunchEnv;
 use cudnn_cbr::amp::plan::Region;
 use cudnn_cbr::amp::range::{HeadMetrics, MetricsLog};
 use cudnn_cbr::amp::step::AmpStep;
 use cudnn_cbr::amp::AmpError;
 use cudnn_cbr::classifier::cuda::{check_fits, open_device, Accuracies};
 use cudnn_cbr::classifier::{CudaClassifier, EngineConfig};
+use cudnn_cbr::dist::bootstrap::LaunchEnv;
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::net::cuda::CudaNetError;
@@ -587,81 +587,4 @@ fn per_step(entries: &[HeadMetrics], accum: usize) -> Vec<HeadMetrics> {
         .chunks_exact(accum.max(1))
         .map(crate::mean_metrics)
         .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use cudnn_cbr::fusion::cbr::RouteKind;
-    use cudnn_cbr::net::cuda::{binding_plan, check_binding, Source};
-    use cudnn_cbr::net::{BufId, Step};
-
-    /// The binding plan of every route mix of the main job's network (each block's first
-    /// and last convs on each route, so pairs are prologues or materialized) against the real
-    /// memory plan: every parameter and parameter gradient has an amp slot of its type with
-    /// room, every other buffer is allocated, and the buffers the executor reaches outside the
-    /// layers (input, output and its gradient, the joins' operands) are allocations of equal
-    /// size where they are added together. No device involved.
-    #[test]
-    fn every_route_mix_binds_every_buffer() {
-        let cfg = TrainConfig {
-            batch: 16,
-            ..TrainConfig::default()
-        };
-        let kinds = [RouteKind::Fused, RouteKind::Unfused, RouteKind::Generic];
-        let mut mixes = 0;
-        for first in kinds {
-            for last in kinds {
-                let shapes = compile_net(&cfg, &RoutePolicy::Uniform(RouteKind::Fused))
-                    .unwrap()
-                    .conv_shapes();
-                let routes = shapes
-                    .iter()
-                    .map(|(n, _)| (n.clone(), if n.ends_with("conv1") { first } else { last }))
-                    .collect();
-                let policy = RoutePolicy::PerLayer {
-                    routes,
-                    default: RouteKind::Fused,
-                };
-                let net = compile_net(&cfg, &policy).unwrap();
-                let plan = cudnn_cbr::net::memory_plan(&net, cfg.classes).unwrap();
-                let sources = binding_plan(&net, true).unwrap();
-                for (b, source) in net.buffers.iter().zip(&sources) {
-                    let (bytes, dtype) = match source {
-                        Source::Param { key, region } => {
-                            let v = plan
-                                .view(key, *region)
-                                .unwrap_or_else(|e| panic!("{first:?}/{last:?} {}: {e}", b.name));
-                            (v.len_bytes, v.dtype)
-                        }
-                        Source::Own => (b.elems * b.dtype.size(), b.dtype),
-                    };
-                    check_binding(b, bytes, dtype)
-                        .unwrap_or_else(|e| panic!("{first:?}/{last:?}: {e}"));
-                }
-                let own_bytes = |id: BufId| {
-                    assert_eq!(sources[id], Source::Own, "{}", net.buffers[id].name);
-                    net.buffers[id].elems * 2
-                };
-                let image = cfg.batch * cfg.hw * cfg.hw * cfg.channels * 2;
-                assert_eq!(own_bytes(net.input), image);
-                let pooled = cfg.batch * net.out_hw * net.out_hw * net.features * 2;
-                assert_eq!(
-                    (own_bytes(net.output), own_bytes(net.output_grad)),
-                    (pooled, pooled)
-                );
-                let mut joins = 0;
-                for step in &net.backward {
-                    if let Step::Add { a, b, out } = *step {
-                        let sizes = (own_bytes(out), own_bytes(a), own_bytes(b));
-                        assert!(sizes.0 == sizes.1 && sizes.1 == sizes.2, "{sizes:?}");
-                        joins += 1;
-                    }
-                }
-                assert_eq!(joins, 2, "one join per block");
-                mixes += 1;
-            }
-        }
-        assert_eq!(mixes, 9);
-    }
 }

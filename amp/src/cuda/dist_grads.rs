@@ -19,15 +19,15 @@
 
 use half::f16;
 
-use super::nccl::NcclComm;
 use super::{driver_error, CudaRegions};
 use crate::dist::grads::bucket_collectives;
-use crate::dist::{Collective, ReduceOp};
 use crate::error::AmpError;
 use crate::plan::{Bucket, ByteRange, DataType, Region};
 use crate::range::{s_layout, S_REGION_BYTES};
 use crate::step::RangeOp;
 use cudarc::driver::{CudaSlice, CudaStream};
+use cudnn_cbr_dist::nccl::NcclComm;
+use cudnn_cbr_dist::{Collective, ReduceOp};
 use std::sync::{Arc, Mutex};
 
 /// `region`'s bytes `range` as `len` elements of `T` (the region holds `T`s there).
@@ -223,7 +223,7 @@ fn reduce_bucket(
     }
     let link = comm.stream().clone();
     if !Arc::ptr_eq(link.context(), regions.stream().context()) {
-        return Err(crate::dist::DistError::Nccl {
+        return Err(cudnn_cbr_dist::DistError::Nccl {
             op: "ncclAllReduce",
             code: None,
             message: format!(

@@ -44,7 +44,6 @@ mod ema_weights;
 mod head_kernels;
 mod input;
 mod launch;
-pub(crate) mod nccl;
 mod net_kernels;
 mod readback;
 mod regions;

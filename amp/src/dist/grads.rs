@@ -11,10 +11,10 @@
 
 use half::f16;
 
-use super::{Collective, ReduceOp};
 use crate::error::AmpError;
 use crate::plan::{Bucket, BucketInfo, ByteRange, DataType, MemoryPlan, Region};
 use crate::step::{AmpExecutor, CpuRegions};
+use cudnn_cbr_dist::{Collective, ReduceOp};
 
 /// Sums the step's gradients over the group, bucket by bucket from the last declared (the
 /// deepest layers, whose gradients backward finishes first) to the first: each bucket's conv

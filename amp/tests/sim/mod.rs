@@ -74,7 +74,7 @@ pub fn selected() -> bool {
 
 /// `cmd` set to run on the simulated device built in `dir`: the simulator selected, its
 /// folder first on the loader path (its driver and NVRTC) and NCCL's (`NCCL_LIB_DIR`, so that
-/// amp opens the simulated NCCL, not a real one found elsewhere), its own kernel and
+/// dist opens the simulated NCCL, not a real one found elsewhere), its own kernel and
 /// host-code caches (as `scripts/sim-env.sh`).
 pub fn select<'a>(cmd: &'a mut Command, dir: &Path) -> &'a mut Command {
     let mut path = OsString::from(dir);

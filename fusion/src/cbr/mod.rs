@@ -7,6 +7,9 @@ pub mod graphs;
 pub mod kernels;
 pub mod keys;
 mod layer;
+// Test scaffolding (tests/deviceless_plans.rs, tests/common/gpu_shapes.rs), not part of the
+// library's API: built only with the `testing` feature.
+#[cfg(feature = "testing")]
 pub mod resnet50;
 mod role;
 mod run;

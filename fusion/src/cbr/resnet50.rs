@@ -2,8 +2,9 @@
 //! them: every graph of a route planned through one [`PlanCache`], one [`GraphRow`] per graph,
 //! and a [`Summary`] of which layers' routes are supported.
 //!
-//! Shared by `examples/deviceless_plans.rs` (every layer, both routes) and
-//! `tests/deviceless_plans.rs` (a small subset, fused route only).
+//! Test scaffolding, built only with the crate's `testing` feature: `tests/deviceless_plans.rs`
+//! (a small subset, fused route only) and the GPU tests' shapes (`tests/common/gpu_shapes.rs`)
+//! use it.
 //!
 //! # Recipe
 //! 1. [`resnet50_layers`]`(batch)` → `(label, config)` for each unique conv layer.

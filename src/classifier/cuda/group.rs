@@ -7,15 +7,15 @@ use super::{driver, CudaClassifier, Result};
 use crate::amp::cuda::cudarc::driver::CudaEvent;
 use crate::amp::cuda::dist_grads::{self, SharedComm};
 use crate::amp::cuda::{CudaContext, CudaRegions, CudaStream};
-use crate::amp::dist::bootstrap::{exchange_id, LaunchEnv};
-use crate::amp::dist::nccl::{NcclComm, NcclId};
-use crate::amp::dist::watchdog::{timeout_from_env, Health, Watchdog};
-use crate::amp::dist::{Collective, DistError, ReduceOp};
 use crate::amp::range::HeadMetrics;
 use crate::amp::step::AmpStep;
 use crate::amp::AmpError;
 use crate::classifier::ClassifierError;
+use crate::dist::bootstrap::{exchange_id, LaunchEnv};
+use crate::dist::nccl::{NcclComm, NcclId};
+use crate::dist::watchdog::{timeout_from_env, Health, Watchdog};
 use crate::dist::NcclBnSync;
+use crate::dist::{Collective, DistError, ReduceOp};
 use crate::fusion::exec::Handle;
 use crate::net::{grad_schedule, CompiledNet, GradSchedule};
 use crate::runtime::cuda_device;
@@ -188,10 +188,10 @@ fn watch(comm: &NcclComm, pending: Arc<Mutex<VecDeque<CudaEvent>>>) -> Result<Wa
 }
 
 /// Fails every rank of the group when any two compiled different networks
-/// ([`crate::amp::dist::same`]): the fingerprints are all-gathered by one NCCL sum in which
+/// ([`crate::dist::same`]): the fingerprints are all-gathered by one NCCL sum in which
 /// each rank fills only its own slot.
 fn same_network(comm: &mut NcclComm, net: &CompiledNet) -> Result<()> {
-    use crate::amp::dist::{same, Communicator};
+    use crate::dist::{same, Communicator};
     let (me, world) = (comm.rank(), comm.world());
     let words = net.fingerprint().words(me, world);
     let link = comm.stream().clone();

@@ -45,7 +45,7 @@
 //! belongs to the thread that made the engine, so [`CudaClassifier`] is not `Send`.
 //!
 //! **Many GPUs** ([`EngineConfig::launch`], `group.rs`): one process per GPU started by a
-//! launcher ([`crate::amp::dist::bootstrap`]); rank 0's NCCL id shared through the TCP store or
+//! launcher ([`crate::dist::bootstrap`]); rank 0's NCCL id shared through the TCP store or
 //! rendezvous file, the networks' fingerprints compared, rank 0's weights broadcast. Each
 //! gradient bucket's NCCL sum is enqueued on a communication stream as soon as backward has
 //! written it ([`crate::net::GradSchedule`]), the overflow flag shared between the check and
@@ -71,10 +71,10 @@ pub use snapshot::Snapshot;
 
 use super::ClassifierError;
 use crate::amp::cuda::{AmpKernels, CudaContext, CudaRegions, CudaStream, Readback, Upload};
-use crate::amp::dist::bootstrap::LaunchEnv;
 use crate::amp::plan::Region;
 use crate::amp::range::HeadShape;
 use crate::amp::step::{AmpStep, StepConfig};
+use crate::dist::bootstrap::LaunchEnv;
 use crate::fusion::exec::Handle;
 use crate::net::{
     initial_weights, memory_plan_of, Arena, CompiledNet, CudaNet, MemoryReport, PlanContents,

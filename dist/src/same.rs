@@ -129,7 +129,7 @@ pub fn check_same_model<C: Collective<[u32]> + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dist::cpu::CpuGroup;
+    use crate::cpu::CpuGroup;
 
     #[test]
     fn equal_models_pass_and_different_ones_fail_every_rank() {

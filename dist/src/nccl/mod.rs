@@ -1,5 +1,5 @@
 //! NCCL: where the library is found, the communicator id ranks share, and [`NcclComm`],
-//! the [`Collective`](super::Collective) over device buffers.
+//! the [`Collective`](crate::Collective) over device buffers.
 //!
 //! # Finding libnccl
 //! [`nccl_library`] opens NCCL once per process, from the first of ([`nccl_candidates`]):
@@ -23,14 +23,14 @@
 //! # The communicator id
 //! Rank 0 makes an [`NcclId`] ([`NcclId::generate`], NCCL's `ncclGetUniqueId`; it needs the
 //! library, not a GPU) and every rank must get the same 128 bytes before
-//! [`NcclComm::new`]: [`super::bootstrap::exchange_id`] ships them over a TCP store or a
+//! [`NcclComm::new`]: [`crate::bootstrap::exchange_id`] ships them over a TCP store or a
 //! shared file ([`NcclId::to_bytes`] / [`NcclId::from_bytes`]; [`NcclId::to_hex`] /
 //! [`NcclId::from_hex`] for an environment variable or a log line).
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use cudnn_cbr_amp::dist::bootstrap::{exchange_id, LaunchEnv};
-//! use cudnn_cbr_amp::dist::nccl::{NcclComm, NcclId};
+//! use cudnn_cbr_dist::bootstrap::{exchange_id, LaunchEnv};
+//! use cudnn_cbr_dist::nccl::{NcclComm, NcclId};
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let env = LaunchEnv::from_env()?;
 //! let bytes = exchange_id(&env, || Ok(NcclId::generate()?.to_bytes()), Duration::from_secs(300))?;
@@ -44,9 +44,12 @@
 
 use std::path::{Path, PathBuf};
 
-use super::DistError;
+use crate::DistError;
 
-pub use crate::cuda::nccl::{nccl_library, NcclComm, NcclLibrary};
+// The unsafe half: the library's entry points and the communicator.
+mod comm;
+
+pub use comm::{nccl_library, NcclAbort, NcclComm, NcclLibrary};
 
 /// The environment variable naming the folder that holds `libnccl.so.2`, tried first.
 pub const NCCL_LIB_DIR_ENV: &str = "NCCL_LIB_DIR";

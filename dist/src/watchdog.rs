@@ -6,7 +6,7 @@
 //! rank's blocked call returns an error that the caller can name ([`Watchdog::fired`]).
 //!
 //! The probe and the abort are the caller's: the trainer probes CUDA events recorded after
-//! each step and NCCL's asynchronous error (`crate::cuda::nccl::NcclAbort`).
+//! each step and NCCL's asynchronous error ([`crate::nccl::NcclAbort`]).
 
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;

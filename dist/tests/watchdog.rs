@@ -2,7 +2,7 @@
 //! work without progress, or at once on a reported failure; never while work advances; and
 //! stops when dropped.
 
-use cudnn_cbr_amp::dist::watchdog::{parse_timeout, Health, Watchdog, DEFAULT_TIMEOUT};
+use cudnn_cbr_dist::watchdog::{parse_timeout, Health, Watchdog, DEFAULT_TIMEOUT};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

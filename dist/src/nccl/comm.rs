@@ -1,5 +1,8 @@
-//! The unsafe half of [`crate::dist::nccl`]: opening libnccl, its entry points, and
+//! The unsafe half of [`crate::nccl`]: opening libnccl, its entry points, and
 //! [`NcclComm`]. See that module for where the library is looked for and how ranks meet.
+
+// The crate denies unsafe code everywhere else; FFI into libnccl cannot avoid it.
+#![allow(unsafe_code)]
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::atomic::{AtomicPtr, Ordering};
@@ -11,8 +14,8 @@ use cudarc::nccl::sys::{ncclComm_t, ncclUniqueId};
 use cudarc::nccl::NcclType;
 use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
 
-use crate::dist::nccl::{nccl_candidates, nccl_site_packages, NcclCandidate, NcclId};
-use crate::dist::{Collective, Communicator, DistError, ReduceOp};
+use super::{nccl_candidates, nccl_site_packages, NcclCandidate, NcclId};
+use crate::{Collective, Communicator, DistError, ReduceOp};
 
 // NCCL's C entry points. `ncclResult_t`, `ncclDataType_t` and `ncclRedOp_t` are C enums,
 // passed and returned as `int`: a result code this build does not know is then a number,
@@ -71,8 +74,8 @@ impl std::fmt::Debug for NcclLibrary {
 }
 
 /// The process's NCCL, opened on first use from the first place of
-/// [`crate::dist::nccl::nccl_candidates`] that holds a working library (process environment,
-/// [`crate::dist::nccl::nccl_site_packages`]); the outcome is kept for the process.
+/// [`crate::nccl::nccl_candidates`] that holds a working library (process environment,
+/// [`crate::nccl::nccl_site_packages`]); the outcome is kept for the process.
 ///
 /// # Errors
 /// [`DistError::NcclUnavailable`], listing every place tried and why each failed.
@@ -400,7 +403,7 @@ impl NcclComm {
     /// the same `id` and `world`; it returns once all of them have. NCCL's blocking
     /// initialisation has no timeout of its own: a rank that never calls this holds the
     /// others here ([`NcclComm::new_within`] bounds the wait).
-    /// [`crate::dist::bootstrap::exchange_id`] over TCP returns on rank 0 only once every
+    /// [`crate::bootstrap::exchange_id`] over TCP returns on rank 0 only once every
     /// rank has fetched the id (within its timeout), which narrows that window to a rank
     /// failing between the exchange and this call.
     ///
@@ -610,7 +613,7 @@ impl NcclComm {
     /// `ncclAllReduce` of `count` elements of `T` from `send` into `recv` (the same address
     /// for in place), enqueued on [`NcclComm::stream`] with no cudarc event recorded or
     /// waited on: the caller orders the stream with the buffers' other users (a gradient
-    /// bucket's sum is ordered by its byte ranges, [`crate::cuda::dist_grads`]).
+    /// bucket's sum is ordered by its byte ranges, `cudnn_cbr_amp::cuda::dist_grads`).
     ///
     /// # Safety
     /// `send` and `recv` each address `count` elements of `T` in device memory of the
@@ -618,7 +621,7 @@ impl NcclComm {
     /// been ordered after every earlier write of `send` and use of `recv`; neither is freed,
     /// nor `recv` used (or `send` written) on another stream, until that stream is ordered
     /// after the collective.
-    pub(crate) unsafe fn all_reduce_raw<T: NcclType>(
+    pub unsafe fn all_reduce_raw<T: NcclType>(
         &mut self,
         send: u64,
         recv: u64,

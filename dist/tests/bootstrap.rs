@@ -8,12 +8,12 @@ use std::path::PathBuf;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use cudnn_cbr_amp::dist::bootstrap::{
+use cudnn_cbr_dist::bootstrap::{
     exchange_id, fetch_id, read_id_file, write_id_file, IdServer, LaunchEnv, Launcher, Rendezvous,
     DEFAULT_PORT,
 };
-use cudnn_cbr_amp::dist::nccl::{NcclId, NCCL_ID_BYTES};
-use cudnn_cbr_amp::dist::DistError;
+use cudnn_cbr_dist::nccl::{NcclId, NCCL_ID_BYTES};
+use cudnn_cbr_dist::DistError;
 
 const WAIT: Duration = Duration::from_secs(5);
 

@@ -1,0 +1,386 @@
+//! A training run: [`Trainer`] picks and sets up the executor and runs the loop
+//! ([`train`] in one call), with what the executors share: the session (resume, saves,
+//! curves), the progress window, the memory plan and initial weights, the report's summary.
+
+use crate::net::{self, compile_net};
+use crate::{
+    checkpoint, cpu, cpu_dp, cuda, DataSource, Device, ExecutorInfo, ExecutorKind, Progress,
+    TrainConfig, TrainError, TrainReport,
+};
+use cudnn_cbr::amp::plan::MemoryPlan;
+use cudnn_cbr::amp::range::HeadMetrics;
+
+/// A configured training run on one executor.
+#[derive(Debug)]
+pub struct Trainer {
+    cfg: TrainConfig,
+    info: ExecutorInfo,
+    exec: Exec,
+    session: Session,
+}
+
+/// What a run does besides training: where it starts, where it saves, what it records.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Session {
+    /// Steps done before this run (from a checkpoint).
+    pub(crate) start: usize,
+    /// Save to this path every `every` steps (0: only at the end), and at the end.
+    pub(crate) save: Option<(std::path::PathBuf, usize)>,
+    /// Record a curve point per step on CUDA (a blocking read of S per step).
+    pub(crate) curve: bool,
+}
+
+impl Session {
+    /// Whether to save after `done` steps of a run of `steps`.
+    pub(crate) fn saves_after(&self, done: usize, steps: usize) -> Option<&std::path::Path> {
+        let (path, every) = self.save.as_ref()?;
+        (done == steps || (*every > 0 && done.is_multiple_of(*every))).then_some(path.as_path())
+    }
+}
+
+#[derive(Debug)]
+enum Exec {
+    Cpu(Box<cpu::CpuTrainer>),
+    CpuDataParallel(Box<cpu_dp::DataParallelTrainer>),
+    Cuda(Box<cuda::CudaTrainer>),
+}
+
+impl Trainer {
+    /// Chooses the executor by `cfg.device` and sets it up.
+    ///
+    /// # Errors
+    /// [`TrainError::Config`] for a bad configuration; with [`Device::Cuda`], the
+    /// [`TrainError::is_unavailable`] errors when the CUDA executor cannot run here; any
+    /// error of the setup itself.
+    pub fn new(cfg: &TrainConfig) -> Result<Self, TrainError> {
+        cfg.validate()?;
+        let cpu = |reason: String| -> Result<Trainer, TrainError> {
+            Ok(Trainer {
+                cfg: *cfg,
+                info: ExecutorInfo {
+                    kind: ExecutorKind::Cpu,
+                    reason,
+                    detail: format!(
+                        "CPU reference executor ({}), {} route ops",
+                        cudnn_cbr::fusion::reference::cpu_paths(),
+                        if cfg.fused { "fused" } else { "unfused" }
+                    ),
+                },
+                exec: Exec::Cpu(Box::new(cpu::CpuTrainer::new(cfg)?)),
+                session: Session::default(),
+            })
+        };
+        let launch = launch_env()?;
+        if let Some(l) = &launch {
+            let why = if cfg.ranks > 1 {
+                Some("--ranks runs CPU ranks as threads in one process")
+            } else if cfg.device == Device::Cpu {
+                Some("the CPU executor does not join a launched group")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(TrainError::Config(format!(
+                    "this process was launched as rank {} of {} ({:?}): {why}; run \
+                     --device cuda, one process per GPU",
+                    l.rank, l.world, l.launcher
+                )));
+            }
+        }
+        let cuda = |reason: &str| -> Result<Trainer, TrainError> {
+            let t = cuda::CudaTrainer::launched(cfg, launch.clone())?;
+            Ok(Trainer {
+                cfg: *cfg,
+                info: ExecutorInfo {
+                    kind: ExecutorKind::Cuda,
+                    reason: reason.to_string(),
+                    detail: t.describe(),
+                },
+                exec: Exec::Cuda(Box::new(t)),
+                session: Session::default(),
+            })
+        };
+        // Files are read on one rank: the CPU executor or the CUDA executor (whose batches
+        // are made ahead on a CPU thread and copied on a stream of their own).
+        if cfg.data != DataSource::Synthetic && (cfg.data_parallel() || launch.is_some()) {
+            return Err(TrainError::Config(format!(
+                "--data {} trains on one rank (the CPU or CUDA executor); drop --ranks / \
+                 --sync-bn and the launcher",
+                cfg.data
+            )));
+        }
+        // Under a launcher, --sync-bn synchronizes the GPU ranks (one process each).
+        if cfg.data_parallel() && launch.is_none() {
+            if cfg.device == Device::Cuda {
+                return Err(TrainError::Config(
+                    "--ranks and --sync-bn run CPU ranks as threads; the CUDA executor runs \
+                     data-parallel as one process per GPU under a launcher (torchrun, mpirun, \
+                     srun), with --sync-bn and without --ranks"
+                        .into(),
+                ));
+            }
+            return Ok(Trainer {
+                cfg: *cfg,
+                info: ExecutorInfo {
+                    kind: ExecutorKind::Cpu,
+                    reason: format!(
+                        "{} data-parallel ranks run as CPU threads (device {})",
+                        cfg.ranks,
+                        cfg.device.name()
+                    ),
+                    detail: format!(
+                        "CPU reference executor, {} route ops, {} ranks × batch {}, {} BN",
+                        if cfg.fused { "fused" } else { "unfused" },
+                        cfg.ranks,
+                        cfg.batch,
+                        if cfg.sync_bn { "synchronized" } else { "local" }
+                    ),
+                },
+                exec: Exec::CpuDataParallel(Box::new(cpu_dp::DataParallelTrainer::new(cfg)?)),
+                session: Session::default(),
+            });
+        }
+        if cfg.drill.is_some() {
+            return match cfg.device {
+                Device::Cuda => Err(TrainError::Config(
+                    "the fault drill runs on the CPU executor only".into(),
+                )),
+                _ => cpu("a fault drill runs on the CPU executor".into()),
+            };
+        }
+        match cfg.device {
+            Device::Cpu => cpu("requested (device cpu)".into()),
+            Device::Cuda => cuda("requested (device cuda)"),
+            Device::Auto => match cuda("auto: a CUDA device, cuDNN and NVRTC are usable") {
+                Err(e) if e.is_unavailable() && launch.is_none() => cpu(format!("auto: {e}")),
+                other => other,
+            },
+        }
+    }
+
+    /// This process's rank and the number of processes of its group (0 of 1 unless a
+    /// launcher started several: [`cuda::CudaTrainer::launched`]). Only rank 0 need report.
+    pub fn process_rank(&self) -> (usize, usize) {
+        match &self.exec {
+            Exec::Cuda(t) => t.rank(),
+            _ => (0, 1),
+        }
+    }
+
+    /// The executor it runs, and why.
+    pub fn executor(&self) -> &ExecutorInfo {
+        &self.info
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TrainConfig {
+        &self.cfg
+    }
+
+    /// Saves a checkpoint ([`checkpoint`]) to `path` after every `every` steps (0: none
+    /// between) and after the last step. One rank only (CPU or CUDA executor). Makes the
+    /// folder if needed and checks now that a file can be written there.
+    ///
+    /// # Errors
+    /// [`TrainError::Config`] for a data-parallel run; [`TrainError::Checkpoint`] when the
+    /// folder cannot hold the file.
+    pub fn save_to(&mut self, path: &std::path::Path, every: usize) -> Result<(), TrainError> {
+        self.one_rank("--save")?;
+        checkpoint::check_writable(path)?;
+        self.session.save = Some((path.to_path_buf(), every));
+        Ok(())
+    }
+
+    /// Records a [`curves::CurvePoint`](crate::curves::CurvePoint) per step on the CUDA executor too (the CPU executors
+    /// always do): S's loss scale and learning rate are copied on the device behind every
+    /// step and read back once at the end, so the step never waits for the host.
+    pub fn record_curve(&mut self, on: bool) {
+        self.session.curve = on;
+    }
+
+    fn one_rank(&self, what: &str) -> Result<(), TrainError> {
+        if matches!(self.exec, Exec::CpuDataParallel(_)) || self.process_rank().1 > 1 {
+            return Err(TrainError::Config(format!(
+                "{what} works on one rank (the CPU or CUDA executor without --ranks, \
+                 --sync-bn or a launcher)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Loads a checkpoint of this run's network and data ([`checkpoint::load`]) into the
+    /// executor: the run then trains from its step up to [`TrainConfig::steps`], on the
+    /// batches that follow. Returns that step.
+    ///
+    /// # Errors
+    /// [`TrainError::Checkpoint`] naming what is wrong with the file; [`TrainError::Config`]
+    /// for a data-parallel run or a checkpoint at or past `steps`; the executor's error.
+    pub fn resume(&mut self, path: &std::path::Path) -> Result<usize, TrainError> {
+        self.one_rank("--resume")?;
+        let loaded = checkpoint::load(path, &self.cfg)?;
+        let step = usize::try_from(loaded.step).unwrap_or(usize::MAX);
+        if step >= self.cfg.steps {
+            return Err(TrainError::Config(format!(
+                "the checkpoint {} is at step {step}; --steps counts from the start of the \
+                 run, so it must be more than that (got {})",
+                path.display(),
+                self.cfg.steps
+            )));
+        }
+        match &mut self.exec {
+            Exec::Cpu(t) => t.load_state(&loaded.state)?,
+            Exec::Cuda(t) => t.load_state(&loaded.state)?,
+            Exec::CpuDataParallel(_) => {
+                return Err(TrainError::Config("--resume works on one rank".into()))
+            }
+        }
+        self.session.start = step;
+        Ok(step)
+    }
+
+    /// Trains and reports. `progress` is called every `every` steps on the CPU; on CUDA it
+    /// is called whenever an asynchronous readback of the device's metrics log arrives after
+    /// such a request (so a report may cover more than `every` steps, and reports may be
+    /// fewer), and always for the final steps.
+    ///
+    /// # Errors
+    /// Any failure of the executor.
+    pub fn run(
+        self,
+        every: usize,
+        progress: impl FnMut(&Progress),
+    ) -> Result<TrainReport, TrainError> {
+        match self.exec {
+            Exec::Cpu(t) => t.run(every, progress, self.info, &self.session),
+            Exec::CpuDataParallel(t) => t.run(every, progress, self.info),
+            Exec::Cuda(t) => t.run(every, progress, self.info, &self.session),
+        }
+    }
+}
+
+/// Trains and reports; `progress` is called every `every` steps (see [`Trainer::run`]).
+///
+/// # Errors
+/// As [`Trainer::new`] and [`Trainer::run`].
+pub fn train(
+    cfg: &TrainConfig,
+    every: usize,
+    progress: impl FnMut(&Progress),
+) -> Result<TrainReport, TrainError> {
+    Trainer::new(cfg)?.run(every, progress)
+}
+
+/// The launcher's description of this process when one started several
+/// ([`cudnn_cbr::dist::bootstrap`] lists the variables read); `None` without a launcher
+/// or for a group of one.
+///
+/// # Errors
+/// [`TrainError::Config`] when a launcher's variables are set but wrong.
+fn launch_env() -> Result<Option<cudnn_cbr::dist::bootstrap::LaunchEnv>, TrainError> {
+    const RANK_VARS: [&str; 4] = ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"];
+    if !RANK_VARS
+        .iter()
+        .any(|v| std::env::var(v).is_ok_and(|s| !s.is_empty()))
+    {
+        return Ok(None);
+    }
+    let env = cudnn_cbr::dist::bootstrap::LaunchEnv::from_env()
+        .map_err(|e| TrainError::Config(format!("the launcher's environment: {e}")))?;
+    Ok((env.world > 1).then_some(env))
+}
+
+/// Loss and accuracy of the steps since the last progress report (the CPU executors').
+#[derive(Debug, Default)]
+pub(crate) struct Window {
+    loss: f32,
+    accuracy: f32,
+    n: usize,
+}
+
+impl Window {
+    pub(crate) fn add(&mut self, m: HeadMetrics) {
+        self.loss += m.loss;
+        self.accuracy += m.accuracy;
+        self.n += 1;
+    }
+
+    /// The report after `step` steps (`done` of them since `start`) of `images_per_step`
+    /// images, with S's scale and skip count; empties the window.
+    pub(crate) fn report(
+        &mut self,
+        step: usize,
+        done: usize,
+        images_per_step: usize,
+        start: std::time::Instant,
+        s: cudnn_cbr::amp::range::Scalars,
+    ) -> Progress {
+        let n = self.n.max(1) as f32;
+        let p = Progress {
+            step,
+            loss: self.loss / n,
+            accuracy: self.accuracy / n,
+            loss_scale: s.loss_scale,
+            skipped: s.skipped,
+            images_per_sec: (done * images_per_step) as f64 / start.elapsed().as_secs_f64(),
+        };
+        *self = Window::default();
+        p
+    }
+}
+
+/// Held-out batches evaluated after training.
+pub(crate) const HELD_OUT_BATCHES: u64 = 8;
+
+/// The network's memory plan ([`cudnn_cbr::net::memory_plan`]) and initial master weights
+/// ([`cudnn_cbr::net::initial_weights`]) for `cfg`'s shapes and seed: what both executors start from.
+pub(crate) fn plan_and_initial_weights(
+    cfg: &TrainConfig,
+) -> Result<(MemoryPlan, NamedValues), TrainError> {
+    // Shapes do not depend on routes: compile for the CPU, without cuDNN.
+    let net = compile_net(cfg, &net::cpu_policy(cfg))?;
+    // With an EMA the plan has E and E16 (as the CPU classifier's and the checkpoint's).
+    let plan = if cfg.ema.is_some() {
+        cudnn_cbr::net::memory_plan_with_ema(&net, cfg.classes)?
+    } else {
+        cudnn_cbr::net::memory_plan(&net, cfg.classes)?
+    };
+    // Gradient accumulation adds the FP32 accumulator GA; nothing else moves.
+    let plan = if cfg.accum > 1 {
+        plan.with_grad_accumulator()?
+    } else {
+        plan
+    };
+    let init = cudnn_cbr::net::initial_weights(&net, cfg.classes, cfg.seed);
+    Ok((plan, init))
+}
+
+/// (parameter, values) pairs.
+pub(crate) type NamedValues = Vec<(String, Vec<f32>)>;
+
+/// The report's loss and accuracy fields from the per-step metrics.
+pub(crate) fn summarize(steps: &[HeadMetrics]) -> (f32, f32, f32, Vec<f32>) {
+    let mean = |v: &[f32]| v.iter().sum::<f32>() / v.len().max(1) as f32;
+    let losses: Vec<f32> = steps.iter().map(|m| m.loss).collect();
+    let accs: Vec<f32> = steps.iter().map(|m| m.accuracy).collect();
+    let head = &losses[..losses.len().min(10)];
+    let tail = &losses[losses.len().saturating_sub(10)..];
+    (
+        mean(head),
+        mean(tail),
+        mean(&accs[accs.len().saturating_sub(10)..]),
+        losses,
+    )
+}
+
+/// The mean loss and accuracy of a step's micro-batches (the one micro-batch's own values
+/// without accumulation).
+pub(crate) fn mean_metrics(each: &[HeadMetrics]) -> HeadMetrics {
+    if let [one] = each {
+        return *one;
+    }
+    let n = each.len().max(1) as f32;
+    HeadMetrics {
+        loss: each.iter().map(|m| m.loss).sum::<f32>() / n,
+        accuracy: each.iter().map(|m| m.accuracy).sum::<f32>() / n,
+    }
+}
