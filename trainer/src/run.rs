@@ -54,6 +54,10 @@ impl Trainer {
     /// error of the setup itself.
     pub fn new(cfg: &TrainConfig) -> Result<Self, TrainError> {
         cfg.validate()?;
+        // The CPU executor reads its SIMD cap itself and ignores a value it does not know:
+        // refuse that value here, whatever the device, rather than run without the cap.
+        cudnn_cbr::fusion::reference::cpu_simd_from_env()
+            .map_err(|e| TrainError::Config(e.to_string()))?;
         let cpu = |reason: String| -> Result<Trainer, TrainError> {
             Ok(Trainer {
                 cfg: *cfg,
