@@ -35,6 +35,17 @@ use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
+/// `println!` that ends the program quietly when its output is gone (a reader that closed the
+/// pipe, as `train_cbr | head` does) instead of panicking on the failed write.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if writeln!(std::io::stdout().lock(), $($arg)*).is_err() {
+            std::process::exit(0);
+        }
+    }};
+}
+
 /// Train a small CBR ResNet on synthetic data (on CUDA when usable, else on the CPU reference
 /// executor).
 #[derive(Debug, Parser)]
@@ -205,9 +216,10 @@ fn main() -> ExitCode {
         ExecutorKind::Cpu => "cpu",
         ExecutorKind::Cuda => "cuda",
     };
-    println!(
+    out!(
         "train_cbr: device {kind} ({}); {}",
-        info.reason, info.detail
+        info.reason,
+        info.detail
     );
     let spec = cfg.net.spec(cfg.channels, cfg.classes, cfg.width);
     let blocks: Vec<usize> = spec.stages.iter().map(Vec::len).collect();
@@ -215,7 +227,7 @@ fn main() -> ExitCode {
         Some(BlockKind::Bottleneck) => "bottleneck",
         _ => "basic",
     };
-    println!(
+    out!(
         "network: {} (stem {}x{}/{} to {} channels{}, {block_kind} blocks per stage {blocks:?}), {}x{}x{} {} images, {} classes, batch {}, {} steps, lr {}",
         cfg.net,
         spec.stem.kernel,
@@ -239,7 +251,7 @@ fn main() -> ExitCode {
         cfg.lr
     );
     if let Some(path) = &args.resume {
-        println!(
+        out!(
             "train_cbr: resumed from {} at step {resumed}",
             path.display()
         );
@@ -269,7 +281,7 @@ fn main() -> ExitCode {
                 bar.set_position(p.step as u64);
                 bar.set_message(line);
             }
-            None => println!("step {:>5}/{} | {line}", p.step, cfg.steps),
+            None => out!("step {:>5}/{} | {line}", p.step, cfg.steps),
         }
     });
     if let Some(bar) = &bar {
@@ -283,7 +295,7 @@ fn main() -> ExitCode {
                     .ema_accuracy
                     .map(|a| format!(", EMA {:.1}%", a * 100.0))
                     .unwrap_or_default();
-                println!(
+                out!(
                     "train_cbr: epoch {} (step {}): test accuracy {:.1}% (eval mode){ema}",
                     e.epoch,
                     e.step,
@@ -300,7 +312,7 @@ fn main() -> ExitCode {
                 .held_out_ema_accuracy
                 .map(|a| format!(", EMA held-out accuracy {:.1}% (eval mode)", a * 100.0))
                 .unwrap_or_default();
-            println!(
+            out!(
                 "train_cbr summary: loss {:.4} -> {:.4}, train accuracy {:.1}% (last 10 steps), held-out accuracy {:.1}% ({mode}){ema} (chance {:.1}%), skipped {} steps, loss scale {}, {:.0} img/s on {kind}, weights hash {:016x}",
                 r.first_loss,
                 r.last_loss,
@@ -313,11 +325,11 @@ fn main() -> ExitCode {
                 r.weights_hash()
             );
             if r.executor.kind == ExecutorKind::Cuda {
-                println!("train_cbr: {}", r.executor.detail);
+                out!("train_cbr: {}", r.executor.detail);
             }
             // Each step's loss, for comparing runs (a resumed run's start at its step).
             let losses: Vec<String> = r.step_losses.iter().map(|l| format!("{l:?}")).collect();
-            println!(
+            out!(
                 "train_cbr: step losses from step {}: {}",
                 r.start_step + 1,
                 losses.join(" ")
@@ -325,7 +337,7 @@ fn main() -> ExitCode {
             if let Some(dir) = &args.log_dir {
                 match cudnn_cbr_trainer::curves::write(dir, &r.curve) {
                     Ok((csv, svg)) => {
-                        println!(
+                        out!(
                             "train_cbr: curves in {} and {}",
                             csv.display(),
                             svg.display()
@@ -338,7 +350,7 @@ fn main() -> ExitCode {
                 }
             }
             if let Some(path) = &args.save {
-                println!("train_cbr: checkpoint saved to {}", path.display());
+                out!("train_cbr: checkpoint saved to {}", path.display());
             }
             ExitCode::SUCCESS
         }
