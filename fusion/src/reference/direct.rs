@@ -37,10 +37,6 @@ pub(crate) enum Level {
 
 /// The widest tiles this CPU runs (feature detection is cached by the standard library).
 pub(crate) fn level() -> Level {
-    #[cfg(test)]
-    if let Some(level) = forced::get() {
-        return level;
-    }
     let cap = super::simd::cap();
     #[cfg(target_arch = "x86_64")]
     {
@@ -57,40 +53,6 @@ pub(crate) fn level() -> Level {
     }
     let _ = cap;
     Level::None
-}
-
-/// Tests run the conv ops at a chosen [`Level`] (every level gives the same bits, so other
-/// tests running meanwhile are unaffected; a level the CPU lacks falls back to the gather).
-#[cfg(test)]
-pub(crate) mod forced {
-    use std::sync::atomic::{AtomicU8, Ordering};
-    use std::sync::Mutex;
-
-    use super::Level;
-
-    static LEVEL: AtomicU8 = AtomicU8::new(0);
-    /// Held by a test while it forces a level.
-    pub(crate) static HELD: Mutex<()> = Mutex::new(());
-
-    pub(crate) fn get() -> Option<Level> {
-        match LEVEL.load(Ordering::Relaxed) {
-            1 => Some(Level::None),
-            2 => Some(Level::Avx2),
-            3 => Some(Level::Avx512),
-            _ => None,
-        }
-    }
-
-    /// Forces `level` (`None`: the CPU's own again).
-    pub(crate) fn set(level: Option<Level>) {
-        let code = match level {
-            None => 0,
-            Some(Level::None) => 1,
-            Some(Level::Avx2) => 2,
-            Some(Level::Avx512) => 3,
-        };
-        LEVEL.store(code, Ordering::Relaxed);
-    }
 }
 
 /// `out[i·cout + o] = Σ_s src[p[i] + q[s]] · m[s·cout + o]` (or `+=` where `add`), in the

@@ -70,7 +70,7 @@ pub mod fused;
 pub(crate) mod parallel;
 pub mod params;
 pub mod pointwise;
-mod simd;
+pub(crate) mod simd;
 
 #[cfg(test)]
 mod tests;

@@ -64,6 +64,10 @@ pub fn cpu_simd_from_env() -> Result<Option<CpuSimd>> {
 /// The cap in force: [`cpu_simd_from_env`] read once per process, no cap where it is unset or
 /// refused.
 pub(crate) fn cap() -> CpuSimd {
+    #[cfg(test)]
+    if let Some(cap) = forced::get() {
+        return cap;
+    }
     static CAP: OnceLock<CpuSimd> = OnceLock::new();
     *CAP.get_or_init(|| {
         cpu_simd_from_env()
@@ -71,6 +75,40 @@ pub(crate) fn cap() -> CpuSimd {
             .flatten()
             .unwrap_or(CpuSimd::Avx512)
     })
+}
+
+/// Tests run the ops under a chosen cap (every cap gives the same bits, so other tests
+/// running meanwhile are unaffected; a path the CPU lacks falls back as without a cap).
+#[cfg(test)]
+pub(crate) mod forced {
+    use std::sync::atomic::{AtomicU8, Ordering};
+    use std::sync::Mutex;
+
+    use super::CpuSimd;
+
+    static CAP: AtomicU8 = AtomicU8::new(0);
+    /// Held by a test while it forces a cap.
+    pub(crate) static HELD: Mutex<()> = Mutex::new(());
+
+    pub(crate) fn get() -> Option<CpuSimd> {
+        match CAP.load(Ordering::Relaxed) {
+            1 => Some(CpuSimd::Portable),
+            2 => Some(CpuSimd::Avx2),
+            3 => Some(CpuSimd::Avx512),
+            _ => None,
+        }
+    }
+
+    /// Forces `cap` (`None`: the environment's again).
+    pub(crate) fn set(cap: Option<CpuSimd>) {
+        let code = match cap {
+            None => 0,
+            Some(CpuSimd::Portable) => 1,
+            Some(CpuSimd::Avx2) => 2,
+            Some(CpuSimd::Avx512) => 3,
+        };
+        CAP.store(code, Ordering::Relaxed);
+    }
 }
 
 #[cfg(test)]

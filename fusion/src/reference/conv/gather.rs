@@ -462,24 +462,6 @@ impl<'a, A: Real> Gatherer<'a, A> {
         Gatherer::Padded(Padded { src, layout })
     }
 
-    /// For the padded gather: each column's element offset from its row's base element
-    /// ([`Padded::bases`]), so element `(row, d)` of the column matrix is
-    /// `src[base(row) + offset(d)]`. `None` for the general gather.
-    pub(super) fn column_offsets(&self) -> Option<Vec<usize>> {
-        let Gatherer::Padded(g) = self else {
-            return None;
-        };
-        let cin = g.layout.cin;
-        let mut eoff = vec![0; g.layout.taps * cin];
-        for &(t, len, off) in &g.layout.runs {
-            let run = &mut eoff[t * cin..(t + len) * cin];
-            for (i, e) in run.iter_mut().enumerate() {
-                *e = off * cin + i;
-            }
-        }
-        Some(eoff)
-    }
-
     /// Fills `col` with rows `first..first + n_rows` of the column matrix (see [`gather`]).
     pub(super) fn gather(&self, first: usize, n_rows: usize, col: &mut Vec<A>) {
         match self {
@@ -514,6 +496,20 @@ impl<A: Real> Padded<'_, A> {
                 );
             }
         });
+    }
+
+    /// Each column's element offset from its row's base element ([`Padded::bases`]), so
+    /// element `(row, d)` of the column matrix is `src[base(row) + offset(d)]`.
+    pub(super) fn column_offsets(&self) -> Vec<usize> {
+        let cin = self.layout.cin;
+        let mut eoff = vec![0; self.layout.taps * cin];
+        for &(t, len, off) in &self.layout.runs {
+            let run = &mut eoff[t * cin..(t + len) * cin];
+            for (i, e) in run.iter_mut().enumerate() {
+                *e = off * cin + i;
+            }
+        }
+        eoff
     }
 
     /// The element index in the padded source of each of rows `first..first + n_rows`' base

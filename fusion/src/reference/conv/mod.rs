@@ -349,10 +349,7 @@ pub(crate) fn wgrad_src<A: Real>(p: &ConvParams, x: Src<'_, A>, dy: &[A]) -> Res
     // path: at least two output channels and two filter columns, and 3..=512 rows per tile,
     // checked per tile below), the same bits as the gather and the GEMM.
     let direct = match &gatherer {
-        Gatherer::Padded(g) if A::DIRECT && k >= 2 && depth >= 2 => gatherer
-            .column_offsets()
-            .filter(|eoff| eoff.len() == depth)
-            .map(|eoff| (g, eoff)),
+        Gatherer::Padded(g) if A::DIRECT && k >= 2 && depth >= 2 => Some((g, g.column_offsets())),
         _ => None,
     };
     let partials = (0..groups)

@@ -5,7 +5,7 @@ use std::borrow::Cow;
 
 use super::super::element::{Mat, Real};
 use super::super::error::Result;
-use super::gather::Gatherer;
+use super::gather::{Gatherer, Padded};
 
 /// A tile's gathered column rows and their bases, kept from tile to tile.
 #[derive(Debug, Default)]
@@ -21,9 +21,16 @@ pub(super) struct TileProduct<'g, 'a, A: Real> {
     depth: usize,
     weights: Mat<'g, A>,
     cout: usize,
-    /// Each column's offset from a row's base and `weights` row-major, where the tiles may
-    /// go direct.
-    direct: Option<(Vec<usize>, Cow<'g, [A]>)>,
+    /// Where the tiles may go direct.
+    direct: Option<Direct<'g, 'a, A>>,
+}
+
+/// What a direct tile reads: the padded source, each column's offset from a row's base, and
+/// `weights` row-major.
+struct Direct<'g, 'a, A: Real> {
+    src: &'g Padded<'a, A>,
+    eoff: Vec<usize>,
+    w: Cow<'g, [A]>,
 }
 
 impl<'g, 'a, A: Real> TileProduct<'g, 'a, A> {
@@ -35,11 +42,16 @@ impl<'g, 'a, A: Real> TileProduct<'g, 'a, A> {
     ) -> Self {
         // The `gemm` crate's kernel path for this product (direct.rs): a reduced dimension of
         // 3..=512 (no blocks, no vector-vector case) and at least two output channels.
-        let direct = (A::DIRECT && (3..=512).contains(&depth) && cout >= 2)
-            .then(|| gatherer.column_offsets())
-            .flatten()
-            .filter(|eoff| eoff.len() == depth)
-            .map(|eoff| (eoff, dense(weights, depth, cout)));
+        let direct = match gatherer {
+            Gatherer::Padded(g) if A::DIRECT && (3..=512).contains(&depth) && cout >= 2 => {
+                Some(Direct {
+                    src: g,
+                    eoff: g.column_offsets(),
+                    w: dense(weights, depth, cout),
+                })
+            }
+            _ => None,
+        };
         TileProduct {
             gatherer,
             depth,
@@ -57,10 +69,10 @@ impl<'g, 'a, A: Real> TileProduct<'g, 'a, A> {
         out: &mut [A],
     ) -> Result<()> {
         // Tiles the crate would sum across lanes (m·n ≤ 256) or treat as a vector go its way.
-        if let (Some((eoff, w)), Gatherer::Padded(g)) = (&self.direct, self.gatherer) {
+        if let Some(d) = &self.direct {
             if n_rows >= 2 && n_rows * self.cout > 256 {
-                g.bases(first, n_rows, &mut s.bases);
-                if A::direct(&g.src[..], &s.bases, eoff, w, self.cout, out, false) {
+                d.src.bases(first, n_rows, &mut s.bases);
+                if A::direct(&d.src.src, &s.bases, &d.eoff, &d.w, self.cout, out, false) {
                     return Ok(());
                 }
             }

@@ -7,8 +7,9 @@
 use super::fast_paths::conv_shapes;
 use super::util::Rng;
 use crate::reference::conv::{dgrad_all_taps, fprop_acc, wgrad_acc};
-use crate::reference::direct::{forced, Level};
+use crate::reference::simd::forced;
 use crate::reference::ConvParams;
+use crate::reference::CpuSimd;
 
 fn shapes() -> Vec<ConvParams> {
     // The fast paths' conv shapes (the mini network's among them), then tails and fallbacks.
@@ -54,8 +55,8 @@ fn direct_tiles_match_the_gather_and_gemm_bit_for_bit_at_every_level() {
             forced::set(None);
             out
         };
-        let want = run(Level::None);
-        for level in [Level::Avx2, Level::Avx512] {
+        let want = run(CpuSimd::Portable);
+        for level in [CpuSimd::Avx2, CpuSimd::Avx512] {
             let got = run(level);
             assert_eq!(bits(&got.0), bits(&want.0), "fprop {level:?} {p:?}");
             assert_eq!(bits(&got.1), bits(&want.1), "dgrad {level:?} {p:?}");
