@@ -170,25 +170,39 @@ pub(super) fn finalize<T: Element, I: LayerIo<T> + ?Sized>(cx: &Cx<'_>, io: &mut
         sum: io.float(k::SUM.this())?.to_vec(),
         sqsum: io.float(k::SQ_SUM.this())?.to_vec(),
     };
+    let count = cx.cfg.shape.count() as usize * cx.replicas;
+    let out = finalize_running(cx, io, &stats, count)?;
+    io.set_half(k::EQ_SCALE.this(), out.eq_scale)?;
+    io.set_half(k::EQ_BIAS.this(), out.eq_bias)?;
+    io.set_float(k::SAVED_MEAN.this(), out.saved_mean)?;
+    io.set_float(k::SAVED_INV_STD.this(), out.saved_inv_std)
+}
+
+/// BN finalize of `stats` over `count` elements with this layer's `γ`, `β` and running
+/// statistics, the updated running statistics written to their next-step buffers: what
+/// [`GraphRole::Finalize`] and the synchronized unfused BN forward share.
+pub(super) fn finalize_running<T: Element, I: LayerIo<T> + ?Sized>(
+    cx: &Cx<'_>,
+    io: &mut I,
+    stats: &ChannelStats<T::Acc>,
+    count: usize,
+) -> Result<r::BnFinalized<T>> {
     let mut mean = io.float(k::RUNNING_MEAN.this())?.to_vec();
     let mut var = io.float(k::RUNNING_VAR.this())?.to_vec();
-    let out: r::BnFinalized<T> = r::bn_finalize(
-        &stats,
+    let out = r::bn_finalize(
+        stats,
         io.float(k::GAMMA.this())?,
         io.float(k::BETA.this())?,
         RunningStats {
             mean: &mut mean,
             var: &mut var,
         },
-        cx.cfg.shape.count() as usize * cx.replicas,
+        count,
         &cx.bn(),
     )?;
     io.set_float(k::RUNNING_MEAN_NEXT.this(), mean)?;
     io.set_float(k::RUNNING_VAR_NEXT.this(), var)?;
-    io.set_half(k::EQ_SCALE.this(), out.eq_scale)?;
-    io.set_half(k::EQ_BIAS.this(), out.eq_bias)?;
-    io.set_float(k::SAVED_MEAN.this(), out.saved_mean)?;
-    io.set_float(k::SAVED_INV_STD.this(), out.saved_inv_std)
+    Ok(out)
 }
 
 /// The evaluation-mode BN coefficients from the running statistics

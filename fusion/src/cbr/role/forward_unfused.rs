@@ -4,7 +4,7 @@
 //! ([`GraphRole::BnForward`]).
 
 use super::common::{lg, plain_in, residual_bindings, residual_of, Cx};
-use super::forward_fused::eval_finalized;
+use super::forward_fused::{eval_finalized, finalize_running};
 use super::{no_kernel, RoleDef};
 use crate::cbr::bn_sync::{BnSync, SyncAction};
 use crate::cbr::graphs::{self, ApplyResidual};
@@ -277,19 +277,7 @@ pub(super) fn bn_forward_synced<T: Element, I: LayerIo<T> + ?Sized>(
     sync.all_reduce_sum(&mut sums)?;
     stats.sqsum = sums.split_off(sums.len() / 2);
     stats.sum = sums;
-    let mut mean = io.float(k::RUNNING_MEAN.this())?.to_vec();
-    let mut var = io.float(k::RUNNING_VAR.this())?.to_vec();
-    let fin: r::BnFinalized<T> = r::bn_finalize(
-        &stats,
-        io.float(k::GAMMA.this())?,
-        io.float(k::BETA.this())?,
-        RunningStats {
-            mean: &mut mean,
-            var: &mut var,
-        },
-        ys.pixels() * sync.replicas(),
-        &cx.bn(),
-    )?;
+    let fin = finalize_running::<T, I>(cx, io, &stats, ys.pixels() * sync.replicas())?;
     let (y, gamma, beta) = (
         io.half(k::Y.this())?,
         io.float(k::GAMMA.this())?,
@@ -307,8 +295,6 @@ pub(super) fn bn_forward_synced<T: Element, I: LayerIo<T> + ?Sized>(
         )?,
         None => bn_only(&ys, y, &fin.saved_mean, &fin.saved_inv_std, gamma, beta),
     };
-    io.set_float(k::RUNNING_MEAN_NEXT.this(), mean)?;
-    io.set_float(k::RUNNING_VAR_NEXT.this(), var)?;
     io.set_float(k::SAVED_MEAN.this(), fin.saved_mean)?;
     io.set_float(k::SAVED_INV_STD.this(), fin.saved_inv_std)?;
     match cfg.apply {
