@@ -30,6 +30,20 @@ pub trait BnSync<A> {
     fn all_reduce_sum(&mut self, values: &mut [A]) -> Result<()>;
 }
 
+/// `a` and `b` each summed over the replicas, in one collective (`[a, b]` reduced, then split).
+pub(crate) fn all_reduce_pair<A: Copy>(
+    sync: &mut dyn BnSync<A>,
+    a: &[A],
+    b: &[A],
+) -> Result<(Vec<A>, Vec<A>)> {
+    let mut sums = Vec::with_capacity(a.len() + b.len());
+    sums.extend_from_slice(a);
+    sums.extend_from_slice(b);
+    sync.all_reduce_sum(&mut sums)?;
+    let second = sums.split_off(a.len());
+    Ok((sums, second))
+}
+
 use super::keys as k;
 use super::layer::{CbrLayer, GraphRole, Src};
 use super::role::bn_backward::{dbn_coefficients, names};
@@ -128,11 +142,9 @@ pub(super) fn synced_step<T: Element, I: LayerIo<T> + ?Sized>(
         SyncAction::Local | SyncAction::GlobalCount => cpu_step(layer, role, io, replicas)?,
         SyncAction::ReduceStats => {
             cpu_step(layer, role, io, replicas)?;
-            let mut sums = io.float(k::SUM.this())?.to_vec();
-            sums.extend_from_slice(io.float(k::SQ_SUM.this())?);
-            sync.all_reduce_sum(&mut sums)?;
-            let sq = sums.split_off(sums.len() / 2);
-            io.set_float(k::SUM.this(), sums)?;
+            let (sum, sq) =
+                all_reduce_pair(sync, io.float(k::SUM.this())?, io.float(k::SQ_SUM.this())?)?;
+            io.set_float(k::SUM.this(), sum)?;
             io.set_float(k::SQ_SUM.this(), sq)?;
         }
         SyncAction::Coefficients {
@@ -167,16 +179,13 @@ pub(crate) fn coefficients<T: Element, I: LayerIo<T> + ?Sized>(
     count: usize,
 ) -> Result<[Vec<T::Acc>; 3]> {
     let n = names(side);
-    let mut sums = io.float(n.dgamma)?.to_vec();
-    sums.extend_from_slice(io.float(n.dbeta)?);
-    sync.all_reduce_sum(&mut sums)?;
-    let (dgamma, dbeta) = sums.split_at(sums.len() / 2);
+    let (dgamma, dbeta) = all_reduce_pair(sync, io.float(n.dgamma)?, io.float(n.dbeta)?)?;
     dbn_coefficients(
         count,
         io.float(n.gamma)?,
         io.float(n.inv_std)?,
         io.float(n.mean)?,
-        dgamma,
-        dbeta,
+        &dgamma,
+        &dbeta,
     )
 }

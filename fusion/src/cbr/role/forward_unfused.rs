@@ -6,7 +6,7 @@
 use super::common::{lg, plain_in, residual_bindings, residual_of, Cx};
 use super::forward_fused::{eval_finalized, finalize_running};
 use super::{no_kernel, RoleDef};
-use crate::cbr::bn_sync::{BnSync, SyncAction};
+use crate::cbr::bn_sync::{all_reduce_pair, BnSync, SyncAction};
 use crate::cbr::graphs::{self, ApplyResidual};
 use crate::cbr::kernels::OwnKernel;
 use crate::cbr::keys as k;
@@ -272,11 +272,7 @@ pub(super) fn bn_forward_synced<T: Element, I: LayerIo<T> + ?Sized>(
     let ys = cx.ys();
     let cfg = cx.cfg;
     let mut stats = r::genstats(&ys, io.half(k::Y.this())?)?;
-    let mut sums = std::mem::take(&mut stats.sum);
-    sums.append(&mut stats.sqsum);
-    sync.all_reduce_sum(&mut sums)?;
-    stats.sqsum = sums.split_off(sums.len() / 2);
-    stats.sum = sums;
+    (stats.sum, stats.sqsum) = all_reduce_pair(sync, &stats.sum, &stats.sqsum)?;
     let fin = finalize_running::<T, I>(cx, io, &stats, ys.pixels() * sync.replicas())?;
     let (y, gamma, beta) = (
         io.half(k::Y.this())?,
