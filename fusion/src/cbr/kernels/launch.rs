@@ -162,11 +162,12 @@ pub(super) fn enqueue(loaded: &Loaded, stream: &CudaStream, launch: &Launch) -> 
             KernelArg::I32(v) => b.arg(v),
         };
     }
-    // SAFETY: the arguments have the kernel's parameter kinds and sizes in its order (checked
-    // just above against the PTX of the module the function was loaded from); each lives in
+    // The arguments have the kernel's parameter kinds and sizes in its order (checked just
+    // above against the PTX of the module the function was loaded from); each lives in
     // `launch` until the launch call returns; every address is memory the caller's table
     // borrows for this pass, with at least the bytes the kernel touches (checked when the
     // launch was built). The launch is ordered on the handle's stream.
+    // SAFETY: arguments checked against the kernel's PTX and borrowed for the call (above).
     unsafe { b.launch(cfg) }.map_err(|e| driver(&format!("launch {}", kernel.entry()), e))?;
     Ok(())
 }
