@@ -7,6 +7,9 @@
 //! keys is still there to read; keys the deviceless planner needs but the device's document
 //! lacks make the run fail after the comparison.
 
+#[macro_use]
+mod out;
+
 use clap::Parser;
 use cudnn_cbr::fusion::exec::Handle;
 use cudnn_cbr::fusion::{DeviceProps, Error, REQUIRED_KEYS};
@@ -46,7 +49,7 @@ fn main() -> ExitCode {
             reason: e.to_string(),
         })?;
         let props = DeviceProps::from_live_json(&json)?;
-        println!(
+        out!(
             "{} (sm_{}{}, {} SMs) properties written to {out}",
             props.name(),
             props.compute_capability().0,
@@ -68,14 +71,14 @@ fn main() -> ExitCode {
         for key in &keys {
             if live.get(key) != want.get(key) {
                 differ += 1;
-                println!(
+                out!(
                     "  {key}: device {} vs fixture {}",
                     live.get(key).unwrap_or(&Value::Null),
                     want.get(key).unwrap_or(&Value::Null)
                 );
             }
         }
-        println!("{differ} of {} keys differ from {fixture}", keys.len());
+        out!("{differ} of {} keys differ from {fixture}", keys.len());
         let missing = props.missing_keys();
         if !missing.is_empty() {
             eprintln!(

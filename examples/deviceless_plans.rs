@@ -29,6 +29,9 @@
 //! `source .deps/env.sh`); without it, prints the load error and exits non-zero.
 //! tests/network_plans.rs plans ResNet-50 on the H200 fixture in CI.
 
+#[macro_use]
+mod out;
+
 use clap::Parser;
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::RouteKind;
@@ -75,20 +78,20 @@ fn print_memory(net: &CompiledNet, target: &Target) {
     let report = match MemoryReport::of(net, 1000) {
         Ok(r) => r,
         Err(e) => {
-            println!("memory: cannot lay out the amp plan: {e}");
+            out!("memory: cannot lay out the amp plan: {e}");
             return;
         }
     };
-    println!("{report}");
+    out!("{report}");
     let device = target.props().total_memory();
     match report.largest_batch(device) {
-        Some(b) => println!(
+        Some(b) => out!(
             "largest batch that fits {} ({:.1} GB): {b} (the arena and the input, output and \
              its gradient scale with the batch; the workspace is this batch's)",
             target.props().name(),
             device as f64 / 1e9
         ),
-        None => println!(
+        None => out!(
             "not one image fits {} ({:.1} GB)",
             target.props().name(),
             device as f64 / 1e9
@@ -99,16 +102,16 @@ fn print_memory(net: &CompiledNet, target: &Target) {
 /// One row per distinct layer of `net`, with why a layer is not fused, or takes no prologue,
 /// on the fused route.
 fn print_table(label: &str, net: &CompiledNet) {
-    println!("{label}: {}", NetLayer::report_header());
+    out!("{label}: {}", NetLayer::report_header());
     for l in net.distinct_layers() {
-        println!("{label}: {}", l.report_row());
+        out!("{label}: {}", l.report_row());
         if label == "fused" {
             if let Some(why) = l.layer.route().reason() {
                 let why = why.lines().next().unwrap_or("");
-                println!("{label}:   why not fused: {why}");
+                out!("{label}:   why not fused: {why}");
             }
             if let Some(why) = &l.stored_input_why {
-                println!("{label}:   why no prologue: {why}");
+                out!("{label}:   why no prologue: {why}");
             }
         }
     }
@@ -151,7 +154,7 @@ fn main() -> ExitCode {
     };
     let spec = args.net.spec(3, 1000, 16);
     let (ma, mi, pa) = lib.version_triple();
-    println!(
+    out!(
         "{} plans: {} ({}), cuDNN {ma}.{mi}.{pa}, batch {}, {}x{}, plan cache {}",
         args.net,
         target.props().name(),
@@ -225,14 +228,14 @@ fn main() -> ExitCode {
                 counts.push((if label == "fused" { fused } else { n }, n));
             }
             Err(e) => {
-                println!("{label}: FAILED: {e}");
+                out!("{label}: FAILED: {e}");
                 let n = counts.first().map_or(0, |c| c.1);
                 counts.push((0, n));
             }
         }
     }
     let stats = cache.stats();
-    println!(
+    out!(
         "planned in {:.1} s: {} built, {} restored, {} cache hits",
         start.elapsed().as_secs_f64(),
         stats.built,
@@ -240,7 +243,7 @@ fn main() -> ExitCode {
         stats.hits
     );
     let (f, u) = (counts[0], counts[1]);
-    println!(
+    out!(
         "supported {}/{} fused ({}/{} prologue pairs), {}/{} unfused",
         f.0,
         f.1,

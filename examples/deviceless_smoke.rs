@@ -3,6 +3,9 @@
 //!
 //! `cargo run --release --example deviceless_smoke [devprops.json ...]`
 
+#[macro_use]
+mod out;
+
 use clap::Parser;
 use cudnn_cbr::fusion::probe::{self, ConvShape};
 use cudnn_cbr::fusion::DeviceProps;
@@ -36,21 +39,28 @@ fn main() -> ExitCode {
         }
     };
     let (ma, mi, pa) = lib.version_triple();
-    println!("cuDNN {ma}.{mi}.{pa} from {}", lib.path());
+    out!("cuDNN {ma}.{mi}.{pa} from {}", lib.path());
     let shape = ConvShape::RESNET_3X3;
-    println!(
+    out!(
         "graph: conv_fprop + genstats, N={} C={} K={} {}x{} {}x{} pad {} stride {}, FP16 NHWC, FP32 stats",
         shape.n, shape.c, shape.k, shape.h, shape.w, shape.r, shape.s, shape.pad, shape.stride
     );
-    println!(
+    out!(
         "{:<22} {:>8} {:>7} {:>7} {:>7}  {:<32} {:>10} {:>9}",
-        "device", "reported", "usable", "chosen", "engine", "pattern", "workspace", "build ms"
+        "device",
+        "reported",
+        "usable",
+        "chosen",
+        "engine",
+        "pattern",
+        "workspace",
+        "build ms"
     );
     let mut failed = false;
     for file in &files {
         let report = DeviceProps::from_file(file).and_then(|p| probe::conv_genstats(&p, shape));
         match report {
-            Ok(r) => println!(
+            Ok(r) => out!(
                 "{:<22} {:>8} {:>7} {:>7} {:>7}  {:<32} {:>10} {:>9.1}",
                 r.device,
                 r.reported,
@@ -63,7 +73,7 @@ fn main() -> ExitCode {
             ),
             Err(e) => {
                 failed = true;
-                println!("{:<22} error: {e}", file.display());
+                out!("{:<22} error: {e}", file.display());
             }
         }
     }

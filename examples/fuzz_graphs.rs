@@ -8,6 +8,9 @@
 //! ```
 //! Exits 1 when any case breaks the property, printing the first failures with their seeds.
 
+#[macro_use]
+mod out;
+
 #[path = "../tests/fuzz/mod.rs"]
 mod fuzz;
 
@@ -59,7 +62,7 @@ fn main() -> ExitCode {
     let cache = PlanCache::new();
     if let Some(case) = one_case {
         // One case, panics not caught: its backtrace shows where.
-        println!("{:?}", fuzz::run_case(case, target.as_ref(), &cache));
+        out!("{:?}", fuzz::run_case(case, target.as_ref(), &cache));
         return ExitCode::SUCCESS;
     }
     let start = std::time::Instant::now();
@@ -72,14 +75,14 @@ fn main() -> ExitCode {
             start.elapsed().as_secs_f64()
         );
     });
-    println!(
+    out!(
         "fuzz_graphs: {} cases (seed {seed}) in {:.1} s; {} distinct plans built\n{}",
         totals.cases,
         start.elapsed().as_secs_f64(),
         cache.len(),
         totals.table()
     );
-    println!(
+    out!(
         "totals: rejected {} / planned {} / no engine {} / panicked {} / unexpected {}",
         totals.class("rejected"),
         totals.class("planned"),
