@@ -19,11 +19,12 @@
 //! | module | why |
 //! |---|---|
 //! | [`backend`] | every cuDNN backend call (through cudnn-fe-sys) |
-//! | [`exec`] | binding device addresses and executing plans on a stream |
+//! | [`exec`] (`bindings`, `launch`) | binding device addresses and executing plans on a stream |
 //! | `cbr::kernels`, `cbr::device_buffers` | launching our own kernels, device buffers by address |
 //! | [`sim`], [`interp`] (`execute`, `raw`) | the simulated device: its driver's allocation table, raw memory |
 //! | `reference::element` | the `gemm` crate's FP32 GEMM, whose entry point is `unsafe fn` |
 //! | `reference::convert` | FP16 ↔ FP32 conversion instructions chosen at run time (`std::arch`) |
+//! | `reference::direct` | the conv tiles' AVX-512/AVX2 FMA register blocks, chosen at run time (`std::arch`) |
 #![deny(unsafe_code)]
 
 pub mod autotune;
