@@ -6,7 +6,7 @@
 //! 2. [`Handle::new`] makes a cuDNN handle on a cudarc stream; [`Handle::target`] gives the
 //!    live [`Target`] plans are built for.
 //! 3. [`Bindings::new`] for a plan; bind every real tensor (buffers, or host scalars for by-value
-//!    tensors); [`ExecutionPlan::execute`] checks each pointer (non-null, aligned, large enough,
+//!    tensors); [`ExecutionPlan::execute`](crate::plan::ExecutionPlan::execute) checks each pointer (non-null, aligned, large enough,
 //!    right type) before calling cuDNN.
 #![allow(unsafe_code)]
 
@@ -104,7 +104,7 @@ impl Handle {
     ///
     /// On the simulated device ([`crate::sim::active`]) no cuDNN handle is made (cuDNN sees
     /// no driver there): [`Handle::target`] is the simulator's deviceless target and
-    /// [`ExecutionPlan::execute`] runs the plan's graph in the graph interpreter.
+    /// [`ExecutionPlan::execute`](crate::plan::ExecutionPlan::execute) runs the plan's graph in the graph interpreter.
     pub fn new(stream: Arc<CudaStream>) -> Result<Arc<Self>> {
         let lib = sys::library()?;
         bind_context(&stream)?;
