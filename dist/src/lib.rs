@@ -27,8 +27,8 @@
 //! The crate builds on `cudnn_cbr_runtime` only (library discovery, the checks before opening
 //! a file); the root crate re-exports it as `cudnn_cbr::dist`, its one public path.
 //!
-//! Unsafe code lives only in the NCCL loader and communicator (`nccl/comm.rs`); everything
-//! else denies it.
+//! Unsafe code lives only in the NCCL loader and communicator (`nccl/library.rs`,
+//! `nccl/comm.rs`); everything else denies it.
 
 #![deny(unsafe_code)]
 #![warn(missing_docs)]

@@ -48,8 +48,10 @@ use crate::DistError;
 
 // The unsafe half: the library's entry points and the communicator.
 mod comm;
+mod library;
 
-pub use comm::{nccl_library, NcclAbort, NcclComm, NcclLibrary};
+pub use comm::{NcclAbort, NcclComm};
+pub use library::{nccl_library, NcclLibrary};
 
 /// The environment variable naming the folder that holds `libnccl.so.2`, tried first.
 pub const NCCL_LIB_DIR_ENV: &str = "NCCL_LIB_DIR";
