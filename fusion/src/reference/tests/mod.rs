@@ -8,5 +8,6 @@ mod errors;
 mod fast_paths;
 mod gradcheck;
 mod naive;
-mod ops;
+mod ops_bn;
+mod ops_conv;
 mod util;
