@@ -46,7 +46,7 @@
 // The distribution crate's items: this module is their one public path (the workspace crate
 // `cudnn-cbr-dist` is not re-exported by name).
 pub use cudnn_cbr_dist::cpu::{CpuComm, CpuGroup};
-pub use cudnn_cbr_dist::{bootstrap, cpu, nccl, same, watchdog};
+pub use cudnn_cbr_dist::{bootstrap, nccl, same, watchdog};
 pub use cudnn_cbr_dist::{Collective, Communicator, DistError, ReduceOp};
 
 use crate::amp::cuda::dist_grads::{self, all_reduce_sum_ordered, SharedComm};
