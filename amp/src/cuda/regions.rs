@@ -9,15 +9,13 @@ use cudarc::driver::{
 };
 use half::f16;
 
-use crate::cuda::dev_range::{DevRange, DevRangeMut};
 use crate::cuda::dist_grads::{must_wait_for, op_ranges};
-use crate::cuda::head_kernels::FcParams;
 use crate::cuda::launch::AmpKernels;
 use crate::cuda::readback::Readback;
 use crate::cuda::{check_device_memory, driver_error};
 use crate::error::{AmpError, ExecError};
 use crate::plan::{ByteRange, DataType, MemoryPlan, Region};
-use crate::range::{HeadShape, Scalars, SgdConfig, S_REGION_BYTES};
+use crate::range::{Scalars, SgdConfig, S_REGION_BYTES};
 use crate::step::{check_graph_owner, next_executor_id, validate_capture, AmpExecutor, RangeOp};
 use cudnn_cbr_runtime::cuda_device;
 
@@ -511,110 +509,18 @@ impl CudaRegions {
         Ok(Scalars::from_bytes(&bytes)?)
     }
 
-    /// Device address of FP32 parameter `name` in `region`, checked to hold `elems`
-    /// elements.
-    fn f32_param_addr(
-        &self,
-        op: &'static str,
-        name: &str,
-        region: Region,
-        elems: usize,
-    ) -> Result<u64, AmpError> {
+    /// The device address of parameter `name`'s data in `region`: for launches that bind
+    /// slots of several regions, or two slots of one, at once (e.g. the FC layer's backward,
+    /// which writes two gradients of G). The address is the region's own, taken at
+    /// allocation, outside cudarc's event tracking; it stays valid while these regions live,
+    /// and work enqueued on [`CudaRegions::stream`] runs before they are freed.
+    ///
+    /// # Errors
+    /// [`crate::PlanError::UnknownParam`], [`crate::PlanError::NotInRegion`],
+    /// [`crate::PlanError::RegionAbsent`].
+    pub fn param_addr(&self, name: &str, region: Region) -> Result<u64, AmpError> {
         let v = self.plan.view(name, region)?;
-        if v.dtype != DataType::Float {
-            return Err(wrong_dtype(op, region, DataType::Float));
-        }
-        if v.elems != elems {
-            return Err(crate::RangeOpError::LengthMismatch {
-                op,
-                what: "FC parameter",
-                expected: elems,
-                got: v.elems,
-            }
-            .into());
-        }
         Ok(self.get(region)?.ptr + v.offset_bytes as u64)
-    }
-
-    /// The FC layer's forward with its parameters in this plan (twin:
-    /// [`crate::range::fc_forward`]): FP32 weight `weight` `[classes, features]` and bias
-    /// `bias` `[classes]` read from W (the master weights), FP32 `x` `[batch, features]` →
-    /// FP16 `logits` `[batch, classes]`. Enqueued on [`CudaRegions::stream`].
-    ///
-    /// # Errors
-    /// Plan lookup errors, [`crate::RangeOpError::LengthMismatch`] when a parameter does not
-    /// have the shape's element count; as [`AmpKernels::fc_forward`].
-    pub fn fc_forward(
-        &self,
-        weight: &str,
-        bias: &str,
-        shape: &HeadShape,
-        x: DevRange<'_>,
-        logits: DevRangeMut<'_>,
-    ) -> Result<(), AmpError> {
-        const OP: &str = "fc_forward";
-        shape.validate(OP)?;
-        let w = self.plan.view(weight, Region::W)?.data_range();
-        let b = self.plan.view(bias, Region::W)?.data_range();
-        // Element counts and types are checked by the launch against the shape.
-        self.f32_param_addr(OP, weight, Region::W, shape.weight_elems())?;
-        self.f32_param_addr(OP, bias, Region::W, shape.classes)?;
-        let buf = &self.get(Region::W)?.buf;
-        self.kernels.fc_forward(
-            &self.stream,
-            shape,
-            x,
-            DevRange::new(buf, w)?,
-            DevRange::new(buf, b)?,
-            logits,
-        )
-    }
-
-    /// The FC layer's backward with its parameters in this plan (twin:
-    /// [`crate::range::fc_backward`]): reads the FP32 weight `weight` from W, writes the FP32
-    /// gradients of `weight` and `bias` into their G slots (overwriting; G holds scaled
-    /// gradients like every other slot, since `dlogits` carries the loss scale), and the
-    /// pooled features' FP32 gradient into `dx`. Enqueued on [`CudaRegions::stream`].
-    ///
-    /// # Errors
-    /// Plan lookup errors, [`crate::RangeOpError::InvalidConfig`] when `weight` and `bias`
-    /// name the same parameter, [`crate::RangeOpError::LengthMismatch`] when a parameter does
-    /// not have the shape's element count; as [`AmpKernels::fc_backward`].
-    pub fn fc_backward(
-        &mut self,
-        weight: &str,
-        bias: &str,
-        shape: &HeadShape,
-        dlogits: DevRange<'_>,
-        x: DevRange<'_>,
-        dx: DevRangeMut<'_>,
-    ) -> Result<(), AmpError> {
-        const OP: &str = "fc_backward";
-        shape.validate(OP)?;
-        if weight == bias {
-            return Err(crate::RangeOpError::InvalidConfig {
-                op: OP,
-                field: "bias",
-                value: bias.to_owned(),
-                why: "must be another parameter than the weight",
-            }
-            .into());
-        }
-        let params = FcParams {
-            w: self.f32_param_addr(OP, weight, Region::W, shape.weight_elems())?,
-            dw: self.f32_param_addr(OP, weight, Region::G, shape.weight_elems())?,
-            db: self.f32_param_addr(OP, bias, Region::G, shape.classes)?,
-        };
-        // The three addresses are slots of regions W and G, which this executor owns and frees
-        // on its stream after enqueued work; each holds the shape's element count of f32
-        // (checked just above); the dw and db slots belong to two different parameters, so
-        // they overlap neither each other nor W (another allocation).
-        // SAFETY: as above; `dlogits`, `x` and `dx` cannot be views of this executor's regions
-        // because `self` is borrowed mutably for the call.
-        unsafe {
-            self.kernels
-                .fc_backward_with(&self.stream, shape, dlogits, x, dx, params)
-        }
     }
 
     /// Device address of `span16` in `region` (the op was validated against the plan, so

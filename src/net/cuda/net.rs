@@ -5,6 +5,7 @@ use crate::amp::plan::{Bucket, MemoryPlan, Region};
 use crate::net::buckets::GradSchedule;
 use crate::net::compile::{BufId, CompiledNet, NetBuffer};
 use crate::net::exec::{run_pass, run_pass_observed};
+use crate::netops::cuda::NetKernels;
 use cudnn_cbr_fusion::cache::PlanCache;
 use cudnn_cbr_fusion::cbr::{ArenaId, DeviceBnSync, DeviceBuffers, Pass};
 use cudnn_cbr_fusion::exec::Handle;
@@ -54,7 +55,8 @@ pub struct CudaNet {
     arena_ready: bool,
     handle: Arc<Handle>,
     pub(super) stream: Arc<CudaStream>,
-    pub(super) kernels: Arc<AmpKernels>,
+    /// The residual join and max-pool kernels of the stream's context.
+    pub(super) kernels: Arc<NetKernels>,
     /// Synchronized BN's reducer ([`CudaNet::set_bn_sync`]); `None`: local BN.
     bn_sync: Option<SyncSlot>,
 }
@@ -102,6 +104,8 @@ impl CudaNet {
         amp_plan: Option<Arc<MemoryPlan>>,
         cache: &PlanCache,
     ) -> Result<Self> {
+        // Compiled here, not at the first pass: that pass may be captured into a CUDA graph.
+        let kernels = NetKernels::for_context(kernels.context())?;
         // Before the workspace is sized: plans for this device may need another workspace.
         replan_for(&mut net, &handle.target()?, cache)?;
         let stream = handle.stream().clone();
