@@ -102,7 +102,7 @@ impl KernelSet {
         &self.ctx
     }
 
-    /// The most blocks a grid-stride launch uses: [`BLOCKS_PER_SM`] per SM of the device.
+    /// The most blocks a grid-stride launch uses: 8 per SM of the device.
     pub fn max_blocks(&self) -> u32 {
         self.max_blocks
     }
