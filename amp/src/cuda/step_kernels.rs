@@ -1,6 +1,6 @@
 //! The range ops of the amp step on [`AmpKernels`]: zero, casts, gradient check, loss-scale
-//! update, SGD and EMA (the loss seed is in [`super::seed_kernels`]); raw launches over checked addresses
-//! (used by [`super::CudaRegions`]) and checked launches over [`DevRange`]s.
+//! update, SGD and EMA (the loss seed is in [`super::seed_kernels`]); raw launches over
+//! checked addresses (used by [`super::CudaRegions`]) and checked launches over [`DevRange`]s.
 
 use cudarc::driver::{CudaStream, LaunchConfig};
 

@@ -99,8 +99,9 @@ impl CudaRegions {
     ///
     /// For capture into a CUDA graph, use any stream but the legacy default one
     /// (`ctx.default_stream()`): `ctx.per_thread_stream()` keeps cudarc's event tracking off
-    /// (so head launches through [`DevRange`](crate::cuda::DevRange) capture too), while
-    /// `ctx.new_stream()` turns it on, after which only the regions' own launches capture.
+    /// (so launches over a [`DevRange`](crate::cuda::DevRange), such as the network head's,
+    /// capture too), while `ctx.new_stream()` turns it on, after which only the regions' own
+    /// launches capture.
     ///
     /// # Errors
     /// As [`AmpKernels::for_context`]; [`AmpError::OutOfMemory`] when the plan exceeds the
