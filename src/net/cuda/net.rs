@@ -82,7 +82,9 @@ impl CudaNet {
     /// [`AmpError::OutOfMemory`](crate::amp::AmpError::OutOfMemory) (checked first) when the
     /// buffers exceed the device's free memory; a parameter without a slot, or a slot that does
     /// not fit; a driver error;
-    /// [`CudaNetError::Replan`] for a layer whose route does not plan on the device.
+    /// [`CudaNetError::Replan`] for a layer whose route does not plan on the device; as
+    /// [`NetKernels::for_context`] for the network's own kernels (the residual join and
+    /// max-pool), which are loaded into the context of `kernels`.
     pub fn new(
         net: CompiledNet,
         handle: Arc<Handle>,
@@ -104,8 +106,6 @@ impl CudaNet {
         amp_plan: Option<Arc<MemoryPlan>>,
         cache: &PlanCache,
     ) -> Result<Self> {
-        // Compiled here, not at the first pass: that pass may be captured into a CUDA graph.
-        let kernels = NetKernels::for_context(kernels.context())?;
         // Before the workspace is sized: plans for this device may need another workspace.
         replan_for(&mut net, &handle.target()?, cache)?;
         let stream = handle.stream().clone();
@@ -126,6 +126,9 @@ impl CudaNet {
             &format!("network `{}`'s buffers", net.spec.name),
             need,
         )?;
+        // The network's own kernels, compiled here rather than at the first pass, which may be
+        // captured into a CUDA graph.
+        let kernels = NetKernels::for_context(kernels.context())?;
         let mut bufs = Vec::with_capacity(net.buffers.len());
         let mut slots = Vec::with_capacity(net.buffers.len());
         for (b, p) in net.buffers.iter().zip(&placed) {
