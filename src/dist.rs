@@ -52,11 +52,11 @@ pub use cudnn_cbr_dist::{Collective, Communicator, DistError, ReduceOp};
 use crate::amp::cuda::dist_grads::{self, all_reduce_sum_ordered, SharedComm};
 use crate::amp::cuda::{CudaSlice, CudaStream};
 use crate::amp::dist::grads;
-use crate::amp::range::HeadMetrics;
 use crate::amp::AmpError;
 use crate::classifier::{ClassifierError, CpuClassifier};
 use crate::fusion::cbr::{BnSync, DeviceBnSync};
 use crate::net::{grad_schedule, GradSchedule};
+use crate::netops::head::HeadMetrics;
 use half::f16;
 use std::sync::Arc;
 

@@ -7,6 +7,8 @@
 //! - [`sys`]: raw bindings to the cuDNN graph (backend) API, loaded at run time;
 //! - [`fusion`]: the safe graph frontend and the CBR ops;
 //! - [`amp`]: the mixed-precision layer (memory plan, range ops, loss scaling, the step);
+//! - [`netops`]: the network's own kernels (residual join, max-pool, the head: pooling, FC,
+//!   metrics log) and their bit-exact CPU twins, over amp's regions;
 //! - [`net`]: network descriptions (presets: a small net, ResNet-18/34/50/101), their compiler
 //!   (layers, prologue pairings with per-pair fallback, buffers, forward/backward steps) and
 //!   the CPU executor of a compiled network (FP16 storage or exact `f64`);
@@ -17,8 +19,8 @@
 //!   of a classifier over ranks (threads on the CPU), and synchronized BN over NCCL for the
 //!   CUDA executor.
 //!
-//! fusion and amp sit side by side and neither depends on the other; what needs both lives
-//! here (docs/architecture.md, "The floors").
+//! fusion and amp sit side by side and neither depends on the other; netops sits on amp; what
+//! needs fusion and amp (or netops) together lives here (docs/architecture.md, "The floors").
 //!
 //! The main job's training loop (a small CBR ResNet on synthetic data) is the workspace crate
 //! `cudnn-cbr-trainer`, built on the types below.
@@ -83,6 +85,7 @@
 
 pub use cudnn_cbr_amp as amp;
 pub use cudnn_cbr_fusion as fusion;
+pub use cudnn_cbr_netops as netops;
 pub use cudnn_cbr_runtime as runtime;
 pub use cudnn_fe_sys as sys;
 

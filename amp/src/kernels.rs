@@ -51,23 +51,6 @@ pub mod entry {
     pub const EMA_UPDATE: &str = "amp_ema_update";
     /// Softmax cross-entropy backward seed. Twin: `range::softmax_xent_backward`.
     pub const SOFTMAX_XENT_BACKWARD: &str = "amp_softmax_xent_backward";
-    /// Global average pooling over NHWC FP16, FP32 out. Twin: `range::gap_forward`.
-    pub const GAP_FORWARD: &str = "amp_gap_forward";
-    /// Global average pooling backward, FP32 in, FP16 out. Twin: `range::gap_backward`.
-    pub const GAP_BACKWARD: &str = "amp_gap_backward";
-    /// FC forward, FP32 features and weights, FP16 logits. Twin: `range::fc_forward`.
-    pub const FC_FORWARD: &str = "amp_fc_forward";
-    /// FC backward: FP32 dW, db, dx from FP16 dlogits. Twin: `range::fc_backward`.
-    pub const FC_BACKWARD: &str = "amp_fc_backward";
-    /// FP16 + FP16 (the residual gradient join). Twin: `range::add_f16`.
-    pub const ADD_F16: &str = "amp_add_f16";
-    /// Max-pool forward over NHWC FP16 (first maximum wins). Twin: `range::max_pool_forward`.
-    pub const MAX_POOL_FORWARD: &str = "amp_max_pool_forward";
-    /// Max-pool backward (gather, FP32 sums, FP16 out). Twin: `range::max_pool_backward`.
-    pub const MAX_POOL_BACKWARD: &str = "amp_max_pool_backward";
-    /// One step's loss and accuracy appended to a device log. Twin: `range::head_metrics`
-    /// and `range::metrics_log_append`.
-    pub const HEAD_METRICS: &str = "amp_head_metrics";
 }
 
 /// How a kernel parameter is passed: its PTX parameter type. Pointers and `size_t` are
@@ -121,30 +104,17 @@ pub fn signature(entry_point: &str) -> Option<&'static [ParamType]> {
         entry::EMA_UPDATE => &[U64, U64, U64, U64, F32, U64],
         // (logits, labels, dlogits, loss, s, batch, classes)
         entry::SOFTMAX_XENT_BACKWARD => &[U64, U64, U64, U64, U64, U64, U64],
-        // (a, pooled, batch, pixels, features) and (dpooled, da, batch, pixels, features)
-        entry::GAP_FORWARD | entry::GAP_BACKWARD => &[U64, U64, U64, U64, U64],
-        // (x, w, b, logits, batch, features, classes)
-        entry::FC_FORWARD => &[U64, U64, U64, U64, U64, U64, U64],
-        // (dlogits, x, w, dw, db, dx, batch, features, classes)
-        entry::FC_BACKWARD => &[U64, U64, U64, U64, U64, U64, U64, U64, U64],
-        // (a, b, out, n)
-        entry::ADD_F16 => &[U64, U64, U64, U64],
-        // (logits, labels, loss, log, batch, classes, capacity)
-        entry::HEAD_METRICS => &[U64, U64, U64, U64, U64, U64, U64],
-        // (x, y, batch, h, w, c, oh, ow, kernel, stride, pad)
-        entry::MAX_POOL_FORWARD => &[U64, U64, U64, U64, U64, U64, U64, U64, U64, U64, U64],
-        // (x, dy, dx, batch, h, w, c, oh, ow, kernel, stride, pad)
-        entry::MAX_POOL_BACKWARD => &[U64, U64, U64, U64, U64, U64, U64, U64, U64, U64, U64, U64],
         _ => return None,
     })
 }
 
-/// One `.cu` file of `amp/kernels/`: one NVRTC program.
+/// One `.cu` file: one NVRTC program (amp's in `amp/kernels/`; the network's own kernels,
+/// in `netops/kernels/`, are built from the same type, [`COMMON_HEADER`] included).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KernelSource {
     /// Short family name, e.g. `"cast"`.
     pub name: &'static str,
-    /// File name under `amp/kernels/` (also the NVRTC program name, so compile logs name it).
+    /// File name (also the NVRTC program name, so compile logs name it).
     pub file: &'static str,
     /// The file's text, without [`COMMON_HEADER`].
     pub source: &'static str,
@@ -215,31 +185,8 @@ pub const SEED: KernelSource = KernelSource {
     entry_points: &[entry::SOFTMAX_XENT_BACKWARD],
 };
 
-/// The network head (pooling, FC, metrics) and the FP16 gradient join.
-pub const HEAD: KernelSource = KernelSource {
-    name: "head",
-    file: "amp_head.cu",
-    source: include_str!("../kernels/amp_head.cu"),
-    entry_points: &[
-        entry::GAP_FORWARD,
-        entry::GAP_BACKWARD,
-        entry::FC_FORWARD,
-        entry::FC_BACKWARD,
-        entry::ADD_F16,
-        entry::HEAD_METRICS,
-    ],
-};
-
-/// The stem's max-pool, forward and backward.
-pub const POOL: KernelSource = KernelSource {
-    name: "pool",
-    file: "amp_pool.cu",
-    source: include_str!("../kernels/amp_pool.cu"),
-    entry_points: &[entry::MAX_POOL_FORWARD, entry::MAX_POOL_BACKWARD],
-};
-
 /// Every kernel source of the AMP layer.
-pub const ALL: [KernelSource; 8] = [CAST, CHECK, NORM, SCALE, OPTIM, SEED, HEAD, POOL];
+pub const ALL: [KernelSource; 6] = [CAST, CHECK, NORM, SCALE, OPTIM, SEED];
 
 /// GPU architectures we build PTX for (tier 3 compiles all of them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

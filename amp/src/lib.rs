@@ -11,7 +11,8 @@
 //! | executor  | a plan's regions on a device + the range ops | [`step::AmpExecutor`]: [`step::CpuRegions`], [`cuda::CudaRegions`] |
 //! | step      | begin (zero grads) … finish (cast, check, SGD, EMA, scale) | [`step::AmpStep`] |
 //! | graph     | a recorded op list, replayed as one launch   | [`step::StepGraph`], [`cuda::CudaStepGraph`] |
-//! | head      | pooling, FC, residual join, metrics log around a step | [`range::HeadShape`], [`kernels::HEAD`] |
+//! | seed      | the loss gradient, scaled by the loss scale in S | [`range::softmax_xent_backward`], [`kernels::SEED`] |
+//! | kernel set | sources compiled with NVRTC and loaded into a context, launches checked | [`cuda::KernelSet`] |
 //! | group     | data-parallel ranks: gradient all-reduce, shared overflow verdict | [`dist`] |
 //!
 //! Recipe for a training step without host syncs:
@@ -28,7 +29,9 @@
 //! The crate builds on `cudnn_cbr_runtime` (NVRTC, the kernel cache, the device opener, the
 //! library checks), takes only `DataType` from `cudnn_fe_sys`, and runs its gradient
 //! collectives over the communicators of `cudnn_cbr_dist`; it does not depend on the cuDNN
-//! frontend (fusion), which sits beside it.
+//! frontend (fusion), which sits beside it. The network's own ops around a step (the head:
+//! pooling, FC, metrics log; residual joins; max-pool) are crate `cudnn-cbr-netops`'s, a floor
+//! above: it launches them as a [`cuda::KernelSet`] of its own, over amp's regions.
 //!
 //! Unsafe code lives only in [`cuda`], the kernel-launch module; everything else denies it.
 

@@ -10,152 +10,16 @@
 //!
 //! Set `AMP_PTX_DUMP_DIR` to keep the PTX (`<file>.<sm>.ptx`) for inspection.
 
-use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileError};
-use cudnn_cbr_amp::kernels::{self, CudaArch, CUDA_INCLUDE_ENV};
+use cudnn_cbr_amp::kernels::{self, CudaArch};
 
-/// Skips (prints why) or, in CI, fails.
-fn unavailable(reason: &str) {
-    if std::env::var_os("CI").is_some() {
-        panic!("nvrtc_compile must run in CI but cannot: {reason}");
-    }
-    println!("SKIP nvrtc_compile: {reason}");
-}
-
-fn nvrtc_library_present() -> bool {
-    // SAFETY: `is_culib_present` only tries to dlopen NVRTC under its known names and closes
-    // it again. Loading runs the library's initialisers; NVRTC's do not touch this process's
-    // state. We call it precisely so that cudarc does not panic on a missing library later.
-    unsafe { cudarc::nvrtc::sys::is_culib_present() }
-}
-
-/// Why the test cannot run here, if it cannot; otherwise the include directory.
-fn environment() -> Result<String, String> {
-    if !nvrtc_library_present() {
-        return Err(
-            "NVRTC library (libnvrtc.so.13) not found on the loader path; \
-                    run `source .deps/env.sh` or set LD_LIBRARY_PATH"
-                .to_owned(),
-        );
-    }
-    let Some(dir) = kernels::cuda_include_dir() else {
-        return Err(format!(
-            "{CUDA_INCLUDE_ENV} is not set (the directory holding cuda_fp16.h)"
-        ));
-    };
-    if !Path::new(&dir).join("cuda_fp16.h").is_file() {
-        return Err(format!(
-            "{CUDA_INCLUDE_ENV}={} has no cuda_fp16.h",
-            dir.display()
-        ));
-    }
-    dir.into_os_string()
-        .into_string()
-        .map_err(|d| format!("{CUDA_INCLUDE_ENV}={d:?} is not UTF-8"))
-}
-
-fn describe(e: &CompileError) -> String {
-    match e {
-        CompileError::CompileError {
-            nvrtc,
-            options,
-            log,
-        } => format!(
-            "{nvrtc:?} with options {options:?}\n{}",
-            log.to_string_lossy()
-        ),
-        other => format!("{other:?}"),
-    }
-}
+mod nvrtc;
+use nvrtc::{environment, unavailable};
 
 #[test]
 fn every_kernel_compiles_for_every_arch() {
-    let include = match environment() {
-        Ok(dir) => dir,
-        Err(reason) => return unavailable(&reason),
-    };
-    let mut failures = Vec::new();
-    let mut report = Vec::new();
-    for arch in CudaArch::ALL {
-        let started = Instant::now();
-        for k in kernels::ALL {
-            let opts = kernels::compile_options(&k, arch, Some(&include));
-            let ptx = match compile_ptx_with_opts(k.program(), opts) {
-                Ok(ptx) => ptx.to_src(),
-                Err(e) => {
-                    failures.push(format!(
-                        "{} for {}: {}",
-                        k.file,
-                        arch.sm_name(),
-                        describe(&e)
-                    ));
-                    continue;
-                }
-            };
-            if let Some(dir) = std::env::var_os("AMP_PTX_DUMP_DIR") {
-                let path = Path::new(&dir).join(format!("{}.{}.ptx", k.file, arch.sm_name()));
-                if let Err(e) = std::fs::write(&path, &ptx) {
-                    failures.push(format!("cannot write {}: {e}", path.display()));
-                }
-            }
-            let target = format!(".target {}", arch.ptx_target());
-            if !ptx.contains(&target) {
-                failures.push(format!(
-                    "{} for {}: PTX lacks `{target}`",
-                    k.file,
-                    arch.sm_name()
-                ));
-            }
-            for e in k.entry_points {
-                let Some(at) = ptx.find(&format!(".entry {e}(")) else {
-                    failures.push(format!(
-                        "{} for {}: PTX lacks entry `{e}`",
-                        k.file,
-                        arch.sm_name()
-                    ));
-                    continue;
-                };
-                // The launch module passes exactly `kernels::signature(e)`: it must be the
-                // PTX's parameter list, type by type.
-                let decl = &ptx[at..];
-                let decl = &decl[..decl.find(')').unwrap_or(decl.len())];
-                let params: Vec<&str> = decl
-                    .lines()
-                    .filter_map(|l| l.trim().strip_prefix(".param "))
-                    .filter_map(|l| l.split_whitespace().next())
-                    .collect();
-                let expected: Vec<&str> = kernels::signature(e)
-                    .unwrap_or(&[])
-                    .iter()
-                    .map(|t| t.ptx())
-                    .collect();
-                if params != expected {
-                    failures.push(format!(
-                        "{} for {}: `{e}` takes {params:?} in PTX, the launch module passes \
-                         {expected:?}",
-                        k.file,
-                        arch.sm_name()
-                    ));
-                }
-            }
-        }
-        report.push((arch, started.elapsed()));
-    }
-    for (arch, took) in &report {
-        println!(
-            "nvrtc_compile: {} sources for {} in {:.2} s",
-            kernels::ALL.len(),
-            arch.sm_name(),
-            Duration::as_secs_f64(took)
-        );
-    }
-    assert!(
-        failures.is_empty(),
-        "NVRTC failures:\n{}",
-        failures.join("\n\n")
-    );
+    nvrtc::every_kernel_compiles_for_every_arch(&kernels::ALL, kernels::signature);
 }
 
 #[test]
@@ -165,7 +29,8 @@ fn the_launch_module_compiles_every_source_without_a_device() {
     }
     let found = cudnn_cbr_amp::cuda::cuda_include_dir().expect("include dir from the env");
     assert!(found.join("cuda_fp16.h").is_file());
-    let ptx = cudnn_cbr_amp::cuda::compile_ptx(CudaArch::Sm90).unwrap_or_else(|e| panic!("{e}"));
+    let ptx = cudnn_cbr_amp::cuda::compile_ptx(&kernels::ALL, CudaArch::Sm90)
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(ptx.len(), kernels::ALL.len());
     for (source, text) in &ptx {
         assert!(text.contains(".target sm_90"), "{}", source.file);
@@ -184,7 +49,8 @@ fn every_source_compiles_to_machine_code_without_a_device() {
     }
     for (major, minor) in [(9, 0), (8, 0)] {
         let sm = cudnn_cbr_runtime::rtc::real_arch(major, minor).expect("a listed architecture");
-        let cubins = cudnn_cbr_amp::cuda::compile_cubin(sm).unwrap_or_else(|e| panic!("{e}"));
+        let cubins =
+            cudnn_cbr_amp::cuda::compile_cubin(&kernels::ALL, sm).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(cubins.len(), kernels::ALL.len());
         for (source, cubin) in &cubins {
             assert_eq!(
@@ -216,7 +82,8 @@ fn machine_code_comes_back_from_the_kernel_cache() {
     let cache = KernelCache::at(&dir);
     let timed = |sm| {
         let t = Instant::now();
-        let r = cudnn_cbr_amp::cuda::compile_cubin_cached(sm, Some(&cache)).unwrap();
+        let r = cudnn_cbr_amp::cuda::compile_cubin_cached("amp", &kernels::ALL, sm, Some(&cache))
+            .unwrap();
         (r, t.elapsed())
     };
     let ((cold, first), t_cold) = timed("sm_90");

@@ -1,16 +1,17 @@
 //! [`CpuClassifier`]: a compiled network on the CPU reference executor (FP16 storage, FP32
-//! arithmetic), the head on amp's CPU twins of the CUDA head kernels, the amp step on
+//! arithmetic), the head on netops' CPU twins of the CUDA head kernels, the amp step on
 //! [`CpuRegions`].
 
 use super::{check_batch, ClassifierError, EvalWeights, Evaluation};
 use crate::amp::plan::Bucket;
 use crate::amp::plan::Region;
-use crate::amp::range::{self, softmax_xent_backward, HeadMetrics, HeadShape};
+use crate::amp::range::softmax_xent_backward;
 use crate::amp::step::{AmpStep, CpuRegions, StepConfig};
 use crate::amp::AmpError;
 use crate::net::{
     initial_weights, memory_plan, memory_plan_with_ema, Arena, CompiledNet, CpuNet, GradSchedule,
 };
+use crate::netops::head::{self, HeadMetrics, HeadShape};
 
 /// What a data-parallel step does with a gradient bucket once it is in the regions
 /// ([`CpuClassifier::forward_backward_reduced`]).
@@ -205,11 +206,11 @@ impl CpuClassifier {
             None => self.net.forward(images)?,
         }
         let mut pooled = vec![0f32; self.shape.pooled_elems()];
-        range::gap_forward(&self.shape, self.net.output(), &mut pooled)?;
+        head::gap_forward(&self.shape, self.net.output(), &mut pooled)?;
         let mut logits = vec![f16::ZERO; self.shape.logits_elems()];
         let (_, float) = self.regions_of(weights)?;
         let regions = self.step.executor();
-        range::fc_forward(
+        head::fc_forward(
             &self.shape,
             &pooled,
             regions.param_f32("fc.w", float)?,
@@ -333,12 +334,12 @@ impl CpuClassifier {
             &mut dlogits,
             Some(&mut rows),
         )?;
-        let metrics = range::head_metrics(&logits, labels, Some(&rows), classes)?;
+        let metrics = head::head_metrics(&logits, labels, Some(&rows), classes)?;
         let mut dw = vec![0f32; self.shape.weight_elems()];
         let mut db = vec![0f32; classes];
         let mut dpooled = vec![0f32; pooled.len()];
         let w = self.step.executor().param_f32("fc.w", Region::W)?;
-        range::fc_backward(
+        head::fc_backward(
             &self.shape,
             &dlogits,
             &pooled,
@@ -355,7 +356,7 @@ impl CpuClassifier {
             .param_f32_mut("fc.b", Region::G)?
             .copy_from_slice(&db);
         let mut da = vec![f16::ZERO; self.shape.activation_elems()];
-        range::gap_backward(&self.shape, &dpooled, &mut da)?;
+        head::gap_backward(&self.shape, &dpooled, &mut da)?;
         let Some((schedule, reduce)) = reduced else {
             self.net.backward(da)?;
             for name in &self.layers {

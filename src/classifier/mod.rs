@@ -118,7 +118,7 @@ pub enum EvalWeights {
 pub struct Evaluation {
     /// FP16 logits, `[batch, classes]` row-major.
     pub logits: Vec<half::f16>,
-    /// Per image, the predicted class: [`crate::amp::range::argmax_last`] of its logits (the
+    /// Per image, the predicted class: [`crate::netops::head::argmax_last`] of its logits (the
     /// rule the training accuracy uses).
     pub top1: Vec<usize>,
 }
@@ -128,7 +128,7 @@ impl Evaluation {
     pub(crate) fn from_logits(logits: Vec<half::f16>, classes: usize) -> Self {
         let top1 = logits
             .chunks(classes.max(1))
-            .map(|row| crate::amp::range::argmax_last(row).unwrap_or(0))
+            .map(|row| crate::netops::head::argmax_last(row).unwrap_or(0))
             .collect();
         Evaluation { logits, top1 }
     }

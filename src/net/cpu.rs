@@ -434,7 +434,7 @@ pub fn max_pool_backward<T: Element>(p: &PoolSpec, s: &Nhwc, x: &[T], dy: &[T]) 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::amp::range::{self, PoolShape};
+    use crate::netops::pool::PoolShape;
     use half::f16;
 
     #[test]
@@ -506,14 +506,14 @@ mod tests {
             };
             let y = max_pool(&pool, &shape, &x).unwrap();
             let mut y2 = vec![f16::ZERO; twin.output_elems()];
-            range::max_pool_forward(&twin, &x, &mut y2).unwrap();
+            crate::netops::pool::max_pool_forward(&twin, &x, &mut y2).unwrap();
             assert_eq!(y, y2);
             let dy: Vec<f16> = (0..y.len())
                 .map(|i| f16::from_f32(0.1 * i as f32 - 2.0))
                 .collect();
             let dx = max_pool_backward(&pool, &shape, &x, &dy).unwrap();
             let mut dx2 = vec![f16::ZERO; x.len()];
-            range::max_pool_backward(&twin, &x, &dy, &mut dx2).unwrap();
+            crate::netops::pool::max_pool_backward(&twin, &x, &dy, &mut dx2).unwrap();
             assert_eq!(
                 dx.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                 dx2.iter().map(|v| v.to_bits()).collect::<Vec<_>>()

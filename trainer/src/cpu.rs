@@ -10,11 +10,11 @@ use super::{
 use crate::checkpoint::{TrainState, SAVED_REGIONS};
 use crate::curves::CurvePoint;
 use cudnn_cbr::amp::plan::Region;
-use cudnn_cbr::amp::range::HeadMetrics;
 use cudnn_cbr::amp::range::Scalars;
 use cudnn_cbr::amp::step::{AmpStep, CpuRegions};
 use cudnn_cbr::amp::AmpError;
 use cudnn_cbr::classifier::{CpuClassifier, EvalWeights};
+use cudnn_cbr::netops::head::HeadMetrics;
 use half::f16;
 use std::time::Instant;
 

@@ -8,11 +8,11 @@ use super::{
     data, net::compile_net, net::cpu_policy, ExecutorInfo, Progress, TrainConfig, TrainError,
     TrainReport, Window, HELD_OUT_BATCHES,
 };
-use cudnn_cbr::amp::range::HeadMetrics;
 use cudnn_cbr::amp::AmpError;
 use cudnn_cbr::classifier::CpuClassifier;
 use cudnn_cbr::dist::DistError;
 use cudnn_cbr::dist::{Collective, Communicator, CpuComm, CpuGroup, CpuReplica, ReduceOp};
+use cudnn_cbr::netops::head::HeadMetrics;
 use half::f16;
 use std::time::Instant;
 

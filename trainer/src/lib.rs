@@ -25,8 +25,8 @@
 //!
 //! Both executors run the same network (the preset [`TrainConfig::net`], compiled by
 //! [`cudnn_cbr::net::compile()`]), from the same initial
-//! weights and data, with the same head (the [`cudnn_cbr::amp::range`] twins of
-//! `amp/kernels/amp_head.cu`); [`cuda`] explains what the CUDA executor runs, captures and
+//! weights and data, with the same head (the [`cudnn_cbr::netops::head`] twins of
+//! `netops/kernels/net_head.cu`); [`cuda`] explains what the CUDA executor runs, captures and
 //! reads back.
 
 #![forbid(unsafe_code)]

@@ -8,7 +8,7 @@ use crate::{
     TrainConfig, TrainError, TrainReport,
 };
 use cudnn_cbr::amp::plan::MemoryPlan;
-use cudnn_cbr::amp::range::HeadMetrics;
+use cudnn_cbr::netops::head::HeadMetrics;
 
 /// A configured training run on one executor.
 #[derive(Debug)]

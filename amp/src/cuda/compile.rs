@@ -1,5 +1,6 @@
-//! NVRTC compilation of the range kernels ([`compile_ptx`], [`compile_cubin`]) and their
-//! loading into a CUDA context, once per context ([`AmpKernels::for_context`]).
+//! NVRTC compilation of kernel sources ([`compile_ptx`], [`compile_cubin`]) and their
+//! loading into a CUDA context as a [`KernelSet`] ([`KernelSet::load`]); amp's own set once
+//! per context ([`AmpKernels::for_context`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -8,10 +9,11 @@ use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, Ptx};
 
-use crate::cuda::launch::{AmpKernels, Functions, BLOCKS_PER_SM};
+use crate::cuda::kernel_set::{KernelSet, Signatures, BLOCKS_PER_SM};
+use crate::cuda::launch::AmpKernels;
 use crate::cuda::{cuda_include_dir, driver_error};
 use crate::error::{AmpError, CudaError};
-use crate::kernels::{self, entry, CudaArch, KernelSource};
+use crate::kernels::{self, CudaArch, KernelSource};
 use cudnn_cbr_runtime::kernel_cache::{CacheOutcome, KernelCache};
 use cudnn_cbr_runtime::rtc::{self, cubin_flags, nvrtc_library_present, nvrtc_version};
 
@@ -42,17 +44,21 @@ fn describe_compile_error(e: &CompileError) -> String {
     }
 }
 
-/// Compiles every source of [`crate::kernels::ALL`] to PTX for `arch` with NVRTC, with the
-/// include directory of [`crate::cuda::cuda_include_dir`]. Needs no device: this is what
-/// [`AmpKernels::for_context`] loads.
+/// Compiles every source of `sources` (e.g. [`crate::kernels::ALL`]) to PTX for `arch` with
+/// NVRTC, with the include directory of [`crate::cuda::cuda_include_dir`]. Needs no device:
+/// this is what [`KernelSet::load`] loads where the device's architecture has no machine
+/// code.
 ///
 /// # Errors
 /// [`AmpError::NoNvrtc`] without the NVRTC library, [`CudaError::Compile`] with NVRTC's log
 /// when a source does not compile (e.g. `cuda_fp16.h` not found).
-pub fn compile_ptx(arch: CudaArch) -> Result<Vec<(KernelSource, String)>, AmpError> {
+pub fn compile_ptx(
+    sources: &[KernelSource],
+    arch: CudaArch,
+) -> Result<Vec<(KernelSource, String)>, AmpError> {
     require_nvrtc()?;
     let include = cuda_include_dir().and_then(|d| d.into_os_string().into_string().ok());
-    kernels::ALL
+    sources
         .iter()
         .map(|source| {
             let opts = kernels::compile_options(source, arch, include.as_deref());
@@ -70,18 +76,21 @@ pub fn compile_ptx(arch: CudaArch) -> Result<Vec<(KernelSource, String)>, AmpErr
         .collect()
 }
 
-/// Compiles every source of [`crate::kernels::ALL`] to machine code (a cubin) for the real
-/// architecture `real_arch` (e.g. `"sm_90"`, see [`rtc::real_arch`]) with NVRTC. Needs
-/// no device. This is what [`AmpKernels::for_context`] loads where it can: unlike PTX, a
-/// cubin does not depend on the driver accepting the NVRTC's PTX version.
+/// Compiles every source of `sources` to machine code (a cubin) for the real architecture
+/// `real_arch` (e.g. `"sm_90"`, see [`rtc::real_arch`]) with NVRTC. Needs no device. This is
+/// what [`KernelSet::load`] loads where it can: unlike PTX, a cubin does not depend on the
+/// driver accepting the NVRTC's PTX version.
 ///
 /// # Errors
 /// As [`compile_ptx`].
-pub fn compile_cubin(real_arch: &'static str) -> Result<Cubins, AmpError> {
+pub fn compile_cubin(
+    sources: &[KernelSource],
+    real_arch: &'static str,
+) -> Result<Cubins, AmpError> {
     require_nvrtc()?;
     let include = cuda_include_dir().and_then(|d| d.into_os_string().into_string().ok());
     let flags = cubin_flags(real_arch, include.as_deref());
-    kernels::ALL
+    sources
         .iter()
         .map(|source| {
             rtc::compile_cubin(source.file, &source.program(), &flags)
@@ -103,18 +112,21 @@ pub type Cubins = Vec<(KernelSource, Vec<u8>)>;
 
 /// [`compile_cubin`] through a disk cache ([`KernelCache`]): loaded from `cache` when the
 /// same sources were compiled with the same flags, architecture and NVRTC before, else
-/// compiled and stored. Needs NVRTC either way (its version is part of the key).
+/// compiled and stored under `family` (e.g. `"amp"`: one entry per family and
+/// architecture). Needs NVRTC either way (its version is part of the key).
 ///
 /// # Errors
 /// As [`compile_cubin`].
 pub fn compile_cubin_cached(
+    family: &str,
+    sources: &[KernelSource],
     real_arch: &'static str,
     cache: Option<&KernelCache>,
 ) -> Result<(Cubins, CacheOutcome), AmpError> {
     require_nvrtc()?;
     let include = cuda_include_dir().and_then(|d| d.into_os_string().into_string().ok());
     let mut parts: Vec<Vec<u8>> = vec![
-        b"amp cubins v1".to_vec(),
+        format!("{family} cubins v1").into_bytes(),
         nvrtc_version().into_bytes(),
         real_arch.as_bytes().to_vec(),
     ];
@@ -123,7 +135,7 @@ pub fn compile_cubin_cached(
             .into_iter()
             .map(String::into_bytes),
     );
-    for source in kernels::ALL {
+    for source in sources {
         parts.push(source.file.as_bytes().to_vec());
         parts.push(source.program().into_bytes());
     }
@@ -131,19 +143,19 @@ pub fn compile_cubin_cached(
     let key = KernelCache::key(&refs);
     let (images, outcome) = KernelCache::get_or_compile(
         cache,
-        &format!("amp-{real_arch}"),
+        &format!("{family}-{real_arch}"),
         key,
-        kernels::ALL.len(),
+        sources.len(),
         || {
             Ok::<_, AmpError>(
-                compile_cubin(real_arch)?
+                compile_cubin(sources, real_arch)?
                     .into_iter()
                     .map(|(_, c)| c)
                     .collect(),
             )
         },
     )?;
-    Ok((kernels::ALL.iter().copied().zip(images).collect(), outcome))
+    Ok((sources.iter().copied().zip(images).collect(), outcome))
 }
 
 impl AmpKernels {
@@ -162,12 +174,31 @@ impl AmpKernels {
         if let Some(k) = map.get(&key) {
             return Ok(k.clone());
         }
-        let k = Arc::new(Self::compile(ctx)?);
+        let set = KernelSet::load(ctx, "amp", &kernels::ALL, kernels::signature)?;
+        let k = Arc::new(AmpKernels { set });
         map.insert(key, k.clone());
         Ok(k)
     }
+}
 
-    fn compile(ctx: &Arc<CudaContext>) -> Result<AmpKernels, AmpError> {
+impl KernelSet {
+    /// Compiles `sources` for `ctx`'s device and loads them there: machine code for the
+    /// device's own architecture where NVRTC knows it (through the disk cache,
+    /// [`cudnn_cbr_runtime::kernel_cache`], under `family`), else PTX for the driver to JIT.
+    /// Every launch is checked against `signatures`. Each call compiles and loads anew:
+    /// a set's owner keeps one per context (as [`AmpKernels::for_context`] does).
+    ///
+    /// # Errors
+    /// [`AmpError::NoNvrtc`] without the NVRTC library, [`CudaError::UnsupportedArch`] below
+    /// sm_80, [`CudaError::Compile`] when NVRTC rejects a source (e.g. no `cuda_fp16.h`),
+    /// [`CudaError::Driver`] when the driver cannot load the code or an entry point is
+    /// missing from it.
+    pub fn load(
+        ctx: &Arc<CudaContext>,
+        family: &str,
+        sources: &[KernelSource],
+        signatures: Signatures,
+    ) -> Result<KernelSet, AmpError> {
         require_nvrtc()?;
         let (major, minor) = ctx
             .compute_capability()
@@ -185,7 +216,7 @@ impl AmpKernels {
         let (images, code): (Vec<(KernelSource, Ptx)>, String) = match real {
             Some(sm) => {
                 let cache = KernelCache::from_env();
-                let (cubins, outcome) = compile_cubin_cached(sm, cache.as_ref())?;
+                let (cubins, outcome) = compile_cubin_cached(family, sources, sm, cache.as_ref())?;
                 let from = match (outcome, &cache) {
                     (CacheOutcome::Hit, Some(c)) => {
                         format!("from the kernel cache {}", c.dir().display())
@@ -210,7 +241,7 @@ impl AmpKernels {
                 )
             }
             None => (
-                compile_ptx(arch)?
+                compile_ptx(sources, arch)?
                     .into_iter()
                     .map(|(s, p)| (s, Ptx::from_src(p)))
                     .collect(),
@@ -230,42 +261,25 @@ impl AmpKernels {
                 functions.insert(name, f);
             }
         }
-        let mut take = |name: &'static str| {
-            functions.remove(name).ok_or_else(|| CudaError::Driver {
-                op: format!("look up kernel {name}"),
-                code: "not in the compiled module".into(),
-            })
-        };
-        let f = Functions {
-            cast_f32_to_f16: take(entry::CAST_F32_TO_F16)?,
-            cast_f16_to_f32: take(entry::CAST_F16_TO_F32)?,
-            accum_grads: take(entry::ACCUM_GRADS)?,
-            check_nonfinite: take(entry::CHECK_NONFINITE)?,
-            check_clip: take(entry::CHECK_CLIP)?,
-            grad_sumsq: take(entry::GRAD_SUMSQ)?,
-            grad_norm: take(entry::GRAD_NORM)?,
-            loss_scale_update: take(entry::LOSS_SCALE_UPDATE)?,
-            zero_bytes: take(entry::ZERO_BYTES)?,
-            sgd_step: take(entry::SGD_STEP)?,
-            ema_update: take(entry::EMA_UPDATE)?,
-            softmax_xent_backward: take(entry::SOFTMAX_XENT_BACKWARD)?,
-            gap_forward: take(entry::GAP_FORWARD)?,
-            gap_backward: take(entry::GAP_BACKWARD)?,
-            fc_forward: take(entry::FC_FORWARD)?,
-            fc_backward: take(entry::FC_BACKWARD)?,
-            add_f16: take(entry::ADD_F16)?,
-            head_metrics: take(entry::HEAD_METRICS)?,
-            max_pool_forward: take(entry::MAX_POOL_FORWARD)?,
-            max_pool_backward: take(entry::MAX_POOL_BACKWARD)?,
-        };
-        Ok(AmpKernels {
+        // Every entry point must have been found: a launch looks it up by name.
+        for name in sources.iter().flat_map(|s| s.entry_points) {
+            if !functions.contains_key(name) {
+                return Err(CudaError::Driver {
+                    op: format!("look up kernel {name}"),
+                    code: "not in the compiled module".into(),
+                }
+                .into());
+            }
+        }
+        Ok(KernelSet {
             ctx: ctx.clone(),
             arch,
             code,
             max_blocks: u32::try_from(sms.max(1))
                 .unwrap_or(1)
                 .saturating_mul(BLOCKS_PER_SM),
-            f,
+            functions,
+            signatures,
         })
     }
 }

@@ -147,15 +147,43 @@ impl<'a> DevRange<'a> {
     }
 
     /// The stream the buffer was allocated on (for the context check).
-    pub(crate) fn buf_stream(&self) -> &CudaStream {
+    pub fn buf_stream(&self) -> &CudaStream {
         self.buf.stream()
     }
 
     /// The device address of the range's first byte, with cudarc's read guard (a no-op
     /// unless the context tracks events across several streams).
-    pub(crate) fn addr<'s>(&'s self, stream: &'s CudaStream) -> (u64, SyncOnDrop<'s>) {
+    pub fn addr<'s>(&'s self, stream: &'s CudaStream) -> (u64, SyncOnDrop<'s>) {
         let (base, sync) = self.buf.device_ptr(stream);
         (base + self.range.start as u64, sync)
+    }
+
+    /// The range's elements of `size` bytes, for operand `what` of launch `op`.
+    ///
+    /// # Errors
+    /// [`ExecError::Misaligned`] when the range does not start and end on element
+    /// boundaries.
+    pub fn elems(
+        &self,
+        op: &'static str,
+        what: &'static str,
+        size: usize,
+    ) -> Result<usize, AmpError> {
+        elems_of(op, what, self.range, size)
+    }
+
+    /// Checks that the range holds exactly `expected` elements of `size` bytes.
+    ///
+    /// # Errors
+    /// [`ExecError::Misaligned`], [`ExecError::ElemCount`].
+    pub fn expect_elems(
+        &self,
+        op: &'static str,
+        what: &'static str,
+        size: usize,
+        expected: usize,
+    ) -> Result<(), AmpError> {
+        expect_elems(op, what, self.range, size, expected)
     }
 }
 
@@ -183,14 +211,41 @@ impl<'a> DevRangeMut<'a> {
     }
 
     /// The stream the buffer was allocated on (for the context check).
-    pub(crate) fn buf_stream(&self) -> &CudaStream {
+    pub fn buf_stream(&self) -> &CudaStream {
         self.buf.stream()
     }
 
     /// The device address of the range's first byte, with cudarc's write guard.
-    pub(crate) fn addr_mut<'s>(&'s mut self, stream: &'s CudaStream) -> (u64, SyncOnDrop<'s>) {
+    pub fn addr_mut<'s>(&'s mut self, stream: &'s CudaStream) -> (u64, SyncOnDrop<'s>) {
         let (base, sync) = self.buf.device_ptr_mut(stream);
         (base + self.range.start as u64, sync)
+    }
+
+    /// As [`DevRange::elems`].
+    ///
+    /// # Errors
+    /// [`ExecError::Misaligned`].
+    pub fn elems(
+        &self,
+        op: &'static str,
+        what: &'static str,
+        size: usize,
+    ) -> Result<usize, AmpError> {
+        elems_of(op, what, self.range, size)
+    }
+
+    /// As [`DevRange::expect_elems`].
+    ///
+    /// # Errors
+    /// [`ExecError::Misaligned`], [`ExecError::ElemCount`].
+    pub fn expect_elems(
+        &self,
+        op: &'static str,
+        what: &'static str,
+        size: usize,
+        expected: usize,
+    ) -> Result<(), AmpError> {
+        expect_elems(op, what, self.range, size, expected)
     }
 }
 

@@ -13,11 +13,12 @@
 //! 3. [`CudaRegions::new`] allocates a plan's regions (zeroed) on a stream; it is an
 //!    [`crate::step::AmpExecutor`], so [`crate::step::AmpStep`] runs on it exactly as on
 //!    [`crate::step::CpuRegions`], and its graphs ([`CudaStepGraph`]) replay a step's launches.
-//! 4. The network head around a step ([`AmpKernels::gap_forward`], [`CudaRegions::fc_forward`],
-//!    [`AmpKernels::softmax_xent_backward_range`], [`AmpKernels::head_metrics`],
-//!    [`CudaRegions::fc_backward`], [`AmpKernels::gap_backward`], [`AmpKernels::add_f16`])
-//!    runs over checked byte ranges ([`DevRange`]) of buffers shared with cuDNN; a
-//!    [`Readback`] brings a device buffer (e.g. the metrics log) to the host without waiting.
+//! 4. The loss seed ([`AmpKernels::softmax_xent_backward`], or
+//!    [`AmpKernels::softmax_xent_backward_range`] over checked byte ranges ([`DevRange`]) of
+//!    buffers shared with cuDNN) multiplies by the loss scale in S; the network's own kernels
+//!    around it (the head, residual joins, pooling) are crate `cudnn-cbr-netops`'s, a
+//!    [`KernelSet`] of their own over the same [`DevRange`]s and [`CudaRegions::param_addr`].
+//!    A [`Readback`] brings a device buffer (e.g. a metrics log) to the host without waiting.
 //! 5. A training loop's batches: [`Upload`] (page-locked staging on the compute stream) or
 //!    [`DoubleInput`] (two device buffers filled on a copy stream of their own beside the
 //!    step, ordered by events).
@@ -25,8 +26,8 @@
 //! Streams and ordering: every launch of [`CudaRegions`] goes to its one stream. Work that
 //! writes the regions (cuDNN wgrad, cuBLAS, copies) must go to the same stream, or be ordered
 //! with it by the caller. The executor passes raw device addresses to its kernels and records
-//! no cudarc events, which is what makes its launches capturable into a CUDA graph. The head
-//! launches take cudarc buffers ([`DevRange`]) and so go through cudarc's event tracking,
+//! no cudarc events, which is what makes its launches capturable into a CUDA graph. Launches
+//! over [`DevRange`]s take cudarc buffers ([`DevRange`]) and so go through cudarc's event tracking,
 //! which records nothing while the context has a single stream (no `new_stream` on that
 //! [`CudaContext`]): only then can they be captured too.
 //!
@@ -41,12 +42,12 @@ mod compile;
 mod dev_range;
 pub mod dist_grads;
 mod ema_weights;
-mod head_kernels;
 mod input;
+mod kernel_set;
 mod launch;
-mod net_kernels;
 mod readback;
 mod regions;
+mod seed_kernels;
 mod step_kernels;
 mod upload;
 
@@ -67,6 +68,7 @@ pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 pub use dev_range::{DevRange, DevRangeMut};
 pub use ema_weights::TrainedWeights;
 pub use input::DoubleInput;
+pub use kernel_set::{Arg, KernelSet, Signatures, BLOCK, ONE_THREAD};
 pub use launch::AmpKernels;
 pub use readback::Readback;
 pub use regions::{CudaRegions, CudaStepGraph, RegionsMut};

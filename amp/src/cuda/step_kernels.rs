@@ -1,12 +1,12 @@
 //! The range ops of the amp step on [`AmpKernels`]: zero, casts, gradient check, loss-scale
-//! update, SGD, EMA and the softmax cross-entropy seed; raw launches over checked addresses
-//! (used by [`super::CudaRegions`]) and checked launches over [`DevRange`]s.
+//! update, SGD and EMA (the loss seed is in [`super::seed_kernels`]); raw launches over
+//! checked addresses (used by [`super::CudaRegions`]) and checked launches over [`DevRange`]s.
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
-use half::f16;
+use cudarc::driver::{CudaStream, LaunchConfig};
 
 use crate::cuda::dev_range::{check_s, elems_of, same_count, DevRange, DevRangeMut};
-use crate::cuda::launch::{AmpKernels, Arg, BLOCK, ONE_THREAD};
+use crate::cuda::kernel_set::{Arg, ONE_THREAD};
+use crate::cuda::launch::AmpKernels;
 use crate::error::AmpError;
 use crate::kernels::entry;
 use crate::plan::ByteRange;
@@ -42,7 +42,6 @@ impl AmpKernels {
         unsafe {
             self.launch_raw(
                 stream,
-                &self.f.zero_bytes,
                 entry::ZERO_BYTES,
                 cfg,
                 &[Arg::U64(dst), Arg::size(nbytes)],
@@ -66,15 +65,7 @@ impl AmpKernels {
         let args = [Arg::U64(src), Arg::U64(dst), Arg::size(n)];
         // SAFETY: the kernel touches elements [0, n) of each pointer only, which the caller
         // guarantees exist.
-        unsafe {
-            self.launch_raw(
-                stream,
-                &self.f.cast_f32_to_f16,
-                entry::CAST_F32_TO_F16,
-                self.grid_elems(n),
-                &args,
-            )
-        }
+        unsafe { self.launch_raw(stream, entry::CAST_F32_TO_F16, self.grid_elems(n), &args) }
     }
 
     /// # Safety
@@ -92,15 +83,7 @@ impl AmpKernels {
         }
         let args = [Arg::U64(src), Arg::U64(dst), Arg::size(n)];
         // SAFETY: elements [0, n) of each pointer only, as the caller guarantees.
-        unsafe {
-            self.launch_raw(
-                stream,
-                &self.f.cast_f16_to_f32,
-                entry::CAST_F16_TO_F32,
-                self.grid_elems(n),
-                &args,
-            )
-        }
+        unsafe { self.launch_raw(stream, entry::CAST_F16_TO_F32, self.grid_elems(n), &args) }
     }
 
     /// # Safety
@@ -130,15 +113,7 @@ impl AmpKernels {
         ];
         // SAFETY: the kernel reads g16[0..n16) and reads/writes g[0..n) and acc[0..n) only,
         // which the caller guarantees exist and do not overlap.
-        unsafe {
-            self.launch_raw(
-                stream,
-                &self.f.accum_grads,
-                entry::ACCUM_GRADS,
-                self.grid_elems(n),
-                &args,
-            )
-        }
+        unsafe { self.launch_raw(stream, entry::ACCUM_GRADS, self.grid_elems(n), &args) }
     }
 
     /// # Safety
@@ -162,7 +137,6 @@ impl AmpKernels {
             OverflowPolicy::NanOrInf => unsafe {
                 self.launch_raw(
                     stream,
-                    &self.f.check_nonfinite,
                     entry::CHECK_NONFINITE,
                     cfg,
                     &[Arg::U64(g), Arg::size(n), Arg::U64(s)],
@@ -172,7 +146,6 @@ impl AmpKernels {
             OverflowPolicy::ClipInf { bound } => unsafe {
                 self.launch_raw(
                     stream,
-                    &self.f.check_clip,
                     entry::CHECK_CLIP,
                     cfg,
                     &[Arg::U64(g), Arg::size(n), Arg::F32(bound), Arg::U64(s)],
@@ -202,22 +175,13 @@ impl AmpKernels {
         unsafe {
             self.launch_raw(
                 stream,
-                &self.f.grad_sumsq,
                 entry::GRAD_SUMSQ,
                 sumsq,
                 &[Arg::U64(g), Arg::size(n), Arg::U64(s)],
             )?;
         }
         // SAFETY: one thread reads the partial sums, the scale and ranks, writes grad_norm.
-        unsafe {
-            self.launch_raw(
-                stream,
-                &self.f.grad_norm,
-                entry::GRAD_NORM,
-                ONE_THREAD,
-                &[Arg::U64(s)],
-            )
-        }
+        unsafe { self.launch_raw(stream, entry::GRAD_NORM, ONE_THREAD, &[Arg::U64(s)]) }
     }
 
     /// # Safety
@@ -237,15 +201,7 @@ impl AmpKernels {
             Arg::F32(max_scale),
         ];
         // SAFETY: one thread reads and writes the 20 bytes of S in use.
-        unsafe {
-            self.launch_raw(
-                stream,
-                &self.f.loss_scale_update,
-                entry::LOSS_SCALE_UPDATE,
-                cfg,
-                &args,
-            )
-        }
+        unsafe { self.launch_raw(stream, entry::LOSS_SCALE_UPDATE, cfg, &args) }
     }
 
     /// # Safety
@@ -279,15 +235,7 @@ impl AmpKernels {
             Arg::size(n),
         ];
         // SAFETY: elements [0, n) of each pointer; a null M is never touched.
-        unsafe {
-            self.launch_raw(
-                stream,
-                &self.f.sgd_step,
-                entry::SGD_STEP,
-                self.grid_elems(n),
-                &args,
-            )
-        }
+        unsafe { self.launch_raw(stream, entry::SGD_STEP, self.grid_elems(n), &args) }
     }
 
     /// # Safety
@@ -316,67 +264,7 @@ impl AmpKernels {
             Arg::size(n),
         ];
         // SAFETY: elements [0, n) of each pointer only.
-        unsafe {
-            self.launch_raw(
-                stream,
-                &self.f.ema_update,
-                entry::EMA_UPDATE,
-                self.grid_elems(n),
-                &args,
-            )
-        }
-    }
-
-    /// # Safety
-    /// `logits` holds `batch * classes` f16, `labels` `batch` i32, `s` is a 4-aligned S
-    /// image; `dlogits` has room for `batch * classes` f16 and `loss` for `batch` f32 (or is
-    /// 0); outputs overlap nothing; `classes >= 1`; all alive until the launch has run.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn raw_softmax_xent_backward(
-        &self,
-        stream: &CudaStream,
-        logits: u64,
-        labels: u64,
-        dlogits: u64,
-        loss: u64,
-        s: u64,
-        batch: usize,
-        classes: usize,
-    ) -> Result<(), AmpError> {
-        if batch == 0 {
-            return Ok(());
-        }
-        let threads = classes.next_multiple_of(32).min(BLOCK as usize);
-        let cfg = LaunchConfig {
-            grid_dim: (
-                u32::try_from(batch.min(self.max_blocks as usize)).unwrap_or(self.max_blocks),
-                1,
-                1,
-            ),
-            // threads <= 256, so the cast is exact.
-            block_dim: (threads as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let args = [
-            Arg::U64(logits),
-            Arg::U64(labels),
-            Arg::U64(dlogits),
-            Arg::U64(loss),
-            Arg::U64(s),
-            Arg::size(batch),
-            Arg::size(classes),
-        ];
-        // SAFETY: the caller guarantees the buffers for these counts; blockDim is a multiple
-        // of 32 and at most 256, as the kernel requires; a null loss is checked by the kernel.
-        unsafe {
-            self.launch_raw(
-                stream,
-                &self.f.softmax_xent_backward,
-                entry::SOFTMAX_XENT_BACKWARD,
-                cfg,
-                &args,
-            )
-        }
+        unsafe { self.launch_raw(stream, entry::EMA_UPDATE, self.grid_elems(n), &args) }
     }
 
     // ------------------------------------------------------------------ checked launches
@@ -628,91 +516,5 @@ impl AmpKernels {
         let (sp, _s) = s.addr(stream);
         // SAFETY: as in `sgd_step`: checked ranges, exclusive borrows of the outputs.
         unsafe { self.raw_ema(stream, ep, hp, wp, sp, decay, n) }
-    }
-
-    /// The loss-gradient seed (twin: [`crate::range::softmax_xent_backward`]): `logits` and
-    /// `dlogits` are `[batch, classes]` FP16, `labels` has `batch` entries, `loss` (optional)
-    /// `batch` FP32, the scale comes from `s`.
-    ///
-    /// # Errors
-    /// [`crate::RangeOpError::InvalidConfig`] for `classes == 0`,
-    /// [`crate::RangeOpError::LengthMismatch`] for a buffer of the wrong length, S-range
-    /// errors, [`CudaError::ContextMismatch`]; a driver error.
-    #[allow(clippy::too_many_arguments)]
-    pub fn softmax_xent_backward(
-        &self,
-        stream: &CudaStream,
-        logits: &CudaSlice<f16>,
-        labels: &CudaSlice<i32>,
-        classes: usize,
-        s: DevRange<'_>,
-        dlogits: &mut CudaSlice<f16>,
-        loss: Option<&mut CudaSlice<f32>>,
-    ) -> Result<(), AmpError> {
-        const OP: &str = entry::SOFTMAX_XENT_BACKWARD;
-        use crate::RangeOpError as R;
-        if classes == 0 {
-            return Err(R::InvalidConfig {
-                op: OP,
-                field: "classes",
-                value: "0".into(),
-                why: "must be >= 1",
-            }
-            .into());
-        }
-        self.check_streams(
-            stream,
-            &[
-                ("logits", logits.stream()),
-                ("labels", labels.stream()),
-                ("dlogits", dlogits.stream()),
-                ("s", s.buf_stream()),
-            ],
-        )?;
-        check_s(OP, s.range)?;
-        let batch = labels.len();
-        let total = batch.checked_mul(classes).ok_or(R::InvalidConfig {
-            op: OP,
-            field: "classes",
-            value: classes.to_string(),
-            why: "batch * classes overflows",
-        })?;
-        let len = |what, expected, got| {
-            if expected == got {
-                Ok(())
-            } else {
-                Err(R::LengthMismatch {
-                    op: OP,
-                    what,
-                    expected,
-                    got,
-                })
-            }
-        };
-        len("logits", total, logits.len())?;
-        len("dlogits", total, dlogits.len())?;
-        if let Some(l) = loss.as_deref() {
-            self.check_buf(stream, "loss", l.stream())?;
-            len("loss", batch, l.len())?;
-        }
-        if batch == 0 {
-            return Ok(());
-        }
-        let (xp, _x) = logits.device_ptr(stream);
-        let (lp, _l) = labels.device_ptr(stream);
-        let (dp, _d) = dlogits.device_ptr_mut(stream);
-        let (sp, _s) = s.addr(stream);
-        let (op, _o) = match loss {
-            Some(l) => {
-                let (p, sync) = l.device_ptr_mut(stream);
-                (p, Some(sync))
-            }
-            None => (0u64, None),
-        };
-        // SAFETY: every buffer's length was checked against batch and classes, S is at least
-        // 20 bytes 4-aligned, `classes >= 1`; `dlogits` and `loss` are exclusive borrows, so
-        // they overlap nothing, and the loss pointer is null only when absent; the borrows
-        // keep the buffers alive for the call and cudarc orders their release after it.
-        unsafe { self.raw_softmax_xent_backward(stream, xp, lp, dp, op, sp, batch, classes) }
     }
 }

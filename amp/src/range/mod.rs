@@ -20,10 +20,8 @@
 //! 6. [`ema_update`] over E/E16 from W (optional): skips when the flag is set.
 //! 7. [`update_loss_scale`]: backs off or grows the scale, counts, clears the flag.
 //!
-//! The network head around that step (pooling, the FC layer, the residual gradient join and
-//! the per-step metrics log) has its twins here too: [`gap_forward`], [`fc_forward`],
-//! [`fc_backward`], [`gap_backward`], [`add_f16`], [`head_metrics`] (each function's docs give
-//! its exact definition and summation order; the shapes are a [`HeadShape`]).
+//! The network's own ops around that step (pooling, the FC layer, the residual gradient join,
+//! the per-step metrics log) and their twins are crate `cudnn-cbr-netops`'s.
 //!
 //! [`cast_f32_to_f16`] (W→A, E→E16) is for initialisation and checkpoint loading; in the
 //! loop SGD and EMA write the FP16 copies themselves.
@@ -36,10 +34,8 @@
 mod accum;
 mod cast;
 mod check;
-mod head;
 mod norm;
 mod optim;
-mod pool;
 mod scalars;
 mod scale;
 mod seed;
@@ -49,14 +45,8 @@ pub use cast::{
     cast_f16_to_f32, cast_f32_to_f16, f16_to_f32, f32_to_f16, F16_CANONICAL_NAN, F32_CANONICAL_NAN,
 };
 pub use check::{check_and_clip, check_grads, check_nonfinite, CheckOutcome, OverflowPolicy};
-pub use head::{
-    add_f16, argmax_last, fc_backward, fc_forward, gap_backward, gap_forward, head_metrics,
-    metrics_log_append, metrics_log_bytes, metrics_log_capacity, metrics_log_read, HeadMetrics,
-    HeadShape, MetricsLog, METRICS_LOG_ENTRY, METRICS_LOG_HEADER,
-};
 pub use norm::{grad_norm, NORM_THREADS};
 pub use optim::{ema_update, sgd_step, zero_bytes, zero_f16, zero_f32, SgdConfig, StepOutcome};
-pub use pool::{max_pool_backward, max_pool_forward, PoolShape};
 pub use scalars::{s_layout, Scalars, S_REGION_BYTES};
 pub use scale::{
     update_loss_scale, LossScalePolicy, ScaleGrowth, ScaleUpdate, BACKOFF_FACTOR,

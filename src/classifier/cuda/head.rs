@@ -5,9 +5,10 @@
 use super::{driver, CudaClassifier, Result};
 use crate::amp::cuda::{CudaSlice, CudaStream, DevRange, DevRangeMut, DoubleInput};
 use crate::amp::plan::{ByteRange, Region};
-use crate::amp::range::{self, metrics_log_bytes, HeadMetrics, HeadShape};
 use crate::classifier::{check_batch, ClassifierError, EvalWeights, Evaluation};
 use crate::net::CudaNetError;
+use crate::netops::cuda::{AmpKernelsHead, RegionsFc};
+use crate::netops::head::{self, metrics_log_bytes, HeadMetrics, HeadShape};
 use half::f16;
 use std::sync::Arc;
 
@@ -380,7 +381,7 @@ impl CudaClassifier {
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect();
         let shape = self.head.shape;
-        Ok(range::head_metrics(
+        Ok(head::head_metrics(
             &logits[..shape.logits_elems()],
             &self.head.host_labels,
             Some(&loss[..shape.batch]),

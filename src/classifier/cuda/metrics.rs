@@ -7,9 +7,11 @@
 use super::{driver, CudaClassifier, Result};
 use crate::amp::cuda::{CudaSlice, DevRange, DevRangeMut};
 use crate::amp::plan::Region;
-use crate::amp::range::{metrics_log_capacity, metrics_log_read, s_layout, MetricsLog, Scalars};
+use crate::amp::range::{s_layout, Scalars};
 use crate::amp::AmpError;
 use crate::classifier::ClassifierError;
+use crate::netops::cuda::AmpKernelsHead;
+use crate::netops::head::{metrics_log_capacity, metrics_log_read, MetricsLog};
 use half::f16;
 
 /// Bytes of S kept per step in a [`ScalarHistory`]: up to and including the learning rate.

@@ -11,10 +11,10 @@
 //! |--:|------|-----|
 //! | 1 | zero G and G16 | amp `begin` (range kernels) |
 //! | 2 | forward: the compiled network's forward steps | each layer's cuDNN plans ([`crate::fusion::cbr::CbrLayer::run_gpu`]) |
-//! | 3 | global average pool, FC forward | `amp_gap_forward`, `amp_fc_forward` (FP32 FC weights read from W) |
-//! | 4 | loss seed, metrics | `amp_softmax_xent_backward` (loss scale read from S), `amp_head_metrics` (appends loss and accuracy to the device log, when the engine keeps one) |
-//! | 5 | FC backward, pool backward | `amp_fc_backward` (FP32 dW, db straight into G), `amp_gap_backward` (into the network output's gradient) |
-//! | 6 | backward: the compiled network's backward steps | cuDNN plans; the gradient joins at block inputs with `amp_add_f16`; in a group, each gradient bucket's NCCL sum as soon as it is written |
+//! | 3 | global average pool, FC forward | `net_gap_forward`, `net_fc_forward` (FP32 FC weights read from W) |
+//! | 4 | loss seed, metrics | `amp_softmax_xent_backward` (loss scale read from S), `net_head_metrics` (appends loss and accuracy to the device log, when the engine keeps one) |
+//! | 5 | FC backward, pool backward | `net_fc_backward` (FP32 dW, db straight into G), `net_gap_backward` (into the network output's gradient) |
+//! | 6 | backward: the compiled network's backward steps | cuDNN plans; the gradient joins at block inputs with `net_add_f16`; in a group, each gradient bucket's NCCL sum as soon as it is written |
 //! | 7 | cast G16→G, check, SGD, EMA, loss-scale update | amp `finish` |
 //!
 //! With gradient accumulation ([`StepConfig::accum`] = N), a step is N micro-batches, each
@@ -72,13 +72,13 @@ pub use snapshot::Snapshot;
 use super::ClassifierError;
 use crate::amp::cuda::{AmpKernels, CudaContext, CudaRegions, CudaStream, Readback, Upload};
 use crate::amp::plan::Region;
-use crate::amp::range::HeadShape;
 use crate::amp::step::{AmpStep, StepConfig};
 use crate::dist::bootstrap::LaunchEnv;
 use crate::fusion::exec::Handle;
 use crate::net::{
     initial_weights, memory_plan_of, Arena, CompiledNet, CudaNet, MemoryReport, PlanContents,
 };
+use crate::netops::head::HeadShape;
 use std::marker::PhantomData;
 use std::sync::Arc;
 

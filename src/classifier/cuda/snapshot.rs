@@ -2,7 +2,7 @@
 //! checkpoints, and its comparisons (relative L2 per part, counters bit for bit).
 
 use crate::amp::plan::Region;
-use crate::amp::range::METRICS_LOG_HEADER;
+use crate::netops::head::METRICS_LOG_HEADER;
 use crate::sys::DataType;
 use half::f16;
 

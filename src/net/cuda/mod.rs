@@ -1,11 +1,13 @@
 //! The CUDA executor of a compiled network: one device allocation per network buffer (or a
 //! parameter's slot in the amp regions), each layer's table built per pass over borrowed
-//! memory (no address is kept), layers on their cuDNN plans and the gradient joins on amp's
-//! `add_f16` kernel, all on the handle's stream.
+//! memory (no address is kept), layers on their cuDNN plans and the gradient joins on the
+//! network's own `add_f16` kernel ([`crate::netops::cuda::NetKernels`]), all on the handle's
+//! stream.
 //!
 //! # Recipe
 //! 1. Compile with a planned [`RoutePolicy`](super::RoutePolicy) on the device's target.
-//! 2. [`CudaNet::new`] with the handle, the amp kernels and, for training, the memory plan
+//! 2. [`CudaNet::new`] with the handle, the amp kernels (the network's own are loaded into the
+//!    same context) and, for training, the memory plan
 //!    whose regions hold the parameters (`None`: the parameters get allocations of their own).
 //!    A layer whose plans were built for another target (a deviceless fixture, another
 //!    device or cuDNN) is planned again for the handle's device first ([`replan_for`]),
@@ -14,8 +16,8 @@
 //!    [`CudaNet::forward`] (or [`CudaNet::forward_with`] the amp regions, borrowed for the
 //!    pass); write the output's gradient and [`CudaNet::backward`] (`backward_with`).
 //!
-//! The stem's max-pool runs on amp's pool kernels (`amp_pool.cu`, the same choice rule as the
-//! CPU executor).
+//! The stem's max-pool runs on the network's pool kernels (`netops/kernels/net_pool.cu`, the
+//! same choice rule as the CPU executor).
 
 mod binding;
 mod net;

@@ -5,6 +5,7 @@ use crate::amp::plan::{Bucket, MemoryPlan, Region};
 use crate::net::buckets::GradSchedule;
 use crate::net::compile::{BufId, CompiledNet, NetBuffer};
 use crate::net::exec::{run_pass, run_pass_observed};
+use crate::netops::cuda::NetKernels;
 use cudnn_cbr_fusion::cache::PlanCache;
 use cudnn_cbr_fusion::cbr::{ArenaId, DeviceBnSync, DeviceBuffers, Pass};
 use cudnn_cbr_fusion::exec::Handle;
@@ -54,7 +55,8 @@ pub struct CudaNet {
     arena_ready: bool,
     handle: Arc<Handle>,
     pub(super) stream: Arc<CudaStream>,
-    pub(super) kernels: Arc<AmpKernels>,
+    /// The residual join and max-pool kernels of the stream's context.
+    pub(super) kernels: Arc<NetKernels>,
     /// Synchronized BN's reducer ([`CudaNet::set_bn_sync`]); `None`: local BN.
     bn_sync: Option<SyncSlot>,
 }
@@ -80,7 +82,9 @@ impl CudaNet {
     /// [`AmpError::OutOfMemory`](crate::amp::AmpError::OutOfMemory) (checked first) when the
     /// buffers exceed the device's free memory; a parameter without a slot, or a slot that does
     /// not fit; a driver error;
-    /// [`CudaNetError::Replan`] for a layer whose route does not plan on the device.
+    /// [`CudaNetError::Replan`] for a layer whose route does not plan on the device; as
+    /// [`NetKernels::for_context`] for the network's own kernels (the residual join and
+    /// max-pool), which are loaded into the context of `kernels`.
     pub fn new(
         net: CompiledNet,
         handle: Arc<Handle>,
@@ -122,6 +126,9 @@ impl CudaNet {
             &format!("network `{}`'s buffers", net.spec.name),
             need,
         )?;
+        // The network's own kernels, compiled here rather than at the first pass, which may be
+        // captured into a CUDA graph.
+        let kernels = NetKernels::for_context(kernels.context())?;
         let mut bufs = Vec::with_capacity(net.buffers.len());
         let mut slots = Vec::with_capacity(net.buffers.len());
         for (b, p) in net.buffers.iter().zip(&placed) {

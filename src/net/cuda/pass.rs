@@ -1,12 +1,13 @@
 //! One pass of a [`CudaNet`] with the amp regions borrowed: the executor the network's
 //! steps walk ([`NetExecutor`]), binding each step's buffers for its kernel.
 
-use crate::amp::cuda::{AmpKernels, CudaRegions, CudaSlice, CudaStream, DevRange, DevRangeMut};
+use crate::amp::cuda::{CudaRegions, CudaSlice, CudaStream, DevRange, DevRangeMut};
 use crate::amp::plan::ByteRange;
-use crate::amp::range::PoolShape;
 use crate::net::compile::{BufId, CompiledNet};
 use crate::net::exec::NetExecutor;
 use crate::net::spec::PoolSpec;
+use crate::netops::cuda::NetKernels;
+use crate::netops::pool::PoolShape;
 use cudnn_cbr_fusion::cbr::Pass;
 use cudnn_cbr_fusion::reference::Nhwc;
 use half::f16;
@@ -89,7 +90,7 @@ impl NetPass<'_> {
         &mut self,
         out: BufId,
         inputs: &[BufId],
-        f: impl FnOnce(&AmpKernels, &CudaStream, Vec<DevRange<'_>>, DevRangeMut<'_>) -> Result<()>,
+        f: impl FnOnce(&NetKernels, &CudaStream, Vec<DevRange<'_>>, DevRangeMut<'_>) -> Result<()>,
     ) -> Result<()> {
         let net = &mut *self.net;
         if inputs.contains(&out) {
@@ -161,7 +162,7 @@ fn own_output(
     f(ins)
 }
 
-/// The amp kernels' pool shape of a compiled max-pool step.
+/// The pool kernels' shape of a compiled max-pool step.
 fn pool_shape(pool: &PoolSpec, shape: &Nhwc) -> PoolShape {
     PoolShape {
         batch: shape.n,

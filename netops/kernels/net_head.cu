@@ -1,5 +1,5 @@
-// amp_head.cu: the network head of a training step and the residual gradient join.
-// Twins: cudnn_cbr_amp::range::{gap_forward, gap_backward, fc_forward, fc_backward, add_f16,
+// net_head.cu: the network head of a training step and the residual gradient join.
+// Twins: cudnn_cbr_netops::head::{gap_forward, gap_backward, fc_forward, fc_backward, add_f16,
 // head_metrics, metrics_log_append}.
 //
 // Shapes: activations NHWC FP16 [batch, pixels, features] (pixels = H*W); pooled features and
@@ -14,7 +14,7 @@
 
 // pooled[r, c] = (sum over p ascending of f32(a[r, p, c])) / pixels.
 // One thread per (r, c); consecutive threads read consecutive channels (coalesced).
-extern "C" __global__ void amp_gap_forward(const __half* __restrict__ a,
+extern "C" __global__ void net_gap_forward(const __half* __restrict__ a,
                                            float* __restrict__ pooled, size_t batch,
                                            size_t pixels, size_t features) {
     const size_t total = batch * features;
@@ -30,7 +30,7 @@ extern "C" __global__ void amp_gap_forward(const __half* __restrict__ a,
 }
 
 // da[r, p, c] = f16(dpooled[r, c] / pixels): the pooling's gradient, spread evenly.
-extern "C" __global__ void amp_gap_backward(const float* __restrict__ dpooled,
+extern "C" __global__ void net_gap_backward(const float* __restrict__ dpooled,
                                             __half* __restrict__ da, size_t batch,
                                             size_t pixels, size_t features) {
     const size_t per_image = pixels * features;
@@ -45,7 +45,7 @@ extern "C" __global__ void amp_gap_backward(const float* __restrict__ dpooled,
 
 // logits[r, k] = f16((sum over j ascending of w[k, j] * x[r, j]) + b[k]).
 // One thread per (r, k).
-extern "C" __global__ void amp_fc_forward(const float* __restrict__ x,
+extern "C" __global__ void net_fc_forward(const float* __restrict__ x,
                                           const float* __restrict__ w,
                                           const float* __restrict__ b,
                                           __half* __restrict__ logits, size_t batch,
@@ -68,7 +68,7 @@ extern "C" __global__ void amp_fc_forward(const float* __restrict__ x,
 //   dx[r, j] = sum over k of g[r, k] * w[k, j]
 // One thread per output; the index space is db, then dw, then dx. dw and db overwrite (they
 // are the FC's whole gradient); dx is the pooled features' gradient.
-extern "C" __global__ void amp_fc_backward(const __half* __restrict__ dlogits,
+extern "C" __global__ void net_fc_backward(const __half* __restrict__ dlogits,
                                            const float* __restrict__ x,
                                            const float* __restrict__ w,
                                            float* __restrict__ dw, float* __restrict__ db,
@@ -102,7 +102,7 @@ extern "C" __global__ void amp_fc_backward(const __half* __restrict__ dlogits,
 
 // out[i] = f16(f32(a[i]) + f32(b[i])): the gradient of an activation that feeds two branches.
 // `out` may not overlap `a` or `b`.
-extern "C" __global__ void amp_add_f16(const __half* __restrict__ a,
+extern "C" __global__ void net_add_f16(const __half* __restrict__ a,
                                        const __half* __restrict__ b,
                                        __half* __restrict__ out, size_t n) {
     const size_t tid = amp_tid();
@@ -124,7 +124,7 @@ extern "C" __global__ void amp_add_f16(const __half* __restrict__ a,
 
 // The IEEE total order as a signed key (Rust's f32::total_cmp): negative values get their
 // magnitude bits flipped, so a signed integer comparison orders every float, NaNs included.
-__device__ __forceinline__ int amp_total_key(float x) {
+__device__ __forceinline__ int net_total_key(float x) {
     const int k = __float_as_int(x);
     return k ^ (int)((unsigned int)(k >> 31) >> 1);
 }
@@ -138,7 +138,7 @@ __device__ __forceinline__ int amp_total_key(float x) {
 // The log: bytes 0..4 a u32 counter of appended entries, bytes 4..16 reserved (zero), then
 // `capacity` entries of two floats (loss, accuracy). Entry `counter % capacity` is written,
 // then the counter incremented (wrapping), so a replayed graph appends where it should.
-extern "C" __global__ void amp_head_metrics(const __half* __restrict__ logits,
+extern "C" __global__ void net_head_metrics(const __half* __restrict__ logits,
                                             const int* __restrict__ labels,
                                             const float* __restrict__ loss,
                                             unsigned int* __restrict__ log, size_t batch,
@@ -150,9 +150,9 @@ extern "C" __global__ void amp_head_metrics(const __half* __restrict__ logits,
         if (loss != nullptr) loss_sum = __fadd_rn(loss_sum, loss[r]);
         const __half* row = logits + r * classes;
         size_t best = 0;
-        int best_key = amp_total_key(amp_h2f(row[0]));
+        int best_key = net_total_key(amp_h2f(row[0]));
         for (size_t k = 1; k < classes; ++k) {
-            const int key = amp_total_key(amp_h2f(row[k]));
+            const int key = net_total_key(amp_h2f(row[k]));
             if (key >= best_key) {
                 best_key = key;
                 best = k;

@@ -1,4 +1,4 @@
-//! Max-pool over NHWC FP16: CPU twins of `amp/kernels/amp_pool.cu`.
+//! Max-pool over NHWC FP16: CPU twins of `netops/kernels/net_pool.cu`.
 //!
 //! | op | definition |
 //! |----|------------|
@@ -7,8 +7,10 @@
 //!
 //! Both executors agree bit for bit: the same choice rule, the same summation order.
 
-use super::cast::{f16_to_f32, f32_to_f16};
-use crate::error::RangeOpError;
+#![forbid(unsafe_code)]
+
+use cudnn_cbr_amp::range::{f16_to_f32, f32_to_f16};
+use cudnn_cbr_amp::RangeOpError;
 use half::f16;
 
 /// A max-pool over `batch` NHWC images of `h`×`w`×`channels`: square `kernel`, `stride`, and
@@ -131,7 +133,7 @@ fn check(
     got: usize,
     want: usize,
 ) -> Result<(), RangeOpError> {
-    super::cast::check_len(op, name, want, got)
+    crate::head::check_len(op, name, want, got)
 }
 
 /// `y = maxpool(x)` (see the module table).

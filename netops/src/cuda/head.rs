@@ -1,20 +1,19 @@
-//! The network head on [`AmpKernels`]: global average pooling, the FC layer, the loss seed
-//! over byte ranges and the metrics log, as raw launches over checked addresses and checked
-//! launches over [`DevRange`]s.
+//! The network head on [`NetKernels`]: global average pooling, the FC layer and the metrics
+//! log, as raw launches over checked addresses and checked launches over [`DevRange`]s.
 
 use cudarc::driver::CudaStream;
+use cudnn_cbr_amp::cuda::{Arg, DevRange, DevRangeMut, ONE_THREAD};
+use cudnn_cbr_amp::AmpError;
 
-use crate::cuda::dev_range::{check_s, elems_of, expect_elems, DevRange, DevRangeMut};
-use crate::cuda::launch::{AmpKernels, Arg, ONE_THREAD};
-use crate::error::AmpError;
+use crate::cuda::NetKernels;
+use crate::head::{metrics_log_capacity, HeadShape, METRICS_LOG_HEADER};
 use crate::kernels::entry;
-use crate::range::{metrics_log_capacity, HeadShape, METRICS_LOG_HEADER};
 
 // Named only by doc links.
 #[cfg(doc)]
-use crate::error::{CudaError, ExecError};
+use cudnn_cbr_amp::{CudaError, ExecError};
 
-impl AmpKernels {
+impl NetKernels {
     // ------------------------------------------------------------------ the network head
     //
     // Each raw launch takes device addresses the caller has checked: every address is inside
@@ -39,10 +38,10 @@ impl AmpKernels {
             Arg::size(shape.pixels),
             Arg::size(shape.features),
         ];
-        let cfg = self.grid(shape.pooled_elems());
+        let cfg = self.set.grid(shape.pooled_elems());
         // SAFETY: the kernel reads a[0..batch*pixels*features) and writes
         // pooled[0..batch*features), as the caller guarantees.
-        unsafe { self.launch_raw(stream, &self.f.gap_forward, entry::GAP_FORWARD, cfg, &args) }
+        unsafe { self.set.launch(stream, entry::GAP_FORWARD, cfg, &args) }
     }
 
     /// # Safety
@@ -62,17 +61,9 @@ impl AmpKernels {
             Arg::size(shape.pixels),
             Arg::size(shape.features),
         ];
-        let cfg = self.grid(shape.activation_elems());
+        let cfg = self.set.grid(shape.activation_elems());
         // SAFETY: reads dpooled[0..batch*features), writes da[0..batch*pixels*features).
-        unsafe {
-            self.launch_raw(
-                stream,
-                &self.f.gap_backward,
-                entry::GAP_BACKWARD,
-                cfg,
-                &args,
-            )
-        }
+        unsafe { self.set.launch(stream, entry::GAP_BACKWARD, cfg, &args) }
     }
 
     /// # Safety
@@ -97,9 +88,9 @@ impl AmpKernels {
             Arg::size(shape.features),
             Arg::size(shape.classes),
         ];
-        let cfg = self.grid(shape.logits_elems());
+        let cfg = self.set.grid(shape.logits_elems());
         // SAFETY: the kernel reads x, w, b and writes logits within the counts above.
-        unsafe { self.launch_raw(stream, &self.f.fc_forward, entry::FC_FORWARD, cfg, &args) }
+        unsafe { self.set.launch(stream, entry::FC_FORWARD, cfg, &args) }
     }
 
     /// # Safety
@@ -130,10 +121,12 @@ impl AmpKernels {
             Arg::size(shape.features),
             Arg::size(shape.classes),
         ];
-        let cfg = self.grid(shape.classes + shape.weight_elems() + shape.pooled_elems());
+        let cfg = self
+            .set
+            .grid(shape.classes + shape.weight_elems() + shape.pooled_elems());
         // SAFETY: the kernel reads dlogits, x, w and writes dw, db, dx within the counts
         // above, as the caller guarantees.
-        unsafe { self.launch_raw(stream, &self.f.fc_backward, entry::FC_BACKWARD, cfg, &args) }
+        unsafe { self.set.launch(stream, entry::FC_BACKWARD, cfg, &args) }
     }
 
     /// # Safety
@@ -164,23 +157,15 @@ impl AmpKernels {
         let cfg = ONE_THREAD;
         // SAFETY: one thread reads the inputs within the counts above (loss only when
         // non-null) and writes the log's count and entry `count % capacity`.
-        unsafe {
-            self.launch_raw(
-                stream,
-                &self.f.head_metrics,
-                entry::HEAD_METRICS,
-                cfg,
-                &args,
-            )
-        }
+        unsafe { self.set.launch(stream, entry::HEAD_METRICS, cfg, &args) }
     }
 
-    /// Global average pooling (twin: [`crate::range::gap_forward`]): `a` holds the last
+    /// Global average pooling (twin: [`crate::head::gap_forward`]): `a` holds the last
     /// stage's FP16 activation `[batch, pixels, features]`, `pooled` receives FP32
     /// `[batch, features]`.
     ///
     /// # Errors
-    /// [`crate::RangeOpError::InvalidConfig`] for a bad shape, [`ExecError::Misaligned`],
+    /// [`cudnn_cbr_amp::RangeOpError::InvalidConfig`] for a bad shape, [`ExecError::Misaligned`],
     /// [`ExecError::ElemCount`] for a range of the wrong size,
     /// [`CudaError::ContextMismatch`]; a driver error.
     pub fn gap_forward(
@@ -192,12 +177,12 @@ impl AmpKernels {
     ) -> Result<(), AmpError> {
         const OP: &str = entry::GAP_FORWARD;
         shape.validate(OP)?;
-        self.check_streams(
+        self.set.check_streams(
             stream,
             &[("a", a.buf_stream()), ("pooled", pooled.buf_stream())],
         )?;
-        expect_elems(OP, "a", a.range, 2, shape.activation_elems())?;
-        expect_elems(OP, "pooled", pooled.range, 4, shape.pooled_elems())?;
+        a.expect_elems(OP, "a", 2, shape.activation_elems())?;
+        pooled.expect_elems(OP, "pooled", 4, shape.pooled_elems())?;
         let (ap, _a) = a.addr(stream);
         let (pp, _p) = pooled.addr_mut(stream);
         // SAFETY: both ranges lie inside their buffers (checked at construction) and hold
@@ -207,11 +192,11 @@ impl AmpKernels {
         unsafe { self.raw_gap_forward(stream, ap, pp, shape) }
     }
 
-    /// The pooling's backward (twin: [`crate::range::gap_backward`]): FP32 `dpooled`
+    /// The pooling's backward (twin: [`crate::head::gap_backward`]): FP32 `dpooled`
     /// `[batch, features]` → FP16 `da` `[batch, pixels, features]`.
     ///
     /// # Errors
-    /// As [`AmpKernels::gap_forward`].
+    /// As [`NetKernels::gap_forward`].
     pub fn gap_backward(
         &self,
         stream: &CudaStream,
@@ -221,12 +206,12 @@ impl AmpKernels {
     ) -> Result<(), AmpError> {
         const OP: &str = entry::GAP_BACKWARD;
         shape.validate(OP)?;
-        self.check_streams(
+        self.set.check_streams(
             stream,
             &[("dpooled", dpooled.buf_stream()), ("da", da.buf_stream())],
         )?;
-        expect_elems(OP, "dpooled", dpooled.range, 4, shape.pooled_elems())?;
-        expect_elems(OP, "da", da.range, 2, shape.activation_elems())?;
+        dpooled.expect_elems(OP, "dpooled", 4, shape.pooled_elems())?;
+        da.expect_elems(OP, "da", 2, shape.activation_elems())?;
         let (gp, _g) = dpooled.addr(stream);
         let (dp, _d) = da.addr_mut(stream);
         // SAFETY: as in `gap_forward`: checked ranges with the shape's counts, the output
@@ -234,12 +219,12 @@ impl AmpKernels {
         unsafe { self.raw_gap_backward(stream, gp, dp, shape) }
     }
 
-    /// The FC layer's forward (twin: [`crate::range::fc_forward`]): FP32 `x`
+    /// The FC layer's forward (twin: [`crate::head::fc_forward`]): FP32 `x`
     /// `[batch, features]`, FP32 `w` `[classes, features]` and `b` `[classes]` (e.g. slots of
     /// region W) → FP16 `logits` `[batch, classes]`.
     ///
     /// # Errors
-    /// As [`AmpKernels::gap_forward`].
+    /// As [`NetKernels::gap_forward`].
     pub fn fc_forward(
         &self,
         stream: &CudaStream,
@@ -251,7 +236,7 @@ impl AmpKernels {
     ) -> Result<(), AmpError> {
         const OP: &str = entry::FC_FORWARD;
         shape.validate(OP)?;
-        self.check_streams(
+        self.set.check_streams(
             stream,
             &[
                 ("x", x.buf_stream()),
@@ -260,10 +245,10 @@ impl AmpKernels {
                 ("logits", logits.buf_stream()),
             ],
         )?;
-        expect_elems(OP, "x", x.range, 4, shape.pooled_elems())?;
-        expect_elems(OP, "w", w.range, 4, shape.weight_elems())?;
-        expect_elems(OP, "b", b.range, 4, shape.classes)?;
-        expect_elems(OP, "logits", logits.range, 2, shape.logits_elems())?;
+        x.expect_elems(OP, "x", 4, shape.pooled_elems())?;
+        w.expect_elems(OP, "w", 4, shape.weight_elems())?;
+        b.expect_elems(OP, "b", 4, shape.classes)?;
+        logits.expect_elems(OP, "logits", 2, shape.logits_elems())?;
         let (xp, _x) = x.addr(stream);
         let (wp, _w) = w.addr(stream);
         let (bp, _b) = b.addr(stream);
@@ -274,13 +259,13 @@ impl AmpKernels {
         unsafe { self.raw_fc_forward(stream, xp, wp, bp, lp, shape) }
     }
 
-    /// The FC layer's backward (twin: [`crate::range::fc_backward`]): FP16 `dlogits`, FP32
+    /// The FC layer's backward (twin: [`crate::head::fc_backward`]): FP16 `dlogits`, FP32
     /// `x` and `w` → FP32 `dw` `[classes, features]`, `db` `[classes]` and `dx`
     /// `[batch, features]`, all overwritten. To write `dw`/`db` into region G, use
-    /// [`crate::cuda::CudaRegions::fc_backward`].
+    /// [`crate::cuda::RegionsFc::fc_backward`].
     ///
     /// # Errors
-    /// As [`AmpKernels::gap_forward`].
+    /// As [`NetKernels::gap_forward`].
     #[allow(clippy::too_many_arguments)]
     pub fn fc_backward(
         &self,
@@ -295,7 +280,7 @@ impl AmpKernels {
     ) -> Result<(), AmpError> {
         const OP: &str = entry::FC_BACKWARD;
         shape.validate(OP)?;
-        self.check_streams(
+        self.set.check_streams(
             stream,
             &[
                 ("w", w.buf_stream()),
@@ -303,9 +288,9 @@ impl AmpKernels {
                 ("db", db.buf_stream()),
             ],
         )?;
-        expect_elems(OP, "w", w.range, 4, shape.weight_elems())?;
-        expect_elems(OP, "dw", dw.range, 4, shape.weight_elems())?;
-        expect_elems(OP, "db", db.range, 4, shape.classes)?;
+        w.expect_elems(OP, "w", 4, shape.weight_elems())?;
+        dw.expect_elems(OP, "dw", 4, shape.weight_elems())?;
+        db.expect_elems(OP, "db", 4, shape.classes)?;
         let (wp, _w) = w.addr(stream);
         let (dwp, _dw) = dw.addr_mut(stream);
         let (dbp, _db) = db.addr_mut(stream);
@@ -320,7 +305,7 @@ impl AmpKernels {
         unsafe { self.fc_backward_with(stream, shape, dlogits, x, dx, params) }
     }
 
-    /// [`AmpKernels::fc_backward`] with the weight and its gradients given as addresses
+    /// [`NetKernels::fc_backward`] with the weight and its gradients given as addresses
     /// (slots of a region the caller owns).
     ///
     /// # Safety
@@ -338,7 +323,7 @@ impl AmpKernels {
     ) -> Result<(), AmpError> {
         const OP: &str = entry::FC_BACKWARD;
         shape.validate(OP)?;
-        self.check_streams(
+        self.set.check_streams(
             stream,
             &[
                 ("dlogits", dlogits.buf_stream()),
@@ -346,9 +331,9 @@ impl AmpKernels {
                 ("dx", dx.buf_stream()),
             ],
         )?;
-        expect_elems(OP, "dlogits", dlogits.range, 2, shape.logits_elems())?;
-        expect_elems(OP, "x", x.range, 4, shape.pooled_elems())?;
-        expect_elems(OP, "dx", dx.range, 4, shape.pooled_elems())?;
+        dlogits.expect_elems(OP, "dlogits", 2, shape.logits_elems())?;
+        x.expect_elems(OP, "x", 4, shape.pooled_elems())?;
+        dx.expect_elems(OP, "dx", 4, shape.pooled_elems())?;
         let (gp, _g) = dlogits.addr(stream);
         let (xp, _x) = x.addr(stream);
         let (dxp, _dx) = dx.addr_mut(stream);
@@ -358,14 +343,14 @@ impl AmpKernels {
     }
 
     /// Appends one batch's loss and accuracy to a metrics log (twin:
-    /// [`crate::range::head_metrics`] then [`crate::range::metrics_log_append`]): `logits`
+    /// [`crate::head::head_metrics`] then [`crate::head::metrics_log_append`]): `logits`
     /// FP16 `[batch, classes]`, `labels` i32 `[batch]`, `loss` (optional) the per-row FP32
-    /// losses of the loss seed, `log` a log of [`crate::range::metrics_log_bytes`] bytes
+    /// losses of the loss seed, `log` a log of [`crate::head::metrics_log_bytes`] bytes
     /// (zeroed once before the first append).
     ///
     /// # Errors
-    /// [`crate::RangeOpError::InvalidConfig`] for `classes == 0`,
-    /// [`crate::RangeOpError::LengthMismatch`] for a log with no room for one entry,
+    /// [`cudnn_cbr_amp::RangeOpError::InvalidConfig`] for `classes == 0`,
+    /// [`cudnn_cbr_amp::RangeOpError::LengthMismatch`] for a log with no room for one entry,
     /// [`ExecError::Misaligned`], [`ExecError::ElemCount`], [`CudaError::ContextMismatch`];
     /// a driver error.
     pub fn head_metrics(
@@ -378,7 +363,7 @@ impl AmpKernels {
         mut log: DevRangeMut<'_>,
     ) -> Result<(), AmpError> {
         const OP: &str = entry::HEAD_METRICS;
-        self.check_streams(
+        self.set.check_streams(
             stream,
             &[
                 ("logits", logits.buf_stream()),
@@ -386,20 +371,20 @@ impl AmpKernels {
                 ("log", log.buf_stream()),
             ],
         )?;
-        let batch = elems_of(OP, "labels", labels.range, 4)?;
+        let batch = labels.elems(OP, "labels", 4)?;
         HeadShape::new(batch, 1, 1, classes).validate(OP)?;
-        expect_elems(OP, "logits", logits.range, 2, batch * classes)?;
+        logits.expect_elems(OP, "logits", 2, batch * classes)?;
         if let Some(l) = &loss {
-            self.check_buf(stream, "loss", l.buf_stream())?;
-            expect_elems(OP, "loss", l.range, 4, batch)?;
+            self.set.check_buf(stream, "loss", l.buf_stream())?;
+            l.expect_elems(OP, "loss", 4, batch)?;
         }
-        let capacity = metrics_log_capacity(log.range.len());
-        if capacity == 0 || !log.range.start.is_multiple_of(4) {
-            return Err(crate::RangeOpError::LengthMismatch {
+        let capacity = metrics_log_capacity(log.range().len());
+        if capacity == 0 || !log.range().start.is_multiple_of(4) {
+            return Err(cudnn_cbr_amp::RangeOpError::LengthMismatch {
                 op: OP,
                 what: "log (bytes, 4-aligned)",
                 expected: METRICS_LOG_HEADER + 8,
-                got: log.range.len(),
+                got: log.range().len(),
             }
             .into());
         }
@@ -418,65 +403,9 @@ impl AmpKernels {
         // so it overlaps no input; a null loss is what the kernel checks for.
         unsafe { self.raw_head_metrics(stream, xp, yp, lp, gp, batch, classes, capacity) }
     }
-
-    /// [`AmpKernels::softmax_xent_backward`] over byte ranges (e.g. buffers shared with
-    /// cuDNN): `logits` FP16 `[batch, classes]`, `labels` i32 `[batch]`, `s` the S region,
-    /// `dlogits` FP16 like `logits`, `loss` (optional) FP32 `[batch]`.
-    ///
-    /// # Errors
-    /// [`crate::RangeOpError::InvalidConfig`] for `classes == 0`, S-range errors,
-    /// [`ExecError::Misaligned`], [`ExecError::ElemCount`], [`CudaError::ContextMismatch`];
-    /// a driver error.
-    #[allow(clippy::too_many_arguments)]
-    pub fn softmax_xent_backward_range(
-        &self,
-        stream: &CudaStream,
-        classes: usize,
-        logits: DevRange<'_>,
-        labels: DevRange<'_>,
-        s: DevRange<'_>,
-        mut dlogits: DevRangeMut<'_>,
-        loss: Option<DevRangeMut<'_>>,
-    ) -> Result<(), AmpError> {
-        const OP: &str = entry::SOFTMAX_XENT_BACKWARD;
-        self.check_streams(
-            stream,
-            &[
-                ("logits", logits.buf_stream()),
-                ("labels", labels.buf_stream()),
-                ("s", s.buf_stream()),
-                ("dlogits", dlogits.buf_stream()),
-            ],
-        )?;
-        check_s(OP, s.range)?;
-        let batch = elems_of(OP, "labels", labels.range, 4)?;
-        HeadShape::new(batch.max(1), 1, 1, classes).validate(OP)?;
-        expect_elems(OP, "logits", logits.range, 2, batch * classes)?;
-        expect_elems(OP, "dlogits", dlogits.range, 2, batch * classes)?;
-        let mut loss = loss;
-        if let Some(l) = &loss {
-            self.check_buf(stream, "loss", l.buf_stream())?;
-            expect_elems(OP, "loss", l.range, 4, batch)?;
-        }
-        let (xp, _x) = logits.addr(stream);
-        let (yp, _y) = labels.addr(stream);
-        let (sp, _s) = s.addr(stream);
-        let (dp, _d) = dlogits.addr_mut(stream);
-        let (lp, _l) = match loss.as_mut() {
-            Some(l) => {
-                let (p, sync) = l.addr_mut(stream);
-                (p, Some(sync))
-            }
-            None => (0, None),
-        };
-        // SAFETY: every range lies inside its buffer with the counts checked above, S at
-        // least 20 bytes 4-aligned; `dlogits` and `loss` are exclusive borrows, so they
-        // overlap nothing; `classes >= 1` (validated).
-        unsafe { self.raw_softmax_xent_backward(stream, xp, yp, dp, lp, sp, batch, classes) }
-    }
 }
 
-/// The FC parameter addresses of [`AmpKernels::fc_backward_with`].
+/// The FC parameter addresses of [`NetKernels::fc_backward_with`].
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct FcParams {
     /// FP32 weight `[classes, features]`.

@@ -1,15 +1,15 @@
-//! Tier 1: the CPU twins of the network-head kernels (`amp/kernels/amp_head.cu`) against
+//! Tier 1: the CPU twins of the network-head kernels (`netops/kernels/net_head.cu`) against
 //! naive definitions: written as plain index formulas (one output at a time, in the order the
 //! kernels use), they must agree bit for bit; against an f64 evaluation of the math they must
 //! agree to the rounding of the stored type. Plus the argmax tie rule, the metrics log and the
 //! typed errors.
 
-use cudnn_cbr_amp::range::{
+use cudnn_cbr_amp::RangeOpError;
+use cudnn_cbr_netops::head::{
     add_f16, argmax_last, fc_backward, fc_forward, gap_backward, gap_forward, head_metrics,
     metrics_log_append, metrics_log_bytes, metrics_log_capacity, metrics_log_read, HeadMetrics,
     HeadShape,
 };
-use cudnn_cbr_amp::RangeOpError;
 use half::f16;
 
 mod common;

@@ -1,5 +1,5 @@
 //! The network head of a training step and the residual gradient join: CPU twins of
-//! `amp/kernels/amp_head.cu`.
+//! `netops/kernels/net_head.cu`.
 //!
 //! Shapes ([`HeadShape`]): activations are NHWC FP16 `[batch, pixels, features]` (pixels =
 //! H·W); pooled features and their gradient FP32 `[batch, features]`; logits and their
@@ -23,7 +23,7 @@
 //! FP16 copies in A, and writes FP32 `dW`, `db` straight into G (overwriting: G is zeroed by
 //! the step's begin, and nothing else writes those slots). The FC is tiny, so FP32 costs
 //! nothing, and it keeps the classifier free of an FP16 weight rounding; the logits are
-//! stored FP16, as the loss seed (`amp_softmax_xent_backward`) expects.
+//! stored FP16, as the loss seed (amp's `amp_softmax_xent_backward`) expects.
 //!
 //! **The metrics log.** [`head_metrics`] is appended on the device to a small buffer (no host
 //! sync per step): bytes `0..4` a `u32` count of appended entries, `4..16` reserved (zero),
@@ -31,10 +31,30 @@
 //! written, then the count incremented (wrapping). [`metrics_log_append`] is the twin of that
 //! append and [`metrics_log_read`] decodes a log read back to the host.
 
+#![forbid(unsafe_code)]
+
+use cudnn_cbr_amp::range::{f16_to_f32, f32_to_f16};
+use cudnn_cbr_amp::RangeOpError;
 use half::f16;
 
-use crate::error::RangeOpError;
-use crate::range::cast::{check_len, f16_to_f32, f32_to_f16};
+/// [`RangeOpError::LengthMismatch`] unless slice `what` of `op` has `expected` elements.
+pub(crate) fn check_len(
+    op: &'static str,
+    what: &'static str,
+    expected: usize,
+    got: usize,
+) -> Result<(), RangeOpError> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(RangeOpError::LengthMismatch {
+            op,
+            what,
+            expected,
+            got,
+        })
+    }
+}
 
 /// Dimensions of the head: `batch` images, each `pixels` positions of `features` channels
 /// at the last stage, classified into `classes`.
@@ -124,7 +144,7 @@ impl HeadShape {
     }
 }
 
-/// CPU twin of `amp_gap_forward`: `pooled[r,c] = (Σ_p f32(a[r,p,c])) / pixels`, the sum over
+/// CPU twin of `net_gap_forward`: `pooled[r,c] = (Σ_p f32(a[r,p,c])) / pixels`, the sum over
 /// `p` ascending from `+0.0`.
 ///
 /// # Errors
@@ -151,7 +171,7 @@ pub fn gap_forward(shape: &HeadShape, a: &[f16], pooled: &mut [f32]) -> Result<(
     Ok(())
 }
 
-/// CPU twin of `amp_gap_backward`: `da[r,p,c] = f16(dpooled[r,c] / pixels)`.
+/// CPU twin of `net_gap_backward`: `da[r,p,c] = f16(dpooled[r,c] / pixels)`.
 ///
 /// # Errors
 /// As [`gap_forward`].
@@ -176,7 +196,7 @@ pub fn gap_backward(
     Ok(())
 }
 
-/// CPU twin of `amp_fc_forward`: `logits[r,k] = f16((Σ_j w[k,j]·x[r,j]) + b[k])`, the dot
+/// CPU twin of `net_fc_forward`: `logits[r,k] = f16((Σ_j w[k,j]·x[r,j]) + b[k])`, the dot
 /// product over `j` ascending from `+0.0`.
 ///
 /// # Errors
@@ -210,7 +230,7 @@ pub fn fc_forward(
     Ok(())
 }
 
-/// CPU twin of `amp_fc_backward`. With `g = f32(dlogits)`: `db[k] = Σ_r g[r,k]`,
+/// CPU twin of `net_fc_backward`. With `g = f32(dlogits)`: `db[k] = Σ_r g[r,k]`,
 /// `dw[k,j] = Σ_r g[r,k]·x[r,j]`, `dx[r,j] = Σ_k g[r,k]·w[k,j]`, each sum ascending from
 /// `+0.0`. All three outputs are overwritten.
 ///
@@ -258,7 +278,7 @@ pub fn fc_backward(
     Ok(())
 }
 
-/// CPU twin of `amp_add_f16`: `out[i] = f16(f32(a[i]) + f32(b[i]))`.
+/// CPU twin of `net_add_f16`: `out[i] = f16(f32(a[i]) + f32(b[i]))`.
 ///
 /// # Errors
 /// [`RangeOpError::LengthMismatch`] when the slices differ in length.
@@ -291,7 +311,7 @@ pub struct HeadMetrics {
     pub accuracy: f32,
 }
 
-/// CPU twin of the metrics computed by `amp_head_metrics`: `loss = (Σ_r loss[r]) / batch`
+/// CPU twin of the metrics computed by `net_head_metrics`: `loss = (Σ_r loss[r]) / batch`
 /// (sum ascending from `+0.0`; 0 when `loss` is `None`) and `accuracy = correct / batch`,
 /// a row being correct when its [`argmax_last`] equals its label (a label outside
 /// `[0, classes)` never is).
@@ -359,7 +379,7 @@ fn check_log(op: &'static str, len: usize) -> Result<usize, RangeOpError> {
     Ok(capacity)
 }
 
-/// CPU twin of the append in `amp_head_metrics`: writes `m` at entry `count % capacity` of
+/// CPU twin of the append in `net_head_metrics`: writes `m` at entry `count % capacity` of
 /// the little-endian log image and increments the count (wrapping). The capacity is what
 /// the log's length holds ([`metrics_log_capacity`]).
 ///

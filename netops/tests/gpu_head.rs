@@ -1,4 +1,4 @@
-//! Tier 4 (GPU): the network-head kernels (`amp/kernels/amp_head.cu`) against their CPU twins
+//! Tier 4 (GPU): the network-head kernels (`netops/kernels/net_head.cu`) against their CPU twins
 //! on random data, bit for bit (every sum has a fixed order on both sides), including the FC
 //! layer with its parameters in a memory plan's regions and the metrics log.
 //!
@@ -7,9 +7,12 @@
 
 use std::sync::Arc;
 
-use cudnn_cbr_amp::cuda::{CudaRegions, CudaSlice, CudaStream, DevRange, DevRangeMut};
+use cudnn_cbr_amp::cuda::{AmpKernels, CudaRegions, CudaSlice, CudaStream, DevRange, DevRangeMut};
 use cudnn_cbr_amp::plan::{ByteRange, MemoryPlanBuilder, ParamKind, Region};
-use cudnn_cbr_amp::range::{self, metrics_log_bytes, HeadShape, Scalars};
+use cudnn_cbr_amp::range::Scalars;
+use cudnn_cbr_netops::cuda::RegionsFc;
+use cudnn_cbr_netops::head::{self, metrics_log_bytes, HeadShape};
+use cudnn_cbr_netops::pool;
 use half::f16;
 
 mod common;
@@ -51,17 +54,17 @@ fn gpu_pooling_and_fc_match_their_twins_bit_for_bit() {
         let g = rng.f16s(s.logits_elems(), 500.0);
         // CPU twins.
         let mut pooled = vec![0.0; s.pooled_elems()];
-        range::gap_forward(&s, &a, &mut pooled).unwrap();
+        head::gap_forward(&s, &a, &mut pooled).unwrap();
         let mut logits = vec![f16::ZERO; s.logits_elems()];
-        range::fc_forward(&s, &pooled, &w, &bias, &mut logits).unwrap();
+        head::fc_forward(&s, &pooled, &w, &bias, &mut logits).unwrap();
         let (mut dw, mut db, mut dx) = (
             vec![0.0; s.weight_elems()],
             vec![0.0; s.classes],
             vec![0.0; s.pooled_elems()],
         );
-        range::fc_backward(&s, &g, &pooled, &w, &mut dw, &mut db, &mut dx).unwrap();
+        head::fc_backward(&s, &g, &pooled, &w, &mut dw, &mut db, &mut dx).unwrap();
         let mut da = vec![f16::ZERO; s.activation_elems()];
-        range::gap_backward(&s, &dx, &mut da).unwrap();
+        head::gap_backward(&s, &dx, &mut da).unwrap();
         // Device.
         let a_d = upload(&st, &f16_bytes(&a));
         let w_d = upload(&st, &f32_bytes(&w));
@@ -154,7 +157,7 @@ fn gpu_add_matches_its_twin_on_both_paths() {
             let a = rng.f16s(n, 40000.0);
             let b = rng.f16s(n, 40000.0);
             let mut want = vec![f16::ZERO; n];
-            range::add_f16(&a, &b, &mut want).unwrap();
+            head::add_f16(&a, &b, &mut want).unwrap();
             let pad = |v: &[f16]| {
                 let mut bytes = vec![0u8; off];
                 bytes.extend(f16_bytes(v));
@@ -185,6 +188,8 @@ fn gpu_seed_and_metrics_log_match_their_twins() {
     let Some((st, k)) = device("gpu_seed_and_metrics_log_match_their_twins") else {
         return;
     };
+    // The loss seed is amp's kernel: its loss rows feed the metrics.
+    let amp = AmpKernels::for_context(st.context()).unwrap();
     let mut rng = Rng(13);
     let (batch, classes, capacity) = (32usize, 8usize, 3usize);
     let scalars = Scalars::default();
@@ -208,7 +213,7 @@ fn gpu_seed_and_metrics_log_match_their_twins() {
         let y_d = upload(&st, &bi32(&labels));
         let mut d_d = zeros(&st, 2 * batch * classes);
         let mut l_d = zeros(&st, 4 * batch);
-        k.softmax_xent_backward_range(
+        amp.softmax_xent_backward_range(
             &st,
             classes,
             DevRange::whole(&x_d),
@@ -228,7 +233,7 @@ fn gpu_seed_and_metrics_log_match_their_twins() {
         let y_t = st.clone_htod(&labels).unwrap();
         let mut d_t = st.alloc_zeros::<f16>(batch * classes).unwrap();
         let mut l_t = st.alloc_zeros::<f32>(batch).unwrap();
-        k.softmax_xent_backward(
+        amp.softmax_xent_backward(
             &st,
             &x_t,
             &y_t,
@@ -256,8 +261,8 @@ fn gpu_seed_and_metrics_log_match_their_twins() {
             DevRangeMut::whole(&mut log_d),
         )
         .unwrap();
-        let m = range::head_metrics(&logits, &labels, Some(&loss_rows), classes).unwrap();
-        range::metrics_log_append(&mut log, m).unwrap();
+        let m = head::head_metrics(&logits, &labels, Some(&loss_rows), classes).unwrap();
+        head::metrics_log_append(&mut log, m).unwrap();
         assert_eq!(download(&st, &log_d), log, "step {step}");
         // Without losses, and with a NaN logit (the largest value in the total order).
         let mut nan = logits.clone();
@@ -272,11 +277,11 @@ fn gpu_seed_and_metrics_log_match_their_twins() {
             DevRangeMut::whole(&mut log_d),
         )
         .unwrap();
-        let m = range::head_metrics(&nan, &labels, None, classes).unwrap();
-        range::metrics_log_append(&mut log, m).unwrap();
+        let m = head::head_metrics(&nan, &labels, None, classes).unwrap();
+        head::metrics_log_append(&mut log, m).unwrap();
         assert_eq!(download(&st, &log_d), log, "step {step}, NaN logit");
     }
-    let read = range::metrics_log_read(&log).unwrap();
+    let read = head::metrics_log_read(&log).unwrap();
     assert_eq!((read.count, read.entries.len()), (10, capacity));
 }
 
@@ -331,13 +336,13 @@ fn gpu_fc_in_the_regions_writes_g_and_reads_w() {
         )
         .unwrap();
     let mut logits = vec![f16::ZERO; s.logits_elems()];
-    range::fc_forward(&s, &x, &w, &bias, &mut logits).unwrap();
+    head::fc_forward(&s, &x, &w, &bias, &mut logits).unwrap();
     let (mut dw, mut db, mut dx) = (
         vec![0.0; s.weight_elems()],
         vec![0.0; s.classes],
         vec![0.0; s.pooled_elems()],
     );
-    range::fc_backward(&s, &g, &x, &w, &mut dw, &mut db, &mut dx).unwrap();
+    head::fc_backward(&s, &g, &x, &w, &mut dw, &mut db, &mut dx).unwrap();
     assert_eq!(
         bits16(&download(&st, &logits_d)),
         bits16(&f16_bytes(&logits))
@@ -382,7 +387,7 @@ fn gpu_max_pool_matches_its_twin_bit_for_bit() {
     let mut rng = Rng(23);
     let shapes = [
         // The ResNet stem's 3×3/2 pad 1 (overlapping windows), odd and even sizes.
-        range::PoolShape {
+        pool::PoolShape {
             batch: 4,
             h: 17,
             w: 16,
@@ -391,7 +396,7 @@ fn gpu_max_pool_matches_its_twin_bit_for_bit() {
             stride: 2,
             pad: 1,
         },
-        range::PoolShape {
+        pool::PoolShape {
             batch: 2,
             h: 112,
             w: 112,
@@ -401,7 +406,7 @@ fn gpu_max_pool_matches_its_twin_bit_for_bit() {
             pad: 1,
         },
         // Non-overlapping.
-        range::PoolShape {
+        pool::PoolShape {
             batch: 3,
             h: 6,
             w: 6,
@@ -420,9 +425,9 @@ fn gpu_max_pool_matches_its_twin_bit_for_bit() {
             .collect();
         let dy = rng.f16s(s.output_elems(), 3.0);
         let mut y = vec![f16::ZERO; s.output_elems()];
-        range::max_pool_forward(&s, &x, &mut y).unwrap();
+        pool::max_pool_forward(&s, &x, &mut y).unwrap();
         let mut dx = vec![f16::ZERO; s.input_elems()];
-        range::max_pool_backward(&s, &x, &dy, &mut dx).unwrap();
+        pool::max_pool_backward(&s, &x, &dy, &mut dx).unwrap();
         let x_d = upload(&st, &f16_bytes(&x));
         let dy_d = upload(&st, &f16_bytes(&dy));
         let mut y_d = zeros(&st, 2 * s.output_elems());

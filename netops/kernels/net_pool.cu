@@ -1,4 +1,4 @@
-// Max-pool over NHWC FP16 (the ResNet stem's 3x3/2 pad-1 pool). CPU twins: range::pool.
+// Max-pool over NHWC FP16 (the ResNet stem's 3x3/2 pad-1 pool). CPU twins: cudnn_cbr_netops::pool.
 //
 // Window order is rows, then columns; padding never wins; the first maximum (strict `>`)
 // is the window's choice, in the forward and for the gradient. The backward gathers: one
@@ -7,7 +7,7 @@
 
 // The flat input index of window (n, i, j, ch)'s first maximum; every window holds at least
 // one real pixel (pad < kernel).
-__device__ size_t amp_pool_argmax(const __half* __restrict__ x, size_t n, size_t i, size_t j,
+__device__ size_t net_pool_argmax(const __half* __restrict__ x, size_t n, size_t i, size_t j,
                                   size_t ch, size_t h, size_t w, size_t c, size_t kernel,
                                   size_t stride, size_t pad) {
     size_t best = (size_t)-1;
@@ -29,7 +29,7 @@ __device__ size_t amp_pool_argmax(const __half* __restrict__ x, size_t n, size_t
     return best;
 }
 
-extern "C" __global__ void amp_max_pool_forward(const __half* __restrict__ x,
+extern "C" __global__ void net_max_pool_forward(const __half* __restrict__ x,
                                                 __half* __restrict__ y, size_t batch, size_t h,
                                                 size_t w, size_t c, size_t oh, size_t ow,
                                                 size_t kernel, size_t stride, size_t pad) {
@@ -39,11 +39,11 @@ extern "C" __global__ void amp_max_pool_forward(const __half* __restrict__ x,
         const size_t j = (o / c) % ow;
         const size_t i = (o / (c * ow)) % oh;
         const size_t n = o / (c * ow * oh);
-        y[o] = x[amp_pool_argmax(x, n, i, j, ch, h, w, c, kernel, stride, pad)];
+        y[o] = x[net_pool_argmax(x, n, i, j, ch, h, w, c, kernel, stride, pad)];
     }
 }
 
-extern "C" __global__ void amp_max_pool_backward(const __half* __restrict__ x,
+extern "C" __global__ void net_max_pool_backward(const __half* __restrict__ x,
                                                  const __half* __restrict__ dy,
                                                  __half* __restrict__ dx, size_t batch, size_t h,
                                                  size_t w, size_t c, size_t oh, size_t ow,
@@ -61,7 +61,7 @@ extern "C" __global__ void amp_max_pool_backward(const __half* __restrict__ x,
         float acc = 0.0f;
         for (size_t i = i0; i < oh && i * stride <= hp; ++i) {
             for (size_t j = j0; j < ow && j * stride <= wp; ++j) {
-                if (amp_pool_argmax(x, n, i, j, ch, h, w, c, kernel, stride, pad) == at) {
+                if (net_pool_argmax(x, n, i, j, ch, h, w, c, kernel, stride, pad) == at) {
                     acc += __half2float(dy[((n * oh + i) * ow + j) * c + ch]);
                 }
             }
