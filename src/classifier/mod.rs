@@ -33,11 +33,15 @@
 //! weights ([`EvalWeights`]); [`CudaClassifier::evaluate`] answers the same on a GPU, and
 //! [`CudaClassifier::evaluate_batches`] counts the top-1 of host batches on the device.
 
+pub mod backend;
 pub mod cpu;
 pub mod cuda;
+mod shared;
 
-pub use cpu::CpuClassifier;
-pub use cuda::{CudaClassifier, EngineConfig};
+pub use backend::Backend;
+pub use cpu::{CpuBackend, CpuClassifier};
+pub use cuda::{CudaBackend, CudaClassifier, EngineConfig};
+pub use shared::Classifier;
 
 use crate::amp::AmpError;
 use crate::net::CudaNetError;

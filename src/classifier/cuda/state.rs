@@ -6,7 +6,6 @@ use super::{driver, CudaClassifier, Result, Snapshot};
 use crate::amp::plan::Region;
 use crate::amp::range::Scalars;
 use crate::amp::AmpError;
-use crate::net::cuda::running_stats;
 
 impl CudaClassifier {
     /// Downloads every region the plan has, each layer's running statistics and the metrics
@@ -27,31 +26,12 @@ impl CudaClassifier {
             }
         }
         out.running = self.running_stats()?;
-        if let Some(log) = &self.head.log {
+        if let Some(log) = &self.backend.head.log {
             out.log = self
+                .backend
                 .stream
                 .clone_dtoh(log)
                 .map_err(|e| driver("download the metrics log", e))?;
-        }
-        Ok(out)
-    }
-
-    /// (buffer, values) for every layer's `running_mean` and `running_var`, downloaded
-    /// (blocking).
-    ///
-    /// # Errors
-    /// A driver error.
-    pub fn running_stats(&self) -> Result<Vec<(String, Vec<f32>)>> {
-        let net = self.net.compiled();
-        let mut out = Vec::new();
-        for id in running_stats(net) {
-            let name = &net.buffers[id].name;
-            let bytes = self.net.download(name)?;
-            let v = bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
-            out.push((name.clone(), v));
         }
         Ok(out)
     }
@@ -65,8 +45,9 @@ impl CudaClassifier {
             self.step.executor_mut().upload_region_bytes(*r, bytes)?;
         }
         self.set_running_stats(&s.running)?;
-        if let Some(log) = self.head.log.as_mut() {
-            self.stream
+        if let Some(log) = self.backend.head.log.as_mut() {
+            self.backend
+                .stream
                 .memcpy_htod(&s.log, log)
                 .map_err(|e| driver("restore the metrics log", e))?;
         }
@@ -76,8 +57,7 @@ impl CudaClassifier {
     /// Uploads running statistics by buffer name (in stream order).
     fn set_running_stats(&mut self, running: &[(String, Vec<f32>)]) -> Result<()> {
         for (name, v) in running {
-            let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-            self.net.upload(name, &bytes)?;
+            self.set_running_stat(name, v.clone())?;
         }
         Ok(())
     }
@@ -108,7 +88,8 @@ impl CudaClassifier {
             self.step.restore_scalars(&s)?;
         }
         self.set_running_stats(running)?;
-        self.stream
+        self.backend
+            .stream
             .synchronize()
             .map_err(|e| driver("synchronize after restoring a checkpoint", e))
     }
