@@ -16,6 +16,7 @@
 //! [`Backend::head_backward`], [`Backend::backward`].
 
 use super::{ClassifierError, EvalWeights};
+use crate::amp::plan::Region;
 use crate::amp::step::AmpExecutor;
 use crate::net::CompiledNet;
 use half::f16;
@@ -55,6 +56,29 @@ pub trait Backend: Sized {
         name: &str,
         values: &[f32],
     ) -> Result<(), ClassifierError>;
+
+    /// Region `region`'s image (padding included), read back (on a device: blocking).
+    ///
+    /// # Errors
+    /// A region the plan lacks; a driver error.
+    fn region_bytes(regions: &Self::Regions, region: Region) -> Result<Vec<u8>, ClassifierError>;
+
+    /// Overwrites region `region` with an image of [`Backend::region_bytes`] (on a device: in
+    /// stream order).
+    ///
+    /// # Errors
+    /// A region the plan lacks or an image of another size; a driver error.
+    fn load_region_bytes(
+        regions: &mut Self::Regions,
+        region: Region,
+        bytes: &[u8],
+    ) -> Result<(), ClassifierError>;
+
+    /// Waits until everything enqueued so far has run (nothing to wait for on the host).
+    ///
+    /// # Errors
+    /// A driver error.
+    fn synchronize(&self) -> Result<(), ClassifierError>;
 
     /// Takes the batch's labels (checked by the caller) for the next
     /// [`Backend::head_backward`].

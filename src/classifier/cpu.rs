@@ -144,6 +144,18 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn region_bytes(regions: &CpuRegions, region: Region) -> Result<Vec<u8>> {
+        Ok(regions.region_bytes(region)?)
+    }
+
+    fn load_region_bytes(regions: &mut CpuRegions, region: Region, bytes: &[u8]) -> Result<()> {
+        Ok(regions.load_region_bytes(region, bytes)?)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
     fn load_labels(&mut self, labels: &[i32]) -> Result<()> {
         self.labels.clear();
         self.labels.extend_from_slice(labels);

@@ -5,9 +5,10 @@
 
 use super::backend::Backend;
 use super::{check_batch, check_micro_batches, ClassifierError, EvalWeights, Evaluation};
-use crate::amp::plan::MemoryPlan;
-use crate::amp::range::HeadShape;
-use crate::amp::step::{AmpStep, StepConfig};
+use crate::amp::plan::{MemoryPlan, Region};
+use crate::amp::range::{HeadShape, Scalars};
+use crate::amp::step::{AmpExecutor, AmpStep, StepConfig};
+use crate::amp::AmpError;
 use crate::net::{initial_weights, memory_plan_of, CompiledNet, PlanContents};
 use std::fmt;
 
@@ -212,5 +213,51 @@ impl<B: Backend> Classifier<B> {
     /// An unknown name or a length other than the statistic's; a driver error.
     pub fn set_running_stat(&mut self, name: &str, values: Vec<f32>) -> Result<()> {
         self.backend.write_running_stat(name, values)
+    }
+
+    /// The images (padding included) of those of `regions` the plan has, in that order: what
+    /// a checkpoint or a snapshot saves. On a device they are downloaded (blocking).
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn region_images(&self, regions: &[Region]) -> Result<Vec<(Region, Vec<u8>)>> {
+        let executor = self.step.executor();
+        regions
+            .iter()
+            .filter(|&&r| executor.plan().has_region(r))
+            .map(|&r| Ok((r, B::region_bytes(executor, r)?)))
+            .collect()
+    }
+
+    /// Restores a checkpoint's state and waits for it: `regions` in order (W, then A and the
+    /// EMA made from it; S through [`AmpStep::restore_scalars`], with this step's SGD values;
+    /// any other region as it is), then the running statistics.
+    ///
+    /// # Errors
+    /// A state of another network (a region the plan lacks, an image or a statistic of
+    /// another size); a driver error.
+    pub fn load_state(
+        &mut self,
+        regions: &[(Region, Vec<u8>)],
+        running: &[(String, Vec<f32>)],
+    ) -> Result<()> {
+        let mut scalars = None;
+        for (r, bytes) in regions {
+            match r {
+                Region::W => {
+                    B::load_region_bytes(self.step.executor_mut(), *r, bytes)?;
+                    self.step.init_weights()?;
+                }
+                Region::S => scalars = Some(Scalars::from_bytes(bytes).map_err(AmpError::from)?),
+                _ => B::load_region_bytes(self.step.executor_mut(), *r, bytes)?,
+            }
+        }
+        if let Some(s) = scalars {
+            self.step.restore_scalars(&s)?;
+        }
+        for (name, values) in running {
+            self.set_running_stat(name, values.clone())?;
+        }
+        self.backend.synchronize()
     }
 }

@@ -37,6 +37,20 @@ impl Backend for CudaBackend {
         Ok(regions.upload_f32(Region::W, name, values)?)
     }
 
+    fn region_bytes(regions: &CudaRegions, region: Region) -> Result<Vec<u8>> {
+        Ok(regions.download_region_bytes(region)?)
+    }
+
+    fn load_region_bytes(regions: &mut CudaRegions, region: Region, bytes: &[u8]) -> Result<()> {
+        Ok(regions.upload_region_bytes(region, bytes)?)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| driver("synchronize the stream", e))
+    }
+
     fn load_labels(&mut self, labels: &[i32]) -> Result<()> {
         let bytes: Vec<u8> = labels.iter().flat_map(|l| l.to_le_bytes()).collect();
         self.stream
