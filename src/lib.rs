@@ -34,7 +34,7 @@
 //! | a network | [`NetSpec`], [`Preset`] | stem, stages of basic/bottleneck blocks, head |
 //! | compiling it | [`compile()`], [`RoutePolicy`], [`CompiledNet`] | every layer, buffer and step; [`prewarm()`] plans on threads first |
 //! | running it | [`CpuNet`], [`CudaNet`] | the CPU reference executor, the cuDNN executor |
-//! | training it | [`CpuClassifier`], [`CudaClassifier`], [`ClassifierError`] | network + GAP/FC/softmax head + amp step, same calls on both executors; on a GPU also the training engine ([`classifier::EngineConfig`]: whole-step capture, device metrics log, NCCL group) |
+//! | training it | [`CpuClassifier`], [`CudaClassifier`], [`ClassifierError`] | network + GAP/FC/softmax head + amp step: one [`classifier::Classifier`] generic over a [`classifier::Backend`] (the CPU's or CUDA's), its calls written once; on a GPU also the training engine ([`classifier::EngineConfig`]: whole-step capture, device metrics log, NCCL group) |
 //! | on many ranks | [`dist::CpuReplica`], [`dist::CpuGroup`] | data-parallel CPU ranks: gradient all-reduce, shared overflow verdict, synchronized BN |
 //! | its parameters | [`memory_plan`], [`initial_weights`] | a compiled network's slots in the amp plan, and their start values |
 //! | one layer | [`CbrConfig`], [`ConvShape`], [`CbrLayer`] | a Conv+BN+ReLU layer and its plans |

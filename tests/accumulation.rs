@@ -64,11 +64,11 @@ fn the_accumulated_gradient_is_the_sum_of_the_micro_batch_gradients() {
             want_metrics.push(one.forward_backward(images, labels).unwrap());
             grads.push(gradient(&one));
         }
-        let refs: Vec<(&[f16], &[i32])> = batches
+        let mut refs: Vec<(&[f16], &[i32])> = batches
             .iter()
             .map(|(i, l)| (i.as_slice(), l.as_slice()))
             .collect();
-        let metrics = acc.train_step(&refs).unwrap();
+        let metrics = acc.train_step(&mut refs).unwrap();
         assert_eq!(metrics, want_metrics, "{kind:?}: per-micro-batch losses");
         // After the step G holds the sum SGD applied (the NaN/Inf check leaves it as is).
         let got = acc
@@ -111,8 +111,8 @@ fn a_micro_batch_count_other_than_the_steps_is_a_typed_error() {
     let mut model = CpuClassifier::new(net(kind), CLASSES, config, 1).unwrap();
     let (images, labels) = micro_batch(0);
     for count in [0, 1, 3] {
-        let mbs = vec![(images.as_slice(), labels.as_slice()); count];
-        let e = model.train_step(&mbs).unwrap_err();
+        let mut mbs = vec![(images.as_slice(), labels.as_slice()); count];
+        let e = model.train_step(&mut mbs).unwrap_err();
         assert!(
             matches!(&e, ClassifierError::Input(m) if m.contains("accumulates 2")),
             "{count}: {e}"
@@ -156,7 +156,8 @@ fn data_parallel_replicas_accumulate_like_one_classifier() {
         .to_vec();
     for t in 0..steps {
         let (m0, m1) = (global(t, 0), global(t, 1));
-        one.train_step(&[(&m0.0, &m0.1), (&m1.0, &m1.1)]).unwrap();
+        one.train_step(&mut [(&m0.0, &m0.1), (&m1.0, &m1.1)])
+            .unwrap();
     }
     let grads = CpuGroup::ranks(ranks).unwrap();
     let bn = CpuGroup::ranks(ranks).unwrap();

@@ -47,7 +47,7 @@ fn gpu_the_cuda_classifier_accumulates_as_the_cpu_one() {
         gpu.train_step(&mut [(&mut x0, a.1.as_slice()), (&mut x1, b.1.as_slice())])
             .unwrap();
         let want = cpu
-            .train_step(&[
+            .train_step(&mut [
                 (a.0.as_slice(), a.1.as_slice()),
                 (b.0.as_slice(), b.1.as_slice()),
             ])

@@ -1,20 +1,22 @@
 //! fusion's GPU tier on the simulated CUDA device: `tests/gpu_own_kernels.rs`,
 //! `tests/gpu_cbr_parity.rs`, `tests/gpu_network.rs`, `tests/gpu_conv.rs`,
-//! `tests/gpu_accumulation.rs` and `tests/classifier.rs` (included unchanged as modules) run
-//! again in a child of this binary with the simulator selected (`CUDNN_CBR_DEVICE=sim`, its
-//! folder first on the loader path, docs/simulator.md). There cuDNN plans are built deviceless
-//! for the simulator's device-properties document and each plan execution runs the plan's
-//! graph in the graph interpreter (`fusion::interp`) over the simulator's allocations, while
-//! our own kernels run their program text compiled for the host; every test compares against
-//! the CPU executor. The child must pass every test and print no SKIP line. Without the
-//! simulator selected the included tests print their SKIP lines, as on any machine without a
-//! GPU.
+//! `tests/gpu_accumulation.rs`, `tests/classifier.rs` and `tests/classifier_backends.rs`
+//! (included unchanged as modules) run again in a child of this binary with the simulator
+//! selected (`CUDNN_CBR_DEVICE=sim`, its folder first on the loader path, docs/simulator.md).
+//! There cuDNN plans are built deviceless for the simulator's device-properties document and
+//! each plan execution runs the plan's graph in the graph interpreter (`fusion::interp`) over
+//! the simulator's allocations, while our own kernels run their program text compiled for the
+//! host; every test compares against the CPU executor. The child must pass every test and
+//! print no SKIP line. Without the simulator selected the included tests print their SKIP
+//! lines, as on any machine without a GPU.
 
 // Each included file declares `mod common;`.
 #![allow(clippy::duplicate_mod)]
 
 #[path = "classifier.rs"]
 mod classifier;
+#[path = "classifier_backends.rs"]
+mod classifier_backends;
 #[path = "gpu_accumulation.rs"]
 mod gpu_accumulation;
 #[path = "gpu_cbr_parity.rs"]
@@ -422,6 +424,7 @@ mod fusion_kernels {
 fn included_tests() -> usize {
     [
         include_str!("classifier.rs"),
+        include_str!("classifier_backends.rs"),
         include_str!("gpu_accumulation.rs"),
         include_str!("gpu_cbr_parity.rs"),
         include_str!("gpu_conv.rs"),
@@ -442,6 +445,7 @@ fn run_on_the_simulator(dir: &std::path::Path, adversarial: bool) {
     let mut child = sim::child(dir, adversarial);
     child.args([
         "classifier::",
+        "classifier_backends::",
         "gpu_accumulation::",
         "gpu_cbr_parity::",
         "gpu_conv::",

@@ -2,14 +2,21 @@
 //! head (global average pool, FC, softmax cross-entropy) and the amp step over one memory
 //! plan ([`crate::net::memory_plan`]). The trainer keeps the loop: data, schedule, logging.
 //!
-//! Two executors answer the same calls:
-//! - [`CpuClassifier`]: the CPU reference executor (host slices in, no GPU needed);
-//! - [`CudaClassifier`]: cuDNN plans and amp's kernels on the handle's stream, reading the
-//!   caller's cudarc image buffer in place. It is also the GPU training engine
-//!   ([`cuda`]'s module docs; [`EngineConfig`]): whole-step capture into a CUDA graph, the
-//!   device-side metrics log read back asynchronously, the EMA evaluation and a launched
-//!   data-parallel group over NCCL, on the network's fixed input buffer. `train_cbr`'s CUDA
-//!   executor is a loop around it.
+//! One classifier, [`Classifier`], generic over the device it runs on ([`Backend`]): a backend brings its amp regions (the range ops and their
+//! capture, [`crate::amp::step::AmpExecutor`]), its network executor (layer steps, adds,
+//! max-pools, walked by [`crate::net::run_pass`]), its batch input and the head's passes; the
+//! calls every device answers the same way are written once over it (`shared.rs`): the memory
+//! plan with its EMA and accumulator regions, the initial weights, the batch checks,
+//! [`Classifier::forward_backward`], [`Classifier::train_step`] over the micro-batches,
+//! [`Classifier::evaluate`] and the running statistics. Two backends:
+//! - [`CpuBackend`] ([`CpuClassifier`]): the CPU reference executor (host slices in, no GPU
+//!   needed); its own calls are the data-parallel pass and synchronized BN ([`crate::dist`]);
+//! - [`CudaBackend`] ([`CudaClassifier`]): cuDNN plans and amp's kernels on the handle's
+//!   stream, reading the caller's cudarc image buffer in place. [`CudaClassifier`] is also the
+//!   GPU training engine ([`cuda`]'s module docs; [`EngineConfig`]): whole-step capture into
+//!   a CUDA graph, the device-side metrics log read back asynchronously, the EMA evaluation
+//!   and a launched data-parallel group over NCCL, on the network's fixed input buffer.
+//!   `train_cbr`'s CUDA executor is a loop around it.
 //!
 //! One training step on either:
 //! 1. `step_mut().begin()` zeroes the gradients;
@@ -22,22 +29,25 @@
 //! With gradient accumulation ([`crate::amp::step::StepConfig::with_accum`]`(N)`), one
 //! optimizer step is N micro-batches: `train_step` runs 1–2 for each and ends the first N − 1
 //! with `step_mut().accumulate()` (their gradients summed in FP32 into the plan's GA region)
-//! and the last with 3, which runs once over the sum ([`CpuClassifier::train_step`],
-//! [`CudaClassifier::train_step`]; docs/training.md).
-
+//! and the last with 3, which runs once over the sum ([`Classifier::train_step`];
+//! docs/training.md).
 //!
 //! Evaluation (forward only, BN in evaluation mode: each layer normalizes with its running
-//! statistics, nothing statistical written): [`CpuClassifier::evaluate`]`(images, weights)`
-//! gives an [`Evaluation`] (the logits and each image's top-1 class), with the trained weights
-//! or, where the step keeps an EMA ([`crate::amp::step::StepConfig::with_ema`]), the EMA
-//! weights ([`EvalWeights`]); [`CudaClassifier::evaluate`] answers the same on a GPU, and
-//! [`CudaClassifier::evaluate_batches`] counts the top-1 of host batches on the device.
+//! statistics, nothing statistical written): [`Classifier::evaluate`]`(images, weights)` gives
+//! an [`Evaluation`] (the logits and each image's top-1 class), with the trained weights or,
+//! where the step keeps an EMA ([`crate::amp::step::StepConfig::with_ema`]), the EMA weights
+//! ([`EvalWeights`]); on a GPU [`CudaClassifier::evaluate_batches`] also counts the top-1 of
+//! host batches on the device.
 
+pub mod backend;
 pub mod cpu;
 pub mod cuda;
+mod shared;
 
-pub use cpu::CpuClassifier;
-pub use cuda::{CudaClassifier, EngineConfig};
+pub use backend::Backend;
+pub use cpu::{CpuBackend, CpuClassifier};
+pub use cuda::{CudaBackend, CudaClassifier, EngineConfig};
+pub use shared::Classifier;
 
 use crate::amp::AmpError;
 use crate::net::CudaNetError;

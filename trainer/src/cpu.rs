@@ -7,12 +7,10 @@ use super::{
     FaultDrill, MasterWeights, Progress, Session, StepTrace, TrainConfig, TrainError, TrainReport,
     Window, HELD_OUT_BATCHES,
 };
-use crate::checkpoint::{TrainState, SAVED_REGIONS};
+use crate::checkpoint::TrainState;
 use crate::curves::CurvePoint;
 use cudnn_cbr::amp::plan::Region;
-use cudnn_cbr::amp::range::Scalars;
 use cudnn_cbr::amp::step::{AmpStep, CpuRegions};
-use cudnn_cbr::amp::AmpError;
 use cudnn_cbr::classifier::{CpuClassifier, EvalWeights};
 use cudnn_cbr::netops::head::HeadMetrics;
 use half::f16;
@@ -44,44 +42,9 @@ impl CpuTrainer {
         })
     }
 
-    /// The state a checkpoint saves: regions W, M, E, E16 and S (those the plan has) and
-    /// the running statistics.
-    pub(crate) fn state(&self) -> Result<TrainState, TrainError> {
-        let regions = self.model.step().executor();
-        let mut out = TrainState {
-            regions: Vec::new(),
-            running: self.model.running_stats()?,
-        };
-        for r in SAVED_REGIONS {
-            if regions.plan_arc().has_region(r) {
-                out.regions.push((r, regions.region_bytes(r)?));
-            }
-        }
-        Ok(out)
-    }
-
-    /// Restores a checkpoint's state: W, then A (and the EMA) made from it, then M, E, E16,
-    /// S (with this run's SGD values) and the running statistics.
+    /// Restores a checkpoint's state ([`TrainState::load_into`]).
     pub(crate) fn load_state(&mut self, state: &TrainState) -> Result<(), TrainError> {
-        let step = self.model.step_mut();
-        let mut scalars = None;
-        for (r, bytes) in &state.regions {
-            match r {
-                Region::W => {
-                    step.executor_mut().load_region_bytes(*r, bytes)?;
-                    step.init_weights()?;
-                }
-                Region::S => scalars = Some(Scalars::from_bytes(bytes).map_err(AmpError::from)?),
-                _ => step.executor_mut().load_region_bytes(*r, bytes)?,
-            }
-        }
-        if let Some(s) = scalars {
-            step.restore_scalars(&s)?;
-        }
-        for (name, v) in &state.running {
-            self.model.set_running_stat(name, v.clone())?;
-        }
-        Ok(())
+        state.load_into(&mut self.model)
     }
 
     pub(crate) fn run(
@@ -176,7 +139,13 @@ impl CpuTrainer {
                 progress(&window.report(i + 1, done, images_per_step, start, s));
             }
             if let Some(path) = session.saves_after(i + 1, cfg.steps) {
-                checkpoint::save(path, &cfg, &self.state()?, (i + 1) as u64, &self.routes())?;
+                checkpoint::save(
+                    path,
+                    &cfg,
+                    &TrainState::of(&self.model)?,
+                    (i + 1) as u64,
+                    &self.routes(),
+                )?;
             }
             if let Some(e) = ends.iter().position(|&s| s == i + 1) {
                 epochs.push(self.test_epoch(e + 1, i + 1)?);

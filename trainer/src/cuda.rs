@@ -15,7 +15,7 @@ use super::{
     checkpoint, data, summarize, ExecutorInfo, MasterWeights, Progress, Session, TrainConfig,
     TrainError, TrainReport, HELD_OUT_BATCHES,
 };
-use crate::checkpoint::{TrainState, SAVED_REGIONS};
+use crate::checkpoint::TrainState;
 use crate::curves::CurvePoint;
 use cudnn_cbr::amp::cuda::{CudaRegions, CudaStream};
 use cudnn_cbr::amp::plan::Region;
@@ -260,19 +260,7 @@ impl CudaTrainer {
     /// # Errors
     /// A driver error.
     pub fn train_state(&self) -> Result<TrainState, TrainError> {
-        let regions = self.engine.step().executor();
-        let mut state = TrainState {
-            regions: Vec::new(),
-            running: self.engine.running_stats()?,
-        };
-        for r in Region::ALL {
-            if SAVED_REGIONS.contains(&r) && regions.plan_arc().has_region(r) {
-                state
-                    .regions
-                    .push((r, regions.download_region_bytes(r).map_err(amp_error)?));
-            }
-        }
-        Ok(state)
+        TrainState::of(&self.engine)
     }
 
     /// Restores a checkpoint's state (in stream order): W, then A (and the EMA) made from it,
@@ -281,7 +269,7 @@ impl CudaTrainer {
     /// # Errors
     /// A state of another network; a driver error.
     pub fn load_state(&mut self, state: &TrainState) -> Result<(), TrainError> {
-        Ok(self.engine.load_state(&state.regions, &state.running)?)
+        state.load_into(&mut self.engine)
     }
 
     /// The training metrics log, downloaded (blocking).

@@ -103,7 +103,7 @@ fn not_captured(what: &str) -> ClassifierError {
 impl CudaClassifier {
     /// The graph the steps replay now.
     pub fn graph_state(&self) -> &GraphState {
-        &self.graphs.state
+        &self.backend.graphs.state
     }
 
     /// Step 7: the amp finish, from its graph when one was captured (`graph`), else eager
@@ -115,19 +115,20 @@ impl CudaClassifier {
     pub fn run_finish(&mut self, graph: bool) -> Result<()> {
         if graph {
             let g = self
+                .backend
                 .graphs
                 .finish
                 .as_ref()
                 .ok_or_else(|| not_captured("finish graph"))?;
             Ok(self.step.replay(g)?)
-        } else if let Some(g) = self.group.as_mut() {
+        } else if let Some(g) = self.backend.group.as_mut() {
             // The buckets' sums were enqueued during backward: the step waits for them.
             let mut comm = dist_grads::lock(&g.comm);
             dist_grads::join_gradients(self.step.executor_mut(), &mut comm)?;
             self.step
                 .finish_with(|r| dist_grads::all_reduce_overflow(r, &mut comm))?;
             drop(comm);
-            g.mark_step(&self.stream)
+            g.mark_step(&self.backend.stream)
         } else {
             Ok(self.step.finish()?)
         }
@@ -141,6 +142,7 @@ impl CudaClassifier {
     pub fn run_accumulate(&mut self, graph: bool) -> Result<()> {
         if graph {
             let g = self
+                .backend
                 .graphs
                 .accumulate
                 .as_ref()
@@ -157,8 +159,8 @@ impl CudaClassifier {
     /// # Errors
     /// A driver, cuDNN or amp error.
     pub fn run_step(&mut self) -> Result<()> {
-        match self.graphs.state {
-            GraphState::Step => match &self.graphs.step {
+        match self.backend.graphs.state {
+            GraphState::Step => match &self.backend.graphs.step {
                 Some(g) => g.launch().map_err(|e| driver("launch the step graph", e)),
                 None => Err(not_captured("step graph")),
             },
@@ -193,8 +195,8 @@ impl CudaClassifier {
         if last {
             return self.run_step();
         }
-        match self.graphs.state {
-            GraphState::Step => match &self.graphs.micro {
+        match self.backend.graphs.state {
+            GraphState::Step => match &self.backend.graphs.micro {
                 Some(g) => g
                     .launch()
                     .map_err(|e| driver("launch the micro-batch graph", e)),
@@ -219,18 +221,18 @@ impl CudaClassifier {
     /// A failure to capture the finish op list; a failed whole-step capture is not an error
     /// (the state falls back to the finish graph and records why).
     pub fn capture(&mut self, mode: CudaGraphMode) -> Result<()> {
-        if mode == CudaGraphMode::Off || self.group.is_some() {
-            self.graphs.state = GraphState::Eager;
+        if mode == CudaGraphMode::Off || self.backend.group.is_some() {
+            self.backend.graphs.state = GraphState::Eager;
             return Ok(());
         }
-        if self.graphs.finish.is_none() {
-            self.graphs.finish = Some(self.step.capture_finish()?);
+        if self.backend.graphs.finish.is_none() {
+            self.backend.graphs.finish = Some(self.step.capture_finish()?);
         }
         let accumulates = self.step.config().accum > 1;
-        if accumulates && self.graphs.accumulate.is_none() {
-            self.graphs.accumulate = Some(self.step.capture_accumulate()?);
+        if accumulates && self.backend.graphs.accumulate.is_none() {
+            self.backend.graphs.accumulate = Some(self.step.capture_accumulate()?);
         }
-        self.graphs.state = GraphState::Finish { why: None };
+        self.backend.graphs.state = GraphState::Finish { why: None };
         if mode == CudaGraphMode::Step {
             // The micro-batch graph (steps 1–6 and accumulate) where the step accumulates.
             let micro = match accumulates {
@@ -239,11 +241,11 @@ impl CudaClassifier {
             };
             match micro.and_then(|m| Ok((m, self.capture_step(true)?))) {
                 Ok((micro, g)) => {
-                    self.graphs.micro = micro;
-                    self.graphs.step = Some(g);
-                    self.graphs.state = GraphState::Step;
+                    self.backend.graphs.micro = micro;
+                    self.backend.graphs.step = Some(g);
+                    self.backend.graphs.state = GraphState::Step;
                 }
-                Err(e) => self.graphs.state = GraphState::Finish { why: Some(e) },
+                Err(e) => self.backend.graphs.state = GraphState::Finish { why: Some(e) },
             }
         }
         Ok(())
@@ -254,7 +256,8 @@ impl CudaClassifier {
     /// eagerly inside (a graph launch inside a capture is avoided). Always ends the capture;
     /// the error says what failed.
     fn capture_step(&mut self, last: bool) -> std::result::Result<CudaGraph, String> {
-        self.stream
+        self.backend
+            .stream
             .begin_capture(CaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| format!("begin stream capture: {e}"))?;
         let body = match last {
@@ -264,7 +267,7 @@ impl CudaClassifier {
                 .and_then(|()| self.run_accumulate(false)),
         };
         // Always end the capture, so the stream is usable again whatever happened.
-        let ended = self.stream.end_capture(GraphInstantiateFlags(0));
+        let ended = self.backend.stream.end_capture(GraphInstantiateFlags(0));
         body.map_err(|e| format!("while capturing: {e}"))?;
         let graph = ended
             .map_err(|e| format!("end capture and instantiate: {e}"))?

@@ -209,13 +209,16 @@ fn same_network(comm: &mut NcclComm, net: &CompiledNet) -> Result<()> {
 impl CudaClassifier {
     /// This process's rank and the group's size (0 of 1 without a group).
     pub fn rank(&self) -> (usize, usize) {
-        self.group.as_ref().map_or((0, 1), |g| (g.rank, g.world))
+        self.backend
+            .group
+            .as_ref()
+            .map_or((0, 1), |g| (g.rank, g.world))
     }
 
     /// Once the watchdog has aborted the group: the abort, as the error that `then` (the
     /// failure the caller saw) followed from; `None` otherwise.
     pub fn aborted(&self, then: &dyn std::fmt::Display) -> Option<AmpError> {
-        let g = self.group.as_ref()?;
+        let g = self.backend.group.as_ref()?;
         let reason = g.watchdog.fired()?;
         Some(AmpError::Dist(DistError::Aborted {
             me: g.rank,
@@ -229,7 +232,7 @@ impl CudaClassifier {
     /// # Errors
     /// [`ClassifierError::Amp`] from NCCL; a driver error.
     pub fn global_metrics(&mut self, entries: &[HeadMetrics]) -> Result<Vec<HeadMetrics>> {
-        let Some(g) = self.group.as_ref() else {
+        let Some(g) = self.backend.group.as_ref() else {
             return Ok(entries.to_vec());
         };
         let flat: Vec<f32> = entries.iter().flat_map(|m| [m.loss, m.accuracy]).collect();

@@ -3,11 +3,11 @@
 //! evaluation of one batch in the caller's buffer.
 
 use super::{driver, CudaClassifier, Result};
-use crate::amp::cuda::{CudaSlice, CudaStream, DevRange, DevRangeMut, DoubleInput};
-use crate::amp::plan::{ByteRange, Region};
-use crate::classifier::{check_batch, ClassifierError, EvalWeights, Evaluation};
+use crate::amp::cuda::{CudaSlice, CudaStream, DevRangeMut, DoubleInput};
+use crate::amp::plan::ByteRange;
+use crate::classifier::backend::Backend;
+use crate::classifier::ClassifierError;
 use crate::net::CudaNetError;
-use crate::netops::cuda::{AmpKernelsHead, RegionsFc};
 use crate::netops::head::{self, metrics_log_bytes, HeadMetrics, HeadShape};
 use half::f16;
 use std::sync::Arc;
@@ -69,76 +69,15 @@ impl Head {
 }
 
 impl CudaClassifier {
-    /// Pooling and FC of the network's output into the logits (steps 3).
-    pub(super) fn head_forward(&mut self) -> Result<()> {
-        let shape = self.head.shape;
-        let a = self.net.buffer(self.net.compiled().output)?;
-        self.kernels.gap_forward(
-            &self.stream,
-            &shape,
-            DevRange::whole(a),
-            DevRangeMut::whole(&mut self.head.pooled),
-        )?;
-        Ok(self.step.executor().fc_forward(
-            "fc.w",
-            "fc.b",
-            &shape,
-            DevRange::whole(&self.head.pooled),
-            DevRangeMut::whole(&mut self.head.logits),
-        )?)
-    }
-
-    /// Loss seed, metrics (with a log), FC and pooling backward into the network output's
-    /// gradient (steps 4–5).
-    pub(super) fn head_backward(&mut self) -> Result<()> {
-        let shape = self.head.shape;
-        let h = &mut self.head;
-        self.kernels.softmax_xent_backward_range(
-            &self.stream,
-            shape.classes,
-            DevRange::whole(&h.logits),
-            DevRange::whole(&h.labels),
-            DevRange::whole(self.step.executor().region(Region::S)?),
-            DevRangeMut::whole(&mut h.dlogits),
-            Some(DevRangeMut::whole(&mut h.loss)),
-        )?;
-        if let Some(log) = h.log.as_mut() {
-            self.kernels.head_metrics(
-                &self.stream,
-                shape.classes,
-                DevRange::whole(&h.logits),
-                DevRange::whole(&h.labels),
-                Some(DevRange::whole(&h.loss)),
-                DevRangeMut::whole(log),
-            )?;
-        }
-        self.step.executor_mut().fc_backward(
-            "fc.w",
-            "fc.b",
-            &shape,
-            DevRange::whole(&h.dlogits),
-            DevRange::whole(&h.pooled),
-            DevRangeMut::whole(&mut h.dpooled),
-        )?;
-        let d_out = self.net.compiled().output_grad;
-        let d_out = self.net.buffer_mut(d_out)?;
-        Ok(self.kernels.gap_backward(
-            &self.stream,
-            &shape,
-            DevRange::whole(&h.dpooled),
-            DevRangeMut::whole(d_out),
-        )?)
-    }
-
     /// Backward through the network on the resident input, with the gradient joins at block
     /// inputs; in a group, each gradient bucket's NCCL sum is enqueued as soon as backward has
     /// written it, on the communication stream, so it overlaps the shallower layers' backward.
     fn backward(&mut self) -> Result<()> {
-        match &self.group {
-            None => Ok(self.net.backward_with(self.step.executor_mut())?),
+        match &self.backend.group {
+            None => Ok(self.backend.net.backward_with(self.step.executor_mut())?),
             Some(g) => {
                 let comm = g.comm.clone();
-                Ok(self.net.backward_overlapped(
+                Ok(self.backend.net.backward_overlapped(
                     self.step.executor_mut(),
                     None,
                     &g.schedule,
@@ -162,22 +101,24 @@ impl CudaClassifier {
     /// A refused plan or kernel; a driver or NCCL error.
     pub fn run_forward_backward(&mut self) -> Result<()> {
         self.step.begin()?;
-        self.net.forward_with(self.step.executor_mut())?;
-        self.head_forward()?;
-        self.head_backward()?;
+        let regions = self.step.executor_mut();
+        self.backend.net.forward_with(regions)?;
+        self.backend.head_forward(regions)?;
+        self.backend.head_backward(regions)?;
         self.backward()
     }
 
     /// The network's forward pass on the resident input in evaluation mode (BN from the running
     /// statistics, none written: [`crate::net::CudaNet::evaluate_with`]), then the head's.
     pub(super) fn forward_eval(&mut self) -> Result<()> {
-        self.net.evaluate_with(self.step.executor_mut())?;
-        self.head_forward()
+        let regions = self.step.executor_mut();
+        self.backend.net.evaluate_with(regions)?;
+        self.backend.head_forward(regions)
     }
 
     /// Bytes of one batch's NHWC FP16 images.
     pub fn image_bytes(&self) -> usize {
-        let net = self.net.compiled();
+        let net = self.backend.net.compiled();
         2 * net.buffers[net.input].elems
     }
 
@@ -192,12 +133,15 @@ impl CudaClassifier {
         self.check_host_batch(images, labels)?;
         let image_bytes: Vec<u8> = images.iter().flat_map(|v| v.to_le_bytes()).collect();
         let label_bytes: Vec<u8> = labels.iter().flat_map(|l| l.to_le_bytes()).collect();
-        let input = self.net.compiled().input;
-        let x = self.net.buffer_mut(input)?;
+        let input = self.backend.net.compiled().input;
+        let x = self.backend.net.buffer_mut(input)?;
         let x = DevRangeMut::new(x, ByteRange::new(0, image_bytes.len()))?;
-        let labels = DevRangeMut::new(&mut self.head.labels, ByteRange::new(0, label_bytes.len()))?;
-        Ok(self.staging.upload(
-            &self.stream,
+        let labels = DevRangeMut::new(
+            &mut self.backend.head.labels,
+            ByteRange::new(0, label_bytes.len()),
+        )?;
+        Ok(self.backend.staging.upload(
+            &self.backend.stream,
             &mut [(&image_bytes, x), (&label_bytes, labels)],
         )?)
     }
@@ -207,7 +151,7 @@ impl CudaClassifier {
     /// # Errors
     /// [`ClassifierError::Input`] naming the sizes.
     pub fn check_host_batch(&self, images: &[f16], labels: &[i32]) -> Result<()> {
-        let batch = self.head.shape.batch;
+        let batch = self.backend.head.shape.batch;
         let pixels = self.image_bytes() / 2;
         if labels.len() != batch || images.len() != pixels {
             return Err(ClassifierError::Input(format!(
@@ -229,133 +173,17 @@ impl CudaClassifier {
     /// A batch not staged (out of order); a driver error.
     pub fn take_input(&mut self, input: &mut DoubleInput, i: u64) -> Result<()> {
         let image_bytes = self.image_bytes();
-        let label_bytes = 4 * self.head.shape.batch;
-        let x = self.net.buffer_mut(self.net.compiled().input)?;
+        let label_bytes = 4 * self.backend.head.shape.batch;
+        let x = self
+            .backend
+            .net
+            .buffer_mut(self.backend.net.compiled().input)?;
         let x = DevRangeMut::new(x, ByteRange::new(0, image_bytes))?;
-        let y = DevRangeMut::new(&mut self.head.labels, ByteRange::new(0, label_bytes))?;
-        Ok(input.consume(i, &self.stream, &mut [x, y])?)
-    }
-
-    /// One forward and backward pass on a batch, enqueued on the handle's stream (nothing
-    /// waits for the GPU): `images` (NHWC FP16, the caller's buffer, read in place) and
-    /// `labels` (copied in). Gradients land in G16 (conv weights) and G (BN, FC), scaled by
-    /// the loss scale on the device.
-    ///
-    /// # Errors
-    /// [`ClassifierError::Input`] for a batch of the wrong size or a label out of range; a
-    /// refused plan or kernel; a driver error.
-    pub fn forward_backward(&mut self, images: &mut CudaSlice<f16>, labels: &[i32]) -> Result<()> {
-        let shape = self.head.shape;
-        let net = self.net.compiled();
-        let want = net.buffers[net.input].elems;
-        check_batch(images.len(), want, labels, shape.batch, shape.classes)?;
-        let bytes: Vec<u8> = labels.iter().flat_map(|l| l.to_le_bytes()).collect();
-        self.stream
-            .memcpy_htod(&bytes, &mut self.head.labels)
-            .map_err(|e| driver("copy the labels in", e))?;
-        self.head.host_labels = labels.to_vec();
-        self.net
-            .forward_from(Some(self.step.executor_mut()), images)?;
-        self.head_forward()?;
-        self.head_backward()?;
-        self.net
-            .backward_from(Some(self.step.executor_mut()), images)?;
-        Ok(())
-    }
-
-    /// One optimizer step over `micro_batches` (each the caller's image buffer, read in
-    /// place, and its labels), as many as the step's [`crate::amp::step::StepConfig::accum`],
-    /// enqueued on the handle's stream without a host sync: for each,
-    /// [`crate::amp::step::AmpStep::begin`] and [`CudaClassifier::forward_backward`] (BN with
-    /// that micro-batch's statistics), then [`crate::amp::step::AmpStep::accumulate`]
-    /// (`amp_accum_grads` into GA), or [`crate::amp::step::AmpStep::finish`] after the last
-    /// one (the sum into G, then the check, SGD and scale update once). The same sequence as
-    /// [`crate::classifier::CpuClassifier::train_step`]; a stream capture of it is a
-    /// replayable step.
-    ///
-    /// # Errors
-    /// [`ClassifierError::Input`] for a count other than the step's (nothing runs) or a bad
-    /// micro-batch; a refused plan or kernel; a driver error.
-    pub fn train_step(
-        &mut self,
-        micro_batches: &mut [(&mut CudaSlice<f16>, &[i32])],
-    ) -> Result<()> {
-        crate::classifier::check_micro_batches(micro_batches.len(), self.step.config().accum)?;
-        let n = micro_batches.len();
-        for (k, (images, labels)) in micro_batches.iter_mut().enumerate() {
-            self.step.begin()?;
-            self.forward_backward(images, labels)?;
-            if k + 1 < n {
-                self.step.accumulate()?;
-            } else {
-                self.step.finish()?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Evaluates one batch of `images` (NHWC FP16, read in place): forward only, BN in
-    /// evaluation mode (each layer normalizes with its running statistics:
-    /// [`crate::net::CudaNet::evaluate`]), then the pooling and the FC layer; the logits are
-    /// read back (this waits for the stream). Running statistics, weights, the step and the
-    /// last training batch's metrics are left as they were.
-    ///
-    /// # Errors
-    /// [`ClassifierError::Input`] for a batch of the wrong size; the EMA weights of a
-    /// classifier made without an EMA ([`crate::amp::PlanError::RegionAbsent`]); a driver
-    /// error.
-    pub fn evaluate(
-        &mut self,
-        images: &mut CudaSlice<f16>,
-        weights: EvalWeights,
-    ) -> Result<Evaluation> {
-        if weights == EvalWeights::Ema {
-            let aside = self.step.executor_mut().swap_in_ema()?;
-            let out = self.evaluate(images, EvalWeights::Trained);
-            // Always restored, so that a failed evaluation leaves the trained weights.
-            self.step.executor_mut().swap_back(aside)?;
-            return out;
-        }
-        let shape = self.head.shape;
-        let net = self.net.compiled();
-        let want = net.buffers[net.input].elems;
-        check_batch(
-            images.len(),
-            want,
-            &vec![0; shape.batch],
-            shape.batch,
-            shape.classes,
+        let y = DevRangeMut::new(
+            &mut self.backend.head.labels,
+            ByteRange::new(0, label_bytes),
         )?;
-        self.net
-            .evaluate_from(Some(self.step.executor_mut()), images)?;
-        let output = self.net.compiled().output;
-        let kernels = self.kernels.clone();
-        // Logits of their own, so that the last training batch's metrics stay readable.
-        let mut logits = self
-            .stream
-            .alloc_zeros::<u8>(shape.batch * shape.classes * 2)
-            .map_err(|e| driver("allocate the evaluation logits", e))?;
-        kernels.gap_forward(
-            &self.stream,
-            &shape,
-            DevRange::whole(self.net.buffer(output)?),
-            DevRangeMut::whole(&mut self.head.pooled),
-        )?;
-        self.step.executor_mut().fc_forward(
-            "fc.w",
-            "fc.b",
-            &shape,
-            DevRange::whole(&self.head.pooled),
-            DevRangeMut::whole(&mut logits),
-        )?;
-        let logits: Vec<f16> = self
-            .stream
-            .clone_dtoh(&logits)
-            .map_err(|e| driver("read the evaluation logits back", e))?
-            .chunks_exact(2)
-            .map(|b| f16::from_le_bytes([b[0], b[1]]))
-            .collect();
-        Ok(Evaluation::from_logits(logits, shape.classes))
+        Ok(input.consume(i, &self.backend.stream, &mut [x, y])?)
     }
 
     /// The last caller-buffer batch's loss and accuracy, read back (waits for the stream:
@@ -364,26 +192,27 @@ impl CudaClassifier {
     /// # Errors
     /// A driver error; no batch run yet.
     pub fn metrics_blocking(&self) -> Result<HeadMetrics> {
-        if self.head.host_labels.is_empty() {
+        if self.backend.head.host_labels.is_empty() {
             return Err(ClassifierError::Input("no batch has run yet".into()));
         }
         let read = |b: &CudaSlice<u8>, what: &str| {
-            self.stream
+            self.backend
+                .stream
                 .clone_dtoh(b)
                 .map_err(|e| driver(&format!("read the {what} back"), e))
         };
-        let logits: Vec<f16> = read(&self.head.logits, "logits")?
+        let logits: Vec<f16> = read(&self.backend.head.logits, "logits")?
             .chunks_exact(2)
             .map(|b| f16::from_le_bytes([b[0], b[1]]))
             .collect();
-        let loss: Vec<f32> = read(&self.head.loss, "losses")?
+        let loss: Vec<f32> = read(&self.backend.head.loss, "losses")?
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect();
-        let shape = self.head.shape;
+        let shape = self.backend.head.shape;
         Ok(head::head_metrics(
             &logits[..shape.logits_elems()],
-            &self.head.host_labels,
+            &self.backend.head.host_labels,
             Some(&loss[..shape.batch]),
             shape.classes,
         )?)

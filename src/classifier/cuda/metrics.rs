@@ -63,9 +63,9 @@ impl CudaClassifier {
     /// No metrics log; a driver error.
     pub fn request_readback(&mut self) -> Result<()> {
         self.step.request_scalars()?;
-        let log = self.head.log.as_ref().ok_or_else(no_log)?;
-        let readback = self.log_readback.as_mut().ok_or_else(no_log)?;
-        Ok(readback.request(&self.stream, log)?)
+        let log = self.backend.head.log.as_ref().ok_or_else(no_log)?;
+        let readback = self.backend.log_readback.as_mut().ok_or_else(no_log)?;
+        Ok(readback.request(&self.backend.stream, log)?)
     }
 
     /// The metrics log and S of the last request, once both have arrived (never waits; S is
@@ -74,7 +74,7 @@ impl CudaClassifier {
     /// # Errors
     /// No metrics log; a driver error; a log image that does not parse.
     pub fn poll_readback(&mut self) -> Result<Option<(MetricsLog, Scalars)>> {
-        let readback = self.log_readback.as_mut().ok_or_else(no_log)?;
+        let readback = self.backend.log_readback.as_mut().ok_or_else(no_log)?;
         let Some(bytes) = readback.poll()? else {
             return Ok(None);
         };
@@ -89,7 +89,7 @@ impl CudaClassifier {
     /// As [`CudaClassifier::poll_readback`].
     pub fn wait_readback(&mut self) -> Result<(MetricsLog, Scalars)> {
         self.request_readback()?;
-        let readback = self.log_readback.as_mut().ok_or_else(no_log)?;
+        let readback = self.backend.log_readback.as_mut().ok_or_else(no_log)?;
         let bytes = readback.wait()?.map(<[u8]>::to_vec).unwrap_or_default();
         let log = metrics_log_read(&bytes).map_err(AmpError::from)?;
         let s = self.step.executor().read_scalars_blocking()?;
@@ -101,8 +101,9 @@ impl CudaClassifier {
     /// # Errors
     /// No metrics log; a driver error.
     pub fn metrics_log(&self) -> Result<MetricsLog> {
-        let log = self.head.log.as_ref().ok_or_else(no_log)?;
+        let log = self.backend.head.log.as_ref().ok_or_else(no_log)?;
         let bytes = self
+            .backend
             .stream
             .clone_dtoh(log)
             .map_err(|e| driver("download the metrics log", e))?;
@@ -115,6 +116,7 @@ impl CudaClassifier {
     /// A driver error (the allocation).
     pub fn scalar_history(&self, steps: usize) -> Result<ScalarHistory> {
         let rows = self
+            .backend
             .stream
             .alloc_zeros::<u8>((steps * KEPT).max(1))
             .map_err(|e| driver("allocate the loss-scale history", e))?;
@@ -137,7 +139,8 @@ impl CudaClassifier {
         let s = self.step.executor().region(Region::S)?;
         let src = s.slice(0..KEPT);
         let mut dst = h.rows.slice_mut(at..at + KEPT);
-        self.stream
+        self.backend
+            .stream
             .memcpy_dtod(&src, &mut dst)
             .map_err(|e| driver("copy the scalars into the history", e))?;
         h.written += 1;
@@ -150,6 +153,7 @@ impl CudaClassifier {
     /// A driver error.
     pub fn scalar_rows(&self, h: &ScalarHistory) -> Result<Vec<StepScalars>> {
         let bytes = self
+            .backend
             .stream
             .clone_dtoh(&h.rows)
             .map_err(|e| driver("download the loss-scale history", e))?;
@@ -194,26 +198,27 @@ impl CudaClassifier {
     /// The group's top-1 accuracy over `batches` with the weights now in A and W.
     fn accuracy(&mut self, batches: &[(Vec<f16>, Vec<i32>)]) -> Result<f32> {
         // As many batches at a time as the evaluation log holds.
-        let capacity = metrics_log_capacity(self.head.eval_log.len());
+        let capacity = metrics_log_capacity(self.backend.head.eval_log.len());
         let mut correct = 0usize;
         for chunk in batches.chunks(capacity.max(1)) {
             correct += self.correct(chunk)?;
         }
-        let per_batch = self.head.shape.batch * self.rank().1;
+        let per_batch = self.backend.head.shape.batch * self.rank().1;
         Ok(correct as f32 / (batches.len() * per_batch).max(1) as f32)
     }
 
     /// The group's correct top-1 predictions over `batches` (at most the log's capacity).
     fn correct(&mut self, batches: &[(Vec<f16>, Vec<i32>)]) -> Result<usize> {
-        self.stream
-            .memset_zeros(&mut self.head.eval_log)
+        self.backend
+            .stream
+            .memset_zeros(&mut self.backend.head.eval_log)
             .map_err(|e| driver("clear the evaluation log", e))?;
         for (images, labels) in batches {
             self.upload_batch(images, labels)?;
             self.forward_eval()?;
-            let h = &mut self.head;
-            self.kernels.head_metrics(
-                &self.stream,
+            let h = &mut self.backend.head;
+            self.backend.kernels.head_metrics(
+                &self.backend.stream,
                 h.shape.classes,
                 DevRange::whole(&h.logits),
                 DevRange::whole(&h.labels),
@@ -222,12 +227,13 @@ impl CudaClassifier {
             )?;
         }
         let log = self
+            .backend
             .stream
-            .clone_dtoh(&self.head.eval_log)
+            .clone_dtoh(&self.backend.head.eval_log)
             .map_err(|e| driver("download the evaluation log", e))?;
         let log = metrics_log_read(&log).map_err(AmpError::from)?;
         let entries = self.global_metrics(&log.entries)?;
-        let per_batch = self.head.shape.batch * self.rank().1;
+        let per_batch = self.backend.head.shape.batch * self.rank().1;
         Ok(entries
             .iter()
             .map(|m| (m.accuracy * per_batch as f32).round() as usize)

@@ -61,6 +61,7 @@ mod capture;
 mod group;
 mod head;
 mod metrics;
+mod passes;
 mod snapshot;
 mod state;
 
@@ -69,18 +70,21 @@ pub use group::{open_device, RENDEZVOUS_TIMEOUT};
 pub use metrics::{Accuracies, ScalarHistory, StepScalars};
 pub use snapshot::Snapshot;
 
+use super::shared::{step_plan, Classifier};
 use super::ClassifierError;
-use crate::amp::cuda::{AmpKernels, CudaContext, CudaRegions, CudaStream, Readback, Upload};
-use crate::amp::plan::Region;
-use crate::amp::step::{AmpStep, StepConfig};
+use crate::amp::cuda::{AmpKernels, CudaContext, CudaStream, Readback, Upload};
+use crate::amp::step::StepConfig;
 use crate::dist::bootstrap::LaunchEnv;
 use crate::fusion::exec::Handle;
-use crate::net::{
-    initial_weights, memory_plan_of, Arena, CompiledNet, CudaNet, MemoryReport, PlanContents,
-};
+#[cfg(doc)]
+use crate::net::initial_weights;
+use crate::net::{Arena, CompiledNet, CudaNet, MemoryReport};
 use crate::netops::head::HeadShape;
 use std::marker::PhantomData;
 use std::sync::Arc;
+
+#[cfg(doc)]
+use crate::amp::cuda::CudaRegions;
 
 type Result<T> = std::result::Result<T, ClassifierError>;
 
@@ -117,10 +121,12 @@ impl Default for EngineConfig {
     }
 }
 
-/// The GPU training engine (module docs).
-pub struct CudaClassifier {
+/// The CUDA backend: the network on cuDNN ([`CudaNet`]), the head on amp's kernels and
+/// device buffers, the amp step on [`CudaRegions`], all on the handle's stream; and the
+/// engine's state around them (captured graphs, the metrics log's readback, the upload
+/// staging, the data-parallel group).
+pub struct CudaBackend {
     net: CudaNet,
-    step: AmpStep<CudaRegions>,
     head: head::Head,
     kernels: Arc<AmpKernels>,
     graphs: capture::Graphs,
@@ -138,11 +144,14 @@ pub struct CudaClassifier {
     _not_send: PhantomData<*const ()>,
 }
 
-impl std::fmt::Debug for CudaClassifier {
+/// The GPU training engine (module docs): a [`Classifier`] on the [`CudaBackend`].
+pub type CudaClassifier = Classifier<CudaBackend>;
+
+impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaClassifier")
+        f.debug_struct("CudaBackend")
             .field("device", &self.device_name)
-            .field("routes", &self.routes())
+            .field("routes", &routes(&self.net))
             .field("graphs", &self.graphs.state)
             .finish_non_exhaustive()
     }
@@ -155,13 +164,22 @@ fn driver(what: &str, e: impl std::fmt::Display) -> ClassifierError {
     }
 }
 
+/// Each layer's name and route name.
+fn routes(net: &CudaNet) -> Vec<(String, &'static str)> {
+    net.compiled()
+        .layers
+        .iter()
+        .map(|l| (l.name.clone(), l.layer.route().name()))
+        .collect()
+}
+
 impl CudaClassifier {
     /// The network (compiled with a planned policy for `handle`'s target) with an FC head of
     /// `classes` outputs, its memory plan in device regions on the handle's stream, and the
     /// amp step of `config`; the master weights start from [`initial_weights`] of `seed`
     /// (the same as [`super::CpuClassifier`]'s). A `config` that accumulates gradients over
     /// several micro-batches ([`StepConfig::with_accum`]) gets the accumulator GA
-    /// ([`CudaClassifier::train_step`]). [`CudaClassifier::with_engine`] with the default
+    /// ([`Classifier::train_step`]). [`CudaClassifier::with_engine`] with the default
     /// [`EngineConfig`] (no metrics log, no group).
     ///
     /// # Errors
@@ -210,28 +228,15 @@ impl CudaClassifier {
         // The network's step-long buffers in the plan's liveness-planned tensor arena (with
         // the shared arena); E and E16 when the step keeps an EMA. The regions' layout is the
         // CPU classifier's (the same parameters in the same places).
-        let contents = PlanContents {
-            ema: config.ema_decay.is_some(),
-            buffers: engine.arena == Arena::Shared,
-        };
-        let plan = memory_plan_of(&net, classes, contents)?;
-        // Gradient accumulation adds the FP32 accumulator GA; nothing else moves.
-        let plan = if config.accum > 1 {
-            plan.with_grad_accumulator()?
-        } else {
-            plan
-        };
-        let mut regions = CudaRegions::new(plan, stream.clone())?;
-        for (name, values) in initial_weights(&net, classes, seed) {
-            regions.upload_f32(Region::W, &name, &values)?;
-        }
+        let plan = step_plan(&net, classes, &config, engine.arena == Arena::Shared)?;
+        let regions = crate::amp::cuda::CudaRegions::new(plan, stream.clone())?;
         let kernels = regions.kernels().clone();
-        let mut step = AmpStep::new(regions, config)?;
-        let group = match launch {
-            None => None,
-            Some(l) => Some(group::GpuGroup::form(&l, &ctx, &net, &mut step)?),
-        };
-        step.init_weights()?;
+        // The group meets before A and the EMA are made from W: rank 0's W is broadcast.
+        let (step, group) = Self::amp_step(&net, classes, config, seed, regions, |step| {
+            launch
+                .map(|l| group::GpuGroup::form(&l, &ctx, &net, step))
+                .transpose()
+        })?;
         // (CudaNet::new reserves the largest workspace, so that the pool never grows inside
         // the step's capture.)
         let amp_plan = Some(step.executor().plan_arc().clone());
@@ -253,9 +258,8 @@ impl CudaClassifier {
             None => None,
         };
         let staging = Upload::new(&ctx, input_bytes + 4 * shape.batch)?;
-        Ok(CudaClassifier {
+        let backend = CudaBackend {
             net,
-            step,
             head,
             kernels,
             graphs: capture::Graphs::default(),
@@ -267,53 +271,35 @@ impl CudaClassifier {
             sync_bn: engine.sync_bn,
             group,
             _not_send: PhantomData,
-        })
-    }
-
-    /// The amp step (begin, finish, capture, replay, learning rate, loss scale, regions).
-    pub fn step(&self) -> &AmpStep<CudaRegions> {
-        &self.step
-    }
-
-    /// The amp step, to drive it.
-    pub fn step_mut(&mut self) -> &mut AmpStep<CudaRegions> {
-        &mut self.step
-    }
-
-    /// The compiled network.
-    pub fn compiled(&self) -> &CompiledNet {
-        self.net.compiled()
+        };
+        Ok(Self::assemble(backend, step, classes))
     }
 
     /// The network on the device (its buffers, to inspect them).
     pub fn net(&self) -> &CudaNet {
-        &self.net
+        &self.backend.net
     }
 
     /// The stream everything goes to.
     pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+        &self.backend.stream
     }
 
     /// The device's name.
     pub fn device_name(&self) -> &str {
-        &self.device_name
+        &self.backend.device_name
     }
 
     /// Each layer's name and route name.
     pub fn routes(&self) -> Vec<(String, &'static str)> {
-        self.net
-            .compiled()
-            .layers
-            .iter()
-            .map(|l| (l.name.clone(), l.layer.route().name()))
-            .collect()
+        routes(&self.backend.net)
     }
 
     /// One line: the group, the device, each layer's route (with the reason of a fallback),
     /// what `mode` captures, the network's buffers and the amp kernels' form.
     pub fn describe(&self, mode: CudaGraphMode) -> String {
         let routes: Vec<String> = self
+            .backend
             .net
             .compiled()
             .layers
@@ -329,10 +315,10 @@ impl CudaClassifier {
             .collect();
         let graphs =
             match mode {
-                _ if self.group.is_some() => format!(
+                _ if self.backend.group.is_some() => format!(
                 "eager steps (NCCL: gradient buckets during backward, the overflow flag between \
                  the check and SGD; {} BN)",
-                if self.sync_bn { "synchronized" } else { "local" }
+                if self.backend.sync_bn { "synchronized" } else { "local" }
             ),
                 CudaGraphMode::Off => "no CUDA graphs".to_string(),
                 CudaGraphMode::Finish => {
@@ -350,6 +336,7 @@ impl CudaClassifier {
             ),
         };
         let group = self
+            .backend
             .group
             .as_ref()
             .map(|g| g.describe())
@@ -365,10 +352,10 @@ impl CudaClassifier {
         };
         format!(
             "{group}cuda:{} {}; routes: {}; {graphs}; {buffers}; amp kernels as {}",
-            self.ctx.ordinal(),
-            self.device_name,
+            self.backend.ctx.ordinal(),
+            self.backend.device_name,
             routes.join(", "),
-            self.kernels.code()
+            self.backend.kernels.code()
         )
     }
 }

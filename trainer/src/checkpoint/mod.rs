@@ -54,7 +54,9 @@ pub use names::{checksum, krsc_to_oihw, oihw_to_krsc, torch_name};
 pub use read::load;
 pub use write::{check_writable, save, write_atomic};
 
+use crate::TrainError;
 use cudnn_cbr::amp::plan::Region;
+use cudnn_cbr::classifier::{Backend, Classifier};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -189,6 +191,29 @@ pub struct TrainState {
 pub const SAVED_REGIONS: [Region; 5] = [Region::W, Region::M, Region::E, Region::E16, Region::S];
 
 impl TrainState {
+    /// What a checkpoint saves of `model`, on either backend: the images of
+    /// [`SAVED_REGIONS`] that its plan has, in that order, and its running statistics (on a
+    /// GPU downloaded, blocking).
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn of<B: Backend>(model: &Classifier<B>) -> Result<Self, TrainError> {
+        Ok(TrainState {
+            running: model.running_stats()?,
+            regions: model.region_images(&SAVED_REGIONS)?,
+        })
+    }
+
+    /// Restores this state into `model` (and waits for it): W, then A and the EMA made from
+    /// it, then M, E, E16, S (with the model's SGD values) and the running statistics
+    /// ([`Classifier::load_state`]).
+    ///
+    /// # Errors
+    /// A state of another network; a driver error.
+    pub fn load_into<B: Backend>(&self, model: &mut Classifier<B>) -> Result<(), TrainError> {
+        Ok(model.load_state(&self.regions, &self.running)?)
+    }
+
     /// One region's image.
     pub fn region(&self, r: Region) -> Option<&[u8]> {
         self.regions
