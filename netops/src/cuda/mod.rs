@@ -13,8 +13,7 @@
 //!    [`NetKernels::fc_forward`], [`NetKernels::fc_backward`], [`NetKernels::gap_backward`],
 //!    [`NetKernels::head_metrics`]).
 //! 3. With the FC's parameters in amp's regions, [`RegionsFc`] on [`CudaRegions`] reads W
-//!    and writes G; [`AmpKernelsHead`] launches the head on the context of a set of amp
-//!    kernels, for code that holds those.
+//!    and writes G.
 //!
 //! Streams and ordering are amp's (`cudnn_cbr_amp::cuda`): the launches take cudarc buffers
 //! and so go through cudarc's event tracking, which records nothing while the context has a
@@ -30,14 +29,13 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-use cudarc::driver::{CudaContext, CudaStream};
-use cudnn_cbr_amp::cuda::{AmpKernels, DevRange, DevRangeMut, KernelSet};
+use cudarc::driver::CudaContext;
+use cudnn_cbr_amp::cuda::KernelSet;
 use cudnn_cbr_amp::kernels::CudaArch;
 use cudnn_cbr_amp::AmpError;
 
 pub use fc_regions::RegionsFc;
 
-use crate::head::HeadShape;
 use crate::kernels;
 
 // Named only by doc links.
@@ -102,84 +100,5 @@ impl NetKernels {
     /// The context the kernels are loaded in.
     pub fn context(&self) -> &Arc<CudaContext> {
         self.set.context()
-    }
-}
-
-/// The head's launches on the context of a set of amp kernels, for code that holds
-/// [`AmpKernels`] (the classifier): each gets [`NetKernels::for_context`] of
-/// [`AmpKernels::context`] (compiled by the first caller in that context, shared after) and
-/// launches the method of the same name there.
-pub trait AmpKernelsHead {
-    /// [`NetKernels::gap_forward`] in this context.
-    ///
-    /// # Errors
-    /// As [`NetKernels::for_context`] and [`NetKernels::gap_forward`].
-    fn gap_forward(
-        &self,
-        stream: &CudaStream,
-        shape: &HeadShape,
-        a: DevRange<'_>,
-        pooled: DevRangeMut<'_>,
-    ) -> Result<(), AmpError>;
-
-    /// [`NetKernels::gap_backward`] in this context.
-    ///
-    /// # Errors
-    /// As [`NetKernels::for_context`] and [`NetKernels::gap_backward`].
-    fn gap_backward(
-        &self,
-        stream: &CudaStream,
-        shape: &HeadShape,
-        dpooled: DevRange<'_>,
-        da: DevRangeMut<'_>,
-    ) -> Result<(), AmpError>;
-
-    /// [`NetKernels::head_metrics`] in this context.
-    ///
-    /// # Errors
-    /// As [`NetKernels::for_context`] and [`NetKernels::head_metrics`].
-    fn head_metrics(
-        &self,
-        stream: &CudaStream,
-        classes: usize,
-        logits: DevRange<'_>,
-        labels: DevRange<'_>,
-        loss: Option<DevRange<'_>>,
-        log: DevRangeMut<'_>,
-    ) -> Result<(), AmpError>;
-}
-
-impl AmpKernelsHead for AmpKernels {
-    fn gap_forward(
-        &self,
-        stream: &CudaStream,
-        shape: &HeadShape,
-        a: DevRange<'_>,
-        pooled: DevRangeMut<'_>,
-    ) -> Result<(), AmpError> {
-        NetKernels::for_context(self.context())?.gap_forward(stream, shape, a, pooled)
-    }
-
-    fn gap_backward(
-        &self,
-        stream: &CudaStream,
-        shape: &HeadShape,
-        dpooled: DevRange<'_>,
-        da: DevRangeMut<'_>,
-    ) -> Result<(), AmpError> {
-        NetKernels::for_context(self.context())?.gap_backward(stream, shape, dpooled, da)
-    }
-
-    fn head_metrics(
-        &self,
-        stream: &CudaStream,
-        classes: usize,
-        logits: DevRange<'_>,
-        labels: DevRange<'_>,
-        loss: Option<DevRange<'_>>,
-        log: DevRangeMut<'_>,
-    ) -> Result<(), AmpError> {
-        NetKernels::for_context(self.context())?
-            .head_metrics(stream, classes, logits, labels, loss, log)
     }
 }

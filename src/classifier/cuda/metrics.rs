@@ -10,7 +10,6 @@ use crate::amp::plan::Region;
 use crate::amp::range::{s_layout, Scalars};
 use crate::amp::AmpError;
 use crate::classifier::ClassifierError;
-use crate::netops::cuda::AmpKernelsHead;
 use crate::netops::head::{metrics_log_capacity, metrics_log_read, MetricsLog};
 use half::f16;
 
@@ -217,7 +216,7 @@ impl CudaClassifier {
             self.upload_batch(images, labels)?;
             self.forward_eval()?;
             let h = &mut self.backend.head;
-            self.backend.kernels.head_metrics(
+            self.backend.net_kernels.head_metrics(
                 &self.backend.stream,
                 h.shape.classes,
                 DevRange::whole(&h.logits),

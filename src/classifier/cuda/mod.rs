@@ -79,6 +79,7 @@ use crate::fusion::exec::Handle;
 #[cfg(doc)]
 use crate::net::initial_weights;
 use crate::net::{Arena, CompiledNet, CudaNet, MemoryReport};
+use crate::netops::cuda::NetKernels;
 use crate::netops::head::HeadShape;
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -121,7 +122,7 @@ impl Default for EngineConfig {
     }
 }
 
-/// The CUDA backend: the network on cuDNN ([`CudaNet`]), the head on amp's kernels and
+/// The CUDA backend: the network on cuDNN ([`CudaNet`]), the head on netops' kernels and
 /// device buffers, the amp step on [`CudaRegions`], all on the handle's stream; and the
 /// engine's state around them (captured graphs, the metrics log's readback, the upload
 /// staging, the data-parallel group).
@@ -129,6 +130,8 @@ pub struct CudaBackend {
     net: CudaNet,
     head: head::Head,
     kernels: Arc<AmpKernels>,
+    /// The network's own kernels (the head's pooling and metrics), in the same context.
+    net_kernels: Arc<NetKernels>,
     graphs: capture::Graphs,
     /// The asynchronous copy of the metrics log (with a log).
     log_readback: Option<Readback>,
@@ -244,6 +247,7 @@ impl CudaClassifier {
         if let (Some(g), true) = (&group, engine.sync_bn) {
             net.set_bn_sync(g.bn_sync())?;
         }
+        let net_kernels = net.net_kernels().clone();
         let compiled = net.compiled();
         let shape = HeadShape::new(
             compiled.batch,
@@ -262,6 +266,7 @@ impl CudaClassifier {
             net,
             head,
             kernels,
+            net_kernels,
             graphs: capture::Graphs::default(),
             log_readback,
             staging,

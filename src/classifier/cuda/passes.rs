@@ -8,7 +8,7 @@ use crate::amp::plan::Region;
 use crate::classifier::backend::Backend;
 use crate::classifier::EvalWeights;
 use crate::net::{CompiledNet, CudaNet};
-use crate::netops::cuda::{AmpKernelsHead, RegionsFc};
+use crate::netops::cuda::RegionsFc;
 use half::f16;
 
 impl Backend for CudaBackend {
@@ -69,7 +69,7 @@ impl Backend for CudaBackend {
     fn head_forward(&mut self, regions: &mut CudaRegions) -> Result<()> {
         let shape = self.head.shape;
         let a = self.net.buffer(self.net.compiled().output)?;
-        self.kernels.gap_forward(
+        self.net_kernels.gap_forward(
             &self.stream,
             &shape,
             DevRange::whole(a),
@@ -99,7 +99,7 @@ impl Backend for CudaBackend {
             Some(DevRangeMut::whole(&mut h.loss)),
         )?;
         if let Some(log) = h.log.as_mut() {
-            self.kernels.head_metrics(
+            self.net_kernels.head_metrics(
                 &self.stream,
                 shape.classes,
                 DevRange::whole(&h.logits),
@@ -118,7 +118,7 @@ impl Backend for CudaBackend {
         )?;
         let d_out = self.net.compiled().output_grad;
         let d_out = self.net.buffer_mut(d_out)?;
-        Ok(self.kernels.gap_backward(
+        Ok(self.net_kernels.gap_backward(
             &self.stream,
             &shape,
             DevRange::whole(&h.dpooled),
@@ -153,7 +153,7 @@ impl Backend for CudaBackend {
             .stream
             .alloc_zeros::<u8>(shape.batch * shape.classes * 2)
             .map_err(|e| driver("allocate the evaluation logits", e))?;
-        self.kernels.gap_forward(
+        self.net_kernels.gap_forward(
             &self.stream,
             &shape,
             DevRange::whole(self.net.buffer(output)?),

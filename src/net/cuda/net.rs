@@ -173,6 +173,12 @@ impl CudaNet {
         Ok(())
     }
 
+    /// The network's own kernels (residual join, max-pool, the head), loaded in the handle's
+    /// context.
+    pub fn net_kernels(&self) -> &Arc<NetKernels> {
+        &self.kernels
+    }
+
     /// The network it runs.
     pub fn compiled(&self) -> &CompiledNet {
         &self.net
