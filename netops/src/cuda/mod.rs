@@ -40,7 +40,7 @@ use crate::kernels;
 
 // Named only by doc links.
 #[cfg(doc)]
-use cudnn_cbr_amp::cuda::CudaRegions;
+use cudnn_cbr_amp::cuda::{CudaRegions, DevRange, DevRangeMut};
 
 /// The network's kernels compiled with NVRTC and loaded into one CUDA context.
 ///
