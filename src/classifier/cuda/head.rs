@@ -1,6 +1,6 @@
-//! The head's device buffers and passes (steps 2–6 of the module table), the batch's way in
-//! (the caller's buffer read in place, or copied into the network's fixed input), and the
-//! evaluation of one batch in the caller's buffer.
+//! The head's device buffers, the engine's steps 1–6 on the resident batch (the head's passes
+//! themselves are the backend's, `passes.rs`), the batch's way into the network's fixed input
+//! (uploaded, or taken from a double-buffered copy), and the last batch's metrics read back.
 
 use super::{driver, CudaClassifier, Result};
 use crate::amp::cuda::{CudaSlice, CudaStream, DevRangeMut, DoubleInput};
