@@ -3,6 +3,9 @@
 //! a schedule changes the learning rate. On a GPU when there is one, else the CPU executor.
 //!
 //! `cargo run --release --example custom_trainer -- [--steps N] [--device auto|cuda|cpu]`
+#[macro_use]
+mod out;
+
 use clap::Parser;
 use cudnn_cbr::amp::cuda::CudaContext;
 use cudnn_cbr::classifier::{CpuClassifier, CudaClassifier};
@@ -84,7 +87,7 @@ fn main() -> Res<()> {
         "cpu" => None,
         "cuda" => Some(cuda_device(0).map_err(|e| format!("--device cuda: no GPU ({e})"))?),
         _ => cuda_device(0)
-            .map_err(|e| println!("custom_trainer: no GPU ({e}); the CPU executor trains"))
+            .map_err(|e| out!("custom_trainer: no GPU ({e}); the CPU executor trains"))
             .ok(),
     };
     let losses = match gpu {
@@ -92,7 +95,7 @@ fn main() -> Res<()> {
         None => train_cpu(&spec, config, args.steps)?,
     };
     let (first, last, n) = (losses[0], losses[losses.len() - 1], args.steps);
-    println!("custom_trainer: loss {first:.4} -> {last:.4} over {n} steps");
+    out!("custom_trainer: loss {first:.4} -> {last:.4} over {n} steps");
     if last.partial_cmp(&first) != Some(std::cmp::Ordering::Less) {
         return Err("the loss did not fall".into());
     }
@@ -114,7 +117,7 @@ fn train_cpu(spec: &NetSpec, config: StepConfig, steps: usize) -> Res<Vec<f32>> 
         model.step_mut().replay(&finish)?;
         losses.push(m.loss);
         if i % 10 == 0 || i + 1 == steps {
-            println!("step {i:>4}  lr {:.4}  loss {:.4}", lr_at(i, steps), m.loss);
+            out!("step {i:>4}  lr {:.4}  loss {:.4}", lr_at(i, steps), m.loss);
         }
     }
     Ok(losses)
@@ -155,7 +158,7 @@ fn train_cuda(
         if i % 10 == 0 || i + 1 == steps {
             let m = model.metrics_blocking()?; // the only waits for the GPU
             losses.push(m.loss);
-            println!("step {i:>4}  lr {:.4}  loss {:.4}", lr_at(i, steps), m.loss);
+            out!("step {i:>4}  lr {:.4}  loss {:.4}", lr_at(i, steps), m.loss);
         }
     }
     Ok(losses)

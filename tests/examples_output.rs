@@ -50,6 +50,16 @@ fn deviceless_plans_ends_quietly_on_a_closed_pipe() {
 }
 
 #[test]
+fn custom_trainer_ends_quietly_on_a_closed_pipe() {
+    // One line per step, then the summary.
+    assert_quiet_end(
+        "custom_trainer",
+        &["--device", "cpu", "--steps", "40"],
+        "step    0",
+    );
+}
+
+#[test]
 fn deviceless_smoke_ends_quietly_on_a_closed_pipe() {
     // The cuDNN version line, then a line per fixture.
     assert_quiet_end("deviceless_smoke", &[], "cuDNN ");
