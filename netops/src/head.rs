@@ -33,28 +33,9 @@
 
 #![forbid(unsafe_code)]
 
-use cudnn_cbr_amp::range::{f16_to_f32, f32_to_f16};
+use cudnn_cbr_amp::range::{check_len, f16_to_f32, f32_to_f16};
 use cudnn_cbr_amp::RangeOpError;
 use half::f16;
-
-/// [`RangeOpError::LengthMismatch`] unless slice `what` of `op` has `expected` elements.
-pub(crate) fn check_len(
-    op: &'static str,
-    what: &'static str,
-    expected: usize,
-    got: usize,
-) -> Result<(), RangeOpError> {
-    if expected == got {
-        Ok(())
-    } else {
-        Err(RangeOpError::LengthMismatch {
-            op,
-            what,
-            expected,
-            got,
-        })
-    }
-}
 
 /// Dimensions of the head: `batch` images, each `pixels` positions of `features` channels
 /// at the last stage, classified into `classes`.

@@ -133,7 +133,7 @@ fn check(
     got: usize,
     want: usize,
 ) -> Result<(), RangeOpError> {
-    crate::head::check_len(op, name, want, got)
+    cudnn_cbr_amp::range::check_len(op, name, want, got)
 }
 
 /// `y = maxpool(x)` (see the module table).

@@ -36,7 +36,12 @@ pub fn f16_to_f32(x: f16) -> f32 {
     }
 }
 
-pub(crate) fn check_len(
+/// [`RangeOpError::LengthMismatch`] unless slice `what` of range op `op` has `expected`
+/// elements: the length check of every host twin (netops' too).
+///
+/// # Errors
+/// [`RangeOpError::LengthMismatch`] naming `op`, `what` and both lengths.
+pub fn check_len(
     op: &'static str,
     what: &'static str,
     expected: usize,

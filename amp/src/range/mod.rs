@@ -42,7 +42,8 @@ mod seed;
 
 pub use accum::accum_grads;
 pub use cast::{
-    cast_f16_to_f32, cast_f32_to_f16, f16_to_f32, f32_to_f16, F16_CANONICAL_NAN, F32_CANONICAL_NAN,
+    cast_f16_to_f32, cast_f32_to_f16, check_len, f16_to_f32, f32_to_f16, F16_CANONICAL_NAN,
+    F32_CANONICAL_NAN,
 };
 pub use check::{check_and_clip, check_grads, check_nonfinite, CheckOutcome, OverflowPolicy};
 pub use norm::{grad_norm, NORM_THREADS};

@@ -6,7 +6,8 @@
 
 use std::sync::Arc;
 
-use cudnn_cbr_amp::cuda::{AmpKernels, CudaSlice, CudaStream};
+use cudnn_cbr_amp::cuda::{AmpKernels, CudaContext, CudaSlice, CudaStream};
+use cudnn_cbr_amp::AmpError;
 use half::f16;
 
 /// splitmix64: a fixed, dependency-free source of test data.
@@ -42,9 +43,18 @@ impl Rng {
     }
 }
 
-/// Device 0's stream and kernels, or `None` after printing the one `SKIP <test>: <reason>`
-/// line (no driver, no device, no NVRTC). Kernels that do not build are a failure.
+/// Device 0's stream and amp's kernels, or `None` after printing the one `SKIP <test>:
+/// <reason>` line (no driver, no device, no NVRTC). Kernels that do not build are a failure.
 pub fn device(test: &str) -> Option<(Arc<CudaStream>, Arc<AmpKernels>)> {
+    device_with(test, AmpKernels::for_context)
+}
+
+/// [`device`] with the kernels `load` loads into device 0's context (netops' tests load the
+/// network's kernels through this file too).
+pub fn device_with<K>(
+    test: &str,
+    load: impl FnOnce(&Arc<CudaContext>) -> Result<Arc<K>, AmpError>,
+) -> Option<(Arc<CudaStream>, Arc<K>)> {
     let ctx = match cudnn_cbr_runtime::cuda_device(0) {
         Ok(ctx) => ctx,
         Err(e) => {
@@ -52,7 +62,7 @@ pub fn device(test: &str) -> Option<(Arc<CudaStream>, Arc<AmpKernels>)> {
             return None;
         }
     };
-    let kernels = match AmpKernels::for_context(&ctx) {
+    let kernels = match load(&ctx) {
         Ok(k) => k,
         Err(e) if e.is_unavailable() => {
             println!("SKIP {test}: {e}");

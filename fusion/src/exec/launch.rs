@@ -126,13 +126,13 @@ impl ExecutionPlan {
             pointers: &pointers,
             scalars: &scalars,
         };
-        // SAFETY: the simulator's allocations are host memory handed out as device pointers,
-        // live for their whole length while the table lists them; the bound buffers are kept
-        // alive and unaliased by the caller until the stream reaches this work (Bindings'
-        // contract), and the stream has just been synchronized, so no enqueued work touches
-        // them while the interpreter runs (eager mode runs work at enqueue; the adversarial
-        // mode's queues of other streams are ordered through the bindings' event waits, which
-        // the synchronize ran).
+        // The simulator's allocations are host memory handed out as device pointers, live for
+        // their whole length while the table lists them; the stream has just been synchronized
+        // (eager mode runs work at enqueue; the adversarial mode's queues of other streams are
+        // ordered through the bindings' event waits, which the synchronize ran).
+        // SAFETY: every bound pointer lies in a live simulator allocation, kept alive and
+        // unaliased by the caller until the stream reaches this work (Bindings' contract), and
+        // no enqueued work touches it while the interpreter runs (synchronized above).
         unsafe { crate::interp::execute(graph, &pack, &memory, &crate::interp::Options::default()) }
             .map_err(|e| self.simulator_error(e.to_string()))
     }
