@@ -536,6 +536,7 @@ struct Stream {
   // A host function of this stream is blocked in cudasim_block (the driver released): no
   // other thread runs this stream's later work, and a synchronize of it waits.
   int busy = 0;
+  std::thread::id busy_for;  // the thread that enqueued that host function
 };
 struct Event {
   bool recorded = false;
@@ -595,13 +596,17 @@ CUresult refuse_in_capture(const char* op) {
   return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
 }
 
-// The stream whose host function this thread is running (for cudasim_block).
+// The stream whose host function this thread is running, and the thread that enqueued it
+// (for cudasim_block).
 thread_local Stream* t_host_stream = nullptr;
-// This thread runs another thread's work for a device-wide flush (flush_all): a host function
-// that must wait for other threads is not waited for here (cudasim_block defers it, setting
-// t_deferred, and flush_all leaves it at the front of its queue). The simulated NCCL's ranks
-// stand for separate devices: a device-wide synchronize of one rank must not wait for, nor
-// wait in, another rank's collective.
+thread_local std::thread::id t_host_for;
+// This thread runs work it must not wait in: another thread's, for a device-wide flush
+// (flush_all), or any, for the flush a blocked host function makes (cudasim_block). A host
+// function that must wait for other threads is not waited for here (cudasim_block defers it,
+// setting t_deferred), nor is a busy stream (flush defers the op that needs it); the deferred
+// op goes back to the front of its queue. The simulated NCCL's ranks stand for separate
+// devices: a device-wide synchronize of one rank must not wait for, nor wait in, another
+// rank's collective.
 thread_local bool t_may_defer = false;
 thread_local bool t_deferred = false;
 
@@ -656,9 +661,12 @@ CUresult run_op(const Op& op, Stream* on) {
       return CUDA_SUCCESS;
     case Op::HOST: {
       Stream* outer = t_host_stream;
+      const std::thread::id outer_for = t_host_for;
       t_host_stream = on;
+      t_host_for = op.by;
       op.fn(op.data);
       t_host_stream = outer;
+      t_host_for = outer_for;
       return CUDA_SUCCESS;
     }
     case Op::KERNEL: {
@@ -717,45 +725,66 @@ CUresult run_queued(Stream* s, const Op& op) {
   }
 }
 
-// Runs `s`'s queue, all of it or until `until` has executed record `gen`.
+// Runs `s`'s queue, all of it or until `until` has executed record `gen`. A synchronize
+// returns only once the queue is empty and no host function of `s` is blocked: a host
+// function another thread deferred goes back to the front of the queue, so the queue is
+// checked again after each wait. Running for a device-wide flush on another thread's behalf
+// (t_may_defer), it waits for nothing: at a busy stream, or when an op it runs is deferred,
+// it puts that op back, sets t_deferred and returns, and its caller puts its own op back too.
 CUresult flush(Stream* s, const Event* until, uint64_t gen) {
   CUresult first = CUDA_SUCCESS;
-  while (!s->queue.empty() && !(until && until->done >= gen)) {
+  for (;;) {
+    if (until && until->done >= gen) break;
     if (s->busy) {  // another thread runs this stream's blocked host function
+      if (t_may_defer) {
+        t_deferred = true;
+        break;
+      }
       wait_unlocked(wake_gen());
       continue;
     }
-    Op op = std::move(s->queue.front().second);
+    if (s->queue.empty()) break;
+    std::pair<uint64_t, Op> item = std::move(s->queue.front());
     s->queue.pop_front();
-    const bool outer = t_may_defer;
-    t_may_defer = false;
-    CUresult r = run_queued(s, op);
-    t_may_defer = outer;
+    t_deferred = false;
+    CUresult r = run_queued(s, item.second);
+    if (t_deferred) {  // to be run again, first on its stream
+      s->queue.push_front(std::move(item));
+      break;
+    }
     if (first == CUDA_SUCCESS) first = r;
   }
-  if (!until) wait_not_busy(s);  // a synchronize waits for a blocked host function too
   return first;
 }
 
 // Runs every stream's queue, except a stream blocked in a host function that waits for other
-// threads (busy, or deferred here: see t_may_defer), which this does not wait for.
+// threads (busy, or deferred here: see t_may_defer), which this does not wait for, unless the
+// host function is this thread's own work that another thread's flush holds for a moment: a
+// device-wide synchronize (or cuMemFree) waits for everything its own thread enqueued.
 CUresult flush_all() {
   CUresult first = CUDA_SUCCESS;
   std::set<Stream*> deferred;
+  const std::thread::id me = std::this_thread::get_id();
   for (;;) {
     Stream* pick = nullptr;
+    bool mine_busy = false;
     auto consider = [&](Stream* s) {
+      if (s->busy && s->busy_for == me) mine_busy = true;
       if (!s->busy && !s->queue.empty() && !deferred.count(s) &&
           (!pick || s->queue.front().first > pick->queue.front().first))
         pick = s;
     };
     consider(&g_null_stream);
     for (Stream* s : g_streams) consider(s);
-    if (!pick) return first;
+    if (!pick) {
+      if (t_may_defer || !mine_busy) return first;
+      wait_unlocked(wake_gen());
+      continue;
+    }
     std::pair<uint64_t, Op> item = std::move(pick->queue.front());
     pick->queue.pop_front();
     const bool outer = t_may_defer;
-    t_may_defer = item.second.by != std::this_thread::get_id();
+    t_may_defer = outer || item.second.by != std::this_thread::get_id();
     t_deferred = false;
     CUresult r = run_queued(pick, item.second);
     t_may_defer = outer;
@@ -1521,7 +1550,8 @@ API int cudasim_block(int (*ready)(void*), void* arg) {
   DriverLock lk;
   int ok = 0;
   Stream* st = t_host_stream;
-  if (st) ++st->busy;  // (also while ready runs below: the stream's work is not all done)
+  if (st && st->busy++ == 0)  // (also while ready runs below: the stream's work is not done)
+    st->busy_for = t_host_for;
   if (t_may_defer) {
     const int d = release_driver();
     ok = ready(arg);
@@ -1537,7 +1567,14 @@ API int cudasim_block(int (*ready)(void*), void* arg) {
     ok = ready(arg);
     retake_driver(d);
     if (ok || g_fault != CUDA_SUCCESS) break;
-    if (adversarial()) flush_all();  // (its own stream is busy: skipped)
+    if (adversarial()) {
+      // Its own stream is busy (skipped), and nothing run here may wait: work queued behind
+      // this host function (an event wait on its stream) would wait for this very thread.
+      const bool outer = t_may_defer;
+      t_may_defer = true;
+      flush_all();
+      t_may_defer = outer;
+    }
   }
   if (st) --st->busy;
   wake();

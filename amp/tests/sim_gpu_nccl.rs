@@ -193,6 +193,13 @@ fn sim_gpu_nccl_tests_pass_on_the_simulated_device() {
         );
         assert!(ran.ok, "the simulated NCCL's checks failed");
         assert!(ran.stdout.contains("all simulated NCCL checks passed"));
+        // Every check of sim/tests/nccl.cc ran (each prints one `ok` line).
+        let checks = include_str!("../../sim/tests/nccl.cc")
+            .matches("printf(\"ok ")
+            .count();
+        let oks = ran.stdout.lines().filter(|l| l.starts_with("ok ")).count();
+        assert!(checks >= 8, "sim/tests/nccl.cc has {checks} checks");
+        assert_eq!(oks, checks, "the simulated NCCL's checks that ran");
         // The planted receive buffer 4 bytes past its allocation is refused, naming it.
         assert!(
             ran.stdout

@@ -12,6 +12,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <random>
@@ -38,6 +39,7 @@ struct Api {
   CUresult (*dtoh)(void*, CUdeviceptr, size_t);
   CUresult (*stream_create)(CUstream*, unsigned);
   CUresult (*stream_sync)(CUstream);
+  CUresult (*ctx_sync)();
   CUresult (*stream_destroy)(CUstream);
   CUresult (*begin_capture)(CUstream, CUstreamCaptureMode);
   CUresult (*end_capture)(CUstream, CUgraph*);
@@ -45,6 +47,11 @@ struct Api {
   CUresult (*graph_launch)(CUgraphExec, CUstream);
   CUresult (*exec_destroy)(CUgraphExec);
   CUresult (*graph_destroy)(CUgraph);
+  CUresult (*event_create)(CUevent*, unsigned);
+  CUresult (*event_record)(CUevent, CUstream);
+  CUresult (*event_destroy)(CUevent);
+  CUresult (*stream_wait)(CUstream, CUevent, unsigned);
+  CUresult (*dtod_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
   int (*get_id)(ncclUniqueId*);
   int (*comm_init)(ncclComm_t*, int, ncclUniqueId, int);
   int (*all_reduce)(const void*, void*, size_t, int, int, ncclComm_t, CUstream);
@@ -96,6 +103,7 @@ void load() {
   sym(cu, A.dtoh, "cuMemcpyDtoH_v2");
   sym(cu, A.stream_create, "cuStreamCreate");
   sym(cu, A.stream_sync, "cuStreamSynchronize");
+  sym(cu, A.ctx_sync, "cuCtxSynchronize");
   sym(cu, A.stream_destroy, "cuStreamDestroy_v2");
   sym(cu, A.begin_capture, "cuStreamBeginCapture_v2");
   sym(cu, A.end_capture, "cuStreamEndCapture");
@@ -103,6 +111,11 @@ void load() {
   sym(cu, A.graph_launch, "cuGraphLaunch");
   sym(cu, A.exec_destroy, "cuGraphExecDestroy");
   sym(cu, A.graph_destroy, "cuGraphDestroy");
+  sym(cu, A.event_create, "cuEventCreate");
+  sym(cu, A.event_record, "cuEventRecord");
+  sym(cu, A.event_destroy, "cuEventDestroy_v2");
+  sym(cu, A.stream_wait, "cuStreamWaitEvent");
+  sym(cu, A.dtod_async, "cuMemcpyDtoDAsync_v2");
   sym(nc, A.get_id, "ncclGetUniqueId");
   sym(nc, A.comm_init, "ncclCommInitRank");
   sym(nc, A.all_reduce, "ncclAllReduce");
@@ -276,6 +289,86 @@ void check_capture_and_replay() {
   printf("ok a captured all-reduce runs at each replay, not at capture\n");
 }
 
+// A rank's collective blocks (its peer comes 100 ms later) while a second stream of the same
+// rank waits on an event recorded behind it: the device-wide flush the blocked host function
+// makes must skip that wait, not wait for its own thread (it used to hang here).
+void check_event_wait_behind_a_blocked_collective() {
+  ranks(2, [&](int r, ncclComm_t c, CUstream s) {
+    if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::vector<float> v(16, (float)(r + 1));
+    CUdeviceptr buf = upload(v.data(), 64);
+    CUdeviceptr copy = upload(std::vector<float>(16, -1).data(), 64);
+    CUstream side;
+    CU(A.stream_create(&side, 0));
+    CUevent e;
+    CU(A.event_create(&e, 0));
+    NC(A.all_reduce((void*)buf, (void*)buf, 16, F32, Sum, c, s));
+    CU(A.event_record(e, s));
+    CU(A.stream_wait(side, e, 0));
+    CU(A.dtod_async(copy, buf, 64, side));  // reads the sum: behind the wait
+    CU(A.stream_sync(s));
+    CU(A.stream_sync(side));
+    CHECK(download<float>(copy, 16) == std::vector<float>(16, 3));
+    CU(A.event_destroy(e));
+    CU(A.stream_destroy(side));
+    CU(A.free(buf));
+    CU(A.free(copy));
+  });
+  printf("ok an event wait queued behind a blocked collective of the same rank runs after it\n");
+}
+
+// Two ranks run 60 all-reduces, each checked, while a third thread keeps flushing the whole
+// device (synchronous copies) and so runs the ranks' queued collectives on their behalf,
+// deferring those that must wait. A synchronize must not return while its stream still holds
+// a deferred collective (it did: a stale read, or a write into a buffer freed after it), nor
+// may a device-wide one (a synchronous copy, cuCtxSynchronize) while the flusher holds the
+// rank's own collective (it did not wait for a stream busy on another thread).
+void check_syncs_with_a_device_wide_flusher() {
+  std::atomic<bool> stop{false};
+  CUdeviceptr probe = upload(std::vector<float>(1, 0).data(), 4);
+  std::thread flusher([&] {
+    CU(A.set_current(g_ctx));
+    float x;
+    while (!stop) {  // (with pauses, so that the ranks get the driver between its flushes)
+      CU(A.dtoh(&x, probe, 4));
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  });
+  ranks(2, [&](int r, ncclComm_t c, CUstream s) {
+    std::mt19937 rng(11 + r);
+    for (int i = 0; i < 60; ++i) {
+      const float mine = (float)(i * 2 + r);
+      CUdeviceptr buf = upload(std::vector<float>(8, mine).data(), 32);
+      // Rank 1 often comes more than 5 ms late (a deferring flush waits that long for the
+      // peers); rank 0 synchronizes 1 ms after its call, so the flusher has usually taken
+      // its collective by then and is about to defer it.
+      if (r == 1) std::this_thread::sleep_for(std::chrono::microseconds(2000 + rng() % 6000));
+      NC(A.all_reduce((void*)buf, (void*)buf, 8, F32, Sum, c, s));
+      if (r == 0) std::this_thread::sleep_for(std::chrono::microseconds(1000));
+      float x;
+      switch (i % 3) {  // three ways to wait for the collective
+        case 0: CU(A.stream_sync(s)); break;
+        case 1: CU(A.dtoh(&x, probe, 4)); break;
+        default: CU(A.ctx_sync()); break;
+      }
+      // Read straight from the simulated device's memory (host memory): a copy would flush
+      // the device first and hide a synchronize that returned early.
+      std::vector<float> got(8);
+      memcpy(got.data(), (const void*)buf, 32);
+      if (got != std::vector<float>(8, (float)(4 * i + 1))) {
+        printf("rank %d, all-reduce %d: read %g, the sum is %d\n", r, i, got[0], 4 * i + 1);
+        die("a synchronize returned before its collective ran", __LINE__);
+      }
+      CU(A.free(buf));
+    }
+  });
+  stop = true;
+  flusher.join();
+  CU(A.free(probe));
+  printf("ok 2 ranks x 60 all-reduces, each read after a synchronize (of its stream, a copy, "
+         "the context), beside a thread flushing the whole device\n");
+}
+
 void check_abort_ends_a_wait() {
   ranks(2, [&](int r, ncclComm_t c, CUstream s) {
     if (r == 1) {  // never joins the collective: aborts after a while
@@ -360,6 +453,8 @@ int main() {
   check_other_types_and_ops();
   check_broadcast();
   check_capture_and_replay();
+  check_event_wait_behind_a_blocked_collective();
+  check_syncs_with_a_device_wide_flusher();
   check_abort_ends_a_wait();
   check_refusals();
   printf("all simulated NCCL checks passed\n");
