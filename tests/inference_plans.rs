@@ -92,69 +92,78 @@ fn distinct_layers() -> Vec<EvalLayer> {
     out.into_values().collect()
 }
 
+// One test per fixture, so the harness plans them side by side (planning is
+// single-threaded).
 #[test]
-fn resnet50_inference_graphs_plan_on_every_fixture() {
+fn resnet50_inference_graphs_plan_on_the_h200() {
+    inference_graphs_plan(0);
+}
+#[test]
+fn resnet50_inference_graphs_plan_on_the_a100() {
+    inference_graphs_plan(1);
+}
+#[test]
+fn resnet50_inference_graphs_plan_on_the_b200() {
+    inference_graphs_plan(2);
+}
+
+/// Every distinct layer in every form on fixture `fixture`: at least one form plans for
+/// each, and the unfused form (the training step's own graphs) for all.
+fn inference_graphs_plan(fixture: usize) {
     let Some(_) = common::cudnn_or_skip("resnet50_inference_graphs_plan_on_every_fixture") else {
         return;
     };
+    let fixtures = common::devprops_fixtures();
+    assert_eq!(fixtures.len(), 3, "a new fixture needs its test here");
+    let (label, path) = &fixtures[fixture];
     let layers = distinct_layers();
     assert!(layers.len() >= 10, "{} distinct layers", layers.len());
-    // (fixture, form) → layers whose every graph planned.
-    let mut table: BTreeMap<(String, &'static str), usize> = BTreeMap::new();
-    // A graph planned once per fixture, whichever layer asks (by name and shape).
-    let mut planned: BTreeMap<(String, String), Result<String, String>> = BTreeMap::new();
-    for (label, path) in common::devprops_fixtures() {
-        let target = Target::deviceless_from_file(&path).unwrap();
-        let start = Instant::now();
-        for l in &layers {
-            let mut any = false;
-            let mut row = Vec::new();
-            for (form, graphs) in l.forms() {
-                let mut ok = true;
-                for g in &graphs {
-                    let key = (label.to_string(), format!("{} {:?}", g.name(), l.key()));
-                    let r = planned.entry(key).or_insert_with(|| {
-                        OperationGraph::new(g)
-                            .map_err(|e| e.to_string())
-                            .and_then(|op| build_plan(&op, &target).map_err(|e| e.to_string()))
-                            .map(|p| p.engine_tag())
-                    });
-                    ok &= r.is_ok();
-                }
-                if ok {
-                    *table.entry((label.to_string(), form)).or_default() += 1;
-                }
-                row.push(format!("{form} {}", if ok { "yes" } else { "no" }));
-                any |= ok;
+    // form → layers whose every graph planned.
+    let mut table: BTreeMap<&'static str, usize> = BTreeMap::new();
+    // A graph planned once, whichever layer asks (by name and shape).
+    let mut planned: BTreeMap<String, Result<String, String>> = BTreeMap::new();
+    let target = Target::deviceless_from_file(path).unwrap();
+    let start = Instant::now();
+    for l in &layers {
+        let mut any = false;
+        let mut row = Vec::new();
+        for (form, graphs) in l.forms() {
+            let mut ok = true;
+            for g in &graphs {
+                let key = format!("{} {:?}", g.name(), l.key());
+                let r = planned.entry(key).or_insert_with(|| {
+                    OperationGraph::new(g)
+                        .map_err(|e| e.to_string())
+                        .and_then(|op| build_plan(&op, &target).map_err(|e| e.to_string()))
+                        .map(|p| p.engine_tag())
+                });
+                ok &= r.is_ok();
             }
-            println!(
-                "{label:<10} {:<14} {:<60} {}",
-                l.name,
-                l.key(),
-                row.join(", ")
-            );
-            assert!(any, "{label}: no evaluation form plans for {}", l.key());
+            if ok {
+                *table.entry(form).or_default() += 1;
+            }
+            row.push(format!("{form} {}", if ok { "yes" } else { "no" }));
+            any |= ok;
         }
         println!(
-            "{label}: {} layers planned in {:.1} s",
-            layers.len(),
-            start.elapsed().as_secs_f64()
+            "{label:<10} {:<14} {:<60} {}",
+            l.name,
+            l.key(),
+            row.join(", ")
         );
+        assert!(any, "{label}: no evaluation form plans for {}", l.key());
     }
     println!(
-        "inference forms that plan, per fixture ({} distinct ResNet-50 layers):",
+        "{label}: {} layers planned in {:.1} s; inference forms that plan ({} distinct \
+         ResNet-50 layers):",
+        layers.len(),
+        start.elapsed().as_secs_f64(),
         layers.len()
     );
-    for ((label, form), n) in &table {
+    for (form, n) in &table {
         println!("  {label:<10} {form:<9} {n}/{}", layers.len());
     }
     // The unfused form is the training step's own conv and apply graphs: it plans
     // everywhere the training step does.
-    for (label, _) in common::devprops_fixtures() {
-        assert_eq!(
-            table.get(&(label.to_string(), "unfused")).copied(),
-            Some(layers.len()),
-            "{label}"
-        );
-    }
+    assert_eq!(table.get("unfused").copied(), Some(layers.len()), "{label}");
 }

@@ -17,66 +17,98 @@ use std::time::Instant;
 /// (with its per-layer and per-pair fallbacks) and on the unfused route. Measured with cuDNN
 /// 9.28.1: sm_80 and sm_90 take the prologue on all 32 conv pairs; sm_100 has no engine for
 /// the prologue forms, so every pair stores its activation there (0/32) while each conv still
-/// runs conv + GenStats.
+/// runs conv + GenStats. One test per fixture and route, so the harness plans them side by
+/// side (planning is single-threaded).
+const EXPECTED_PAIRS: [usize; 3] = [32, 32, 0];
+
 #[test]
-fn resnet50_plans_on_every_fixture_and_route() {
+fn resnet50_plans_on_the_h200_fused() {
+    resnet50_plans(0, None);
+}
+#[test]
+fn resnet50_plans_on_the_h200_unfused() {
+    resnet50_plans(0, Some(RouteKind::Unfused));
+}
+#[test]
+fn resnet50_plans_on_the_a100_fused() {
+    resnet50_plans(1, None);
+}
+#[test]
+fn resnet50_plans_on_the_a100_unfused() {
+    resnet50_plans(1, Some(RouteKind::Unfused));
+}
+#[test]
+fn resnet50_plans_on_the_b200_fused() {
+    resnet50_plans(2, None);
+}
+#[test]
+fn resnet50_plans_on_the_b200_unfused() {
+    resnet50_plans(2, Some(RouteKind::Unfused));
+}
+
+/// ResNet-50 at batch 256 compiled for fixture `fixture` on `route` (None: fused with
+/// fallbacks), every layer planned.
+fn resnet50_plans(fixture: usize, route: Option<RouteKind>) {
     let Some(_) = common::cudnn_or_skip("resnet50_plans_on_every_fixture_and_route") else {
         return;
     };
+    let fixtures = common::devprops_fixtures();
+    assert_eq!(
+        fixtures.len(),
+        EXPECTED_PAIRS.len(),
+        "a new fixture needs its tests here"
+    );
+    let (label, path) = &fixtures[fixture];
+    let expected_pairs = EXPECTED_PAIRS[fixture];
     let spec = Preset::ResNet50.spec(3, 1000, 0);
-    for ((label, path), expected_pairs) in common::devprops_fixtures().into_iter().zip([32, 32, 0])
-    {
-        let target = Target::deviceless_from_file(&path).unwrap();
-        let cache = PlanCache::new();
-        for route in [None, Some(RouteKind::Unfused)] {
-            let start = Instant::now();
-            let policy = match route {
-                None => RoutePolicy::Planned {
-                    target: &target,
-                    cache: &cache,
-                },
-                Some(route) => RoutePolicy::PlannedRoute {
-                    target: &target,
-                    cache: &cache,
-                    route,
-                },
-            };
-            let net = compile(&spec, 256, 224, &policy)
-                .unwrap_or_else(|e| panic!("{label} {route:?}: {e}"));
-            let pairs = net.layers.iter().filter(|l| l.prev.is_some()).count();
-            let fused = net
-                .layers
-                .iter()
-                .filter(|l| l.layer.route().kind() == RouteKind::Fused)
-                .count();
-            println!(
-                "{label} {}: {} layers, {fused} fused, {pairs}/32 prologue pairs, {:.1} s",
-                route.map_or("fused with fallbacks", |r| r.name()),
-                net.layers.len(),
-                start.elapsed().as_secs_f64()
-            );
-            assert_eq!(net.layers.len(), 53);
-            for l in &net.layers {
-                assert_eq!(
-                    l.layer.plans().count() + l.layer.kernels().count(),
-                    l.layer.steps().len(),
-                    "{}",
-                    l.name
-                );
-            }
-            // Synchronized BN on GPUs needs every layer on a route that sums between steps:
-            // the fused route and its fallbacks give one here; the unfused route does not.
-            let sync = check_bn_sync(&net);
-            assert_eq!(sync.is_ok(), route.is_none(), "{label} {route:?}: {sync:?}");
-            match route {
-                None if label.starts_with("H200") => {
-                    assert_eq!(pairs, expected_pairs, "{label}");
-                    h200_report_and_dataflow(&net);
-                }
-                None => assert_eq!(pairs, expected_pairs, "{label}"),
-                Some(_) => assert_eq!((pairs, fused), (0, 0), "{label}: unfused means no pair"),
-            }
+    let target = Target::deviceless_from_file(path).unwrap();
+    let cache = PlanCache::new();
+    let start = Instant::now();
+    let policy = match route {
+        None => RoutePolicy::Planned {
+            target: &target,
+            cache: &cache,
+        },
+        Some(route) => RoutePolicy::PlannedRoute {
+            target: &target,
+            cache: &cache,
+            route,
+        },
+    };
+    let net =
+        compile(&spec, 256, 224, &policy).unwrap_or_else(|e| panic!("{label} {route:?}: {e}"));
+    let pairs = net.layers.iter().filter(|l| l.prev.is_some()).count();
+    let fused = net
+        .layers
+        .iter()
+        .filter(|l| l.layer.route().kind() == RouteKind::Fused)
+        .count();
+    println!(
+        "{label} {}: {} layers, {fused} fused, {pairs}/32 prologue pairs, {:.1} s",
+        route.map_or("fused with fallbacks", |r| r.name()),
+        net.layers.len(),
+        start.elapsed().as_secs_f64()
+    );
+    assert_eq!(net.layers.len(), 53);
+    for l in &net.layers {
+        assert_eq!(
+            l.layer.plans().count() + l.layer.kernels().count(),
+            l.layer.steps().len(),
+            "{}",
+            l.name
+        );
+    }
+    // Synchronized BN on GPUs needs every layer on a route that sums between steps:
+    // the fused route and its fallbacks give one here; the unfused route does not.
+    let sync = check_bn_sync(&net);
+    assert_eq!(sync.is_ok(), route.is_none(), "{label} {route:?}: {sync:?}");
+    match route {
+        None if label.starts_with("H200") => {
+            assert_eq!(pairs, expected_pairs, "{label}");
+            h200_report_and_dataflow(&net);
         }
+        None => assert_eq!(pairs, expected_pairs, "{label}"),
+        Some(_) => assert_eq!((pairs, fused), (0, 0), "{label}: unfused means no pair"),
     }
 }
 

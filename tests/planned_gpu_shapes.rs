@@ -25,6 +25,28 @@ struct Outcome {
 }
 
 impl Outcome {
+    /// Prints what planned and what fell back; fails naming every shape that did not plan.
+    fn finish(&self, start: std::time::Instant) {
+        for line in &self.lines {
+            println!("planned  {line}");
+        }
+        for line in &self.fell_back {
+            println!("fell back  {line}");
+        }
+        println!(
+            "{} items planned, {} fell back, {} failed in {:.1} s",
+            self.lines.len(),
+            self.fell_back.len(),
+            self.failed.len(),
+            start.elapsed().as_secs_f64()
+        );
+        assert!(
+            self.failed.is_empty(),
+            "these shapes do not plan on the H200 fixture:\n{}",
+            self.failed.join("\n")
+        );
+    }
+
     fn layer(&mut self, user: &str, how: &str, config: &CbrConfig, got: Result<CbrLayer>) {
         let label = format!("{user}: {} ({how})", config.shape.label());
         match got {
@@ -93,15 +115,10 @@ fn conv_plan(shape: &ConvShape, genstats: bool, target: &Target) -> Result<Strin
 
 #[test]
 fn every_shape_the_gpu_tests_and_benches_use_plans_on_the_h200() {
-    let Some(_) =
-        common::cudnn_or_skip("every_shape_the_gpu_tests_and_benches_use_plans_on_the_h200")
+    let Some((target, cache)) = h200("every_shape_the_gpu_tests_and_benches_use_plans_on_the_h200")
     else {
         return;
     };
-    let (label, path) = &common::devprops_fixtures()[0];
-    assert!(label.starts_with("H200"));
-    let target = Target::deviceless_from_file(path).unwrap();
-    let cache = PlanCache::new();
     let mut out = Outcome::default();
     let start = std::time::Instant::now();
 
@@ -157,6 +174,32 @@ fn every_shape_the_gpu_tests_and_benches_use_plans_on_the_h200() {
         }
     }
 
+    // No layer of this network is planned (a uniform route): it must still compile.
+    let (spec, batch, hw) = gpu_shapes::allreduce_net();
+    let got = compile(&spec, batch, hw, &RoutePolicy::Uniform(RouteKind::Fused));
+    assert!(got
+        .as_ref()
+        .is_ok_and(|n| n.layers.iter().all(|l| l.layer.plans().count() == 0)));
+    out.lines.push(format!(
+        "allreduce: network `{}` compiled, nothing to plan",
+        spec.name
+    ));
+
+    let spec = CUSTOM_TRAINER.spec();
+    let got = compile(&spec, CUSTOM_TRAINER.batch, CUSTOM_TRAINER.hw, &planned);
+    out.net("custom_trainer", "with fallbacks", &spec, got);
+    out.finish(start);
+}
+
+/// The layer bench's shapes (tests/common/gpu_shapes.rs's `cbr_layers` and peak shapes), in a
+/// test of their own so the harness plans them beside the rest.
+#[test]
+fn every_shape_the_layer_bench_uses_plans_on_the_h200() {
+    let Some((target, cache)) = h200("every_shape_the_layer_bench_uses_plans_on_the_h200") else {
+        return;
+    };
+    let mut out = Outcome::default();
+    let start = std::time::Instant::now();
     // The quick run's layers at its batch, and every layer at the full run's.
     let mut unavailable = Vec::new();
     for (batch, count) in [
@@ -213,40 +256,18 @@ fn every_shape_the_gpu_tests_and_benches_use_plans_on_the_h200() {
         let got = conv_plan(&shape, false, &target);
         out.graph("cbr_layers peak", "conv fprop", &shape, got);
     }
+    out.finish(start);
+}
 
-    // No layer of this network is planned (a uniform route): it must still compile.
-    let (spec, batch, hw) = gpu_shapes::allreduce_net();
-    let got = compile(&spec, batch, hw, &RoutePolicy::Uniform(RouteKind::Fused));
-    assert!(got
-        .as_ref()
-        .is_ok_and(|n| n.layers.iter().all(|l| l.layer.plans().count() == 0)));
-    out.lines.push(format!(
-        "allreduce: network `{}` compiled, nothing to plan",
-        spec.name
-    ));
-
-    let spec = CUSTOM_TRAINER.spec();
-    let got = compile(&spec, CUSTOM_TRAINER.batch, CUSTOM_TRAINER.hw, &planned);
-    out.net("custom_trainer", "with fallbacks", &spec, got);
-
-    for line in &out.lines {
-        println!("planned  {line}");
-    }
-    for line in &out.fell_back {
-        println!("fell back  {line}");
-    }
-    println!(
-        "{} items planned, {} fell back, {} failed in {:.1} s",
-        out.lines.len(),
-        out.fell_back.len(),
-        out.failed.len(),
-        start.elapsed().as_secs_f64()
-    );
-    assert!(
-        out.failed.is_empty(),
-        "these shapes do not plan on the H200 fixture:\n{}",
-        out.failed.join("\n")
-    );
+/// The H200 fixture's target and a fresh plan cache, or None (with a SKIP line) without cuDNN.
+fn h200(test: &str) -> Option<(Target, PlanCache)> {
+    common::cudnn_or_skip(test)?;
+    let (label, path) = &common::devprops_fixtures()[0];
+    assert!(label.starts_with("H200"));
+    Some((
+        Target::deviceless_from_file(path).unwrap(),
+        PlanCache::new(),
+    ))
 }
 
 /// The worked example keeps its own constants (it is what a third party copies); this keeps
