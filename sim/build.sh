@@ -30,9 +30,9 @@ fi
 inc=${CUDNN_CBR_CUDA_INCLUDE:-$here/../.deps/include}
 lib=${CUDNN_CBR_LIB_DIR:-${CUDNN_LIB_DIR:-$here/../.deps/lib}}
 cp -p "$here/../tests/fixtures/devprops/h200-sm90.json" "$out/devprops.json"
-if stale "$out/libcuda.so" "$here/driver.cc" "$here/translate.cc" "$here/translate.h" "$here/include"; then
+if stale "$out/libcuda.so" "$here/driver" "$here/translate.cc" "$here/translate.h" "$here/include"; then
   "$cxx" "${flags[@]}" -Wno-unused-parameter -fPIC -shared -fvisibility=hidden -I"$inc" \
-    -o "$out/libcuda.so" "$here/driver.cc" "$here/translate.cc" -ldl \
+    -o "$out/libcuda.so" "$here"/driver/*.cc "$here/translate.cc" -ldl \
     -Wl,-soname,libcudnn_cbr_sim_cuda.so
 fi
 if stale "$out/libnccl.so.2" "$here/nccl.cc"; then

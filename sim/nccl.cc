@@ -1,6 +1,6 @@
 // libnccl.so.2 of the simulated device (docs/simulator.md): the NCCL entry points amp calls,
 // for communicators whose ranks are threads of this process, on the simulated driver
-// (sim/driver.cc). Without CUDNN_CBR_DEVICE=sim it makes no ids and no communicators.
+// (sim/driver/). Without CUDNN_CBR_DEVICE=sim it makes no ids and no communicators.
 //
 // - Ids are 128 random bytes. ncclCommInitRank joins the group of its id (a process-wide
 //   registry) and blocks until all nranks ranks have joined, as NCCL's does.

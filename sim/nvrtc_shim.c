@@ -4,7 +4,7 @@
  * and its diagnostics happen. Under CUDNN_CBR_DEVICE=sim, the machine code a program yields
  * additionally carries the program's text after the ELF image:
  *   "CUDNN_CBR_SIM_MODULE_V1\n" <name> "\n" <length in decimal> "\n" <program text>
- * which the simulated driver (driver.cc) compiles for the host when the module is loaded.
+ * which the simulated driver (sim/driver/modules.cc) compiles for the host when the module is loaded.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>

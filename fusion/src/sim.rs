@@ -26,11 +26,11 @@ use std::sync::{Arc, OnceLock};
 /// The soname of the simulated driver (`sim/build.sh`), distinct from `libcuda.so.1`.
 pub const DRIVER_SONAME: &str = "libcudnn_cbr_sim_cuda.so";
 
-/// `cudasim_allocation_of(ptr, *base, *len) -> int` (sim/driver.cc).
+/// `cudasim_allocation_of(ptr, *base, *len) -> int` (sim/driver/api_sim.cc).
 type AllocationOf = unsafe extern "C" fn(u64, *mut u64, *mut u64) -> c_int;
-/// `cudasim_devprops_path() -> const char*` (sim/driver.cc).
+/// `cudasim_devprops_path() -> const char*` (sim/driver/api_sim.cc).
 type DevpropsPath = unsafe extern "C" fn() -> *const c_char;
-/// `cudasim_fault(const char*)` (sim/driver.cc): faults the simulated context.
+/// `cudasim_fault(const char*)` (sim/driver/api_sim.cc): faults the simulated context.
 type Fault = unsafe extern "C" fn(*const c_char);
 
 /// The simulated driver's lookups, from the copy the process already loaded.
@@ -60,7 +60,7 @@ fn driver() -> Option<&'static Driver> {
         libloading::os::unix::Library::open(Some(DRIVER_SONAME), libc::RTLD_NOW | libc::RTLD_NOLOAD)
     }
     .ok()?;
-    // SAFETY: sim/driver.cc exports both with exactly these C signatures.
+    // SAFETY: sim/driver/api_sim.cc exports both with exactly these C signatures.
     let allocation_of = unsafe { lib.get::<AllocationOf>(b"cudasim_allocation_of\0") }.ok()?;
     let allocation_of = *allocation_of;
     // SAFETY: as above.

@@ -1,6 +1,6 @@
 // cuda_on_cpu.h: the CUDA C++ device dialect our kernels use, for the host C++ compiler.
 //
-// The simulated driver (sim/driver.cc) compiles the exact program text NVRTC compiled with
+// The simulated driver (sim/driver/modules.cc) compiles the exact program text NVRTC compiled with
 // `g++ -std=c++17 -ffp-contract=off -include cuda_on_cpu.h` into a shared library and runs
 // each kernel's threads as fibers of libcudasim_rt.so (sim/runtime.cc): the built-in
 // variables are per simulated thread, __syncthreads and the warp collectives are real
