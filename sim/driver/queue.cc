@@ -198,6 +198,21 @@ CUresult run_queued(Stream* s, const Op& op) {
   }
 }
 
+// Runs an op just taken from the front of `s`'s queue. An event wait may release the driver
+// deep inside (a host function of the stream it flushes blocks): `s` is busy meanwhile, so
+// that no other thread runs its later work ahead of the wait, nor returns from a
+// synchronize of it.
+CUresult run_popped(Stream* s, const Op& op) {
+  const bool holds = op.kind == Op::WAIT;
+  if (holds && s->busy++ == 0) s->busy_for = op.by;
+  const CUresult r = run_queued(s, op);
+  if (holds) {
+    --s->busy;
+    wake();
+  }
+  return r;
+}
+
 // Runs `s`'s queue, all of it or until `until` has executed record `gen`. A synchronize
 // returns only once the queue is empty and no host function of `s` is blocked: a host
 // function another thread deferred goes back to the front of the queue, so the queue is
@@ -220,7 +235,7 @@ CUresult flush(Stream* s, const Event* until, uint64_t gen) {
     std::pair<uint64_t, Op> item = std::move(s->queue.front());
     s->queue.pop_front();
     t_deferred = false;
-    CUresult r = run_queued(s, item.second);
+    CUresult r = run_popped(s, item.second);
     if (t_deferred) {  // to be run again, first on its stream
       s->queue.push_front(std::move(item));
       break;
@@ -259,7 +274,7 @@ CUresult flush_all() {
     const bool outer = t_may_defer;
     t_may_defer = outer || item.second.by != std::this_thread::get_id();
     t_deferred = false;
-    CUresult r = run_queued(pick, item.second);
+    CUresult r = run_popped(pick, item.second);
     t_may_defer = outer;
     if (t_deferred) {  // to be run again, first on its stream
       t_deferred = false;

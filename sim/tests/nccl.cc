@@ -50,6 +50,7 @@ struct Api {
   CUresult (*event_create)(CUevent*, unsigned);
   CUresult (*event_record)(CUevent, CUstream);
   CUresult (*event_destroy)(CUevent);
+  CUresult (*event_sync)(CUevent);
   CUresult (*stream_wait)(CUstream, CUevent, unsigned);
   CUresult (*dtod_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
   int (*get_id)(ncclUniqueId*);
@@ -114,6 +115,7 @@ void load() {
   sym(cu, A.event_create, "cuEventCreate");
   sym(cu, A.event_record, "cuEventRecord");
   sym(cu, A.event_destroy, "cuEventDestroy_v2");
+  sym(cu, A.event_sync, "cuEventSynchronize");
   sym(cu, A.stream_wait, "cuStreamWaitEvent");
   sym(cu, A.dtod_async, "cuMemcpyDtoDAsync_v2");
   sym(nc, A.get_id, "ncclGetUniqueId");
@@ -317,6 +319,48 @@ void check_event_wait_behind_a_blocked_collective() {
   printf("ok an event wait queued behind a blocked collective of the same rank runs after it\n");
 }
 
+// A second thread of rank 0 waits for an event behind a stream's event wait, and so runs
+// that wait, which blocks in rank 0's collective (rank 1 comes 150 ms later). Meanwhile rank
+// 0 synchronizes the waiting stream: the copy queued behind the wait must not run before
+// the collective (it did: the stream was not busy while another thread ran its wait).
+void check_a_wait_run_by_another_thread_holds_its_stream() {
+  ranks(2, [&](int r, ncclComm_t c, CUstream s) {
+    if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    CUdeviceptr buf = upload(std::vector<float>(16, (float)(r + 1)).data(), 64);
+    CUdeviceptr copy = upload(std::vector<float>(16, -1).data(), 64);
+    CUstream side;
+    CU(A.stream_create(&side, 0));
+    CUevent summed, copied;
+    CU(A.event_create(&summed, 0));
+    CU(A.event_create(&copied, 0));
+    NC(A.all_reduce((void*)buf, (void*)buf, 16, F32, Sum, c, s));
+    CU(A.event_record(summed, s));
+    CU(A.stream_wait(side, summed, 0));
+    CU(A.dtod_async(copy, buf, 64, side));
+    CU(A.event_record(copied, side));
+    std::thread waiter;
+    if (r == 0) {
+      waiter = std::thread([&] {
+        CU(A.set_current(g_ctx));
+        CU(A.event_sync(copied));
+      });
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // it is in the wait
+    }
+    CU(A.stream_sync(side));
+    std::vector<float> got(16);
+    memcpy(got.data(), (const void*)copy, 64);  // straight from memory, as above
+    CHECK(got == std::vector<float>(16, 3));
+    if (waiter.joinable()) waiter.join();
+    CU(A.stream_sync(s));
+    CU(A.event_destroy(summed));
+    CU(A.event_destroy(copied));
+    CU(A.stream_destroy(side));
+    CU(A.free(buf));
+    CU(A.free(copy));
+  });
+  printf("ok a stream whose event wait another thread runs stays busy until the wait is over\n");
+}
+
 // Two ranks run 60 all-reduces, each checked, while a third thread keeps flushing the whole
 // device (synchronous copies) and so runs the ranks' queued collectives on their behalf,
 // deferring those that must wait. A synchronize must not return while its stream still holds
@@ -454,6 +498,7 @@ int main() {
   check_broadcast();
   check_capture_and_replay();
   check_event_wait_behind_a_blocked_collective();
+  check_a_wait_run_by_another_thread_holds_its_stream();
   check_syncs_with_a_device_wide_flusher();
   check_abort_ends_a_wait();
   check_refusals();
