@@ -51,14 +51,12 @@ API int cudasim_block(int (*ready)(void*), void* arg) {
   DriverLock lk;
   int ok = 0;
   Stream* st = t_host_stream;
-  if (st && st->busy++ == 0)  // (also while ready runs below: the stream's work is not done)
-    st->busy_for = t_host_for;
+  hold_busy(st, t_host_for);  // (also while ready runs below: the stream's work is not done)
   if (t_may_defer) {
     const int d = release_driver();
     ok = ready(arg);
     retake_driver(d);
-    if (st) --st->busy;
-    wake();
+    release_busy(st);
     if (ok) return 1;
     t_deferred = true;
     return -1;
@@ -77,8 +75,7 @@ API int cudasim_block(int (*ready)(void*), void* arg) {
       t_may_defer = outer;
     }
   }
-  if (st) --st->busy;
-  wake();
+  release_busy(st);
   return ok;
 }
 

@@ -191,6 +191,11 @@ extern thread_local std::thread::id t_host_for;
 extern thread_local bool t_may_defer;
 extern thread_local bool t_deferred;
 void wake();
+// A stream is busy while a thread runs an op of it that releases the driver (a blocked host
+// function, an event wait): no other thread runs its later work or returns from a
+// synchronize of it. `by`: the thread whose work it is (see flush_all).
+void hold_busy(Stream* s, std::thread::id by);
+void release_busy(Stream* s);
 int release_driver();
 void retake_driver(int d);
 CUresult run_op(const Op& op, Stream* on);
@@ -198,7 +203,6 @@ bool adversarial();
 CUresult flush(Stream* s, const Event* until = nullptr, uint64_t gen = 0);
 CUresult flush_all();
 CUresult submit(CUstream s, Op&& op);
-const char* err_name(CUresult e);
 
 // ------------------------------------------------------------------ the context (api_device.cc)
 extern int g_ctx_tag;  // the one context's handle points here

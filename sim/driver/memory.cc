@@ -172,4 +172,9 @@ CUresult do_free(const char* op, uint64_t p, bool host) {
   return CUDA_SUCCESS;
 }
 
+bool is_pinned(uint64_t p, size_t n) {
+  const Alloc* a = find_alloc(p, n);
+  return a && a->host;
+}
+
 }  // namespace cudasim

@@ -119,6 +119,13 @@ void wait_unlocked(uint64_t seen, int ms = 5) {
   }
   retake_driver(d);
 }
+void hold_busy(Stream* s, std::thread::id by) {
+  if (s && s->busy++ == 0) s->busy_for = by;
+}
+void release_busy(Stream* s) {
+  if (s) --s->busy;
+  wake();
+}
 // Waits (the driver released) until no other thread runs a blocked host function of `s`.
 void wait_not_busy(Stream* s) {
   while (s->busy) wait_unlocked(wake_gen());
@@ -203,13 +210,10 @@ CUresult run_queued(Stream* s, const Op& op) {
 // that no other thread runs its later work ahead of the wait, nor returns from a
 // synchronize of it.
 CUresult run_popped(Stream* s, const Op& op) {
-  const bool holds = op.kind == Op::WAIT;
-  if (holds && s->busy++ == 0) s->busy_for = op.by;
+  if (op.kind != Op::WAIT) return run_queued(s, op);
+  hold_busy(s, op.by);
   const CUresult r = run_queued(s, op);
-  if (holds) {
-    --s->busy;
-    wake();
-  }
+  release_busy(s);
   return r;
 }
 
@@ -311,32 +315,6 @@ CUresult submit(CUstream s, Op&& op) {
   const CUresult r = run_op(op, st);
   t_may_defer = outer;
   return r;
-}
-
-bool is_pinned(uint64_t p, size_t n) {
-  const Alloc* a = find_alloc(p, n);
-  return a && a->host;
-}
-
-const char* err_name(CUresult e) {
-  switch (e) {
-    case CUDA_SUCCESS: return "CUDA_SUCCESS";
-    case CUDA_ERROR_INVALID_VALUE: return "CUDA_ERROR_INVALID_VALUE";
-    case CUDA_ERROR_OUT_OF_MEMORY: return "CUDA_ERROR_OUT_OF_MEMORY";
-    case CUDA_ERROR_NOT_INITIALIZED: return "CUDA_ERROR_NOT_INITIALIZED";
-    case CUDA_ERROR_NO_DEVICE: return "CUDA_ERROR_NO_DEVICE";
-    case CUDA_ERROR_INVALID_DEVICE: return "CUDA_ERROR_INVALID_DEVICE";
-    case CUDA_ERROR_INVALID_IMAGE: return "CUDA_ERROR_INVALID_IMAGE";
-    case CUDA_ERROR_INVALID_HANDLE: return "CUDA_ERROR_INVALID_HANDLE";
-    case CUDA_ERROR_NOT_FOUND: return "CUDA_ERROR_NOT_FOUND";
-    case CUDA_ERROR_NOT_SUPPORTED: return "CUDA_ERROR_NOT_SUPPORTED";
-    case CUDA_ERROR_LAUNCH_FAILED: return "CUDA_ERROR_LAUNCH_FAILED";
-    case CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: return "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES";
-    case CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: return "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED";
-    case CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: return "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED";
-    case CUDA_ERROR_ILLEGAL_STATE: return "CUDA_ERROR_ILLEGAL_STATE";
-    default: return "CUDA_ERROR_UNKNOWN";
-  }
 }
 
 }  // namespace cudasim
