@@ -14,7 +14,7 @@ import os
 import statistics
 import sys
 
-# (label, C, HW, K, RS, pad, stride): the same layers as fusion/src/cbr/resnet50.rs.
+# (label, C, HW, K, RS, pad, stride): the same layers as crates/3-fusion/src/cbr/resnet50.rs.
 LAYERS = [("stem", 3, 224, 64, 7, 3, 2)]
 for name, width, cin, hw, stride in [("l1", 64, 64, 56, 1), ("l2", 128, 256, 56, 2),
                                      ("l3", 256, 512, 28, 2), ("l4", 512, 1024, 14, 2)]:

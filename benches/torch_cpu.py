@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """PyTorch CPU side-by-side for the main job on the CPU executor: trains the same network
-(trainer/src, `--net mini`: a 3x3 stem to `width` channels, a basic block of `width`, a basic
+(crates/6-trainer/src, `--net mini`: a 3x3 stem to `width` channels, a basic block of `width`, a basic
 block of 2*width with stride 2 and a 1x1 projection shortcut, global average pool, FC) on
 `batch` images of hw x hw x 8 (8 classes) with SGD (lr, momentum 0.9, weight decay 5e-4) in
 eager float32, channels_last, on `--threads` threads; then runs our main job

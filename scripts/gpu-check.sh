@@ -198,7 +198,7 @@ EOF
 }
 
 # The versions found, against what the bundle needs: cuDNN's minimum is the loader's ($1,
-# cudnn-fe-sys/src/loader.rs), the driver's and NVRTC's the CUDA version cudarc binds ($2,
+# crates/2-cudnn-fe-sys/src/loader.rs), the driver's and NVRTC's the CUDA version cudarc binds ($2,
 # Cargo.toml's cuda-NNNNN feature). Writes $logs/versions.log, the summary's lines, and sets
 # cudnn_version.
 versions_stage() {
@@ -312,7 +312,7 @@ for line in open(sys.argv[1]):
     if m.get("reason") != "compiler-artifact" or not m.get("executable"):
         continue
     kind, name = m["target"]["kind"][0], m["target"]["name"]
-    # GPU tests (tests/gpu_*, amp/tests/gpu_*, netops/tests/gpu_head, trainer/tests/gpu_train) and the GPU benches;
+    # GPU tests (tests/gpu_*, crates/3-amp/tests/gpu_*, crates/4-netops/tests/gpu_head, crates/6-trainer/tests/gpu_train) and the GPU benches;
     # nvrtc_compile needs no GPU (CI runs it), nor do the CPU benches.
     if (kind == "test" and name.startswith("gpu_")) or \
        (kind == "bench" and name in ("cbr_layers", "range_ops", "allreduce")):
@@ -339,7 +339,7 @@ EOF
   strip --strip-debug "$stage_dir"/gpu-bundle/*
   # The CPU executor's bits on this machine (the weights hash of a short CPU run), for the
   # run half's cpu_bits stage to compare on the GPU machine's CPU: the same bits on every CPU
-  # with FMA (fusion/src/reference/direct.rs), whatever its vector width.
+  # with FMA (crates/3-fusion/src/reference/direct.rs), whatever its vector width.
   cpu_hash=$(target/release/examples/train_cbr --device cpu --steps 20 |
     sed -n 's/.*weights hash \([0-9a-f]*\).*/\1/p')
   [ -n "$cpu_hash" ] || { echo "gpu-check bundle: the CPU run printed no weights hash" >&2; exit 1; }
@@ -444,7 +444,7 @@ run)
 
 
   # 1. The versions found, against what the bundle needs.
-  versions_stage cudnn-fe-sys/src/loader.rs Cargo.toml
+  versions_stage crates/2-cudnn-fe-sys/src/loader.rs Cargo.toml
   # 2. The device's properties (the one file besides the summary and the logs).
   stage device_props 5 60 "$bin/example-device_props" "$out/device-props.json" \
     tests/fixtures/devprops/h200-sm90.json
@@ -486,7 +486,7 @@ run)
   # device to read, so the H200 fixture stands in.
   props=$out/device-props.json
   [ -n "$rehearsal" ] && [ ! -s "$props" ] && props=tests/fixtures/devprops/h200-sm90.json
-  min_deviceless=$(sed -n 's/^pub const DEVICELESS_MIN_VERSION: usize = \([0-9_]*\);/\1/p' cudnn-fe-sys/src/loader.rs | tr -d _)
+  min_deviceless=$(sed -n 's/^pub const DEVICELESS_MIN_VERSION: usize = \([0-9_]*\);/\1/p' crates/2-cudnn-fe-sys/src/loader.rs | tr -d _)
   if [ ! -s "$props" ]; then
     status=1; line FAIL 0 deviceless_plans "no device properties (device_props failed)"
   elif [ -n "$cudnn_version" ] && [ -n "$min_deviceless" ] && [ "$cudnn_version" -lt "$min_deviceless" ]; then

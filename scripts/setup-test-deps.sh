@@ -100,8 +100,8 @@ fi
 # The simulated CUDA device (docs/simulator.md): built always (gcc/g++ only, a few seconds),
 # selected only by scripts/sim-env.sh, so nothing here changes the default behaviour.
 CUDNN_CBR_CUDA_INCLUDE="$deps/include" CUDNN_CBR_LIB_DIR="$deps/lib" \
-  bash "$root/sim/build.sh" "$deps/sim" \
-  || say "WARNING: building the simulated device (sim/build.sh) failed; the sim_* tests will fail"
+  bash "$root/tools/sim/build.sh" "$deps/sim" \
+  || say "WARNING: building the simulated device (tools/sim/build.sh) failed; the sim_* tests will fail"
 
 ld_path="$deps/lib"
 [ -d "$stub_dir" ] && ld_path="$stub_dir:$ld_path"

@@ -13,7 +13,7 @@ callers_sim=${CUDNN_CBR_SIM_DIR:-}
 # shellcheck source=/dev/null
 source "$deps/env.sh"
 sim=${callers_sim:-${CUDNN_CBR_SIM_DIR:-$deps/sim}}
-bash "$root/sim/build.sh" "$sim" >&2
+bash "$root/tools/sim/build.sh" "$sim" >&2
 export CUDNN_CBR_SIM_DIR="$sim"
 export CUDNN_CBR_DEVICE=sim
 export LD_LIBRARY_PATH="$sim:$LD_LIBRARY_PATH"

@@ -239,7 +239,7 @@ fn gpu_the_generic_step_on_the_cuda_backend_follows_the_cpu() {
         let rel = (g - c).abs() / c.abs().max(1e-3);
         assert!(rel < 2e-2, "step {step}: GPU {g} vs CPU {c}");
     }
-    // trainer/tests/sim_ema.rs's bound: the executors' weights differ by their op sequences,
+    // crates/6-trainer/tests/sim_ema.rs's bound: the executors' weights differ by their op sequences,
     // well under 0.2 of what training moved them; a skipped, doubled or unscaled update is
     // O(1) of the movement.
     let (gw, cw, w0) = (f32s(&g.master), f32s(&c.master), f32s(&c.initial));

@@ -5,7 +5,7 @@
 //! on the simulated CUDA device (docs/simulator.md) with the CPU executor's losses.
 
 mod common;
-#[path = "../amp/tests/sim/mod.rs"]
+#[path = "../crates/3-amp/tests/sim/mod.rs"]
 mod sim;
 
 use std::process::Command;
@@ -92,7 +92,7 @@ fn the_worked_examples_cuda_path_trains_on_the_simulator_like_the_cpu() {
         println!("step {step}: lr {lr} / {clr}, loss simulated cuda {loss:.4}, cpu {closs:.4}");
         assert_eq!((step, lr), (cstep, clr), "the schedules differ");
         // The printed losses have 4 decimals; both executors store FP16 and compute in FP32
-        // and differ only in the order of FP32 sums (trainer/tests/sim_train.rs measures 1e-4
+        // and differ only in the order of FP32 sums (crates/6-trainer/tests/sim_train.rs measures 1e-4
         // relative over 8 steps). 2e-3 relative covers that and the printed rounding; a wrong
         // binding, a stale replay or an update that did not land moves the loss by percents.
         let rel = (loss - closs).abs() / closs.abs().max(1e-3);

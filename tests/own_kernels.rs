@@ -226,7 +226,7 @@ fn a_stem_computes_its_statistics_in_a_step_of_its_own() {
     assert!(!conv.is_runtime_compiled(), "{}", conv.engine_tag());
     // Our statistics kernel adds into Σy and Σy²: the GPU path zeroes them before it runs,
     // as it does for the backward's reductions into dγ and dβ (every planned route and
-    // configuration: the zeroing test in fusion/src/cbr/run.rs).
+    // configuration: the zeroing test in crates/3-fusion/src/cbr/run.rs).
     let zeroed = |role| {
         own.steps()
             .iter()

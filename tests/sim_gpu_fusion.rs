@@ -27,7 +27,7 @@ mod gpu_conv;
 mod gpu_network;
 #[path = "gpu_own_kernels.rs"]
 mod gpu_own_kernels;
-#[path = "../amp/tests/sim/mod.rs"]
+#[path = "../crates/3-amp/tests/sim/mod.rs"]
 mod sim;
 
 use std::process::Command;
@@ -313,7 +313,7 @@ mod planted {
     }
 }
 
-/// fusion's own kernels (fusion/src/cbr/kernel_source.cu, compiled by fusion's own
+/// fusion's own kernels (crates/3-fusion/src/cbr/kernel_source.cu, compiled by fusion's own
 /// `kernels::compile`, which goes through NVRTC) launched directly, without cuDNN, against
 /// their formulas evaluated here. SKIPs without a device.
 mod fusion_kernels {

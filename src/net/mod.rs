@@ -13,7 +13,7 @@ pub mod compile;
 pub mod cpu;
 pub mod cuda;
 pub mod exec;
-// The exact-arithmetic head, the oracle of the network tests (tests/, netcheck/), not used by
+// The exact-arithmetic head, the oracle of the network tests (tests/, tools/netcheck/), not used by
 // the library itself: built only with the `testing` feature.
 #[cfg(feature = "testing")]
 pub mod head;

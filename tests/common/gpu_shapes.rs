@@ -1,6 +1,6 @@
 //! Every layer shape and network the GPU tests and GPU benches run, in one place: each of
 //! them reads its entry here, and tests/planned_gpu_shapes.rs (and, for the trainer's
-//! networks, trainer/tests/planned_default_nets.rs) plans every entry deviceless on the H200
+//! networks, crates/6-trainer/tests/planned_default_nets.rs) plans every entry deviceless on the H200
 //! fixture in CI, so a shape added to a GPU test has been planned before it meets a device.
 //!
 //! Included as `common::gpu_shapes` by the tests and with `#[path]` by the benches and the
@@ -159,7 +159,7 @@ pub const CUSTOM_TRAINER: MiniNet = MiniNet {
     hw: 16,
 };
 
-/// trainer/tests/gpu_train.rs: the batch of its one configuration (the rest is
+/// crates/6-trainer/tests/gpu_train.rs: the batch of its one configuration (the rest is
 /// `TrainConfig::default()`, which is also what `train_cbr --device cuda` runs by default).
 pub const GPU_TRAIN_BATCH: usize = 16;
 

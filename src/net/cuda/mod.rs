@@ -16,7 +16,7 @@
 //!    [`CudaNet::forward`] (or [`CudaNet::forward_with`] the amp regions, borrowed for the
 //!    pass); write the output's gradient and [`CudaNet::backward`] (`backward_with`).
 //!
-//! The stem's max-pool runs on the network's pool kernels (`netops/kernels/net_pool.cu`, the
+//! The stem's max-pool runs on the network's pool kernels (`crates/4-netops/kernels/net_pool.cu`, the
 //! same choice rule as the CPU executor).
 
 mod binding;

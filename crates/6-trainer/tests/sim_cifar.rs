@@ -1,0 +1,198 @@
+//! CIFAR-10 on the trainer's CUDA executor, on the simulated CUDA device (docs/simulator.md):
+//! the batches are made and augmented on a CPU thread ahead of the step, copied host → device
+//! on a stream of their own into the second of two device buffers while the current step
+//! trains, ordered by CUDA events (`amp::cuda::DoubleInput`), and the test set is evaluated
+//! after every epoch. The files are generated in the exact CIFAR-10 binary format (as
+//! `cifar10.rs` does). This binary runs itself again with the simulator selected, eagerly and
+//! in its adversarial stream order (work of a stream runs only when something needs it, the
+//! most recently enqueued first: a read of the copy stream's buffer without the event join
+//! would see the previous batch there), and compares with the CPU executor.
+
+#[path = "../../3-amp/tests/sim/mod.rs"]
+mod sim;
+
+use cudnn_cbr_trainer::cifar::{HW, RECORD_BYTES, TEST_FILE, TRAIN_FILES};
+use cudnn_cbr_trainer::{train, DataSource, Device, TrainConfig};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const CHILD: &str = "CUDNN_CBR_SIM_CIFAR_CHILD";
+const DIR: &str = "CUDNN_CBR_SIM_CIFAR_DIR";
+/// Records per generated file: 100 training images, 20 test images.
+const N: usize = 20;
+
+/// One file of `n` records in the format (label byte, then R, G, B planes, row-major), with
+/// a class-dependent pattern so that the network can learn something.
+fn file_bytes(f: usize, n: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(n * RECORD_BYTES);
+    for r in 0..n {
+        let label = (f * 7 + r * 3) % 10;
+        out.push(label as u8);
+        for c in 0..3 {
+            for y in 0..HW {
+                for x in 0..HW {
+                    let v = (label * 25 + c * 40 + (y * x * (label + 1)) % 50 + r) % 256;
+                    out.push(v as u8);
+                }
+            }
+        }
+    }
+    out
+}
+
+fn folder() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("cifar10-sim-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for (f, file) in TRAIN_FILES.iter().chain([&TEST_FILE]).enumerate() {
+        std::fs::write(dir.join(file), file_bytes(f, N)).unwrap();
+    }
+    dir
+}
+
+/// 16 steps of 8 images: an epoch of 100 images ends after steps 13 (104 images) and beyond,
+/// so one epoch end falls inside the run, after the whole step is captured (step 3).
+fn cfg(dir: &Path, device: Device) -> TrainConfig {
+    TrainConfig {
+        steps: 16,
+        batch: 8,
+        hw: HW,
+        classes: 10,
+        device,
+        ema: Some(0.9),
+        data: DataSource::Cifar10(Box::leak(dir.to_path_buf().into_boxed_path())),
+        ..TrainConfig::default()
+    }
+}
+
+fn child() {
+    let dir = PathBuf::from(std::env::var_os(DIR).expect("the data folder"));
+    let r = train(&cfg(&dir, Device::Cuda), 1, |_| {}).expect("CUDA training on the simulator");
+    println!("EXECUTOR {:?} | {}", r.executor.kind, r.executor.detail);
+    println!(
+        "HELD {} {:?}",
+        r.held_out_accuracy,
+        r.held_out_ema_accuracy.unwrap()
+    );
+    for e in &r.epochs {
+        println!(
+            "EPOCH {} {} {} {}",
+            e.epoch,
+            e.step,
+            e.accuracy,
+            e.ema_accuracy.unwrap()
+        );
+    }
+    for l in &r.step_losses {
+        println!("LOSS {l}");
+    }
+}
+
+fn lines<'a>(stdout: &'a str, tag: &str) -> Vec<&'a str> {
+    stdout.lines().filter_map(|l| l.strip_prefix(tag)).collect()
+}
+
+#[test]
+fn cifar10_on_the_simulated_device_matches_the_cpu_executor() {
+    let test = "cifar10_on_the_simulated_device_matches_the_cpu_executor";
+    if std::env::var_os(CHILD).is_some() {
+        return child();
+    }
+    let Some(sim) = sim::built(test) else {
+        return;
+    };
+    let dir = folder();
+    let cpu = train(&cfg(&dir, Device::Cpu), 1, |_| {}).unwrap();
+    assert_eq!(cpu.epochs.len(), 1, "{:?}", cpu.epochs);
+    assert_eq!(cpu.epochs[0].step, 13);
+    let mut eager_losses: Option<Vec<f32>> = None;
+    for adversarial in [false, true] {
+        let mut cmd = Command::new(std::env::current_exe().expect("this test binary"));
+        sim::select(&mut cmd, &sim)
+            .args([test, "--exact", "--nocapture"])
+            .env(CHILD, "1")
+            .env(DIR, &dir);
+        if adversarial {
+            cmd.env("CUDNN_CBR_SIM_ADVERSARIAL", "1");
+        }
+        let out = cmd.output().expect("run the test under the simulator");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "the simulated run failed (adversarial {adversarial}):\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let executor = lines(&stdout, "EXECUTOR ");
+        assert!(
+            executor.len() == 1
+                && executor[0].starts_with("Cuda")
+                && executor[0].contains("simulated")
+                && executor[0].contains("whole step replayed as one CUDA graph"),
+            "{stdout}"
+        );
+        let losses: Vec<f32> = lines(&stdout, "LOSS ")
+            .iter()
+            .map(|v| v.parse().unwrap())
+            .collect();
+        assert_eq!(losses.len(), cpu.step_losses.len(), "{stdout}");
+        // gpu_train.rs's per-step tolerance for the CUDA executor against the CPU one (1e-2:
+        // the executors' FP32 sums differ in order, and SGD carries the difference into the
+        // weights). Measured here: at most 3e-4 relative through step 15 and 1.3e-3 at step 16
+        // (batches of 8, so each BN normalizes over few values and the drift grows as the net
+        // learns). A batch read before its copy (the slot's previous batch, or zeros) is
+        // another batch: its loss differs by O(10%).
+        let mut worst = 0f32;
+        for (step, (s, c)) in losses.iter().zip(&cpu.step_losses).enumerate() {
+            let rel = (s - c).abs() / c.abs().max(1e-6);
+            worst = worst.max(rel);
+            println!(
+                "step {}: simulated {s}, cpu {c}, relative {rel:.2e}",
+                step + 1
+            );
+            assert!(
+                rel < 1e-2,
+                "adversarial {adversarial}, step {}: simulated {s} vs cpu {c}",
+                step + 1
+            );
+        }
+        println!(
+            "adversarial {adversarial}: {} losses, worst relative difference {worst:.2e}",
+            losses.len()
+        );
+        // The stream order changes nothing: the same losses bit for bit in both orders (the
+        // adversarial order runs a stream's work only when an event wait or synchronize needs
+        // it, so every read of a copied batch waited for its copy).
+        match &eager_losses {
+            None => eager_losses = Some(losses.clone()),
+            Some(eager) => assert!(
+                eager
+                    .iter()
+                    .map(|l| l.to_bits())
+                    .eq(losses.iter().map(|l| l.to_bits())),
+                "the adversarial order changed the losses: {losses:?} vs {eager:?}"
+            ),
+        }
+        // The test set after the epoch, and the held-out batches at the end: trained and EMA
+        // weights. Twenty test images (three batches of 8, the last wrapping around) and the
+        // held-out 64: an image whose top two logits are within the executors' rounding may
+        // flip; one image of 24 and two of 64 allow that.
+        let epochs = lines(&stdout, "EPOCH ");
+        assert_eq!(epochs.len(), 1, "{stdout}");
+        let f: Vec<f32> = epochs[0].split(' ').map(|v| v.parse().unwrap()).collect();
+        let e = cpu.epochs[0];
+        assert_eq!((f[0], f[1]), (1.0, 13.0));
+        println!(
+            "epoch 1: test accuracy {} (cpu {}), EMA {} (cpu {:?})",
+            f[2], e.accuracy, f[3], e.ema_accuracy
+        );
+        assert!((f[2] - e.accuracy).abs() <= 1.0 / 24.0 + 1e-6);
+        assert!((f[3] - e.ema_accuracy.unwrap()).abs() <= 1.0 / 24.0 + 1e-6);
+        let held: Vec<f32> = lines(&stdout, "HELD ")[0]
+            .split(' ')
+            .map(|v| v.parse().unwrap())
+            .collect();
+        assert!((held[0] - cpu.held_out_accuracy).abs() <= 2.0 / 64.0 + 1e-6);
+        assert!((held[1] - cpu.held_out_ema_accuracy.unwrap()).abs() <= 2.0 / 64.0 + 1e-6);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
