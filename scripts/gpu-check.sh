@@ -312,7 +312,7 @@ for line in open(sys.argv[1]):
     if m.get("reason") != "compiler-artifact" or not m.get("executable"):
         continue
     kind, name = m["target"]["kind"][0], m["target"]["name"]
-    # GPU tests (tests/gpu_*, crates/3-amp/tests/gpu_*, crates/4-netops/tests/gpu_head, crates/6-trainer/tests/gpu_train) and the GPU benches;
+    # GPU tests (tests/gpu_*, crates/3-amp/tests/gpu_*, crates/4-netops/tests/gpu_head.rs, crates/6-trainer/tests/gpu_train.rs) and the GPU benches;
     # nvrtc_compile needs no GPU (CI runs it), nor do the CPU benches.
     if (kind == "test" and name.startswith("gpu_")) or \
        (kind == "bench" and name in ("cbr_layers", "range_ops", "allreduce")):

@@ -10,7 +10,8 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 deps=${CUDNN_CBR_DEPS_DIR:-$root/.deps}
 python=${PYTHON:-python3}
 
-# Pinned versions: change them together with ARCHITECTURE.md and the checked-in bindings.
+# Pinned versions: change them together with docs/architecture.md (its requirements) and the
+# checked-in bindings.
 pins=(
   "nvidia-cudnn-cu13==9.28.1.4"
   "nvidia-cublas==13.10.0.20"

@@ -7,7 +7,7 @@
 //! | level | what the backend brings | CPU ([`super::CpuBackend`]) | CUDA ([`super::CudaBackend`]) |
 //! |-------|-------------------------|-----------------------------|-------------------------------|
 //! | network | layer steps, adds, max-pools, walked by [`crate::net::run_pass`] | [`crate::net::CpuNet`] | [`crate::net::CudaNet`]'s pass |
-//! | head | pooling, FC, loss seeded with the loss scale, metrics | amp's CPU twins ([`crate::amp::range`]) | amp's head kernels |
+//! | head | pooling, FC, loss seeded with the loss scale, metrics | netops' CPU twins ([`crate::netops::head`]), amp's loss seed ([`crate::amp::range`]) | netops' head kernels ([`crate::netops::cuda`]), amp's loss seed |
 //! | amp step | range ops and their capture ([`AmpExecutor`]) | [`crate::amp::step::CpuRegions`] | [`crate::amp::cuda::CudaRegions`] (capture: CUDA graphs) |
 //!
 //! The forward and backward passes read and write the amp regions they are handed (the

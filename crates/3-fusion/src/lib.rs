@@ -21,7 +21,7 @@
 //! | [`backend`] | every cuDNN backend call (through cudnn-fe-sys) |
 //! | [`exec`] (`bindings`, `launch`) | binding device addresses and executing plans on a stream |
 //! | `cbr::kernels`, `cbr::device_buffers` | launching our own kernels, device buffers by address |
-//! | [`sim`], [`interp`] (`execute`, `raw`) | the simulated device: its driver's allocation table, raw memory |
+//! | [`sim`], [`interp`] (`execute`, `raw`, and its tests, which call `execute`) | the simulated device: its driver's allocation table, raw memory |
 //! | `reference::element` | the `gemm` crate's FP32 GEMM, whose entry point is `unsafe fn` |
 //! | `reference::convert` | FP16 ↔ FP32 conversion instructions chosen at run time (`std::arch`) |
 //! | `reference::direct` | the conv tiles' AVX-512/AVX2 FMA register blocks, chosen at run time (`std::arch`) |

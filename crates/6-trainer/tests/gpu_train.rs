@@ -139,7 +139,8 @@ fn two_cpu_op_sequences_agree_within_the_update_tolerance() {
     // different op sequences over the same math; their first updates agree inside UPDATE_REL
     // (5.7e-2 at worst, on a BN γ, since the unfused route normalizes with NormForward's FP32
     // statistics where the fused prologue uses FP16 eq coefficients), while every parameter
-    // moved. In f64 mode the two routes agree to round-off (tests/network_reference.rs).
+    // moved. In f64 mode the two routes agree to round-off
+    // (tools/netcheck/tests/network_reference.rs).
     let _lock = serial();
     let c = cfg(1, Device::Cpu, CudaGraphMode::Off);
     let w0 = initial_master_weights(&c).unwrap();

@@ -3,7 +3,8 @@
 // with cuda_on_cpu.h), then launched through the same launcher template with a kernelParams
 // array. `primitives` runs every check and exits nonzero naming the first failure;
 // `primitives f32-to-f16 | f16-to-f32 | hadd | hmul` convert little-endian values from stdin
-// to stdout, for tests/sim_device.rs to compare against an independent binary16 library.
+// to stdout, for crates/3-amp/tests/sim_primitives.rs to compare against an independent
+// binary16 library.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

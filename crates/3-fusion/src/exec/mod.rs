@@ -1,5 +1,6 @@
 //! Execution on a GPU: cuDNN handles on cudarc streams, bindings (the variant pack), workspace,
-//! and CUDA-graph population (autotuning: [`crate::autotune`]). The only module besides `backend` with `unsafe`.
+//! and CUDA-graph population (autotuning: [`crate::autotune`]). One of the modules that allow
+//! `unsafe` (the crate docs list them all).
 //!
 //! 1. `cudnn_cbr_runtime::cuda_device` opens a device (a typed error, never a panic, where
 //!    there is none).
