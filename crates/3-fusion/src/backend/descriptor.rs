@@ -3,13 +3,19 @@
 use crate::error::{Error, Result};
 use cudnn_fe_sys as sys;
 use std::os::raw::c_void;
+#[cfg(feature = "testing")]
 use std::sync::atomic::{AtomicU64, Ordering};
 
+// Descriptor accounting, test scaffolding (the `testing` feature): counted only where it is on.
+#[cfg(feature = "testing")]
 static CREATED: AtomicU64 = AtomicU64::new(0);
+#[cfg(feature = "testing")]
 static DESTROYED: AtomicU64 = AtomicU64::new(0);
 
 /// How many backend descriptors this process created and destroyed so far.
-/// Tests use it to prove that every descriptor is freed.
+/// Tests use it to prove that every descriptor is freed (test scaffolding: built only with
+/// the `testing` feature).
+#[cfg(feature = "testing")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DescriptorCounts {
     /// `cudnnBackendCreateDescriptor` calls that succeeded.
@@ -18,7 +24,9 @@ pub struct DescriptorCounts {
     pub destroyed: u64,
 }
 
-/// Process-wide descriptor accounting.
+/// Process-wide descriptor accounting (test scaffolding: built only with the `testing`
+/// feature).
+#[cfg(feature = "testing")]
 pub fn descriptor_counts() -> DescriptorCounts {
     DescriptorCounts {
         created: CREATED.load(Ordering::SeqCst),
@@ -104,6 +112,7 @@ impl Descriptor {
         unsafe { (lib.api.cudnnBackendCreateDescriptor)(kind, &mut raw) }
             .result()
             .map_err(|e| Error::cudnn(format!("create {}", kind_name(kind)), e))?;
+        #[cfg(feature = "testing")]
         CREATED.fetch_add(1, Ordering::SeqCst);
         Ok(Descriptor { raw, kind, lib })
     }
@@ -315,6 +324,7 @@ impl Drop for Descriptor {
         // SAFETY: `self.raw` was created by cudnnBackendCreateDescriptor and is destroyed only
         // here, once. A failing destroy cannot be reported from Drop and is ignored.
         let _ = unsafe { (self.lib.api.cudnnBackendDestroyDescriptor)(self.raw) };
+        #[cfg(feature = "testing")]
         DESTROYED.fetch_add(1, Ordering::SeqCst);
     }
 }

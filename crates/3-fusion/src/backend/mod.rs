@@ -15,7 +15,10 @@
 mod descriptor;
 mod engine;
 
-pub use descriptor::{descriptor_counts, kind_name, AttrValue, Descriptor, DescriptorCounts};
+pub use descriptor::{kind_name, AttrValue, Descriptor};
+// Test scaffolding (descriptor accounting), built only with the `testing` feature.
+#[cfg(feature = "testing")]
+pub use descriptor::{descriptor_counts, DescriptorCounts};
 pub use engine::{
     config_knobs, device_prop_descriptor, device_prop_descriptor_for_handle, engine_by_index,
     engine_config, engine_count, engine_info, engine_knobs, finalize_plan, heuristics,
