@@ -6,7 +6,7 @@ use crate::error::PlanError;
 use crate::plan::layout::{BucketInfo, MemoryPlan, ParamInfo};
 use crate::plan::tensors::{lay_out, Lifetime};
 use crate::plan::types::{
-    fp16_slot_bytes, fp32_slot_bytes, Bucket, DataType, ParamKind, PlanOptions,
+    fp16_slot_bytes, fp32_slot_bytes, Bucket, DataType, MemoryPlanOptions, ParamKind,
 };
 
 /// A parameter as registered, before layout.
@@ -26,7 +26,7 @@ struct Pending {
 /// leaves the builder unchanged when it returns an error, so a caller can report and go on.
 #[derive(Debug, Clone, Default)]
 pub struct MemoryPlanBuilder {
-    options: PlanOptions,
+    options: MemoryPlanOptions,
     buckets: Vec<String>,
     params: Vec<Pending>,
     /// Non-parameter buffers for the tensor arena: (name, dtype, elems, lifetime), in order.
@@ -54,7 +54,7 @@ impl MemoryPlanBuilder {
     }
 
     /// The options the plan will be built with.
-    pub fn options(&self) -> PlanOptions {
+    pub fn options(&self) -> MemoryPlanOptions {
         self.options
     }
 

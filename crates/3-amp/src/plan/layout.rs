@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use crate::error::PlanError;
 use crate::plan::tensors::TensorSlot;
 use crate::plan::types::{
-    fp16_slot_bytes, Bucket, ByteRange, DataType, ParamKind, PlanOptions, Region, SLOT_ALIGN,
+    fp16_slot_bytes, Bucket, ByteRange, DataType, MemoryPlanOptions, ParamKind, Region, SLOT_ALIGN,
     SLOT_PAD,
 };
 use crate::range::S_REGION_BYTES;
@@ -185,7 +185,7 @@ pub struct RegionLayout {
 /// Built by [`crate::plan::MemoryPlanBuilder::finalize`]; immutable afterwards.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemoryPlan {
-    options: PlanOptions,
+    options: MemoryPlanOptions,
     params: Vec<ParamInfo>,
     buckets: Vec<BucketInfo>,
     by_name: HashMap<String, usize>,
@@ -201,7 +201,7 @@ pub struct MemoryPlan {
 
 impl MemoryPlan {
     pub(crate) fn from_parts(
-        options: PlanOptions,
+        options: MemoryPlanOptions,
         params: Vec<ParamInfo>,
         buckets: Vec<BucketInfo>,
         total16: usize,
@@ -249,7 +249,7 @@ impl MemoryPlan {
     /// Arena size for the given layout totals, or `None` on overflow. Shared by the builder
     /// (to find which parameter makes the total overflow) and [`MemoryPlan::total_bytes`].
     pub(crate) fn arena_bytes_for(
-        options: PlanOptions,
+        options: MemoryPlanOptions,
         total16: usize,
         g16: usize,
     ) -> Option<usize> {
@@ -269,7 +269,7 @@ impl MemoryPlan {
     }
 
     /// The options the plan was built with.
-    pub fn options(&self) -> PlanOptions {
+    pub fn options(&self) -> MemoryPlanOptions {
         self.options
     }
 
@@ -313,7 +313,7 @@ impl MemoryPlan {
     /// [`PlanError::SizeOverflow`] (naming the last parameter) when the regions with GA no
     /// longer fit in `usize`.
     pub fn with_grad_accumulator(mut self) -> Result<Self, PlanError> {
-        let options = PlanOptions {
+        let options = MemoryPlanOptions {
             grad_accumulator: true,
             ..self.options
         };

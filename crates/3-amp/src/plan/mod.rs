@@ -60,6 +60,6 @@ pub use tensors::{assign as assign_tensor_offsets, peak_live, Lifetime, TensorSl
 // it from here.
 pub(crate) use types::DataType;
 pub use types::{
-    align_up, fp16_slot_bytes, fp32_slot_bytes, Bucket, ByteRange, GradPath, ParamKind,
-    PlanOptions, Region, SLOT_ALIGN, SLOT_PAD,
+    align_up, fp16_slot_bytes, fp32_slot_bytes, Bucket, ByteRange, GradPath, MemoryPlanOptions,
+    ParamKind, Region, SLOT_ALIGN, SLOT_PAD,
 };

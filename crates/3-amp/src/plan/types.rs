@@ -246,7 +246,7 @@ impl ByteRange {
 
 /// Which optional regions a plan allocates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct PlanOptions {
+pub struct MemoryPlanOptions {
     /// Allocate M (SGD momentum). Default on; turn off for momentum-free SGD.
     pub momentum: bool,
     /// Allocate E and E16 (weight EMA). Default off.
@@ -255,9 +255,9 @@ pub struct PlanOptions {
     pub grad_accumulator: bool,
 }
 
-impl Default for PlanOptions {
+impl Default for MemoryPlanOptions {
     fn default() -> Self {
-        PlanOptions {
+        MemoryPlanOptions {
             momentum: true,
             ema: false,
             grad_accumulator: false,

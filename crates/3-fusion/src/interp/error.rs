@@ -111,8 +111,8 @@ pub enum InterpError {
     },
 }
 
-/// Result of the interpreter.
-pub type Result<T> = std::result::Result<T, InterpError>;
+/// Result of the interpreter (crate-private; callers see `Result<T, InterpError>`).
+pub(crate) type Result<T> = std::result::Result<T, InterpError>;
 
 /// A node error.
 pub(super) fn node_err(

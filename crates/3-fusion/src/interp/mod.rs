@@ -30,7 +30,8 @@ mod tensor;
 #[cfg(test)]
 mod tests;
 
-pub use error::{InterpError, Result};
+pub use error::InterpError;
+pub(crate) use error::Result;
 pub use memory::{Allocation, HostMemory, MemoryMap};
 
 use crate::exec::Scalar;

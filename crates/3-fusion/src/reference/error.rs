@@ -123,5 +123,6 @@ impl ReferenceError {
     }
 }
 
-/// The result type of the reference executor.
-pub type Result<T, E = ReferenceError> = std::result::Result<T, E>;
+/// The result type of the reference executor (crate-private; callers see
+/// `Result<T, ReferenceError>`).
+pub(crate) type Result<T, E = ReferenceError> = std::result::Result<T, E>;

@@ -84,7 +84,7 @@ pub(crate) use chain::{weighted_sum_loss, CbrChain, CbrLayer, Route};
 pub use conv::{conv_dgrad, conv_dgrad_into, conv_fprop, conv_wgrad};
 pub use convert::cpu_paths;
 pub use element::{Element, Real};
-pub use error::{ReferenceError, Result};
+pub use error::ReferenceError;
 pub use fused::{
     conv_dgrad_with, dgrad_drelu_dbn, dgrad_drelu_dbn_with, fprop_genstats, fprop_genstats_with,
     wgrad_with_prologue, wgrad_with_prologue_with, ConvInput, ConvScratch, DgradDreluDbn,

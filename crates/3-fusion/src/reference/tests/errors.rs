@@ -15,7 +15,7 @@ fn zeros(n: usize) -> Vec<f16> {
 /// Asserts a `ShapeMismatch` for `tensor`, and that the message names it.
 #[track_caller]
 fn assert_mismatch<T: std::fmt::Debug>(
-    r: Result<T>,
+    r: Result<T, ReferenceError>,
     tensor: &'static str,
     expected: usize,
     got: usize,
