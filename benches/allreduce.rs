@@ -14,8 +14,7 @@
 
 use std::time::Instant;
 
-use cudnn_cbr::amp::cuda::cudarc::driver::CudaContext;
-use cudnn_cbr::amp::cuda::EventFlags;
+use cudnn_cbr::amp::cuda::{CudaContext, EventFlags};
 use cudnn_cbr::amp::plan::Region;
 use cudnn_cbr::dist::nccl::{NcclComm, NcclId};
 use cudnn_cbr::dist::{Collective, ReduceOp};

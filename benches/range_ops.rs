@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use cudnn_cbr::amp::cuda::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
 use cudnn_cbr::amp::cuda::CudaRegions;
 use cudnn_cbr::amp::cuda::EventFlags;
 use cudnn_cbr::amp::plan::{ByteRange, MemoryPlan, MemoryPlanBuilder, ParamKind, Region};

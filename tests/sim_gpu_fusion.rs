@@ -35,8 +35,8 @@ use std::process::Command;
 /// Bad executions the simulated device must refuse with a typed error (they would corrupt
 /// memory or be silently recorded on a real device, so they run only on the simulator).
 mod planted {
-    use cudarc::driver::sys::CUstreamCaptureMode;
     use cudarc::driver::DevicePtr;
+    use cudnn_cbr::amp::cuda::{CaptureMode, GraphInstantiateFlags};
     use cudnn_cbr::fusion::cbr::{graphs, ConvShape};
     use cudnn_cbr::fusion::exec::{Bindings, Handle, Workspace};
     use cudnn_cbr::fusion::lower::OperationGraph;
@@ -212,7 +212,7 @@ mod planted {
         // SAFETY: nothing else uses the context's streams concurrently in this test.
         unsafe { ctx.disable_event_tracking() };
         stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .begin_capture(CaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .unwrap();
         let mut b = Bindings::new(&plan);
         b.bind(t.x, &mut x, &stream).unwrap();
@@ -221,7 +221,7 @@ mod planted {
         let recorded = plan.execute(&handle, &b, Workspace::Pooled);
         drop(b);
         let cuda_graph = stream
-            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .end_capture(GraphInstantiateFlags(0))
             .expect("the capture is valid")
             .expect("a graph");
         recorded.expect("recorded into the capture");
@@ -274,7 +274,7 @@ mod planted {
         // SAFETY: nothing else uses the context's streams concurrently in this test.
         unsafe { ctx.disable_event_tracking() };
         stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .begin_capture(CaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .unwrap();
         let mut b = Bindings::new(&plan);
         b.bind(t.x, &mut x, &stream).unwrap();
@@ -284,7 +284,7 @@ mod planted {
         let mut again = Bindings::new(&plan);
         drop(b);
         let cuda_graph = stream
-            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .end_capture(GraphInstantiateFlags(0))
             .expect("the capture is valid")
             .expect("a graph");
         recorded.expect("recorded");

@@ -315,8 +315,7 @@ fn gpu_nccl_sums_across_every_gpu_like_the_cpu_group() {
     let Some((stream, _)) = device(TEST) else {
         return;
     };
-    let count =
-        cudnn_cbr_amp::cuda::cudarc::driver::CudaContext::device_count().unwrap_or(1) as usize;
+    let count = cudnn_cbr_amp::cuda::CudaContext::device_count().unwrap_or(1) as usize;
     if count < 2 {
         // One rank's sum and maximum are both the identity: nothing here could fail.
         println!("SKIP {TEST}: needs two GPUs, this machine has {count}");

@@ -17,7 +17,7 @@ mod sim;
 
 /// Ranks of one communicator as threads of this process, on the simulated device.
 mod ranks {
-    use cudnn_cbr_amp::cuda::cudarc::driver::DevicePtr;
+    use cudarc::driver::DevicePtr;
     use cudnn_cbr_amp::cuda::{CudaContext, CudaStream};
     use cudnn_cbr_dist::nccl::{NcclComm, NcclId};
     use cudnn_cbr_dist::{Collective, ReduceOp};
@@ -132,11 +132,7 @@ mod ranks {
             // the stream is synchronized; the copy is into a pageable host buffer, so it has
             // completed when the call returns. Not ordered after the collective on purpose.
             unsafe {
-                cudnn_cbr_amp::cuda::cudarc::driver::result::memcpy_dtoh_async(
-                    &mut unjoined,
-                    ptr,
-                    stream.cu_stream(),
-                )
+                cudarc::driver::result::memcpy_dtoh_async(&mut unjoined, ptr, stream.cu_stream())
             }
             .unwrap();
             stream.synchronize().unwrap();

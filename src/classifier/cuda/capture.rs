@@ -3,10 +3,10 @@
 //! 1–6 and `accumulate`) into CUDA graphs, with the fallback and its reason.
 
 use super::{driver, CudaClassifier, Result};
-use crate::amp::cuda::cudarc::driver::CudaGraph;
 use crate::amp::cuda::{dist_grads, CaptureMode, CudaStepGraph, GraphInstantiateFlags};
 use crate::amp::step::StepGraph;
 use crate::classifier::ClassifierError;
+use cudarc::driver::CudaGraph;
 use std::fmt;
 use std::str::FromStr;
 

@@ -4,7 +4,6 @@
 //! the communicator when steps stop completing.
 
 use super::{driver, CudaClassifier, Result};
-use crate::amp::cuda::cudarc::driver::CudaEvent;
 use crate::amp::cuda::dist_grads::{self, SharedComm};
 use crate::amp::cuda::{CudaContext, CudaRegions, CudaStream};
 use crate::amp::step::AmpStep;
@@ -19,6 +18,7 @@ use crate::fusion::exec::Handle;
 use crate::net::{grad_schedule, CompiledNet, GradSchedule};
 use crate::netops::head::HeadMetrics;
 use crate::runtime::cuda_device;
+use cudarc::driver::CudaEvent;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;

@@ -55,7 +55,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use compile::{compile_cubin, compile_cubin_cached, compile_ptx, Cubins};
-pub use cudarc;
 /// The driver's flags a trainer passes to cudarc's capture and event calls, under one curated
 /// path each, so that no user of this crate reaches into `cudarc::driver::sys`: the stream
 /// capture mode (`CudaStream::begin_capture`), the graph instantiation flags
