@@ -454,7 +454,7 @@ run)
   if "$bin/example-custom_trainer" --help 2>/dev/null | grep -q '\bcuda\b'; then ct_device=cuda; fi
   stage custom_trainer 10 60 "$bin/example-custom_trainer" --device "$ct_device" --steps 60
   # 4. Every GPU test, before any bench: the fundamental ones first, then any new one.
-  order="gpu_conv gpu_own_kernels gpu_cbr_parity gpu_head gpu_step gpu_nccl gpu_network gpu_train"
+  order="gpu_conv gpu_own_kernels gpu_cbr_parity gpu_head gpu_range_kernels gpu_step gpu_nccl gpu_network gpu_train"
   tests=()
   for t in $order; do [ -x "$bin/test-$t" ] && tests+=("test-$t"); done
   for t in "$bin"/test-gpu_*; do
@@ -466,7 +466,7 @@ run)
   # 5. What failed so far, again with cuDNN's log: worth more than any bench number.
   rerun_failed
   # 6. Our own kernels under compute-sanitizer's memcheck (works on Firecracker machines).
-  for t in test-gpu_own_kernels test-gpu_head test-gpu_step; do
+  for t in test-gpu_own_kernels test-gpu_head test-gpu_range_kernels test-gpu_step; do
     [ -x "$bin/$t" ] || continue
     if [ -z "$sanitizer" ]; then
       line SKIP 0 "memcheck-$t" "compute-sanitizer not found"; continue

@@ -1,16 +1,19 @@
-//! amp's GPU tier (tests/gpu_step.rs and tests/gpu_accum.rs, unchanged) on the simulated CUDA
-//! device: this binary holds those tests as modules `gpu_step` and `gpu_accum` and runs itself
-//! again with the simulator selected (`CUDNN_CBR_DEVICE=sim`, its folder first on the loader
-//! path, docs/simulator.md), so the
-//! range kernels' own program text runs through the unchanged `amp` CUDA path (NVRTC, module
-//! load, `CudaRegions`, `AmpStep`, graph capture and replay). Without the simulator selected
-//! the included tests print their SKIP lines, as on any machine without a GPU.
+//! amp's GPU tier (tests/gpu_range_kernels.rs, tests/gpu_step.rs and tests/gpu_accum.rs, unchanged)
+//! on the simulated CUDA device: this binary holds those tests as modules `gpu_range_kernels`,
+//! `gpu_step` and `gpu_accum` and runs itself again with the simulator selected
+//! (`CUDNN_CBR_DEVICE=sim`, its folder first on the loader path, docs/simulator.md), so the range
+//! kernels' own program text runs through the unchanged `amp` CUDA path (NVRTC, module load,
+//! `CudaRegions`, `AmpStep`, graph capture and replay). Without the simulator selected the included
+//! tests print their SKIP lines, as on any machine without a GPU.
 
-// gpu_accum.rs and gpu_step.rs each declare `mod common;`; they are included unchanged.
+// gpu_accum.rs, gpu_range_kernels.rs and gpu_step.rs each declare `mod common;`; they are
+// included unchanged.
 #![allow(clippy::duplicate_mod)]
 
 #[path = "gpu_accum.rs"]
 mod gpu_accum;
+#[path = "gpu_range_kernels.rs"]
+mod gpu_range_kernels;
 #[path = "gpu_step.rs"]
 mod gpu_step;
 mod sim;
@@ -270,6 +273,7 @@ fn sim_gpu_step_tests_pass_on_the_simulated_device() {
         return;
     };
     let filters = [
+        "gpu_range_kernels::",
         "gpu_step::",
         "gpu_accum::",
         "planted::",
@@ -294,7 +298,12 @@ fn sim_gpu_step_tests_pass_on_the_simulated_device() {
     // On the loader path but not selected, the simulated driver says "no device", as the
     // no-driver stand-in does: the GPU tests skip.
     let off = sim::child(&dir, false)
-        .args(["gpu_step::gpu_zero", "--test-threads", "1", "--nocapture"])
+        .args([
+            "gpu_range_kernels::gpu_zero",
+            "--test-threads",
+            "1",
+            "--nocapture",
+        ])
         .env_remove("CUDNN_CBR_DEVICE")
         .output()
         .expect("run a GPU test with the simulator unselected");
@@ -333,12 +342,15 @@ fn sim_gpu_step_tests_pass_on_the_simulated_device() {
         !stdout.contains("SKIP"),
         "a GPU test skipped on the simulator"
     );
-    let tests = include_str!("gpu_step.rs").matches("#[test]").count()
+    let tests = include_str!("gpu_range_kernels.rs")
+        .matches("#[test]")
+        .count()
+        + include_str!("gpu_step.rs").matches("#[test]").count()
         + include_str!("gpu_accum.rs").matches("#[test]").count()
         + 5; // the planted bugs, the joined capture
     assert!(
         tests >= 15,
-        "gpu_step.rs and gpu_accum.rs have {tests} tests"
+        "gpu_range_kernels.rs, gpu_step.rs and gpu_accum.rs have {tests} tests"
     );
     assert!(
         adv_out.contains(&format!("test result: ok. {tests} passed")),

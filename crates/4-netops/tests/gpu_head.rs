@@ -228,7 +228,8 @@ fn gpu_seed_and_metrics_log_match_their_twins() {
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
         // The seed is the existing kernel (its twin agrees within one FP16 ulp, see
-        // gpu_step.rs); here: the byte-range launch gives the typed launch's bytes.
+        // crates/3-amp/tests/gpu_range_kernels.rs); here: the byte-range launch gives the typed
+        // launch's bytes.
         let x_t = st.clone_htod(&logits).unwrap();
         let y_t = st.clone_htod(&labels).unwrap();
         let mut d_t = st.alloc_zeros::<f16>(batch * classes).unwrap();
