@@ -9,7 +9,6 @@
 
 mod common;
 
-use cudnn_cbr::amp::cuda::AmpKernels;
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::{BnSync, DeviceBnSync, RouteKind};
 use cudnn_cbr::fusion::exec::Handle;
@@ -115,7 +114,6 @@ fn matches_the_cpu_executor(test: &str, spec: &NetSpec, (batch, hw): (usize, usi
     let stream = ctx.default_stream();
     let handle = Handle::new(stream.clone()).unwrap();
     let target = handle.target().unwrap();
-    let kernels = AmpKernels::for_context(&ctx).unwrap();
     let cache = PlanCache::new();
     // (fused, synchronized BN over two identical replicas)
     for (fused, synced) in [(true, false), (false, false), (true, true)] {
@@ -134,7 +132,7 @@ fn matches_the_cpu_executor(test: &str, spec: &NetSpec, (batch, hw): (usize, usi
         let on_gpu = compile(spec, batch, hw, &policy).unwrap();
         let cpu_net = cpu_twin(&on_gpu, spec, batch, hw);
         let mut cpu: CpuNet<f16> = CpuNet::new(cpu_net);
-        let mut gpu = CudaNet::new(on_gpu, handle.clone(), kernels.clone(), None).unwrap();
+        let mut gpu = CudaNet::new(on_gpu, handle.clone(), None).unwrap();
         if synced {
             cpu.set_bn_sync(Box::new(HostTwin));
             gpu.set_bn_sync(Box::new(DeviceTwin)).unwrap();
@@ -254,7 +252,6 @@ fn eval_mode_case(test: &str, route: Option<RouteKind>) {
     let stream = ctx.default_stream();
     let handle = Handle::new(stream.clone()).unwrap();
     let target = handle.target().unwrap();
-    let kernels = AmpKernels::for_context(&ctx).unwrap();
     let cache = PlanCache::new();
     let policy = match route {
         None => RoutePolicy::Planned {
@@ -276,7 +273,7 @@ fn eval_mode_case(test: &str, route: Option<RouteKind>) {
     }
     let cpu_net = cpu_twin(&on_gpu, &spec, batch, hw);
     let mut cpu: CpuNet<f16> = CpuNet::new(cpu_net);
-    let mut gpu = CudaNet::new(on_gpu, handle.clone(), kernels, None).unwrap();
+    let mut gpu = CudaNet::new(on_gpu, handle.clone(), None).unwrap();
     let mut seed = 11u64;
     let buffers = cpu.net().buffers.clone();
     let bytes16 = |v: &[f16]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();

@@ -9,7 +9,8 @@
 //!    interval, ...).
 //! 3. [`ExecError`]: a range op or a step that does not fit the regions it is given (a range
 //!    past a region's end, a region the plan lacks, a graph replayed on the wrong executor).
-//! 4. [`CudaError`]: the CUDA side failed (NVRTC compile, a driver call, a foreign context).
+//! 4. [`CudaError`]: the CUDA side failed (NVRTC compile, a driver call, a foreign context,
+//!    a kernel table that disagrees with its sources: [`KernelTableError`]).
 //!
 //! Two conditions are variants of [`AmpError`] itself because callers branch on them:
 //! [`AmpError::NoDevice`] and [`AmpError::NoNvrtc`] mean "this machine cannot run the CUDA
@@ -394,6 +395,63 @@ pub enum CudaError {
     ContextMismatch {
         /// Which argument.
         what: String,
+    },
+    /// A kernel table disagrees with its sources or its signatures (found before compiling).
+    #[error(transparent)]
+    Table(#[from] KernelTableError),
+}
+
+/// How a kernel table (its [`crate::kernels::KernelSource`]s and their
+/// [`crate::kernels::Signatures`]) disagrees with the sources: found by
+/// [`crate::kernels::check_table`].
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum KernelTableError {
+    /// A listed entry point is not defined in its file as
+    /// `extern "C" __global__ void <name>(...)`.
+    #[error("{file} does not define entry point {entry} (as `extern \"C\" __global__ void {entry}(...)`)")]
+    NotDefined {
+        /// The `.cu` file.
+        file: &'static str,
+        /// The entry point.
+        entry: &'static str,
+    },
+    /// A file exports another number of kernels than its table lists.
+    #[error(
+        "{file} exports {exported} `extern \"C\" __global__` kernels, its table lists {listed}"
+    )]
+    ExportCount {
+        /// The `.cu` file.
+        file: &'static str,
+        /// `extern "C" __global__` declarations in the file.
+        exported: usize,
+        /// Entry points the table lists for it.
+        listed: usize,
+    },
+    /// A listed entry point has no signature.
+    #[error("entry point {entry} has no signature")]
+    NoSignature {
+        /// The entry point.
+        entry: &'static str,
+    },
+    /// An entry point's definition and its signature differ in parameter count.
+    #[error(
+        "entry point {entry} takes {declared} parameters in {file}, its signature {signature}"
+    )]
+    ParamCount {
+        /// The `.cu` file.
+        file: &'static str,
+        /// The entry point.
+        entry: &'static str,
+        /// Parameters in the definition.
+        declared: usize,
+        /// Parameters in the signature.
+        signature: usize,
+    },
+    /// An entry point is listed twice (a launch looks kernels up by name).
+    #[error("entry point {entry} is listed twice")]
+    Duplicate {
+        /// The entry point.
+        entry: &'static str,
     },
 }
 

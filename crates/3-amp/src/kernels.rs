@@ -17,6 +17,8 @@ use std::path::PathBuf;
 
 use cudarc::nvrtc::CompileOptions;
 
+use crate::error::KernelTableError;
+
 /// Prelude prepended to every kernel source.
 pub const COMMON_HEADER: &str = include_str!("../kernels/amp_common.cuh");
 
@@ -75,6 +77,10 @@ impl ParamType {
         }
     }
 }
+
+/// The parameter list of an entry point of a table's sources, `None` for a name that is not
+/// one (e.g. [`signature`]).
+pub type Signatures = fn(&str) -> Option<&'static [ParamType]>;
 
 /// The parameter list of an entry point, in order: what the launch module passes, checked
 /// before every launch; the NVRTC test checks it against the compiled PTX. `None` for a name
@@ -188,6 +194,63 @@ pub const SEED: KernelSource = KernelSource {
 /// Every kernel source of the AMP layer.
 pub const ALL: [KernelSource; 6] = [CAST, CHECK, NORM, SCALE, OPTIM, SEED];
 
+/// Checks a kernel table against its sources: each entry point is defined in its file as
+/// `extern "C" __global__ void <name>(...)` with as many parameters as `signatures` gives it,
+/// no file exports a kernel its table does not list, and no entry point is listed twice.
+///
+/// `KernelSet::load` (in [`crate::cuda`]) runs it before compiling: launches are checked
+/// against the signatures only, so a count that differs from the source would otherwise
+/// reach the driver unnoticed. Each table's tests run it without a device. Parameters are
+/// counted by their commas, so a parameter's type must not hold one.
+///
+/// # Errors
+/// The first disagreement found, as a [`KernelTableError`].
+pub fn check_table(
+    sources: &[KernelSource],
+    signatures: Signatures,
+) -> Result<(), KernelTableError> {
+    let mut seen = std::collections::HashSet::new();
+    for k in sources {
+        for &entry in k.entry_points {
+            if !seen.insert(entry) {
+                return Err(KernelTableError::Duplicate { entry });
+            }
+            let sig = signatures(entry).ok_or(KernelTableError::NoSignature { entry })?;
+            let decl = format!("extern \"C\" __global__ void {entry}(");
+            let not_defined = KernelTableError::NotDefined {
+                file: k.file,
+                entry,
+            };
+            let start = k.source.find(&decl).ok_or(not_defined.clone())? + decl.len();
+            let len = k.source[start..].find(')').ok_or(not_defined)?;
+            let params = k.source[start..start + len].trim();
+            let declared = if params.is_empty() || params == "void" {
+                0
+            } else {
+                params.split(',').count()
+            };
+            if declared != sig.len() {
+                return Err(KernelTableError::ParamCount {
+                    file: k.file,
+                    entry,
+                    declared,
+                    signature: sig.len(),
+                });
+            }
+        }
+        // A kernel the table does not list could never be launched: a stale table.
+        let exported = k.source.matches("extern \"C\" __global__").count();
+        if exported != k.entry_points.len() {
+            return Err(KernelTableError::ExportCount {
+                file: k.file,
+                exported,
+                listed: k.entry_points.len(),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// GPU architectures we build PTX for (tier 3 compiles all of them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CudaArch {
@@ -300,42 +363,63 @@ mod tests {
     }
 
     #[test]
-    fn every_entry_point_is_defined_in_its_source() {
-        for k in ALL {
-            for e in k.entry_points {
-                let decl = format!("extern \"C\" __global__ void {e}(");
-                assert!(k.source.contains(&decl), "{} lacks `{decl}`", k.file);
-            }
-            // And nothing else is exported.
-            let exported = k.source.matches("extern \"C\" __global__").count();
-            assert_eq!(exported, k.entry_points.len(), "{}", k.file);
-        }
-    }
-
-    #[test]
-    fn every_entry_point_has_a_signature_with_its_parameter_count() {
-        for k in ALL {
-            for e in k.entry_points {
-                let sig = signature(e).unwrap_or_else(|| panic!("{e} has no signature"));
-                let decl = format!("extern \"C\" __global__ void {e}(");
-                let start = k.source.find(&decl).expect("declared") + decl.len();
-                let params = &k.source[start..start + k.source[start..].find(')').unwrap()];
-                assert_eq!(params.split(',').count(), sig.len(), "{e}");
-            }
-        }
+    fn the_table_matches_its_sources_and_signatures() {
+        assert_eq!(check_table(&ALL, signature), Ok(()));
         assert_eq!(signature("nope"), None);
     }
 
     #[test]
-    fn entry_points_are_unique() {
-        let mut all: Vec<&str> = ALL
-            .iter()
-            .flat_map(|k| k.entry_points.iter().copied())
-            .collect();
-        let n = all.len();
-        all.sort_unstable();
-        all.dedup();
-        assert_eq!(all.len(), n);
+    fn check_table_finds_each_disagreement() {
+        fn sig(e: &str) -> Option<&'static [ParamType]> {
+            match e {
+                "k" | "j" => Some(&[ParamType::U64, ParamType::U32]),
+                "z" => Some(&[]),
+                _ => None,
+            }
+        }
+        let src = |source, entry_points| KernelSource {
+            name: "t",
+            file: "t.cu",
+            source,
+            entry_points,
+        };
+        let two = "extern \"C\" __global__ void k(float* a, int n) {}";
+        assert_eq!(check_table(&[src(two, &["k"])], sig), Ok(()));
+        let none = "extern \"C\" __global__ void z() {}";
+        assert_eq!(check_table(&[src(none, &["z"])], sig), Ok(()));
+        let three = "extern \"C\" __global__ void k(float* a, int n, int m) {}";
+        assert_eq!(
+            check_table(&[src(three, &["k"])], sig),
+            Err(KernelTableError::ParamCount {
+                file: "t.cu",
+                entry: "k",
+                declared: 3,
+                signature: 2
+            })
+        );
+        assert_eq!(
+            check_table(&[src(two, &["j"])], sig),
+            Err(KernelTableError::NotDefined {
+                file: "t.cu",
+                entry: "j"
+            })
+        );
+        assert_eq!(
+            check_table(&[src(two, &["x"])], sig),
+            Err(KernelTableError::NoSignature { entry: "x" })
+        );
+        assert_eq!(
+            check_table(&[src(two, &[])], sig),
+            Err(KernelTableError::ExportCount {
+                file: "t.cu",
+                exported: 1,
+                listed: 0
+            })
+        );
+        assert_eq!(
+            check_table(&[src(two, &["k"]), src(two, &["k"])], sig),
+            Err(KernelTableError::Duplicate { entry: "k" })
+        );
     }
 
     #[test]

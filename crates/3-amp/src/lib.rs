@@ -47,4 +47,4 @@ pub mod plan;
 pub mod range;
 pub mod step;
 
-pub use error::{AmpError, CudaError, ExecError, PlanError, RangeOpError};
+pub use error::{AmpError, CudaError, ExecError, KernelTableError, PlanError, RangeOpError};

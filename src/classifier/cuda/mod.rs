@@ -243,7 +243,7 @@ impl CudaClassifier {
         // (CudaNet::new reserves the largest workspace, so that the pool never grows inside
         // the step's capture.)
         let amp_plan = Some(step.executor().plan_arc().clone());
-        let mut net = CudaNet::new(net, handle, kernels.clone(), amp_plan)?;
+        let mut net = CudaNet::new(net, handle, amp_plan)?;
         if let (Some(g), true) = (&group, engine.sync_bn) {
             net.set_bn_sync(g.bn_sync())?;
         }

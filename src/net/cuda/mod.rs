@@ -6,9 +6,9 @@
 //!
 //! # Recipe
 //! 1. Compile with a planned [`RoutePolicy`](super::RoutePolicy) on the device's target.
-//! 2. [`CudaNet::new`] with the handle, the amp kernels (the network's own are loaded into the
-//!    same context) and, for training, the memory plan
-//!    whose regions hold the parameters (`None`: the parameters get allocations of their own).
+//! 2. [`CudaNet::new`] with the handle (the network's own kernels are loaded into its stream's
+//!    context) and, for training, the memory plan whose regions hold the parameters (`None`:
+//!    the parameters get allocations of their own).
 //!    A layer whose plans were built for another target (a deviceless fixture, another
 //!    device or cuDNN) is planned again for the handle's device first ([`replan_for`]),
 //!    saying so once on stderr.

@@ -1,6 +1,6 @@
 //! [`CudaNet`]: a compiled network's buffers on the device, and its passes over them.
 
-use crate::amp::cuda::{check_device_memory, AmpKernels, CudaRegions, CudaSlice, CudaStream};
+use crate::amp::cuda::{check_device_memory, CudaRegions, CudaSlice, CudaStream};
 use crate::amp::plan::{Bucket, MemoryPlan, Region};
 use crate::net::buckets::GradSchedule;
 use crate::net::compile::{BufId, CompiledNet, NetBuffer};
@@ -84,14 +84,13 @@ impl CudaNet {
     /// not fit; a driver error;
     /// [`CudaNetError::Replan`] for a layer whose route does not plan on the device; as
     /// [`NetKernels::for_context`] for the network's own kernels (the residual join and
-    /// max-pool), which are loaded into the context of `kernels`.
+    /// max-pool), which are loaded into the context of the handle's stream.
     pub fn new(
         net: CompiledNet,
         handle: Arc<Handle>,
-        kernels: Arc<AmpKernels>,
         amp_plan: Option<Arc<MemoryPlan>>,
     ) -> Result<Self> {
-        Self::with_cache(net, handle, kernels, amp_plan, &PlanCache::new())
+        Self::with_cache(net, handle, amp_plan, &PlanCache::new())
     }
 
     /// [`CudaNet::new`], planning any layer built for another target again through `cache`
@@ -102,7 +101,6 @@ impl CudaNet {
     pub fn with_cache(
         mut net: CompiledNet,
         handle: Arc<Handle>,
-        kernels: Arc<AmpKernels>,
         amp_plan: Option<Arc<MemoryPlan>>,
         cache: &PlanCache,
     ) -> Result<Self> {
@@ -128,7 +126,7 @@ impl CudaNet {
         )?;
         // The network's own kernels, compiled here rather than at the first pass, which may be
         // captured into a CUDA graph.
-        let kernels = NetKernels::for_context(kernels.context())?;
+        let kernels = NetKernels::for_context(stream.context())?;
         let mut bufs = Vec::with_capacity(net.buffers.len());
         let mut slots = Vec::with_capacity(net.buffers.len());
         for (b, p) in net.buffers.iter().zip(&placed) {

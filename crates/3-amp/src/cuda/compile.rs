@@ -9,11 +9,11 @@ use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, Ptx};
 
-use crate::cuda::kernel_set::{KernelSet, Signatures, BLOCKS_PER_SM};
+use crate::cuda::kernel_set::{KernelSet, BLOCKS_PER_SM};
 use crate::cuda::launch::AmpKernels;
 use crate::cuda::{cuda_include_dir, driver_error};
 use crate::error::{AmpError, CudaError};
-use crate::kernels::{self, CudaArch, KernelSource};
+use crate::kernels::{self, CudaArch, KernelSource, Signatures};
 use cudnn_cbr_runtime::kernel_cache::{CacheOutcome, KernelCache};
 use cudnn_cbr_runtime::rtc::{self, cubin_flags, nvrtc_library_present, nvrtc_version};
 
@@ -185,10 +185,12 @@ impl KernelSet {
     /// Compiles `sources` for `ctx`'s device and loads them there: machine code for the
     /// device's own architecture where NVRTC knows it (through the disk cache,
     /// [`cudnn_cbr_runtime::kernel_cache`], under `family`), else PTX for the driver to JIT.
-    /// Every launch is checked against `signatures`. Each call compiles and loads anew:
-    /// a set's owner keeps one per context (as [`AmpKernels::for_context`] does).
+    /// The table is checked first ([`kernels::check_table`]); every launch is checked against
+    /// `signatures`. Each call compiles and loads anew: a set's owner keeps one per context
+    /// (as [`AmpKernels::for_context`] does).
     ///
     /// # Errors
+    /// [`CudaError::Table`] when `sources` disagree with their entry points or `signatures`,
     /// [`AmpError::NoNvrtc`] without the NVRTC library, [`CudaError::UnsupportedArch`] below
     /// sm_80, [`CudaError::Compile`] when NVRTC rejects a source (e.g. no `cuda_fp16.h`),
     /// [`CudaError::Driver`] when the driver cannot load the code or an entry point is
@@ -199,6 +201,8 @@ impl KernelSet {
         sources: &[KernelSource],
         signatures: Signatures,
     ) -> Result<KernelSet, AmpError> {
+        // A table at odds with its sources is a bug on any machine, so it is found first.
+        kernels::check_table(sources, signatures).map_err(CudaError::Table)?;
         require_nvrtc()?;
         let (major, minor) = ctx
             .compute_capability()

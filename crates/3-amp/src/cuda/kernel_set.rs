@@ -27,9 +27,7 @@ pub const ONE_THREAD: LaunchConfig = LaunchConfig {
     shared_mem_bytes: 0,
 };
 
-/// The parameter list of an entry point of a set's sources, `None` for a name that is not
-/// one (e.g. [`crate::kernels::signature`]).
-pub type Signatures = fn(&str) -> Option<&'static [ParamType]>;
+pub use crate::kernels::Signatures;
 
 /// One kernel argument, by value.
 #[derive(Debug, Clone, Copy)]
