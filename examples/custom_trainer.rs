@@ -12,7 +12,10 @@ use cudnn_cbr::classifier::{CpuClassifier, CudaClassifier};
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::fusion::exec::Handle;
 use cudnn_cbr::runtime::cuda_device;
-use cudnn_cbr::{compile, NetSpec, PlanCache, Preset, RoutePolicy, SgdConfig, StepConfig};
+use cudnn_cbr::{
+    amp::range::SgdConfig, amp::step::StepConfig, fusion::cache::PlanCache, net::compile,
+    net::NetSpec, net::Preset, net::RoutePolicy,
+};
 use half::f16;
 use std::{error::Error, sync::Arc};
 

@@ -21,13 +21,14 @@
 //! use cudnn_cbr::dist::{CpuGroup, CpuReplica};
 //! use cudnn_cbr::fusion::cbr::RouteKind;
 //! use cudnn_cbr::net::{compile, Preset, RoutePolicy};
-//! use cudnn_cbr::{CpuClassifier, SgdConfig, StepConfig};
+//! use cudnn_cbr::amp::{range::SgdConfig, step::StepConfig};
+//! use cudnn_cbr::classifier::CpuClassifier;
 //! let ranks = 2;
 //! let grads = CpuGroup::ranks(ranks)?;
 //! let bn = CpuGroup::ranks(ranks)?; // synchronized BN (leave out for local BN)
 //! std::thread::scope(|s| {
 //!     for (grads, bn) in grads.into_iter().zip(bn) {
-//!         s.spawn(move || -> Result<(), cudnn_cbr::ClassifierError> {
+//!         s.spawn(move || -> Result<(), cudnn_cbr::classifier::ClassifierError> {
 //!             let spec = Preset::Mini.spec(8, 10, 16);
 //!             let net = compile(&spec, 16, 16, &RoutePolicy::Uniform(RouteKind::Fused))?; // per-rank batch 16
 //!             let model = CpuClassifier::new(net, 10, StepConfig::new(SgdConfig::new(0.05)), 1)?;

@@ -25,24 +25,27 @@
 //! The main job's training loop (a small CBR ResNet on synthetic data) is the workspace crate
 //! `cudnn-cbr-trainer`, built on the types below.
 //!
-//! # The types a trainer uses (re-exported here)
+//! # The types a trainer uses
+//!
+//! Every item has one public path: the workspace crates under their modules above, the
+//! network and classifier layers here.
 //!
 //! | step | type | what it is |
 //! |---|---|---|
-//! | the GPU | [`runtime::cuda_device`], [`Handle`], [`Target`] | open a device; a cuDNN handle on your cudarc stream; a live target (`Handle::target`) or device-properties JSON (deviceless) |
-//! | plans | [`PlanCache`] | built plans by graph and target, optionally persisted to a folder |
-//! | a network | [`NetSpec`], [`Preset`] | stem, stages of basic/bottleneck blocks, head |
-//! | compiling it | [`compile()`], [`RoutePolicy`], [`CompiledNet`] | every layer, buffer and step; [`prewarm()`] plans on threads first |
-//! | running it | [`CpuNet`], [`CudaNet`] | the CPU reference executor, the cuDNN executor |
-//! | training it | [`CpuClassifier`], [`CudaClassifier`], [`ClassifierError`] | network + GAP/FC/softmax head + amp step: one [`classifier::Classifier`] generic over a [`classifier::Backend`] (the CPU's or CUDA's), its calls written once; on a GPU also the training engine ([`classifier::EngineConfig`]: whole-step capture, device metrics log, NCCL group) |
+//! | the GPU | [`runtime::cuda_device`], [`fusion::exec::Handle`], [`fusion::Target`] | open a device; a cuDNN handle on your cudarc stream; a live target (`Handle::target`) or device-properties JSON (deviceless) |
+//! | plans | [`fusion::cache::PlanCache`] | built plans by graph and target, optionally persisted to a folder |
+//! | a network | [`net::NetSpec`], [`net::Preset`] | stem, stages of basic/bottleneck blocks, head |
+//! | compiling it | [`net::compile()`], [`net::RoutePolicy`], [`net::CompiledNet`] | every layer, buffer and step; [`net::prewarm()`] plans on threads first |
+//! | running it | [`net::CpuNet`], [`net::CudaNet`] | the CPU reference executor, the cuDNN executor |
+//! | training it | [`classifier::CpuClassifier`], [`classifier::CudaClassifier`], [`classifier::ClassifierError`] | network + GAP/FC/softmax head + amp step: one [`classifier::Classifier`] generic over a [`classifier::Backend`] (the CPU's or CUDA's), its calls written once; on a GPU also the training engine ([`classifier::EngineConfig`]: whole-step capture, device metrics log, NCCL group) |
 //! | on many ranks | [`dist::CpuReplica`], [`dist::CpuGroup`] | data-parallel CPU ranks: gradient all-reduce, shared overflow verdict, synchronized BN |
-//! | its parameters | [`memory_plan`], [`initial_weights`] | a compiled network's slots in the amp plan, and their start values |
-//! | one layer | [`CbrConfig`], [`ConvShape`], [`CbrLayer`] | a Conv+BN+ReLU layer and its plans |
-//! | its buffers | [`DeviceBuffers`], [`keys`] | borrowed cudarc slices under typed keys (`keys::Y: Key<f16>`) |
-//! | weights | [`MemoryPlanBuilder`], [`ParamKind`] | the static memory plan of the parameters |
-//! | the step | [`AmpStep`], [`StepConfig`], [`SgdConfig`] | cast, check, SGD, EMA, loss scale; no host sync |
-//! | its memory | [`CpuRegions`], `amp::cuda::CudaRegions` | a plan's regions on the host or a device |
-//! | errors | [`FusionError`], [`AmpError`], [`LoadError`] | typed, naming what is wrong |
+//! | its parameters | [`net::memory_plan`], [`net::initial_weights`] | a compiled network's slots in the amp plan, and their start values |
+//! | one layer | [`fusion::cbr::CbrConfig`], [`fusion::cbr::ConvShape`], [`fusion::cbr::CbrLayer`] | a Conv+BN+ReLU layer and its plans |
+//! | its buffers | [`fusion::cbr::DeviceBuffers`], [`fusion::cbr::keys`] | borrowed cudarc slices under typed keys (`keys::Y: Key<f16>`) |
+//! | weights | [`amp::plan::MemoryPlanBuilder`], [`amp::plan::ParamKind`] | the static memory plan of the parameters |
+//! | the step | [`amp::step::AmpStep`], [`amp::step::StepConfig`], [`amp::range::SgdConfig`] | cast, check, SGD, EMA, loss scale; no host sync |
+//! | its memory | [`amp::step::CpuRegions`], [`amp::cuda::CudaRegions`] | a plan's regions on the host or a device |
+//! | errors | [`fusion::Error`], [`amp::AmpError`], [`sys::LoadError`] | typed, naming what is wrong |
 //!
 //! # A tour (the README's, compiled here)
 //! ```no_run
@@ -67,8 +70,7 @@
 //! layer.run_cpu(Pass::Backward, &mut this, Some(&mut prev))?;
 //!
 //! // The amp step: a memory plan, regions on an executor, begin/finish around fwd+bwd.
-//! use cudnn_cbr::amp::plan::{MemoryPlanBuilder, ParamKind};
-//! use cudnn_cbr::amp::range::SgdConfig;
+//! use cudnn_cbr::amp::{plan::{MemoryPlanBuilder, ParamKind}, range::SgdConfig};
 //! use cudnn_cbr::amp::step::{AmpStep, CpuRegions, StepConfig};
 //! let mut b = MemoryPlanBuilder::new();
 //! let bucket = b.bucket("all")?;
@@ -98,19 +100,3 @@ pub struct ReadmeDoctests;
 pub mod classifier;
 pub mod dist;
 pub mod net;
-
-pub use amp::plan::{MemoryPlanBuilder, ParamKind};
-pub use amp::range::SgdConfig;
-pub use amp::step::{AmpStep, CpuRegions, StepConfig};
-pub use amp::AmpError;
-pub use classifier::{ClassifierError, CpuClassifier, CudaClassifier, EvalWeights, Evaluation};
-pub use fusion::cache::PlanCache;
-pub use fusion::cbr::{keys, CbrConfig, CbrLayer, ConvShape, DeviceBuffers};
-pub use fusion::exec::Handle;
-pub use fusion::Error as FusionError;
-pub use fusion::Target;
-pub use net::{
-    compile, initial_weights, memory_plan, prewarm, CompiledNet, CpuNet, CudaNet, NetSpec, Preset,
-    RoutePolicy,
-};
-pub use sys::LoadError;

@@ -11,8 +11,8 @@ use cudnn_cbr::amp::plan::Region;
 use cudnn_cbr::amp::range::f16_to_f32;
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::{
-    compile, ClassifierError, CompiledNet, CpuClassifier, Preset, RoutePolicy, SgdConfig,
-    StepConfig,
+    amp::range::SgdConfig, amp::step::StepConfig, classifier::ClassifierError,
+    classifier::CpuClassifier, net::compile, net::CompiledNet, net::Preset, net::RoutePolicy,
 };
 use half::f16;
 

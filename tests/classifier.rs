@@ -7,8 +7,9 @@ mod common;
 use cudnn_cbr::amp::plan::Region;
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::{
-    compile, ClassifierError, CompiledNet, CpuClassifier, EvalWeights, Preset, RoutePolicy,
-    SgdConfig, StepConfig,
+    amp::range::SgdConfig, amp::step::StepConfig, classifier::ClassifierError,
+    classifier::CpuClassifier, classifier::EvalWeights, net::compile, net::CompiledNet,
+    net::Preset, net::RoutePolicy,
 };
 use half::f16;
 
@@ -96,7 +97,7 @@ fn the_cuda_classifier_follows_the_cpu_one() {
     let Some(ctx) = common::gpu_or_skip("the_cuda_classifier_follows_the_cpu_one") else {
         return;
     };
-    use cudnn_cbr::{CudaClassifier, Handle};
+    use cudnn_cbr::{classifier::CudaClassifier, fusion::exec::Handle};
     let stream = ctx.per_thread_stream();
     let handle = Handle::new(stream.clone()).unwrap();
     let on_gpu = common::planned_mini(&handle, BATCH, HW, CLASSES);

@@ -12,8 +12,8 @@ use cudnn_cbr::amp::plan::Region;
 use cudnn_cbr::classifier::{Backend, Classifier, CpuBackend, CudaBackend, EvalWeights};
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::{
-    compile, ClassifierError, CompiledNet, CpuClassifier, Preset, RoutePolicy, SgdConfig,
-    StepConfig,
+    amp::range::SgdConfig, amp::step::StepConfig, classifier::ClassifierError,
+    classifier::CpuClassifier, net::compile, net::CompiledNet, net::Preset, net::RoutePolicy,
 };
 use half::f16;
 
@@ -223,7 +223,7 @@ fn gpu_the_generic_step_on_the_cuda_backend_follows_the_cpu() {
     let Some(ctx) = common::gpu_or_skip(TEST) else {
         return;
     };
-    use cudnn_cbr::{CudaClassifier, Handle};
+    use cudnn_cbr::{classifier::CudaClassifier, fusion::exec::Handle};
     let handle = Handle::new(ctx.per_thread_stream()).unwrap();
     let net = common::planned_mini(&handle, BATCH, HW, CLASSES);
     let mut gpu = CudaClassifier::new(net, handle, CLASSES, config(), SEED).unwrap();

@@ -12,7 +12,10 @@ use cudnn_cbr::dist::{
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::net::head::{self, HeadDims};
 use cudnn_cbr::net::{compile, initial_weights, CompiledNet, CpuNet, NetSpec, Preset, RoutePolicy};
-use cudnn_cbr::{ClassifierError, CpuClassifier, SgdConfig, StepConfig};
+use cudnn_cbr::{
+    amp::range::SgdConfig, amp::step::StepConfig, classifier::ClassifierError,
+    classifier::CpuClassifier,
+};
 use half::f16;
 
 const HW: usize = 8;
@@ -31,10 +34,10 @@ fn net(batch: usize, route: RouteKind) -> CompiledNet {
 fn global_batch(n: usize, step: u64) -> (Vec<f64>, Vec<usize>) {
     let mut s = 0x5eed ^ step.wrapping_mul(0x9e37_79b9_7f4a_7c15);
     let images = (0..n * HW * HW * CHANNELS)
-        .map(|_| f64::from(cudnn_cbr::net::params::uniform(&mut s)) * 2.0 - 1.0)
+        .map(|_| f64::from(cudnn_cbr::net::uniform(&mut s)) * 2.0 - 1.0)
         .collect();
     let labels = (0..n)
-        .map(|_| (cudnn_cbr::net::params::splitmix(&mut s) % CLASSES as u64) as usize)
+        .map(|_| (cudnn_cbr::net::splitmix(&mut s) % CLASSES as u64) as usize)
         .collect();
     (images, labels)
 }

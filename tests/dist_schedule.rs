@@ -7,9 +7,9 @@
 //! fails the local-BN, overflow and synchronized-BN tests).
 
 use cudnn_cbr::fusion::cbr::RouteKind;
-use cudnn_cbr::net::cuda::{check_bn_sync, layer_bindings};
+use cudnn_cbr::net::{check_bn_sync, layer_bindings};
 use cudnn_cbr::net::{grad_schedule, BufferRole, CompiledNet, Step};
-use cudnn_cbr::{compile, memory_plan, Preset, RoutePolicy};
+use cudnn_cbr::{net::compile, net::memory_plan, net::Preset, net::RoutePolicy};
 use std::collections::HashSet;
 
 /// The network buffers a backward step binds.

@@ -7,7 +7,10 @@ mod common;
 
 use cudnn_cbr::amp::plan::Region;
 use cudnn_cbr::fusion::cbr::RouteKind;
-use cudnn_cbr::{compile, CompiledNet, CpuClassifier, Preset, RoutePolicy, SgdConfig, StepConfig};
+use cudnn_cbr::{
+    amp::range::SgdConfig, amp::step::StepConfig, classifier::CpuClassifier, net::compile,
+    net::CompiledNet, net::Preset, net::RoutePolicy,
+};
 use half::f16;
 
 const BATCH: usize = 4;
@@ -31,7 +34,7 @@ fn gpu_the_cuda_classifier_accumulates_as_the_cpu_one() {
     let Some(ctx) = common::gpu_or_skip(TEST) else {
         return;
     };
-    use cudnn_cbr::{CudaClassifier, Handle};
+    use cudnn_cbr::{classifier::CudaClassifier, fusion::exec::Handle};
     let stream = ctx.per_thread_stream();
     let handle = Handle::new(stream.clone()).unwrap();
     let on_gpu = common::planned_mini(&handle, BATCH, HW, CLASSES);
@@ -85,7 +88,7 @@ fn gpu_the_engines_replayed_steps_equal_its_eager_steps() {
     if common::gpu_or_skip(TEST).is_none() {
         return;
     }
-    use cudnn_cbr::classifier::cuda::{open_device, CudaGraphMode, GraphState, WARMUP_STEPS};
+    use cudnn_cbr::classifier::{open_device, CudaGraphMode, GraphState, WARMUP_STEPS};
     use cudnn_cbr::classifier::{CudaClassifier, EngineConfig};
     // The per-thread stream of a context object of its own: capture is sound on it.
     let handle = open_device(None).unwrap();

@@ -355,7 +355,7 @@ fn eval_mode_case(test: &str, route: Option<RouteKind>) {
 #[test]
 fn the_cuda_classifier_evaluates_like_the_cpu_classifier() {
     use cudnn_cbr::classifier::{CpuClassifier, CudaClassifier, EvalWeights};
-    use cudnn_cbr::{Preset, SgdConfig, StepConfig};
+    use cudnn_cbr::{amp::range::SgdConfig, amp::step::StepConfig, net::Preset};
     let Some(ctx) = common::gpu_or_skip("the_cuda_classifier_evaluates_like_the_cpu_classifier")
     else {
         return;
@@ -446,10 +446,10 @@ fn the_engines_two_ranks_keep_the_same_weights() {
         return;
     }
     use cudnn_cbr::amp::plan::Region;
-    use cudnn_cbr::classifier::cuda::open_device;
+    use cudnn_cbr::classifier::open_device;
     use cudnn_cbr::classifier::{CudaClassifier, EngineConfig};
     use cudnn_cbr::dist::bootstrap::LaunchEnv;
-    use cudnn_cbr::{SgdConfig, StepConfig};
+    use cudnn_cbr::{amp::range::SgdConfig, amp::step::StepConfig};
     const BATCH: usize = 4;
     const HW: usize = 8;
     const CLASSES: usize = 3;

@@ -4,8 +4,8 @@
 
 use cudnn_cbr::fusion::cbr::graphs::{ApplyResidual, BackwardResidual};
 use cudnn_cbr::fusion::cbr::{keys, CbrConfig, CbrLayer, ConvShape, RouteKind, Side};
-use cudnn_cbr::net::cuda::layer_bindings;
-use cudnn_cbr::{compile, Preset, RoutePolicy};
+use cudnn_cbr::net::layer_bindings;
+use cudnn_cbr::{net::compile, net::Preset, net::RoutePolicy};
 use std::collections::BTreeSet;
 
 /// Every buffer of every layer, on every route, of every preset at a small size.

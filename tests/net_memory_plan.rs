@@ -4,14 +4,14 @@
 //! slots hold their buffers, two slots share bytes only when no step of the pass binds both
 //! (checked here from the compiled steps themselves, not from the plan's lifetimes), and the
 //! parameters' layout is the same as without the arena; and every route mix of the main job's
-//! network binds every buffer (`net::cuda::binding_plan`).
+//! network binds every buffer (`net::binding_plan`).
 
 use cudnn_cbr::amp::plan::Region;
 use cudnn_cbr::fusion::cbr::RouteKind;
-use cudnn_cbr::net::cuda::{binding_plan, check_binding, placement, Placement, Source};
 use cudnn_cbr::net::liveness::step_buffers;
+use cudnn_cbr::net::{binding_plan, check_binding, placement, Placement, Source};
 use cudnn_cbr::net::{memory_plan_with_buffers, BufId, BufferRole, Step};
-use cudnn_cbr::{compile, memory_plan, Preset, RoutePolicy};
+use cudnn_cbr::{net::compile, net::memory_plan, net::Preset, net::RoutePolicy};
 
 #[test]
 fn every_buffer_but_the_head_facing_ones_has_a_slot_in_the_amp_plan() {

@@ -9,7 +9,7 @@ mod common;
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::fusion::Target;
-use cudnn_cbr::net::cuda::check_bn_sync;
+use cudnn_cbr::net::check_bn_sync;
 use cudnn_cbr::net::{compile, CompiledNet, LayerRole, NetLayer, Preset, RoutePolicy, Step};
 use std::time::Instant;
 

@@ -15,7 +15,7 @@ fn opening_a_device_without_one_is_a_typed_error() {
             // Both layers' errors say the same thing (`?` converts it).
             let fusion: Error = e.clone().into();
             assert!(matches!(&fusion, Error::NoDevice { reason } if *reason == e.reason));
-            let amp: cudnn_cbr::AmpError = e.clone().into();
+            let amp: cudnn_cbr::amp::AmpError = e.clone().into();
             assert!(amp.is_unavailable(), "{amp}");
             println!("no device, as expected: {e}");
         }

@@ -7,8 +7,8 @@ mod common;
 
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::Target;
-use cudnn_cbr::net::cuda::{layers_to_replan, replan_for};
 use cudnn_cbr::net::{compile, CompiledNet, Preset, RoutePolicy};
+use cudnn_cbr::net::{layers_to_replan, replan_for};
 
 fn fixture(name: &str) -> Target {
     Target::deviceless_from_file(

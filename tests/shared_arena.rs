@@ -7,7 +7,7 @@
 
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::net::{Arena, BufferRole, CpuNet};
-use cudnn_cbr::{compile, Preset, RoutePolicy};
+use cudnn_cbr::{net::compile, net::Preset, net::RoutePolicy};
 use half::f16;
 
 /// Deterministic values in [-1, 1), rounded to FP16.

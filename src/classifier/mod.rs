@@ -13,7 +13,7 @@
 //!   needed); its own calls are the data-parallel pass and synchronized BN ([`crate::dist`]);
 //! - [`CudaBackend`] ([`CudaClassifier`]): cuDNN plans and amp's kernels on the handle's
 //!   stream, reading the caller's cudarc image buffer in place. [`CudaClassifier`] is also the
-//!   GPU training engine ([`cuda`]'s module docs; [`EngineConfig`]): whole-step capture into
+//!   GPU training engine ([`EngineConfig`]; docs/training.md, "The GPU engine"): whole-step capture into
 //!   a CUDA graph, the device-side metrics log read back asynchronously, the EMA evaluation
 //!   and a launched data-parallel group over NCCL, on the network's fixed input buffer.
 //!   `train_cbr`'s CUDA executor is a loop around it.
@@ -39,14 +39,17 @@
 //! ([`EvalWeights`]); on a GPU [`CudaClassifier::evaluate_batches`] also counts the top-1 of
 //! host batches on the device.
 
-pub mod backend;
-pub mod cpu;
-pub mod cuda;
+pub(crate) mod backend;
+pub(crate) mod cpu;
+pub(crate) mod cuda;
 mod shared;
 
 pub use backend::Backend;
-pub use cpu::{CpuBackend, CpuClassifier};
-pub use cuda::{CudaBackend, CudaClassifier, EngineConfig};
+pub use cpu::{BucketReduce, CpuBackend, CpuClassifier};
+pub use cuda::{
+    check_fits, open_device, Accuracies, CudaBackend, CudaClassifier, CudaGraphMode, EngineConfig,
+    GraphState, ScalarHistory, Snapshot, StepScalars, RENDEZVOUS_TIMEOUT, WARMUP_STEPS,
+};
 pub use shared::Classifier;
 
 use crate::amp::AmpError;

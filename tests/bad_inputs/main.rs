@@ -55,12 +55,12 @@ use cudnn_cbr::fusion::graph::{
 };
 use cudnn_cbr::fusion::reference::Nhwc;
 use cudnn_cbr::fusion::{DeviceProps, Error, Target};
-use cudnn_cbr::net::cpu::{max_pool, max_pool_backward};
 use cudnn_cbr::net::{
     compile, BlockKind, BlockSpec, CpuNet, NetSpec, PoolSpec, Preset, RoutePolicy,
 };
+use cudnn_cbr::net::{max_pool, max_pool_backward};
 use cudnn_cbr::sys::{load_from, LoadError, SearchPaths};
-use cudnn_cbr::{ClassifierError, CpuClassifier};
+use cudnn_cbr::{classifier::ClassifierError, classifier::CpuClassifier};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -107,19 +107,19 @@ pub fn run_example(name: &str, args: &[&str]) -> (Option<i32>, String) {
 /// The mini network (3 input channels, width 4) with every layer on a cuDNN route planned for
 /// `handle`'s device: the GPU classifier tests' model.
 pub fn planned_mini(
-    handle: &std::sync::Arc<cudnn_cbr::Handle>,
+    handle: &std::sync::Arc<cudnn_cbr::fusion::exec::Handle>,
     batch: usize,
     hw: usize,
     classes: usize,
-) -> cudnn_cbr::CompiledNet {
+) -> cudnn_cbr::net::CompiledNet {
     let target = handle.target().expect("the device's planning target");
-    let cache = cudnn_cbr::PlanCache::new();
-    let spec = cudnn_cbr::Preset::Mini.spec(3, classes, 4);
-    let policy = cudnn_cbr::RoutePolicy::Planned {
+    let cache = cudnn_cbr::fusion::cache::PlanCache::new();
+    let spec = cudnn_cbr::net::Preset::Mini.spec(3, classes, 4);
+    let policy = cudnn_cbr::net::RoutePolicy::Planned {
         target: &target,
         cache: &cache,
     };
-    cudnn_cbr::compile(&spec, batch, hw, &policy).expect("compile the planned mini network")
+    cudnn_cbr::net::compile(&spec, batch, hw, &policy).expect("compile the planned mini network")
 }
 
 /// Micro-batch `k` of the accumulation tests: `batch` images of `hw`×`hw`×3 from a seeded

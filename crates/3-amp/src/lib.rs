@@ -40,7 +40,7 @@
 
 pub mod cuda;
 pub mod dist;
-pub mod error;
+pub(crate) mod error;
 pub mod kernels;
 pub mod memory;
 pub mod plan;

@@ -1,7 +1,7 @@
 //! Training-time augmentation and shuffling, deterministic from a seed.
 //!
 //! The random numbers come from SplitMix64 (Steele, Lea and Flood's finalizer over a
-//! counter, the generator `cudnn_cbr::net::params::splitmix` also uses): every draw is a pure
+//! counter, the generator `cudnn_cbr::net::splitmix` also uses): every draw is a pure
 //! function of the seed and of what it is for (the epoch for a shuffle; the batch index and
 //! the place in the batch for a crop), never of a generator's history, so batches come out
 //! the same on any thread, in any order, and batch `k` can be made without making batches

@@ -48,7 +48,7 @@ impl FromStr for Device {
 
 /// What the CUDA executor replays from CUDA graphs after [`cuda::WARMUP_STEPS`](crate::cuda::WARMUP_STEPS) eager steps
 /// (the CPU executor ignores it): the library engine's capture mode.
-pub use cudnn_cbr::classifier::cuda::CudaGraphMode;
+pub use cudnn_cbr::classifier::CudaGraphMode;
 
 /// What to train.
 #[derive(Debug, Clone, Copy, PartialEq)]

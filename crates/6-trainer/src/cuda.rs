@@ -21,19 +21,19 @@ use cudnn_cbr::amp::cuda::{CudaRegions, CudaStream};
 use cudnn_cbr::amp::plan::Region;
 use cudnn_cbr::amp::step::AmpStep;
 use cudnn_cbr::amp::AmpError;
-use cudnn_cbr::classifier::cuda::{check_fits, open_device, Accuracies};
+use cudnn_cbr::classifier::{check_fits, open_device, Accuracies};
 use cudnn_cbr::classifier::{CudaClassifier, EngineConfig};
 use cudnn_cbr::dist::bootstrap::LaunchEnv;
 use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::RouteKind;
-use cudnn_cbr::net::cuda::CudaNetError;
+use cudnn_cbr::net::CudaNetError;
 use cudnn_cbr::net::{CompiledNet, RoutePolicy};
 use cudnn_cbr::netops::head::{HeadMetrics, MetricsLog};
 use half::f16;
 use std::sync::Arc;
 use std::time::Instant;
 
-pub use cudnn_cbr::classifier::cuda::{
+pub use cudnn_cbr::classifier::{
     CudaGraphMode, GraphState, Snapshot, RENDEZVOUS_TIMEOUT, WARMUP_STEPS,
 };
 

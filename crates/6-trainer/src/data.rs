@@ -16,7 +16,7 @@ pub struct Synthetic {
     noise: f32,
 }
 
-pub(crate) use cudnn_cbr::net::params::{splitmix, uniform};
+pub(crate) use cudnn_cbr::net::{splitmix, uniform};
 
 impl Synthetic {
     /// Templates for `classes` classes of `hw`×`hw`×`channels` images, from `seed`.

@@ -82,9 +82,9 @@ impl TrainError {
     }
 }
 
-impl From<cudnn_cbr::ClassifierError> for TrainError {
-    fn from(e: cudnn_cbr::ClassifierError) -> Self {
-        use cudnn_cbr::ClassifierError as C;
+impl From<cudnn_cbr::classifier::ClassifierError> for TrainError {
+    fn from(e: cudnn_cbr::classifier::ClassifierError) -> Self {
+        use cudnn_cbr::classifier::ClassifierError as C;
         match e {
             C::Fusion(e) => TrainError::Fusion(e),
             C::Amp(e) => cuda::amp_error(e),

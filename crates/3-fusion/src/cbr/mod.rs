@@ -18,7 +18,6 @@ mod shape;
 pub use bn_sync::{sync_action, BnSide, BnSync, DeviceBnSync, SyncAction};
 pub use buffers::{HostBuffer, HostBuffers};
 pub use device_buffers::{ArenaId, DeviceBuffer, DeviceBuffers, OwnedDeviceBuffers, Side};
-pub use keys::Key;
 pub use layer::{
     route_buffers, route_graphs, BufferSpec, CbrConfig, CbrLayer, GraphRole, InputKind, LayerGraph,
     LayerStep, Route, RouteKind, Src,

@@ -448,7 +448,7 @@ pub struct DgradDreluDbn<T: Element> {
 /// 2. the ReLU input recomputed as `(y_prev − mean)·inv_std·γ + β [+ resid]` in FP32;
 /// 3. `dz = relu_bwd(dxc, recomputed)`, stored FP16;
 /// 4. `dγ = Σ dz·x̂`, `dβ = Σ dz` and the coefficients `a`, `b`, `c` such that
-///    `d_y_prev = a·dz + b·y_prev + c` is the full BN backward (formulas in [`super::bn`]),
+///    `d_y_prev = a·dz + b·y_prev + c` is the full BN backward (formulas in crates/3-fusion/src/reference/bn.rs),
 ///    applied by [`super::dbn_apply`]. `M = n·h·w` of `y_prev`.
 ///
 /// The reductions use the stored FP16 `dz` (assumption: the GPU may reduce its FP32 value), so

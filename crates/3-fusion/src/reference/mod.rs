@@ -49,27 +49,27 @@
 //!
 //! # Semantics the GPU must confirm (docs/cudnn-graphs.md §10)
 //! - BN finalize: biased batch variance for normalization, unbiased for the running variance,
-//!   `momentum` = weight of the new statistic, `eq_bias = β − μ·γ·inv_std` ([`bn`] docs).
-//! - The prologue's output is rounded to FP16 before the conv (see [`fused`] docs).
+//!   `momentum` = weight of the new statistic, `eq_bias = β − μ·γ·inv_std` (crates/3-fusion/src/reference/bn.rs).
+//! - The prologue's output is rounded to FP16 before the conv (crates/3-fusion/src/reference/fused.rs).
 //! - GenStats sums the stored FP16 `y`; BN_BWD_WEIGHTS reduces the stored FP16 `dz`.
-//! - `a`, `b`, `c` of BN_BWD_WEIGHTS are the coefficients derived in [`bn`].
+//! - `a`, `b`, `c` of BN_BWD_WEIGHTS are the coefficients derived in crates/3-fusion/src/reference/bn.rs.
 //! - ReLU backward passes no gradient at exactly 0.
 #![warn(missing_docs)]
 
-pub mod bn;
+pub(crate) mod bn;
 // A chain of layers on either route: the route-parity oracle of this crate's unit tests
 // (module `tests`), not part of the API.
 #[cfg(test)]
 mod chain;
-pub mod conv;
+pub(crate) mod conv;
 mod convert;
 pub(crate) mod direct;
-pub mod element;
-pub mod error;
-pub mod fused;
+pub(crate) mod element;
+pub(crate) mod error;
+pub(crate) mod fused;
 pub(crate) mod parallel;
-pub mod params;
-pub mod pointwise;
+pub(crate) mod params;
+pub(crate) mod pointwise;
 pub(crate) mod simd;
 
 #[cfg(test)]

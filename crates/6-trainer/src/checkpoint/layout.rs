@@ -172,7 +172,7 @@ pub(super) fn layout(
     cfg: &TrainConfig,
 ) -> Result<(MemoryPlan, Vec<(String, usize)>), crate::TrainError> {
     let net = crate::compile_net(cfg, &crate::net::cpu_policy(cfg))?;
-    let running = cudnn_cbr::net::cuda::running_stats(&net)
+    let running = cudnn_cbr::net::running_stats(&net)
         .map(|id| (net.buffers[id].name.clone(), net.buffers[id].elems))
         .collect();
     let (plan, _) = plan_and_initial_weights(cfg)?;
