@@ -67,7 +67,9 @@ mod state;
 
 pub use capture::{CudaGraphMode, GraphState, WARMUP_STEPS};
 pub use group::{open_device, RENDEZVOUS_TIMEOUT};
-pub use metrics::{Accuracies, ScalarHistory, StepScalars};
+pub use metrics::{ScalarHistory, StepScalars};
+// Where it was first defined (both backends' `evaluate_batches` return it now).
+pub use super::Accuracies;
 pub use snapshot::Snapshot;
 
 use super::shared::{step_plan, Classifier};
