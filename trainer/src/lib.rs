@@ -32,6 +32,7 @@
 #![forbid(unsafe_code)]
 
 pub mod augment;
+mod bookkeeping;
 pub mod checkpoint;
 pub mod cifar;
 mod config;
@@ -59,7 +60,8 @@ pub use report::{
 };
 pub use run::{train, Trainer};
 
-pub(crate) use report::{FNV_OFFSET, FNV_PRIME};
-pub(crate) use run::{
-    mean_metrics, plan_and_initial_weights, summarize, Session, Window, HELD_OUT_BATCHES,
+pub(crate) use bookkeeping::{
+    Bookkeeping, Checkpointed, Finished, HostMetrics, RunModel, HELD_OUT_BATCHES,
 };
+pub(crate) use report::{FNV_OFFSET, FNV_PRIME};
+pub(crate) use run::{mean_metrics, plan_and_initial_weights, Session};
