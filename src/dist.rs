@@ -54,7 +54,7 @@ use crate::amp::cuda::dist_grads::{self, all_reduce_sum_ordered, SharedComm};
 use crate::amp::cuda::{CudaSlice, CudaStream};
 use crate::amp::dist::grads;
 use crate::amp::AmpError;
-use crate::classifier::{ClassifierError, CpuClassifier};
+use crate::classifier::{Accuracies, ClassifierError, CpuClassifier};
 use crate::fusion::cbr::{BnSync, DeviceBnSync};
 use crate::net::{grad_schedule, GradSchedule};
 use crate::netops::head::HeadMetrics;
@@ -262,6 +262,32 @@ impl CpuReplica {
     /// As [`CpuClassifier::logits`].
     pub fn logits(&mut self, images: &[f16]) -> Result<Vec<f16>, ClassifierError> {
         self.model.logits(images)
+    }
+
+    /// Evaluates this rank's shards of `batches` ([`CpuClassifier::evaluate_batches`]; every
+    /// rank calls it together, with as many batches): the group's accuracies, the correct
+    /// top-1 counts summed over the ranks. BN runs in evaluation mode, so nothing else is
+    /// exchanged.
+    ///
+    /// # Errors
+    /// As [`CpuClassifier::evaluate_batches`]; [`AmpError::Dist`] when another rank failed or
+    /// timed out.
+    pub fn evaluate_batches(
+        &mut self,
+        batches: &[(Vec<f16>, Vec<i32>)],
+    ) -> Result<Accuracies, ClassifierError> {
+        let (correct, images) = self.model.correct_top1(batches)?;
+        // Whole counts, exact in f32 up to 2^24 images.
+        let mut v = [correct[0] as f32, correct[1] as f32];
+        self.comm
+            .all_reduce(&mut v[..], ReduceOp::Sum)
+            .map_err(AmpError::from)?;
+        let n = (images * self.comm.world()) as f32;
+        Ok(Accuracies {
+            trained: v[0] / n,
+            ema: self.model.step().config().ema_decay.map(|_| v[1] / n),
+            eval_mode: true,
+        })
     }
 
     /// The global mean of per-rank metrics.

@@ -1,6 +1,7 @@
 //! The classifier a trainer links (`cudnn_cbr::classifier`): a learning-rate schedule under
 //! replay of captured begin/finish graphs equals the eager step, bad batches are typed errors,
-//! and (GPU tier) the CUDA classifier follows the CPU one.
+//! evaluation reads the running statistics (and the EMA weights where asked; a list of batches
+//! counts each one's top-1), and (GPU tier) the CUDA classifier follows the CPU one.
 
 mod common;
 
@@ -201,4 +202,40 @@ fn ema_weights_are_evaluated_from_the_ema_regions() {
         .evaluate(&images[1..], EvalWeights::Trained)
         .unwrap_err();
     assert!(matches!(err, ClassifierError::Input(_)), "{err}");
+}
+
+#[test]
+fn evaluating_a_list_of_batches_counts_each_batch_s_top1() {
+    // The accuracies over several batches are the correct top-1 counts of `evaluate` over all
+    // their images, per weights; the EMA's only where the step keeps one.
+    let mut model = trained_with_ema(0.9, 3);
+    let batches: Vec<_> = (10..13).map(batch).collect();
+    let count = |model: &mut CpuClassifier, w: EvalWeights| -> usize {
+        batches
+            .iter()
+            .map(|(images, labels)| {
+                let e = model.evaluate(images, w).unwrap();
+                e.top1
+                    .iter()
+                    .zip(labels)
+                    .filter(|(&p, &l)| p as i32 == l)
+                    .count()
+            })
+            .sum()
+    };
+    let n = (batches.len() * BATCH) as f32;
+    let (trained, ema) = (
+        count(&mut model, EvalWeights::Trained),
+        count(&mut model, EvalWeights::Ema),
+    );
+    let acc = model.evaluate_batches(&batches).unwrap();
+    assert_eq!(acc.trained, trained as f32 / n);
+    assert_eq!(acc.ema, Some(ema as f32 / n));
+    assert!(acc.eval_mode);
+    let config = StepConfig::new(SgdConfig::new(0.05));
+    let mut plain = CpuClassifier::new(net(), CLASSES, config, 3).unwrap();
+    let acc = plain.evaluate_batches(&batches).unwrap();
+    assert_eq!(acc.ema, None);
+    // No batches: no images, accuracy 0 rather than NaN.
+    assert_eq!(plain.evaluate_batches(&[]).unwrap().trained, 0.0);
 }

@@ -4,7 +4,7 @@
 
 use super::backend::Backend;
 use super::shared::{step_plan, Classifier};
-use super::{ClassifierError, EvalWeights};
+use super::{Accuracies, ClassifierError, EvalWeights};
 use crate::amp::plan::Bucket;
 use crate::amp::plan::Region;
 use crate::amp::range::softmax_xent_backward;
@@ -295,6 +295,52 @@ impl Classifier<CpuBackend> {
     /// sets it up): [`CpuNet::set_bn_sync`].
     pub fn set_bn_sync(&mut self, sync: Box<dyn crate::fusion::cbr::BnSync<f32> + Send>) {
         self.backend.net.set_bn_sync(sync);
+    }
+
+    /// Evaluates `batches` (NHWC FP16 images, labels) with [`Classifier::evaluate`], one batch
+    /// at a time: the fraction of all their images whose top-1 class is their label, with the
+    /// trained weights and, where the step keeps an EMA, with the EMA weights (the CPU twin of
+    /// [`super::CudaClassifier::evaluate_batches`]). Weights, running statistics and the
+    /// step are left as they were.
+    ///
+    /// # Errors
+    /// As [`Classifier::evaluate`].
+    pub fn evaluate_batches(&mut self, batches: &[(Vec<f16>, Vec<i32>)]) -> Result<Accuracies> {
+        let (correct, images) = self.correct_top1(batches)?;
+        let n = images.max(1) as f32;
+        Ok(Accuracies {
+            trained: correct[0] as f32 / n,
+            ema: self.step.config().ema_decay.map(|_| correct[1] as f32 / n),
+            eval_mode: true,
+        })
+    }
+
+    /// The correct top-1 predictions over `batches` with the trained weights, then (0 without
+    /// an EMA) with the EMA weights, and the number of images evaluated: what
+    /// [`CpuClassifier::evaluate_batches`] divides, and a data-parallel replica sums over its
+    /// group first.
+    pub(crate) fn correct_top1(
+        &mut self,
+        batches: &[(Vec<f16>, Vec<i32>)],
+    ) -> Result<([usize; 2], usize)> {
+        let mut weights = vec![EvalWeights::Trained];
+        if self.step.config().ema_decay.is_some() {
+            weights.push(EvalWeights::Ema);
+        }
+        let mut correct = [0usize; 2];
+        for (c, &w) in correct.iter_mut().zip(&weights) {
+            for (images, labels) in batches {
+                let e = self.evaluate(images, w)?;
+                // A label outside the classes never matches (as `Evaluation::accuracy`).
+                *c += e
+                    .top1
+                    .iter()
+                    .zip(labels)
+                    .filter(|(&p, &l)| usize::try_from(l).is_ok_and(|l| l == p))
+                    .count();
+            }
+        }
+        Ok((correct, batches.len() * self.shape.batch))
     }
 
     /// The logits of `images` (NHWC FP16, one batch) with the current weights, BN in training

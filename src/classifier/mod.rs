@@ -36,8 +36,13 @@
 //! statistics, nothing statistical written): [`Classifier::evaluate`]`(images, weights)` gives
 //! an [`Evaluation`] (the logits and each image's top-1 class), with the trained weights or,
 //! where the step keeps an EMA ([`crate::amp::step::StepConfig::with_ema`]), the EMA weights
-//! ([`EvalWeights`]); on a GPU [`CudaClassifier::evaluate_batches`] also counts the top-1 of
-//! host batches on the device.
+//! ([`EvalWeights`]). Both backends' `evaluate_batches` give the [`Accuracies`] of a list of
+//! host batches with the trained and (with an EMA) the EMA weights, so that a trainer's
+//! test-set and held-out evaluations are one call on either:
+//! [`CpuClassifier::evaluate_batches`] (one batch at a time through `evaluate`, the top-1
+//! counted on the host; [`crate::dist::CpuReplica::evaluate_batches`] sums the counts over a
+//! data-parallel group) and [`CudaClassifier::evaluate_batches`] (the top-1 counted on the
+//! device, the EMA swapped in there).
 
 pub(crate) mod backend;
 pub(crate) mod cpu;
@@ -47,8 +52,8 @@ mod shared;
 pub use backend::Backend;
 pub use cpu::{BucketReduce, CpuBackend, CpuClassifier};
 pub use cuda::{
-    check_fits, open_device, Accuracies, CudaBackend, CudaClassifier, CudaGraphMode, EngineConfig,
-    GraphState, ScalarHistory, Snapshot, StepScalars, RENDEZVOUS_TIMEOUT, WARMUP_STEPS,
+    check_fits, open_device, CudaBackend, CudaClassifier, CudaGraphMode, EngineConfig, GraphState,
+    ScalarHistory, Snapshot, StepScalars, RENDEZVOUS_TIMEOUT, WARMUP_STEPS,
 };
 pub use shared::Classifier;
 
@@ -124,6 +129,19 @@ pub enum EvalWeights {
     /// The EMA of the weights: conv weights from E16 (the FP16 copy of the EMA), BN and FC
     /// parameters from E (FP32). Needs a step with EMA.
     Ema,
+}
+
+/// The accuracies of one evaluation over a set of batches (`evaluate_batches` of
+/// [`CpuClassifier`], [`crate::dist::CpuReplica`] and [`CudaClassifier`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Accuracies {
+    /// Top-1 accuracy with the trained weights.
+    pub trained: f32,
+    /// Top-1 accuracy with the EMA weights, when the step keeps an EMA.
+    pub ema: Option<f32>,
+    /// Whether BN ran in evaluation mode (the running statistics): always, on every backend
+    /// and route (on CUDA the unfused route's BN through `cbr_bn_eval`).
+    pub eval_mode: bool,
 }
 
 /// One evaluated batch.

@@ -27,10 +27,9 @@
 //! which and why. `--device cuda` fails with the reason instead of falling back.
 
 use clap::Parser;
+use cudnn_cbr::classifier::CudaGraphMode;
 use cudnn_cbr::net::{Arena, BlockKind, Preset};
-use cudnn_cbr_trainer::{
-    CudaGraphMode, DataSource, Device, ExecutorKind, Progress, TrainConfig, Trainer,
-};
+use cudnn_cbr_trainer::{DataSource, Device, ExecutorKind, Progress, TrainConfig, Trainer};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::process::ExitCode;

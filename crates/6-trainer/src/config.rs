@@ -3,10 +3,11 @@
 //! ([`FaultDrill`], [`StepTrace`]).
 
 use crate::net::{self, compile_net};
-use crate::{DataSource, Preset, TrainError};
+use crate::{DataSource, TrainError};
 use cudnn_cbr::amp::range::SgdConfig;
 use cudnn_cbr::amp::step::StepConfig;
 use cudnn_cbr::net::Arena;
+use cudnn_cbr::net::Preset;
 use std::str::FromStr;
 
 /// Which executor trains.
@@ -48,7 +49,7 @@ impl FromStr for Device {
 
 /// What the CUDA executor replays from CUDA graphs after [`cuda::WARMUP_STEPS`](crate::cuda::WARMUP_STEPS) eager steps
 /// (the CPU executor ignores it): the library engine's capture mode.
-pub use cudnn_cbr::classifier::CudaGraphMode;
+use cudnn_cbr::classifier::CudaGraphMode;
 
 /// What to train.
 #[derive(Debug, Clone, Copy, PartialEq)]

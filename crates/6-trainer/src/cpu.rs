@@ -3,18 +3,17 @@
 //! [`CpuRegions`].
 
 use super::{
-    checkpoint, data, mean_metrics, net::compile_net, net::cpu_policy, summarize, ExecutorInfo,
-    FaultDrill, MasterWeights, Progress, Session, StepTrace, TrainConfig, TrainError, TrainReport,
-    Window, HELD_OUT_BATCHES,
+    data, mean_metrics, net::compile_net, net::cpu_policy, Bookkeeping, Checkpointed, ExecutorInfo,
+    FaultDrill, Finished, HostMetrics, MasterWeights, Progress, RunModel, Session, StepTrace,
+    TrainConfig, TrainError, TrainReport,
 };
+use crate::bookkeeping::Batch;
 use crate::checkpoint::TrainState;
-use crate::curves::CurvePoint;
 use cudnn_cbr::amp::plan::Region;
-use cudnn_cbr::amp::step::{AmpStep, CpuRegions};
-use cudnn_cbr::classifier::{CpuClassifier, EvalWeights};
+use cudnn_cbr::amp::step::CpuRegions;
+use cudnn_cbr::classifier::{Accuracies, CpuClassifier};
 use cudnn_cbr::netops::head::HeadMetrics;
 use half::f16;
-use std::time::Instant;
 
 /// The CPU executor, set up and ready to run.
 #[derive(Debug)]
@@ -55,21 +54,12 @@ impl CpuTrainer {
         session: &Session,
     ) -> Result<TrainReport, TrainError> {
         let cfg = self.cfg;
-        let first = session.start;
-        let start = Instant::now();
-        let mut metrics = Vec::with_capacity(cfg.steps - first);
-        let mut curve = Vec::with_capacity(cfg.steps - first);
-        let mut window = Window::default();
+        let mut book = Bookkeeping::new(&cfg, session, self.data.clone(), (0, 1));
+        let first = book.first();
+        let mut host = HostMetrics::with_capacity(cfg.steps - first);
         let (mut trace, mut skipped_before) = (Vec::new(), 0u32);
         // Step i trains on batches i·accum .. (i + 1)·accum (its micro-batches).
         let accum = cfg.accum.max(1);
-        let images_per_step = cfg.batch * accum;
-        let ends = self
-            .data
-            .train_len()
-            .map(|n| data::epoch_ends(n, images_per_step, cfg.steps))
-            .unwrap_or_default();
-        let mut epochs = Vec::new();
         // Batches are made (and, for files, augmented) on a thread of their own while the
         // step runs; each is a pure function of its index, so the losses do not depend on it.
         let mut batches = data::Prefetch::spawn_range(
@@ -120,149 +110,53 @@ impl CpuTrainer {
                 });
                 skipped_before = s.skipped;
             }
-            metrics.push(m);
-            window.add(m);
-            let done = i + 1 - first;
-            let s = self.model.step().executor().scalars();
-            curve.push(CurvePoint {
-                step: i + 1,
-                loss: m.loss,
-                accuracy: m.accuracy,
-                loss_scale: s.loss_scale,
-                lr: s.lr,
-                images_per_sec: (done * images_per_step) as f64 / start.elapsed().as_secs_f64(),
-            });
-            if (i + 1) % every.max(1) == 0 || i + 1 == cfg.steps {
-                let step = self.model.step_mut();
-                step.request_scalars()?;
-                let s = step.poll_scalars()?.unwrap_or_default();
-                progress(&window.report(i + 1, done, images_per_step, start, s));
-            }
-            if let Some(path) = session.saves_after(i + 1, cfg.steps) {
-                checkpoint::save(
-                    path,
-                    &cfg,
-                    &TrainState::of(&self.model)?,
-                    (i + 1) as u64,
-                    &self.routes(),
-                )?;
-            }
-            if let Some(e) = ends.iter().position(|&s| s == i + 1) {
-                epochs.push(self.test_epoch(e + 1, i + 1)?);
-            }
+            host.record(&book, i + 1, m, step, every, &mut progress)?;
+            book.after_step(i + 1, &mut self)?;
         }
-        let images_per_sec =
-            ((cfg.steps - first) * images_per_step) as f64 / start.elapsed().as_secs_f64();
-        // Held-out batches, evaluation mode (running statistics; weights and statistics are
-        // not touched), with the trained weights and, with an EMA, the EMA weights.
-        let mut correct = [0usize; 2];
-        for i in 0..HELD_OUT_BATCHES {
-            let (images, labels) = self.data.held_out_batch(cfg.batch, i);
-            for (c, w) in correct.iter_mut().zip(eval_weights(&cfg)) {
-                let e = self.model.evaluate(&images, w)?;
-                *c += e
-                    .top1
-                    .iter()
-                    .zip(&labels)
-                    .filter(|(&p, &l)| p as i32 == l)
-                    .count();
-            }
-        }
-        let n = (HELD_OUT_BATCHES as usize * cfg.batch) as f32;
-        let held_out = [correct[0] as f32 / n, correct[1] as f32 / n];
-        let mut r = report(
-            self.model.step_mut(),
-            &metrics,
-            held_out[0],
+        let images_per_sec = book.clock().images_per_sec(cfg.steps - first);
+        let held_out = book.held_out(&mut self)?;
+        let step = self.model.step_mut();
+        step.request_scalars()?;
+        let scalars = step.poll_scalars()?.unwrap_or_default();
+        let run = Finished {
+            metrics: host.metrics,
+            held_out,
+            scalars,
             images_per_sec,
             executor,
             trace,
-        )?;
-        r.held_out_ema_accuracy = cfg.ema.map(|_| held_out[1]);
-        r.start_step = first;
-        r.curve = curve;
-        r.epochs = epochs;
-        Ok(r)
+            curve: host.curve,
+        };
+        book.report(&self, run)
+    }
+}
+
+impl RunModel for CpuTrainer {
+    fn evaluate(&mut self, batches: &[Batch]) -> Result<Accuracies, TrainError> {
+        Ok(self.model.evaluate_batches(batches)?)
     }
 
-    /// The whole test set in evaluation mode, with the trained and (with an EMA) the EMA
-    /// weights, after epoch `epoch` ended at step `step`.
-    fn test_epoch(&mut self, epoch: usize, step: usize) -> Result<crate::EpochEval, TrainError> {
-        let cfg = self.cfg;
-        let len = self.data.held_out_len().unwrap_or(0);
-        let batches = data::test_batches(len, cfg.batch);
-        let mut correct = [0usize; 2];
-        for i in 0..batches {
-            let (images, labels) = self.data.held_out_batch(cfg.batch, i);
-            for (c, w) in correct.iter_mut().zip(eval_weights(&cfg)) {
-                let e = self.model.evaluate(&images, w)?;
-                *c += e
-                    .top1
-                    .iter()
-                    .zip(&labels)
-                    .filter(|(&p, &l)| p as i32 == l)
-                    .count();
-            }
-        }
-        let n = (batches as usize * cfg.batch).max(1) as f32;
-        Ok(crate::EpochEval {
-            epoch,
-            step,
-            accuracy: correct[0] as f32 / n,
-            ema_accuracy: cfg.ema.map(|_| correct[1] as f32 / n),
-        })
+    fn weights(&self) -> Result<MasterWeights, TrainError> {
+        master_weights(self.model.step().executor())
     }
+}
 
-    /// The route every layer runs (checkpoint metadata).
-    fn routes(&self) -> String {
-        format!(
+impl Checkpointed for CpuTrainer {
+    fn checkpoint(&self) -> Result<(TrainState, String), TrainError> {
+        // The route every layer runs.
+        let routes = format!(
             "cpu reference executor, {} route ops",
             if self.cfg.fused { "fused" } else { "unfused" }
-        )
+        );
+        Ok((TrainState::of(&self.model)?, routes))
     }
 }
 
-/// The report of a CPU run from its amp step (scalars, master weights W) and per-step
-/// metrics; both CPU executors end with it.
-pub(crate) fn report(
-    step: &mut AmpStep<CpuRegions>,
-    metrics: &[HeadMetrics],
-    held_out_accuracy: f32,
-    images_per_sec: f64,
-    executor: ExecutorInfo,
-    trace: Vec<StepTrace>,
-) -> Result<TrainReport, TrainError> {
-    step.request_scalars()?;
-    let s = step.poll_scalars()?.unwrap_or_default();
-    let (first_loss, last_loss, last_accuracy, step_losses) = summarize(metrics);
-    let regions = step.executor();
-    let weights = MasterWeights::read(regions.plan_arc(), |p| {
+/// The FP32 master weights (region W) of a CPU run: what both CPU executors report.
+pub(crate) fn master_weights(regions: &CpuRegions) -> Result<MasterWeights, TrainError> {
+    Ok(MasterWeights::read(regions.plan_arc(), |p| {
         regions.param_f32(p.name(), Region::W).map(<[f32]>::to_vec)
-    })?;
-    Ok(TrainReport {
-        first_loss,
-        last_loss,
-        last_accuracy,
-        held_out_accuracy,
-        held_out_eval_mode: true,
-        held_out_ema_accuracy: None,
-        skipped: s.skipped,
-        loss_scale: s.loss_scale,
-        images_per_sec,
-        step_losses,
-        weights,
-        executor,
-        trace,
-        start_step: 0,
-        curve: Vec::new(),
-        epochs: Vec::new(),
-    })
-}
-
-/// The weights the held-out batches are evaluated with: the trained ones, then the EMA's
-/// when the run keeps one.
-pub(crate) fn eval_weights(cfg: &TrainConfig) -> impl Iterator<Item = EvalWeights> {
-    std::iter::once(EvalWeights::Trained).chain(cfg.ema.map(|_| EvalWeights::Ema))
+    })?)
 }
 
 /// Overwrites one gradient element (chosen by `h`) with NaN, +Inf or −Inf: in G16 (the conv

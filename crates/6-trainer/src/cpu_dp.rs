@@ -5,16 +5,16 @@
 //! global batch's.
 
 use super::{
-    data, net::compile_net, net::cpu_policy, ExecutorInfo, Progress, TrainConfig, TrainError,
-    TrainReport, Window, HELD_OUT_BATCHES,
+    data, net::compile_net, net::cpu_policy, Bookkeeping, ExecutorInfo, Finished, HostMetrics,
+    MasterWeights, Progress, RunModel, Session, TrainConfig, TrainError, TrainReport,
 };
+use crate::bookkeeping::Batch;
 use cudnn_cbr::amp::AmpError;
-use cudnn_cbr::classifier::CpuClassifier;
+use cudnn_cbr::classifier::{Accuracies, CpuClassifier};
 use cudnn_cbr::dist::DistError;
 use cudnn_cbr::dist::{Collective, Communicator, CpuComm, CpuGroup, CpuReplica, ReduceOp};
 use cudnn_cbr::netops::head::HeadMetrics;
-use half::f16;
-use std::time::Instant;
+use std::sync::Arc;
 
 /// The data-parallel CPU executor, checked and ready to run.
 #[derive(Debug)]
@@ -36,6 +36,7 @@ impl DataParallelTrainer {
         every: usize,
         mut progress: impl FnMut(&Progress),
         executor: ExecutorInfo,
+        session: &Session,
     ) -> Result<TrainReport, TrainError> {
         let cfg = self.cfg;
         let grads = CpuGroup::ranks(cfg.ranks).map_err(AmpError::from)?;
@@ -58,11 +59,11 @@ impl DataParallelTrainer {
                         .name(format!("rank {}", g.rank()))
                         .spawn_scoped(s, {
                             let executor = executor.clone();
-                            move || run_rank(&cfg, g, b, every, &mut |_| {}, &executor)
+                            move || run_rank(&cfg, (g, b), every, &mut |_| {}, &executor, session)
                         })
                 })
                 .collect();
-            let first = run_rank(&cfg, g0, b0, every, &mut progress, &executor);
+            let first = run_rank(&cfg, (g0, b0), every, &mut progress, &executor, session);
             let mut results = vec![first];
             for h in others {
                 results.push(match h {
@@ -96,39 +97,35 @@ impl DataParallelTrainer {
     }
 }
 
-/// One rank's whole run; rank 0 returns the report.
+/// One rank's whole run over its communicators (gradients, and synchronized BN's); rank 0
+/// returns the report.
 fn run_rank(
     cfg: &TrainConfig,
-    grads: CpuComm,
-    bn: Option<CpuComm>,
+    (grads, bn): (CpuComm, Option<CpuComm>),
     every: usize,
     progress: &mut dyn FnMut(&Progress),
     executor: &ExecutorInfo,
+    session: &Session,
 ) -> Result<Option<TrainReport>, TrainError> {
     let (rank, ranks) = (grads.rank(), cfg.ranks);
-    let data = data::Synthetic::new(cfg.hw, cfg.channels, cfg.classes, cfg.seed);
+    let data = Arc::new(data::Synthetic::new(
+        cfg.hw,
+        cfg.channels,
+        cfg.classes,
+        cfg.seed,
+    ));
     let net = compile_net(cfg, &cpu_policy(cfg))?;
     let model =
         CpuClassifier::with_arena(net, cfg.classes, cfg.step_config(), cfg.seed, cfg.arena)?;
     let mut replica = CpuReplica::new(model, grads, bn)?;
-    let per = cfg.hw * cfg.hw * cfg.channels;
-    let shard = |(images, labels): (Vec<f16>, Vec<i32>)| {
-        let (i0, l0) = (rank * cfg.batch * per, rank * cfg.batch);
-        (
-            images[i0..i0 + cfg.batch * per].to_vec(),
-            labels[l0..l0 + cfg.batch].to_vec(),
-        )
-    };
-    let start = Instant::now();
-    let mut metrics = Vec::with_capacity(cfg.steps);
-    let mut curve = Vec::with_capacity(if rank == 0 { cfg.steps } else { 0 });
-    let mut window = Window::default();
+    // Synthetic data only, and no checkpoints (one rank): no epochs and no saves.
+    let book = Bookkeeping::new(cfg, session, data.clone(), (rank, ranks));
+    let mut host = HostMetrics::with_capacity(if rank == 0 { cfg.steps } else { 0 });
     // Step i trains on global batches i·accum .. (i + 1)·accum, each sharded over the ranks.
     let accum = cfg.accum.max(1);
-    let images_per_step = cfg.batch * ranks * accum;
     for i in 0..cfg.steps {
         let m = if accum == 1 {
-            let (images, labels) = shard(data.batch(cfg.batch * ranks, i as u64, 0));
+            let (images, labels) = book.shard(data.batch(cfg.batch * ranks, i as u64, 0));
             replica.step(&images, &labels)?
         } else {
             // One micro-batch in memory at a time; the step's mean loss and accuracy over
@@ -136,7 +133,7 @@ fn run_rank(
             let mut v = [0f32; 2];
             for k in 0..accum {
                 let (images, labels) =
-                    shard(data.batch(cfg.batch * ranks, (i * accum + k) as u64, 0));
+                    book.shard(data.batch(cfg.batch * ranks, (i * accum + k) as u64, 0));
                 let local = replica.micro_batch(&images, &labels, k + 1 == accum)?;
                 v[0] += local.loss / accum as f32;
                 v[1] += local.accuracy / accum as f32;
@@ -150,64 +147,40 @@ fn run_rank(
                 accuracy: v[1] / ranks as f32,
             }
         };
-        metrics.push(m);
-        window.add(m);
+        // Rank 0 reports; every figure is the global batch's.
         if rank == 0 {
-            let s = replica.model_mut().step().executor().scalars();
-            curve.push(crate::curves::CurvePoint {
-                step: i + 1,
-                loss: m.loss,
-                accuracy: m.accuracy,
-                loss_scale: s.loss_scale,
-                lr: s.lr,
-                images_per_sec: ((i + 1) * images_per_step) as f64 / start.elapsed().as_secs_f64(),
-            });
-        }
-        if rank == 0 && ((i + 1) % every.max(1) == 0 || i + 1 == cfg.steps) {
             let step = replica.model_mut().step_mut();
-            step.request_scalars()?;
-            let s = step.poll_scalars()?.unwrap_or_default();
-            progress(&window.report(i + 1, i + 1, images_per_step, start, s));
+            host.record(&book, i + 1, m, step, every, progress)?;
         }
     }
-    let images_per_sec = (cfg.steps * images_per_step) as f64 / start.elapsed().as_secs_f64();
-    // Held-out batches, evaluation mode: each rank its shard with its own running statistics
-    // (the same on every rank with synchronized BN), the correct counts summed; with an EMA,
-    // the EMA weights' count second.
-    let mut correct = [0f32; 2];
-    for i in 0..HELD_OUT_BATCHES {
-        let (images, labels) = shard(data.batch(cfg.batch * ranks, i, 1));
-        for (c, w) in correct.iter_mut().zip(super::cpu::eval_weights(cfg)) {
-            let e = replica.model_mut().evaluate(&images, w)?;
-            *c += e
-                .top1
-                .iter()
-                .zip(&labels)
-                .filter(|(&p, &l)| p as i32 == l)
-                .count() as f32;
-        }
-    }
-    replica
-        .comm_mut()
-        .all_reduce(&mut correct[..], ReduceOp::Sum)
-        .map_err(AmpError::from)?;
+    let images_per_sec = book.clock().images_per_sec(cfg.steps);
+    // Each rank evaluates its shard with its own running statistics (the same on every rank
+    // with synchronized BN); the correct counts are summed.
+    let held_out = book.held_out(&mut replica)?;
     if rank != 0 {
         return Ok(None);
     }
-    let n = (HELD_OUT_BATCHES as usize * cfg.batch * ranks) as f32;
-    super::cpu::report(
-        replica.model_mut().step_mut(),
-        &metrics,
-        correct[0] / n,
+    let step = replica.model_mut().step_mut();
+    step.request_scalars()?;
+    let scalars = step.poll_scalars()?.unwrap_or_default();
+    let run = Finished {
+        metrics: host.metrics,
+        held_out,
+        scalars,
         images_per_sec,
-        executor.clone(),
-        Vec::new(),
-    )
-    .map(|r| {
-        Some(TrainReport {
-            curve: std::mem::take(&mut curve),
-            held_out_ema_accuracy: cfg.ema.map(|_| correct[1] / n),
-            ..r
-        })
-    })
+        executor: executor.clone(),
+        trace: Vec::new(),
+        curve: host.curve,
+    };
+    book.report(&replica, run).map(Some)
+}
+
+impl RunModel for CpuReplica {
+    fn evaluate(&mut self, batches: &[Batch]) -> Result<Accuracies, TrainError> {
+        Ok(self.evaluate_batches(batches)?)
+    }
+
+    fn weights(&self) -> Result<MasterWeights, TrainError> {
+        super::cpu::master_weights(self.model().step().executor())
+    }
 }

@@ -3,7 +3,9 @@
 //! whole-step capture, the data-parallel group and the device-side metrics log) built from a
 //! [`TrainConfig`], and the loop around it: the input pipeline (`crates/6-trainer/src/cuda_input.rs`),
 //! progress lines from the asynchronous readback every few steps, the capture after
-//! [`WARMUP_STEPS`], checkpoints, the epochs' test-set evaluations, the curve and the report.
+//! [`WARMUP_STEPS`] and the curve; checkpoints, the epochs' test-set evaluations, the held-out
+//! evaluation and the report go through the bookkeeping every executor shares
+//! (`crates/6-trainer/src/bookkeeping.rs`).
 //! The loop synchronizes only after the last step (for the report, the held-out evaluation
 //! and the throughput).
 
@@ -12,9 +14,10 @@ mod input;
 
 use super::net::compile_net;
 use super::{
-    checkpoint, data, summarize, ExecutorInfo, MasterWeights, Progress, Session, TrainConfig,
-    TrainError, TrainReport, HELD_OUT_BATCHES,
+    data, Bookkeeping, Checkpointed, ExecutorInfo, Finished, MasterWeights, Progress, RunModel,
+    Session, TrainConfig, TrainError, TrainReport, HELD_OUT_BATCHES,
 };
+use crate::bookkeeping::Batch;
 use crate::checkpoint::TrainState;
 use crate::curves::CurvePoint;
 use cudnn_cbr::amp::cuda::{CudaRegions, CudaStream};
@@ -31,11 +34,8 @@ use cudnn_cbr::net::{CompiledNet, RoutePolicy};
 use cudnn_cbr::netops::head::{HeadMetrics, MetricsLog};
 use half::f16;
 use std::sync::Arc;
-use std::time::Instant;
 
-pub use cudnn_cbr::classifier::{
-    CudaGraphMode, GraphState, Snapshot, RENDEZVOUS_TIMEOUT, WARMUP_STEPS,
-};
+use cudnn_cbr::classifier::{CudaGraphMode, GraphState, Snapshot, WARMUP_STEPS};
 
 /// Where built cuDNN plans are persisted (relative to the working directory), so that a rerun
 /// restores them in about a millisecond each instead of running cuDNN's runtime compilation.
@@ -292,56 +292,6 @@ impl CudaTrainer {
         .map_err(amp_error)
     }
 
-    /// This rank's shard of a global batch of `world × batch` images.
-    fn shard(&self, (images, labels): (Vec<f16>, Vec<i32>)) -> (Vec<f16>, Vec<i32>) {
-        let (rank, world) = self.rank();
-        if world == 1 {
-            return (images, labels);
-        }
-        let b = self.cfg.batch;
-        let per = images.len() / labels.len().max(1);
-        (
-            images[rank * b * per..(rank + 1) * b * per].to_vec(),
-            labels[rank * b..(rank + 1) * b].to_vec(),
-        )
-    }
-
-    /// Evaluates this rank's shards forward only with the trained and (with an EMA) the EMA
-    /// weights ([`CudaClassifier::evaluate_batches`]).
-    fn evaluate_batches(
-        &mut self,
-        batches: &[(Vec<f16>, Vec<i32>)],
-    ) -> Result<Accuracies, TrainError> {
-        Ok(self.engine.evaluate_batches(batches)?)
-    }
-
-    /// The steps (1-based) after which an epoch of the training data ends, where it has
-    /// epochs ([`crate::data::Dataset::train_len`]).
-    fn epoch_ends(&self) -> Vec<usize> {
-        let images = self.cfg.batch * self.rank().1 * self.cfg.accum.max(1);
-        self.data
-            .train_len()
-            .map(|n| crate::data::epoch_ends(n, images, self.cfg.steps))
-            .unwrap_or_default()
-    }
-
-    /// The whole test set in evaluation mode, with the trained and (with an EMA) the EMA
-    /// weights, after epoch `epoch` ended at step `step`.
-    fn test_epoch(&mut self, epoch: usize, step: usize) -> Result<crate::EpochEval, TrainError> {
-        let per = self.cfg.batch * self.rank().1;
-        let len = self.data.held_out_len().unwrap_or(0);
-        let batches: Vec<_> = (0..crate::data::test_batches(len, per))
-            .map(|i| self.shard(self.data.held_out_batch(per, i)))
-            .collect();
-        let acc = self.evaluate_batches(&batches)?;
-        Ok(crate::EpochEval {
-            epoch,
-            step,
-            accuracy: acc.trained,
-            ema_accuracy: acc.ema,
-        })
-    }
-
     /// The training loop (see [`super::Trainer::run`] for the reporting rules).
     pub(crate) fn run(
         mut self,
@@ -376,11 +326,10 @@ impl CudaTrainer {
         };
         let mut enqueued: Vec<f64> = Vec::new();
         let every = every.max(1);
-        let world = self.rank().1;
         // Step i trains on batches i·accum .. (i + 1)·accum; the log has an entry for each.
         let accum = cfg.accum.max(1);
-        let images_per_step = cfg.batch * world * accum;
-        let start = Instant::now();
+        let mut book = Bookkeeping::new(&cfg, session, self.data.clone(), self.rank());
+        let clock = book.clock();
         let mut reported = 0usize;
         let emit = |log: &MetricsLog,
                     scale: f32,
@@ -400,13 +349,12 @@ impl CudaTrainer {
                 accuracy: window.iter().map(|m| m.accuracy).sum::<f32>() / n,
                 loss_scale: scale,
                 skipped,
-                images_per_sec: (done * images_per_step) as f64 / start.elapsed().as_secs_f64(),
+                images_per_sec: clock.images_per_sec(done),
             });
             *reported = done;
         };
         // Batches made ahead on a CPU thread, copied to the device beside the step before.
         let mut feed = self.feed((first * accum) as u64..(cfg.steps * accum) as u64)?;
-        let (ends, mut epochs) = (self.epoch_ends(), Vec::new());
         for i in first..cfg.steps {
             for k in 0..accum {
                 // Micro-batch `i·accum + k`, copied beside the one before; the next is staged
@@ -424,23 +372,9 @@ impl CudaTrainer {
                 // throughput is the host's at enqueue, at most two micro-batches ahead of the
                 // device (the input's double buffer).
                 self.engine.record_scalars(h)?;
-                enqueued.push(
-                    ((i + 1 - first) * images_per_step) as f64 / start.elapsed().as_secs_f64(),
-                );
+                enqueued.push(clock.images_per_sec(i + 1 - first));
             }
-            if let Some(path) = session.saves_after(i + 1, cfg.steps) {
-                let state = self.train_state()?;
-                let routes = self
-                    .routes()
-                    .iter()
-                    .map(|(l, r)| format!("{l}={r}"))
-                    .collect::<Vec<_>>()
-                    .join(",");
-                checkpoint::save(path, &cfg, &state, (i + 1) as u64, &routes)?;
-            }
-            if let Some(e) = ends.iter().position(|&s| s == i + 1) {
-                epochs.push(self.test_epoch(e + 1, i + 1)?);
-            }
+            book.after_step(i + 1, self)?;
             // Logging without syncs: poll what has arrived, request more every `every` steps.
             if let Some((log, s)) = self.engine.poll_readback()? {
                 emit(&log, s.loss_scale, s.skipped, &mut reported, &mut progress);
@@ -456,8 +390,7 @@ impl CudaTrainer {
                 what: "synchronize after the last step".into(),
                 message: e.to_string(),
             })?;
-        let images_per_sec =
-            ((cfg.steps - first) * images_per_step) as f64 / start.elapsed().as_secs_f64();
+        let images_per_sec = clock.images_per_sec(cfg.steps - first);
         let (mut log, s) = self.engine.wait_readback()?;
         emit(&log, s.loss_scale, s.skipped, &mut reported, &mut progress);
         // One entry per step from here on: its micro-batches' means.
@@ -486,34 +419,42 @@ impl CudaTrainer {
             p.loss = m.loss;
             p.accuracy = m.accuracy;
         }
-
-        // Held-out batches, forward only, BN in evaluation mode (the running statistics, as
-        // the CPU executor), on every route; with an EMA, a second time with the EMA weights.
-        let held_out: Vec<_> = (0..HELD_OUT_BATCHES)
-            .map(|i| self.shard(self.data.held_out_batch(cfg.batch * world, i)))
-            .collect();
-        let acc = self.evaluate_batches(&held_out)?;
-        let (first_loss, last_loss, last_accuracy, step_losses) = summarize(&log.entries);
-        let weights = self.master_weights()?;
+        // Forward only, on every route (the unfused one's BN through `cbr_bn_eval`).
+        let held_out = book.held_out(self)?;
         executor.detail = format!("{}; ran: {}", executor.detail, self.graph_state());
-        Ok(TrainReport {
-            first_loss,
-            last_loss,
-            last_accuracy,
-            held_out_accuracy: acc.trained,
-            held_out_eval_mode: acc.eval_mode,
-            held_out_ema_accuracy: acc.ema,
-            skipped: s.skipped,
-            loss_scale: s.loss_scale,
+        let run = Finished {
+            metrics: log.entries,
+            held_out,
+            scalars: s,
             images_per_sec,
-            step_losses,
-            weights,
             executor,
             trace: Vec::new(),
-            start_step: first,
             curve,
-            epochs,
-        })
+        };
+        book.report(self, run)
+    }
+}
+
+impl RunModel for CudaTrainer {
+    /// [`CudaClassifier::evaluate_batches`]: the group's accuracies.
+    fn evaluate(&mut self, batches: &[Batch]) -> Result<Accuracies, TrainError> {
+        Ok(self.engine.evaluate_batches(batches)?)
+    }
+
+    fn weights(&self) -> Result<MasterWeights, TrainError> {
+        self.master_weights()
+    }
+}
+
+impl Checkpointed for CudaTrainer {
+    fn checkpoint(&self) -> Result<(TrainState, String), TrainError> {
+        let routes = self
+            .routes()
+            .iter()
+            .map(|(l, r)| format!("{l}={r}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        Ok((self.train_state()?, routes))
     }
 }
 

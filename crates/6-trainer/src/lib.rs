@@ -32,6 +32,7 @@
 #![forbid(unsafe_code)]
 
 pub mod augment;
+mod bookkeeping;
 pub mod checkpoint;
 pub mod cifar;
 mod config;
@@ -41,17 +42,14 @@ pub mod cuda;
 pub mod curves;
 mod data;
 mod error;
-pub mod net;
+mod net;
 mod report;
 mod run;
 
-pub use cudnn_cbr::net::Preset;
 pub use data::{DataSource, Dataset, Prefetch, Synthetic};
-pub use net::compile_net;
+pub use net::{compile_net, cpu_policy};
 
-pub use cudnn_cbr::net::Arena;
-
-pub use config::{CudaGraphMode, Device, FaultDrill, StepTrace, TrainConfig, MAX_ACCUM, MAX_STEPS};
+pub use config::{Device, FaultDrill, StepTrace, TrainConfig, MAX_ACCUM, MAX_STEPS};
 pub use error::TrainError;
 pub use report::{
     initial_master_weights, EpochEval, ExecutorInfo, ExecutorKind, MasterWeights, Progress,
@@ -59,7 +57,8 @@ pub use report::{
 };
 pub use run::{train, Trainer};
 
-pub(crate) use report::{FNV_OFFSET, FNV_PRIME};
-pub(crate) use run::{
-    mean_metrics, plan_and_initial_weights, summarize, Session, Window, HELD_OUT_BATCHES,
+pub(crate) use bookkeeping::{
+    Bookkeeping, Checkpointed, Finished, HostMetrics, RunModel, HELD_OUT_BATCHES,
 };
+pub(crate) use report::{FNV_OFFSET, FNV_PRIME};
+pub(crate) use run::{mean_metrics, plan_and_initial_weights, Session};

@@ -1,6 +1,7 @@
 //! A training run: [`Trainer`] picks and sets up the executor and runs the loop
-//! ([`train`] in one call), with what the executors share: the session (resume, saves,
-//! curves), the progress window, the memory plan and initial weights, the report's summary.
+//! ([`train`] in one call), with what the executors share before it runs: the session
+//! (resume, saves, curves), the memory plan and initial weights (what the loops share while
+//! and after they run is in `bookkeeping.rs`).
 
 use crate::net::{self, compile_net};
 use crate::{
@@ -256,7 +257,7 @@ impl Trainer {
     ) -> Result<TrainReport, TrainError> {
         match self.exec {
             Exec::Cpu(t) => t.run(every, progress, self.info, &self.session),
-            Exec::CpuDataParallel(t) => t.run(every, progress, self.info),
+            Exec::CpuDataParallel(t) => t.run(every, progress, self.info, &self.session),
             Exec::Cuda(t) => t.run(every, progress, self.info, &self.session),
         }
     }
@@ -293,48 +294,6 @@ fn launch_env() -> Result<Option<cudnn_cbr::dist::bootstrap::LaunchEnv>, TrainEr
     Ok((env.world > 1).then_some(env))
 }
 
-/// Loss and accuracy of the steps since the last progress report (the CPU executors').
-#[derive(Debug, Default)]
-pub(crate) struct Window {
-    loss: f32,
-    accuracy: f32,
-    n: usize,
-}
-
-impl Window {
-    pub(crate) fn add(&mut self, m: HeadMetrics) {
-        self.loss += m.loss;
-        self.accuracy += m.accuracy;
-        self.n += 1;
-    }
-
-    /// The report after `step` steps (`done` of them since `start`) of `images_per_step`
-    /// images, with S's scale and skip count; empties the window.
-    pub(crate) fn report(
-        &mut self,
-        step: usize,
-        done: usize,
-        images_per_step: usize,
-        start: std::time::Instant,
-        s: cudnn_cbr::amp::range::Scalars,
-    ) -> Progress {
-        let n = self.n.max(1) as f32;
-        let p = Progress {
-            step,
-            loss: self.loss / n,
-            accuracy: self.accuracy / n,
-            loss_scale: s.loss_scale,
-            skipped: s.skipped,
-            images_per_sec: (done * images_per_step) as f64 / start.elapsed().as_secs_f64(),
-        };
-        *self = Window::default();
-        p
-    }
-}
-
-/// Held-out batches evaluated after training.
-pub(crate) const HELD_OUT_BATCHES: u64 = 8;
-
 /// The network's memory plan ([`cudnn_cbr::net::memory_plan`]) and initial master weights
 /// ([`cudnn_cbr::net::initial_weights`]) for `cfg`'s shapes and seed: what both executors start from.
 pub(crate) fn plan_and_initial_weights(
@@ -360,21 +319,6 @@ pub(crate) fn plan_and_initial_weights(
 
 /// (parameter, values) pairs.
 pub(crate) type NamedValues = Vec<(String, Vec<f32>)>;
-
-/// The report's loss and accuracy fields from the per-step metrics.
-pub(crate) fn summarize(steps: &[HeadMetrics]) -> (f32, f32, f32, Vec<f32>) {
-    let mean = |v: &[f32]| v.iter().sum::<f32>() / v.len().max(1) as f32;
-    let losses: Vec<f32> = steps.iter().map(|m| m.loss).collect();
-    let accs: Vec<f32> = steps.iter().map(|m| m.accuracy).collect();
-    let head = &losses[..losses.len().min(10)];
-    let tail = &losses[losses.len().saturating_sub(10)..];
-    (
-        mean(head),
-        mean(tail),
-        mean(&accs[accs.len().saturating_sub(10)..]),
-        losses,
-    )
-}
 
 /// The mean loss and accuracy of a step's micro-batches (the one micro-batch's own values
 /// without accumulation).

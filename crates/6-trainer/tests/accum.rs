@@ -4,7 +4,8 @@
 //! errors. (The simulated CUDA device's run is in
 //! `crates/6-trainer/tests/sim_train.rs`.)
 
-use cudnn_cbr_trainer::{train, FaultDrill, Preset, TrainConfig, TrainError, Trainer, MAX_ACCUM};
+use cudnn_cbr::net::Preset;
+use cudnn_cbr_trainer::{train, FaultDrill, TrainConfig, TrainError, Trainer, MAX_ACCUM};
 
 fn small(accum: usize) -> TrainConfig {
     TrainConfig {

@@ -12,10 +12,11 @@
 //! device, no cuDNN, no NVRTC, or, for 4, where CUDA is available). It never fakes a result.
 //! The tests take a process-wide lock: they share the device and the plan-cache folder.
 
-use cudnn_cbr_trainer::cuda::{CudaTrainer, GraphState, WARMUP_STEPS};
+use cudnn_cbr::classifier::{CudaGraphMode, GraphState, WARMUP_STEPS};
+use cudnn_cbr_trainer::cuda::CudaTrainer;
 use cudnn_cbr_trainer::{
-    initial_master_weights, train, CudaGraphMode, Device, ExecutorKind, MasterWeights, Synthetic,
-    TrainConfig, TrainError, TrainReport, Trainer,
+    initial_master_weights, train, Device, ExecutorKind, MasterWeights, Synthetic, TrainConfig,
+    TrainError, TrainReport, Trainer,
 };
 use std::sync::{Mutex, MutexGuard};
 

@@ -19,10 +19,9 @@ mod sim;
 
 use cudnn_cbr::amp::plan::Region;
 use cudnn_cbr::amp::range::{ema_update, Scalars};
-use cudnn_cbr::classifier::CpuClassifier;
-use cudnn_cbr_trainer::cuda::{CudaTrainer, GraphState, Snapshot, WARMUP_STEPS};
-use cudnn_cbr_trainer::net::cpu_policy;
-use cudnn_cbr_trainer::{compile_net, train, CudaGraphMode, Device, Synthetic, TrainConfig};
+use cudnn_cbr::classifier::{CpuClassifier, CudaGraphMode, GraphState, Snapshot, WARMUP_STEPS};
+use cudnn_cbr_trainer::cuda::CudaTrainer;
+use cudnn_cbr_trainer::{compile_net, cpu_policy, train, Device, Synthetic, TrainConfig};
 use half::f16;
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -18,8 +18,9 @@ mod gpu_train;
 #[path = "../../3-amp/tests/sim/mod.rs"]
 mod sim;
 
+use cudnn_cbr::net::Arena;
 use cudnn_cbr::net::Preset;
-use cudnn_cbr_trainer::{train, Arena, Device, ExecutorKind, TrainConfig};
+use cudnn_cbr_trainer::{train, Device, ExecutorKind, TrainConfig};
 use std::process::Command;
 
 /// Set in a child run (each child runs one test of this binary, `--exact`).

@@ -71,7 +71,7 @@ fn a_bad_configuration_is_a_typed_error() {
 
 #[test]
 fn sizes_no_host_could_hold_are_typed_errors_before_any_allocation() {
-    use cudnn_cbr_trainer::Preset;
+    use cudnn_cbr::net::Preset;
     // (what, config, words the error must contain). Each used to abort the process: shape
     // arithmetic that wrapped, or an allocation the host could never satisfy.
     let base = TrainConfig::default();
@@ -123,7 +123,8 @@ fn sizes_no_host_could_hold_are_typed_errors_before_any_allocation() {
 
 #[test]
 fn poisoned_gradients_on_one_percent_of_2000_steps_are_each_skipped_exactly() {
-    use cudnn_cbr_trainer::{FaultDrill, Preset};
+    use cudnn_cbr::net::Preset;
+    use cudnn_cbr_trainer::FaultDrill;
     let cfg = TrainConfig {
         steps: 2000,
         batch: 2,

@@ -9,7 +9,7 @@ use crate::amp::cuda::{CudaSlice, DevRange, DevRangeMut};
 use crate::amp::plan::Region;
 use crate::amp::range::{s_layout, Scalars};
 use crate::amp::AmpError;
-use crate::classifier::ClassifierError;
+use crate::classifier::{Accuracies, ClassifierError};
 use crate::netops::head::{metrics_log_capacity, metrics_log_read, MetricsLog};
 use half::f16;
 
@@ -32,18 +32,6 @@ pub struct StepScalars {
     pub loss_scale: f32,
     /// The learning rate the step used.
     pub lr: f32,
-}
-
-/// The accuracies of one evaluation over a set of batches.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Accuracies {
-    /// Top-1 accuracy with the trained weights.
-    pub trained: f32,
-    /// Top-1 accuracy with the EMA weights, when the step keeps an EMA.
-    pub ema: Option<f32>,
-    /// Whether BN ran in evaluation mode (the running statistics): always, on every route
-    /// (the unfused route's BN through `cbr_bn_eval`).
-    pub eval_mode: bool,
 }
 
 fn f32_at(row: &[u8], at: usize) -> f32 {

@@ -67,7 +67,7 @@ mod state;
 
 pub use capture::{CudaGraphMode, GraphState, WARMUP_STEPS};
 pub use group::{open_device, RENDEZVOUS_TIMEOUT};
-pub use metrics::{Accuracies, ScalarHistory, StepScalars};
+pub use metrics::{ScalarHistory, StepScalars};
 pub use snapshot::Snapshot;
 
 use super::shared::{step_plan, Classifier};
