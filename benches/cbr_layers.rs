@@ -21,7 +21,7 @@ use cudnn_cbr::fusion::lower::OperationGraph;
 use cudnn_cbr::fusion::plan::build_plan;
 use cudnn_cbr::fusion::Target;
 use cudnn_cbr::runtime::cuda_device;
-use cudnn_cbr::sys::DataType;
+use cudnn_cbr::runtime::DataType;
 use half::f16;
 use std::collections::BTreeSet;
 use std::sync::Arc;

@@ -15,7 +15,7 @@ use cudnn_cbr::fusion::lower::OperationGraph;
 use cudnn_cbr::fusion::plan::build_plan;
 use cudnn_cbr::fusion::Target;
 use cudnn_cbr::net::{compile, prewarm, Preset, RoutePolicy};
-use cudnn_cbr::sys::DataType;
+use cudnn_cbr::runtime::DataType;
 use std::hint::black_box;
 use std::time::Instant;
 

@@ -20,7 +20,7 @@ use cudnn_cbr::fusion::graph::Graph;
 use cudnn_cbr::fusion::lower::OperationGraph;
 use cudnn_cbr::fusion::plan::build_plan;
 use cudnn_cbr::fusion::Target;
-use cudnn_cbr::sys::DataType;
+use cudnn_cbr::runtime::DataType;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::PathBuf;
 

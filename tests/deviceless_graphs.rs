@@ -8,7 +8,7 @@ use cudnn_cbr::fusion::graph::Graph;
 use cudnn_cbr::fusion::lower::OperationGraph;
 use cudnn_cbr::fusion::plan::build_plan;
 use cudnn_cbr::fusion::Target;
-use cudnn_cbr::sys::DataType;
+use cudnn_cbr::runtime::DataType;
 use std::time::Instant;
 
 fn basic_graphs(shape: &ConvShape) -> Vec<Graph> {

@@ -13,7 +13,7 @@ use cudnn_cbr::fusion::cache::PlanCache;
 use cudnn_cbr::fusion::cbr::{BnSync, DeviceBnSync, RouteKind};
 use cudnn_cbr::fusion::exec::Handle;
 use cudnn_cbr::net::{compile, BufferRole, CompiledNet, CpuNet, CudaNet, NetSpec, RoutePolicy};
-use cudnn_cbr::sys::DataType;
+use cudnn_cbr::runtime::DataType;
 use half::f16;
 
 fn rel_l2(a: &[f64], b: &[f64]) -> f64 {

@@ -22,7 +22,7 @@ use cudnn_cbr::fusion::lower::OperationGraph;
 use cudnn_cbr::fusion::plan::build_plan;
 use cudnn_cbr::fusion::Target;
 use cudnn_cbr::net::{compile, Preset, RoutePolicy};
-use cudnn_cbr::sys::DataType;
+use cudnn_cbr::runtime::DataType;
 use std::collections::BTreeMap;
 use std::time::Instant;
 

@@ -9,7 +9,7 @@ use cudnn_cbr::{net::compile, net::Preset, net::RoutePolicy};
 use std::collections::BTreeSet;
 
 /// Every buffer of every layer, on every route, of every preset at a small size.
-fn every_layer_buffer() -> Vec<(String, &'static str, Side, cudnn_cbr::sys::DataType)> {
+fn every_layer_buffer() -> Vec<(String, &'static str, Side, cudnn_cbr::runtime::DataType)> {
     let mut out = Vec::new();
     for preset in Preset::ALL {
         for route in RouteKind::ALL {
@@ -75,7 +75,7 @@ fn every_buffer_a_graph_binds_has_a_key_of_its_element_type() {
         assert!(used.contains(name), "key `{name}` is bound by no layer");
     }
     assert_eq!(keys::Y.name(), "y");
-    assert_eq!(keys::SUM.dtype(), cudnn_cbr::sys::DataType::Float);
+    assert_eq!(keys::SUM.dtype(), cudnn_cbr::runtime::DataType::Float);
 }
 
 #[test]

@@ -121,7 +121,7 @@ fn every_buffer_but_the_head_facing_ones_has_a_slot_in_the_amp_plan() {
 fn tensor_registration_errors_are_typed() {
     use cudnn_cbr::amp::plan::{MemoryPlanBuilder, ParamKind};
     use cudnn_cbr::amp::PlanError;
-    use cudnn_cbr::sys::DataType;
+    use cudnn_cbr::runtime::DataType;
     let mut b = MemoryPlanBuilder::new();
     let bucket = b.bucket("all").unwrap();
     b.add("conv.w", ParamKind::ConvWeight, &[4, 3, 3, 4], bucket)

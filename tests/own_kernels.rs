@@ -18,7 +18,7 @@ use cudnn_cbr::fusion::exec::Scalar;
 use cudnn_cbr::fusion::{DeviceProps, Error, Target};
 use cudnn_cbr::runtime::kernel_cache::{CacheOutcome, KernelCache};
 use cudnn_cbr::runtime::rtc;
-use cudnn_cbr::sys::DataType;
+use cudnn_cbr::runtime::DataType;
 
 fn h200() -> Target {
     let path = common::repo_root().join("tests/fixtures/devprops/h200-sm90.json");

@@ -6,7 +6,7 @@ mod common;
 use cudnn_cbr::fusion::cache::{PlanCache, PlanKey};
 use cudnn_cbr::fusion::cbr::{graphs, ConvShape};
 use cudnn_cbr::fusion::Target;
-use cudnn_cbr::sys::DataType;
+use cudnn_cbr::runtime::DataType;
 use std::sync::Arc;
 
 fn h200() -> Target {

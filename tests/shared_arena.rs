@@ -58,7 +58,7 @@ fn run(net: &mut CpuNet<f16>) -> Vec<Vec<(String, Vec<u64>)>> {
             (
                 b.name.clone(),
                 b.elems,
-                b.dtype == cudnn_cbr::sys::DataType::Half,
+                b.dtype == cudnn_cbr::runtime::DataType::Half,
             )
         })
         .collect();
@@ -163,7 +163,7 @@ fn a_buffer_read_after_its_lifetime_is_a_typed_error_naming_its_successor() {
     let c = shared.net();
     let mut stale = 0;
     for b in &c.buffers {
-        if b.role != BufferRole::Gradient || b.dtype != cudnn_cbr::sys::DataType::Half {
+        if b.role != BufferRole::Gradient || b.dtype != cudnn_cbr::runtime::DataType::Half {
             continue;
         }
         match shared.half(&b.name) {

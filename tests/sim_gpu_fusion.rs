@@ -42,7 +42,7 @@ mod planted {
     use cudnn_cbr::fusion::lower::OperationGraph;
     use cudnn_cbr::fusion::plan::{build_plan, ExecutionPlan};
     use cudnn_cbr::fusion::Error;
-    use cudnn_cbr::sys::DataType;
+    use cudnn_cbr::runtime::DataType;
     use half::f16;
     use std::sync::Arc;
 

@@ -6,7 +6,7 @@ use super::exec::{run_pass, run_pass_observed, AfterStep, NetExecutor};
 pub use super::host_store::Arena;
 use super::host_store::HostStore;
 use super::spec::PoolSpec;
-use crate::sys::DataType;
+use crate::runtime::DataType;
 use cudnn_cbr_fusion::cbr::{BnSync, LayerIo, Pass, Src};
 use cudnn_cbr_fusion::reference::{ConvScratch, Element, Nhwc, Real};
 use cudnn_cbr_fusion::{Error, Result};

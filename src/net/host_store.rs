@@ -14,7 +14,7 @@ use super::cpu::Buf;
 use super::liveness::lifetimes;
 use super::params::in_arena;
 use crate::amp::plan::{assign_tensor_offsets, Lifetime};
-use crate::sys::DataType;
+use crate::runtime::DataType;
 use cudnn_cbr_fusion::reference::{Element, Real};
 use cudnn_cbr_fusion::{Error, Result};
 

@@ -21,7 +21,7 @@ use cudnn_cbr::fusion::graph::{
 };
 use cudnn_cbr::fusion::{DeviceProps, Error, Target};
 use cudnn_cbr::net::{compile, BlockKind, BlockSpec, NetSpec, PoolSpec, RoutePolicy, StemSpec};
-use cudnn_cbr::sys::DataType;
+use cudnn_cbr::runtime::DataType;
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 

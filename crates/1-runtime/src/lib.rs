@@ -11,6 +11,7 @@
 //! | NVRTC | [`rtc`] | whether it loads, its version, source to a cubin (and PTX), launch parameters checked against the PTX |
 //! | kernel cache | [`kernel_cache`] | NVRTC's output kept across processes, keyed by everything the compilation depends on |
 //! | untrusted files | [`untrusted`] | reading files the library does not control; the cache folders' ownership rule |
+//! | element types | [`DataType`] | the one element type enum of the workspace: cuDNN's tensor types and the mixed-precision regions' storage types |
 //!
 //! cudnn-fe-sys (the cuDNN bindings and their loader), fusion and amp build on this crate;
 //! it depends on none of them.
@@ -23,10 +24,12 @@
 #![warn(missing_docs)]
 
 mod device;
+mod dtype;
 pub mod kernel_cache;
 pub mod preflight;
 pub mod rtc;
 pub mod untrusted;
 pub mod wheels;
 
+pub use dtype::DataType;
 pub use device::{cuda_device, cuda_device_count, NoCudaDevice, DEVICE_ENV};

@@ -27,7 +27,7 @@
 //!    micro-batch but the last ends with [`step::AmpStep::accumulate`] instead.
 //!
 //! The crate builds on `cudnn_cbr_runtime` (NVRTC, the kernel cache, the device opener, the
-//! library checks), takes only `DataType` from `cudnn_fe_sys`, and runs its gradient
+//! library checks, the element type `DataType`) and runs its gradient
 //! collectives over the communicators of `cudnn_cbr_dist`; it does not depend on the cuDNN
 //! frontend (fusion), which sits beside it. The network's own ops around a step (the head:
 //! pooling, FC, metrics log; residual joins; max-pool) are crate `cudnn-cbr-netops`'s, a floor

@@ -10,7 +10,7 @@ use cudnn_cbr_amp::plan::{
 };
 use cudnn_cbr_amp::range::S_REGION_BYTES;
 use cudnn_cbr_amp::PlanError;
-use cudnn_fe_sys::DataType;
+use cudnn_cbr_runtime::DataType;
 use proptest::prelude::*;
 
 fn one_bucket() -> (MemoryPlanBuilder, Bucket) {

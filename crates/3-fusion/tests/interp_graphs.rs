@@ -15,7 +15,7 @@ use cudnn_cbr_fusion::graph::{Graph, TensorId};
 use cudnn_cbr_fusion::interp::{execute_host, HostMemory, InterpError, Options, VariantPack};
 use cudnn_cbr_fusion::lower::real_tensor_layout;
 use cudnn_cbr_fusion::Target;
-use cudnn_fe_sys::DataType;
+use cudnn_cbr_runtime::DataType;
 use half::f16;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};

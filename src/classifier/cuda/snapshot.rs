@@ -3,7 +3,7 @@
 
 use crate::amp::plan::Region;
 use crate::netops::head::METRICS_LOG_HEADER;
-use crate::sys::DataType;
+use crate::runtime::DataType;
 use half::f16;
 
 /// Device state that a step reads and writes, downloaded (blocking) for tests and

@@ -4,7 +4,7 @@
 use super::validate::{elems, in_layer, invalid, out_size, validate};
 use super::{BufId, BufferRole, CompiledNet, LayerRole, NetBuffer, NetLayer, RoutePolicy, Step};
 use crate::net::spec::{BlockKind, BlockSpec, NetSpec};
-use crate::sys::DataType;
+use crate::runtime::DataType;
 use cudnn_cbr_fusion::cbr::graphs::ApplyResidual;
 use cudnn_cbr_fusion::cbr::{CbrConfig, CbrLayer, ConvShape, InputKind, Pass, RouteKind};
 use cudnn_cbr_fusion::reference::Nhwc;

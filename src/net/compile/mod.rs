@@ -31,7 +31,7 @@ pub use validate::{validate, validate_pool};
 use validate::in_layer;
 
 use super::spec::{NetSpec, PoolSpec};
-use crate::sys::DataType;
+use crate::runtime::DataType;
 use cudnn_cbr_fusion::cache::PlanCache;
 use cudnn_cbr_fusion::cbr::{CbrConfig, CbrLayer, ConvShape, Pass, RouteKind};
 use cudnn_cbr_fusion::reference::Nhwc;

@@ -5,7 +5,7 @@
 use crate::amp::plan::{MemoryPlan, Region};
 use crate::amp::AmpError;
 use crate::net::compile::{BufId, BufferRole, CompiledNet, NetBuffer};
-use crate::sys::DataType;
+use crate::runtime::DataType;
 use cudnn_cbr_fusion::cbr::Side;
 
 use super::{CudaNetError, Result};

@@ -56,7 +56,7 @@ mod types;
 pub use builder::MemoryPlanBuilder;
 pub use layout::{BucketInfo, MemoryPlan, ParamInfo, ParamView, RegionLayout};
 pub use tensors::{assign as assign_tensor_offsets, peak_live, Lifetime, TensorSlot};
-// The element type has one public path, `cudnn_fe_sys::DataType`; this crate's modules name
+// The element type has one public path, `cudnn_cbr_runtime::DataType`; this crate's modules name
 // it from here.
 pub(crate) use types::DataType;
 pub use types::{

@@ -36,7 +36,7 @@ pub fn fp32_slot_bytes(elems: usize) -> Option<usize> {
 
 // Element type of a region (the workspace's one data type enum; regions use `Half` and
 // `Float`).
-pub(crate) use cudnn_fe_sys::DataType;
+pub(crate) use cudnn_cbr_runtime::DataType;
 
 /// One contiguous device allocation of the AMP layer.
 ///

@@ -12,7 +12,7 @@ use cudnn_cbr_amp::range::{
     DEFAULT_INIT_SCALE, S_REGION_BYTES,
 };
 use cudnn_cbr_amp::RangeOpError;
-use cudnn_fe_sys::DataType;
+use cudnn_cbr_runtime::DataType;
 use half::f16;
 use proptest::prelude::*;
 

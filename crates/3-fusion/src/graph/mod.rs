@@ -23,7 +23,7 @@ pub use node::{
     PointwiseAttrs, PointwiseMode, ReductionAttrs, ReductionMode,
 };
 pub use signature::{fnv1a, GraphSignature};
-// The element type has one public path, `cudnn_fe_sys::DataType`; this crate's modules name
+// The element type has one public path, `cudnn_cbr_runtime::DataType`; this crate's modules name
 // it from here.
 pub(crate) use tensor::DataType;
 pub use tensor::{nhwc_strides, packed_strides, vector_dims, PrecisionContext, TensorAttrs};

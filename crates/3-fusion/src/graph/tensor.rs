@@ -1,7 +1,7 @@
 //! Tensors of a graph: data types, dims, strides, and the NHWC / per-channel helpers.
 
 // Element types a graph tensor can have: the workspace's one data type enum.
-pub(crate) use cudnn_fe_sys::DataType;
+pub(crate) use cudnn_cbr_runtime::DataType;
 
 /// The graph's default types: I/O tensors, virtual intermediates, and math.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

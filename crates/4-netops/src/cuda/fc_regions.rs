@@ -4,7 +4,7 @@
 use cudnn_cbr_amp::cuda::{CudaRegions, DevRange, DevRangeMut};
 use cudnn_cbr_amp::plan::Region;
 use cudnn_cbr_amp::{AmpError, ExecError, RangeOpError};
-use cudnn_fe_sys::DataType;
+use cudnn_cbr_runtime::DataType;
 
 use crate::cuda::head::FcParams;
 use crate::cuda::NetKernels;

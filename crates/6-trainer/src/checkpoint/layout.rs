@@ -6,7 +6,7 @@ use super::{CheckpointError, SAVED_REGIONS, SCALARS};
 use crate::{plan_and_initial_weights, TrainConfig};
 use cudnn_cbr::amp::plan::{MemoryPlan, ParamKind, Region};
 use cudnn_cbr::amp::range::Scalars;
-use cudnn_cbr::sys::DataType;
+use cudnn_cbr::runtime::DataType;
 use half::f16;
 use safetensors::Dtype;
 
