@@ -4,7 +4,7 @@
 //! A layer's graphs bind real tensors to buffers by name (`y`, `eq_scale`, `dw`, ...; see
 //! [`CbrLayer::buffers`](super::CbrLayer::buffers)).
 
-use super::BufferSpec;
+use super::{BufferSpec, Key};
 use crate::error::{Error, Result};
 use crate::graph::DataType;
 use half::f16;
@@ -50,6 +50,49 @@ impl HostBuffer {
     }
 }
 
+/// An element type a [`HostBuffer`] stores (FP16 or FP32): what lets [`HostBuffers::of`] take a
+/// typed [`Key`] instead of a name.
+pub trait HostElement: Sized {
+    /// The name of the type in errors.
+    const NAME: &'static str;
+    /// The values, where `buffer` stores this type.
+    fn values(buffer: &HostBuffer) -> Option<&[Self]>;
+    /// The values for in-place update, where `buffer` stores this type.
+    fn values_mut(buffer: &mut HostBuffer) -> Option<&mut Vec<Self>>;
+}
+
+impl HostElement for f16 {
+    const NAME: &'static str = "FP16";
+    fn values(buffer: &HostBuffer) -> Option<&[Self]> {
+        match buffer {
+            HostBuffer::F16(v) => Some(v),
+            HostBuffer::F32(_) => None,
+        }
+    }
+    fn values_mut(buffer: &mut HostBuffer) -> Option<&mut Vec<Self>> {
+        match buffer {
+            HostBuffer::F16(v) => Some(v),
+            HostBuffer::F32(_) => None,
+        }
+    }
+}
+
+impl HostElement for f32 {
+    const NAME: &'static str = "FP32";
+    fn values(buffer: &HostBuffer) -> Option<&[Self]> {
+        match buffer {
+            HostBuffer::F32(v) => Some(v),
+            HostBuffer::F16(_) => None,
+        }
+    }
+    fn values_mut(buffer: &mut HostBuffer) -> Option<&mut Vec<Self>> {
+        match buffer {
+            HostBuffer::F32(v) => Some(v),
+            HostBuffer::F16(_) => None,
+        }
+    }
+}
+
 /// A layer's host buffers by name.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct HostBuffers {
@@ -82,6 +125,25 @@ impl HostBuffers {
         self.map.iter().map(|(k, v)| (*k, v))
     }
 
+    /// The buffer of `key`, typed by the key (`keys::Y` gives `&[f16]`), or a typed error
+    /// naming it: the typed form of [`HostBuffers::f16`] and [`HostBuffers::f32`].
+    pub fn of<T: HostElement>(&self, key: Key<T>) -> Result<&[T]> {
+        let name = key.name();
+        match self.map.get(name) {
+            Some(b) => T::values(b).ok_or_else(|| missing(name, &stored_as(T::NAME))),
+            None => Err(missing(name, "is not given")),
+        }
+    }
+
+    /// The buffer of `key` for in-place update (as [`HostBuffers::of`]).
+    pub fn of_mut<T: HostElement>(&mut self, key: Key<T>) -> Result<&mut Vec<T>> {
+        let name = key.name();
+        match self.map.get_mut(name) {
+            Some(b) => T::values_mut(b).ok_or_else(|| missing(name, &stored_as(T::NAME))),
+            None => Err(missing(name, "is not given")),
+        }
+    }
+
     /// An FP16 buffer, or a typed error naming it.
     pub fn f16(&self, name: &str) -> Result<&[f16]> {
         match self.map.get(name) {
@@ -110,9 +172,50 @@ impl HostBuffers {
     }
 }
 
+/// "is FP32, expected FP16" for a key of FP16 elements over an FP32 buffer (and the reverse).
+fn stored_as(expected: &str) -> String {
+    let other = if expected == "FP16" { "FP32" } else { "FP16" };
+    format!("is {other}, expected {expected}")
+}
+
 pub(super) fn missing(name: &str, what: &str) -> Error {
     Error::Buffer {
         name: name.to_string(),
         problem: what.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cbr::keys;
+
+    fn buffers() -> HostBuffers {
+        let mut b = HostBuffers::default();
+        b.set(keys::Y.name(), HostBuffer::F16(vec![f16::ONE; 3]));
+        b.set(keys::SUM.name(), HostBuffer::F32(vec![2.0; 4]));
+        b
+    }
+
+    #[test]
+    fn a_typed_key_reads_the_buffer_its_name_reads() {
+        let mut b = buffers();
+        assert_eq!(b.of(keys::Y).unwrap(), b.f16(keys::Y.name()).unwrap());
+        assert_eq!(b.of(keys::SUM).unwrap(), b.f32(keys::SUM.name()).unwrap());
+        b.of_mut(keys::SUM).unwrap()[1] = 5.0;
+        assert_eq!(b.f32(keys::SUM.name()).unwrap(), &[2.0, 5.0, 2.0, 2.0]);
+    }
+
+    #[test]
+    fn a_key_over_a_missing_or_other_typed_buffer_is_an_error_naming_it() {
+        let mut b = buffers();
+        let e = b.of(keys::DY).unwrap_err().to_string();
+        assert!(e.contains(keys::DY.name()) && e.contains("not given"), "{e}");
+        // A buffer stored in the other precision than its key says (set by name).
+        b.set(keys::SUM.name(), HostBuffer::F16(vec![f16::ZERO; 4]));
+        let e = b.of(keys::SUM).unwrap_err().to_string();
+        assert!(e.contains("is FP16, expected FP32"), "{e}");
+        let e = b.of_mut(keys::SUM).unwrap_err().to_string();
+        assert!(e.contains("is FP16, expected FP32"), "{e}");
     }
 }

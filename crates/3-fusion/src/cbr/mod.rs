@@ -16,7 +16,7 @@ mod run;
 mod shape;
 
 pub use bn_sync::{sync_action, BnSide, BnSync, DeviceBnSync, SyncAction};
-pub use buffers::{HostBuffer, HostBuffers};
+pub use buffers::{HostBuffer, HostBuffers, HostElement};
 pub use device_buffers::{ArenaId, DeviceBuffer, DeviceBuffers, OwnedDeviceBuffers, Side};
 pub use layer::{
     route_buffers, route_graphs, BufferSpec, CbrConfig, CbrLayer, GraphRole, InputKind, LayerGraph,
