@@ -9,7 +9,7 @@ use cudnn_cbr::fusion::graph::TensorId;
 use cudnn_cbr::fusion::lower::OperationGraph;
 use cudnn_cbr::fusion::plan::build_plan;
 use cudnn_cbr::fusion::{BindingProblem, Error, Target};
-use cudnn_cbr::sys::DataType;
+use cudnn_cbr::runtime::DataType;
 
 fn problem(e: Error) -> (String, BindingProblem) {
     match e {

@@ -31,5 +31,5 @@ pub mod rtc;
 pub mod untrusted;
 pub mod wheels;
 
-pub use dtype::DataType;
 pub use device::{cuda_device, cuda_device_count, NoCudaDevice, DEVICE_ENV};
+pub use dtype::DataType;

@@ -4,7 +4,8 @@
 //! A layer's graphs bind real tensors to buffers by name (`y`, `eq_scale`, `dw`, ...; see
 //! [`CbrLayer::buffers`](super::CbrLayer::buffers)).
 
-use super::{BufferSpec, Key};
+use super::keys::Key;
+use super::BufferSpec;
 use crate::error::{Error, Result};
 use crate::graph::DataType;
 use half::f16;
@@ -210,7 +211,10 @@ mod tests {
     fn a_key_over_a_missing_or_other_typed_buffer_is_an_error_naming_it() {
         let mut b = buffers();
         let e = b.of(keys::DY).unwrap_err().to_string();
-        assert!(e.contains(keys::DY.name()) && e.contains("not given"), "{e}");
+        assert!(
+            e.contains(keys::DY.name()) && e.contains("not given"),
+            "{e}"
+        );
         // A buffer stored in the other precision than its key says (set by name).
         b.set(keys::SUM.name(), HostBuffer::F16(vec![f16::ZERO; 4]));
         let e = b.of(keys::SUM).unwrap_err().to_string();
