@@ -104,6 +104,81 @@ fn the_accumulated_gradient_is_the_sum_of_the_micro_batch_gradients() {
     }
 }
 
+/// Micro-batches handed over one at a time (`train_micro_batch`, what a loop that makes them
+/// on the fly calls) are the step `train_step` makes of them, bit for bit; its hook sees each
+/// micro-batch's own gradient before it is added, and a hook that poisons it makes the step
+/// skip; a micro-batch index past the step's count is a typed error before anything runs.
+#[test]
+fn micro_batches_one_at_a_time_are_the_whole_step() {
+    const N: usize = 3;
+    let config = StepConfig::new(SgdConfig::new(0.05).with_momentum(0.9)).with_accum(N as u32);
+    let batches: Vec<(Vec<f16>, Vec<i32>)> = (0..N).map(micro_batch).collect();
+    let mut whole = CpuClassifier::new(net(RouteKind::Fused), CLASSES, config, 9).unwrap();
+    let mut refs: Vec<(&[f16], &[i32])> = batches
+        .iter()
+        .map(|(i, l)| (i.as_slice(), l.as_slice()))
+        .collect();
+    let want = whole.train_step(&mut refs).unwrap();
+    let mut single = CpuClassifier::new(net(RouteKind::Fused), CLASSES, config, 9).unwrap();
+    // The reference gradients of each micro-batch alone, from the same initial weights.
+    let mut alone = CpuClassifier::new(net(RouteKind::Fused), CLASSES, config, 9).unwrap();
+    let mut got = Vec::new();
+    for (k, (images, labels)) in batches.iter().enumerate() {
+        alone.step_mut().begin().unwrap();
+        alone.forward_backward(images, labels).unwrap();
+        let want_grad = alone
+            .step()
+            .executor()
+            .f32_region(Region::G)
+            .unwrap()
+            .to_vec();
+        let mut seen = None;
+        got.push(
+            single
+                .train_micro_batch(k, images, labels, |regions| {
+                    seen = Some(regions.f32_region(Region::G)?.to_vec());
+                    Ok(())
+                })
+                .unwrap(),
+        );
+        assert!(
+            seen == Some(want_grad),
+            "micro-batch {k}: the hook's gradient"
+        );
+    }
+    assert_eq!(got, want, "per-micro-batch metrics");
+    let bytes = |c: &CpuClassifier| c.step().executor().region_bytes(Region::W).unwrap();
+    assert!(bytes(&single) == bytes(&whole), "the master weights differ");
+    assert_eq!(single.step().executor().scalars().step, 1);
+
+    let e = single
+        .train_micro_batch(N, &batches[0].0, &batches[0].1, |_| Ok(()))
+        .unwrap_err();
+    assert!(
+        matches!(&e, ClassifierError::Input(m) if m.contains("accumulates 3")),
+        "{e}"
+    );
+    assert_eq!(single.step().executor().scalars().step, 1, "nothing ran");
+
+    // A NaN planted by the hook in the last micro-batch's gradient: the step is skipped.
+    for (k, (images, labels)) in batches.iter().enumerate() {
+        single
+            .train_micro_batch(k, images, labels, |regions| {
+                if k + 1 == N {
+                    regions.f32_region_mut(Region::G)?[0] = f32::NAN;
+                }
+                Ok(())
+            })
+            .unwrap();
+    }
+    let s = single.step().executor().scalars();
+    assert_eq!(
+        (s.step, s.skipped),
+        (1, 1),
+        "the poisoned step was not skipped"
+    );
+}
+
 #[test]
 fn a_micro_batch_count_other_than_the_steps_is_a_typed_error() {
     let config = StepConfig::new(SgdConfig::new(0.05)).with_accum(2);

@@ -53,7 +53,7 @@ pub use backend::Backend;
 pub use cpu::{BucketReduce, CpuBackend, CpuClassifier};
 pub use cuda::{
     check_fits, open_device, CudaBackend, CudaClassifier, CudaGraphMode, EngineConfig, GraphState,
-    ScalarHistory, Snapshot, StepScalars, RENDEZVOUS_TIMEOUT, WARMUP_STEPS,
+    ScalarHistory, Snapshot, StepScalars, WARMUP_STEPS,
 };
 pub use shared::Classifier;
 

@@ -161,13 +161,41 @@ impl<B: Backend> Classifier<B> {
         let n = micro_batches.len();
         let mut metrics = Vec::with_capacity(n);
         for (k, (images, labels)) in micro_batches.iter_mut().enumerate() {
-            self.step.begin()?;
-            metrics.push(self.forward_backward(B::reborrow(images), labels)?);
-            if k + 1 < n {
-                self.step.accumulate()?;
-            } else {
-                self.step.finish()?;
-            }
+            metrics.push(self.train_micro_batch(k, B::reborrow(images), labels, |_| Ok(()))?);
+        }
+        Ok(metrics)
+    }
+
+    /// Micro-batch `k` (from 0) of an optimizer step of [`StepConfig::accum`] micro-batches,
+    /// for a loop that makes them one at a time: [`AmpStep::begin`],
+    /// [`Classifier::forward_backward`], then `inspect` on the regions (this micro-batch's
+    /// gradients in G16 and G, before they are added or applied: a fault drill's or a gradient
+    /// check's hook), then [`AmpStep::accumulate`], or [`AmpStep::finish`] after the last
+    /// (`k + 1 == accum`). [`Classifier::train_step`] is this over a whole step.
+    ///
+    /// # Errors
+    /// [`ClassifierError::Input`] for `k` not below the step's micro-batch count (nothing runs)
+    /// or a bad batch; what `inspect` returns; as [`Classifier::train_step`].
+    pub fn train_micro_batch(
+        &mut self,
+        k: usize,
+        images: B::Images<'_>,
+        labels: &[i32],
+        inspect: impl FnOnce(&mut B::Regions) -> Result<()>,
+    ) -> Result<B::Metrics> {
+        let n = self.step.config().accum.max(1) as usize;
+        if k >= n {
+            return Err(ClassifierError::Input(format!(
+                "micro-batch {k} of a step that accumulates {n} (StepConfig::accum)"
+            )));
+        }
+        self.step.begin()?;
+        let metrics = self.forward_backward(images, labels)?;
+        inspect(self.step.executor_mut())?;
+        if k + 1 < n {
+            self.step.accumulate()?;
+        } else {
+            self.step.finish()?;
         }
         Ok(metrics)
     }

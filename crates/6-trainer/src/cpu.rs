@@ -11,6 +11,7 @@ use crate::bookkeeping::Batch;
 use crate::checkpoint::TrainState;
 use cudnn_cbr::amp::plan::Region;
 use cudnn_cbr::amp::step::CpuRegions;
+use cudnn_cbr::amp::AmpError;
 use cudnn_cbr::classifier::{Accuracies, CpuClassifier};
 use cudnn_cbr::netops::head::HeadMetrics;
 use half::f16;
@@ -83,19 +84,19 @@ impl CpuTrainer {
                         let b = i * accum + k;
                         TrainError::Config(format!("the batch producer stopped before batch {b}"))
                     })?;
-                    model.step_mut().begin()?;
-                    each.push(model.forward_backward(&images, &labels)?);
-                    let step = model.step_mut();
-                    if let Some(h) = poison.filter(|&h| FaultDrill::micro_batch(h, accum) == k) {
-                        poison_gradient(step.executor_mut(), h)?;
-                    }
                     // The first accum − 1 micro-batches add into GA; the last one's finish
-                    // adds it, then checks, updates and rescales once (amp::step).
-                    if k + 1 < accum {
-                        step.accumulate()?;
-                    } else {
-                        step.finish()?;
-                    }
+                    // adds it, then checks, updates and rescales once (amp::step). The drill
+                    // poisons its micro-batch's gradients before they are added.
+                    let drill = poison.filter(|&h| FaultDrill::micro_batch(h, accum) == k);
+                    each.push(model.train_micro_batch(
+                        k,
+                        &images,
+                        &labels,
+                        |regions| match drill {
+                            Some(h) => Ok(poison_gradient(regions, h)?),
+                            None => Ok(()),
+                        },
+                    )?);
                 }
                 Ok(mean_metrics(&each))
             })?;
@@ -161,7 +162,7 @@ pub(crate) fn master_weights(regions: &CpuRegions) -> Result<MasterWeights, Trai
 
 /// Overwrites one gradient element (chosen by `h`) with NaN, +Inf or −Inf: in G16 (the conv
 /// weights' FP16 gradients) or G (the FP32 gradients of BN and FC parameters).
-fn poison_gradient(regions: &mut CpuRegions, h: u64) -> Result<(), TrainError> {
+fn poison_gradient(regions: &mut CpuRegions, h: u64) -> Result<(), AmpError> {
     let value = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][(h % 3) as usize];
     let plan = regions.plan_arc().clone();
     let params = plan.params();

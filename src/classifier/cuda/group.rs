@@ -9,7 +9,7 @@ use crate::amp::cuda::{CudaContext, CudaRegions, CudaStream};
 use crate::amp::step::AmpStep;
 use crate::amp::AmpError;
 use crate::classifier::ClassifierError;
-use crate::dist::bootstrap::{exchange_id, LaunchEnv};
+use crate::dist::bootstrap::{exchange_id, LaunchEnv, RENDEZVOUS_TIMEOUT};
 use crate::dist::nccl::{NcclComm, NcclId};
 use crate::dist::watchdog::{timeout_from_env, Health, Watchdog};
 use crate::dist::NcclBnSync;
@@ -23,24 +23,20 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-/// How long the ranks of a launched group wait for each other to share the NCCL id.
-pub const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
-
 /// Opens the GPU an engine runs on and a cuDNN handle on its per-thread stream, the only
 /// stream of that context object (what whole-step capture needs: the module docs). One GPU:
-/// device 0; a rank of a launched group (`launch` with more than one rank) takes GPU
-/// `local_rank` modulo the GPUs it sees. Checks first that cuDNN and NVRTC load.
+/// device 0; a rank of a launched group takes [`LaunchEnv::device_ordinal`] of the GPUs it
+/// sees. Checks first that cuDNN and NVRTC load.
 ///
 /// # Errors
 /// [`ClassifierError::NoDevice`], [`ClassifierError::NoCudnn`], [`ClassifierError::NoNvrtc`]
 /// when the engine cannot run here; a cuDNN error making the handle.
 pub fn open_device(launch: Option<&LaunchEnv>) -> Result<Arc<Handle>> {
     let ordinal = match launch.filter(|l| l.world > 1) {
-        Some(l) => {
-            let seen = crate::runtime::cuda_device_count()
-                .map_err(|e| ClassifierError::NoDevice { reason: e.reason })?;
-            l.local_rank.unwrap_or(l.rank) % seen.max(1)
-        }
+        Some(l) => l.device_ordinal(
+            crate::runtime::cuda_device_count()
+                .map_err(|e| ClassifierError::NoDevice { reason: e.reason })?,
+        ),
         None => 0,
     };
     let ctx = cuda_device(ordinal).map_err(|e| ClassifierError::NoDevice { reason: e.reason })?;

@@ -66,7 +66,7 @@ mod snapshot;
 mod state;
 
 pub use capture::{CudaGraphMode, GraphState, WARMUP_STEPS};
-pub use group::{open_device, RENDEZVOUS_TIMEOUT};
+pub use group::open_device;
 pub use metrics::{ScalarHistory, StepScalars};
 pub use snapshot::Snapshot;
 

@@ -58,6 +58,9 @@ pub const DEFAULT_PORT: u16 = 29500;
 /// The variable naming a rendezvous file; it takes precedence over `MASTER_ADDR`.
 pub const RENDEZVOUS_FILE_ENV: &str = "CUDNN_CBR_RENDEZVOUS_FILE";
 
+/// How long the ranks of a launched group wait for each other to share the NCCL id.
+pub const RENDEZVOUS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
 /// Which launcher started this process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Launcher {
@@ -175,6 +178,15 @@ impl LaunchEnv {
             local_world: Some(1),
             rendezvous: None,
         }
+    }
+
+    /// The GPU this rank takes among the `gpus` its process sees: its local rank (its rank
+    /// where the launcher names none) modulo `gpus`; device 0 for a group of one.
+    pub fn device_ordinal(&self, gpus: usize) -> usize {
+        if self.world <= 1 {
+            return 0;
+        }
+        self.local_rank.unwrap_or(self.rank) % gpus.max(1)
     }
 
     /// Reads the process environment ([`LaunchEnv::from_vars`]).
@@ -338,6 +350,24 @@ fn first_host(list: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_rank_takes_its_local_rank_modulo_the_gpus_it_sees() {
+        let env = |rank, world, local_rank| LaunchEnv {
+            rank,
+            world,
+            local_rank,
+            ..LaunchEnv::single()
+        };
+        // A group of one takes device 0, whatever its variables say.
+        assert_eq!(env(0, 1, Some(3)).device_ordinal(8), 0);
+        assert_eq!(env(5, 8, Some(1)).device_ordinal(4), 1);
+        assert_eq!(env(5, 8, Some(6)).device_ordinal(4), 2);
+        // No local rank from the launcher: the rank stands in.
+        assert_eq!(env(5, 8, None).device_ordinal(4), 1);
+        // A process that sees no GPU count (0) still gets an ordinal, not a division by zero.
+        assert_eq!(env(3, 8, Some(3)).device_ordinal(0), 0);
+    }
 
     #[test]
     fn slurm_node_lists_give_their_first_host_when_simple() {
