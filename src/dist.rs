@@ -282,12 +282,9 @@ impl CpuReplica {
         self.comm
             .all_reduce(&mut v[..], ReduceOp::Sum)
             .map_err(AmpError::from)?;
-        let n = (images * self.comm.world()) as f32;
-        Ok(Accuracies {
-            trained: v[0] / n,
-            ema: self.model.step().config().ema_decay.map(|_| v[1] / n),
-            eval_mode: true,
-        })
+        let images = (images * self.comm.world()) as f32;
+        let ema = self.model.step().config().ema_decay.is_some();
+        Ok(Accuracies::from_counts(v, images, ema))
     }
 
     /// The global mean of per-rank metrics.

@@ -307,12 +307,9 @@ impl Classifier<CpuBackend> {
     /// As [`Classifier::evaluate`].
     pub fn evaluate_batches(&mut self, batches: &[(Vec<f16>, Vec<i32>)]) -> Result<Accuracies> {
         let (correct, images) = self.correct_top1(batches)?;
-        let n = images.max(1) as f32;
-        Ok(Accuracies {
-            trained: correct[0] as f32 / n,
-            ema: self.step.config().ema_decay.map(|_| correct[1] as f32 / n),
-            eval_mode: true,
-        })
+        let correct = [correct[0] as f32, correct[1] as f32];
+        let ema = self.step.config().ema_decay.is_some();
+        Ok(Accuracies::from_counts(correct, images as f32, ema))
     }
 
     /// The correct top-1 predictions over `batches` with the trained weights, then (0 without
@@ -330,14 +327,7 @@ impl Classifier<CpuBackend> {
         let mut correct = [0usize; 2];
         for (c, &w) in correct.iter_mut().zip(&weights) {
             for (images, labels) in batches {
-                let e = self.evaluate(images, w)?;
-                // A label outside the classes never matches (as `Evaluation::accuracy`).
-                *c += e
-                    .top1
-                    .iter()
-                    .zip(labels)
-                    .filter(|(&p, &l)| usize::try_from(l).is_ok_and(|l| l == p))
-                    .count();
+                *c += self.evaluate(images, w)?.correct(labels);
             }
         }
         Ok((correct, batches.len() * self.shape.batch))

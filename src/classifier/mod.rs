@@ -144,6 +144,19 @@ pub struct Accuracies {
     pub eval_mode: bool,
 }
 
+impl Accuracies {
+    /// From the correct top-1 counts with the trained and the EMA weights over `images`
+    /// images, BN in evaluation mode; `ema`: whether the step keeps an EMA.
+    pub(crate) fn from_counts(correct: [f32; 2], images: f32, ema: bool) -> Self {
+        let n = images.max(1.0);
+        Accuracies {
+            trained: correct[0] / n,
+            ema: ema.then(|| correct[1] / n),
+            eval_mode: true,
+        }
+    }
+}
+
 /// One evaluated batch.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Evaluation {
@@ -167,13 +180,17 @@ impl Evaluation {
     /// The fraction of images whose top-1 class is their label (`labels` as long as the
     /// batch; a label outside the classes never matches).
     pub fn accuracy(&self, labels: &[i32]) -> f32 {
-        let correct = self
-            .top1
+        self.correct(labels) as f32 / self.top1.len().max(1) as f32
+    }
+
+    /// How many images' top-1 class is their label (a label outside the classes never
+    /// matches).
+    pub(crate) fn correct(&self, labels: &[i32]) -> usize {
+        self.top1
             .iter()
             .zip(labels)
             .filter(|(&p, &l)| usize::try_from(l).is_ok_and(|l| l == p))
-            .count();
-        correct as f32 / self.top1.len().max(1) as f32
+            .count()
     }
 }
 

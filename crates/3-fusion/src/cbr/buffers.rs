@@ -129,54 +129,58 @@ impl HostBuffers {
     /// The buffer of `key`, typed by the key (`keys::Y` gives `&[f16]`), or a typed error
     /// naming it: the typed form of [`HostBuffers::f16`] and [`HostBuffers::f32`].
     pub fn of<T: HostElement>(&self, key: Key<T>) -> Result<&[T]> {
-        let name = key.name();
-        match self.map.get(name) {
-            Some(b) => T::values(b).ok_or_else(|| missing(name, &stored_as(T::NAME))),
-            None => Err(missing(name, "is not given")),
-        }
+        self.named(key.name())
     }
 
     /// The buffer of `key` for in-place update (as [`HostBuffers::of`]).
     pub fn of_mut<T: HostElement>(&mut self, key: Key<T>) -> Result<&mut Vec<T>> {
-        let name = key.name();
-        match self.map.get_mut(name) {
-            Some(b) => T::values_mut(b).ok_or_else(|| missing(name, &stored_as(T::NAME))),
-            None => Err(missing(name, "is not given")),
-        }
+        self.named_mut(key.name())
     }
 
     /// An FP16 buffer, or a typed error naming it.
     pub fn f16(&self, name: &str) -> Result<&[f16]> {
-        match self.map.get(name) {
-            Some(HostBuffer::F16(v)) => Ok(v),
-            Some(HostBuffer::F32(_)) => Err(missing(name, "is FP32, expected FP16")),
-            None => Err(missing(name, "is not given")),
-        }
+        self.named(name)
     }
 
     /// An FP32 buffer, or a typed error naming it.
     pub fn f32(&self, name: &str) -> Result<&[f32]> {
-        match self.map.get(name) {
-            Some(HostBuffer::F32(v)) => Ok(v),
-            Some(HostBuffer::F16(_)) => Err(missing(name, "is FP16, expected FP32")),
-            None => Err(missing(name, "is not given")),
-        }
+        self.named(name)
     }
 
     /// An FP32 buffer for in-place update.
     pub fn f32_mut(&mut self, name: &str) -> Result<&mut Vec<f32>> {
-        match self.map.get_mut(name) {
-            Some(HostBuffer::F32(v)) => Ok(v),
-            Some(HostBuffer::F16(_)) => Err(missing(name, "is FP16, expected FP32")),
-            None => Err(missing(name, "is not given")),
+        self.named_mut(name)
+    }
+
+    /// Buffer `name` as `T`s, or a typed error naming it.
+    fn named<T: HostElement>(&self, name: &str) -> Result<&[T]> {
+        let b = self
+            .map
+            .get(name)
+            .ok_or_else(|| missing(name, "is not given"))?;
+        T::values(b).ok_or_else(|| missing(name, &stored_as::<T>(b)))
+    }
+
+    /// Buffer `name` as `T`s for in-place update, or a typed error naming it.
+    fn named_mut<T: HostElement>(&mut self, name: &str) -> Result<&mut Vec<T>> {
+        let b = self
+            .map
+            .get_mut(name)
+            .ok_or_else(|| missing(name, "is not given"))?;
+        if T::values(b).is_none() {
+            return Err(missing(name, &stored_as::<T>(b)));
         }
+        T::values_mut(b).ok_or_else(|| missing(name, "is not of the expected type"))
     }
 }
 
-/// "is FP32, expected FP16" for a key of FP16 elements over an FP32 buffer (and the reverse).
-fn stored_as(expected: &str) -> String {
-    let other = if expected == "FP16" { "FP32" } else { "FP16" };
-    format!("is {other}, expected {expected}")
+/// "is FP32, expected FP16": what buffer `b` holds against what a `T` reader expects.
+fn stored_as<T: HostElement>(b: &HostBuffer) -> String {
+    let stored = match b {
+        HostBuffer::F16(_) => f16::NAME,
+        HostBuffer::F32(_) => f32::NAME,
+    };
+    format!("is {stored}, expected {}", T::NAME)
 }
 
 pub(super) fn missing(name: &str, what: &str) -> Error {
