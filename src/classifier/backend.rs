@@ -1,32 +1,40 @@
 //! [`Backend`]: what a device implements so that one [`super::Classifier`] trains on it.
 //!
-//! The classifier's calls (the step's micro-batch loop, the batch checks, evaluation, running
-//! statistics, the memory plan and initial weights) are written once over this trait
-//! (`shared.rs`); a backend supplies the passes they are made of:
+//! The classifier's calls (the step's micro-batch loop, the batch checks, a network pass,
+//! evaluation, running statistics, the memory plan and initial weights) are written once over
+//! this trait (`shared.rs`). A backend names its executors for the two lower levels as
+//! associated types and brings the head itself:
 //!
 //! | level | what the backend brings | CPU ([`super::CpuBackend`]) | CUDA ([`super::CudaBackend`]) |
 //! |-------|-------------------------|-----------------------------|-------------------------------|
-//! | network | layer steps, adds, max-pools, walked by [`crate::net::run_pass`] | [`crate::net::CpuNet`] | [`crate::net::CudaNet`]'s pass |
+//! | network | [`Backend::Exec`], a [`NetExecutor`]: layer steps by graph role, adds, max-pools, walked by [`run_pass`] | [`crate::net::CpuNet`] | [`crate::net::CudaNetPass`] |
 //! | head | pooling, FC, loss seeded with the loss scale, metrics | netops' CPU twins ([`crate::netops::head`]), amp's loss seed ([`crate::amp::range`]) | netops' head kernels ([`crate::netops::cuda`]), amp's loss seed |
-//! | amp step | range ops and their capture ([`AmpExecutor`]) | [`crate::amp::step::CpuRegions`] | [`crate::amp::cuda::CudaRegions`] (capture: CUDA graphs) |
+//! | amp step | [`Backend::Regions`], an [`AmpExecutor`]: range ops and their capture | [`crate::amp::step::CpuRegions`] | [`crate::amp::cuda::CudaRegions`] (capture: CUDA graphs) |
 //!
-//! The forward and backward passes read and write the amp regions they are handed (the
-//! parameters in A/W, their gradients into G16/G); a training pass is, in order,
-//! [`Backend::load_labels`], [`Backend::forward`], [`Backend::head_forward`],
-//! [`Backend::head_backward`], [`Backend::backward`].
+//! A network pass ([`Backend::network_pass`]) is [`Backend::begin_pass`] (the executor over
+//! the batch and the regions' parameters), [`run_pass`] on it, [`Backend::end_pass`]; it reads
+//! and writes the amp regions it is handed (the parameters in A/W, their gradients into
+//! G16/G). A training pass is, in order, [`Backend::load_labels`], the forward network pass,
+//! [`Backend::head_forward`], [`Backend::head_backward`], the backward network pass.
 
 use super::{ClassifierError, EvalWeights};
 use crate::amp::plan::Region;
 use crate::amp::step::AmpExecutor;
-use crate::net::CompiledNet;
+use crate::fusion::cbr::Pass;
+use crate::net::{run_pass, CompiledNet, NetExecutor};
 use half::f16;
 
 /// One device's passes of a classifier (module docs).
 pub trait Backend: Sized {
     /// The amp step's executor: the regions and their range ops.
     type Regions: AmpExecutor;
-    /// The network on this device (its buffers, to inspect them).
-    type Net;
+    /// The network's executor for one pass (module docs), borrowing the backend and the
+    /// regions.
+    type Exec<'a>: NetExecutor<Error = Self::NetError>
+    where
+        Self: 'a;
+    /// What the network's executor fails with.
+    type NetError: Into<ClassifierError>;
     /// One batch of NHWC FP16 images as this backend reads it: a host slice, or the caller's
     /// device buffer read in place.
     type Images<'a>;
@@ -36,9 +44,6 @@ pub trait Backend: Sized {
 
     /// The compiled network.
     fn compiled(&self) -> &CompiledNet;
-
-    /// The network on this device.
-    fn network(&self) -> &Self::Net;
 
     /// How many FP16 values `images` holds.
     fn images_len(images: &Self::Images<'_>) -> usize;
@@ -87,16 +92,49 @@ pub trait Backend: Sized {
     /// A driver error.
     fn load_labels(&mut self, labels: &[i32]) -> Result<(), ClassifierError>;
 
-    /// The network's forward pass in training mode (BN with the batch's statistics, the
-    /// running statistics updated) on `images`, the parameters read from `regions`.
+    /// Readies a `pass` of the network on `images` with the parameters of `weights` in
+    /// `regions` ([`EvalWeights::Ema`] only for [`Pass::Eval`]), and returns its executor.
+    /// [`Pass::Backward`] follows the forward pass on the same `images` (the first layer's
+    /// weight gradient reads them again) and [`Backend::head_backward`].
     ///
     /// # Errors
-    /// A refused plan, op or kernel; a driver error.
-    fn forward(
+    /// The EMA weights of a step that keeps none; regions of another plan; a driver error.
+    fn begin_pass<'a>(
+        &'a mut self,
+        regions: &'a mut Self::Regions,
+        images: Self::Images<'a>,
+        pass: Pass,
+        weights: EvalWeights,
+    ) -> Result<Self::Exec<'a>, ClassifierError>;
+
+    /// Ends a pass of [`Backend::begin_pass`] after [`run_pass`] ran it: what a backward pass
+    /// leaves in the network's buffers reaches the regions (conv gradients FP16 into G16, BN
+    /// gradients FP32 into G), and the regions' work waits for the pass.
+    ///
+    /// # Errors
+    /// A driver error.
+    fn end_pass(&mut self, regions: &mut Self::Regions, pass: Pass) -> Result<(), ClassifierError>;
+
+    /// One pass of the network: [`Backend::begin_pass`], [`run_pass`], [`Backend::end_pass`].
+    /// [`Pass::Forward`] is training mode (BN with the batch's statistics, the running
+    /// statistics updated), [`Pass::Eval`] evaluation mode (BN from the running statistics,
+    /// nothing statistical written).
+    ///
+    /// # Errors
+    /// As [`Backend::begin_pass`]; a refused plan, op or kernel.
+    fn network_pass(
         &mut self,
         regions: &mut Self::Regions,
-        images: Self::Images<'_>,
-    ) -> Result<(), ClassifierError>;
+        mut images: Self::Images<'_>,
+        pass: Pass,
+        weights: EvalWeights,
+    ) -> Result<(), ClassifierError> {
+        {
+            let mut exec = self.begin_pass(regions, Self::reborrow(&mut images), pass, weights)?;
+            run_pass(&mut exec, pass).map_err(Into::into)?;
+        }
+        self.end_pass(regions, pass)
+    }
 
     /// The head's forward on the network's output: global average pool and FC (FC weights
     /// from W) into the logits.
@@ -114,17 +152,6 @@ pub trait Backend: Sized {
         &mut self,
         regions: &mut Self::Regions,
     ) -> Result<Self::Metrics, ClassifierError>;
-
-    /// The network's backward pass on the same `images` as the forward: conv gradients FP16
-    /// into G16, BN gradients FP32 into G.
-    ///
-    /// # Errors
-    /// A refused plan, op or kernel; a driver error.
-    fn backward(
-        &mut self,
-        regions: &mut Self::Regions,
-        images: Self::Images<'_>,
-    ) -> Result<(), ClassifierError>;
 
     /// Forward in evaluation mode (BN from the running statistics, nothing statistical
     /// written) with the `weights` of `regions`, pooling and FC: the logits on the host,

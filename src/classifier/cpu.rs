@@ -10,6 +10,7 @@ use crate::amp::plan::Region;
 use crate::amp::range::softmax_xent_backward;
 use crate::amp::step::{CpuRegions, StepConfig};
 use crate::amp::AmpError;
+use crate::fusion::cbr::Pass;
 #[cfg(doc)]
 use crate::net::initial_weights;
 use crate::net::{Arena, CompiledNet, CpuNet, GradSchedule};
@@ -118,16 +119,13 @@ impl CpuBackend {
 
 impl Backend for CpuBackend {
     type Regions = CpuRegions;
-    type Net = CpuNet<f16>;
+    type Exec<'a> = &'a mut CpuNet<f16>;
+    type NetError = crate::fusion::Error;
     type Images<'a> = &'a [f16];
     type Metrics = HeadMetrics;
 
     fn compiled(&self) -> &CompiledNet {
         self.net.net()
-    }
-
-    fn network(&self) -> &CpuNet<f16> {
-        &self.net
     }
 
     fn images_len(images: &&[f16]) -> usize {
@@ -163,9 +161,32 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn forward(&mut self, regions: &mut CpuRegions, images: &[f16]) -> Result<()> {
-        self.load_weights(regions, EvalWeights::Trained)?;
-        Ok(self.net.forward(images)?)
+    /// The parameters of `weights` and the batch are copied into the reference executor's
+    /// buffers (it holds them itself); a backward pass takes the head's output gradient.
+    fn begin_pass<'a>(
+        &'a mut self,
+        regions: &'a mut CpuRegions,
+        images: &'a [f16],
+        pass: Pass,
+        weights: EvalWeights,
+    ) -> Result<&'a mut CpuNet<f16>> {
+        match pass {
+            Pass::Forward | Pass::Eval => {
+                self.load_weights(regions, weights)?;
+                self.net.set_input(images)?;
+            }
+            Pass::Backward => self.net.set_output_grad(std::mem::take(&mut self.d_out))?,
+        }
+        Ok(&mut self.net)
+    }
+
+    fn end_pass(&mut self, regions: &mut CpuRegions, pass: Pass) -> Result<()> {
+        if pass == Pass::Backward {
+            for name in &self.layers {
+                copy_grads(&self.net, regions, name, &["w", "gamma", "beta"])?;
+            }
+        }
+        Ok(())
     }
 
     fn head_forward(&mut self, regions: &mut CpuRegions) -> Result<()> {
@@ -214,22 +235,13 @@ impl Backend for CpuBackend {
         Ok(metrics)
     }
 
-    fn backward(&mut self, regions: &mut CpuRegions, _images: &[f16]) -> Result<()> {
-        self.net.backward(std::mem::take(&mut self.d_out))?;
-        for name in &self.layers {
-            copy_grads(&self.net, regions, name, &["w", "gamma", "beta"])?;
-        }
-        Ok(())
-    }
-
     fn eval_logits(
         &mut self,
         regions: &mut CpuRegions,
         images: &[f16],
         weights: EvalWeights,
     ) -> Result<Vec<f16>> {
-        self.load_weights(regions, weights)?;
-        self.net.evaluate(images)?;
+        self.network_pass(regions, images, Pass::Eval, weights)?;
         Ok(self.pool_fc(regions, weights)?.1)
     }
 
@@ -342,7 +354,9 @@ impl Classifier<CpuBackend> {
     pub fn logits(&mut self, images: &[f16]) -> Result<Vec<f16>> {
         self.check(images.len(), &vec![0; self.shape.batch])?;
         let regions = self.step.executor_mut();
-        self.backend.forward(regions, images)?;
+        let trained = EvalWeights::Trained;
+        self.backend
+            .network_pass(regions, images, Pass::Forward, trained)?;
         self.backend.head_forward(regions)?;
         Ok(self.backend.logits.clone())
     }
@@ -365,7 +379,7 @@ impl Classifier<CpuBackend> {
         let regions = self.step.executor_mut();
         let backend = &mut self.backend;
         backend.load_labels(labels)?;
-        backend.forward(regions, images)?;
+        backend.network_pass(regions, images, Pass::Forward, EvalWeights::Trained)?;
         backend.head_forward(regions)?;
         let metrics = backend.head_backward(regions)?;
         let da = std::mem::take(&mut backend.d_out);

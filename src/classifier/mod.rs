@@ -2,10 +2,12 @@
 //! head (global average pool, FC, softmax cross-entropy) and the amp step over one memory
 //! plan ([`crate::net::memory_plan`]). The trainer keeps the loop: data, schedule, logging.
 //!
-//! One classifier, [`Classifier`], generic over the device it runs on ([`Backend`]): a backend brings its amp regions (the range ops and their
-//! capture, [`crate::amp::step::AmpExecutor`]), its network executor (layer steps, adds,
-//! max-pools, walked by [`crate::net::run_pass`]), its batch input and the head's passes; the
-//! calls every device answers the same way are written once over it (`shared.rs`): the memory
+//! One classifier, [`Classifier`], generic over the device it runs on through one trait,
+//! [`Backend`]: a backend names its amp regions (the range ops and their capture,
+//! [`crate::amp::step::AmpExecutor`]) and its network executor for a pass (layer steps, adds,
+//! max-pools, a [`crate::net::NetExecutor`] walked by [`crate::net::run_pass`]) as associated
+//! types, and brings its batch input and the head's passes; the calls every device answers
+//! the same way are written once over it (`shared.rs`): a network pass, the memory
 //! plan with its EMA and accumulator regions, the initial weights, the batch checks,
 //! [`Classifier::forward_backward`], [`Classifier::train_step`] over the micro-batches,
 //! [`Classifier::evaluate`] and the running statistics. Two backends:

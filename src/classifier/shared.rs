@@ -9,6 +9,7 @@ use crate::amp::plan::{MemoryPlan, Region};
 use crate::amp::range::Scalars;
 use crate::amp::step::{AmpExecutor, AmpStep, StepConfig};
 use crate::amp::AmpError;
+use crate::fusion::cbr::Pass;
 use crate::net::{initial_weights, memory_plan_of, CompiledNet, PlanContents};
 use crate::netops::head::HeadShape;
 use std::fmt;
@@ -132,10 +133,12 @@ impl<B: Backend> Classifier<B> {
         self.check(B::images_len(&images), labels)?;
         let regions = self.step.executor_mut();
         self.backend.load_labels(labels)?;
-        self.backend.forward(regions, B::reborrow(&mut images))?;
-        self.backend.head_forward(regions)?;
-        let metrics = self.backend.head_backward(regions)?;
-        self.backend.backward(regions, images)?;
+        let trained = EvalWeights::Trained;
+        let backend = &mut self.backend;
+        backend.network_pass(regions, B::reborrow(&mut images), Pass::Forward, trained)?;
+        backend.head_forward(regions)?;
+        let metrics = backend.head_backward(regions)?;
+        backend.network_pass(regions, images, Pass::Backward, trained)?;
         Ok(metrics)
     }
 

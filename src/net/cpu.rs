@@ -159,7 +159,7 @@ impl<T: Element> CpuNet<T> {
 
     /// The forward pass on `images` (NHWC). The output is in [`CpuNet::output`].
     pub fn forward(&mut self, images: &[T]) -> Result<()> {
-        self.put(self.net.input, Buf::Half(images.to_vec()))?;
+        self.set_input(images)?;
         run_pass(self, Pass::Forward)
     }
 
@@ -173,7 +173,7 @@ impl<T: Element> CpuNet<T> {
     /// # Errors
     /// Images of the wrong length; a running variance below `−ε` or not finite.
     pub fn evaluate(&mut self, images: &[T]) -> Result<()> {
-        self.put(self.net.input, Buf::Half(images.to_vec()))?;
+        self.set_input(images)?;
         run_pass(self, Pass::Eval)
     }
 
@@ -190,8 +190,19 @@ impl<T: Element> CpuNet<T> {
         d_output: Vec<T>,
         after: &mut AfterStep<'_, Self>,
     ) -> Result<()> {
-        self.put(self.net.output_grad, Buf::Half(d_output))?;
+        self.set_output_grad(d_output)?;
         run_pass_observed(self, Pass::Backward, after)
+    }
+
+    /// Copies `images` (NHWC) into the network's input: what a forward or evaluation pass
+    /// ([`run_pass`]) reads.
+    pub(crate) fn set_input(&mut self, images: &[T]) -> Result<()> {
+        self.put(self.net.input, Buf::Half(images.to_vec()))
+    }
+
+    /// Sets the gradient of the output: what a backward pass ([`run_pass`]) starts from.
+    pub(crate) fn set_output_grad(&mut self, d_output: Vec<T>) -> Result<()> {
+        self.put(self.net.output_grad, Buf::Half(d_output))
     }
 
     fn half_id(&self, id: BufId) -> Result<&[T]> {

@@ -43,6 +43,45 @@ pub trait NetExecutor {
     ) -> Result<(), Self::Error>;
 }
 
+/// A borrowed executor runs as the executor itself (the CPU classifier's pass over the network
+/// its backend owns).
+impl<E: NetExecutor + ?Sized> NetExecutor for &mut E {
+    type Error = E::Error;
+
+    fn compiled(&self) -> &CompiledNet {
+        (**self).compiled()
+    }
+
+    fn layer_pass(&mut self, layer: usize, pass: Pass) -> Result<(), Self::Error> {
+        (**self).layer_pass(layer, pass)
+    }
+
+    fn add(&mut self, a: BufId, b: BufId, out: BufId) -> Result<(), Self::Error> {
+        (**self).add(a, b, out)
+    }
+
+    fn max_pool(
+        &mut self,
+        pool: &PoolSpec,
+        shape: &Nhwc,
+        input: BufId,
+        output: BufId,
+    ) -> Result<(), Self::Error> {
+        (**self).max_pool(pool, shape, input, output)
+    }
+
+    fn max_pool_backward(
+        &mut self,
+        pool: &PoolSpec,
+        shape: &Nhwc,
+        input: BufId,
+        grad_output: BufId,
+        grad_input: BufId,
+    ) -> Result<(), Self::Error> {
+        (**self).max_pool_backward(pool, shape, input, grad_output, grad_input)
+    }
+}
+
 /// Runs one pass of the compiled network on `exec`: [`Pass::Forward`] and
 /// [`Pass::Backward`] walk the compiled forward and backward orders ([`Pass::Backward`]
 /// expects the output's gradient, [`CompiledNet::output_grad`], written); [`Pass::Eval`]

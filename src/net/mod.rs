@@ -32,8 +32,8 @@ pub use compile::{
 pub use cpu::{max_pool, max_pool_backward, Arena, CpuNet};
 pub use cuda::{
     binding_plan, check_binding, check_bn_sync, layer_bindings, layers_to_replan, param_slot,
-    placement, replan_for, running_stats, CudaNet, CudaNetError, Placement, ReplanFailure,
-    Replanned, Source,
+    placement, replan_for, running_stats, CudaNet, CudaNetError, CudaNetPass, Placement,
+    ReplanFailure, Replanned, Source,
 };
 pub use exec::{run_pass, run_pass_observed, AfterStep, NetExecutor};
 pub use memory::MemoryReport;

@@ -6,24 +6,22 @@ use super::{driver, CudaBackend, Result};
 use crate::amp::cuda::{CudaRegions, CudaSlice, DevRange, DevRangeMut};
 use crate::amp::plan::Region;
 use crate::classifier::backend::Backend;
-use crate::classifier::EvalWeights;
-use crate::net::{CompiledNet, CudaNet};
+use crate::classifier::{ClassifierError, EvalWeights};
+use crate::fusion::cbr::Pass;
+use crate::net::{CompiledNet, CudaNetError, CudaNetPass};
 use crate::netops::cuda::RegionsFc;
 use half::f16;
 
 impl Backend for CudaBackend {
     type Regions = CudaRegions;
-    type Net = CudaNet;
+    type Exec<'a> = CudaNetPass<'a>;
+    type NetError = CudaNetError;
     type Images<'a> = &'a mut CudaSlice<f16>;
     // Loss and accuracy stay on the device (the metrics log, or `metrics_blocking`).
     type Metrics = ();
 
     fn compiled(&self) -> &CompiledNet {
         self.net.compiled()
-    }
-
-    fn network(&self) -> &CudaNet {
-        &self.net
     }
 
     fn images_len(images: &&mut CudaSlice<f16>) -> usize {
@@ -61,8 +59,28 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn forward(&mut self, regions: &mut CudaRegions, images: &mut CudaSlice<f16>) -> Result<()> {
-        Ok(self.net.forward_from(Some(regions), images)?)
+    /// The pass binds the regions' parameters and reads `images` in place; the EMA weights are
+    /// swapped in by [`Backend::eval_logits`] around its pass, so a pass itself reads the
+    /// trained slots.
+    fn begin_pass<'a>(
+        &'a mut self,
+        regions: &'a mut CudaRegions,
+        images: &'a mut CudaSlice<f16>,
+        _pass: Pass,
+        weights: EvalWeights,
+    ) -> Result<CudaNetPass<'a>> {
+        if weights == EvalWeights::Ema {
+            return Err(ClassifierError::Input(
+                "a CUDA network pass reads the trained slots: evaluate with the EMA through \
+                 eval_logits, which swaps the EMA weights in"
+                    .into(),
+            ));
+        }
+        Ok(self.net.pass_on(regions, images)?)
+    }
+
+    fn end_pass(&mut self, regions: &mut CudaRegions, _pass: Pass) -> Result<()> {
+        Ok(self.net.after_pass(regions)?)
     }
 
     /// Pooling and FC of the network's output into the logits (step 3).
@@ -126,11 +144,7 @@ impl Backend for CudaBackend {
         )?)
     }
 
-    fn backward(&mut self, regions: &mut CudaRegions, images: &mut CudaSlice<f16>) -> Result<()> {
-        Ok(self.net.backward_from(Some(regions), images)?)
-    }
-
-    /// [`CudaNet::evaluate_from`], then the pooling and the FC layer into logits of their own
+    /// The evaluation pass ([`Backend::network_pass`]), then the pooling and the FC layer into logits of their own
     /// (so that the last training batch's metrics stay readable), read back; the EMA weights
     /// swapped in for it and the trained ones always restored.
     fn eval_logits(
@@ -147,7 +161,7 @@ impl Backend for CudaBackend {
             return out;
         }
         let shape = self.head.shape;
-        self.net.evaluate_from(Some(regions), images)?;
+        self.network_pass(regions, images, Pass::Eval, EvalWeights::Trained)?;
         let output = self.net.compiled().output;
         let mut logits = self
             .stream

@@ -29,6 +29,7 @@ pub use binding::{
     running_stats, Placement, Source,
 };
 pub use net::CudaNet;
+pub use pass::CudaNetPass;
 pub use replan::{layers_to_replan, replan_for, Replanned};
 
 use crate::amp::AmpError;

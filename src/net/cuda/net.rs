@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::binding::{check_bn_sync, layer_bindings, placement, Placement};
-use super::pass::NetPass;
+use super::pass::CudaNetPass;
 use super::replan::replan_for;
 use super::{driver, CudaNetError, Result};
 
@@ -274,21 +274,10 @@ impl CudaNet {
     /// As [`CudaNet::evaluate`].
     pub fn evaluate_from(
         &mut self,
-        mut regions: Option<&mut CudaRegions>,
+        regions: Option<&mut CudaRegions>,
         input: &mut CudaSlice<f16>,
     ) -> Result<()> {
-        run_pass(
-            &mut self.pass(regions.as_deref_mut(), Some(input))?,
-            Pass::Eval,
-        )?;
-        if let Some(r) = regions {
-            if !Arc::ptr_eq(r.stream(), &self.stream) {
-                r.stream()
-                    .join(&self.stream)
-                    .map_err(|e| driver("order the amp stream after the pass".into(), e))?;
-            }
-        }
-        Ok(())
+        self.run(regions, Some(input), Pass::Eval)
     }
 
     /// The backward pass (the output's gradient written) of a network whose parameters are
@@ -341,7 +330,7 @@ impl CudaNet {
             run_pass_observed(
                 &mut pass,
                 Pass::Backward,
-                &mut |pass: &mut NetPass<'_>, i| {
+                &mut |pass: &mut CudaNetPass<'_>, i| {
                     let regions = pass.regions.as_deref_mut().ok_or_else(|| {
                         CudaNetError::Binding("the pass has no amp regions".into())
                     })?;
@@ -352,13 +341,7 @@ impl CudaNet {
                 },
             )?;
         }
-        if !Arc::ptr_eq(regions.stream(), &self.stream) {
-            regions
-                .stream()
-                .join(&self.stream)
-                .map_err(|e| driver("order the amp stream after the pass".into(), e))?;
-        }
-        Ok(())
+        self.after_pass(regions)
     }
 
     /// The forward pass reading the caller's `input` (NHWC FP16, at least the network's input
@@ -382,9 +365,7 @@ impl CudaNet {
         self.run(regions, Some(input), Pass::Backward)
     }
 
-    /// One pass; with the regions on a stream of their own (an update stream beside the
-    /// compute stream), that stream then waits for the pass (a CUDA event), so the amp step
-    /// enqueued there reads finished gradients.
+    /// One pass, then [`CudaNet::after_pass`] with the regions when given.
     fn run(
         &mut self,
         mut regions: Option<&mut CudaRegions>,
@@ -392,12 +373,32 @@ impl CudaNet {
         pass: Pass,
     ) -> Result<()> {
         run_pass(&mut self.pass(regions.as_deref_mut(), input)?, pass)?;
-        if let Some(r) = regions {
-            if !Arc::ptr_eq(r.stream(), &self.stream) {
-                r.stream()
-                    .join(&self.stream)
-                    .map_err(|e| driver("order the amp stream after the pass".into(), e))?;
-            }
+        match regions {
+            Some(r) => self.after_pass(r),
+            None => Ok(()),
+        }
+    }
+
+    /// A pass with the parameters in `regions`, reading the caller's `input` (as for
+    /// [`CudaNet::forward_from`]): the executor [`run_pass`] walks. Follow it with
+    /// [`CudaNet::after_pass`].
+    pub(crate) fn pass_on<'n>(
+        &'n mut self,
+        regions: &'n mut CudaRegions,
+        input: &'n mut CudaSlice<f16>,
+    ) -> Result<CudaNetPass<'n>> {
+        self.pass(Some(regions), Some(input))
+    }
+
+    /// After a pass with `regions`: with the regions on a stream of their own (an update
+    /// stream beside the compute stream), that stream waits for the pass (a CUDA event), so
+    /// the amp step enqueued there reads finished gradients.
+    pub(crate) fn after_pass(&self, regions: &CudaRegions) -> Result<()> {
+        if !Arc::ptr_eq(regions.stream(), &self.stream) {
+            regions
+                .stream()
+                .join(&self.stream)
+                .map_err(|e| driver("order the amp stream after the pass".into(), e))?;
         }
         Ok(())
     }
@@ -430,7 +431,7 @@ impl CudaNet {
         &'n mut self,
         mut regions: Option<&'n mut CudaRegions>,
         input: Option<&'n mut CudaSlice<f16>>,
-    ) -> Result<NetPass<'n>> {
+    ) -> Result<CudaNetPass<'n>> {
         match (&self.amp_plan, &regions) {
             (None, None) => {}
             (Some(plan), Some(r)) => {
@@ -482,7 +483,7 @@ impl CudaNet {
                 )));
             }
         }
-        Ok(NetPass {
+        Ok(CudaNetPass {
             net: self,
             regions,
             input,

@@ -15,15 +15,27 @@ use half::f16;
 use super::net::{CudaNet, Home};
 use super::{CudaNetError, Result};
 
-/// A network with the amp regions (if its parameters are there) borrowed for one pass.
-pub(super) struct NetPass<'n> {
+/// One pass of a [`CudaNet`]: the network with the amp regions (where its parameters live)
+/// and the caller's input borrowed, as the executor [`crate::net::run_pass`] walks. Made by the
+/// CUDA classifier's backend ([`crate::classifier::CudaBackend`]) for each network pass.
+pub struct CudaNetPass<'n> {
     pub(super) net: &'n mut CudaNet,
     pub(super) regions: Option<&'n mut CudaRegions>,
     /// The caller's input, read instead of the network's own input buffer.
     pub(super) input: Option<&'n mut CudaSlice<f16>>,
 }
 
-impl NetExecutor for NetPass<'_> {
+impl std::fmt::Debug for CudaNetPass<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaNetPass")
+            .field("network", &self.net.net.spec.name)
+            .field("regions", &self.regions.is_some())
+            .field("caller_input", &self.input.is_some())
+            .finish()
+    }
+}
+
+impl NetExecutor for CudaNetPass<'_> {
     type Error = CudaNetError;
 
     fn compiled(&self) -> &CompiledNet {
@@ -82,7 +94,7 @@ fn two(ins: Vec<DevRange<'_>>) -> Result<[DevRange<'_>; 2]> {
         .map_err(|v| CudaNetError::Binding(format!("a step has {} inputs, expected 2", v.len())))
 }
 
-impl NetPass<'_> {
+impl CudaNetPass<'_> {
     /// Runs `f` with `out` writable and `inputs` readable, each the network's own allocation
     /// or a slot of the amp plan's tensor arena (the output's slot split off the arena, so the
     /// inputs around it stay readable). `out` must be none of `inputs`.
