@@ -315,7 +315,7 @@ pub enum GraphRole {
 impl GraphRole {
     /// Whether the role belongs to the backward pass.
     pub fn is_backward(self) -> bool {
-        self.def().backward
+        self.def().pass == super::role::RolePass::Backward
     }
 }
 

@@ -7,7 +7,7 @@ use super::device_buffers::{DeviceBuffer, DeviceBuffers, Resolved, Side, SyncScr
 use super::graphs::ApplyResidual;
 use super::keys as k;
 use super::layer::{CbrLayer, GraphRole, InputKind, LayerStep, Src};
-use super::role::{cpu_eval_step, cpu_step};
+use super::role::{cpu_eval_step, cpu_step, EvalStep, RolePass};
 use crate::error::{Error, Result};
 use crate::exec::{Bindings, Handle, Scalar, Workspace};
 use crate::reference::{self as r, BnParams, ConvScratch, Element};
@@ -212,11 +212,26 @@ impl CbrLayer {
         let stream = handle.stream().clone();
         let r = io.resolve(&stream);
         for step in self.pass_steps(Pass::Eval) {
-            match step.role {
-                GraphRole::Stats => {}
-                GraphRole::Finalize => self.gpu_eval_finalize(handle, &r)?,
-                GraphRole::BnForward => self.gpu_eval_bn_forward(handle, &r)?,
-                _ => self.gpu_step(step, handle, &r, 1)?,
+            // The role's evaluation step, from the per-role table (the CPU's dispatches on it
+            // too: `role::cpu_eval_step`).
+            match step.role.def().pass {
+                RolePass::Forward(EvalStep::Skip) => {}
+                RolePass::Forward(EvalStep::AsTraining | EvalStep::ConvWithoutStats) => {
+                    self.gpu_step(step, handle, &r, 1)?
+                }
+                RolePass::Forward(EvalStep::FinalizeFromRunning) => {
+                    self.gpu_eval_finalize(handle, &r)?
+                }
+                RolePass::Forward(EvalStep::BnFromRunning) => {
+                    self.gpu_eval_bn_forward(handle, &r)?
+                }
+                RolePass::Backward => {
+                    return Err(Error::CudnnMessage(format!(
+                        "layer {}: {:?} is a backward step, not part of evaluation",
+                        self.config().shape.label(),
+                        step.role
+                    )))
+                }
             }
         }
         Ok(())

@@ -6,7 +6,7 @@
 
 use super::bn_backward;
 use super::common::{lg, residual_bindings, residual_of, Cx};
-use super::{no_kernel, RoleDef};
+use super::{no_kernel, EvalStep, RoleDef, RolePass};
 use crate::cbr::bn_sync::{BnSide, SyncAction};
 use crate::cbr::graphs;
 use crate::cbr::kernels::OwnKernel;
@@ -19,7 +19,7 @@ use crate::reference::{self as r, Activation, Element};
 
 /// The apply: our kernel of the layer's residual form.
 pub(super) const APPLY: RoleDef = RoleDef {
-    backward: false,
+    pass: RolePass::Forward(EvalStep::AsTraining),
     sync: SyncAction::Local,
     accumulates: &[],
     kernel: |config, _| config.apply.map(OwnKernel::Apply),
@@ -27,7 +27,7 @@ pub(super) const APPLY: RoleDef = RoleDef {
 
 /// The activation's ReLU backward.
 pub(super) const APPLY_RELU_BACKWARD: RoleDef = RoleDef {
-    backward: true,
+    pass: RolePass::Backward,
     sync: SyncAction::Local,
     accumulates: &[],
     kernel: |_, _| Some(OwnKernel::ReluBackward),
@@ -35,7 +35,7 @@ pub(super) const APPLY_RELU_BACKWARD: RoleDef = RoleDef {
 
 /// NormBackward of this BN: synchronized BN splits it on the CPU.
 pub(super) const APPLY_BN_BACKWARD: RoleDef = RoleDef {
-    backward: true,
+    pass: RolePass::Backward,
     sync: SyncAction::Split,
     accumulates: &[],
     kernel: no_kernel,
@@ -43,7 +43,7 @@ pub(super) const APPLY_BN_BACKWARD: RoleDef = RoleDef {
 
 /// This BN's dγ, dβ by reduction.
 pub(super) const APPLY_DBN_REDUCE: RoleDef = RoleDef {
-    backward: true,
+    pass: RolePass::Backward,
     sync: SyncAction::Local,
     accumulates: &[k::DGAMMA.name(), k::DBETA.name()],
     kernel: |_, _| Some(OwnKernel::DbnReduce),
@@ -51,7 +51,7 @@ pub(super) const APPLY_DBN_REDUCE: RoleDef = RoleDef {
 
 /// This BN's dBN-apply coefficients: from the summed dγ, dβ under synchronized BN.
 pub(super) const APPLY_DBN_COEFFICIENTS: RoleDef = RoleDef {
-    backward: true,
+    pass: RolePass::Backward,
     sync: SyncAction::Coefficients {
         side: BnSide::This,
         outputs: bn_backward::APPLY_DBN,
@@ -63,7 +63,7 @@ pub(super) const APPLY_DBN_COEFFICIENTS: RoleDef = RoleDef {
 
 /// This BN's dBN apply (dpre → this layer's dY).
 pub(super) const APPLY_DBN_APPLY: RoleDef = RoleDef {
-    backward: true,
+    pass: RolePass::Backward,
     sync: SyncAction::Local,
     accumulates: &[],
     kernel: |_, _| Some(OwnKernel::DbnApply),

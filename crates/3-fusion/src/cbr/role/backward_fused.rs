@@ -5,7 +5,7 @@
 
 use super::bn_backward;
 use super::common::{input_stamp, lg, prologue_input, Cx};
-use super::{no_kernel, RoleDef};
+use super::{no_kernel, RoleDef, RolePass};
 use crate::cbr::bn_sync::{BnSide, SyncAction};
 use crate::cbr::graphs::{self, BackwardResidual};
 use crate::cbr::kernels::OwnKernel;
@@ -18,7 +18,7 @@ use crate::reference::{self as r, ConvInput, Element, ReluJoin, SavedBn};
 /// The fused dgrad + dReLU + dBN weights: its dBN coefficients come from the local sums, so
 /// synchronized BN recomputes them after it from the summed dγ, dβ.
 pub(super) const DGRAD_DRELU_DBN: RoleDef = RoleDef {
-    backward: true,
+    pass: RolePass::Backward,
     sync: SyncAction::Coefficients {
         side: BnSide::Prev,
         outputs: bn_backward::DBN,
@@ -30,7 +30,7 @@ pub(super) const DGRAD_DRELU_DBN: RoleDef = RoleDef {
 
 /// wgrad.
 pub(super) const WGRAD: RoleDef = RoleDef {
-    backward: true,
+    pass: RolePass::Backward,
     sync: SyncAction::Local,
     accumulates: &[],
     kernel: no_kernel,
@@ -38,7 +38,7 @@ pub(super) const WGRAD: RoleDef = RoleDef {
 
 /// Plain dgrad.
 pub(super) const DGRAD: RoleDef = RoleDef {
-    backward: true,
+    pass: RolePass::Backward,
     sync: SyncAction::Local,
     accumulates: &[],
     kernel: no_kernel,
@@ -46,7 +46,7 @@ pub(super) const DGRAD: RoleDef = RoleDef {
 
 /// The previous BN's dBN apply (fused route, and the generic route's reduction chain).
 pub(super) const DBN_APPLY: RoleDef = RoleDef {
-    backward: true,
+    pass: RolePass::Backward,
     sync: SyncAction::Local,
     accumulates: &[],
     kernel: |_, _| Some(OwnKernel::DbnApply),

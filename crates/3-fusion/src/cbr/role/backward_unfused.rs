@@ -7,7 +7,7 @@
 use super::backward_fused::{dgrad_graph, wgrad_graph};
 use super::bn_backward;
 use super::common::{lg, Cx};
-use super::{no_kernel, RoleDef};
+use super::{no_kernel, RoleDef, RolePass};
 use crate::cbr::bn_sync::{BnSide, SyncAction};
 use crate::cbr::graphs::{self, BackwardResidual};
 use crate::cbr::kernels::OwnKernel;
@@ -19,7 +19,7 @@ use crate::reference::{self as r, Element};
 
 /// The residual gradient join.
 pub(super) const ADD_BRANCH: RoleDef = RoleDef {
-    backward: true,
+    pass: RolePass::Backward,
     sync: SyncAction::Local,
     accumulates: &[],
     kernel: no_kernel,
@@ -27,7 +27,7 @@ pub(super) const ADD_BRANCH: RoleDef = RoleDef {
 
 /// The ReLU backward of the previous BN's activation.
 pub(super) const RELU_BACKWARD: RoleDef = RoleDef {
-    backward: true,
+    pass: RolePass::Backward,
     sync: SyncAction::Local,
     accumulates: &[],
     kernel: |_, _| Some(OwnKernel::ReluBackward),
@@ -35,7 +35,7 @@ pub(super) const RELU_BACKWARD: RoleDef = RoleDef {
 
 /// NormBackward sums inside the graph: synchronized BN splits it on the CPU.
 pub(super) const BN_BACKWARD: RoleDef = RoleDef {
-    backward: true,
+    pass: RolePass::Backward,
     sync: SyncAction::Split,
     accumulates: &[],
     kernel: no_kernel,
@@ -43,7 +43,7 @@ pub(super) const BN_BACKWARD: RoleDef = RoleDef {
 
 /// The previous BN's dγ, dβ by reduction.
 pub(super) const DBN_REDUCE: RoleDef = RoleDef {
-    backward: true,
+    pass: RolePass::Backward,
     sync: SyncAction::Local,
     accumulates: &[k::DGAMMA.name(), k::DBETA.name()],
     kernel: |_, _| Some(OwnKernel::DbnReduce),
@@ -51,7 +51,7 @@ pub(super) const DBN_REDUCE: RoleDef = RoleDef {
 
 /// The previous BN's dBN-apply coefficients: from the summed dγ, dβ under synchronized BN.
 pub(super) const DBN_COEFFICIENTS: RoleDef = RoleDef {
-    backward: true,
+    pass: RolePass::Backward,
     sync: SyncAction::Coefficients {
         side: BnSide::Prev,
         outputs: bn_backward::DBN,

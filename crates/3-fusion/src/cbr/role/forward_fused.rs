@@ -4,7 +4,7 @@
 
 use super::common::{input_stamp, lg, plain_in, prologue_input, Cx};
 use super::forward_unfused::conv_graph;
-use super::{no_kernel, RoleDef};
+use super::{no_kernel, EvalStep, RoleDef, RolePass};
 use crate::cbr::bn_sync::SyncAction;
 use crate::cbr::graphs;
 use crate::cbr::kernels::OwnKernel;
@@ -17,7 +17,7 @@ use crate::reference::{self as r, ChannelStats, ConvInput, Element, RunningStats
 
 /// Conv + GenStats: after it, synchronized BN sums `[Σy, Σy²]` over the replicas.
 pub(super) const CONV_STATS: RoleDef = RoleDef {
-    backward: false,
+    pass: RolePass::Forward(EvalStep::ConvWithoutStats),
     sync: SyncAction::ReduceStats,
     accumulates: &[k::SUM.name(), k::SQ_SUM.name()],
     kernel: no_kernel,
@@ -25,7 +25,7 @@ pub(super) const CONV_STATS: RoleDef = RoleDef {
 
 /// The statistics of a stored conv output: our `cbr_channel_stats` where it fits.
 pub(super) const STATS: RoleDef = RoleDef {
-    backward: false,
+    pass: RolePass::Forward(EvalStep::Skip),
     sync: SyncAction::ReduceStats,
     accumulates: &[k::SUM.name(), k::SQ_SUM.name()],
     kernel: |_, _| Some(OwnKernel::ChannelStats),
@@ -33,7 +33,7 @@ pub(super) const STATS: RoleDef = RoleDef {
 
 /// BN finalize: divides by the global element count under synchronized BN.
 pub(super) const FINALIZE: RoleDef = RoleDef {
-    backward: false,
+    pass: RolePass::Forward(EvalStep::FinalizeFromRunning),
     sync: SyncAction::GlobalCount,
     accumulates: &[],
     kernel: no_kernel,

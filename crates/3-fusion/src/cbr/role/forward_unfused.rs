@@ -5,7 +5,7 @@
 
 use super::common::{lg, plain_in, residual_bindings, residual_of, Cx};
 use super::forward_fused::{eval_finalized, finalize_running};
-use super::{no_kernel, RoleDef};
+use super::{no_kernel, EvalStep, RoleDef, RolePass};
 use crate::cbr::bn_sync::{all_reduce_pair, BnSync, SyncAction};
 use crate::cbr::graphs::{self, ApplyResidual};
 use crate::cbr::kernels::OwnKernel;
@@ -22,7 +22,7 @@ use crate::reference::{self as r, Activation, Element, Nhwc, Real, Residual, Run
 /// The previous BN's activation: our apply kernel on the generic route (the unfused route's
 /// ReLU has none).
 pub(super) const APPLY_PREV: RoleDef = RoleDef {
-    backward: false,
+    pass: RolePass::Forward(EvalStep::AsTraining),
     sync: SyncAction::Local,
     accumulates: &[],
     kernel: |_, kind| (kind != RouteKind::Unfused).then_some(OwnKernel::Apply(ApplyResidual::None)),
@@ -30,7 +30,7 @@ pub(super) const APPLY_PREV: RoleDef = RoleDef {
 
 /// The plain conv.
 pub(super) const CONV: RoleDef = RoleDef {
-    backward: false,
+    pass: RolePass::Forward(EvalStep::AsTraining),
     sync: SyncAction::Local,
     accumulates: &[],
     kernel: no_kernel,
@@ -38,7 +38,7 @@ pub(super) const CONV: RoleDef = RoleDef {
 
 /// NormForward sums its statistics inside the graph: synchronized BN splits it on the CPU.
 pub(super) const BN_FORWARD: RoleDef = RoleDef {
-    backward: false,
+    pass: RolePass::Forward(EvalStep::BnFromRunning),
     sync: SyncAction::Split,
     accumulates: &[],
     kernel: no_kernel,

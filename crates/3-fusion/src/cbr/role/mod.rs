@@ -12,9 +12,11 @@
 //!
 //! (`bn_backward` holds what a BN's backward shares between the previous BN's roles and this
 //! BN's own `Apply*` roles; `route` puts each route's graphs in execution order.) Everything
-//! else dispatches over roles here: [`GraphRole::def`] (the per-role table: pass, sync
-//! action, accumulated outputs, own kernel) and [`cpu_step`] / [`cpu_eval_step`]. Adding a
-//! role means adding it to [`GraphRole`], to one family module, and to the two matches here.
+//! else dispatches over roles here: [`GraphRole::def`] (the per-role table: its pass and, forward,
+//! its evaluation-mode step, its sync action, accumulated outputs, own kernel) and
+//! [`cpu_step`]; [`cpu_eval_step`] and the GPU's evaluation pass dispatch on the table's
+//! evaluation step. Adding a role means adding it to [`GraphRole`], to one family module, and
+//! to the two matches here.
 //! Buffers are named by their typed keys ([`crate::cbr::keys`]); the strings appear only where
 //! the public edge (bindings' [`Src`](crate::cbr::Src), buffer tables) spells them.
 
@@ -39,11 +41,39 @@ use super::run::LayerIo;
 use crate::error::{Error, Result};
 use crate::reference::Element;
 
+/// What a forward role does in evaluation mode ([`super::Pass::Eval`]), on every executor:
+/// the CPU ([`cpu_eval_step`]) and the GPU (`CbrLayer::run_gpu_eval`) dispatch on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EvalStep {
+    /// As in training (a conv, an apply: they read `eq_scale` / `eq_bias` either way).
+    AsTraining,
+    /// The conv as in training; its statistics are not computed on the CPU (the GPU graph
+    /// still writes the `sum` / `sq_sum` scratch, which nothing reads).
+    ConvWithoutStats,
+    /// Nothing: the statistics of the batch are not needed.
+    Skip,
+    /// BN finalize replaced by [`crate::reference::bn_eval_finalize`]: `eq_scale` and
+    /// `eq_bias` from the running statistics, nothing else written.
+    FinalizeFromRunning,
+    /// The unfused BN forward normalizing with the running statistics (on the GPU our
+    /// `cbr_bn_eval` kernel in place of training-mode NormForward).
+    BnFromRunning,
+}
+
+/// Which pass a role runs in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RolePass {
+    /// The forward pass, and what the role does in evaluation mode.
+    Forward(EvalStep),
+    /// The backward pass (not part of evaluation).
+    Backward,
+}
+
 /// What one role is, apart from its graphs and its CPU step.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RoleDef {
-    /// Whether it belongs to the backward pass.
-    pub(crate) backward: bool,
+    /// The pass it belongs to (and, forward, its evaluation-mode step).
+    pub(crate) pass: RolePass,
     /// What synchronized BN does with its step.
     pub(crate) sync: SyncAction,
     /// The buffers (by name) its step adds into instead of overwriting (zeroed before it runs
@@ -136,14 +166,14 @@ pub(crate) fn cpu_eval_step<T: Element, I: LayerIo<T> + ?Sized>(
     io: &mut I,
 ) -> Result<()> {
     let cx = &Cx::new(layer, 1);
-    match role {
-        GraphRole::ConvStats => forward_fused::conv_stats_eval(cx, io),
-        GraphRole::Stats => Ok(()),
-        GraphRole::Finalize => forward_fused::finalize_eval(cx, io),
-        GraphRole::BnForward => forward_unfused::bn_forward_eval(cx, io),
-        GraphRole::Conv | GraphRole::Apply | GraphRole::ApplyPrev => cpu_step(layer, role, io, 1),
-        backward => Err(Error::CudnnMessage(format!(
-            "layer {}: {backward:?} is a backward step, not part of evaluation",
+    match role.def().pass {
+        RolePass::Forward(EvalStep::AsTraining) => cpu_step(layer, role, io, 1),
+        RolePass::Forward(EvalStep::ConvWithoutStats) => forward_fused::conv_stats_eval(cx, io),
+        RolePass::Forward(EvalStep::Skip) => Ok(()),
+        RolePass::Forward(EvalStep::FinalizeFromRunning) => forward_fused::finalize_eval(cx, io),
+        RolePass::Forward(EvalStep::BnFromRunning) => forward_unfused::bn_forward_eval(cx, io),
+        RolePass::Backward => Err(Error::CudnnMessage(format!(
+            "layer {}: {role:?} is a backward step, not part of evaluation",
             layer.config().shape.label()
         ))),
     }

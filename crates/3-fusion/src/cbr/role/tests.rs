@@ -34,6 +34,18 @@ const ALL: [GraphRole; 21] = [
     GraphRole::ApplyDbnApply,
 ];
 
+/// The batch's and the running statistics: what evaluation mode never writes.
+const STATISTICS: [&str; 8] = [
+    "sum",
+    "sq_sum",
+    "saved_mean",
+    "saved_inv_std",
+    "running_mean",
+    "running_var",
+    "running_mean_next",
+    "running_var_next",
+];
+
 /// A buffer of this layer (`false`) or of the previous one (`true`), by name.
 type Name = (bool, &'static str);
 
@@ -50,6 +62,7 @@ fn name_of(src: Src) -> Option<Name> {
 struct Recorder {
     bufs: HashMap<Name, Vec<f64>>,
     touched: std::cell::RefCell<BTreeSet<Name>>,
+    written: BTreeSet<Name>,
 }
 
 impl Recorder {
@@ -66,6 +79,7 @@ impl Recorder {
         Recorder {
             bufs,
             touched: Default::default(),
+            written: BTreeSet::new(),
         }
     }
 
@@ -84,6 +98,7 @@ impl Recorder {
     fn set(&mut self, src: Src, v: Vec<f64>) -> Result<()> {
         let name = name_of(src).expect("a buffer, not a scalar");
         self.touched.borrow_mut().insert(name);
+        self.written.insert(name);
         self.bufs.insert(name, v);
         Ok(())
     }
@@ -128,8 +143,10 @@ fn the_per_role_table_is_complete() {
                     .collect();
                 // The CPU step touches what the graph binds, no more and no less.
                 io.touched.borrow_mut().clear();
+                io.written.clear();
                 cpu_step(&layer, role, &mut io, 1).unwrap_or_else(|e| panic!("{at}: {e}"));
                 assert_eq!(*io.touched.borrow(), bound, "{at}: CPU step vs graph");
+                let trained = std::mem::take(&mut io.written);
                 // The sync action's buffers are the graph's.
                 match sync_action(role) {
                     SyncAction::ReduceStats => {
@@ -161,8 +178,25 @@ fn the_per_role_table_is_complete() {
                 );
                 let by_role = KernelStep::for_role(&lg, &config, kind, "sm_90");
                 assert_eq!(by_role, KernelStep::for_graph(&lg, "sm_90"), "{at}");
-                // The pass the role runs in.
-                assert_eq!(role.is_backward(), def.backward, "{at}");
+                // Evaluation mode: a forward role's step touches only what its graph binds and
+                // writes what its training step writes, less the batch's and the running
+                // statistics (nothing statistical is written); a backward role's is refused.
+                io.touched.borrow_mut().clear();
+                let eval = cpu_eval_step(&layer, role, &mut io);
+                match def.pass {
+                    RolePass::Backward => assert!(eval.is_err(), "{at}: eval of a backward role"),
+                    RolePass::Forward(step) => {
+                        eval.unwrap_or_else(|e| panic!("{at}: eval: {e}"));
+                        assert!(io.touched.borrow().is_subset(&bound), "{at}: eval vs graph");
+                        let expected: BTreeSet<Name> = trained
+                            .iter()
+                            .filter(|(_, n)| !STATISTICS.contains(n))
+                            .copied()
+                            .collect();
+                        assert_eq!(io.written, expected, "{at}: eval step {step:?} writes");
+                    }
+                }
+                io.written.clear();
             }
             // Forward roles first, then backward ones, as the passes split them.
             let passes: Vec<bool> = layer.steps().iter().map(|s| s.role.is_backward()).collect();
