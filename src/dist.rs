@@ -4,10 +4,13 @@
 //! [`CpuClassifier`] on its shard of the global batch, the ranks joined by an in-process group
 //! ([`CpuGroup`]).
 //!
-//! A [`CpuReplica`] step is the amp step of [`crate::amp::dist`] over this module's
-//! communicators: begin, forward and backward on the shard, the gradients summed over the
-//! ranks bucket by bucket (deepest first), the overflow flag shared (max) between the check and
-//! SGD, SGD unscaling the sums by `1 / (loss_scale · ranks)`. With synchronized BN every layer
+//! A [`CpuReplica`] step is the classifier's data-parallel micro-batch
+//! ([`crate::classifier::Classifier::train_micro_batch_synced`], the same for both backends)
+//! over this module's communicators: begin, forward and backward on the shard, the gradients
+//! summed over the ranks bucket by bucket (deepest first), the overflow flag shared (max)
+//! between the check and SGD, SGD unscaling the sums by `1 / (loss_scale · ranks)`. The joins
+//! ([`crate::classifier::StepSync`]) are [`CpuComm`]'s and, on the CUDA executor,
+//! [`NcclStepSync`]'s. With synchronized BN every layer
 //! normalizes with the global batch's statistics ([`crate::fusion::cbr::BnSync`]), so N ranks ×
 //! batch B train like one rank × batch N·B. With gradient accumulation,
 //! [`CpuReplica::train_step`] runs a step's micro-batches, each summed over the ranks and added
@@ -51,12 +54,14 @@ pub use cudnn_cbr_dist::{bootstrap, nccl, same, watchdog};
 pub use cudnn_cbr_dist::{Collective, Communicator, DistError, ReduceOp};
 
 use crate::amp::cuda::dist_grads::{self, all_reduce_sum_ordered, SharedComm};
-use crate::amp::cuda::{CudaSlice, CudaStream};
+use crate::amp::cuda::{CudaRegions, CudaSlice, CudaStream};
 use crate::amp::dist::grads;
+use crate::amp::plan::Bucket;
+use crate::amp::step::CpuRegions;
 use crate::amp::AmpError;
-use crate::classifier::{Accuracies, ClassifierError, CpuClassifier};
+use crate::classifier::{Accuracies, ClassifierError, CpuClassifier, StepSync};
 use crate::fusion::cbr::{BnSync, DeviceBnSync};
-use crate::net::{grad_schedule, GradSchedule};
+use crate::net::GradSchedule;
 use crate::netops::head::HeadMetrics;
 use half::f16;
 use std::sync::Arc;
@@ -110,6 +115,68 @@ impl DeviceBnSync for NcclBnSync {
     }
 }
 
+/// The CPU group's join of a data-parallel step: the buckets and the overflow flag summed
+/// (max) over the in-process group.
+impl StepSync<CpuRegions> for CpuComm {
+    fn reduce_bucket(
+        &mut self,
+        regions: &mut CpuRegions,
+        bucket: Bucket,
+    ) -> Result<(), ClassifierError> {
+        Ok(grads::all_reduce_bucket(regions, self, bucket)?)
+    }
+
+    fn share_overflow(&mut self, regions: &mut CpuRegions) -> Result<(), AmpError> {
+        grads::all_reduce_overflow(regions, self)
+    }
+
+    fn fail(&mut self, why: &str) {
+        CpuComm::fail(self, why);
+    }
+}
+
+/// NCCL's join of a data-parallel step on the CUDA executor: each bucket's sum enqueued on
+/// the rank's communicator stream after `stream`'s work so far (the compute stream of the
+/// network), so it overlaps the shallower layers' backward; before the overflow flag is
+/// shared, the update waits for every bucket's sum.
+#[derive(Debug, Clone)]
+pub struct NcclStepSync {
+    comm: SharedComm,
+    stream: Arc<CudaStream>,
+}
+
+impl NcclStepSync {
+    /// The join over `comm`'s group, the sums ordered after `stream` (the classifier's).
+    pub fn new(comm: SharedComm, stream: Arc<CudaStream>) -> Self {
+        NcclStepSync { comm, stream }
+    }
+}
+
+impl StepSync<CudaRegions> for NcclStepSync {
+    fn reduce_bucket(
+        &mut self,
+        regions: &mut CudaRegions,
+        bucket: Bucket,
+    ) -> Result<(), ClassifierError> {
+        let mut comm = dist_grads::lock(&self.comm);
+        Ok(dist_grads::all_reduce_bucket(
+            regions,
+            &mut comm,
+            bucket,
+            &self.stream,
+        )?)
+    }
+
+    fn share_overflow(&mut self, regions: &mut CudaRegions) -> Result<(), AmpError> {
+        let mut comm = dist_grads::lock(&self.comm);
+        dist_grads::join_gradients(regions, &mut comm)?;
+        dist_grads::all_reduce_overflow(regions, &mut comm)
+    }
+
+    /// NCCL has no message to send: the others see the failure at their next collective.
+    fn fail(&mut self, _why: &str) {}
+}
+
 /// One rank of a data-parallel CPU run: a classifier for the per-rank batch and the rank's
 /// communicator.
 #[derive(Debug)]
@@ -158,7 +225,7 @@ impl CpuReplica {
         grads::broadcast_weights(step.executor_mut(), &mut comm)?;
         step.init_weights()?;
         step.set_ranks(ranks)?;
-        let schedule = grad_schedule(model.net(), model.step().executor().plan_arc())?;
+        let schedule = model.grad_schedule()?;
         Ok(CpuReplica {
             model,
             comm,
@@ -174,16 +241,14 @@ impl CpuReplica {
     /// As [`CpuClassifier::forward_backward`]; [`AmpError::Dist`] when another rank failed
     /// or timed out.
     pub fn step(&mut self, images: &[f16], labels: &[i32]) -> Result<HeadMetrics, ClassifierError> {
-        // A step without accumulation is its own last micro-batch.
-        let local = self.micro_batch(images, labels, true)?;
-        self.global_metrics(local)
+        self.train_step(&[(images, labels)])
     }
 
     /// One data-parallel optimizer step with gradient accumulation over `micro_batches`
     /// (this rank's shard of each, as many as the step's
     /// [`crate::amp::step::StepConfig::accum`]; every rank calls it together with its own
-    /// shards): [`CpuReplica::micro_batch`] for each, the last one with `last`. Returns the
-    /// global loss and accuracy, the mean over the micro-batches.
+    /// shards): [`CpuReplica::micro_batch`] for each. Returns the global loss and accuracy,
+    /// the mean over the micro-batches.
     ///
     /// # Errors
     /// [`ClassifierError::Input`] for a count other than the step's (nothing runs, nothing
@@ -193,7 +258,7 @@ impl CpuReplica {
         micro_batches: &[(&[f16], &[i32])],
     ) -> Result<HeadMetrics, ClassifierError> {
         let accum = self.model.step().config().accum;
-        if micro_batches.len() != accum as usize {
+        if micro_batches.len() != accum.max(1) as usize {
             return Err(ClassifierError::Input(format!(
                 "{} micro-batches for a step that accumulates {accum} (StepConfig::accum)",
                 micro_batches.len()
@@ -201,58 +266,37 @@ impl CpuReplica {
         }
         let (mut loss, mut accuracy) = (0f32, 0f32);
         for (k, (images, labels)) in micro_batches.iter().enumerate() {
-            let local = self.micro_batch(images, labels, k + 1 == micro_batches.len())?;
+            let local = self.micro_batch(k, images, labels)?;
             loss += local.loss;
             accuracy += local.accuracy;
         }
-        let n = micro_batches.len().max(1) as f32;
+        let n = micro_batches.len() as f32;
         self.global_metrics(HeadMetrics {
             loss: loss / n,
             accuracy: accuracy / n,
         })
     }
 
-    /// One micro-batch of a data-parallel step with gradient accumulation, on this rank's
-    /// shard (every rank calls it together): as in [`CpuReplica::step`] its buckets are
-    /// summed over the ranks as backward makes them final; then amp's `accumulate` adds the
-    /// sums into GA, or for the step's `last` micro-batch `finish` adds it and moves GA into
-    /// G, and the check, the shared overflow flag, SGD (unscaling by
-    /// `1 / (loss_scale · ranks · N)`) and the scale update run once. The caller runs the
-    /// step's N micro-batches in order, the last with `last` ([`CpuReplica::train_step`]
-    /// does). Returns this rank's loss and accuracy (not reduced).
+    /// Micro-batch `k` (from 0) of a data-parallel step on this rank's shard (every rank
+    /// calls it together): [`crate::classifier::Classifier::train_micro_batch_synced`] over
+    /// this rank's communicator, its buckets summed over the ranks as backward makes them
+    /// final, then amp's `accumulate` adds the sums into GA, or after the step's last
+    /// micro-batch (`k + 1 == accum`) `finish` adds it and moves GA into G, and the check, the
+    /// shared overflow flag, SGD (unscaling by `1 / (loss_scale · ranks · N)`) and the scale
+    /// update run once. Returns this rank's loss and accuracy (not reduced).
     ///
     /// # Errors
-    /// As [`CpuReplica::step`].
+    /// As [`CpuReplica::step`]; [`ClassifierError::Input`] for `k` not below the step's
+    /// micro-batch count.
     pub fn micro_batch(
         &mut self,
+        k: usize,
         images: &[f16],
         labels: &[i32],
-        last: bool,
     ) -> Result<HeadMetrics, ClassifierError> {
-        self.model.step_mut().begin()?;
-        // Each bucket is summed as soon as backward has made it final, the deepest first.
-        let comm = &mut self.comm;
-        let local = match self.model.forward_backward_reduced(
-            images,
-            labels,
-            &self.schedule,
-            &mut |regions, bucket| grads::all_reduce_bucket(regions, comm, bucket),
-        ) {
-            Ok(m) => m,
-            Err(e) => {
-                // Tell the others at once rather than at their next collective's timeout.
-                self.comm.fail(format!("its forward/backward failed: {e}"));
-                return Err(e);
-            }
-        };
-        let comm = &mut self.comm;
-        let step = self.model.step_mut();
-        if last {
-            step.finish_with(|regions| grads::all_reduce_overflow(regions, comm))?;
-        } else {
-            step.accumulate()?;
-        }
-        Ok(local)
+        let (schedule, comm) = (&self.schedule, &mut self.comm);
+        self.model
+            .train_micro_batch_synced(k, images, labels, schedule, comm)
     }
 
     /// The logits of this rank's shard with the current weights. With synchronized BN every

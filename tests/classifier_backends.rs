@@ -3,13 +3,16 @@
 //! trained and the EMA weights, and the refusals of bad calls. On the CPU backend the generic
 //! step equals the step's calls made by hand; on the CUDA backend (SKIP without a device;
 //! `tests/sim_gpu_fusion.rs` runs it on the simulated device) the same function follows the
-//! CPU's and refuses the same calls with the same typed errors.
+//! CPU's and refuses the same calls with the same typed errors. The data-parallel micro-batch
+//! (`Classifier::train_micro_batch_synced`) is generic too: two ranks of the CPU group and two
+//! NCCL ranks (threads on the simulated device; NCCL refuses two ranks on one real GPU, so
+//! there it prints its SKIP line) run the same function, and the CUDA ranks follow the CPU's.
 
 mod common;
 
 use cudarc::driver::CudaSlice;
 use cudnn_cbr::amp::plan::Region;
-use cudnn_cbr::classifier::{Backend, Classifier, CpuBackend, CudaBackend, EvalWeights};
+use cudnn_cbr::classifier::{Backend, Classifier, CpuBackend, CudaBackend, EvalWeights, StepSync};
 use cudnn_cbr::fusion::cbr::RouteKind;
 use cudnn_cbr::{
     amp::range::SgdConfig, amp::step::StepConfig, classifier::ClassifierError,
@@ -278,4 +281,125 @@ fn gpu_the_generic_step_on_the_cuda_backend_follows_the_cpu() {
         assert!(rel <= 1e-3, "{name}: {rel}");
     }
     assert_eq!(refusals(&mut gpu), refusals(&mut cpu));
+}
+
+/// Ranks in the data-parallel tests.
+const RANKS: usize = 2;
+
+/// Rank `rank` of a data-parallel run of `ranks`: [`STEPS`] optimizer steps of two
+/// micro-batches, this rank's shard of each (micro-batch `RANKS·(2·step + k) + rank`), through
+/// [`Classifier::train_micro_batch_synced`] with `sync`; written once for any backend.
+/// Returns W after the steps.
+fn synced_steps<B: Probe>(
+    c: &mut Classifier<B>,
+    (rank, ranks): (usize, u32),
+    sync: &mut dyn StepSync<B::Regions>,
+) -> Vec<u8> {
+    // Every rank starts from the seed's weights (no broadcast needed) and S counts the ranks.
+    c.step_mut().set_ranks(ranks).unwrap();
+    let schedule = c.grad_schedule().unwrap();
+    for step in 0..STEPS {
+        for k in 0..2 {
+            let (images, labels) = micro_batch(RANKS * (2 * step + k) + rank);
+            let mut held = B::hold(c, &images);
+            c.train_micro_batch_synced(k, B::view(&mut held), &labels, &schedule, sync)
+                .unwrap();
+        }
+    }
+    B::master(c)
+}
+
+/// The CPU group's ranks (threads, an in-process group): W of each rank.
+fn cpu_group_masters() -> Vec<Vec<u8>> {
+    let comms = cudnn_cbr::dist::CpuGroup::ranks(RANKS).unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut comm)| {
+                s.spawn(move || {
+                    let mut c = CpuClassifier::new(cpu_net(), CLASSES, config(), SEED).unwrap();
+                    synced_steps(&mut c, (rank, RANKS as u32), &mut comm)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Two NCCL ranks of the CUDA backend (threads on the simulated device, each with its own
+/// streams, [`cudnn_cbr::dist::NcclStepSync`]) through the same function as the CPU group's:
+/// the ranks end with the same W bit for bit (their shards differ, so their gradients were
+/// summed), and it follows the CPU group's.
+#[test]
+fn gpu_two_nccl_ranks_of_the_synced_step_follow_the_cpu_group() {
+    const TEST: &str = "gpu_two_nccl_ranks_of_the_synced_step_follow_the_cpu_group";
+    let Some(ctx) = common::gpu_or_skip(TEST) else {
+        return;
+    };
+    use cudnn_cbr::dist::nccl::{NcclComm, NcclId};
+    use cudnn_cbr::dist::NcclStepSync;
+    use cudnn_cbr::{classifier::CudaClassifier, fusion::exec::Handle};
+    use std::sync::{Arc, Mutex};
+    let probe = Handle::new(ctx.new_stream().unwrap()).unwrap();
+    if !probe.is_simulated() {
+        println!("SKIP {TEST}: several NCCL ranks on one device run only on the simulated device (CUDNN_CBR_DEVICE=sim)");
+        return;
+    }
+    let id = NcclId::generate().unwrap();
+    let gpu: Vec<Vec<u8>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..RANKS)
+            .map(|rank| {
+                let (ctx, id) = (&ctx, &id);
+                s.spawn(move || {
+                    let handle = Handle::new(ctx.new_stream().unwrap()).unwrap();
+                    let net = common::planned_mini(&handle, BATCH, HW, CLASSES);
+                    let mut c = CudaClassifier::new(net, handle, CLASSES, config(), SEED).unwrap();
+                    let link = ctx.new_stream().unwrap();
+                    let comm = NcclComm::new(link, rank, RANKS, id).unwrap();
+                    let comm = Arc::new(Mutex::new(comm));
+                    let mut sync = NcclStepSync::new(comm.clone(), c.stream().clone());
+                    let master = synced_steps(&mut c, (rank, RANKS as u32), &mut sync);
+                    drop(sync);
+                    let comm = Arc::into_inner(comm).unwrap().into_inner().unwrap();
+                    comm.check_async().unwrap();
+                    comm.destroy().unwrap();
+                    master
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let cpu = cpu_group_masters();
+    assert!(
+        cpu[0] == cpu[1],
+        "the CPU group's ranks end with different W"
+    );
+    assert!(gpu[0] == gpu[1], "the NCCL ranks end with different W");
+    let w0 = f32s(
+        &CpuClassifier::new(cpu_net(), CLASSES, config(), SEED)
+            .map(|c| CpuBackend::master(&c))
+            .unwrap(),
+    );
+    // The bound of the single-rank test above: the executors' op sequences differ well under
+    // 0.2 of what training moved the weights; a rank's gradients not summed (each rank its
+    // own shard's) or summed but not unscaled by the ranks are O(1) of the movement.
+    let rel = rel_to_movement(&f32s(&gpu[0]), &f32s(&cpu[0]), &w0);
+    println!(
+        "W after {STEPS} synced steps of {RANKS} ranks: cuda vs cpu, ‖Δ‖/‖movement‖ {rel:.2e}"
+    );
+    assert!(rel < 0.2, "W: {rel}");
+}
+
+/// The CPU group through the generic function: both ranks end with the same W, which differs
+/// from what rank 0's shards alone reach (a group of one): the sums were taken.
+#[test]
+fn the_synced_step_of_the_cpu_group_joins_the_ranks() {
+    let masters = cpu_group_masters();
+    assert!(masters[0] == masters[1], "the ranks end with different W");
+    let comms = cudnn_cbr::dist::CpuGroup::ranks(1).unwrap();
+    let mut alone = CpuClassifier::new(cpu_net(), CLASSES, config(), SEED).unwrap();
+    let mut comm = comms.into_iter().next().unwrap();
+    let own = synced_steps(&mut alone, (0, 1), &mut comm);
+    assert!(own != masters[0], "rank 0 alone reached the group's W");
 }

@@ -18,11 +18,15 @@
 //! [`Backend::head_forward`], [`Backend::head_backward`], the backward network pass.
 
 use super::{ClassifierError, EvalWeights};
-use crate::amp::plan::Region;
+use crate::amp::plan::{Bucket, Region};
 use crate::amp::step::AmpExecutor;
 use crate::fusion::cbr::Pass;
-use crate::net::{run_pass, CompiledNet, NetExecutor};
+use crate::net::{run_pass, CompiledNet, GradSchedule, NetExecutor};
 use half::f16;
+
+/// What a data-parallel backward pass does with a gradient bucket once the pass has made it
+/// final in the regions: its sum over the ranks ([`Backend::backward_reduced`]).
+pub type BucketReduce<'a, R> = dyn FnMut(&mut R, Bucket) -> Result<(), ClassifierError> + 'a;
 
 /// One device's passes of a classifier (module docs).
 pub trait Backend: Sized {
@@ -135,6 +139,23 @@ pub trait Backend: Sized {
         }
         self.end_pass(regions, pass)
     }
+
+    /// The backward network pass of a data-parallel step (as [`Backend::network_pass`] with
+    /// [`Pass::Backward`]): each gradient bucket is in the regions and handed to `reduce` as
+    /// soon as the pass has made it final (`schedule`, from [`crate::net::grad_schedule`] for
+    /// this network and the regions' plan), the deepest first, while the shallower layers'
+    /// backward is still to run (on a GPU: enqueued, so the sums overlap it).
+    ///
+    /// # Errors
+    /// As [`Backend::network_pass`]; a schedule of another network; `reduce`'s error (the
+    /// pass stops there).
+    fn backward_reduced(
+        &mut self,
+        regions: &mut Self::Regions,
+        images: Self::Images<'_>,
+        schedule: &GradSchedule,
+        reduce: &mut BucketReduce<'_, Self::Regions>,
+    ) -> Result<(), ClassifierError>;
 
     /// The head's forward on the network's output: global average pool and FC (FC weights
     /// from W) into the logits.

@@ -1,25 +1,20 @@
 //! [`CpuBackend`] and [`CpuClassifier`]: a compiled network on the CPU reference executor (FP16
 //! storage, FP32 arithmetic), the head on netops' CPU twins of the CUDA head kernels, the amp
-//! step on [`CpuRegions`]; and the CPU-only calls (the data-parallel pass, synchronized BN).
+//! step on [`CpuRegions`]; and the CPU-only calls (synchronized BN, the training-mode logits,
+//! the evaluation counts).
 
-use super::backend::Backend;
+use super::backend::{Backend, BucketReduce};
 use super::shared::{step_plan, Classifier};
 use super::{Accuracies, ClassifierError, EvalWeights};
 use crate::amp::plan::Bucket;
 use crate::amp::plan::Region;
 use crate::amp::range::softmax_xent_backward;
 use crate::amp::step::{CpuRegions, StepConfig};
-use crate::amp::AmpError;
 use crate::fusion::cbr::Pass;
 #[cfg(doc)]
 use crate::net::initial_weights;
 use crate::net::{Arena, CompiledNet, CpuNet, GradSchedule};
 use crate::netops::head::{self, HeadMetrics, HeadShape};
-
-/// What a data-parallel step does with a gradient bucket once it is in the regions
-/// ([`CpuClassifier::forward_backward_reduced`]).
-pub type BucketReduce<'a> =
-    dyn FnMut(&mut CpuRegions, Bucket) -> std::result::Result<(), AmpError> + 'a;
 
 /// Copies layer `name`'s gradients of the parameters `suffixes` (`w`, `gamma`, `beta`) from
 /// the network's buffers into the regions (G16 for the weight, G for the BN parameters).
@@ -187,6 +182,61 @@ impl Backend for CpuBackend {
             }
         }
         Ok(())
+    }
+
+    /// The reference executor's backward with each bucket's gradients copied from its
+    /// buffers into the regions as the pass makes them final, then handed to `reduce`.
+    fn backward_reduced(
+        &mut self,
+        regions: &mut CpuRegions,
+        _images: &[f16],
+        schedule: &GradSchedule,
+        reduce: &mut BucketReduce<'_, CpuRegions>,
+    ) -> Result<()> {
+        if schedule.after.len() != self.net.net().backward.len() {
+            return Err(ClassifierError::Input(format!(
+                "the gradient schedule has {} backward steps, the network {}",
+                schedule.after.len(),
+                self.net.net().backward.len()
+            )));
+        }
+        let da = std::mem::take(&mut self.d_out);
+        let plan = regions.plan_arc().clone();
+        let layers = &self.layers;
+        // The bucket's network gradients into the regions, then its sum.
+        let mut release = |net: &CpuNet<f16>, regions: &mut CpuRegions, bucket: Bucket| {
+            let info = plan.buckets().get(bucket.index()).ok_or_else(|| {
+                ClassifierError::Input(format!("the schedule names bucket {}", bucket.index()))
+            })?;
+            for p in &plan.params()[info.params()] {
+                if let Some((layer, suffix)) = p.name().rsplit_once('.') {
+                    if layers.iter().any(|l| l == layer) {
+                        copy_grads(net, regions, layer, &[suffix])?;
+                    }
+                }
+            }
+            reduce(regions, bucket)
+        };
+        for &b in &schedule.before {
+            release(&self.net, regions, b)?;
+        }
+        // The first failure of a release, kept while the pass stops.
+        let mut failed: Option<ClassifierError> = None;
+        let pass = self.net.backward_observed(da, &mut |net, i| {
+            for &b in &schedule.after[i] {
+                if let Err(e) = release(net, regions, b) {
+                    failed = Some(e);
+                    return Err(crate::fusion::Error::BnSync(
+                        "a gradient bucket's all-reduce failed".into(),
+                    ));
+                }
+            }
+            Ok(())
+        });
+        match (failed, pass) {
+            (Some(e), _) => Err(e),
+            (None, pass) => Ok(pass?),
+        }
     }
 
     fn head_forward(&mut self, regions: &mut CpuRegions) -> Result<()> {
@@ -359,73 +409,5 @@ impl Classifier<CpuBackend> {
             .network_pass(regions, images, Pass::Forward, trained)?;
         self.backend.head_forward(regions)?;
         Ok(self.backend.logits.clone())
-    }
-
-    /// [`CpuClassifier::forward_backward`] for a data-parallel step: each gradient bucket is
-    /// written to the regions and handed to `reduce` as soon as the backward pass has made it
-    /// final (`schedule`, from [`crate::net::grad_schedule`] for this classifier's network and
-    /// plan), the deepest first, while the shallower layers' backward is still to run.
-    ///
-    /// # Errors
-    /// As [`CpuClassifier::forward_backward`]; `reduce`'s error (the pass stops there).
-    pub fn forward_backward_reduced(
-        &mut self,
-        images: &[f16],
-        labels: &[i32],
-        schedule: &GradSchedule,
-        reduce: &mut BucketReduce<'_>,
-    ) -> Result<HeadMetrics> {
-        self.check(images.len(), labels)?;
-        let regions = self.step.executor_mut();
-        let backend = &mut self.backend;
-        backend.load_labels(labels)?;
-        backend.network_pass(regions, images, Pass::Forward, EvalWeights::Trained)?;
-        backend.head_forward(regions)?;
-        let metrics = backend.head_backward(regions)?;
-        let da = std::mem::take(&mut backend.d_out);
-        let plan = regions.plan_arc().clone();
-        let layers = &backend.layers;
-        // The bucket's network gradients into the regions, then its sum.
-        let mut release = |net: &CpuNet<f16>, regions: &mut CpuRegions, bucket: Bucket| {
-            let info = plan.buckets().get(bucket.index()).ok_or_else(|| {
-                ClassifierError::Input(format!("the schedule names bucket {}", bucket.index()))
-            })?;
-            for p in &plan.params()[info.params()] {
-                if let Some((layer, suffix)) = p.name().rsplit_once('.') {
-                    if layers.iter().any(|l| l == layer) {
-                        copy_grads(net, regions, layer, &[suffix])?;
-                    }
-                }
-            }
-            reduce(regions, bucket).map_err(ClassifierError::from)
-        };
-        for &b in &schedule.before {
-            release(&backend.net, regions, b)?;
-        }
-        if schedule.after.len() != backend.net.net().backward.len() {
-            return Err(ClassifierError::Input(format!(
-                "the gradient schedule has {} backward steps, the network {}",
-                schedule.after.len(),
-                backend.net.net().backward.len()
-            )));
-        }
-        // The first failure of a release, kept while the pass stops.
-        let mut failed: Option<ClassifierError> = None;
-        let pass = backend.net.backward_observed(da, &mut |net, i| {
-            for &b in &schedule.after[i] {
-                if let Err(e) = release(net, regions, b) {
-                    failed = Some(e);
-                    return Err(crate::fusion::Error::BnSync(
-                        "a gradient bucket's all-reduce failed".into(),
-                    ));
-                }
-            }
-            Ok(())
-        });
-        match (failed, pass) {
-            (Some(e), _) => Err(e),
-            (None, Err(e)) => Err(e.into()),
-            (None, Ok(())) => Ok(metrics),
-        }
     }
 }

@@ -12,7 +12,7 @@
 //! [`Classifier::forward_backward`], [`Classifier::train_step`] over the micro-batches,
 //! [`Classifier::evaluate`] and the running statistics. Two backends:
 //! - [`CpuBackend`] ([`CpuClassifier`]): the CPU reference executor (host slices in, no GPU
-//!   needed); its own calls are the data-parallel pass and synchronized BN ([`crate::dist`]);
+//!   needed); its own calls are synchronized BN and the training-mode logits;
 //! - [`CudaBackend`] ([`CudaClassifier`]): cuDNN plans and amp's kernels on the handle's
 //!   stream, reading the caller's cudarc image buffer in place. [`CudaClassifier`] is also the
 //!   GPU training engine ([`EngineConfig`]; docs/training.md, "The GPU engine"): whole-step capture into
@@ -50,14 +50,16 @@ pub(crate) mod backend;
 pub(crate) mod cpu;
 pub(crate) mod cuda;
 mod shared;
+pub(crate) mod step_sync;
 
-pub use backend::Backend;
-pub use cpu::{BucketReduce, CpuBackend, CpuClassifier};
+pub use backend::{Backend, BucketReduce};
+pub use cpu::{CpuBackend, CpuClassifier};
 pub use cuda::{
     check_fits, open_device, CudaBackend, CudaClassifier, CudaGraphMode, EngineConfig, GraphState,
     ScalarHistory, Snapshot, StepScalars, WARMUP_STEPS,
 };
 pub use shared::Classifier;
+pub use step_sync::StepSync;
 
 use crate::amp::AmpError;
 use crate::net::CudaNetError;

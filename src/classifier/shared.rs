@@ -3,14 +3,15 @@
 //! batch checks, a forward and backward pass, the optimizer step over its micro-batches,
 //! evaluation and the running statistics.
 
-use super::backend::Backend;
+use super::backend::{Backend, BucketReduce};
+use super::step_sync::StepSync;
 use super::{check_batch, check_micro_batches, ClassifierError, EvalWeights, Evaluation};
 use crate::amp::plan::{MemoryPlan, Region};
 use crate::amp::range::Scalars;
 use crate::amp::step::{AmpExecutor, AmpStep, StepConfig};
 use crate::amp::AmpError;
 use crate::fusion::cbr::Pass;
-use crate::net::{initial_weights, memory_plan_of, CompiledNet, PlanContents};
+use crate::net::{initial_weights, memory_plan_of, CompiledNet, GradSchedule, PlanContents};
 use crate::netops::head::HeadShape;
 use std::fmt;
 
@@ -104,6 +105,17 @@ impl<B: Backend> Classifier<B> {
         self.backend.compiled()
     }
 
+    /// When each gradient bucket of this classifier's memory plan is final in its backward
+    /// pass ([`crate::net::grad_schedule`]): the schedule a data-parallel step reduces by
+    /// ([`Classifier::train_micro_batch_synced`]).
+    ///
+    /// # Errors
+    /// A plan whose buckets the network does not write.
+    pub fn grad_schedule(&self) -> Result<GradSchedule> {
+        let plan = self.step.executor().plan();
+        Ok(crate::net::grad_schedule(self.backend.compiled(), plan)?)
+    }
+
     /// Values of one batch's NHWC FP16 images.
     fn input_elems(&self) -> usize {
         let net = self.backend.compiled();
@@ -127,18 +139,52 @@ impl<B: Backend> Classifier<B> {
     /// (nothing runs); a refused plan, op or kernel; a driver error.
     pub fn forward_backward(
         &mut self,
+        images: B::Images<'_>,
+        labels: &[i32],
+    ) -> Result<B::Metrics> {
+        self.pass_of(images, labels, None)
+    }
+
+    /// [`Classifier::forward_backward`] for a data-parallel step: each gradient bucket is in
+    /// the regions and handed to `reduce` as soon as the backward pass has made it final
+    /// (`schedule`, from [`crate::net::grad_schedule`] for this classifier's network and
+    /// plan), the deepest first, while the shallower layers' backward is still to run
+    /// ([`Backend::backward_reduced`]).
+    ///
+    /// # Errors
+    /// As [`Classifier::forward_backward`]; a schedule of another network; `reduce`'s error
+    /// (the pass stops there).
+    pub fn forward_backward_reduced(
+        &mut self,
+        images: B::Images<'_>,
+        labels: &[i32],
+        schedule: &GradSchedule,
+        reduce: &mut BucketReduce<'_, B::Regions>,
+    ) -> Result<B::Metrics> {
+        self.pass_of(images, labels, Some((schedule, reduce)))
+    }
+
+    /// Labels, forward, head, backward (reduced bucket by bucket with `reduce`).
+    fn pass_of(
+        &mut self,
         mut images: B::Images<'_>,
         labels: &[i32],
+        reduce: Option<(&GradSchedule, &mut BucketReduce<'_, B::Regions>)>,
     ) -> Result<B::Metrics> {
         self.check(B::images_len(&images), labels)?;
         let regions = self.step.executor_mut();
-        self.backend.load_labels(labels)?;
         let trained = EvalWeights::Trained;
         let backend = &mut self.backend;
+        backend.load_labels(labels)?;
         backend.network_pass(regions, B::reborrow(&mut images), Pass::Forward, trained)?;
         backend.head_forward(regions)?;
         let metrics = backend.head_backward(regions)?;
-        backend.network_pass(regions, images, Pass::Backward, trained)?;
+        match reduce {
+            None => backend.network_pass(regions, images, Pass::Backward, trained)?,
+            Some((schedule, reduce)) => {
+                backend.backward_reduced(regions, images, schedule, reduce)?
+            }
+        }
         Ok(metrics)
     }
 
@@ -186,6 +232,39 @@ impl<B: Backend> Classifier<B> {
         labels: &[i32],
         inspect: impl FnOnce(&mut B::Regions) -> Result<()>,
     ) -> Result<B::Metrics> {
+        self.micro_batch_of(k, images, labels, None, inspect)
+    }
+
+    /// [`Classifier::train_micro_batch`] as one rank of a data-parallel step (every rank calls
+    /// it together, with its shard): the gradient buckets summed over the ranks through `sync`
+    /// as the backward pass makes them final ([`Classifier::forward_backward_reduced`] with
+    /// `schedule`), then [`AmpStep::accumulate`], or after the last micro-batch
+    /// [`AmpStep::finish_with`] sharing the overflow flag, so that SGD unscales the sums by
+    /// `1 / (loss_scale · ranks · N)` ([`AmpStep::set_ranks`]) and every rank skips together.
+    /// A failed pass is told to the others ([`StepSync::fail`]).
+    ///
+    /// # Errors
+    /// As [`Classifier::train_micro_batch`]; what `sync` returns.
+    pub fn train_micro_batch_synced(
+        &mut self,
+        k: usize,
+        images: B::Images<'_>,
+        labels: &[i32],
+        schedule: &GradSchedule,
+        sync: &mut dyn StepSync<B::Regions>,
+    ) -> Result<B::Metrics> {
+        self.micro_batch_of(k, images, labels, Some((schedule, sync)), |_| Ok(()))
+    }
+
+    /// The micro-batch sequence, local or (with `sync`) data-parallel.
+    fn micro_batch_of(
+        &mut self,
+        k: usize,
+        images: B::Images<'_>,
+        labels: &[i32],
+        mut sync: Option<(&GradSchedule, &mut dyn StepSync<B::Regions>)>,
+        inspect: impl FnOnce(&mut B::Regions) -> Result<()>,
+    ) -> Result<B::Metrics> {
         let n = self.step.config().accum.max(1) as usize;
         if k >= n {
             return Err(ClassifierError::Input(format!(
@@ -193,12 +272,24 @@ impl<B: Backend> Classifier<B> {
             )));
         }
         self.step.begin()?;
-        let metrics = self.forward_backward(images, labels)?;
+        let metrics = match sync.as_mut() {
+            None => self.forward_backward(images, labels)?,
+            Some((schedule, sync)) => {
+                let mut reduce = |r: &mut B::Regions, b| sync.reduce_bucket(r, b);
+                match self.forward_backward_reduced(images, labels, schedule, &mut reduce) {
+                    Ok(m) => m,
+                    Err(e) => {
+                        sync.fail(&format!("its forward/backward failed: {e}"));
+                        return Err(e);
+                    }
+                }
+            }
+        };
         inspect(self.step.executor_mut())?;
-        if k + 1 < n {
-            self.step.accumulate()?;
-        } else {
-            self.step.finish()?;
+        match sync {
+            _ if k + 1 < n => self.step.accumulate()?,
+            None => self.step.finish()?,
+            Some((_, sync)) => self.step.finish_with(|r| sync.share_overflow(r))?,
         }
         Ok(metrics)
     }

@@ -134,7 +134,7 @@ fn run_rank(
             for k in 0..accum {
                 let (images, labels) =
                     book.shard(data.batch(cfg.batch * ranks, (i * accum + k) as u64, 0));
-                let local = replica.micro_batch(&images, &labels, k + 1 == accum)?;
+                let local = replica.micro_batch(k, &images, &labels)?;
                 v[0] += local.loss / accum as f32;
                 v[1] += local.accuracy / accum as f32;
             }

@@ -5,10 +5,12 @@
 use super::{driver, CudaBackend, Result};
 use crate::amp::cuda::{CudaRegions, CudaSlice, DevRange, DevRangeMut};
 use crate::amp::plan::Region;
-use crate::classifier::backend::Backend;
+use crate::classifier::backend::{Backend, BucketReduce};
 use crate::classifier::{ClassifierError, EvalWeights};
 use crate::fusion::cbr::Pass;
-use crate::net::{CompiledNet, CudaNetError, CudaNetPass};
+#[cfg(doc)]
+use crate::net::CudaNet;
+use crate::net::{CompiledNet, CudaNetError, CudaNetPass, GradSchedule};
 use crate::netops::cuda::RegionsFc;
 use half::f16;
 
@@ -81,6 +83,35 @@ impl Backend for CudaBackend {
 
     fn end_pass(&mut self, regions: &mut CudaRegions, _pass: Pass) -> Result<()> {
         Ok(self.net.after_pass(regions)?)
+    }
+
+    /// [`CudaNet::backward_overlapped`] on the caller's images: `reduce` enqueues each
+    /// bucket's sum (on a stream of its own, ordered after the compute stream's work so far:
+    /// [`crate::dist::NcclStepSync`]) while the shallower layers' backward is enqueued.
+    fn backward_reduced(
+        &mut self,
+        regions: &mut CudaRegions,
+        images: &mut CudaSlice<f16>,
+        schedule: &GradSchedule,
+        reduce: &mut BucketReduce<'_, CudaRegions>,
+    ) -> Result<()> {
+        // The first failure of `reduce`, kept while the pass stops.
+        let mut failed: Option<ClassifierError> = None;
+        let pass = self.net.backward_overlapped(
+            regions,
+            Some(images),
+            schedule,
+            &mut |regions, bucket, _| {
+                reduce(regions, bucket).map_err(|e| {
+                    failed = Some(e);
+                    CudaNetError::Binding("a gradient bucket's all-reduce failed".into())
+                })
+            },
+        );
+        match (failed, pass) {
+            (Some(e), _) => Err(e),
+            (None, pass) => Ok(pass?),
+        }
     }
 
     /// Pooling and FC of the network's output into the logits (step 3).
