@@ -126,6 +126,11 @@ impl StepSync<CpuRegions> for CpuComm {
         Ok(grads::all_reduce_bucket(regions, self, bucket)?)
     }
 
+    /// The sums are done when [`StepSync::reduce_bucket`] returns.
+    fn join(&mut self, _regions: &mut CpuRegions) -> Result<(), ClassifierError> {
+        Ok(())
+    }
+
     fn share_overflow(&mut self, regions: &mut CpuRegions) -> Result<(), AmpError> {
         grads::all_reduce_overflow(regions, self)
     }
@@ -137,8 +142,8 @@ impl StepSync<CpuRegions> for CpuComm {
 
 /// NCCL's join of a data-parallel step on the CUDA executor: each bucket's sum enqueued on
 /// the rank's communicator stream after `stream`'s work so far (the compute stream of the
-/// network), so it overlaps the shallower layers' backward; before the overflow flag is
-/// shared, the update waits for every bucket's sum.
+/// network), so it overlaps the shallower layers' backward; after the backward pass the
+/// regions' stream waits for every sum. The GPU engine's group joins its ranks with it too.
 #[derive(Debug, Clone)]
 pub struct NcclStepSync {
     comm: SharedComm,
@@ -152,25 +157,36 @@ impl NcclStepSync {
     }
 }
 
+impl NcclStepSync {
+    /// Enqueues the sum of `bucket` on the communicator's stream after `after`'s work so far.
+    pub(crate) fn reduce_after(
+        &mut self,
+        regions: &mut CudaRegions,
+        bucket: Bucket,
+        after: &CudaStream,
+    ) -> Result<(), AmpError> {
+        let mut comm = dist_grads::lock(&self.comm);
+        dist_grads::all_reduce_bucket(regions, &mut comm, bucket, after)
+    }
+}
+
 impl StepSync<CudaRegions> for NcclStepSync {
     fn reduce_bucket(
         &mut self,
         regions: &mut CudaRegions,
         bucket: Bucket,
     ) -> Result<(), ClassifierError> {
+        let after = self.stream.clone();
+        Ok(self.reduce_after(regions, bucket, &after)?)
+    }
+
+    fn join(&mut self, regions: &mut CudaRegions) -> Result<(), ClassifierError> {
         let mut comm = dist_grads::lock(&self.comm);
-        Ok(dist_grads::all_reduce_bucket(
-            regions,
-            &mut comm,
-            bucket,
-            &self.stream,
-        )?)
+        Ok(dist_grads::join_gradients(regions, &mut comm)?)
     }
 
     fn share_overflow(&mut self, regions: &mut CudaRegions) -> Result<(), AmpError> {
-        let mut comm = dist_grads::lock(&self.comm);
-        dist_grads::join_gradients(regions, &mut comm)?;
-        dist_grads::all_reduce_overflow(regions, &mut comm)
+        dist_grads::all_reduce_overflow(regions, &mut dist_grads::lock(&self.comm))
     }
 
     /// NCCL has no message to send: the others see the failure at their next collective.

@@ -277,7 +277,10 @@ impl<B: Backend> Classifier<B> {
             Some((schedule, sync)) => {
                 let mut reduce = |r: &mut B::Regions, b| sync.reduce_bucket(r, b);
                 match self.forward_backward_reduced(images, labels, schedule, &mut reduce) {
-                    Ok(m) => m,
+                    Ok(m) => {
+                        sync.join(self.step.executor_mut())?;
+                        m
+                    }
                     Err(e) => {
                         sync.fail(&format!("its forward/backward failed: {e}"));
                         return Err(e);

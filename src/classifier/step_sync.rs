@@ -17,8 +17,16 @@ pub trait StepSync<R> {
     /// A failed or timed-out collective.
     fn reduce_bucket(&mut self, regions: &mut R, bucket: Bucket) -> Result<(), ClassifierError>;
 
+    /// After the backward pass: what comes next on the regions (amp's `accumulate`, or the
+    /// check and SGD) waits for every bucket's sum (on a device: an event join; where the
+    /// sums are done when [`StepSync::reduce_bucket`] returns, nothing).
+    ///
+    /// # Errors
+    /// A driver error.
+    fn join(&mut self, regions: &mut R) -> Result<(), ClassifierError>;
+
     /// Between the overflow check and SGD of a step's last micro-batch: the overflow flag
-    /// shared (max) over the ranks, after every bucket's sum.
+    /// shared (max) over the ranks.
     ///
     /// # Errors
     /// A failed or timed-out collective.

@@ -3,9 +3,10 @@
 //! 1–6 and `accumulate`) into CUDA graphs, with the fallback and its reason.
 
 use super::{driver, CudaClassifier, Result};
-use crate::amp::cuda::{dist_grads, CaptureMode, CudaStepGraph, GraphInstantiateFlags};
+use crate::amp::cuda::{CaptureMode, CudaStepGraph, GraphInstantiateFlags};
 use crate::amp::step::StepGraph;
 use crate::classifier::ClassifierError;
+use crate::classifier::StepSync;
 use cudarc::driver::CudaGraph;
 use std::fmt;
 use std::str::FromStr;
@@ -123,11 +124,8 @@ impl CudaClassifier {
             Ok(self.step.replay(g)?)
         } else if let Some(g) = self.backend.group.as_mut() {
             // The buckets' sums were enqueued during backward: the step waits for them.
-            let mut comm = dist_grads::lock(&g.comm);
-            dist_grads::join_gradients(self.step.executor_mut(), &mut comm)?;
-            self.step
-                .finish_with(|r| dist_grads::all_reduce_overflow(r, &mut comm))?;
-            drop(comm);
+            g.sync.join(self.step.executor_mut())?;
+            self.step.finish_with(|r| g.sync.share_overflow(r))?;
             g.mark_step(&self.backend.stream)
         } else {
             Ok(self.step.finish()?)

@@ -12,8 +12,8 @@ use crate::classifier::ClassifierError;
 use crate::dist::bootstrap::{exchange_id, LaunchEnv, RENDEZVOUS_TIMEOUT};
 use crate::dist::nccl::{NcclComm, NcclId};
 use crate::dist::watchdog::{timeout_from_env, Health, Watchdog};
-use crate::dist::NcclBnSync;
 use crate::dist::{Collective, DistError, ReduceOp};
+use crate::dist::{NcclBnSync, NcclStepSync};
 use crate::fusion::exec::Handle;
 use crate::net::{grad_schedule, CompiledNet, GradSchedule};
 use crate::netops::head::HeadMetrics;
@@ -66,6 +66,8 @@ pub(super) struct GpuGroup {
     pub(super) comm: SharedComm,
     /// When each gradient bucket is final in the backward pass (its sum overlaps the rest).
     pub(super) schedule: GradSchedule,
+    /// The step's join of the ranks over `comm`, ordered after the compute stream.
+    pub(super) sync: NcclStepSync,
     /// An event after each step's collectives, until the watchdog sees it complete.
     pending: Arc<Mutex<VecDeque<CudaEvent>>>,
 }
@@ -77,6 +79,7 @@ impl GpuGroup {
     pub(super) fn form(
         launch: &LaunchEnv,
         ctx: &Arc<CudaContext>,
+        compute: &Arc<CudaStream>,
         net: &CompiledNet,
         step: &mut AmpStep<CudaRegions>,
     ) -> Result<Self> {
@@ -110,6 +113,7 @@ impl GpuGroup {
         Ok(GpuGroup {
             rank: launch.rank,
             world: launch.world,
+            sync: NcclStepSync::new(comm.clone(), compute.clone()),
             comm,
             schedule: grad_schedule(net, step.executor().plan_arc())?,
             pending,

@@ -7,7 +7,6 @@ use crate::amp::cuda::{CudaSlice, CudaStream, DevRangeMut, DoubleInput};
 use crate::amp::plan::ByteRange;
 use crate::classifier::backend::Backend;
 use crate::classifier::ClassifierError;
-use crate::net::CudaNetError;
 use crate::netops::head::{self, metrics_log_bytes, HeadMetrics, HeadShape};
 use half::f16;
 use std::sync::Arc;
@@ -76,18 +75,12 @@ impl CudaClassifier {
         match &self.backend.group {
             None => Ok(self.backend.net.backward_with(self.step.executor_mut())?),
             Some(g) => {
-                let comm = g.comm.clone();
+                let mut sync = g.sync.clone();
                 Ok(self.backend.net.backward_overlapped(
                     self.step.executor_mut(),
                     None,
                     &g.schedule,
-                    &mut |regions, bucket, after| {
-                        let mut comm = crate::amp::cuda::dist_grads::lock(&comm);
-                        crate::amp::cuda::dist_grads::all_reduce_bucket(
-                            regions, &mut comm, bucket, after,
-                        )
-                        .map_err(CudaNetError::from)
-                    },
+                    &mut |regions, bucket, after| Ok(sync.reduce_after(regions, bucket, after)?),
                 )?)
             }
         }

@@ -237,7 +237,7 @@ impl CudaClassifier {
         // The group meets before A and the EMA are made from W: rank 0's W is broadcast.
         let (step, group) = Self::amp_step(&net, classes, config, seed, regions, |step| {
             launch
-                .map(|l| group::GpuGroup::form(&l, &ctx, &net, step))
+                .map(|l| group::GpuGroup::form(&l, &ctx, handle.stream(), &net, step))
                 .transpose()
         })?;
         // (CudaNet::new reserves the largest workspace, so that the pool never grows inside
