@@ -13,28 +13,27 @@ use crate::amp::step::{CpuRegions, StepConfig};
 use crate::fusion::cbr::Pass;
 #[cfg(doc)]
 use crate::net::initial_weights;
+use crate::net::layer_params::LayerParam;
 use crate::net::{Arena, CompiledNet, CpuNet, GradSchedule};
 use crate::netops::head::{self, HeadMetrics, HeadShape};
 
-/// Copies layer `name`'s gradients of the parameters `suffixes` (`w`, `gamma`, `beta`) from
-/// the network's buffers into the regions (G16 for the weight, G for the BN parameters).
+/// Copies layer `name`'s gradients of `params` from the network's buffers into the regions
+/// (G16 for the weight, G for the BN parameters).
 fn copy_grads(
     net: &CpuNet<f16>,
     regions: &mut CpuRegions,
     name: &str,
-    suffixes: &[&str],
+    params: &[LayerParam],
 ) -> Result<()> {
-    for &p in suffixes {
-        if p == "w" {
-            let dw = net.half(&format!("{name}.dw"))?;
-            regions
-                .param_f16_mut(&format!("{name}.w"), Region::G16)?
-                .copy_from_slice(dw);
-        } else {
-            let g = net.float(&format!("{name}.d{p}"))?;
-            regions
-                .param_f32_mut(&format!("{name}.{p}"), Region::G)?
-                .copy_from_slice(g);
+    for &p in params {
+        let (grad, slot) = (p.grad_name(name), p.name(name));
+        match p {
+            LayerParam::Weight => regions
+                .param_f16_mut(&slot, p.grad_region())?
+                .copy_from_slice(net.half(&grad)?),
+            LayerParam::Gamma | LayerParam::Beta => regions
+                .param_f32_mut(&slot, p.grad_region())?
+                .copy_from_slice(net.float(&grad)?),
         }
     }
     Ok(())
@@ -82,13 +81,16 @@ impl CpuBackend {
     fn load_weights(&mut self, regions: &CpuRegions, weights: EvalWeights) -> Result<()> {
         let (half, float) = regions_of(regions, weights)?;
         for name in &self.layers {
-            let key = format!("{name}.w");
-            self.net
-                .set_half(&key, regions.param_f16(&key, half)?.to_vec())?;
-            for p in ["gamma", "beta"] {
-                let key = format!("{name}.{p}");
-                self.net
-                    .set_float(&key, regions.param_f32(&key, float)?.to_vec())?;
+            for p in LayerParam::ALL {
+                let key = p.name(name);
+                match p {
+                    LayerParam::Weight => self
+                        .net
+                        .set_half(&key, regions.param_f16(&key, half)?.to_vec())?,
+                    LayerParam::Gamma | LayerParam::Beta => self
+                        .net
+                        .set_float(&key, regions.param_f32(&key, float)?.to_vec())?,
+                }
             }
         }
         Ok(())
@@ -178,7 +180,7 @@ impl Backend for CpuBackend {
     fn end_pass(&mut self, regions: &mut CpuRegions, pass: Pass) -> Result<()> {
         if pass == Pass::Backward {
             for name in &self.layers {
-                copy_grads(&self.net, regions, name, &["w", "gamma", "beta"])?;
+                copy_grads(&self.net, regions, name, &LayerParam::ALL)?;
             }
         }
         Ok(())
@@ -209,9 +211,12 @@ impl Backend for CpuBackend {
                 ClassifierError::Input(format!("the schedule names bucket {}", bucket.index()))
             })?;
             for p in &plan.params()[info.params()] {
-                if let Some((layer, suffix)) = p.name().rsplit_once('.') {
+                let Some((layer, key)) = p.name().rsplit_once('.') else {
+                    continue;
+                };
+                if let Some(param) = LayerParam::of_key(key) {
                     if layers.iter().any(|l| l == layer) {
-                        copy_grads(net, regions, layer, &[suffix])?;
+                        copy_grads(net, regions, layer, &[param])?;
                     }
                 }
             }

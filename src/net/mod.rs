@@ -18,6 +18,7 @@ pub(crate) mod exec;
 #[cfg(feature = "testing")]
 pub mod head;
 mod host_store;
+pub(crate) mod layer_params;
 pub mod liveness;
 pub(crate) mod memory;
 pub(crate) mod params;

@@ -3,9 +3,11 @@
 //!
 //! Every conv layer `{layer}` has `{layer}.w` (KRSC, [`ParamKind::ConvWeight`]),
 //! `{layer}.gamma` and `{layer}.beta`; the head has `fc.w` (`[classes, features]`) and `fc.b`.
-//! [`crate::net::cuda::param_slot`] maps the network's parameter buffers to these slots.
+//! [`crate::net::cuda::param_slot`] maps the network's parameter buffers to these slots (the
+//! names from one table, `src/net/layer_params.rs`).
 
 use super::compile::{BufferRole, CompiledNet};
+use super::layer_params::LayerParam;
 use super::liveness::lifetimes;
 use crate::amp::plan::{MemoryPlan, MemoryPlanBuilder, ParamKind};
 use crate::amp::PlanError;
@@ -91,14 +93,14 @@ fn builder(net: &CompiledNet, classes: usize) -> Result<MemoryPlanBuilder, PlanE
             deep
         };
         let (k, c, r) = (s.k as usize, s.c as usize, s.r as usize);
-        b.add(
-            &format!("{name}.w"),
-            ParamKind::ConvWeight,
-            &[k, r, r, c],
-            bucket,
-        )?;
-        b.add(&format!("{name}.gamma"), ParamKind::BnGamma, &[k], bucket)?;
-        b.add(&format!("{name}.beta"), ParamKind::BnBeta, &[k], bucket)?;
+        for p in LayerParam::ALL {
+            let (kind, dims) = match p {
+                LayerParam::Weight => (ParamKind::ConvWeight, vec![k, r, r, c]),
+                LayerParam::Gamma => (ParamKind::BnGamma, vec![k]),
+                LayerParam::Beta => (ParamKind::BnBeta, vec![k]),
+            };
+            b.add(&p.name(&name), kind, &dims, bucket)?;
+        }
     }
     b.add("fc.w", ParamKind::FcWeight, &[classes, net.features], deep)?;
     b.add("fc.b", ParamKind::FcBias, &[classes], deep)?;
@@ -152,10 +154,10 @@ pub fn initial_weights(net: &CompiledNet, classes: usize, seed: u64) -> Vec<(Str
         let bound = (6.0 / (s.c * s.r * s.s) as f32).sqrt();
         let n = (s.k * s.c * s.r * s.s) as usize;
         out.push((
-            format!("{name}.w"),
+            LayerParam::Weight.name(&name),
             (0..n).map(|_| bound * uniform(&mut rng)).collect(),
         ));
-        out.push((format!("{name}.gamma"), vec![1.0; s.k as usize]));
+        out.push((LayerParam::Gamma.name(&name), vec![1.0; s.k as usize]));
     }
     let fc_bound = 1.0 / (net.features as f32).sqrt();
     out.push((

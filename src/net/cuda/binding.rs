@@ -5,6 +5,7 @@
 use crate::amp::plan::{MemoryPlan, Region};
 use crate::amp::AmpError;
 use crate::net::compile::{BufId, BufferRole, CompiledNet, NetBuffer};
+use crate::net::layer_params::LayerParam;
 use crate::runtime::DataType;
 use cudnn_cbr_fusion::cbr::Side;
 
@@ -28,17 +29,7 @@ pub enum Source {
 /// `{layer}.w` → the weight in A, `{layer}.dw` → its slot in G16, `{layer}.gamma`/`beta` → W,
 /// `{layer}.dgamma`/`dbeta` → G.
 pub fn param_slot(buffer: &str) -> Option<(String, Region)> {
-    let (layer, name) = buffer.rsplit_once('.')?;
-    let (suffix, region) = match name {
-        "w" => ("w", Region::A),
-        "dw" => ("w", Region::G16),
-        "gamma" => ("gamma", Region::W),
-        "beta" => ("beta", Region::W),
-        "dgamma" => ("gamma", Region::G),
-        "dbeta" => ("beta", Region::G),
-        _ => return None,
-    };
-    Some((format!("{layer}.{suffix}"), region))
+    LayerParam::slot_of_buffer(buffer)
 }
 
 /// Where each network buffer lives (no device involved): with `amp_params`, parameters and
