@@ -7,7 +7,7 @@ pub use super::host_store::Arena;
 use super::host_store::HostStore;
 use super::spec::PoolSpec;
 use crate::runtime::DataType;
-use cudnn_cbr_fusion::cbr::{BnSync, LayerIo, Pass, Src};
+use cudnn_cbr_fusion::cbr::{BnSync, CpuElement, LayerIo, Pass, Src};
 use cudnn_cbr_fusion::reference::{ConvScratch, Element, Nhwc, Real};
 use cudnn_cbr_fusion::{Error, Result};
 use std::collections::BTreeMap;
@@ -24,7 +24,7 @@ pub enum Buf<T: Element> {
 /// A compiled network with its buffers in host memory ([`Arena`]: one vector each, or a
 /// shared arena laid out by lifetime).
 #[derive(Debug)]
-pub struct CpuNet<T: Element> {
+pub struct CpuNet<T: CpuElement> {
     net: CompiledNet,
     /// The buffers, with a write stamp each ([`LayerIo::stamp`]).
     store: HostStore<T>,
@@ -56,7 +56,7 @@ fn wrong_len(name: &str, got: usize, want: usize) -> Error {
     }
 }
 
-impl<T: Element> CpuNet<T> {
+impl<T: CpuElement> CpuNet<T> {
     /// Zeroed buffers for `net`, one vector each ([`Arena::Separate`]), with running
     /// variances at 1 (as every framework starts). The process aborts where the host cannot
     /// hold them; [`CpuNet::try_new`] returns an error instead.
@@ -214,7 +214,7 @@ impl<T: Element> CpuNet<T> {
     }
 }
 
-impl<T: Element> NetExecutor for CpuNet<T> {
+impl<T: CpuElement> NetExecutor for CpuNet<T> {
     type Error = Error;
 
     fn compiled(&self) -> &CompiledNet {

@@ -50,7 +50,7 @@ impl CpuTrainer {
     pub(crate) fn run(
         mut self,
         every: usize,
-        mut progress: impl FnMut(&Progress),
+        progress: &mut dyn FnMut(&Progress),
         executor: ExecutorInfo,
         session: &Session,
     ) -> Result<TrainReport, TrainError> {
@@ -111,7 +111,7 @@ impl CpuTrainer {
                 });
                 skipped_before = s.skipped;
             }
-            host.record(&book, i + 1, m, step, every, &mut progress)?;
+            host.record(&book, i + 1, m, step, every, progress)?;
             book.after_step(i + 1, &mut self)?;
         }
         let images_per_sec = book.clock().images_per_sec(cfg.steps - first);

@@ -34,7 +34,7 @@ impl DataParallelTrainer {
     pub(crate) fn run(
         self,
         every: usize,
-        mut progress: impl FnMut(&Progress),
+        progress: &mut dyn FnMut(&Progress),
         executor: ExecutorInfo,
         session: &Session,
     ) -> Result<TrainReport, TrainError> {
@@ -63,7 +63,7 @@ impl DataParallelTrainer {
                         })
                 })
                 .collect();
-            let first = run_rank(&cfg, (g0, b0), every, &mut progress, &executor, session);
+            let first = run_rank(&cfg, (g0, b0), every, progress, &executor, session);
             let mut results = vec![first];
             for h in others {
                 results.push(match h {

@@ -296,7 +296,7 @@ impl CudaTrainer {
     pub(crate) fn run(
         mut self,
         every: usize,
-        progress: impl FnMut(&Progress),
+        progress: &mut dyn FnMut(&Progress),
         executor: ExecutorInfo,
         session: &Session,
     ) -> Result<TrainReport, TrainError> {
@@ -311,7 +311,7 @@ impl CudaTrainer {
     fn run_steps(
         &mut self,
         every: usize,
-        mut progress: impl FnMut(&Progress),
+        progress: &mut dyn FnMut(&Progress),
         mut executor: ExecutorInfo,
         session: &Session,
     ) -> Result<TrainReport, TrainError> {
@@ -377,7 +377,7 @@ impl CudaTrainer {
             book.after_step(i + 1, self)?;
             // Logging without syncs: poll what has arrived, request more every `every` steps.
             if let Some((log, s)) = self.engine.poll_readback()? {
-                emit(&log, s.loss_scale, s.skipped, &mut reported, &mut progress);
+                emit(&log, s.loss_scale, s.skipped, &mut reported, progress);
             }
             if (i + 1) % every == 0 && i + 1 < cfg.steps {
                 self.engine.request_readback()?;
@@ -392,7 +392,7 @@ impl CudaTrainer {
             })?;
         let images_per_sec = clock.images_per_sec(cfg.steps - first);
         let (mut log, s) = self.engine.wait_readback()?;
-        emit(&log, s.loss_scale, s.skipped, &mut reported, &mut progress);
+        emit(&log, s.loss_scale, s.skipped, &mut reported, progress);
         // One entry per step from here on: its micro-batches' means.
         log.entries = per_step(&log.entries, accum);
         // The summary is the global batch's: each step's mean over the ranks' shards (the

@@ -253,7 +253,17 @@ impl Trainer {
     pub fn run(
         self,
         every: usize,
-        progress: impl FnMut(&Progress),
+        mut progress: impl FnMut(&Progress),
+    ) -> Result<TrainReport, TrainError> {
+        self.run_reporting_to(every, &mut progress)
+    }
+
+    // Not generic: the training loops are compiled once, here, instead of once per caller's
+    // closure in every crate that calls `run` (release builds do not share instances).
+    fn run_reporting_to(
+        self,
+        every: usize,
+        progress: &mut dyn FnMut(&Progress),
     ) -> Result<TrainReport, TrainError> {
         match self.exec {
             Exec::Cpu(t) => t.run(every, progress, self.info, &self.session),

@@ -5,8 +5,8 @@
 
 mod independent;
 
+use cudnn_cbr::fusion::cbr::CpuElement;
 use cudnn_cbr::fusion::cbr::RouteKind;
-use cudnn_cbr::fusion::reference::Element;
 use cudnn_cbr::net::head::{self, HeadDims};
 use cudnn_cbr::net::{
     compile, BlockKind, BlockSpec, CpuNet, LayerRole, NetSpec, PoolSpec, RoutePolicy, StemSpec,
@@ -128,7 +128,7 @@ struct Ours {
     grads: Named,
 }
 
-fn ours<T: Element>(
+fn ours<T: CpuElement>(
     spec: &NetSpec,
     batch: usize,
     hw: usize,
@@ -587,7 +587,7 @@ fn a_materialized_pair_reads_the_stored_activation() {
 /// Our executor's evaluation mode ([`CpuNet::evaluate`]) under the reference's keys: every
 /// block output, the pooled features and the logits. Asserts that evaluation leaves every
 /// running and saved statistic bit for bit as it found them.
-fn ours_eval<T: Element>(
+fn ours_eval<T: CpuElement>(
     spec: &NetSpec,
     batch: usize,
     hw: usize,

@@ -22,5 +22,5 @@ pub use layer::{
     route_buffers, route_graphs, BufferSpec, CbrConfig, CbrLayer, GraphRole, InputKind, LayerGraph,
     LayerStep, Route, RouteKind, Src,
 };
-pub use run::{LayerIo, PairIo, Pass, RUNNING_COPIES};
+pub use run::{CpuElement, LayerIo, PairIo, Pass, RUNNING_COPIES};
 pub use shape::ConvShape;

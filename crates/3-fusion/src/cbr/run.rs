@@ -422,11 +422,7 @@ impl CbrLayer {
     /// arithmetic for `T = f16`, exact `f64` throughout for `T = f64`. The steps and the
     /// buffers they read and write are those of [`CbrLayer::steps`], in order; after the
     /// forward pass the updated running statistics are copied over the current ones.
-    pub fn run_cpu_io<T: Element, I: LayerIo<T> + ?Sized>(
-        &self,
-        pass: Pass,
-        io: &mut I,
-    ) -> Result<()> {
+    pub fn run_cpu_io<T: CpuElement>(&self, pass: Pass, io: &mut dyn LayerIo<T>) -> Result<()> {
         self.run_cpu_io_synced(pass, io, None)
     }
 
@@ -434,34 +430,84 @@ impl CbrLayer {
     /// forward's GenStats sums and the backward's `dγ`, `dβ` summed over the replicas before
     /// they are used, every count the global one. Without `sync` it is
     /// [`CbrLayer::run_cpu_io`].
-    pub fn run_cpu_io_synced<T: Element, I: LayerIo<T> + ?Sized>(
+    pub fn run_cpu_io_synced<T: CpuElement>(
         &self,
         pass: Pass,
-        io: &mut I,
-        mut sync: Option<&mut dyn BnSync<T::Acc>>,
+        io: &mut dyn LayerIo<T>,
+        sync: Option<&mut dyn BnSync<T::Acc>>,
     ) -> Result<()> {
-        let roles: Vec<GraphRole> = self.pass_steps(pass).map(|s| s.role).collect();
-        if pass == Pass::Eval {
-            // Nothing to synchronize: no batch statistics.
-            for role in roles {
-                cpu_eval_step(self, role, io)?;
-            }
-            return Ok(());
-        }
-        for role in roles {
-            match sync.as_deref_mut() {
-                None => cpu_step(self, role, io, 1)?,
-                Some(sync) => synced_step(self, role, io, sync)?,
-            }
-        }
-        if pass == Pass::Forward {
-            for (next, cur) in RUNNING_COPIES {
-                let v = io.float(This(next))?.to_vec();
-                io.set_float(This(cur), v)?;
-            }
-        }
-        Ok(())
+        T::run_layer_pass(self, pass, io, sync)
     }
+}
+
+/// The element types a layer's CPU pass runs in: `f16` storage with `f32` arithmetic, or
+/// `f64` throughout ([`Element`]'s two modes; sealed as it is).
+///
+/// Each mode's pass is one concrete function of this crate, so the reference steps are
+/// compiled here once: release builds do not share generic instances between crates, and
+/// every crate that ran a pass generically (each test binary among them) would otherwise
+/// compile the whole reference executor again.
+pub trait CpuElement: Element {
+    /// [`CbrLayer::run_cpu_io_synced`] in this mode.
+    #[doc(hidden)]
+    fn run_layer_pass(
+        layer: &CbrLayer,
+        pass: Pass,
+        io: &mut dyn LayerIo<Self>,
+        sync: Option<&mut dyn BnSync<Self::Acc>>,
+    ) -> Result<()>;
+}
+
+impl CpuElement for f16 {
+    fn run_layer_pass(
+        layer: &CbrLayer,
+        pass: Pass,
+        io: &mut dyn LayerIo<Self>,
+        sync: Option<&mut dyn BnSync<f32>>,
+    ) -> Result<()> {
+        layer_pass(layer, pass, io, sync)
+    }
+}
+
+impl CpuElement for f64 {
+    fn run_layer_pass(
+        layer: &CbrLayer,
+        pass: Pass,
+        io: &mut dyn LayerIo<Self>,
+        sync: Option<&mut dyn BnSync<f64>>,
+    ) -> Result<()> {
+        layer_pass(layer, pass, io, sync)
+    }
+}
+
+/// A layer's CPU pass in either mode (see [`CbrLayer::run_cpu_io_synced`]).
+fn layer_pass<T: Element>(
+    layer: &CbrLayer,
+    pass: Pass,
+    io: &mut dyn LayerIo<T>,
+    mut sync: Option<&mut dyn BnSync<T::Acc>>,
+) -> Result<()> {
+    let roles: Vec<GraphRole> = layer.pass_steps(pass).map(|s| s.role).collect();
+    if pass == Pass::Eval {
+        // Nothing to synchronize: no batch statistics.
+        for role in roles {
+            cpu_eval_step(layer, role, io)?;
+        }
+        return Ok(());
+    }
+    for role in roles {
+        match sync.as_deref_mut() {
+            None => cpu_step(layer, role, io, 1)?,
+            Some(sync) => synced_step(layer, role, io, sync)?,
+        }
+    }
+    if pass == Pass::Forward {
+        for (next, cur) in RUNNING_COPIES {
+            let v = io.float(This(next))?.to_vec();
+            io.set_float(This(cur), v)?;
+        }
+    }
+    Ok(())
 }
 
 impl GraphRole {
