@@ -115,7 +115,10 @@ impl<'s> Bookkeeping<'s> {
     }
 
     /// This rank's shard of a global batch ([`shard`]).
-    pub(crate) fn shard(&self, global: Batch) -> Batch {
+    ///
+    /// # Errors
+    /// As [`shard`].
+    pub(crate) fn shard(&self, global: Batch) -> Result<Batch, TrainError> {
         shard(global, self.cfg.batch, (self.rank, self.world))
     }
 
@@ -133,7 +136,8 @@ impl<'s> Bookkeeping<'s> {
         if let Some(e) = self.ends.iter().position(|&s| s == step) {
             // The whole test set (the last batch wraps around to its first images).
             let len = self.data.held_out_len().unwrap_or(0);
-            let batches = self.eval_batches(data::test_batches(len, self.cfg.batch * self.world));
+            let batches =
+                self.eval_batches(data::test_batches(len, self.cfg.batch * self.world))?;
             let acc = model.evaluate(&batches)?;
             self.epochs.push(EpochEval {
                 epoch: e + 1,
@@ -149,11 +153,11 @@ impl<'s> Bookkeeping<'s> {
     /// weights and statistics are not touched), with the trained weights and, with an EMA,
     /// the EMA weights: the group's accuracies (every rank calls it).
     pub(crate) fn held_out(&self, model: &mut impl RunModel) -> Result<Accuracies, TrainError> {
-        model.evaluate(&self.eval_batches(HELD_OUT_BATCHES))
+        model.evaluate(&self.eval_batches(HELD_OUT_BATCHES)?)
     }
 
     /// This rank's shards of the first `n` held-out batches.
-    fn eval_batches(&self, n: u64) -> Vec<Batch> {
+    fn eval_batches(&self, n: u64) -> Result<Vec<Batch>, TrainError> {
         let global = self.cfg.batch * self.world;
         (0..n)
             .map(|i| self.shard(self.data.held_out_batch(global, i)))
@@ -191,15 +195,32 @@ impl<'s> Bookkeeping<'s> {
 
 /// Rank `rank`'s shard of a global batch of `world × batch` images: images
 /// `rank·batch .. (rank + 1)·batch` (the batch itself on one rank).
-pub(crate) fn shard((images, labels): Batch, batch: usize, (rank, world): (usize, usize)) -> Batch {
+///
+/// # Errors
+/// [`TrainError::Config`] when the global batch does not hold `world × batch` labels and as
+/// many equal images (a dataset that made the wrong size), instead of a slice out of range.
+pub(crate) fn shard(
+    (images, labels): Batch,
+    batch: usize,
+    (rank, world): (usize, usize),
+) -> Result<Batch, TrainError> {
     if world == 1 {
-        return (images, labels);
+        return Ok((images, labels));
     }
+    let global = batch.checked_mul(world);
     let per = images.len() / labels.len().max(1);
-    (
+    if global != Some(labels.len()) || per * labels.len() != images.len() || rank >= world {
+        return Err(TrainError::Config(format!(
+            "rank {rank} of {world}: a global batch of {} labels and {} image values cannot be \
+             cut into shards of {batch} images",
+            labels.len(),
+            images.len()
+        )));
+    }
+    Ok((
         images[rank * batch * per..(rank + 1) * batch * per].to_vec(),
         labels[rank * batch..(rank + 1) * batch].to_vec(),
-    )
+    ))
 }
 
 /// What an executor hands [`Bookkeeping::report`] at the end of its run.
@@ -318,5 +339,40 @@ impl Window {
         };
         *self = Window::default();
         p
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shard;
+    use half::f16;
+
+    /// A global batch of `n` images of `per` values, image `j`'s values all `j`.
+    fn global(n: usize, per: usize) -> super::Batch {
+        let images = (0..n * per)
+            .map(|v| f16::from_f32((v / per) as f32))
+            .collect();
+        (images, (0..n as i32).collect())
+    }
+
+    #[test]
+    fn a_shard_is_its_ranks_images_and_a_wrong_size_is_a_typed_error() {
+        let (images, labels) = shard(global(6, 2), 3, (1, 2)).unwrap();
+        assert_eq!(labels, [3, 4, 5]);
+        assert_eq!(images.len(), 6);
+        assert_eq!(images[0].to_f32(), 3.0);
+        // One rank: the batch as it is.
+        assert_eq!(shard(global(5, 2), 3, (0, 1)).unwrap().1.len(), 5);
+        // Too few images for two ranks of 3, images not a whole number each, a rank past the
+        // group, a size that overflows: each refused, none a panic.
+        for (g, batch, rank) in [
+            (global(5, 2), 3, (1, 2)),
+            ((vec![f16::ZERO; 13], (0..6).collect()), 3, (0, 2)),
+            (global(6, 2), 3, (2, 2)),
+            (global(6, 2), usize::MAX, (0, 2)),
+        ] {
+            let e = shard(g, batch, rank).unwrap_err();
+            assert!(e.to_string().contains("cannot be cut into shards"), "{e}");
+        }
     }
 }

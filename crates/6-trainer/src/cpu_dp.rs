@@ -125,7 +125,7 @@ fn run_rank(
     let accum = cfg.accum.max(1);
     for i in 0..cfg.steps {
         let m = if accum == 1 {
-            let (images, labels) = book.shard(data.batch(cfg.batch * ranks, i as u64, 0));
+            let (images, labels) = book.shard(data.batch(cfg.batch * ranks, i as u64, 0))?;
             replica.step(&images, &labels)?
         } else {
             // One micro-batch in memory at a time; the step's mean loss and accuracy over
@@ -133,7 +133,7 @@ fn run_rank(
             let mut v = [0f32; 2];
             for k in 0..accum {
                 let (images, labels) =
-                    book.shard(data.batch(cfg.batch * ranks, (i * accum + k) as u64, 0));
+                    book.shard(data.batch(cfg.batch * ranks, (i * accum + k) as u64, 0))?;
                 let local = replica.micro_batch(k, &images, &labels)?;
                 v[0] += local.loss / accum as f32;
                 v[1] += local.accuracy / accum as f32;

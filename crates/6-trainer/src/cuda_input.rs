@@ -63,7 +63,7 @@ impl CudaTrainer {
         let batch = feed.batches.next_batch().ok_or_else(|| {
             TrainError::Config(format!("the batch producer stopped before batch {i}"))
         })?;
-        let (images, labels) = crate::bookkeeping::shard(batch, self.cfg.batch, self.rank());
+        let (images, labels) = crate::bookkeeping::shard(batch, self.cfg.batch, self.rank())?;
         self.engine.check_host_batch(&images, &labels)?;
         let (x, y) = bytes_of(&images, &labels);
         feed.input.stage(i, &[&x, &y]).map_err(super::amp_error)?;

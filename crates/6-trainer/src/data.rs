@@ -242,11 +242,26 @@ impl Prefetch {
         indices: std::ops::Range<u64>,
     ) -> Self {
         let (tx, rx) = std::sync::mpsc::sync_channel(Self::DEPTH);
+        // A batch's parallel decoding runs on a pool of its own: the CPU step blocks a worker
+        // of the global pool while it waits for the batch, and with one worker
+        // (`RAYON_NUM_THREADS=1`) decoding there would wait for that worker forever.
+        let threads = rayon::current_num_threads();
         let producer = std::thread::Builder::new()
             .name("batch-prefetch".into())
             .spawn(move || {
+                let Ok(pool) = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .thread_name(|i| format!("batch-decode-{i}"))
+                    .build()
+                else {
+                    // No batch: the consumer's `next_batch` says the producer stopped.
+                    return;
+                };
                 for i in indices {
-                    if tx.send(data.train_batch(batch, i)).is_err() {
+                    if tx
+                        .send(pool.install(|| data.train_batch(batch, i)))
+                        .is_err()
+                    {
                         break;
                     }
                 }

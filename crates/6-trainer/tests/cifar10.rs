@@ -395,3 +395,58 @@ fn three_cpu_steps_train_on_the_files() {
         "{e}"
     );
 }
+
+/// Set in the child run of [`one_rayon_worker_trains_on_the_files`].
+const ONE_WORKER_CHILD: &str = "CUDNN_CBR_TEST_ONE_WORKER_CHILD";
+
+/// With one rayon worker (`RAYON_NUM_THREADS=1`) the CPU step holds that worker while it waits
+/// for the next batch, so the batch's parallel decoding must not need it: it did, and the run
+/// hung before its first step. In a child process (the variable sizes the global pool when it
+/// starts); still running after the deadline is a failure, the child killed.
+#[test]
+fn one_rayon_worker_trains_on_the_files() {
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+    if std::env::var_os(ONE_WORKER_CHILD).is_some() {
+        let r = train(&cifar_config(folder("one-worker")), 1, |_| {}).unwrap();
+        assert_eq!(rayon::current_num_threads(), 1);
+        assert_eq!(r.step_losses.len(), 3);
+        println!("ONE WORKER TRAINED");
+        return;
+    }
+    let dir = folder("one-worker-parent");
+    let log = dir.join("child.log");
+    let mut child = Command::new(std::env::current_exe().expect("this test binary"))
+        .args([
+            "one_rayon_worker_trains_on_the_files",
+            "--exact",
+            "--nocapture",
+        ])
+        .env(ONE_WORKER_CHILD, "1")
+        .env("RAYON_NUM_THREADS", "1")
+        .stdout(std::fs::File::create(&log).unwrap())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start the child run");
+    // Three steps of 8 images take well under a second here; two minutes leave room for a
+    // slow, loaded machine and still end a hang.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("three CPU steps on one rayon worker still ran after 120 s: a hang");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let out = std::fs::read_to_string(&log).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(status.success(), "the child run failed:\n{out}");
+    assert!(
+        out.contains("ONE WORKER TRAINED"),
+        "the child did not train:\n{out}"
+    );
+}
