@@ -59,8 +59,11 @@ fi
 step "examples (the bad-input table runs them; in CI the bundle has built them already)"
 cargo build --release --workspace --examples --locked
 
-step "cargo test (release)"
-cargo test --release --workspace --all-targets --locked
+step "cargo test (release): every test binary of the workspace, two at a time"
+# The binaries `cargo test --release --workspace --all-targets` builds and runs, run by
+# scripts/run-tests.py several at a time (cargo runs them one after another, and many leave a
+# core idle for long stretches); each as cargo runs it, in its package's folder.
+python3 scripts/run-tests.py --locked
 
 step "cargo doc (no broken or private intra-doc links)"
 RUSTDOCFLAGS="-D warnings" cargo doc --release --workspace --no-deps --locked
