@@ -59,7 +59,7 @@ fi
 step "examples (the bad-input table runs them; in CI the bundle has built them already)"
 cargo build --release --workspace --examples --locked
 
-step "cargo test (release): every test binary of the workspace, two at a time"
+step "cargo test (release): every test binary of the workspace, one per core at a time"
 # The binaries `cargo test --release --workspace --all-targets` builds and runs, run by
 # scripts/run-tests.py several at a time (cargo runs them one after another, and many leave a
 # core idle for long stretches); each as cargo runs it, in its package's folder.
