@@ -442,7 +442,7 @@ fn the_cuda_classifier_evaluates_like_the_cpu_classifier() {
 #[test]
 fn the_engines_two_ranks_keep_the_same_weights() {
     const TEST: &str = "the_engines_two_ranks_keep_the_same_weights";
-    if common::gpu_or_skip(TEST).is_none() {
+    if !common::nccl_ranks_or_skip(TEST, 2) {
         return;
     }
     use cudnn_cbr::amp::plan::Region;

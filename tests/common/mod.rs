@@ -60,6 +60,27 @@ pub fn gpu_or_skip(test: &str) -> Option<std::sync::Arc<cudarc::driver::CudaCont
     Some(ctx)
 }
 
+/// A CUDA device for a test that runs `ranks` launched NCCL ranks as threads of this process
+/// (rank `r` on GPU `r` modulo the GPUs present): the simulated device, whose NCCL ranks are
+/// threads on its one device, or a machine with `ranks` GPUs (NCCL refuses two ranks of a
+/// communicator on one GPU). Otherwise `false` after the test's one SKIP line.
+pub fn nccl_ranks_or_skip(test: &str, ranks: usize) -> bool {
+    let Some(ctx) = gpu_or_skip(test) else {
+        return false;
+    };
+    let stream = ctx.new_stream().expect("a stream on the device");
+    let handle = cudnn_cbr::fusion::exec::Handle::new(stream).expect("a cuDNN handle");
+    let gpus = cudnn_cbr::runtime::cuda_device_count().unwrap_or(0);
+    if handle.is_simulated() || gpus >= ranks {
+        return true;
+    }
+    println!(
+        "SKIP {test}: {ranks} NCCL ranks need {ranks} GPUs ({gpus} here) or the simulated \
+         device (CUDNN_CBR_DEVICE=sim)"
+    );
+    false
+}
+
 /// Deterministic test data: splitmix64 mapped to `[-1, 1)`.
 pub fn uniform(state: &mut u64) -> f32 {
     *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);

@@ -102,12 +102,6 @@ impl CudaTrainer {
         cfg.validate()?;
         cfg.check_host_memory(false)?;
         let launch = launch.filter(|l| l.world > 1);
-        if launch.is_some() && cfg.accum > 1 {
-            return Err(TrainError::Config(
-                "gradient accumulation runs on one rank so far; drop --accum in a launched group"
-                    .into(),
-            ));
-        }
         let handle = open_device(launch.as_ref())?;
         let target = handle.target()?;
         // A working directory where the folder cannot be made: plan in memory only.

@@ -133,7 +133,10 @@ impl CudaClassifier {
     }
 
     /// With gradient accumulation, ends a micro-batch before the step's last: amp's
-    /// `accumulate` from its graph when one was captured (`graph`), else eager.
+    /// `accumulate` from its graph when one was captured (`graph`), else eager. In a group
+    /// (whose steps stay eager) the micro-batch's bucket sums were enqueued during backward:
+    /// the regions' stream joins them first, as before the step's finish, so that the sums
+    /// of one micro-batch are done before the next one's backward writes G16 again.
     ///
     /// # Errors
     /// [`ClassifierError::Config`] when `graph` is asked without a captured accumulate graph.
@@ -147,6 +150,9 @@ impl CudaClassifier {
                 .ok_or_else(|| not_captured("accumulate graph"))?;
             Ok(self.step.replay(g)?)
         } else {
+            if let Some(g) = self.backend.group.as_mut() {
+                g.sync.join(self.step.executor_mut())?;
+            }
             Ok(self.step.accumulate()?)
         }
     }

@@ -208,8 +208,8 @@ impl CudaClassifier {
     /// # Errors
     /// As [`CudaClassifier::new`]; [`ClassifierError::Amp`] with a `DistError` when the
     /// group cannot meet (rendezvous, NCCL) or, on every rank, `DistError::ModelMismatch`
-    /// when the ranks compiled different networks; [`ClassifierError::Config`] for a group
-    /// with gradient accumulation, or a watchdog timeout that does not parse.
+    /// when the ranks compiled different networks; [`ClassifierError::Config`] for a
+    /// watchdog timeout that does not parse.
     pub fn with_engine(
         net: CompiledNet,
         handle: Arc<Handle>,
@@ -219,12 +219,6 @@ impl CudaClassifier {
         engine: EngineConfig,
     ) -> Result<Self> {
         let launch = engine.launch.clone().filter(|l| l.world > 1);
-        if launch.is_some() && config.accum > 1 {
-            return Err(ClassifierError::Config(
-                "gradient accumulation runs on one rank so far; drop --accum in a launched group"
-                    .into(),
-            ));
-        }
         let stream = handle.stream().clone();
         let ctx = stream.context().clone();
         let device_name = ctx.name().unwrap_or_else(|_| "unknown device".into());
