@@ -156,13 +156,52 @@ pub fn save(
                 })
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let bytes = safetensors::serialize(views, Some(meta)).map_err(|e| CheckpointError::Write {
+    let serialize = |what: &'static str, message: String| CheckpointError::Write {
         path: path.into(),
-        what: "serialize",
-        message: e.to_string(),
-    })?;
+        what,
+        message,
+    };
+    let bytes = safetensors::serialize(views, Some(meta))
+        .map_err(|e| serialize("serialize", e.to_string()))?;
+    let bytes = sorted_header(bytes).map_err(|m| serialize("sort the header's keys", m))?;
     write_atomic(path, &bytes)?;
     Ok(())
+}
+
+/// `file` (safetensors' bytes) with the keys of its JSON header in sorted order, so that the
+/// same state saves as the same bytes: the crate writes the metadata from a `HashMap`, whose
+/// order differs from one process (and map) to the next. The entries, the header's length
+/// (padded with spaces, as the format allows) and the data are unchanged.
+fn sorted_header(mut file: Vec<u8>) -> Result<Vec<u8>, String> {
+    fn sorted(v: serde_json::Value) -> serde_json::Value {
+        match v {
+            serde_json::Value::Object(map) => {
+                let map: std::collections::BTreeMap<String, serde_json::Value> =
+                    map.into_iter().collect();
+                serde_json::Value::Object(map.into_iter().map(|(k, v)| (k, sorted(v))).collect())
+            }
+            other => other,
+        }
+    }
+    let len = file
+        .get(..8)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map(u64::from_le_bytes)
+        .and_then(|n| usize::try_from(n).ok())
+        .filter(|&n| n <= file.len() - 8)
+        .ok_or("the serialized file has no header")?;
+    let header: serde_json::Value =
+        serde_json::from_slice(&file[8..8 + len]).map_err(|e| e.to_string())?;
+    let text = serde_json::to_vec(&sorted(header)).map_err(|e| e.to_string())?;
+    if text.len() > len {
+        return Err(format!(
+            "the sorted header has {} bytes, the crate's {len}",
+            text.len()
+        ));
+    }
+    file[8..8 + text.len()].copy_from_slice(&text);
+    file[8 + text.len()..8 + len].fill(b' ');
+    Ok(file)
 }
 
 /// Makes `path`'s folder if needed and checks that a temporary file can be made in it, so
