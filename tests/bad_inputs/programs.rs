@@ -122,14 +122,25 @@ pub(super) fn program_rows() -> Vec<Row> {
                 "ranks must be in 1..=1024",
             )
         }),
-        ("train_cbr", "--ranks 2 with CIFAR-10", || {
-            example_exits(
-                "train_cbr",
-                &["--ranks", "2", "--data", "cifar10:/tmp", "--device", "cpu"],
-                1,
-                "trains on one rank (the CPU or CUDA executor)",
-            )
-        }),
+        (
+            "train_cbr",
+            "--ranks 2 on a CIFAR-10 folder without its files",
+            || {
+                example_exits(
+                    "train_cbr",
+                    &[
+                        "--ranks",
+                        "2",
+                        "--data",
+                        "cifar10:/nonexistent-cifar",
+                        "--device",
+                        "cpu",
+                    ],
+                    1,
+                    "/nonexistent-cifar/data_batch_1.bin",
+                )
+            },
+        ),
         ("train_cbr", "--width 0", || {
             example_exits(
                 "train_cbr",

@@ -88,7 +88,8 @@ struct Args {
     #[arg(long)]
     sync_bn: bool,
     /// The training images: `synthetic`, or `cifar10:DIR` (the CIFAR-10 binary files in DIR;
-    /// one rank, CPU or CUDA executor; 32x32 images, 10 classes; the whole test set is
+    /// any executor, data-parallel too, each rank decoding its shard; 32x32 images, 10
+    /// classes; the whole test set is
     /// evaluated after every epoch, and the held-out accuracy is on the first 8 batches of
     /// the test set).
     #[arg(long, default_value = "synthetic")]

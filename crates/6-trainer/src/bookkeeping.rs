@@ -19,15 +19,13 @@ use cudnn_cbr::amp::range::Scalars;
 use cudnn_cbr::amp::step::{AmpStep, CpuRegions};
 use cudnn_cbr::classifier::Accuracies;
 use cudnn_cbr::netops::head::HeadMetrics;
-use half::f16;
 use std::sync::Arc;
 use std::time::Instant;
 
 /// Held-out batches evaluated after training.
 pub(crate) const HELD_OUT_BATCHES: u64 = 8;
 
-/// One host batch: NHWC FP16 images and their labels.
-pub(crate) type Batch = (Vec<f16>, Vec<i32>);
+pub(crate) use crate::data::Batch;
 
 /// What the bookkeeping asks of an executor's model after training.
 pub(crate) trait RunModel {
@@ -133,6 +131,16 @@ impl<'s> Bookkeeping<'s> {
             let (state, routes) = model.checkpoint()?;
             checkpoint::save(path, &self.cfg, &state, step as u64, &routes)?;
         }
+        self.evaluate_epoch(step, model)
+    }
+
+    /// After step `step` (1-based): the whole test set when an epoch of the training data
+    /// ended there (every rank of a group calls it; the accuracies are the group's).
+    pub(crate) fn evaluate_epoch(
+        &mut self,
+        step: usize,
+        model: &mut impl RunModel,
+    ) -> Result<(), TrainError> {
         if let Some(e) = self.ends.iter().position(|&s| s == step) {
             // The whole test set (the last batch wraps around to its first images).
             let len = self.data.held_out_len().unwrap_or(0);

@@ -441,12 +441,24 @@ impl Cifar10 {
     /// [`augment::crop_for`] chooses from the seed, the batch index and its place in the
     /// batch. The same seed and index give the same batch, bit for bit.
     pub fn train_batch(&self, batch: usize, index: u64) -> (Vec<f16>, Vec<i32>) {
+        self.train_images(batch, index, 0..batch)
+    }
+
+    /// Images `places` of [`Cifar10::train_batch`] of `batch` images, made alone (each image
+    /// depends only on the seed, the batch index and its place): a rank's shard.
+    pub fn train_images(
+        &self,
+        batch: usize,
+        index: u64,
+        places: std::ops::Range<usize>,
+    ) -> (Vec<f16>, Vec<i32>) {
         let n = self.train.len() as u64;
         let first = index.wrapping_mul(batch as u64);
         let mut perm: Option<(u64, Vec<u32>)> = None;
-        let records: Vec<usize> = (0..batch as u64)
+        let records: Vec<usize> = places
+            .clone()
             .map(|j| {
-                let pos = first.wrapping_add(j);
+                let pos = first.wrapping_add(j as u64);
                 let epoch = pos / n;
                 if perm.as_ref().is_none_or(|(e, _)| *e != epoch) {
                     perm = Some((
@@ -458,7 +470,7 @@ impl Cifar10 {
                     .map_or(0, |(_, p)| p[(pos % n) as usize] as usize)
             })
             .collect();
-        let crops: Vec<Crop> = (0..batch)
+        let crops: Vec<Crop> = places
             .map(|j| augment::crop_for(self.seed, index, j))
             .collect();
         self.assemble(&self.train, &records, Some(&crops))

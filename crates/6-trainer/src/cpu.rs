@@ -76,30 +76,25 @@ impl CpuTrainer {
             // start there (their tasks are pushed to that worker's deque and stolen by the
             // others) instead of each being handed over from this thread, which would sleep
             // until it is done: one hand-over per step instead of one per loop.
-            let m = rayon::scope(|_| -> Result<HeadMetrics, TrainError> {
-                let mut each = Vec::with_capacity(accum);
-                // One micro-batch in memory at a time (the producer keeps a few ahead).
-                for k in 0..accum {
-                    let (images, labels) = batches.next_batch().ok_or_else(|| {
-                        let b = i * accum + k;
-                        TrainError::Config(format!("the batch producer stopped before batch {b}"))
-                    })?;
-                    // The first accum − 1 micro-batches add into GA; the last one's finish
-                    // adds it, then checks, updates and rescales once (amp::step). The drill
-                    // poisons its micro-batch's gradients before they are added.
-                    let drill = poison.filter(|&h| FaultDrill::micro_batch(h, accum) == k);
-                    each.push(model.train_micro_batch(
-                        k,
-                        &images,
-                        &labels,
-                        |regions| match drill {
-                            Some(h) => Ok(poison_gradient(regions, h)?),
-                            None => Ok(()),
-                        },
-                    )?);
-                }
-                Ok(mean_metrics(&each))
-            })?;
+            let m =
+                rayon::scope(|_| -> Result<HeadMetrics, TrainError> {
+                    let mut each = Vec::with_capacity(accum);
+                    // One micro-batch in memory at a time (the producer keeps a few ahead).
+                    for k in 0..accum {
+                        let (images, labels) = batches.next_shard((i * accum + k) as u64)?;
+                        // The first accum − 1 micro-batches add into GA; the last one's finish
+                        // adds it, then checks, updates and rescales once (amp::step). The drill
+                        // poisons its micro-batch's gradients before they are added.
+                        let drill = poison.filter(|&h| FaultDrill::micro_batch(h, accum) == k);
+                        each.push(model.train_micro_batch(k, &images, &labels, |regions| {
+                            match drill {
+                                Some(h) => Ok(poison_gradient(regions, h)?),
+                                None => Ok(()),
+                            }
+                        })?);
+                    }
+                    Ok(mean_metrics(&each))
+                })?;
             let step = self.model.step_mut();
             if cfg.drill.is_some() {
                 let s = step.executor().scalars();

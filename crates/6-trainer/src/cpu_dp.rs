@@ -20,6 +20,8 @@ use std::sync::Arc;
 #[derive(Debug)]
 pub(crate) struct DataParallelTrainer {
     cfg: TrainConfig,
+    /// Read once, shared by the ranks (each makes its own shards).
+    data: Arc<dyn data::Dataset>,
 }
 
 impl DataParallelTrainer {
@@ -28,7 +30,10 @@ impl DataParallelTrainer {
         cfg.check_host_memory(true)?;
         // Compile once here so that a network that does not fit fails before any thread runs.
         compile_net(cfg, &cpu_policy(cfg))?;
-        Ok(DataParallelTrainer { cfg: *cfg })
+        Ok(DataParallelTrainer {
+            cfg: *cfg,
+            data: data::open(cfg)?,
+        })
     }
 
     pub(crate) fn run(
@@ -58,12 +63,16 @@ impl DataParallelTrainer {
                     std::thread::Builder::new()
                         .name(format!("rank {}", g.rank()))
                         .spawn_scoped(s, {
-                            let executor = executor.clone();
-                            move || run_rank(&cfg, (g, b), every, &mut |_| {}, &executor, session)
+                            let (executor, data) = (executor.clone(), self.data.clone());
+                            move || {
+                                let comms = (g, b);
+                                run_rank(&cfg, data, comms, every, &mut |_| {}, &executor, session)
+                            }
                         })
                 })
                 .collect();
-            let first = run_rank(&cfg, (g0, b0), every, progress, &executor, session);
+            let data = self.data.clone();
+            let first = run_rank(&cfg, data, (g0, b0), every, progress, &executor, session);
             let mut results = vec![first];
             for h in others {
                 results.push(match h {
@@ -97,10 +106,11 @@ impl DataParallelTrainer {
     }
 }
 
-/// One rank's whole run over its communicators (gradients, and synchronized BN's); rank 0
-/// returns the report.
+/// One rank's whole run on its shards of `data`, over its communicators (gradients, and
+/// synchronized BN's); rank 0 returns the report.
 fn run_rank(
     cfg: &TrainConfig,
+    data: Arc<dyn data::Dataset>,
     (grads, bn): (CpuComm, Option<CpuComm>),
     every: usize,
     progress: &mut dyn FnMut(&Progress),
@@ -108,32 +118,27 @@ fn run_rank(
     session: &Session,
 ) -> Result<Option<TrainReport>, TrainError> {
     let (rank, ranks) = (grads.rank(), cfg.ranks);
-    let data = Arc::new(data::Synthetic::new(
-        cfg.hw,
-        cfg.channels,
-        cfg.classes,
-        cfg.seed,
-    ));
     let net = compile_net(cfg, &cpu_policy(cfg))?;
     let model =
         CpuClassifier::with_arena(net, cfg.classes, cfg.step_config(), cfg.seed, cfg.arena)?;
     let mut replica = CpuReplica::new(model, grads, bn)?;
-    // Synthetic data only, and no checkpoints (one rank): no epochs and no saves.
-    let book = Bookkeeping::new(cfg, session, data.clone(), (rank, ranks));
+    // No checkpoints (one rank's): no saves; the test set after each epoch of files.
+    let mut book = Bookkeeping::new(cfg, session, data.clone(), (rank, ranks));
     let mut host = HostMetrics::with_capacity(if rank == 0 { cfg.steps } else { 0 });
     // Step i trains on global batches i·accum .. (i + 1)·accum, each sharded over the ranks.
     let accum = cfg.accum.max(1);
     for i in 0..cfg.steps {
+        // Each rank makes its own shard (of files: decodes its own images only).
+        let shard = |b: usize| data.train_shard(cfg.batch, b as u64, (rank, ranks));
         let m = if accum == 1 {
-            let (images, labels) = book.shard(data.batch(cfg.batch * ranks, i as u64, 0))?;
+            let (images, labels) = shard(i)?;
             replica.step(&images, &labels)?
         } else {
             // One micro-batch in memory at a time; the step's mean loss and accuracy over
             // the micro-batches, then over the ranks.
             let mut v = [0f32; 2];
             for k in 0..accum {
-                let (images, labels) =
-                    book.shard(data.batch(cfg.batch * ranks, (i * accum + k) as u64, 0))?;
+                let (images, labels) = shard(i * accum + k)?;
                 let local = replica.micro_batch(k, &images, &labels)?;
                 v[0] += local.loss / accum as f32;
                 v[1] += local.accuracy / accum as f32;
@@ -152,6 +157,7 @@ fn run_rank(
             let step = replica.model_mut().step_mut();
             host.record(&book, i + 1, m, step, every, progress)?;
         }
+        book.evaluate_epoch(i + 1, &mut replica)?;
     }
     let images_per_sec = book.clock().images_per_sec(cfg.steps);
     // Each rank evaluates its shard with its own running statistics (the same on every rank

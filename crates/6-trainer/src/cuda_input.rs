@@ -35,13 +35,14 @@ impl CudaTrainer {
     /// # Errors
     /// A driver error; a producer that stopped early.
     pub(crate) fn feed(&mut self, indices: Range<u64>) -> Result<Feed, TrainError> {
-        let (rank_batch, world) = (self.cfg.batch, self.rank().1);
         let capacity = self.engine.image_bytes() + 4 * self.cfg.batch;
         let mut feed = Feed {
-            batches: data::Prefetch::spawn_range(
+            // This rank's shards only (of global batches of `world × batch` images).
+            batches: data::Prefetch::spawn_shards(
                 self.data.clone(),
-                rank_batch * world,
+                self.cfg.batch,
                 indices.clone(),
+                self.rank(),
             ),
             input: DoubleInput::new(self.engine.stream(), capacity).map_err(super::amp_error)?,
             next: indices.start,
@@ -60,10 +61,7 @@ impl CudaTrainer {
             return Ok(());
         }
         let i = feed.next;
-        let batch = feed.batches.next_batch().ok_or_else(|| {
-            TrainError::Config(format!("the batch producer stopped before batch {i}"))
-        })?;
-        let (images, labels) = crate::bookkeeping::shard(batch, self.cfg.batch, self.rank())?;
+        let (images, labels) = feed.batches.next_shard(i)?;
         self.engine.check_host_batch(&images, &labels)?;
         let (x, y) = bytes_of(&images, &labels);
         feed.input.stage(i, &[&x, &y]).map_err(super::amp_error)?;

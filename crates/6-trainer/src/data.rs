@@ -1,6 +1,7 @@
 //! A synthetic, deterministic, learnable image dataset: each class has a fixed random template
 //! (smooth blobs per channel); a sample is its class template plus noise.
 
+use crate::TrainError;
 use half::f16;
 
 /// Sampler of labelled NHWC images.
@@ -93,6 +94,46 @@ pub trait Dataset: Send + Sync + std::fmt::Debug {
     fn held_out_len(&self) -> Option<usize> {
         None
     }
+
+    /// Rank `rank`'s shard of training batch `index` of `world × batch` images: images
+    /// `rank·batch .. (rank + 1)·batch` of [`Dataset::train_batch`] of `world × batch`, bit
+    /// for bit (one rank: the batch itself). The default makes the whole batch and cuts it; a
+    /// dataset whose images each depend only on their place in the batch (CIFAR-10's) makes
+    /// the shard alone, so that each rank of a group decodes its own images only.
+    ///
+    /// # Errors
+    /// [`TrainError::Config`] when `world × batch` overflows, `rank` is not below `world`, or
+    /// the dataset made a batch of another size.
+    fn train_shard(
+        &self,
+        batch: usize,
+        index: u64,
+        (rank, world): (usize, usize),
+    ) -> Result<Batch, TrainError> {
+        let global = global_batch(batch, (rank, world))?;
+        crate::bookkeeping::shard(self.train_batch(global, index), batch, (rank, world))
+    }
+}
+
+/// One training batch: NHWC FP16 images and their labels.
+pub type Batch = (Vec<f16>, Vec<i32>);
+
+/// The global batch of `world` shards of `batch` images, for rank `rank`.
+///
+/// # Errors
+/// [`TrainError::Config`] when it overflows or `rank` is not below `world`.
+pub(crate) fn global_batch(
+    batch: usize,
+    (rank, world): (usize, usize),
+) -> Result<usize, TrainError> {
+    batch
+        .checked_mul(world)
+        .filter(|_| rank < world)
+        .ok_or_else(|| {
+            TrainError::Config(format!(
+                "rank {rank} of {world}: no shard of {batch} images in a global batch"
+            ))
+        })
 }
 
 /// The epochs a run of `steps` steps of `images_per_step` images completes over a training
@@ -140,6 +181,18 @@ impl Dataset for crate::cifar::Cifar10 {
 
     fn held_out_len(&self) -> Option<usize> {
         Some(self.test().len())
+    }
+
+    /// [`Cifar10::train_images`](crate::cifar::Cifar10::train_images) of the rank's places
+    /// alone.
+    fn train_shard(
+        &self,
+        batch: usize,
+        index: u64,
+        (rank, world): (usize, usize),
+    ) -> Result<Batch, TrainError> {
+        let global = global_batch(batch, (rank, world))?;
+        Ok(self.train_images(global, index, rank * batch..(rank + 1) * batch))
     }
 }
 
@@ -221,7 +274,7 @@ pub(crate) fn open(
 /// producer (its next send fails) and joins it.
 #[derive(Debug)]
 pub struct Prefetch {
-    rx: Option<std::sync::mpsc::Receiver<(Vec<f16>, Vec<i32>)>>,
+    rx: Option<std::sync::mpsc::Receiver<Result<Batch, TrainError>>>,
     producer: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -241,6 +294,17 @@ impl Prefetch {
         batch: usize,
         indices: std::ops::Range<u64>,
     ) -> Self {
+        Self::spawn_shards(data, batch, indices, (0, 1))
+    }
+
+    /// Starts making rank `rank`'s shards of `batch` images ([`Dataset::train_shard`]) of
+    /// `data`'s training batches `indices` of `world × batch` images, in order.
+    pub fn spawn_shards(
+        data: std::sync::Arc<dyn Dataset>,
+        batch: usize,
+        indices: std::ops::Range<u64>,
+        (rank, world): (usize, usize),
+    ) -> Self {
         let (tx, rx) = std::sync::mpsc::sync_channel(Self::DEPTH);
         // A batch's parallel decoding runs on a pool of its own: the CPU step blocks a worker
         // of the global pool while it waits for the batch, and with one worker
@@ -254,14 +318,14 @@ impl Prefetch {
                     .thread_name(|i| format!("batch-decode-{i}"))
                     .build()
                 else {
-                    // No batch: the consumer's `next_batch` says the producer stopped.
+                    // No batch: the consumer's `next_shard` says the producer stopped.
                     return;
                 };
                 for i in indices {
-                    if tx
-                        .send(pool.install(|| data.train_batch(batch, i)))
-                        .is_err()
-                    {
+                    let shard = pool.install(|| data.train_shard(batch, i, (rank, world)));
+                    // After a refused shard, nothing more: the consumer reports it.
+                    let last = shard.is_err();
+                    if tx.send(shard).is_err() || last {
                         break;
                     }
                 }
@@ -273,10 +337,26 @@ impl Prefetch {
         }
     }
 
-    /// The next batch, in index order; `None` once `steps` have been taken or when the
-    /// producer could not start or has died.
+    /// The next batch, in index order; `None` once `steps` have been taken, when the
+    /// producer could not start or has died, or when the dataset refused the batch (see
+    /// [`Prefetch::next_shard`] for why).
     pub fn next_batch(&mut self) -> Option<(Vec<f16>, Vec<i32>)> {
-        self.rx.as_ref()?.recv().ok()
+        self.next_shard(0).ok()
+    }
+
+    /// The next batch (or shard), in index order, which the caller numbers `index` for the
+    /// error.
+    ///
+    /// # Errors
+    /// The dataset's error for that batch ([`Dataset::train_shard`]); [`TrainError::Config`]
+    /// when the producer stopped before it (all taken, or it could not start or died).
+    pub fn next_shard(&mut self, index: u64) -> Result<Batch, TrainError> {
+        match self.rx.as_ref().map(|rx| rx.recv()) {
+            Some(Ok(shard)) => shard,
+            _ => Err(TrainError::Config(format!(
+                "the batch producer stopped before batch {index}"
+            ))),
+        }
     }
 }
 

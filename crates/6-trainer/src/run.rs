@@ -5,8 +5,8 @@
 
 use crate::net::{self, compile_net};
 use crate::{
-    checkpoint, cpu, cpu_dp, cuda, DataSource, Device, ExecutorInfo, ExecutorKind, Progress,
-    TrainConfig, TrainError, TrainReport,
+    checkpoint, cpu, cpu_dp, cuda, Device, ExecutorInfo, ExecutorKind, Progress, TrainConfig,
+    TrainError, TrainReport,
 };
 use cudnn_cbr::amp::plan::MemoryPlan;
 use cudnn_cbr::netops::head::HeadMetrics;
@@ -54,6 +54,30 @@ impl Trainer {
     /// [`TrainError::is_unavailable`] errors when the CUDA executor cannot run here; any
     /// error of the setup itself.
     pub fn new(cfg: &TrainConfig) -> Result<Self, TrainError> {
+        Self::with_launch(cfg, launch_env()?)
+    }
+
+    /// [`Trainer::new`] as rank `launch.rank` of a data-parallel group of `launch.world`
+    /// GPU processes, from a launch description the caller made itself
+    /// ([`LaunchEnv::from_vars`](cudnn_cbr::dist::bootstrap::LaunchEnv::from_vars)) rather
+    /// than from this process's environment (as `Trainer::new` reads a launcher's): the CUDA
+    /// executor joins the group ([`cuda::CudaTrainer::launched`]). A group of one is
+    /// `Trainer::new` without a launcher.
+    ///
+    /// # Errors
+    /// As [`Trainer::new`]; [`TrainError::Config`] for a configuration a group does not run
+    /// (the CPU executor, `--ranks`, the fault drill, checkpoints).
+    pub fn launched(
+        cfg: &TrainConfig,
+        launch: cudnn_cbr::dist::bootstrap::LaunchEnv,
+    ) -> Result<Self, TrainError> {
+        Self::with_launch(cfg, Some(launch).filter(|l| l.world > 1))
+    }
+
+    fn with_launch(
+        cfg: &TrainConfig,
+        launch: Option<cudnn_cbr::dist::bootstrap::LaunchEnv>,
+    ) -> Result<Self, TrainError> {
         cfg.validate()?;
         // The CPU executor reads its SIMD cap itself and ignores a value it does not know:
         // refuse that value here, whatever the device, rather than run without the cap.
@@ -75,7 +99,6 @@ impl Trainer {
                 session: Session::default(),
             })
         };
-        let launch = launch_env()?;
         if let Some(l) = &launch {
             let why = if cfg.ranks > 1 {
                 Some("--ranks runs CPU ranks as threads in one process")
@@ -105,15 +128,6 @@ impl Trainer {
                 session: Session::default(),
             })
         };
-        // Files are read on one rank: the CPU executor or the CUDA executor (whose batches
-        // are made ahead on a CPU thread and copied on a stream of their own).
-        if cfg.data != DataSource::Synthetic && (cfg.data_parallel() || launch.is_some()) {
-            return Err(TrainError::Config(format!(
-                "--data {} trains on one rank (the CPU or CUDA executor); drop --ranks / \
-                 --sync-bn and the launcher",
-                cfg.data
-            )));
-        }
         // Under a launcher, --sync-bn synchronizes the GPU ranks (one process each).
         if cfg.data_parallel() && launch.is_none() {
             if cfg.device == Device::Cuda {
