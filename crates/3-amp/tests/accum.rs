@@ -279,3 +279,29 @@ fn accumulation_the_plan_cannot_serve_is_a_typed_error() {
     assert_eq!(s.accum, 2);
     assert_eq!(s.unscale(), 1.0 / (s.loss_scale * 2.0));
 }
+
+/// S restored from another run (a checkpoint) brings its loss scale and counters, but the
+/// group size and accumulation stay this run's: an S of one rank without accumulation,
+/// restored into a step of 4 ranks × 2 micro-batches, still unscales by `1 / (scale · 8)`.
+#[test]
+fn restored_scalars_keep_this_runs_ranks_and_accumulation() {
+    let mut s = step(plan(), config()).executor().scalars();
+    (s.loss_scale, s.skipped, s.step) = (1024.0, 3, 17);
+    let mut group = step(
+        plan().with_grad_accumulator().unwrap(),
+        config().with_accum(2),
+    );
+    group.set_ranks(4).unwrap();
+    group.restore_scalars(&s).unwrap();
+    let got = group.executor().scalars();
+    assert_eq!(
+        (got.loss_scale, got.skipped, got.step),
+        (1024.0, 3, 17),
+        "the restored scale and counters"
+    );
+    assert_eq!(
+        (got.ranks, got.accum),
+        (4, 2),
+        "this run's group and accumulation"
+    );
+}

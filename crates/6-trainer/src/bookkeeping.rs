@@ -121,17 +121,27 @@ impl<'s> Bookkeeping<'s> {
     }
 
     /// After step `step` (1-based, counted from the start of training): the checkpoint when
-    /// one is due, then the whole test set when an epoch ended there.
+    /// one is due (rank 0's, for the group: every rank holds the same weights), then the
+    /// whole test set when an epoch ended there.
     pub(crate) fn after_step(
         &mut self,
         step: usize,
         model: &mut impl Checkpointed,
     ) -> Result<(), TrainError> {
-        if let Some(path) = self.session.saves_after(step, self.cfg.steps) {
-            let (state, routes) = model.checkpoint()?;
-            checkpoint::save(path, &self.cfg, &state, step as u64, &routes)?;
-        }
+        self.save(step, model)?;
         self.evaluate_epoch(step, model)
+    }
+
+    /// The checkpoint after step `step` when one is due, written by rank 0.
+    pub(crate) fn save(&self, step: usize, model: &impl Checkpointed) -> Result<(), TrainError> {
+        if let Some(path) = self.session.saves_after(step, self.cfg.steps) {
+            if self.rank == 0 {
+                let (state, routes) = model.checkpoint()?;
+                let (cfg, world) = (&self.cfg, self.world);
+                checkpoint::save_in_group(path, cfg, &state, step as u64, &routes, world)?;
+            }
+        }
+        Ok(())
     }
 
     /// After step `step` (1-based): the whole test set when an epoch of the training data

@@ -139,13 +139,16 @@ impl RunModel for CpuTrainer {
 
 impl Checkpointed for CpuTrainer {
     fn checkpoint(&self) -> Result<(TrainState, String), TrainError> {
-        // The route every layer runs.
-        let routes = format!(
-            "cpu reference executor, {} route ops",
-            if self.cfg.fused { "fused" } else { "unfused" }
-        );
-        Ok((TrainState::of(&self.model)?, routes))
+        Ok((TrainState::of(&self.model)?, routes(&self.cfg)))
     }
+}
+
+/// The checkpoint's `routes` of a CPU run: the route every layer runs.
+pub(crate) fn routes(cfg: &TrainConfig) -> String {
+    format!(
+        "cpu reference executor, {} route ops",
+        if cfg.fused { "fused" } else { "unfused" }
+    )
 }
 
 /// The FP32 master weights (region W) of a CPU run: what both CPU executors report.

@@ -2,13 +2,15 @@
 //! [`CpuReplica`](cudnn_cbr::dist::CpuReplica) on its shard of the global batch
 //! (`ranks × batch` images; rank r takes images `r·batch .. (r+1)·batch`), joined by an
 //! in-process group. Rank 0 reports progress and the summary; every figure it reports is the
-//! global batch's.
+//! global batch's. Rank 0 saves the checkpoints; a resumed run loads the same state into
+//! every rank.
 
 use super::{
-    data, net::compile_net, net::cpu_policy, Bookkeeping, ExecutorInfo, Finished, HostMetrics,
-    MasterWeights, Progress, RunModel, Session, TrainConfig, TrainError, TrainReport,
+    data, net::compile_net, net::cpu_policy, Bookkeeping, Checkpointed, ExecutorInfo, Finished,
+    HostMetrics, MasterWeights, Progress, RunModel, Session, TrainConfig, TrainError, TrainReport,
 };
 use crate::bookkeeping::Batch;
+use crate::checkpoint::TrainState;
 use cudnn_cbr::amp::AmpError;
 use cudnn_cbr::classifier::{Accuracies, CpuClassifier};
 use cudnn_cbr::dist::DistError;
@@ -22,6 +24,8 @@ pub(crate) struct DataParallelTrainer {
     cfg: TrainConfig,
     /// Read once, shared by the ranks (each makes its own shards).
     data: Arc<dyn data::Dataset>,
+    /// A checkpoint's state every rank starts from.
+    resume: Option<Arc<TrainState>>,
 }
 
 impl DataParallelTrainer {
@@ -33,7 +37,14 @@ impl DataParallelTrainer {
         Ok(DataParallelTrainer {
             cfg: *cfg,
             data: data::open(cfg)?,
+            resume: None,
         })
+    }
+
+    /// Every rank starts from `state` (a checkpoint's, checked against this run's network
+    /// when the ranks load it).
+    pub(crate) fn load_state(&mut self, state: &TrainState) {
+        self.resume = Some(Arc::new(state.clone()));
     }
 
     pub(crate) fn run(
@@ -56,23 +67,25 @@ impl DataParallelTrainer {
         let mut comms: Vec<(CpuComm, Option<CpuComm>)> =
             grads.into_iter().zip(bn.drain(..)).collect();
         let (g0, b0) = comms.remove(0);
+        let run = RankRun {
+            cfg,
+            data: self.data,
+            resume: self.resume,
+            every,
+            executor,
+            session,
+        };
+        let run = &run;
         std::thread::scope(|s| {
             let others: Vec<_> = comms
                 .into_iter()
                 .map(|(g, b)| {
                     std::thread::Builder::new()
                         .name(format!("rank {}", g.rank()))
-                        .spawn_scoped(s, {
-                            let (executor, data) = (executor.clone(), self.data.clone());
-                            move || {
-                                let comms = (g, b);
-                                run_rank(&cfg, data, comms, every, &mut |_| {}, &executor, session)
-                            }
-                        })
+                        .spawn_scoped(s, move || run_rank(run, (g, b), &mut |_| {}))
                 })
                 .collect();
-            let data = self.data.clone();
-            let first = run_rank(&cfg, data, (g0, b0), every, progress, &executor, session);
+            let first = run_rank(run, (g0, b0), progress);
             let mut results = vec![first];
             for h in others {
                 results.push(match h {
@@ -106,28 +119,51 @@ impl DataParallelTrainer {
     }
 }
 
-/// One rank's whole run on its shards of `data`, over its communicators (gradients, and
+/// What every rank's run shares.
+struct RankRun<'a> {
+    cfg: TrainConfig,
+    data: Arc<dyn data::Dataset>,
+    resume: Option<Arc<TrainState>>,
+    every: usize,
+    executor: ExecutorInfo,
+    session: &'a Session,
+}
+
+/// One rank's model: its replica, and the configuration its checkpoint describes.
+struct Rank {
+    replica: CpuReplica,
+    cfg: TrainConfig,
+}
+
+/// One rank's whole run on its shards of the data, over its communicators (gradients, and
 /// synchronized BN's); rank 0 returns the report.
 fn run_rank(
-    cfg: &TrainConfig,
-    data: Arc<dyn data::Dataset>,
+    run: &RankRun<'_>,
     (grads, bn): (CpuComm, Option<CpuComm>),
-    every: usize,
     progress: &mut dyn FnMut(&Progress),
-    executor: &ExecutorInfo,
-    session: &Session,
 ) -> Result<Option<TrainReport>, TrainError> {
+    let (cfg, data) = (&run.cfg, &run.data);
     let (rank, ranks) = (grads.rank(), cfg.ranks);
     let net = compile_net(cfg, &cpu_policy(cfg))?;
     let model =
         CpuClassifier::with_arena(net, cfg.classes, cfg.step_config(), cfg.seed, cfg.arena)?;
-    let mut replica = CpuReplica::new(model, grads, bn)?;
-    // No checkpoints (one rank's): no saves; the test set after each epoch of files.
-    let mut book = Bookkeeping::new(cfg, session, data.clone(), (rank, ranks));
-    let mut host = HostMetrics::with_capacity(if rank == 0 { cfg.steps } else { 0 });
+    let mut me = Rank {
+        replica: CpuReplica::new(model, grads, bn)?,
+        cfg: *cfg,
+    };
+    // Every rank loads the same state (after the group met and rank 0's initial weights
+    // were broadcast), so the ranks stay equal; S keeps this group's rank count.
+    if let Some(state) = &run.resume {
+        state.load_into(me.replica.model_mut())?;
+    }
+    // Rank 0 saves the checkpoints; the test set after each epoch of files.
+    let mut book = Bookkeeping::new(cfg, run.session, data.clone(), (rank, ranks));
+    let first = book.first();
+    let mut host = HostMetrics::with_capacity(if rank == 0 { cfg.steps - first } else { 0 });
     // Step i trains on global batches i·accum .. (i + 1)·accum, each sharded over the ranks.
     let accum = cfg.accum.max(1);
-    for i in 0..cfg.steps {
+    for i in first..cfg.steps {
+        let replica = &mut me.replica;
         // Each rank makes its own shard (of files: decodes its own images only).
         let shard = |b: usize| data.train_shard(cfg.batch, b as u64, (rank, ranks));
         let m = if accum == 1 {
@@ -155,18 +191,18 @@ fn run_rank(
         // Rank 0 reports; every figure is the global batch's.
         if rank == 0 {
             let step = replica.model_mut().step_mut();
-            host.record(&book, i + 1, m, step, every, progress)?;
+            host.record(&book, i + 1, m, step, run.every, progress)?;
         }
-        book.evaluate_epoch(i + 1, &mut replica)?;
+        book.after_step(i + 1, &mut me)?;
     }
-    let images_per_sec = book.clock().images_per_sec(cfg.steps);
+    let images_per_sec = book.clock().images_per_sec(cfg.steps - first);
     // Each rank evaluates its shard with its own running statistics (the same on every rank
     // with synchronized BN); the correct counts are summed.
-    let held_out = book.held_out(&mut replica)?;
+    let held_out = book.held_out(&mut me)?;
     if rank != 0 {
         return Ok(None);
     }
-    let step = replica.model_mut().step_mut();
+    let step = me.replica.model_mut().step_mut();
     step.request_scalars()?;
     let scalars = step.poll_scalars()?.unwrap_or_default();
     let run = Finished {
@@ -174,19 +210,28 @@ fn run_rank(
         held_out,
         scalars,
         images_per_sec,
-        executor: executor.clone(),
+        executor: run.executor.clone(),
         trace: Vec::new(),
         curve: host.curve,
     };
-    book.report(&replica, run).map(Some)
+    book.report(&me, run).map(Some)
 }
 
-impl RunModel for CpuReplica {
+impl RunModel for Rank {
     fn evaluate(&mut self, batches: &[Batch]) -> Result<Accuracies, TrainError> {
-        Ok(self.evaluate_batches(batches)?)
+        Ok(self.replica.evaluate_batches(batches)?)
     }
 
     fn weights(&self) -> Result<MasterWeights, TrainError> {
-        super::cpu::master_weights(self.model().step().executor())
+        super::cpu::master_weights(self.replica.model().step().executor())
+    }
+}
+
+impl Checkpointed for Rank {
+    fn checkpoint(&self) -> Result<(TrainState, String), TrainError> {
+        Ok((
+            TrainState::of(self.replica.model())?,
+            super::cpu::routes(&self.cfg),
+        ))
     }
 }

@@ -197,15 +197,18 @@ impl Trainer {
     }
 
     /// Saves a checkpoint ([`checkpoint`]) to `path` after every `every` steps (0: none
-    /// between) and after the last step. One rank only (CPU or CUDA executor). Makes the
-    /// folder if needed and checks now that a file can be written there.
+    /// between) and after the last step. In a data-parallel run rank 0 writes it (every
+    /// rank holds the same weights; with local BN, rank 0's running statistics) and records
+    /// the group's size; the other processes of a launched group write nothing. Makes the
+    /// folder if needed and checks now (on the rank that writes) that a file can be written
+    /// there.
     ///
     /// # Errors
-    /// [`TrainError::Config`] for a data-parallel run; [`TrainError::Checkpoint`] when the
-    /// folder cannot hold the file.
+    /// [`TrainError::Checkpoint`] when the folder cannot hold the file.
     pub fn save_to(&mut self, path: &std::path::Path, every: usize) -> Result<(), TrainError> {
-        self.one_rank("--save")?;
-        checkpoint::check_writable(path)?;
+        if self.process_rank().0 == 0 {
+            checkpoint::check_writable(path)?;
+        }
         self.session.save = Some((path.to_path_buf(), every));
         Ok(())
     }
@@ -217,26 +220,18 @@ impl Trainer {
         self.session.curve = on;
     }
 
-    fn one_rank(&self, what: &str) -> Result<(), TrainError> {
-        if matches!(self.exec, Exec::CpuDataParallel(_)) || self.process_rank().1 > 1 {
-            return Err(TrainError::Config(format!(
-                "{what} works on one rank (the CPU or CUDA executor without --ranks, \
-                 --sync-bn or a launcher)"
-            )));
-        }
-        Ok(())
-    }
-
-    /// Loads a checkpoint of this run's network and data ([`checkpoint::load`]) into the
-    /// executor: the run then trains from its step up to [`TrainConfig::steps`], on the
+    /// Loads a checkpoint of this run's network, data and group size
+    /// ([`checkpoint::load_in_group`]) into the executor (every rank of a data-parallel run
+    /// loads it): the run then trains from its step up to [`TrainConfig::steps`], on the
     /// batches that follow. Returns that step.
     ///
     /// # Errors
-    /// [`TrainError::Checkpoint`] naming what is wrong with the file; [`TrainError::Config`]
-    /// for a data-parallel run or a checkpoint at or past `steps`; the executor's error.
+    /// [`TrainError::Checkpoint`] naming what is wrong with the file (one of another group
+    /// size is [`checkpoint::CheckpointError::OtherRun`]); [`TrainError::Config`] for a
+    /// checkpoint at or past `steps`; the executor's error.
     pub fn resume(&mut self, path: &std::path::Path) -> Result<usize, TrainError> {
-        self.one_rank("--resume")?;
-        let loaded = checkpoint::load(path, &self.cfg)?;
+        let ranks = self.cfg.ranks.max(self.process_rank().1);
+        let loaded = checkpoint::load_in_group(path, &self.cfg, ranks)?;
         let step = usize::try_from(loaded.step).unwrap_or(usize::MAX);
         if step >= self.cfg.steps {
             return Err(TrainError::Config(format!(
@@ -249,9 +244,7 @@ impl Trainer {
         match &mut self.exec {
             Exec::Cpu(t) => t.load_state(&loaded.state)?,
             Exec::Cuda(t) => t.load_state(&loaded.state)?,
-            Exec::CpuDataParallel(_) => {
-                return Err(TrainError::Config("--resume works on one rank".into()))
-            }
+            Exec::CpuDataParallel(t) => t.load_state(&loaded.state),
         }
         self.session.start = step;
         Ok(step)

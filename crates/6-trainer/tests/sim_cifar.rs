@@ -221,25 +221,22 @@ fn launched_cfg(dir: &Path) -> TrainConfig {
     }
 }
 
-/// In the child: two ranks of a launched group (threads, each its own device context and
-/// streams: the simulated NCCL's ranks are threads) with synchronized BN, each on its half
-/// of every global batch (8 of 16 images, decoded by that rank alone), against one CUDA
-/// trainer on the whole batches.
-fn launched_child() {
+/// Two ranks of a launched group (threads, each its own device context and streams: the
+/// simulated NCCL's ranks are threads) meeting through `rendezvous`, each trained by
+/// `Trainer::launched` on `cfg`, saving to `save` and resuming from `resume` when given;
+/// their reports in rank order.
+fn group(
+    cfg: &TrainConfig,
+    rendezvous: &Path,
+    save: Option<&Path>,
+    resume: Option<&Path>,
+) -> Vec<cudnn_cbr_trainer::TrainReport> {
     use cudnn_cbr::dist::bootstrap::LaunchEnv;
     use cudnn_cbr_trainer::Trainer;
-    let dir = PathBuf::from(std::env::var_os(DIR).expect("the data folder"));
-    let one = train(&launched_cfg(&dir), 100, |_| {}).expect("one CUDA rank");
-    let file = dir.join("rendezvous");
-    let group = TrainConfig {
-        batch: 8,
-        sync_bn: true,
-        ..launched_cfg(&dir)
-    };
-    let reports: Vec<_> = std::thread::scope(|s| {
+    std::thread::scope(|s| {
         let ranks: Vec<_> = (0..2usize)
             .map(|rank| {
-                let file = file.to_str().unwrap().to_owned();
+                let file = rendezvous.to_str().unwrap().to_owned();
                 s.spawn(move || {
                     let env = LaunchEnv::from_vars(|n| match n {
                         "RANK" | "LOCAL_RANK" => Some(rank.to_string()),
@@ -248,14 +245,35 @@ fn launched_child() {
                         _ => None,
                     })
                     .unwrap();
-                    let t = Trainer::launched(&group, env).expect("join the group");
+                    let mut t = Trainer::launched(cfg, env).expect("join the group");
                     assert_eq!(t.process_rank(), (rank, 2));
+                    if let Some(path) = save {
+                        t.save_to(path, 0).unwrap();
+                    }
+                    if let Some(path) = resume {
+                        t.resume(path).expect("every rank loads the checkpoint");
+                    }
                     t.run(100, |_| {}).expect("train as a rank of the group")
                 })
             })
             .collect();
         ranks.into_iter().map(|r| r.join().unwrap()).collect()
-    });
+    })
+}
+
+/// In the child: two ranks of a launched group with synchronized BN, each on its half of
+/// every global batch (8 of 16 images, decoded by that rank alone), against one CUDA trainer
+/// on the whole batches; then the group's checkpoint after 3 steps (rank 0's) and a new
+/// group resuming from it for the last 2.
+fn launched_child() {
+    let dir = PathBuf::from(std::env::var_os(DIR).expect("the data folder"));
+    let one = train(&launched_cfg(&dir), 100, |_| {}).expect("one CUDA rank");
+    let cfg = TrainConfig {
+        batch: 8,
+        sync_bn: true,
+        ..launched_cfg(&dir)
+    };
+    let reports = group(&cfg, &dir.join("rendezvous-whole"), None, None);
     let (two, other) = (&reports[0], &reports[1]);
     println!(
         "one rank x 16: losses {:?}, epochs {:?}; two ranks x 8: losses {:?}, epochs {:?}",
@@ -303,13 +321,37 @@ fn launched_child() {
             "{x:?} vs {y:?}"
         );
     }
-    println!("LAUNCHED GROUP TRAINED");
+    // Saved by rank 0 after 3 steps, resumed by a new group: the same losses and weights
+    // bit for bit as the group in one go (its steps run eagerly, in the same order).
+    let ck = dir.join("group.safetensors");
+    let head = group(
+        &TrainConfig { steps: 3, ..cfg },
+        &dir.join("rendezvous-head"),
+        Some(&ck),
+        None,
+    );
+    let tail = group(&cfg, &dir.join("rendezvous-tail"), None, Some(&ck));
+    let joined: Vec<f32> = head[0]
+        .step_losses
+        .iter()
+        .chain(&tail[0].step_losses)
+        .copied()
+        .collect();
+    assert_eq!(joined, two.step_losses, "the resumed group's losses");
+    assert_eq!(
+        tail[0].weights_hash(),
+        two.weights_hash(),
+        "the resumed group's weights"
+    );
+    assert_eq!(tail[1].weights_hash(), two.weights_hash());
+    println!("LAUNCHED GROUP TRAINED AND RESUMED");
 }
 
 /// The trainer as a launched group of two GPU ranks on the files, with gradient
 /// accumulation, on the simulated device in its adversarial stream order (a missing join of
 /// the copy, NCCL or compute streams would read stale data): it trains like one rank on the
-/// whole batches, and its ranks end with the same weights.
+/// whole batches, its ranks end with the same weights, and its checkpoint resumes it bit
+/// for bit.
 #[test]
 fn a_launched_group_trains_on_the_files_like_one_rank() {
     let test = "a_launched_group_trains_on_the_files_like_one_rank";

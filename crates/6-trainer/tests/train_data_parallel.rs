@@ -216,3 +216,78 @@ fn a_launched_process_that_cannot_join_says_why() {
     assert!(took < std::time::Duration::from_secs(120), "took {took:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Checkpoints of a data-parallel run: `--ranks 2 --sync-bn --accum 2` trained 6 steps in one
+/// go, and 3 steps saved (by rank 0) then resumed for 3 more in a new trainer (every rank
+/// loading the file), give the same per-step losses and final weights bit for bit (with
+/// synchronized BN every rank holds the same state, and the data position counts global
+/// batches). The file records the group's size; a run of another size refuses it, naming
+/// `ranks`, and the group refuses a one-rank file.
+#[test]
+fn a_synchronized_group_resumes_bit_for_bit_and_another_group_size_is_refused() {
+    use cudnn_cbr_trainer::checkpoint;
+    let dir = std::env::temp_dir().join(format!("cbr-group-ck-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("ck.safetensors");
+    let cfg = TrainConfig {
+        steps: 6,
+        batch: 8,
+        ranks: 2,
+        sync_bn: true,
+        accum: 2,
+        ..TrainConfig::default()
+    };
+    let whole = train(&cfg, 6, |_| {}).unwrap();
+    let mut first = Trainer::new(&TrainConfig { steps: 3, ..cfg }).unwrap();
+    first.save_to(&path, 0).unwrap();
+    let head = first.run(3, |_| {}).unwrap();
+    let loaded = checkpoint::load(&path, &cfg).unwrap();
+    assert_eq!(loaded.meta.get("ranks"), Some("2"));
+    assert_eq!(loaded.meta.get("batch"), Some("8"), "the per-rank batch");
+    let mut rest = Trainer::new(&cfg).unwrap();
+    assert_eq!(rest.resume(&path).unwrap(), 3);
+    let tail = rest.run(6, |_| {}).unwrap();
+    let joined: Vec<f32> = head
+        .step_losses
+        .iter()
+        .chain(&tail.step_losses)
+        .copied()
+        .collect();
+    assert_eq!(joined, whole.step_losses);
+    assert_eq!(tail.weights_hash(), whole.weights_hash());
+    // SGD after the resume still averaged over the group: the same bits say so, and so does S.
+    assert_eq!((tail.skipped, tail.loss_scale), (0, 8192.0));
+    let refused = |cfg: TrainConfig, path: &std::path::Path| {
+        let e = Trainer::new(&cfg).unwrap().resume(path).unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                TrainError::Checkpoint(checkpoint::CheckpointError::OtherRun { field, .. })
+                    if field == "ranks"
+            ),
+            "{cfg:?}: {e}"
+        );
+    };
+    refused(TrainConfig { ranks: 4, ..cfg }, &path);
+    refused(
+        TrainConfig {
+            ranks: 1,
+            sync_bn: false,
+            ..cfg
+        },
+        &path,
+    );
+    // A one-rank file in a group.
+    let single = dir.join("one.safetensors");
+    let mut one = Trainer::new(&TrainConfig {
+        steps: 3,
+        ranks: 1,
+        sync_bn: false,
+        ..cfg
+    })
+    .unwrap();
+    one.save_to(&single, 0).unwrap();
+    one.run(3, |_| {}).unwrap();
+    refused(cfg, &single);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

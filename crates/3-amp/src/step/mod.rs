@@ -496,6 +496,9 @@ pub struct AmpStep<X: AmpExecutor> {
     begin: Vec<RangeOp>,
     finish: Vec<RangeOp>,
     accumulate: Vec<RangeOp>,
+    /// The data-parallel ranks S counts ([`AmpStep::set_ranks`]): this run's, kept when S is
+    /// restored from another run.
+    ranks: u32,
     /// Bumped by every change of the step's structure; graphs remember the one they were
     /// captured at.
     generation: u64,
@@ -524,6 +527,7 @@ impl<X: AmpExecutor> AmpStep<X> {
             begin,
             finish,
             accumulate,
+            ranks: 1,
             generation: 0,
         })
     }
@@ -590,9 +594,10 @@ impl<X: AmpExecutor> AmpStep<X> {
         self.set_hyper(lr, sgd.momentum, sgd.weight_decay)
     }
 
-    /// Restores S from a checkpoint or another run: the loss scale, flag, counters and ranks
-    /// of `s`, with this step's SGD hyper-parameters and clipping bound (the
-    /// configuration's, which S follows).
+    /// Restores S from a checkpoint or another run: the loss scale, flag and counters of
+    /// `s`, with this step's SGD hyper-parameters, clipping bound and accumulation (the
+    /// configuration's, which S follows) and its ranks ([`AmpStep::set_ranks`]: this run's
+    /// group, whatever group wrote `s`).
     ///
     /// # Errors
     /// [`crate::RangeOpError::InvalidConfig`] for a NaN, infinite or ≤ 0 loss scale, before
@@ -603,6 +608,7 @@ impl<X: AmpExecutor> AmpStep<X> {
         let s = Scalars {
             clip_norm: self.config.clip_norm.unwrap_or(0.0),
             accum: self.config.accum,
+            ranks: self.ranks,
             ..s.with_sgd(&self.config.sgd)
         };
         self.exec.write_scalars(&s)
@@ -702,7 +708,9 @@ impl<X: AmpExecutor> AmpStep<X> {
             }
             .into());
         }
-        self.exec.write_ranks(ranks)
+        self.exec.write_ranks(ranks)?;
+        self.ranks = ranks;
+        Ok(())
     }
 
     fn capture(&mut self, phase: StepPhase) -> Result<StepGraph<X::Graph>, AmpError> {

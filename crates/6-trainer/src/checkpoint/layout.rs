@@ -193,10 +193,11 @@ pub fn size_limit(cfg: &TrainConfig) -> Result<u64, crate::TrainError> {
     Ok(tensors.saturating_mul(2).saturating_add(1 << 20))
 }
 
-/// The metadata fields that must equal this run's, and their values for `cfg`. `accum`
-/// (micro-batches per step) only when above 1, so that a file without it (one batch per
-/// step, or written before gradient accumulation existed) reads as 1.
-pub(super) fn run_fields(cfg: &TrainConfig) -> Vec<(&'static str, String)> {
+/// The metadata fields that must equal this run's, and their values for `cfg` trained by
+/// `ranks` data-parallel ranks. `accum` (micro-batches per step) and `ranks` only when above
+/// 1, so that a file without them (one batch per step on one rank, or written before either
+/// existed) reads as 1.
+pub(super) fn run_fields(cfg: &TrainConfig, ranks: usize) -> Vec<(&'static str, String)> {
     let mut fields = vec![
         ("net", cfg.net.to_string()),
         ("width", cfg.width.to_string()),
@@ -210,5 +211,13 @@ pub(super) fn run_fields(cfg: &TrainConfig) -> Vec<(&'static str, String)> {
     if cfg.accum > 1 {
         fields.push(("accum", cfg.accum.to_string()));
     }
+    // A data-parallel group's: step `i` took global batches of `ranks × batch` images.
+    if ranks > 1 {
+        fields.push(("ranks", ranks.to_string()));
+    }
     fields
 }
+
+/// The fields [`run_fields`] writes only when they differ from their default, and that
+/// default (a file without the field was written by such a run).
+pub(super) const OPTIONAL_FIELDS: [(&str, &str); 2] = [("accum", "1"), ("ranks", "1")];

@@ -26,13 +26,16 @@
 //! position: the next training batch's index; every batch, synthetic or CIFAR-10 with its
 //! shuffle and augmentation, is a pure function of the seed and its index, so the seed and
 //! the position are the whole data and RNG state), `routes` (each layer's route), the loss
-//! scale and counters of S for readers, `weights_hash` ([`crate::MasterWeights::hash`]) and
-//! `checksums`: a JSON object of each tensor's FNV-1a 64 over its bytes ([`checksum`]).
+//! scale and counters of S for readers, `weights_hash` ([`crate::MasterWeights::hash`]),
+//! `accum` and `ranks` (micro-batches per step and the data-parallel group's size, each only
+//! when above 1; [`save_in_group`], [`load_in_group`]) and `checksums`: a JSON object of each
+//! tensor's FNV-1a 64 over its bytes ([`checksum`]).
 //!
 //! **Writing** ([`save`]) goes through a temporary file in the same folder, `fsync`ed and
 //! renamed over the target (then the folder is `fsync`ed): a reader sees the old file or the
 //! new one, never half of one. Every value is checked first: a state with NaN or Inf is a
-//! [`CheckpointError::NonFinite`] naming the tensor, and nothing is written.
+//! [`CheckpointError::NonFinite`] naming the tensor, and nothing is written. The header's
+//! keys are sorted, so the same state saves as the same bytes.
 //!
 //! **Reading** ([`load`]) treats the file as untrusted: a regular file only, at most
 //! [`size_limit`] bytes; then, in this order, the format and version, the network and run
@@ -51,8 +54,8 @@ mod write;
 
 pub use layout::size_limit;
 pub use names::{checksum, krsc_to_oihw, oihw_to_krsc, torch_name};
-pub use read::load;
-pub use write::{check_writable, save, write_atomic};
+pub use read::{load, load_in_group};
+pub use write::{check_writable, save, save_in_group, write_atomic};
 
 use crate::TrainError;
 use cudnn_cbr::amp::plan::Region;

@@ -1,7 +1,8 @@
 //! Reading a checkpoint as an untrusted file, in the order the module docs give.
 
 use super::layout::{
-    check_scalars, f16s_as_f32, f32s, finite, layout, le_bytes, run_fields, size_limit, slots, What,
+    check_scalars, f16s_as_f32, f32s, finite, layout, le_bytes, run_fields, size_limit, slots,
+    What, OPTIONAL_FIELDS,
 };
 use super::names::{checksum, oihw_to_krsc};
 use super::{CheckpointError, Loaded, Meta, TrainState, FORMAT, SAVED_REGIONS, VERSION};
@@ -10,11 +11,26 @@ use cudnn_cbr::amp::plan::Region;
 use safetensors::{Dtype, SafeTensors};
 use std::path::Path;
 
-/// Loads and checks a checkpoint for `cfg`'s run (module docs for the checks).
+/// Loads and checks a checkpoint for `cfg`'s run (module docs for the checks), on
+/// `cfg.ranks` ranks ([`load_in_group`] for a launched group).
 ///
 /// # Errors
 /// A [`CheckpointError`] naming the file, field or tensor.
 pub fn load(path: &Path, cfg: &TrainConfig) -> Result<Loaded, crate::TrainError> {
+    load_in_group(path, cfg, cfg.ranks.max(1))
+}
+
+/// [`load`] for a run of `ranks` data-parallel ranks (a launched group's size): the file must
+/// be of a group of that size (its data position counts global batches of `ranks × batch`
+/// images).
+///
+/// # Errors
+/// As [`load`].
+pub fn load_in_group(
+    path: &Path,
+    cfg: &TrainConfig,
+    ranks: usize,
+) -> Result<Loaded, crate::TrainError> {
     let (plan, running) = layout(cfg)?;
     let slots = slots(&plan, &running)?;
     let limit = size_limit(cfg)?;
@@ -58,20 +74,24 @@ pub fn load(path: &Path, cfg: &TrainConfig) -> Result<Loaded, crate::TrainError>
         }
         .into());
     }
-    // A file of an accumulating run, loaded by a run that does not accumulate.
-    if let (Some(file), 1) = (meta.get("accum"), cfg.accum) {
-        return Err(CheckpointError::OtherRun {
-            field: "accum".into(),
-            file: file.into(),
-            run: "1".into(),
+    let fields = run_fields(cfg, ranks);
+    // A field written only off its default (an accumulating run's, a group's), in the file
+    // but not among this run's: this run has the default.
+    for (f, default) in OPTIONAL_FIELDS {
+        if let Some(file) = meta.get(f).filter(|_| fields.iter().all(|(r, _)| *r != f)) {
+            return Err(CheckpointError::OtherRun {
+                field: f.into(),
+                file: file.into(),
+                run: default.into(),
+            }
+            .into());
         }
-        .into());
     }
-    for (f, run) in run_fields(cfg) {
-        let got = match (f, meta.get(f)) {
-            // Written without it: one micro-batch per step.
-            ("accum", None) => "1",
-            _ => field(f)?,
+    for (f, run) in fields {
+        let got = match OPTIONAL_FIELDS.iter().find(|(o, _)| *o == f) {
+            // Written without it: the default (one micro-batch per step, one rank).
+            Some((_, default)) => meta.get(f).unwrap_or(default),
+            None => field(f)?,
         };
         if got != run {
             return Err(CheckpointError::OtherRun {

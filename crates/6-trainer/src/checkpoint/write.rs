@@ -13,8 +13,8 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-/// Saves `state` after `step` training steps of `cfg` to `path`, atomically (module docs).
-/// `routes` describes each layer's route (metadata only).
+/// Saves `state` after `step` training steps of `cfg` on `cfg.ranks` ranks to `path`,
+/// atomically (module docs). `routes` describes each layer's route (metadata only).
 ///
 /// # Errors
 /// [`CheckpointError::NonFinite`] / [`CheckpointError::BadValue`] for a state that must not
@@ -26,6 +26,23 @@ pub fn save(
     state: &TrainState,
     step: u64,
     routes: &str,
+) -> Result<(), crate::TrainError> {
+    save_in_group(path, cfg, state, step, routes, cfg.ranks.max(1))
+}
+
+/// [`save`] for a run of `ranks` data-parallel ranks (a launched group's size, recorded as
+/// the `ranks` field when above 1): rank 0's state, which with synchronized BN is every
+/// rank's.
+///
+/// # Errors
+/// As [`save`].
+pub fn save_in_group(
+    path: &Path,
+    cfg: &TrainConfig,
+    state: &TrainState,
+    step: u64,
+    routes: &str,
+    ranks: usize,
 ) -> Result<(), crate::TrainError> {
     let (plan, running) = layout(cfg)?;
     let slots = slots(&plan, &running)?;
@@ -121,7 +138,7 @@ pub fn save(
         .iter()
         .map(|(n, _, _, b)| (n.clone(), format!("{:016x}", checksum(b)).into()))
         .collect();
-    let mut meta: HashMap<String, String> = run_fields(cfg)
+    let mut meta: HashMap<String, String> = run_fields(cfg, ranks)
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
