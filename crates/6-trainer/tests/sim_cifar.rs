@@ -209,11 +209,11 @@ fn cifar10_on_the_simulated_device_matches_the_cpu_executor() {
 
 const LAUNCHED_CHILD: &str = "CUDNN_CBR_SIM_CIFAR_LAUNCHED_CHILD";
 
-/// 5 steps of 2 micro-batches of 16 images (32 per step): the first epoch of the 100
-/// training images ends after step 4.
+/// 4 steps of 2 micro-batches of 16 images (32 per step): the first epoch of the 100
+/// training images ends after the last step.
 fn launched_cfg(dir: &Path) -> TrainConfig {
     TrainConfig {
-        steps: 5,
+        steps: 4,
         batch: 16,
         accum: 2,
         ema: None,
@@ -263,7 +263,7 @@ fn group(
 
 /// In the child: two ranks of a launched group with synchronized BN, each on its half of
 /// every global batch (8 of 16 images, decoded by that rank alone), against one CUDA trainer
-/// on the whole batches; then the group's checkpoint after 3 steps (rank 0's) and a new
+/// on the whole batches; then the group's checkpoint after 2 steps (rank 0's) and a new
 /// group resuming from it for the last 2.
 fn launched_child() {
     let dir = PathBuf::from(std::env::var_os(DIR).expect("the data folder"));
@@ -307,7 +307,7 @@ fn launched_child() {
             k + 1
         );
     }
-    assert_eq!(two.step_losses.len(), 5);
+    assert_eq!(two.step_losses.len(), 4);
     let steps = |r: &cudnn_cbr_trainer::TrainReport| -> Vec<usize> {
         r.epochs.iter().map(|e| e.step).collect()
     };
@@ -321,11 +321,11 @@ fn launched_child() {
             "{x:?} vs {y:?}"
         );
     }
-    // Saved by rank 0 after 3 steps, resumed by a new group: the same losses and weights
+    // Saved by rank 0 after 2 steps, resumed by a new group: the same losses and weights
     // bit for bit as the group in one go (its steps run eagerly, in the same order).
     let ck = dir.join("group.safetensors");
     let head = group(
-        &TrainConfig { steps: 3, ..cfg },
+        &TrainConfig { steps: 2, ..cfg },
         &dir.join("rendezvous-head"),
         Some(&ck),
         None,
