@@ -86,6 +86,14 @@ pub(super) fn program_rows() -> Vec<Row> {
                 "CUDA graph mode must be off, finish or step, got `sometimes`",
             )
         }),
+        ("train_cbr", "--lr-schedule linear", || {
+            example_exits(
+                "train_cbr",
+                &["--lr-schedule", "linear"],
+                2,
+                "the learning-rate schedule must be constant or cosine, got `linear`",
+            )
+        }),
         ("train_cbr", "--data imagenet", || {
             example_exits(
                 "train_cbr",

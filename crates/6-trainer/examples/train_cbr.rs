@@ -4,7 +4,8 @@
 //!
 //! `cargo run --release -p cudnn-cbr-trainer --example train_cbr -- [--net
 //!  mini|resnet18|resnet34|resnet50|resnet101] [--device auto|cuda|cpu] [--steps N] [--batch N]
-//!  [--hw N] [--width N] [--seed N] [--lr X] [--unfused] [--cuda-graph off|finish|step]
+//!  [--hw N] [--width N] [--seed N] [--lr X] [--lr-schedule constant|cosine] [--warmup N]
+//!  [--unfused] [--cuda-graph off|finish|step]
 //!  [--ranks N [--sync-bn]] [--data synthetic|cifar10:DIR] [--save PATH [--save-every N]]
 //!  [--resume PATH] [--log-dir DIR] [--clip-norm X] [--ema DECAY] [--accum N]`
 //!  (`--help` lists them with their defaults)
@@ -29,7 +30,9 @@
 use clap::Parser;
 use cudnn_cbr::classifier::CudaGraphMode;
 use cudnn_cbr::net::{Arena, BlockKind, Preset};
-use cudnn_cbr_trainer::{DataSource, Device, ExecutorKind, Progress, TrainConfig, Trainer};
+use cudnn_cbr_trainer::{
+    DataSource, Device, ExecutorKind, LrSchedule, Progress, TrainConfig, Trainer,
+};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -71,9 +74,16 @@ struct Args {
     /// Seed of the dataset and the initial weights.
     #[arg(long, default_value_t = TrainConfig::default().seed)]
     seed: u64,
-    /// Learning rate.
+    /// Learning rate (the base rate of --lr-schedule).
     #[arg(long, default_value_t = TrainConfig::default().lr)]
     lr: f32,
+    /// The learning rate over the steps after the warmup: constant, or cosine (half a cosine
+    /// from --lr down to 0 at --steps).
+    #[arg(long, default_value = "constant")]
+    lr_schedule: LrSchedule,
+    /// Steps of linear learning-rate warmup (lr·(i+1)/N for step i < N).
+    #[arg(long, default_value_t = 0)]
+    warmup: usize,
     /// Run the unfused route's ops.
     #[arg(long)]
     unfused: bool,
@@ -156,6 +166,8 @@ impl Args {
             width: self.width,
             seed: self.seed,
             lr: self.lr,
+            lr_schedule: self.lr_schedule,
+            warmup: self.warmup,
             fused: !self.unfused,
             cuda_graph: self.cuda_graph,
             ranks: self.ranks,
@@ -248,7 +260,11 @@ fn main() -> ExitCode {
             cfg.batch.to_string()
         },
         cfg.steps,
-        cfg.lr
+        if cfg.schedules_lr() {
+            format!("{} ({}, warmup {})", cfg.lr, cfg.lr_schedule, cfg.warmup)
+        } else {
+            cfg.lr.to_string()
+        }
     );
     if let Some(path) = &args.resume {
         out!(

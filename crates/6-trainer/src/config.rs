@@ -3,7 +3,7 @@
 //! ([`FaultDrill`], [`StepTrace`]).
 
 use crate::net::{self, compile_net};
-use crate::{DataSource, TrainError};
+use crate::{DataSource, LrSchedule, TrainError};
 use cudnn_cbr::amp::range::SgdConfig;
 use cudnn_cbr::amp::step::StepConfig;
 use cudnn_cbr::net::Arena;
@@ -65,8 +65,13 @@ pub struct TrainConfig {
     pub width: usize,
     /// Seed of the dataset and the initial weights.
     pub seed: u64,
-    /// Learning rate.
+    /// Learning rate (the base rate of [`TrainConfig::lr_schedule`]).
     pub lr: f32,
+    /// How the learning rate follows the steps after the warmup ([`TrainConfig::lr_at`]).
+    pub lr_schedule: LrSchedule,
+    /// Steps of linear learning-rate warmup (0: none; a warmup longer than the run ends with
+    /// the run, as when a run trains a first slice of a longer schedule).
+    pub warmup: usize,
     /// Image size (height = width).
     pub hw: usize,
     /// Input channels.
@@ -183,6 +188,8 @@ impl Default for TrainConfig {
             width: 16,
             seed: 1,
             lr: 0.05,
+            lr_schedule: LrSchedule::Constant,
+            warmup: 0,
             hw: 16,
             channels: 8,
             classes: 8,
@@ -332,6 +339,18 @@ impl TrainConfig {
             weight_decay: 5e-4,
             nesterov: false,
         }
+    }
+
+    /// The learning rate of optimizer step `step` (0-based, counted from the start of
+    /// training): [`crate::schedule::lr_at`] of this run's rate, schedule, warmup and steps.
+    pub fn lr_at(&self, step: usize) -> f32 {
+        crate::schedule::lr_at(self.lr, self.lr_schedule, self.warmup, self.steps, step)
+    }
+
+    /// Whether the rate changes from step to step (a schedule other than constant, or a
+    /// warmup): the executors then write each step's rate before it.
+    pub fn schedules_lr(&self) -> bool {
+        self.lr_schedule != LrSchedule::Constant || self.warmup > 0
     }
 
     /// The amp step's configuration: [`TrainConfig::sgd`], with clipping by global norm,

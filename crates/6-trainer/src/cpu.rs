@@ -69,6 +69,9 @@ impl CpuTrainer {
             (first * accum) as u64..(cfg.steps * accum) as u64,
         );
         for i in first..cfg.steps {
+            if cfg.schedules_lr() {
+                self.model.step_mut().set_lr(cfg.lr_at(i))?;
+            }
             let poison = cfg.drill.and_then(|d| d.poisons(i));
             let model = &mut self.model;
             let batches = &mut batches;

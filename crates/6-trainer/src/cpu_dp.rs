@@ -164,6 +164,9 @@ fn run_rank(
     let accum = cfg.accum.max(1);
     for i in first..cfg.steps {
         let replica = &mut me.replica;
+        if cfg.schedules_lr() {
+            replica.model_mut().step_mut().set_lr(cfg.lr_at(i))?;
+        }
         // Each rank makes its own shard (of files: decodes its own images only).
         let shard = |b: usize| data.train_shard(cfg.batch, b as u64, (rank, ranks));
         let m = if accum == 1 {

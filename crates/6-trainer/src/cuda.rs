@@ -350,6 +350,14 @@ impl CudaTrainer {
         // Batches made ahead on a CPU thread, copied to the device beside the step before.
         let mut feed = self.feed((first * accum) as u64..(cfg.steps * accum) as u64)?;
         for i in first..cfg.steps {
+            if cfg.schedules_lr() {
+                // Into S in stream order, before the step's SGD reads it (no wait; captured
+                // graphs read S).
+                self.engine
+                    .step_mut()
+                    .set_lr(cfg.lr_at(i))
+                    .map_err(amp_error)?;
+            }
             for k in 0..accum {
                 // Micro-batch `i·accum + k`, copied beside the one before; the next is staged
                 // once this one's work is enqueued.

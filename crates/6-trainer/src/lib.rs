@@ -45,9 +45,11 @@ mod error;
 mod net;
 mod report;
 mod run;
+pub mod schedule;
 
 pub use data::{DataSource, Dataset, Prefetch, Synthetic};
 pub use net::{compile_net, cpu_policy};
+pub use schedule::LrSchedule;
 
 pub use config::{Device, FaultDrill, StepTrace, TrainConfig, MAX_ACCUM, MAX_STEPS};
 pub use error::TrainError;

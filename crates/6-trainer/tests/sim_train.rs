@@ -439,6 +439,73 @@ fn gradient_accumulation_on_the_simulator_matches_the_cpu_executor() {
     }
 }
 
+/// The mini network with a 4-step warmup then a cosine schedule: 3 eager warm-up steps, then
+/// 3 replays of the captured step, whose SGD reads the rate written into S before each.
+fn scheduled(device: Device) -> TrainConfig {
+    TrainConfig {
+        steps: 6,
+        batch: 16,
+        device,
+        lr: 0.1,
+        lr_schedule: cudnn_cbr_trainer::LrSchedule::Cosine,
+        warmup: 4,
+        ..TrainConfig::default()
+    }
+}
+
+/// `--lr-schedule cosine --warmup 4` on the simulated device: the replayed whole-step graph
+/// trains each step at its own rate (the curve holds S's rate after each step, copied on the
+/// device behind it), equal to `TrainConfig::lr_at` bit for bit, and the losses follow the
+/// CPU executor's on the same schedule.
+#[test]
+fn a_learning_rate_schedule_on_the_simulator_is_followed_by_the_replayed_steps() {
+    if in_child() {
+        let mut t = cudnn_cbr_trainer::Trainer::new(&scheduled(Device::Cuda)).unwrap();
+        t.record_curve(true);
+        let r = t.run(1, |_| {}).expect("CUDA training on the simulator");
+        println!("EXECUTOR {:?} | {}", r.executor.kind, r.executor.detail);
+        for (p, l) in r.curve.iter().zip(&r.step_losses) {
+            println!("RATE {}", p.lr);
+            println!("LOSS {l}");
+        }
+        return;
+    }
+    let test = "a_learning_rate_schedule_on_the_simulator_is_followed_by_the_replayed_steps";
+    let Some(dir) = sim::built(test) else {
+        return;
+    };
+    let child = run_child(test, &dir, &[]);
+    assert!(
+        child
+            .executor()
+            .contains("whole step replayed as one CUDA graph"),
+        "{}",
+        child.stdout
+    );
+    let rates: Vec<f32> = child
+        .stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("RATE "))
+        .map(|v| v.parse().expect("a rate"))
+        .collect();
+    let cfg = scheduled(Device::Cpu);
+    let want: Vec<f32> = (0..cfg.steps).map(|i| cfg.lr_at(i)).collect();
+    println!("rates on the simulated device {rates:?}, schedule {want:?}");
+    assert_eq!(rates, want);
+    let cpu = train(&cfg, 1, |_| {}).expect("CPU training");
+    let on_sim = child.losses();
+    assert_eq!(on_sim.len(), cpu.step_losses.len(), "{}", child.stdout);
+    for (step, (s, c)) in on_sim.iter().zip(&cpu.step_losses).enumerate() {
+        println!("step {}: simulated cuda {s:.6}, cpu {c:.6}", step + 1);
+        // As the comparisons above: FP32 sums in other orders, absorbed by FP16 storage.
+        assert!(
+            (s - c).abs() / c.abs() < 1e-3,
+            "step {}: {s} vs {c}",
+            step + 1
+        );
+    }
+}
+
 /// A batch the device cannot hold is refused before the step allocates anything, with the
 /// memory report: the simulated device is given 64 MB (its device-properties document with
 /// a smaller `totalGlobalMem`), and the mini network at batch 1024 needs more (about 100 MB;

@@ -214,3 +214,58 @@ fn an_ema_run_reports_both_eval_mode_accuracies() {
         assert!(err.to_string().contains("ema"), "{err}");
     }
 }
+
+/// The learning-rate schedule on the CPU executor: every step trains at
+/// `TrainConfig::lr_at` of its index (the curve holds S's rate after each step, the one SGD
+/// read), and a run that stopped inside the warmup (a first slice of 5 steps of a 12-step
+/// schedule, saved) and resumed for the rest ends bit for bit as the run in one go: the
+/// resumed steps are trained at their own rates, not at the rate S was saved with.
+#[test]
+fn a_warmup_and_cosine_schedule_sets_each_steps_rate_and_resumes_bit_for_bit() {
+    use cudnn_cbr_trainer::{LrSchedule, Trainer};
+    let cfg = TrainConfig {
+        steps: 12,
+        batch: 8,
+        lr: 0.1,
+        lr_schedule: LrSchedule::Cosine,
+        warmup: 8,
+        ..TrainConfig::default()
+    };
+    let whole = train(&cfg, 12, |_| {}).unwrap();
+    let rates: Vec<f32> = whole.curve.iter().map(|p| p.lr).collect();
+    let want: Vec<f32> = (0..12).map(|i| cfg.lr_at(i)).collect();
+    println!("rates {rates:?}");
+    assert_eq!(rates, want);
+    assert_eq!(rates[0], 0.1 / 8.0);
+    assert_eq!(rates[7], 0.1);
+    assert!(rates[8..].windows(2).all(|w| w[1] < w[0]), "{rates:?}");
+    let constant = train(
+        &TrainConfig {
+            lr_schedule: LrSchedule::Constant,
+            warmup: 0,
+            ..cfg
+        },
+        12,
+        |_| {},
+    )
+    .unwrap();
+    assert_ne!(constant.weights_hash(), whole.weights_hash());
+    let dir = std::env::temp_dir().join(format!("cbr-schedule-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("ck.safetensors");
+    let mut first = Trainer::new(&TrainConfig { steps: 5, ..cfg }).unwrap();
+    first.save_to(&path, 0).unwrap();
+    let head = first.run(5, |_| {}).unwrap();
+    let mut rest = Trainer::new(&cfg).unwrap();
+    assert_eq!(rest.resume(&path).unwrap(), 5);
+    let tail = rest.run(12, |_| {}).unwrap();
+    let joined: Vec<f32> = head
+        .step_losses
+        .iter()
+        .chain(&tail.step_losses)
+        .copied()
+        .collect();
+    assert_eq!(joined, whole.step_losses);
+    assert_eq!(tail.weights_hash(), whole.weights_hash());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

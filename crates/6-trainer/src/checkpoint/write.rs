@@ -162,6 +162,12 @@ pub fn save_in_group(
             serde_json::Value::Object(checksums).to_string(),
         ),
     ]);
+    // Informational (a resumed run may change them): the rate of each step is recomputed
+    // from the resuming run's configuration.
+    if cfg.schedules_lr() {
+        meta.insert("lr_schedule".into(), cfg.lr_schedule.to_string());
+        meta.insert("warmup".into(), cfg.warmup.to_string());
+    }
     let views = tensors
         .iter()
         .map(|(n, d, shape, b)| {
