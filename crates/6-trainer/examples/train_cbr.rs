@@ -7,7 +7,7 @@
 //!  [--hw N] [--width N] [--seed N] [--lr X] [--lr-schedule constant|cosine] [--warmup N]
 //!  [--unfused] [--cuda-graph off|finish|step]
 //!  [--ranks N [--sync-bn]] [--data synthetic|cifar10:DIR] [--save PATH [--save-every N]]
-//!  [--resume PATH] [--log-dir DIR] [--clip-norm X] [--ema DECAY] [--accum N]`
+//!  [--resume PATH [--evaluate]] [--log-dir DIR] [--clip-norm X] [--ema DECAY] [--accum N]`
 //!  (`--help` lists them with their defaults)
 //!
 //! `--save PATH` writes a checkpoint (the whole training state, safetensors with torchvision's
@@ -114,6 +114,11 @@ struct Args {
     /// counts from the start of training.
     #[arg(long)]
     resume: Option<std::path::PathBuf>,
+    /// Evaluate instead of training (with --resume: the checkpoint's model, whatever its
+    /// step): the held-out accuracy the summary measures and, on CIFAR-10, the whole test
+    /// set's, trained and EMA weights.
+    #[arg(long)]
+    evaluate: bool,
     /// Write curves.csv and curves.svg (per-step loss, accuracy, loss scale, learning rate,
     /// throughput) into this folder.
     #[arg(long)]
@@ -184,6 +189,41 @@ impl Args {
     }
 }
 
+/// `--evaluate`: loads the checkpoint when given, evaluates and prints one line (rank 0).
+fn evaluate(mut trainer: Trainer, checkpoint: Option<&std::path::Path>) -> ExitCode {
+    let mut from = "the initial weights".to_string();
+    if let Some(path) = checkpoint {
+        match trainer.load_checkpoint(path) {
+            Ok(step) => from = format!("{} (step {step})", path.display()),
+            Err(e) => {
+                eprintln!("train_cbr: --resume {}: {e}", path.display());
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let pct = |a: f32| format!("{:.1}%", 100.0 * a);
+    match trainer.evaluate() {
+        Ok(_) if trainer.process_rank().0 != 0 => ExitCode::SUCCESS,
+        Ok(e) => {
+            let ema = |a: Option<f32>| a.map(|a| format!(", EMA {}", pct(a))).unwrap_or_default();
+            let test = e
+                .test_set
+                .map(|(t, m)| format!("; test set {}{}", pct(t), ema(m)))
+                .unwrap_or_default();
+            out!(
+                "train_cbr evaluation of {from}: held-out accuracy {}{} (eval mode){test}",
+                pct(e.held_out_accuracy),
+                ema(e.held_out_ema_accuracy)
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("train_cbr: --evaluate: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn main() -> ExitCode {
     // Usage errors exit 2 and `--help` exits 0 (clap's conventions).
     let args = Args::parse();
@@ -201,6 +241,9 @@ fn main() -> ExitCode {
             eprintln!("train_cbr: --save: {e}");
             return ExitCode::FAILURE;
         }
+    }
+    if args.evaluate {
+        return evaluate(trainer, args.resume.as_deref());
     }
     let mut resumed = 0;
     if let Some(path) = &args.resume {

@@ -152,19 +152,43 @@ impl<'s> Bookkeeping<'s> {
         model: &mut impl RunModel,
     ) -> Result<(), TrainError> {
         if let Some(e) = self.ends.iter().position(|&s| s == step) {
-            // The whole test set (the last batch wraps around to its first images).
-            let len = self.data.held_out_len().unwrap_or(0);
-            let batches =
-                self.eval_batches(data::test_batches(len, self.cfg.batch * self.world))?;
-            let acc = model.evaluate(&batches)?;
-            self.epochs.push(EpochEval {
-                epoch: e + 1,
-                step,
-                accuracy: acc.trained,
-                ema_accuracy: acc.ema,
-            });
+            if let Some(acc) = self.test_set(model)? {
+                self.epochs.push(EpochEval {
+                    epoch: e + 1,
+                    step,
+                    accuracy: acc.trained,
+                    ema_accuracy: acc.ema,
+                });
+            }
         }
         Ok(())
+    }
+
+    /// The whole test set, where the data has a finite one (the last batch wraps around to
+    /// its first images), BN in evaluation mode: the group's accuracies (every rank calls it).
+    pub(crate) fn test_set(
+        &self,
+        model: &mut impl RunModel,
+    ) -> Result<Option<Accuracies>, TrainError> {
+        let Some(len) = self.data.held_out_len() else {
+            return Ok(None);
+        };
+        let batches = self.eval_batches(data::test_batches(len, self.cfg.batch * self.world))?;
+        model.evaluate(&batches).map(Some)
+    }
+
+    /// [`crate::Trainer::evaluate`]: the held-out batches and the test set.
+    pub(crate) fn evaluation(
+        &self,
+        model: &mut impl RunModel,
+    ) -> Result<crate::Evaluation, TrainError> {
+        let held = self.held_out(model)?;
+        let test = self.test_set(model)?;
+        Ok(crate::Evaluation {
+            held_out_accuracy: held.trained,
+            held_out_ema_accuracy: held.ema,
+            test_set: test.map(|a| (a.trained, a.ema)),
+        })
     }
 
     /// The held-out batches after training, BN in evaluation mode (running statistics;

@@ -47,6 +47,11 @@ impl CpuTrainer {
         state.load_into(&mut self.model)
     }
 
+    /// [`crate::Trainer::evaluate`] on this executor.
+    pub(crate) fn evaluate(&mut self, session: &Session) -> Result<crate::Evaluation, TrainError> {
+        Bookkeeping::new(&self.cfg, session, self.data.clone(), (0, 1)).evaluation(self)
+    }
+
     pub(crate) fn run(
         mut self,
         every: usize,

@@ -286,6 +286,12 @@ impl CudaTrainer {
         .map_err(amp_error)
     }
 
+    /// [`super::Trainer::evaluate`] on this executor (every rank of a group calls it).
+    pub(crate) fn evaluate(&mut self, session: &Session) -> Result<super::Evaluation, TrainError> {
+        let rank = self.rank();
+        Bookkeeping::new(&self.cfg, session, self.data.clone(), rank).evaluation(self)
+    }
+
     /// The training loop (see [`super::Trainer::run`] for the reporting rules).
     pub(crate) fn run(
         mut self,

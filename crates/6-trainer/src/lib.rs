@@ -54,8 +54,8 @@ pub use schedule::LrSchedule;
 pub use config::{Device, FaultDrill, StepTrace, TrainConfig, MAX_ACCUM, MAX_STEPS};
 pub use error::TrainError;
 pub use report::{
-    initial_master_weights, EpochEval, ExecutorInfo, ExecutorKind, MasterWeights, Progress,
-    TrainReport,
+    initial_master_weights, EpochEval, Evaluation, ExecutorInfo, ExecutorKind, MasterWeights,
+    Progress, TrainReport,
 };
 pub use run::{train, Trainer};
 

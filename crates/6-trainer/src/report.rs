@@ -107,6 +107,20 @@ pub struct EpochEval {
     pub ema_accuracy: Option<f32>,
 }
 
+/// What [`Trainer::evaluate`](crate::Trainer::evaluate) measured, BN in evaluation mode,
+/// weights and statistics untouched.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Evaluation {
+    /// Top-1 accuracy on the held-out batches a training run's summary measures
+    /// ([`TrainReport::held_out_accuracy`]) with the trained weights.
+    pub held_out_accuracy: f32,
+    /// The same with the EMA weights, when the run keeps an EMA.
+    pub held_out_ema_accuracy: Option<f32>,
+    /// Top-1 accuracy on the whole test set, where the data has one (CIFAR-10), with the
+    /// trained and the EMA weights.
+    pub test_set: Option<(f32, Option<f32>)>,
+}
+
 impl TrainReport {
     /// [`MasterWeights::hash`] of the final master weights.
     pub fn weights_hash(&self) -> u64 {

@@ -66,7 +66,7 @@ impl Trainer {
     ///
     /// # Errors
     /// As [`Trainer::new`]; [`TrainError::Config`] for a configuration a group does not run
-    /// (the CPU executor, `--ranks`, the fault drill, checkpoints).
+    /// (the CPU executor, `--ranks`, the fault drill).
     pub fn launched(
         cfg: &TrainConfig,
         launch: cudnn_cbr::dist::bootstrap::LaunchEnv,
@@ -230,10 +230,23 @@ impl Trainer {
     /// size is [`checkpoint::CheckpointError::OtherRun`]); [`TrainError::Config`] for a
     /// checkpoint at or past `steps`; the executor's error.
     pub fn resume(&mut self, path: &std::path::Path) -> Result<usize, TrainError> {
+        self.load(path, true)
+    }
+
+    /// Loads a checkpoint as [`Trainer::resume`] does, for [`Trainer::evaluate`]: its step
+    /// need not be below `steps`. Returns that step.
+    ///
+    /// # Errors
+    /// As [`Trainer::resume`], but for the step bound.
+    pub fn load_checkpoint(&mut self, path: &std::path::Path) -> Result<usize, TrainError> {
+        self.load(path, false)
+    }
+
+    fn load(&mut self, path: &std::path::Path, to_train: bool) -> Result<usize, TrainError> {
         let ranks = self.cfg.ranks.max(self.process_rank().1);
         let loaded = checkpoint::load_in_group(path, &self.cfg, ranks)?;
         let step = usize::try_from(loaded.step).unwrap_or(usize::MAX);
-        if step >= self.cfg.steps {
+        if to_train && step >= self.cfg.steps {
             return Err(TrainError::Config(format!(
                 "the checkpoint {} is at step {step}; --steps counts from the start of the \
                  run, so it must be more than that (got {})",
@@ -246,8 +259,28 @@ impl Trainer {
             Exec::Cuda(t) => t.load_state(&loaded.state)?,
             Exec::CpuDataParallel(t) => t.load_state(&loaded.state),
         }
-        self.session.start = step;
+        self.session.start = step.min(self.cfg.steps);
         Ok(step)
+    }
+
+    /// Evaluates the model as it stands (after [`Trainer::load_checkpoint`]: a checkpoint's), without
+    /// training: the held-out batches a training run's summary measures, and the whole test
+    /// set where the data has one, BN in evaluation mode, with the trained and (with an EMA)
+    /// the EMA weights; in a launched group, the group's accuracies.
+    ///
+    /// # Errors
+    /// [`TrainError::Config`] for CPU ranks (`--ranks`, `--sync-bn` without a launcher);
+    /// the executor's error.
+    pub fn evaluate(&mut self) -> Result<crate::Evaluation, TrainError> {
+        match &mut self.exec {
+            Exec::Cpu(t) => t.evaluate(&self.session),
+            Exec::Cuda(t) => t.evaluate(&self.session),
+            Exec::CpuDataParallel(_) => Err(TrainError::Config(
+                "evaluation without training runs on one rank or a launched GPU group, not \
+                 on CPU ranks (--ranks, --sync-bn)"
+                    .into(),
+            )),
+        }
     }
 
     /// Trains and reports. `progress` is called every `every` steps on the CPU; on CUDA it

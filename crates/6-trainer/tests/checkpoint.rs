@@ -341,6 +341,44 @@ fn the_file_holds_torchvision_names_oihw_weights_and_the_metadata() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A checkpoint evaluated without training (`Trainer::load_checkpoint`, then `evaluate`)
+/// gives the held-out accuracy its run's summary reported, bit for bit; `resume` still
+/// refuses a checkpoint at the run's last step; CPU ranks refuse to evaluate.
+#[test]
+fn a_checkpoint_evaluates_to_its_runs_held_out_accuracy() {
+    let dir = folder("evaluate");
+    // Long enough to learn (accuracies well above the 1/8 of chance), with an EMA.
+    let cfg = TrainConfig {
+        steps: 40,
+        batch: 16,
+        ema: Some(0.9),
+        ..TrainConfig::default()
+    };
+    let path = dir.join("ck.safetensors");
+    let mut t = Trainer::new(&cfg).unwrap();
+    t.save_to(&path, 0).unwrap();
+    let report = t.run(40, |_| {}).unwrap();
+    let mut t = Trainer::new(&cfg).unwrap();
+    assert_eq!(t.load_checkpoint(&path).unwrap(), 40);
+    let e = t.evaluate().unwrap();
+    let untrained = Trainer::new(&cfg).unwrap().evaluate().unwrap();
+    println!(
+        "{e:?} vs the run's {} (EMA {:?}); untrained {untrained:?}",
+        report.held_out_accuracy, report.held_out_ema_accuracy
+    );
+    assert_eq!(e.held_out_accuracy, report.held_out_accuracy);
+    assert_eq!(e.held_out_ema_accuracy, report.held_out_ema_accuracy);
+    assert!(e.held_out_accuracy > 0.25, "{e:?}");
+    assert_ne!(e, untrained, "the checkpoint was not loaded");
+    assert_eq!(e.test_set, None, "the synthetic data has no test set");
+    let e = Trainer::new(&cfg).unwrap().resume(&path).unwrap_err();
+    assert!(matches!(e, TrainError::Config(_)), "{e}");
+    let ranks = TrainConfig { ranks: 2, ..cfg };
+    let e = Trainer::new(&ranks).unwrap().evaluate().unwrap_err();
+    assert!(matches!(e, TrainError::Config(_)), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn bad_checkpoints_are_typed_errors_naming_what_is_wrong() {
     let dir = folder("bad");

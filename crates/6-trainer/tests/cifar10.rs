@@ -524,6 +524,32 @@ fn two_synchronized_cpu_ranks_train_on_the_files_like_one_rank() {
     }
 }
 
+/// `Trainer::evaluate` on the files: the checkpoint of a run whose last step ends an epoch
+/// evaluates the whole test set to that epoch's accuracy, bit for bit.
+#[test]
+fn a_checkpoint_evaluates_the_test_set_as_its_last_epoch_did() {
+    use cudnn_cbr_trainer::Trainer;
+    let dir = folder("evaluate");
+    // 100 training images, 16 per step: the first epoch ends after step 7, the last.
+    let cfg = TrainConfig {
+        steps: 7,
+        batch: 16,
+        ..cifar_config(dir.clone())
+    };
+    let path = dir.join("ck.safetensors");
+    let mut t = Trainer::new(&cfg).unwrap();
+    t.save_to(&path, 0).unwrap();
+    let r = t.run(7, |_| {}).unwrap();
+    assert_eq!(r.epochs.len(), 1);
+    let mut again = Trainer::new(&cfg).unwrap();
+    again.load_checkpoint(&path).unwrap();
+    let e = again.evaluate().unwrap();
+    println!("{e:?}; the run's epoch {:?}", r.epochs[0]);
+    assert_eq!(e.test_set, Some((r.epochs[0].accuracy, None)));
+    assert_eq!(e.held_out_accuracy, r.held_out_accuracy);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Set in the child run of [`one_rayon_worker_trains_on_the_files`].
 const ONE_WORKER_CHILD: &str = "CUDNN_CBR_TEST_ONE_WORKER_CHILD";
 

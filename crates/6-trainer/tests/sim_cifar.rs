@@ -222,17 +222,16 @@ fn launched_cfg(dir: &Path) -> TrainConfig {
 }
 
 /// Two ranks of a launched group (threads, each its own device context and streams: the
-/// simulated NCCL's ranks are threads) meeting through `rendezvous`, each trained by
-/// `Trainer::launched` on `cfg`, saving to `save` and resuming from `resume` when given;
-/// their reports in rank order.
-fn group(
+/// simulated NCCL's ranks are threads) meeting through `rendezvous`, each a
+/// `Trainer::launched` on `cfg` handed to `each`; what `each` returns, in rank order.
+fn group<R: Send>(
     cfg: &TrainConfig,
     rendezvous: &Path,
-    save: Option<&Path>,
-    resume: Option<&Path>,
-) -> Vec<cudnn_cbr_trainer::TrainReport> {
+    each: impl Fn(cudnn_cbr_trainer::Trainer) -> R + Sync,
+) -> Vec<R> {
     use cudnn_cbr::dist::bootstrap::LaunchEnv;
     use cudnn_cbr_trainer::Trainer;
+    let each = &each;
     std::thread::scope(|s| {
         let ranks: Vec<_> = (0..2usize)
             .map(|rank| {
@@ -245,19 +244,31 @@ fn group(
                         _ => None,
                     })
                     .unwrap();
-                    let mut t = Trainer::launched(cfg, env).expect("join the group");
+                    let t = Trainer::launched(cfg, env).expect("join the group");
                     assert_eq!(t.process_rank(), (rank, 2));
-                    if let Some(path) = save {
-                        t.save_to(path, 0).unwrap();
-                    }
-                    if let Some(path) = resume {
-                        t.resume(path).expect("every rank loads the checkpoint");
-                    }
-                    t.run(100, |_| {}).expect("train as a rank of the group")
+                    each(t)
                 })
             })
             .collect();
         ranks.into_iter().map(|r| r.join().unwrap()).collect()
+    })
+}
+
+/// [`group`] training `cfg`, saving to `save` and resuming from `resume` when given.
+fn train_group(
+    cfg: &TrainConfig,
+    rendezvous: &Path,
+    save: Option<&Path>,
+    resume: Option<&Path>,
+) -> Vec<cudnn_cbr_trainer::TrainReport> {
+    group(cfg, rendezvous, |mut t| {
+        if let Some(path) = save {
+            t.save_to(path, 0).unwrap();
+        }
+        if let Some(path) = resume {
+            t.resume(path).expect("every rank loads the checkpoint");
+        }
+        t.run(100, |_| {}).expect("train as a rank of the group")
     })
 }
 
@@ -273,7 +284,7 @@ fn launched_child() {
         sync_bn: true,
         ..launched_cfg(&dir)
     };
-    let reports = group(&cfg, &dir.join("rendezvous-whole"), None, None);
+    let reports = train_group(&cfg, &dir.join("rendezvous-whole"), None, None);
     let (two, other) = (&reports[0], &reports[1]);
     println!(
         "one rank x 16: losses {:?}, epochs {:?}; two ranks x 8: losses {:?}, epochs {:?}",
@@ -324,13 +335,13 @@ fn launched_child() {
     // Saved by rank 0 after 2 steps, resumed by a new group: the same losses and weights
     // bit for bit as the group in one go (its steps run eagerly, in the same order).
     let ck = dir.join("group.safetensors");
-    let head = group(
+    let head = train_group(
         &TrainConfig { steps: 2, ..cfg },
         &dir.join("rendezvous-head"),
         Some(&ck),
         None,
     );
-    let tail = group(&cfg, &dir.join("rendezvous-tail"), None, Some(&ck));
+    let tail = train_group(&cfg, &dir.join("rendezvous-tail"), None, Some(&ck));
     let joined: Vec<f32> = head[0]
         .step_losses
         .iter()
@@ -344,6 +355,17 @@ fn launched_child() {
         "the resumed group's weights"
     );
     assert_eq!(tail[1].weights_hash(), two.weights_hash());
+    // The checkpoint evaluated by a new group without training: the held-out accuracy the
+    // first group reported after its 2 steps, and the same figures on both ranks.
+    let evaluated = group(&cfg, &dir.join("rendezvous-evaluate"), |mut t| {
+        t.load_checkpoint(&ck)
+            .expect("every rank loads the checkpoint");
+        t.evaluate().expect("the group evaluates")
+    });
+    println!("the checkpoint evaluated by a group: {:?}", evaluated[0]);
+    assert_eq!(evaluated[0], evaluated[1]);
+    assert_eq!(evaluated[0].held_out_accuracy, head[0].held_out_accuracy);
+    assert!(evaluated[0].test_set.is_some(), "CIFAR-10 has a test set");
     println!("LAUNCHED GROUP TRAINED AND RESUMED");
 }
 
