@@ -43,8 +43,8 @@ impl DataParallelTrainer {
 
     /// Every rank starts from `state` (a checkpoint's, checked against this run's network
     /// when the ranks load it).
-    pub(crate) fn load_state(&mut self, state: &TrainState) {
-        self.resume = Some(Arc::new(state.clone()));
+    pub(crate) fn load_state(&mut self, state: TrainState) {
+        self.resume = Some(Arc::new(state));
     }
 
     pub(crate) fn run(

@@ -257,7 +257,7 @@ impl Trainer {
         match &mut self.exec {
             Exec::Cpu(t) => t.load_state(&loaded.state)?,
             Exec::Cuda(t) => t.load_state(&loaded.state)?,
-            Exec::CpuDataParallel(t) => t.load_state(&loaded.state),
+            Exec::CpuDataParallel(t) => t.load_state(loaded.state),
         }
         self.session.start = step.min(self.cfg.steps);
         Ok(step)

@@ -7,6 +7,8 @@
 use cudnn_cbr::net::Preset;
 use cudnn_cbr_trainer::{train, FaultDrill, TrainConfig, TrainError, Trainer, MAX_ACCUM};
 
+mod common;
+
 fn small(accum: usize) -> TrainConfig {
     TrainConfig {
         batch: 4,
@@ -131,18 +133,7 @@ fn an_accumulating_run_resumes_bit_for_bit_and_another_count_is_refused() {
         ..small(2)
     };
     let whole = train(&cfg, 6, |_| {}).unwrap();
-    let mut first = Trainer::new(&TrainConfig { steps: 3, ..cfg }).unwrap();
-    first.save_to(&path, 0).unwrap();
-    let head = first.run(3, |_| {}).unwrap();
-    let mut rest = Trainer::new(&cfg).unwrap();
-    assert_eq!(rest.resume(&path).unwrap(), 3);
-    let tail = rest.run(6, |_| {}).unwrap();
-    let joined: Vec<f32> = head
-        .step_losses
-        .iter()
-        .chain(&tail.step_losses)
-        .copied()
-        .collect();
+    let (_, tail, joined) = common::in_two_runs(&cfg, 3, &path);
     assert_eq!(joined, whole.step_losses);
     assert_eq!(tail.weights_hash(), whole.weights_hash());
     for other in [1, 3] {

@@ -3,6 +3,8 @@
 
 use cudnn_cbr_trainer::{train, TrainConfig};
 
+mod common;
+
 #[test]
 fn a_short_run_learns_the_synthetic_task() {
     let cfg = TrainConfig {
@@ -222,7 +224,7 @@ fn an_ema_run_reports_both_eval_mode_accuracies() {
 /// resumed steps are trained at their own rates, not at the rate S was saved with.
 #[test]
 fn a_warmup_and_cosine_schedule_sets_each_steps_rate_and_resumes_bit_for_bit() {
-    use cudnn_cbr_trainer::{LrSchedule, Trainer};
+    use cudnn_cbr_trainer::LrSchedule;
     let cfg = TrainConfig {
         steps: 12,
         batch: 8,
@@ -253,18 +255,7 @@ fn a_warmup_and_cosine_schedule_sets_each_steps_rate_and_resumes_bit_for_bit() {
     let dir = std::env::temp_dir().join(format!("cbr-schedule-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("ck.safetensors");
-    let mut first = Trainer::new(&TrainConfig { steps: 5, ..cfg }).unwrap();
-    first.save_to(&path, 0).unwrap();
-    let head = first.run(5, |_| {}).unwrap();
-    let mut rest = Trainer::new(&cfg).unwrap();
-    assert_eq!(rest.resume(&path).unwrap(), 5);
-    let tail = rest.run(12, |_| {}).unwrap();
-    let joined: Vec<f32> = head
-        .step_losses
-        .iter()
-        .chain(&tail.step_losses)
-        .copied()
-        .collect();
+    let (_, tail, joined) = common::in_two_runs(&cfg, 5, &path);
     assert_eq!(joined, whole.step_losses);
     assert_eq!(tail.weights_hash(), whole.weights_hash());
     std::fs::remove_dir_all(&dir).unwrap();

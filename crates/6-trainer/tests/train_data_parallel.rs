@@ -6,6 +6,8 @@
 
 use cudnn_cbr_trainer::{train, Device, FaultDrill, TrainConfig, TrainError, Trainer};
 
+mod common;
+
 /// `--ranks 2 --batch 16 --sync-bn` against `--ranks 1 --batch 32`: the same global batches,
 /// the same training. The losses agree to FP16 storage noise: the ranks' FP16 wgrads are
 /// summed in FP16 and the statistics in another order, each a 2^-11 relative rounding that
@@ -238,21 +240,10 @@ fn a_synchronized_group_resumes_bit_for_bit_and_another_group_size_is_refused() 
         ..TrainConfig::default()
     };
     let whole = train(&cfg, 6, |_| {}).unwrap();
-    let mut first = Trainer::new(&TrainConfig { steps: 3, ..cfg }).unwrap();
-    first.save_to(&path, 0).unwrap();
-    let head = first.run(3, |_| {}).unwrap();
+    let (_, tail, joined) = common::in_two_runs(&cfg, 3, &path);
     let loaded = checkpoint::load(&path, &cfg).unwrap();
     assert_eq!(loaded.meta.get("ranks"), Some("2"));
     assert_eq!(loaded.meta.get("batch"), Some("8"), "the per-rank batch");
-    let mut rest = Trainer::new(&cfg).unwrap();
-    assert_eq!(rest.resume(&path).unwrap(), 3);
-    let tail = rest.run(6, |_| {}).unwrap();
-    let joined: Vec<f32> = head
-        .step_losses
-        .iter()
-        .chain(&tail.step_losses)
-        .copied()
-        .collect();
     assert_eq!(joined, whole.step_losses);
     assert_eq!(tail.weights_hash(), whole.weights_hash());
     // SGD after the resume still averaged over the group: the same bits say so, and so does S.
