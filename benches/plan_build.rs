@@ -12,7 +12,7 @@ use cudnn_cbr::fusion::cbr::kernels::{self, Pointwise};
 use cudnn_cbr::fusion::cbr::{graphs, ConvShape, RouteKind};
 use cudnn_cbr::fusion::graph::Graph;
 use cudnn_cbr::fusion::lower::OperationGraph;
-use cudnn_cbr::fusion::plan::build_plan;
+use cudnn_cbr::fusion::plan::{build_plan, forget_compiled_plans};
 use cudnn_cbr::fusion::Target;
 use cudnn_cbr::net::{compile, prewarm, Preset, RoutePolicy};
 use cudnn_cbr::runtime::DataType;
@@ -80,11 +80,14 @@ fn main() {
         "graph", "cold ms", "restore ms", "hit ns", "rtc", "cold/restore"
     );
     for g in &list {
+        // Cold and restored as in a new process: without the plans this one compiled before.
+        forget_compiled_plans();
         let t = Instant::now();
         let plan = persisted.get_or_build(g, &target).expect("plan");
         let cold = t.elapsed().as_secs_f64() * 1e3;
 
         let fresh = PlanCache::persistent(&dir).expect("plan folder");
+        forget_compiled_plans();
         let t = Instant::now();
         let _ = fresh.get_or_build(g, &target).expect("restored plan");
         let restore = t.elapsed().as_secs_f64() * 1e3;
@@ -279,6 +282,8 @@ fn breakdown(spec: &cudnn_cbr::net::NetSpec, batch: usize, target: &Target) {
             if !seen.insert(sig.text().to_string()) {
                 continue;
             }
+            // Cold: compiling the network above kept its plans in this process.
+            forget_compiled_plans();
             let t = Instant::now();
             let rtc = fresh
                 .get_or_build(&g.graph, target)

@@ -9,6 +9,12 @@
 //! 4. [`plan_from_choice`] rebuilds a plan from an engine choice without heuristics (the plan
 //!    cache's restore): the operations are always the lowered graph's, only the engine and its
 //!    knobs come from the choice, and cuDNN validates them at finalize.
+//! 5. Deviceless plans of runtime-compiled engines are compiled once per process and
+//!    re-created from cuDNN's JSON afterwards ([`compiled_plan_stats`], module `compiled`).
+
+mod compiled;
+
+pub use compiled::{compiled_plan_stats, forget_compiled_plans, CompiledPlanStats, MAX_BYTES};
 
 use crate::backend::{self, Descriptor, EngineInfo, HeurMode, KnobChoice};
 use crate::error::{Error, Result};
@@ -264,7 +270,7 @@ pub fn build_plans(
         usable_total += heur.configs.len();
         for (i, cfg) in heur.configs.iter().enumerate() {
             tried += 1;
-            match backend::finalize_plan(cfg, target.plan_site()) {
+            match compiled::finalize(op, target, cfg) {
                 Ok(desc) => {
                     let mut plan = finished_plan(op, target, cfg, desc)?;
                     plan.mode = Some(mode);
@@ -392,7 +398,7 @@ pub fn plan_from_choice(
         }
     }
     let cfg = backend::engine_config(&engine, &choice.knobs)?;
-    let desc = backend::finalize_plan(&cfg, target.plan_site())?;
+    let desc = compiled::finalize(op, target, &cfg)?;
     finished_plan(op, target, &cfg, desc)
 }
 
