@@ -44,6 +44,8 @@ pub mod probe;
 pub mod reference;
 pub mod sim;
 mod target;
+#[cfg(test)]
+mod test_support;
 
 pub use error::{BindingProblem, Error, Result};
 pub use target::{

@@ -631,26 +631,16 @@ fn with_context(e: Error, ctx: &str) -> Error {
 mod tests {
     use super::*;
     use crate::cbr::{graphs, ConvShape};
-    use crate::target::DeviceProps;
+    use crate::test_support;
 
     #[test]
     fn a_graph_lowered_for_a_deviceless_target_has_no_handle_and_plans() {
-        if let Err(e) = cudnn_fe_sys::library() {
-            if std::env::var_os("CI").is_some() {
-                panic!("cuDNN is required when CI is set: {e}");
-            }
-            let e = e.to_string();
-            println!(
-                "SKIP a_graph_lowered_for_a_deviceless_target_has_no_handle_and_plans: cuDNN not loadable ({})",
-                e.lines().next().unwrap_or("")
-            );
+        if !test_support::cudnn_or_skip(
+            "a_graph_lowered_for_a_deviceless_target_has_no_handle_and_plans",
+        ) {
             return;
         }
-        let props = DeviceProps::from_json(include_str!(
-            "../../../tests/fixtures/devprops/h200-sm90.json"
-        ))
-        .unwrap();
-        let target = Target::deviceless(props).unwrap();
+        let target = test_support::h200();
         let (graph, _) =
             graphs::conv_fprop(&ConvShape::square(4, 32, 16, 48, 3, 1, 1), false, false);
         let op = OperationGraph::for_target(&graph, &target).unwrap();

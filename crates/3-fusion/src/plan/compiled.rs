@@ -136,7 +136,7 @@ mod tests {
     use super::*;
     use crate::cbr::{graphs, ConvShape};
     use crate::plan::build_plan;
-    use crate::target::DeviceProps;
+    use crate::test_support;
 
     /// Whether the memo holds a plan of the graph with this signature text.
     fn kept(signature: &str) -> bool {
@@ -145,23 +145,12 @@ mod tests {
 
     #[test]
     fn a_deviceless_runtime_compiled_plan_is_compiled_once_per_process() {
-        let test = "a_deviceless_runtime_compiled_plan_is_compiled_once_per_process";
-        if let Err(e) = cudnn_fe_sys::library() {
-            if std::env::var_os("CI").is_some() {
-                panic!("cuDNN is required when CI is set: {e}");
-            }
-            let e = e.to_string();
-            println!(
-                "SKIP {test}: cuDNN not loadable ({})",
-                e.lines().next().unwrap_or("")
-            );
+        if !test_support::cudnn_or_skip(
+            "a_deviceless_runtime_compiled_plan_is_compiled_once_per_process",
+        ) {
             return;
         }
-        let props = DeviceProps::from_json(include_str!(
-            "../../../../tests/fixtures/devprops/h200-sm90.json"
-        ))
-        .unwrap();
-        let target = Target::deviceless(props).unwrap();
+        let target = test_support::h200();
         // A shape no other test of this crate plans, so the memo's entry is this test's.
         let (graph, _) = graphs::relu_forward([3, 40, 7, 5]);
         let signature = graph.signature().unwrap().text().to_string();

@@ -3,7 +3,7 @@
 use super::*;
 use crate::error::Error;
 
-const H200: &str = include_str!("../../../../tests/fixtures/devprops/h200-sm90.json");
+use crate::test_support::{self, H200};
 
 #[test]
 fn fixture_parses() {
@@ -61,20 +61,10 @@ fn live_targets_give_cudnn_their_handle_and_device_deviceless_ones_their_documen
 
 #[test]
 fn a_deviceless_target_follows_the_deviceless_binding() {
-    let lib = match cudnn_fe_sys::library() {
-        Ok(lib) => lib,
-        Err(e) if std::env::var_os("CI").is_some() => {
-            panic!("cuDNN is required when CI is set: {e}")
-        }
-        Err(e) => {
-            let e = e.to_string();
-            println!(
-                "SKIP a_deviceless_target_follows_the_deviceless_binding: cuDNN not loadable ({})",
-                e.lines().next().unwrap_or("")
-            );
-            return;
-        }
-    };
+    if !test_support::cudnn_or_skip("a_deviceless_target_follows_the_deviceless_binding") {
+        return;
+    }
+    let lib = cudnn_fe_sys::library().expect("checked above");
     let target = Target::deviceless(DeviceProps::from_json(H200).unwrap()).unwrap();
     assert_eq!(target.kind(), TargetKind::Deviceless);
     assert_eq!(
@@ -115,8 +105,6 @@ fn bad_documents_are_rejected() {
 
 mod limits {
     use super::*;
-
-    const H200: &str = include_str!("../../../../tests/fixtures/devprops/h200-sm90.json");
 
     fn with(key: &str, value: serde_json::Value) -> String {
         let mut v: serde_json::Value = serde_json::from_str(H200).unwrap();
@@ -165,8 +153,6 @@ mod limits {
 mod documents {
     use super::*;
     use serde_json::json;
-
-    const H200: &str = include_str!("../../../../tests/fixtures/devprops/h200-sm90.json");
 
     fn with(key: &str, value: serde_json::Value) -> String {
         let mut v: serde_json::Value = serde_json::from_str(H200).unwrap();
