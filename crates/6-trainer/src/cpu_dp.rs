@@ -54,6 +54,44 @@ impl DataParallelTrainer {
         executor: ExecutorInfo,
         session: &Session,
     ) -> Result<TrainReport, TrainError> {
+        self.in_group(every, progress, executor, session, &run_rank)
+    }
+
+    /// [`crate::Trainer::evaluate`] on the group: every rank evaluates its shard of each
+    /// global batch with the state loaded (or initial), and the counts are summed, as the
+    /// held-out and test-set figures of a training run are.
+    pub(crate) fn evaluate(
+        &self,
+        session: &Session,
+        executor: ExecutorInfo,
+    ) -> Result<crate::Evaluation, TrainError> {
+        let evaluate =
+            |run: &RankRun<'_>, comms: (CpuComm, Option<CpuComm>), _: &mut dyn FnMut(&Progress)| {
+                let rank = comms.0.rank();
+                let mut me = rank_model(run, comms)?;
+                let book = Bookkeeping::new(
+                    &run.cfg,
+                    run.session,
+                    run.data.clone(),
+                    (rank, run.cfg.ranks),
+                );
+                let evaluation = book.evaluation(&mut me)?;
+                Ok((rank == 0).then_some(evaluation))
+            };
+        self.in_group(0, &mut |_| {}, executor, session, &evaluate)
+    }
+
+    /// Runs `per_rank` on a thread per rank, each with its communicators (gradients, and
+    /// synchronized BN's), and returns rank 0's answer; rank 0 gets `progress`. A failing
+    /// rank's error is returned rather than the "a peer failed" of the others.
+    fn in_group<T: Send>(
+        &self,
+        every: usize,
+        progress: &mut dyn FnMut(&Progress),
+        executor: ExecutorInfo,
+        session: &Session,
+        per_rank: &PerRank<T>,
+    ) -> Result<T, TrainError> {
         let cfg = self.cfg;
         let grads = CpuGroup::ranks(cfg.ranks).map_err(AmpError::from)?;
         let mut bn: Vec<Option<CpuComm>> = match cfg.sync_bn {
@@ -69,8 +107,8 @@ impl DataParallelTrainer {
         let (g0, b0) = comms.remove(0);
         let run = RankRun {
             cfg,
-            data: self.data,
-            resume: self.resume,
+            data: self.data.clone(),
+            resume: self.resume.clone(),
             every,
             executor,
             session,
@@ -82,10 +120,10 @@ impl DataParallelTrainer {
                 .map(|(g, b)| {
                     std::thread::Builder::new()
                         .name(format!("rank {}", g.rank()))
-                        .spawn_scoped(s, move || run_rank(run, (g, b), &mut |_| {}))
+                        .spawn_scoped(s, move || per_rank(run, (g, b), &mut |_| {}))
                 })
                 .collect();
-            let first = run_rank(run, (g0, b0), progress);
+            let first = per_rank(run, (g0, b0), progress);
             let mut results = vec![first];
             for h in others {
                 results.push(match h {
@@ -111,13 +149,21 @@ impl DataParallelTrainer {
                     .unwrap_or_else(|| TrainError::Config("a rank failed".into())));
             }
             match results.swap_remove(0) {
-                Ok(Some(report)) => Ok(report),
-                Ok(None) => Err(TrainError::Config("rank 0 made no report".into())),
+                Ok(Some(answer)) => Ok(answer),
+                Ok(None) => Err(TrainError::Config("rank 0 gave no answer".into())),
                 Err(e) => Err(e),
             }
         })
     }
 }
+
+/// One rank's work in a group ([`DataParallelTrainer::in_group`]): rank 0 answers `Some`.
+type PerRank<T> = dyn Fn(
+        &RankRun<'_>,
+        (CpuComm, Option<CpuComm>),
+        &mut dyn FnMut(&Progress),
+    ) -> Result<Option<T>, TrainError>
+    + Sync;
 
 /// What every rank's run shares.
 struct RankRun<'a> {
@@ -135,15 +181,12 @@ struct Rank {
     cfg: TrainConfig,
 }
 
-/// One rank's whole run on its shards of the data, over its communicators (gradients, and
-/// synchronized BN's); rank 0 returns the report.
-fn run_rank(
+/// One rank's model, joined to its group, from the state every rank starts from.
+fn rank_model(
     run: &RankRun<'_>,
     (grads, bn): (CpuComm, Option<CpuComm>),
-    progress: &mut dyn FnMut(&Progress),
-) -> Result<Option<TrainReport>, TrainError> {
-    let (cfg, data) = (&run.cfg, &run.data);
-    let (rank, ranks) = (grads.rank(), cfg.ranks);
+) -> Result<Rank, TrainError> {
+    let cfg = &run.cfg;
     let net = compile_net(cfg, &cpu_policy(cfg))?;
     let model =
         CpuClassifier::with_arena(net, cfg.classes, cfg.step_config(), cfg.seed, cfg.arena)?;
@@ -156,6 +199,19 @@ fn run_rank(
     if let Some(state) = &run.resume {
         state.load_into(me.replica.model_mut())?;
     }
+    Ok(me)
+}
+
+/// One rank's whole run on its shards of the data, over its communicators (gradients, and
+/// synchronized BN's); rank 0 returns the report.
+fn run_rank(
+    run: &RankRun<'_>,
+    (grads, bn): (CpuComm, Option<CpuComm>),
+    progress: &mut dyn FnMut(&Progress),
+) -> Result<Option<TrainReport>, TrainError> {
+    let (cfg, data) = (&run.cfg, &run.data);
+    let (rank, ranks) = (grads.rank(), cfg.ranks);
+    let mut me = rank_model(run, (grads, bn))?;
     // Rank 0 saves the checkpoints; the test set after each epoch of files.
     let mut book = Bookkeeping::new(cfg, run.session, data.clone(), (rank, ranks));
     let first = book.first();

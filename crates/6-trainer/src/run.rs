@@ -266,20 +266,16 @@ impl Trainer {
     /// Evaluates the model as it stands (after [`Trainer::load_checkpoint`]: a checkpoint's), without
     /// training: the held-out batches a training run's summary measures, and the whole test
     /// set where the data has one, BN in evaluation mode, with the trained and (with an EMA)
-    /// the EMA weights; in a launched group, the group's accuracies.
+    /// the EMA weights; on CPU ranks or in a launched group, the group's accuracies (each
+    /// rank evaluating its shard of every global batch, as a training run's figures are).
     ///
     /// # Errors
-    /// [`TrainError::Config`] for CPU ranks (`--ranks`, `--sync-bn` without a launcher);
-    /// the executor's error.
+    /// The executor's error.
     pub fn evaluate(&mut self) -> Result<crate::Evaluation, TrainError> {
         match &mut self.exec {
             Exec::Cpu(t) => t.evaluate(&self.session),
             Exec::Cuda(t) => t.evaluate(&self.session),
-            Exec::CpuDataParallel(_) => Err(TrainError::Config(
-                "evaluation without training runs on one rank or a launched GPU group, not \
-                 on CPU ranks (--ranks, --sync-bn)"
-                    .into(),
-            )),
+            Exec::CpuDataParallel(t) => t.evaluate(&self.session, self.info.clone()),
         }
     }
 

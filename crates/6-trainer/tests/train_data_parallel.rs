@@ -282,3 +282,38 @@ fn a_synchronized_group_resumes_bit_for_bit_and_another_group_size_is_refused() 
     refused(cfg, &single);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A group's checkpoint evaluated without training by a new group of CPU ranks (each rank its
+/// shard of every held-out batch, counts summed): the held-out accuracies, trained and EMA,
+/// the group's run reported, bit for bit; and a different answer before loading it.
+#[test]
+fn a_group_of_cpu_ranks_evaluates_its_checkpoint_to_its_runs_accuracy() {
+    let dir = std::env::temp_dir().join(format!("cbr-group-eval-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("ck.safetensors");
+    // Long enough to learn (well above the 1/8 of chance), with an EMA.
+    let cfg = TrainConfig {
+        steps: 30,
+        batch: 8,
+        ranks: 2,
+        sync_bn: true,
+        ema: Some(0.9),
+        ..TrainConfig::default()
+    };
+    let mut t = Trainer::new(&cfg).unwrap();
+    t.save_to(&path, 0).unwrap();
+    let report = t.run(30, |_| {}).unwrap();
+    let mut group = Trainer::new(&cfg).unwrap();
+    assert_eq!(group.load_checkpoint(&path).unwrap(), 30);
+    let e = group.evaluate().unwrap();
+    let untrained = Trainer::new(&cfg).unwrap().evaluate().unwrap();
+    println!(
+        "{e:?} vs the run's {} (EMA {:?}); untrained {untrained:?}",
+        report.held_out_accuracy, report.held_out_ema_accuracy
+    );
+    assert_eq!(e.held_out_accuracy, report.held_out_accuracy);
+    assert_eq!(e.held_out_ema_accuracy, report.held_out_ema_accuracy);
+    assert!(e.held_out_accuracy > 0.25, "{e:?}");
+    assert_ne!(e, untrained, "the checkpoint was not loaded");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
