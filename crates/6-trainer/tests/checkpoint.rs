@@ -3,6 +3,8 @@
 //! bad files are typed errors naming the tensor; a failed save leaves the old file; training
 //! curves are written when asked.
 
+mod common;
+
 use cudnn_cbr_trainer::checkpoint::{self, CheckpointError, SCALARS};
 use cudnn_cbr_trainer::{TrainConfig, TrainError, Trainer};
 use std::path::{Path, PathBuf};
@@ -356,17 +358,7 @@ fn a_checkpoint_evaluates_to_its_runs_held_out_accuracy() {
         ..TrainConfig::default()
     };
     let path = dir.join("ck.safetensors");
-    let mut t = Trainer::new(&cfg).unwrap();
-    t.save_to(&path, 0).unwrap();
-    let report = t.run(40, |_| {}).unwrap();
-    let mut t = Trainer::new(&cfg).unwrap();
-    assert_eq!(t.load_checkpoint(&path).unwrap(), 40);
-    let e = t.evaluate().unwrap();
-    let untrained = Trainer::new(&cfg).unwrap().evaluate().unwrap();
-    println!(
-        "{e:?} vs the run's {} (EMA {:?}); untrained {untrained:?}",
-        report.held_out_accuracy, report.held_out_ema_accuracy
-    );
+    let (report, e, untrained) = common::evaluated_checkpoint(&cfg, &path);
     assert_eq!(e.held_out_accuracy, report.held_out_accuracy);
     assert_eq!(e.held_out_ema_accuracy, report.held_out_ema_accuracy);
     assert!(e.held_out_accuracy > 0.25, "{e:?}");

@@ -300,17 +300,7 @@ fn a_group_of_cpu_ranks_evaluates_its_checkpoint_to_its_runs_accuracy() {
         ema: Some(0.9),
         ..TrainConfig::default()
     };
-    let mut t = Trainer::new(&cfg).unwrap();
-    t.save_to(&path, 0).unwrap();
-    let report = t.run(30, |_| {}).unwrap();
-    let mut group = Trainer::new(&cfg).unwrap();
-    assert_eq!(group.load_checkpoint(&path).unwrap(), 30);
-    let e = group.evaluate().unwrap();
-    let untrained = Trainer::new(&cfg).unwrap().evaluate().unwrap();
-    println!(
-        "{e:?} vs the run's {} (EMA {:?}); untrained {untrained:?}",
-        report.held_out_accuracy, report.held_out_ema_accuracy
-    );
+    let (report, e, untrained) = common::evaluated_checkpoint(&cfg, &path);
     assert_eq!(e.held_out_accuracy, report.held_out_accuracy);
     assert_eq!(e.held_out_ema_accuracy, report.held_out_ema_accuracy);
     assert!(e.held_out_accuracy > 0.25, "{e:?}");
