@@ -81,7 +81,7 @@ fn main() -> ExitCode {
         out!("{differ} of {} keys differ from {fixture}", keys.len());
         let missing = props.missing_keys();
         if !missing.is_empty() {
-            eprintln!(
+            note!(
                 "device_props: the device's document lacks keys deviceless planning needs: {}",
                 missing.join(", ")
             );
@@ -92,7 +92,7 @@ fn main() -> ExitCode {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(e) => {
-            eprintln!("device_props: {e}");
+            note!("device_props: {e}");
             ExitCode::FAILURE
         }
     }

@@ -133,22 +133,22 @@ fn main() -> ExitCode {
     let lib = match cudnn_cbr::sys::library() {
         Ok(lib) => lib,
         Err(e) => {
-            eprintln!("error: {e}");
-            eprintln!("hint: run scripts/setup-test-deps.sh and `source .deps/env.sh`");
+            note!("error: {e}");
+            note!("hint: run scripts/setup-test-deps.sh and `source .deps/env.sh`");
             return ExitCode::FAILURE;
         }
     };
     let target = match Target::deviceless_from_file(&props) {
         Ok(t) => t,
         Err(e) => {
-            eprintln!("error: {e}");
+            note!("error: {e}");
             return ExitCode::FAILURE;
         }
     };
     let cache = match PlanCache::persistent(&cache_dir) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("error: {e}");
+            note!("error: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -168,14 +168,14 @@ fn main() -> ExitCode {
     if args.threads != 1 {
         let routes = [RouteKind::Fused, RouteKind::Unfused];
         match prewarm(&spec, batch, hw, &routes, &target, &cache, args.threads) {
-            Ok(p) => eprintln!(
+            Ok(p) => note!(
                 "prewarm: {}/{} distinct graphs planned on {} threads in {:.1} s",
                 p.planned,
                 p.graphs,
                 p.threads,
                 p.elapsed.as_secs_f64()
             ),
-            Err(e) => eprintln!("prewarm: {e}"),
+            Err(e) => note!("prewarm: {e}"),
         }
     }
     let mut counts = Vec::new();
@@ -199,7 +199,7 @@ fn main() -> ExitCode {
         ),
     ] {
         let t = Instant::now();
-        eprintln!("planning {} on the {label} route…", args.net);
+        note!("planning {} on the {label} route…", args.net);
         match compile(&spec, batch, hw, &policy) {
             Ok(net) => {
                 print_table(label, &net);
@@ -209,7 +209,7 @@ fn main() -> ExitCode {
                     .filter(|l| l.layer.route().kind() == RouteKind::Fused)
                     .count();
                 let n = net.layers.len();
-                eprintln!(
+                note!(
                     "{label}: {n} layers planned in {:.1} s",
                     t.elapsed().as_secs_f64()
                 );

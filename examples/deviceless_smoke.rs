@@ -33,8 +33,8 @@ fn main() -> ExitCode {
     let lib = match cudnn_cbr::sys::library() {
         Ok(lib) => lib,
         Err(e) => {
-            eprintln!("error: {e}");
-            eprintln!("hint: run scripts/setup-test-deps.sh and `source .deps/env.sh`");
+            note!("error: {e}");
+            note!("hint: run scripts/setup-test-deps.sh and `source .deps/env.sh`");
             return ExitCode::FAILURE;
         }
     };

@@ -53,9 +53,7 @@ fn main() -> ExitCode {
     let target = match Target::deviceless_from_file(&props) {
         Ok(t) => Some(t),
         Err(e) => {
-            eprintln!(
-                "fuzz_graphs: no deviceless target ({e}); cases are validated but not planned"
-            );
+            note!("fuzz_graphs: no deviceless target ({e}); cases are validated but not planned");
             None
         }
     };
@@ -67,7 +65,7 @@ fn main() -> ExitCode {
     }
     let start = std::time::Instant::now();
     let totals = fuzz::run(seed, cases, target.as_ref(), &cache, |t| {
-        eprintln!(
+        note!(
             "{:>8} cases, {} failures, {} distinct plans, {:.0} s",
             t.cases,
             t.failures(),
@@ -91,7 +89,7 @@ fn main() -> ExitCode {
         totals.class("unexpected")
     );
     if totals.failures() > 0 {
-        eprintln!("first failures:\n{}", totals.failures.join("\n"));
+        note!("first failures:\n{}", totals.failures.join("\n"));
         return ExitCode::from(1);
     }
     ExitCode::SUCCESS

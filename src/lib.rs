@@ -83,6 +83,7 @@
 //! # Ok(())
 //! # }
 //! ```
+#![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
 pub use cudnn_cbr_amp as amp;

@@ -1,4 +1,4 @@
-//! The examples' standard output.
+//! The examples' standard output and error output.
 
 /// `println!` that ends the program quietly when its output is gone (a reader that closed the
 /// pipe, as `cargo run --example … | head` does) instead of panicking on the failed write.
@@ -9,4 +9,13 @@ macro_rules! out {
             std::process::exit(0);
         }
     }};
+}
+
+/// `eprintln!` that never panics: a closed stderr (its reader gone, as with `… 2>&1 | head`)
+/// is ignored (`cudnn_cbr::runtime::stderr::line`).
+#[allow(unused_macros)] // custom_trainer writes nothing on stderr
+macro_rules! note {
+    ($($arg:tt)*) => {
+        cudnn_cbr::runtime::stderr::line(&format!($($arg)*))
+    };
 }

@@ -10,6 +10,7 @@
 //! | device open | [`cuda_device`], [`cuda_device_count`] | the one CUDA device opener of the workspace: a typed [`NoCudaDevice`] where cudarc would panic without a driver |
 //! | NVRTC | [`rtc`] | whether it loads, its version, source to a cubin (and PTX), launch parameters checked against the PTX |
 //! | kernel cache | [`kernel_cache`] | NVRTC's output kept across processes, keyed by everything the compilation depends on |
+//! | stderr | [`stderr`] | lines on stderr that cannot panic (a closed pipe is ignored) |
 //! | untrusted files | [`untrusted`] | reading files the library does not control; the cache folders' ownership rule |
 //! | element types | [`DataType`] | the one element type enum of the workspace: cuDNN's tensor types and the mixed-precision regions' storage types |
 //!
@@ -28,6 +29,7 @@ mod dtype;
 pub mod kernel_cache;
 pub mod preflight;
 pub mod rtc;
+pub mod stderr;
 pub mod untrusted;
 pub mod wheels;
 

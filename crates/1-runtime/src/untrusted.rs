@@ -272,7 +272,7 @@ pub fn warn_once(warning: &str) {
         .unwrap_or_else(|p| p.into_inner())
         .insert(warning.to_string());
     if first {
-        eprintln!("{warning}");
+        crate::stderr::line(warning);
     }
 }
 

@@ -25,6 +25,7 @@
 //! | `reference::element` | the `gemm` crate's FP32 GEMM, whose entry point is `unsafe fn` |
 //! | `reference::convert` | FP16 ↔ FP32 conversion instructions chosen at run time (`std::arch`) |
 //! | `reference::direct` | the conv tiles' AVX-512/AVX2 FMA register blocks, chosen at run time (`std::arch`) |
+#![warn(missing_docs)]
 #![deny(unsafe_code)]
 
 pub mod autotune;

@@ -18,6 +18,7 @@ use crate::exec::Scalar;
 use crate::graph::Graph;
 use crate::interp::{Allocation, MemoryMap};
 use cudarc::driver::sys;
+use cudnn_cbr_runtime::stderr;
 use std::ffi::{c_void, CStr, CString};
 use std::os::raw::{c_char, c_int};
 use std::path::PathBuf;
@@ -194,7 +195,9 @@ impl Replay {
             // what it prints.
             (Some(d), Ok(text)) => unsafe { (d.fault)(text.as_ptr()) },
             _ => {
-                eprintln!("cudnn-cbr: {message}; the simulated driver cannot be told: aborting");
+                stderr::line(&format!(
+                    "cudnn-cbr: {message}; the simulated driver cannot be told: aborting"
+                ));
                 std::process::abort();
             }
         }
@@ -213,7 +216,7 @@ extern "C" fn run_replay(data: *mut c_void) {
         }
     });
     if outcome.is_err() {
-        eprintln!("cudnn-cbr: a replayed plan execution panicked; aborting");
+        stderr::line("cudnn-cbr: a replayed plan execution panicked; aborting");
         std::process::abort(); // unwinding into the driver is undefined
     }
 }

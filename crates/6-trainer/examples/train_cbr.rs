@@ -48,6 +48,14 @@ macro_rules! out {
     }};
 }
 
+/// `eprintln!` that never panics: a closed stderr (its reader gone, as with `… 2>&1 | head`)
+/// is ignored (`cudnn_cbr::runtime::stderr::line`).
+macro_rules! note {
+    ($($arg:tt)*) => {
+        cudnn_cbr::runtime::stderr::line(&format!($($arg)*))
+    };
+}
+
 /// Train a small CBR ResNet on synthetic data (on CUDA when usable, else on the CPU reference
 /// executor).
 #[derive(Debug, Parser)]
@@ -196,7 +204,7 @@ fn evaluate(mut trainer: Trainer, checkpoint: Option<&std::path::Path>) -> ExitC
         match trainer.load_checkpoint(path) {
             Ok(step) => from = format!("{} (step {step})", path.display()),
             Err(e) => {
-                eprintln!("train_cbr: --resume {}: {e}", path.display());
+                note!("train_cbr: --resume {}: {e}", path.display());
                 return ExitCode::FAILURE;
             }
         }
@@ -218,7 +226,7 @@ fn evaluate(mut trainer: Trainer, checkpoint: Option<&std::path::Path>) -> ExitC
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("train_cbr: --evaluate: {e}");
+            note!("train_cbr: --evaluate: {e}");
             ExitCode::FAILURE
         }
     }
@@ -231,14 +239,14 @@ fn main() -> ExitCode {
     let mut trainer = match Trainer::new(&cfg) {
         Ok(t) => t,
         Err(e) => {
-            eprintln!("train_cbr: --device {}: {e}", cfg.device.name());
+            note!("train_cbr: --device {}: {e}", cfg.device.name());
             return ExitCode::FAILURE;
         }
     };
     trainer.record_curve(args.log_dir.is_some());
     if let Some(path) = &args.save {
         if let Err(e) = trainer.save_to(path, args.save_every) {
-            eprintln!("train_cbr: --save: {e}");
+            note!("train_cbr: --save: {e}");
             return ExitCode::FAILURE;
         }
     }
@@ -250,7 +258,7 @@ fn main() -> ExitCode {
         match trainer.resume(path) {
             Ok(step) => resumed = step,
             Err(e) => {
-                eprintln!("train_cbr: --resume {}: {e}", path.display());
+                note!("train_cbr: --resume {}: {e}", path.display());
                 return ExitCode::FAILURE;
             }
         }
@@ -262,7 +270,7 @@ fn main() -> ExitCode {
         return match trainer.run(usize::MAX, |_| {}) {
             Ok(_) => ExitCode::SUCCESS,
             Err(e) => {
-                eprintln!("train_cbr (rank {rank}): {e}");
+                note!("train_cbr (rank {rank}): {e}");
                 ExitCode::FAILURE
             }
         };
@@ -403,7 +411,7 @@ fn main() -> ExitCode {
                         )
                     }
                     Err(e) => {
-                        eprintln!("train_cbr: {e}");
+                        note!("train_cbr: {e}");
                         return ExitCode::FAILURE;
                     }
                 }
@@ -414,7 +422,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("train_cbr: {e}");
+            note!("train_cbr: {e}");
             ExitCode::FAILURE
         }
     }

@@ -29,6 +29,7 @@
 //! `crates/4-netops/kernels/net_head.cu`); [`cuda`] explains what the CUDA executor runs, captures and
 //! reads back.
 
+#![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
 pub mod augment;

@@ -1,21 +1,25 @@
-//! `train_cbr` whose reader goes away (`train_cbr | head -1`) ends quietly: no panic on the
-//! closed pipe.
+//! `train_cbr` whose reader goes away (`train_cbr | head -1`, or its error output's) ends
+//! quietly: no panic on the closed pipe.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 
-#[test]
-fn a_closed_output_pipe_ends_the_run_without_a_panic() {
+/// The `train_cbr` binary beside this test's.
+fn train_cbr() -> std::path::PathBuf {
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().unwrap();
-    let bin = [
+    [
         dir.join("../examples/train_cbr"),
         dir.join("example-train_cbr"),
     ]
     .into_iter()
     .find(|p| p.is_file())
-    .expect("train_cbr is built (`cargo build --workspace --examples`)");
-    let mut child = Command::new(bin)
+    .expect("train_cbr is built (`cargo build --workspace --examples`)")
+}
+
+#[test]
+fn a_closed_output_pipe_ends_the_run_without_a_panic() {
+    let mut child = Command::new(train_cbr())
         .args(["--device", "cpu", "--steps", "60"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -31,4 +35,27 @@ fn a_closed_output_pipe_ends_the_run_without_a_panic() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert_eq!(out.status.code(), Some(0), "{stderr}");
+}
+
+#[test]
+fn an_error_on_a_closed_error_pipe_still_exits_with_its_code() {
+    // A checkpoint that is not there: `train_cbr: --resume …: …` on stderr, exit 1. With the
+    // stderr reader gone that line meets a closed pipe; the run must still exit 1, not
+    // panic (exit 101).
+    let missing = std::env::temp_dir().join(format!("cbr-missing-{}.st", std::process::id()));
+    let mut child = Command::new(train_cbr())
+        .args(["--device", "cpu", "--steps", "2", "--resume"])
+        .arg(&missing)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stderr.take());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "stdout:\n{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
 }

@@ -101,7 +101,7 @@ pub fn replan_for(
     );
     let printed = first_time(&format!("{} -> {live}", planned_for.join(", ")));
     if printed {
-        eprintln!("{note}");
+        crate::runtime::stderr::line(&note);
     }
     Ok(Some(Replanned {
         layers,

@@ -52,6 +52,7 @@ use crate::graph::{fnv1a, Graph, GraphSignature};
 use crate::lower::OperationGraph;
 use crate::plan::{build_plan, plan_from_choice, EngineChoice, ExecutionPlan};
 use crate::target::Target;
+use cudnn_cbr_runtime::stderr;
 use cudnn_cbr_runtime::untrusted::{
     check_private_folder, create_private_folder, parse_strict_json, read_private_text, warn_once,
     write_private, FileProblem,
@@ -312,7 +313,9 @@ impl PlanCache {
         if let Some(dir) = &self.dir {
             if let Err(e) = write_plan(dir, &key, &plan, record.as_ref()) {
                 self.write_failures.fetch_add(1, Ordering::Relaxed);
-                eprintln!("warning: plan cache: {e}; the plan stays in memory only");
+                stderr::line(&format!(
+                    "warning: plan cache: {e}; the plan stays in memory only"
+                ));
             }
         }
         self.remember(key, plan, record)
@@ -513,7 +516,7 @@ impl PlanCache {
         }
         drop(kept);
         let aside = move_aside(&dir.join(file));
-        eprintln!("warning: plan cache: {reason}; {aside}; {then}");
+        stderr::line(&format!("warning: plan cache: {reason}; {aside}; {then}"));
     }
 
     /// Remembers a fresh "no engine" / "no plan" error (in memory and in the folder); returns
@@ -526,7 +529,9 @@ impl PlanCache {
         if let Some(dir) = &self.dir {
             if let Err(w) = write_failure(dir, &key, &e) {
                 self.write_failures.fetch_add(1, Ordering::Relaxed);
-                eprintln!("warning: plan cache: {w}; the failure is remembered in memory only");
+                stderr::line(&format!(
+                    "warning: plan cache: {w}; the failure is remembered in memory only"
+                ));
             }
         }
         self.failed
