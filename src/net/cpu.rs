@@ -10,6 +10,7 @@ use crate::runtime::DataType;
 use cudnn_cbr_fusion::cbr::{BnSync, CpuElement, LayerIo, Pass, Src};
 use cudnn_cbr_fusion::reference::{ConvScratch, Element, Nhwc, Real};
 use cudnn_cbr_fusion::{Error, Result};
+use rayon::prelude::*;
 use std::collections::BTreeMap;
 
 /// One host buffer: `Half` buffers in the storage type, `Float` ones in the arithmetic type.
@@ -390,12 +391,20 @@ fn argmax<T: Element>(p: &PoolSpec, s: &Nhwc, x: &[T]) -> Result<Vec<usize>> {
         });
     }
     let (oh, ow) = (pooled(s.h, p), pooled(s.w, p));
-    let mut out = Vec::with_capacity(s.n * oh * ow * s.c);
-    for n in 0..s.n {
-        for i in 0..oh {
-            for j in 0..ow {
-                for c in 0..s.c {
-                    let mut best: Option<(usize, T::Acc)> = None;
+    let (c, image) = (s.c, s.h * s.w * s.c);
+    // Image by image in parallel (each widened once), every window's positions in window
+    // order with all channels at once: per channel the same comparisons in the same order.
+    let per_image: Vec<Vec<usize>> = x
+        .par_chunks(image.max(1))
+        .enumerate()
+        .map(|(n, xn)| {
+            let mut wide = vec![T::Acc::ZERO; xn.len()];
+            T::widen_into(xn, &mut wide);
+            let mut out = Vec::with_capacity(oh * ow * c);
+            let (mut best_v, mut best_at) = (vec![T::Acc::ZERO; c], vec![0usize; c]);
+            for i in 0..oh {
+                for j in 0..ow {
+                    let mut seen = false;
                     for di in 0..p.kernel {
                         let Some(h) = (i * p.stride + di).checked_sub(p.pad).filter(|&h| h < s.h)
                         else {
@@ -407,20 +416,35 @@ fn argmax<T: Element>(p: &PoolSpec, s: &Nhwc, x: &[T]) -> Result<Vec<usize>> {
                             else {
                                 continue;
                             };
-                            let at = ((n * s.h + h) * s.w + w) * s.c + c;
-                            let v = x[at].to_acc();
-                            if best.is_none_or(|(_, b)| v > b) {
-                                best = Some((at, v));
+                            let base = (h * s.w + w) * c;
+                            let v = &wide[base..base + c];
+                            if !seen {
+                                // The window's first real pixel: every channel's first best.
+                                best_v.copy_from_slice(v);
+                                for (k, at) in best_at.iter_mut().enumerate() {
+                                    *at = base + k;
+                                }
+                                seen = true;
+                                continue;
+                            }
+                            for k in 0..c {
+                                if v[k] > best_v[k] {
+                                    (best_v[k], best_at[k]) = (v[k], base + k);
+                                }
                             }
                         }
                     }
                     // pad < kernel (validated) puts at least one real pixel in every window.
-                    out.push(best.map_or(0, |(at, _)| at));
+                    match seen {
+                        true => out.extend(best_at.iter().map(|&at| n * image + at)),
+                        false => out.extend(std::iter::repeat_n(0, c)),
+                    }
                 }
             }
-        }
-    }
-    Ok(out)
+            out
+        })
+        .collect();
+    Ok(per_image.concat())
 }
 
 /// Max-pool forward over NHWC `x`.
@@ -436,8 +460,19 @@ pub fn max_pool_backward<T: Element>(p: &PoolSpec, s: &Nhwc, x: &[T], dy: &[T]) 
         return Err(wrong_len("maxpool gradient", dy.len(), idx.len()));
     }
     let mut acc = vec![T::Acc::ZERO; x.len()];
-    for (&at, g) in idx.iter().zip(dy) {
-        acc[at] += g.to_acc();
+    // Image by image in parallel: a window's maximum lies in its own image, and within an
+    // image the gradients are added in output order, as one loop over all of them would.
+    let image = x.len() / s.n.max(1);
+    let out_image = idx.len() / s.n.max(1);
+    if image > 0 && out_image > 0 {
+        acc.par_chunks_mut(image)
+            .zip(idx.par_chunks(out_image).zip(dy.par_chunks(out_image)))
+            .enumerate()
+            .for_each(|(n, (acc, (idx, dy)))| {
+                for (&at, g) in idx.iter().zip(dy) {
+                    acc[at - n * image] += g.to_acc();
+                }
+            });
     }
     Ok(T::store_slice(&acc))
 }

@@ -8,8 +8,9 @@
 
 use half::f16;
 
+use super::blocks;
 use crate::error::RangeOpError;
-use crate::range::cast::{check_len, f16_to_f32, F32_CANONICAL_NAN};
+use crate::range::cast::{check_len, F32_CANONICAL_NAN};
 
 /// CPU twin of `amp_accum_grads`: for every `i < g.len()`,
 /// `x = g[i] + f16_to_f32(g16[i])` (only `x = g[i]` where `i ≥ g16.len()`: G16 ends at the
@@ -37,22 +38,42 @@ pub fn accum_grads(
             got: g16.len(),
         });
     }
-    for (i, (gi, ai)) in g.iter_mut().zip(acc.iter_mut()).enumerate() {
-        let mut x = *gi;
-        if let Some(&h) = g16.get(i) {
-            x += f16_to_f32(h);
+    // G16's tasks line up with G's (the same task length from index 0); the last ones may
+    // be shorter or missing, where G16 ends.
+    let g16s = blocks::tasks(g16);
+    let items: Vec<_> = blocks::tasks_mut(g)
+        .into_iter()
+        .zip(blocks::tasks_mut(acc))
+        .enumerate()
+        .map(|(t, (g, acc))| (g, acc, g16s.get(t).copied().unwrap_or_default()))
+        .collect();
+    blocks::run(items, |(g, acc, g16)| {
+        let mut wide = vec![0.0f32; blocks::BLOCK];
+        for start in (0..g.len()).step_by(blocks::BLOCK) {
+            let r = start..(start + blocks::BLOCK).min(g.len());
+            // This block's G16 values, widened (`f16_to_f32`); none past G16's end.
+            let g16 = &g16[g16.len().min(r.start)..g16.len().min(r.end)];
+            let covered = g16.len();
+            blocks::widen(g16, &mut wide[..covered]);
+            let (g, acc) = (&mut g[r.clone()], &mut acc[r]);
+            for (i, (gi, ai)) in g.iter_mut().zip(acc.iter_mut()).enumerate() {
+                let mut x = *gi;
+                if i < covered {
+                    x += wide[i];
+                }
+                let mut sum = *ai + x;
+                if sum.is_nan() {
+                    sum = f32::from_bits(F32_CANONICAL_NAN);
+                }
+                if drain {
+                    *gi = sum;
+                    *ai = 0.0;
+                } else {
+                    *ai = sum;
+                }
+            }
         }
-        let mut sum = *ai + x;
-        if sum.is_nan() {
-            sum = f32::from_bits(F32_CANONICAL_NAN);
-        }
-        if drain {
-            *gi = sum;
-            *ai = 0.0;
-        } else {
-            *ai = sum;
-        }
-    }
+    });
     Ok(())
 }
 

@@ -10,6 +10,7 @@
 
 use half::f16;
 
+use super::blocks;
 use crate::error::RangeOpError;
 
 /// The FP16 NaN every cast produces (`CUDART_NAN_FP16`).
@@ -59,26 +60,24 @@ pub fn check_len(
     }
 }
 
-/// CPU twin of `amp_cast_f32_to_f16`: `dst[i] = f32_to_f16(src[i])`.
+/// CPU twin of `amp_cast_f32_to_f16`: `dst[i] = f32_to_f16(src[i])` (in blocks over
+/// rayon's threads, `blocks.rs`).
 ///
 /// # Errors
 /// [`RangeOpError::LengthMismatch`] when the slices differ in length.
 pub fn cast_f32_to_f16(src: &[f32], dst: &mut [f16]) -> Result<(), RangeOpError> {
     check_len("cast_f32_to_f16", "dst", src.len(), dst.len())?;
-    for (d, &s) in dst.iter_mut().zip(src) {
-        *d = f32_to_f16(s);
-    }
+    blocks::narrow_all(src, dst);
     Ok(())
 }
 
-/// CPU twin of `amp_cast_f16_to_f32`: `dst[i] = f16_to_f32(src[i])`.
+/// CPU twin of `amp_cast_f16_to_f32`: `dst[i] = f16_to_f32(src[i])` (in blocks over
+/// rayon's threads, `blocks.rs`).
 ///
 /// # Errors
 /// [`RangeOpError::LengthMismatch`] when the slices differ in length.
 pub fn cast_f16_to_f32(src: &[f16], dst: &mut [f32]) -> Result<(), RangeOpError> {
     check_len("cast_f16_to_f32", "dst", src.len(), dst.len())?;
-    for (d, &s) in dst.iter_mut().zip(src) {
-        *d = f16_to_f32(s);
-    }
+    blocks::widen_all(src, dst);
     Ok(())
 }

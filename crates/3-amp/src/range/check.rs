@@ -4,6 +4,7 @@
 //! bucket) accumulate into one verdict; the loss-scale update clears it at the end of the
 //! step.
 
+use super::blocks;
 use crate::error::RangeOpError;
 use crate::range::scalars::Scalars;
 
@@ -72,7 +73,11 @@ pub struct CheckOutcome {
 
 /// CPU twin of `amp_check_nonfinite`: sets `s.overflow` if any element is NaN or ±Inf.
 pub fn check_nonfinite(g: &[f32], s: &mut Scalars) -> CheckOutcome {
-    let overflow = g.iter().any(|x| !x.is_finite());
+    // Every element is looked at (no early exit), so each task's loop is branch-free.
+    let overflow = blocks::run(blocks::tasks(g), |g| {
+        g.iter().fold(false, |bad, x| bad | !x.is_finite())
+    })
+    .contains(&true);
     if overflow {
         s.overflow |= 1;
     }
@@ -93,15 +98,22 @@ pub fn check_and_clip(
     s: &mut Scalars,
 ) -> Result<CheckOutcome, RangeOpError> {
     OverflowPolicy::ClipInf { bound }.validate()?;
-    let mut out = CheckOutcome::default();
-    for x in g.iter_mut() {
-        if x.is_nan() {
-            out.overflow = true;
-        } else if x.abs() > bound {
-            *x = bound.copysign(*x);
-            out.clipped += 1;
+    let per_task = blocks::run(blocks::tasks_mut(g), |g| {
+        let mut out = CheckOutcome::default();
+        for x in g.iter_mut() {
+            if x.is_nan() {
+                out.overflow = true;
+            } else if x.abs() > bound {
+                *x = bound.copysign(*x);
+                out.clipped += 1;
+            }
         }
-    }
+        out
+    });
+    let out = CheckOutcome {
+        overflow: per_task.iter().any(|o| o.overflow),
+        clipped: per_task.iter().map(|o| o.clipped).sum(),
+    };
     if out.overflow {
         s.overflow |= 1;
     }

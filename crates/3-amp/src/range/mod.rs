@@ -32,6 +32,7 @@
 #![forbid(unsafe_code)]
 
 mod accum;
+mod blocks;
 mod cast;
 mod check;
 mod norm;
@@ -39,6 +40,8 @@ mod optim;
 mod scalars;
 mod scale;
 mod seed;
+#[cfg(test)]
+mod tests;
 
 pub use accum::accum_grads;
 pub use cast::{

@@ -5,6 +5,8 @@
 //! reduction's geometry is fixed at [`s_layout::NORM_BLOCKS`] blocks of [`NORM_THREADS`]
 //! threads, whatever the size of G.
 
+use rayon::prelude::*;
+
 use crate::range::scalars::{s_layout, Scalars};
 
 /// Threads per block of the gradient-norm reduction.
@@ -22,24 +24,28 @@ pub const NORM_THREADS: usize = 256;
 /// overflow check anyway.
 pub fn grad_norm(g: &[f32], s: &mut Scalars) {
     let stride = s_layout::NORM_BLOCKS * NORM_THREADS;
-    for (b, partial) in s.norm_partials.iter_mut().enumerate() {
-        let mut sums = [0.0f32; NORM_THREADS];
-        for (t, acc) in sums.iter_mut().enumerate() {
-            let mut i = b * NORM_THREADS + t;
-            while i < g.len() {
-                *acc += g[i] * g[i];
-                i += stride;
+    // Each block's partial sum is its own (the device's blocks run independently too).
+    s.norm_partials
+        .par_iter_mut()
+        .enumerate()
+        .for_each(|(b, partial)| {
+            let mut sums = [0.0f32; NORM_THREADS];
+            for (t, acc) in sums.iter_mut().enumerate() {
+                let mut i = b * NORM_THREADS + t;
+                while i < g.len() {
+                    *acc += g[i] * g[i];
+                    i += stride;
+                }
             }
-        }
-        let mut half = NORM_THREADS / 2;
-        while half > 0 {
-            for t in 0..half {
-                sums[t] += sums[t + half];
+            let mut half = NORM_THREADS / 2;
+            while half > 0 {
+                for t in 0..half {
+                    sums[t] += sums[t + half];
+                }
+                half /= 2;
             }
-            half /= 2;
-        }
-        *partial = sums[0];
-    }
+            *partial = sums[0];
+        });
     let sum = s.norm_partials.iter().fold(0.0f32, |acc, p| acc + p);
     s.grad_norm = sum.sqrt() / s.unscale_denominator();
 }

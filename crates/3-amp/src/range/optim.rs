@@ -10,8 +10,9 @@
 
 use half::f16;
 
+use super::blocks;
 use crate::error::RangeOpError;
-use crate::range::cast::{check_len, f32_to_f16};
+use crate::range::cast::check_len;
 use crate::range::scalars::Scalars;
 
 /// CPU twin of `amp_zero_bytes`: every byte 0.
@@ -153,7 +154,7 @@ pub fn sgd_step(
     let n = w.len();
     check_len(OP, "g", n, g.len())?;
     check_len(OP, "a", n, a.len())?;
-    let mut m = match m {
+    let m = match m {
         Some(m) => {
             check_len(OP, "m", n, m.len())?;
             Some(m)
@@ -172,30 +173,80 @@ pub fn sgd_step(
         return Ok(StepOutcome::Skipped);
     }
     // Times the global-norm clipping factor (1 without clipping, so `inv` is then unchanged).
-    let inv = s.unscale() * s.clip_factor();
-    for i in 0..n {
-        let wi = w[i];
-        let mut gi = g[i] * inv;
-        if cfg.weight_decay != 0.0 {
-            gi += cfg.weight_decay * wi;
-        }
-        let d = match m.as_deref_mut() {
-            Some(m) if cfg.momentum != 0.0 => {
-                let mi = cfg.momentum * m[i] + gi;
-                m[i] = mi;
-                if cfg.nesterov {
-                    gi + cfg.momentum * mi
-                } else {
-                    mi
-                }
-            }
-            _ => gi,
-        };
-        let wn = wi - cfg.lr * d;
-        w[i] = wn;
-        a[i] = f32_to_f16(wn);
-    }
+    let rule = SgdRule {
+        inv: s.unscale() * s.clip_factor(),
+        wd: cfg.weight_decay,
+        mu: cfg.momentum,
+        lr: cfg.lr,
+        nesterov: cfg.nesterov,
+    };
+    // Without momentum the buffer is not touched (the kernel's `d = g'`).
+    let ms: Vec<Option<&mut [f32]>> = match m.filter(|_| cfg.momentum != 0.0) {
+        Some(m) => blocks::tasks_mut(m).into_iter().map(Some).collect(),
+        None => (0..n.div_ceil(blocks::PER_TASK)).map(|_| None).collect(),
+    };
+    let items: Vec<_> = blocks::tasks_mut(w)
+        .into_iter()
+        .zip(blocks::tasks_mut(a))
+        .zip(blocks::tasks(g))
+        .zip(ms)
+        .collect();
+    blocks::run(items, |(((w, a), g), m)| rule.apply(w, m, g, a));
     Ok(StepOutcome::Applied)
+}
+
+/// One SGD update's values, applied block by block ([`sgd_step`]'s formula, one rounding at a
+/// time in its order).
+#[derive(Clone, Copy)]
+struct SgdRule {
+    inv: f32,
+    wd: f32,
+    mu: f32,
+    lr: f32,
+    nesterov: bool,
+}
+
+impl SgdRule {
+    /// `w`, `m` (momentum on) and `a` of one task from its gradients `g`.
+    fn apply(&self, w: &mut [f32], mut m: Option<&mut [f32]>, g: &[f32], a: &mut [f16]) {
+        for start in (0..w.len()).step_by(blocks::BLOCK) {
+            let r = start..(start + blocks::BLOCK).min(w.len());
+            let (w, g) = (&mut w[r.clone()], &g[r.clone()]);
+            match m.as_deref_mut() {
+                Some(m) => self.with_momentum(w, &mut m[r.clone()], g),
+                None => self.plain(w, g),
+            }
+            blocks::narrow(w, &mut a[r]);
+        }
+    }
+
+    /// The unscaled, decayed gradient of one element.
+    #[inline(always)]
+    fn grad(&self, g: f32, w: f32) -> f32 {
+        let g = g * self.inv;
+        if self.wd != 0.0 {
+            g + self.wd * w
+        } else {
+            g
+        }
+    }
+
+    fn plain(&self, w: &mut [f32], g: &[f32]) {
+        for (w, &g) in w.iter_mut().zip(g) {
+            let d = self.grad(g, *w);
+            *w -= self.lr * d;
+        }
+    }
+
+    fn with_momentum(&self, w: &mut [f32], m: &mut [f32], g: &[f32]) {
+        for ((w, m), &g) in w.iter_mut().zip(m.iter_mut()).zip(g) {
+            let gi = self.grad(g, *w);
+            let mi = self.mu * *m + gi;
+            *m = mi;
+            let d = if self.nesterov { gi + self.mu * mi } else { mi };
+            *w -= self.lr * d;
+        }
+    }
 }
 
 /// CPU twin of `amp_ema_update` over one range.
@@ -229,10 +280,20 @@ pub fn ema_update(
     }
     let keep = decay;
     let take = 1.0f32 - decay;
-    for ((ei, hi), &wi) in e.iter_mut().zip(e16.iter_mut()).zip(w) {
-        let en = keep * *ei + take * wi;
-        *ei = en;
-        *hi = f32_to_f16(en);
-    }
+    let items: Vec<_> = blocks::tasks_mut(e)
+        .into_iter()
+        .zip(blocks::tasks_mut(e16))
+        .zip(blocks::tasks(w))
+        .collect();
+    blocks::run(items, |((e, e16), w)| {
+        for start in (0..e.len()).step_by(blocks::BLOCK) {
+            let r = start..(start + blocks::BLOCK).min(e.len());
+            let e = &mut e[r.clone()];
+            for (ei, &wi) in e.iter_mut().zip(&w[r.clone()]) {
+                *ei = keep * *ei + take * wi;
+            }
+            blocks::narrow(e, &mut e16[r]);
+        }
+    });
     Ok(StepOutcome::Applied)
 }

@@ -14,7 +14,8 @@
 
 use super::bn::{add_genstats_rows, bn_recompute, BnBwdCoefficients, ChannelStats};
 use super::conv::{
-    dgrad_acc, dgrad_chunks, dgrad_store, fprop_chunks, pad_fprop_input, wgrad_src, PadBuf, Src,
+    dgrad_acc, dgrad_chunks, dgrad_store, fprop_chunks, pad_fprop_input, wgrad_src_in,
+    widen_weights, ConvStore, PadBuf, Src,
 };
 use super::element::{Element, Real};
 use super::error::Result;
@@ -91,7 +92,8 @@ impl<T: Element> ConvInput<'_, T> {
 /// Storage one conv layer's CPU steps keep from one training step to the next: the forward
 /// conv's input in the arithmetic type, laid out (padded) for its gather, which the backward's
 /// wgrad reads again instead of recomputing it from the same FP16 tensors, and the padded copy
-/// of the backward's `dy`. Reuse changes no value: the cached input is used only for the very
+/// of the backward's `dy`, and the storage of the conv ops' larger temporaries (the weights
+/// widened and rearranged, wgrad's sums). Reuse changes no value: the cached input is used only for the very
 /// input it was computed from (see [`InputStamp`]), so the wgrad gathers exactly the column
 /// matrix it would have made itself.
 #[derive(Debug, Default)]
@@ -104,6 +106,8 @@ pub struct ConvScratch<T: Element> {
     dy: PadBuf<T::Acc>,
     /// Storage for the wgrad's `dy` in the arithmetic type.
     dy_acc: Vec<T::Acc>,
+    /// Storage of the conv ops' weights and sums.
+    conv: ConvStore<T::Acc>,
 }
 
 /// How a [`ConvScratch`] tells that a wgrad's input is the one its forward conv read.
@@ -301,7 +305,7 @@ pub fn fprop_genstats_with<T: Element>(
     check_len("w", w, p.w_elems())?;
     let k = p.k;
     y.resize(p.y_elems(), T::default());
-    let w = T::widen_slice(w);
+    let w = widen_weights(w, &mut scratch.conv.w);
     // The input is computed once into the scratch's padded copy (the values the gather would
     // compute on its way in), and kept for the backward's wgrad.
     scratch.key = None;
@@ -315,7 +319,7 @@ pub fn fprop_genstats_with<T: Element>(
     let partials = fprop_chunks(
         p,
         Src::Padded(&scratch.input.data),
-        &w,
+        w,
         &mut y,
         ROWS_PER_CHUNK,
         || vec![[0.0; 2]; k],
@@ -341,19 +345,21 @@ pub fn wgrad_with_prologue<T: Element>(
     input: ConvInput<'_, T>,
     dy: &[T],
 ) -> Result<Vec<T>> {
-    wgrad_with_prologue_with(p, input, dy, &mut ConvScratch::default(), None)
+    wgrad_with_prologue_with(p, input, dy, &mut ConvScratch::default(), None, Vec::new())
 }
 
 /// [`wgrad_with_prologue`] reading the conv's input from `scratch` where
 /// [`fprop_genstats_with`] left it for this very input (same shape, and the same `stamp` or
 /// the same FP16 tensors bit for bit: [`InputStamp`]), else computing it as
-/// [`wgrad_with_prologue`] does: the same values either way.
+/// [`wgrad_with_prologue`] does: the same values either way. `dw` is written into `dw`'s
+/// storage (any length; its contents are overwritten).
 pub fn wgrad_with_prologue_with<T: Element>(
     p: &ConvParams,
     input: ConvInput<'_, T>,
     dy: &[T],
     scratch: &mut ConvScratch<T>,
     stamp: InputStamp,
+    mut dw: Vec<T>,
 ) -> Result<Vec<T>> {
     p.validate()?;
     check_len("dy", dy, p.y_elems())?;
@@ -365,13 +371,18 @@ pub fn wgrad_with_prologue_with<T: Element>(
         .key
         .as_ref()
         .is_some_and(|k| k.matches(p, &input, stamp));
-    let dw = if cached {
-        wgrad_src(p, Src::Padded(&scratch.input.data), &dy)
+    let store = &mut scratch.conv;
+    let done = if cached {
+        wgrad_src_in(p, Src::Padded(&scratch.input.data), &dy, store).map(|_| ())
     } else {
-        input.with_src(p, |x| wgrad_src(p, x, &dy))
+        input.with_src(p, |x| wgrad_src_in(p, x, &dy, store).map(|_| ()))
     };
     scratch.dy_acc = dy;
-    Ok(T::store_slice(&dw?))
+    done?;
+    let dw_acc = scratch.conv.dw();
+    dw.resize(dw_acc.len(), T::default());
+    T::store_into(dw_acc, &mut dw);
+    Ok(dw)
 }
 
 /// [`super::conv_dgrad_into`] with the padded copy of `dy` kept in `scratch` (storage reused
@@ -383,7 +394,7 @@ pub fn conv_dgrad_with<T: Element>(
     scratch: &mut ConvScratch<T>,
     out: Vec<T>,
 ) -> Result<Vec<T>> {
-    dgrad_store(p, dy, w, Some(&mut scratch.dy), out)
+    dgrad_store(p, dy, w, Some(&mut scratch.dy), &mut scratch.conv, out)
 }
 
 /// The previous BN's saved statistics and learned parameters (FP32 `[c]`), as pattern 5 takes
@@ -506,7 +517,9 @@ pub fn dgrad_drelu_dbn_with<T: Element>(
     if let Some(dy_branch) = join.dy_branch {
         check_len("dy_branch", dy_branch, p.x_elems())?;
     }
-    let w = T::widen_slice(w);
+    let mut w_acc = std::mem::take(&mut scratch.conv.w);
+    widen_weights(w, &mut w_acc);
+    let w = w_acc;
     let ch = p.c;
     let mean64: Vec<f64> = bn.mean.iter().map(|v| v.to_f64()).collect();
     let inv_std64: Vec<f64> = bn.inv_std.iter().map(|v| v.to_f64()).collect();
@@ -529,6 +542,7 @@ pub fn dgrad_drelu_dbn_with<T: Element>(
         &mut dz,
         ROWS_PER_CHUNK,
         Some(&mut scratch.dy),
+        &mut scratch.conv.w_r,
         || (vec![[0.0; 2]; ch], Vec::new()),
         |(acc, scratch): &mut (Vec<[f64; 2]>, Vec<T::Acc>), first, tile, out| {
             let n = tile.len();
@@ -569,6 +583,7 @@ pub fn dgrad_drelu_dbn_with<T: Element>(
             BnBwdCoefficients::compute(&p.input_shape(), y_prev, &dz, bn.mean, bn.inv_std, bn.gamma)
         }
     };
+    scratch.conv.w = w;
     Ok(DgradDreluDbn {
         dz,
         dgamma: co.dgamma,

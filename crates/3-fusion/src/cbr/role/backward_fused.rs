@@ -163,6 +163,8 @@ pub(super) fn dgrad_drelu_dbn<T: Element, I: LayerIo<T> + ?Sized>(
 /// plain input.
 pub(super) fn wgrad<T: Element, I: LayerIo<T> + ?Sized>(cx: &Cx<'_>, io: &mut I) -> Result<()> {
     let plain_in = cx.plain_in();
+    // `dw`'s own storage (every element is overwritten), lent before the inputs are read.
+    let storage = io.take_half(k::DW.this())?;
     let mut scratch = io.take_scratch();
     let prologue = cx.through_bn() && cx.kind == RouteKind::Fused;
     let input = if prologue {
@@ -174,7 +176,7 @@ pub(super) fn wgrad<T: Element, I: LayerIo<T> + ?Sized>(cx: &Cx<'_>, io: &mut I)
     // `conv_wgrad`'s values either way.
     let stamp = input_stamp(io, prologue, plain_in);
     let dy = io.half(k::DY.this())?;
-    let dw = r::wgrad_with_prologue_with(&cx.p(), input, dy, &mut scratch, stamp);
+    let dw = r::wgrad_with_prologue_with(&cx.p(), input, dy, &mut scratch, stamp, storage);
     io.put_scratch(scratch);
     io.set_half(k::DW.this(), dw?)
 }

@@ -45,6 +45,36 @@ const TILE_ROWS: usize = 128;
 /// Most partial filters wgrad sums (bounds its extra memory to this many copies of `dw`).
 const WGRAD_GROUPS: usize = 8;
 
+/// Storage a layer's conv ops keep from step to step, rewritten by every call: the weights
+/// in the arithmetic type and arranged for dgrad, wgrad's partial sums and its `dw`. Large
+/// buffers allocated afresh on every call would be new pages every step (page faults and
+/// zeroing cost more than the arithmetic for networks with many weights at small batches).
+#[derive(Debug, Default)]
+pub(crate) struct ConvStore<A> {
+    /// The weights widened to the arithmetic type.
+    pub(crate) w: Vec<A>,
+    /// The weights as dgrad reads them ([`dgrad_weights_into`]).
+    pub(crate) w_r: Vec<A>,
+    /// wgrad's partial `dwᵀ`, one per group of tiles.
+    partials: Vec<Vec<A>>,
+    /// wgrad's `dw` (KRSC).
+    dw: Vec<A>,
+}
+
+impl<A> ConvStore<A> {
+    /// The `dw` (KRSC) the last [`wgrad_src_in`] left.
+    pub(crate) fn dw(&self) -> &[A] {
+        &self.dw
+    }
+}
+
+/// `w` widened into `into`'s storage (resized): the values of [`Element::widen_slice`].
+pub(crate) fn widen_weights<'s, T: Element>(w: &[T], into: &'s mut Vec<T::Acc>) -> &'s [T::Acc] {
+    into.resize(w.len(), T::Acc::ZERO);
+    T::widen_into(w, into);
+    into
+}
+
 /// `y = conv(x, w)`: `x` NHWC `[n, h, w, c]`, `w` KRSC `[k, r, s, c]` → `y` NHWC
 /// `[n, out_h, out_w, k]`, accumulated in `T::Acc` and rounded once to `T`.
 pub fn conv_fprop<T: Element>(p: &ConvParams, x: &[T], w: &[T]) -> Result<Vec<T>> {
@@ -69,21 +99,25 @@ pub fn conv_dgrad_into<T: Element>(
     w: &[T],
     out: Vec<T>,
 ) -> Result<Vec<T>> {
-    dgrad_store(p, dy, w, None, out)
+    dgrad_store(p, dy, w, None, &mut ConvStore::default(), out)
 }
 
-/// [`conv_dgrad_into`], with the padded copy of `dy` (stride 1) in `pad_buf` when given.
+/// [`conv_dgrad_into`], with the padded copy of `dy` (stride 1) in `pad_buf` when given and
+/// the weights' copies in `store`.
 pub(crate) fn dgrad_store<T: Element>(
     p: &ConvParams,
     dy: &[T],
     w: &[T],
     pad_buf: Option<&mut PadBuf<T::Acc>>,
+    store: &mut ConvStore<T::Acc>,
     mut out: Vec<T>,
 ) -> Result<Vec<T>> {
     p.validate()?;
     check_len("dy", dy, p.y_elems())?;
     check_len("w", w, p.w_elems())?;
-    let w = T::widen_slice(w);
+    let mut w_acc = std::mem::take(&mut store.w);
+    widen_weights(w, &mut w_acc);
+    let w = w_acc;
     out.resize(p.x_elems(), T::default());
     // Stride 1: `dy` widened straight into the gather's padded copy, and each tile stored
     // while in cache (the tiles of `dgrad_all_taps`, so the same values).
@@ -105,6 +139,7 @@ pub(crate) fn dgrad_store<T: Element>(
             &mut out,
             TILE_ROWS,
             pad_buf,
+            &mut store.w_r,
             || (),
             |_, _, tile, dst| T::store_into(tile, dst),
         )?
@@ -115,6 +150,7 @@ pub(crate) fn dgrad_store<T: Element>(
         let phases = phases_of(p, &w);
         phases_by_image(p, &phases, dy, T::widen_into, &mut out, T::store_into)?;
     }
+    store.w = w;
     Ok(out)
 }
 
@@ -200,7 +236,8 @@ where
 /// as [`fprop_chunks`]: each tile `[n_rows, c]` of the unrounded dgrad is handed with its first
 /// pixel and its rows of `out` (`c` values per pixel) to `sink(state, first, tile, out_rows)`.
 /// The same tiles, so the same values, as [`dgrad_all_taps`]. `None` for a strided conv (see
-/// [`dgrad_phases`]). `p` validated, lengths checked.
+/// [`dgrad_phases`]). The weights' dgrad arrangement goes into `w_r`'s storage. `p`
+/// validated, lengths checked.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn dgrad_chunks<A, O, S, I, F>(
     p: &ConvParams,
@@ -209,6 +246,7 @@ pub(crate) fn dgrad_chunks<A, O, S, I, F>(
     out: &mut [O],
     chunk_rows: usize,
     pad_buf: Option<&mut PadBuf<A>>,
+    w_r: &mut Vec<A>,
     init: I,
     sink: F,
 ) -> Result<Option<Vec<S>>>
@@ -223,9 +261,9 @@ where
         return Ok(None);
     }
     let taps = p.r * p.s;
-    let w_r = dgrad_weights(p, w);
+    dgrad_weights_into(p, w, w_r);
     let gatherer = Gatherer::from_src_in(PixelMap::dgrad(p), dy, p.k, taps, pad_buf);
-    let (rows, w_r) = (p.n * p.h * p.w, Mat::row_major(&w_r, p.c));
+    let (rows, w_r) = (p.n * p.h * p.w, Mat::row_major(w_r, p.c));
     gemm_chunks(
         &gatherer,
         rows,
@@ -320,14 +358,20 @@ pub(crate) fn dgrad_all_taps<A: Real>(p: &ConvParams, dy: &[A], w: &[A]) -> Resu
 /// `w` rearranged for dgrad as `[r*s, k, c]`: row `tap*k + k'` holds the `c` weights of filter
 /// `k'` at that tap.
 fn dgrad_weights<A: Real>(p: &ConvParams, w: &[A]) -> Vec<A> {
+    let mut w_r = Vec::new();
+    dgrad_weights_into(p, w, &mut w_r);
+    w_r
+}
+
+/// [`dgrad_weights`] into `w_r`'s storage (resized; every element is overwritten).
+fn dgrad_weights_into<A: Real>(p: &ConvParams, w: &[A], w_r: &mut Vec<A>) {
     let taps = p.r * p.s;
-    let mut w_r = vec![A::ZERO; taps * p.k * p.c];
+    w_r.resize(taps * p.k * p.c, A::ZERO);
     for (k, filter) in w.chunks_exact(taps * p.c).enumerate() {
         for (tap, weights) in filter.chunks_exact(p.c).enumerate() {
             w_r[(tap * p.k + k) * p.c..][..p.c].copy_from_slice(weights);
         }
     }
-    w_r
 }
 
 /// wgrad in the arithmetic type, unrounded. `p` validated, lengths checked.
@@ -338,6 +382,18 @@ pub(crate) fn wgrad_acc<A: Real>(p: &ConvParams, x: &[A], dy: &[A]) -> Result<Ve
 
 /// [`wgrad_acc`] from any [`Src`].
 pub(crate) fn wgrad_src<A: Real>(p: &ConvParams, x: Src<'_, A>, dy: &[A]) -> Result<Vec<A>> {
+    let mut store = ConvStore::default();
+    wgrad_src_in(p, x, dy, &mut store)?;
+    Ok(store.dw)
+}
+
+/// [`wgrad_src`] in `store`'s storage: `dw` (KRSC) is left in it and returned.
+pub(crate) fn wgrad_src_in<'s, A: Real>(
+    p: &ConvParams,
+    x: Src<'_, A>,
+    dy: &[A],
+    store: &'s mut ConvStore<A>,
+) -> Result<&'s [A]> {
     let (k, taps) = (p.k, p.r * p.s);
     let depth = taps * p.c;
     let rows = p.n * p.out_h() * p.out_w();
@@ -352,13 +408,19 @@ pub(crate) fn wgrad_src<A: Real>(p: &ConvParams, x: Src<'_, A>, dy: &[A]) -> Res
         Gatherer::Padded(g) if A::DIRECT && k >= 2 && depth >= 2 => Some((g, g.column_offsets())),
         _ => None,
     };
-    let partials = (0..groups)
-        .into_par_iter()
+    let partials = &mut store.partials;
+    partials.resize_with(groups.max(1), Vec::new);
+    partials
+        .par_iter_mut()
+        .take(groups)
+        .enumerate()
         // Column rows and bases per rayon job, reused by its groups.
-        .map_init(Scratch::default, |scratch, group| {
+        .try_for_each_init(Scratch::default, |scratch, (group, dw_t)| {
             // dwᵀ [depth, k]: the GEMM's long side is the filter depth, not the few output
             // channels (the faster orientation for the skinny shapes).
-            let mut dw_t = vec![A::ZERO; depth * k];
+            dw_t.clear();
+            dw_t.resize(depth * k, A::ZERO);
+            let dw_t = &mut dw_t[..];
             let last_tile = ((group + 1) * tiles_per_group).min(tiles);
             for tile in group * tiles_per_group..last_tile {
                 let first = tile * TILE_ROWS;
@@ -367,15 +429,7 @@ pub(crate) fn wgrad_src<A: Real>(p: &ConvParams, x: Src<'_, A>, dy: &[A]) -> Res
                 if let Some((g, eoff)) = &direct {
                     if (3..=512).contains(&n_rows) {
                         g.bases(first, n_rows, &mut scratch.bases);
-                        if A::direct(
-                            &g.src[..],
-                            eoff,
-                            &scratch.bases,
-                            dy_rows,
-                            k,
-                            &mut dw_t,
-                            true,
-                        ) {
+                        if A::direct(&g.src[..], eoff, &scratch.bases, dy_rows, k, dw_t, true) {
                             continue;
                         }
                     }
@@ -395,24 +449,39 @@ pub(crate) fn wgrad_src<A: Real>(p: &ConvParams, x: Src<'_, A>, dy: &[A]) -> Res
                     col_t,
                     Mat::row_major(dy_rows, k),
                     A::ONE,
-                    &mut dw_t,
+                    dw_t,
                 )?;
             }
-            Ok(dw_t)
-        })
-        .collect::<Result<Vec<Vec<A>>>>()?;
-    let mut partials = partials.into_iter();
-    let mut dw_t = partials.next().unwrap_or_else(|| vec![A::ZERO; depth * k]);
-    for partial in partials {
-        for (d, v) in dw_t.iter_mut().zip(partial) {
+            Ok(())
+        })?;
+    // No tiles: no group ran, and `dw` is zero.
+    if groups == 0 {
+        partials[0].clear();
+        partials[0].resize(depth * k, A::ZERO);
+    }
+    // The groups' partial sums added in group order.
+    let (dw_t, rest) = partials
+        .split_first_mut()
+        .expect("at least one partial (resized above)");
+    for partial in &rest[..groups.saturating_sub(1)] {
+        for (d, &v) in dw_t.iter_mut().zip(partial) {
             *d += v;
         }
     }
-    // KRSC: element (kk, j) of dw is element (j, kk) of dwᵀ.
-    let mut dw = vec![A::ZERO; k * depth];
-    for (j, row) in dw_t.chunks_exact(k).enumerate() {
-        for (kk, &v) in row.iter().enumerate() {
-            dw[kk * depth + j] = v;
+    // KRSC: element (kk, j) of dw is element (j, kk) of dwᵀ, copied in square blocks so that
+    // both sides' cache lines stay in cache while a block is moved.
+    const BLOCK: usize = 32;
+    let dw = &mut store.dw;
+    dw.resize(k * depth, A::ZERO);
+    for j0 in (0..depth).step_by(BLOCK) {
+        let js = j0..(j0 + BLOCK).min(depth);
+        for kk0 in (0..k).step_by(BLOCK) {
+            for kk in kk0..(kk0 + BLOCK).min(k) {
+                let out = &mut dw[kk * depth..][js.clone()];
+                for (o, j) in out.iter_mut().zip(js.clone()) {
+                    *o = dw_t[j * k + kk];
+                }
+            }
         }
     }
     Ok(dw)

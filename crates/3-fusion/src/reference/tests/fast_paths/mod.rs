@@ -521,11 +521,14 @@ fn conv_scratch_reuse_matches_the_plain_ops_bit_for_bit() {
                 assert_eq!(bits32(&got.stats.sum), bits32(&want.stats.sum), "sum {p:?}");
                 assert_eq!(bits32(&got.stats.sqsum), bits32(&want.stats.sqsum));
                 // The same input: from the scratch.
-                let dw = wgrad_with_prologue_with(&p, input, &dy, &mut scratch, stamp).unwrap();
+                let dw =
+                    wgrad_with_prologue_with(&p, input, &dy, &mut scratch, stamp, garbage(i % 7))
+                        .unwrap();
                 assert_eq!(bits(&dw), bits(&want_dw), "wgrad {p:?} {stamp:?}");
                 // Another input (with a new stamp where stamps are used): recomputed.
                 let new = stamp.map(|[a, b, c]| [a + 1000, b, c]);
-                let dw = wgrad_with_prologue_with(&p, changed, &dy, &mut scratch, new).unwrap();
+                let dw = wgrad_with_prologue_with(&p, changed, &dy, &mut scratch, new, Vec::new())
+                    .unwrap();
                 assert_eq!(bits(&dw), bits(&want_other), "changed {p:?} {stamp:?}");
                 // A stamp where the forward kept copies, or none where it kept a stamp:
                 // recomputed, not trusted.
@@ -534,7 +537,9 @@ fn conv_scratch_reuse_matches_the_plain_ops_bit_for_bit() {
                 } else {
                     Some([7, 7, 7])
                 };
-                let dw = wgrad_with_prologue_with(&p, changed, &dy, &mut scratch, mixed).unwrap();
+                let dw =
+                    wgrad_with_prologue_with(&p, changed, &dy, &mut scratch, mixed, garbage(3))
+                        .unwrap();
                 assert_eq!(bits(&dw), bits(&want_other), "mixed {p:?} {stamp:?}");
             }
         }
@@ -543,8 +548,15 @@ fn conv_scratch_reuse_matches_the_plain_ops_bit_for_bit() {
         let xq = finite(&mut rng, q.x_elems());
         let dyq = finite(&mut rng, q.y_elems());
         let want = wgrad_with_prologue(&q, ConvInput::Plain(&xq), &dyq).unwrap();
-        let got =
-            wgrad_with_prologue_with(&q, ConvInput::Plain(&xq), &dyq, &mut scratch, None).unwrap();
+        let got = wgrad_with_prologue_with(
+            &q,
+            ConvInput::Plain(&xq),
+            &dyq,
+            &mut scratch,
+            None,
+            Vec::new(),
+        )
+        .unwrap();
         assert_eq!(bits(&got), bits(&want), "other shape {q:?}");
 
         // dgrad_drelu_dbn through the scratch's reused `dy` storage, into reused `dz` storage.
