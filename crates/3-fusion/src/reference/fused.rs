@@ -15,7 +15,7 @@
 use super::bn::{add_genstats_rows, bn_recompute, BnBwdCoefficients, ChannelStats};
 use super::conv::{
     dgrad_acc, dgrad_chunks, dgrad_store, fprop_chunks, pad_fprop_input, wgrad_src_in,
-    widen_weights, ConvStore, PadBuf, Src,
+    widen_weights, with_store, PadBuf, Src,
 };
 use super::element::{Element, Real};
 use super::error::Result;
@@ -92,8 +92,8 @@ impl<T: Element> ConvInput<'_, T> {
 /// Storage one conv layer's CPU steps keep from one training step to the next: the forward
 /// conv's input in the arithmetic type, laid out (padded) for its gather, which the backward's
 /// wgrad reads again instead of recomputing it from the same FP16 tensors, and the padded copy
-/// of the backward's `dy`, and the storage of the conv ops' larger temporaries (the weights
-/// widened and rearranged, wgrad's sums). Reuse changes no value: the cached input is used only for the very
+/// of the backward's `dy` (the ops' weight-sized temporaries live in a store per thread instead:
+/// `conv::with_store`). Reuse changes no value: the cached input is used only for the very
 /// input it was computed from (see [`InputStamp`]), so the wgrad gathers exactly the column
 /// matrix it would have made itself.
 #[derive(Debug, Default)]
@@ -106,8 +106,6 @@ pub struct ConvScratch<T: Element> {
     dy: PadBuf<T::Acc>,
     /// Storage for the wgrad's `dy` in the arithmetic type.
     dy_acc: Vec<T::Acc>,
-    /// Storage of the conv ops' weights and sums.
-    conv: ConvStore<T::Acc>,
 }
 
 /// How a [`ConvScratch`] tells that a wgrad's input is the one its forward conv read.
@@ -305,32 +303,34 @@ pub fn fprop_genstats_with<T: Element>(
     check_len("w", w, p.w_elems())?;
     let k = p.k;
     y.resize(p.y_elems(), T::default());
-    let w = widen_weights(w, &mut scratch.conv.w);
-    // The input is computed once into the scratch's padded copy (the values the gather would
-    // compute on its way in), and kept for the backward's wgrad.
-    scratch.key = None;
-    input.with_src(p, |x| {
-        pad_fprop_input(p, x, &mut scratch.input);
-        Ok(())
-    })?;
-    InputKey::set(&mut scratch.key, p, &input, stamp);
-    // The conv's tiles are stored and summed while in cache, chunk by chunk as `genstats`
-    // sums (the same values, added in the same order).
-    let partials = fprop_chunks(
-        p,
-        Src::Padded(&scratch.input.data),
-        w,
-        &mut y,
-        ROWS_PER_CHUNK,
-        || vec![[0.0; 2]; k],
-        |acc, tile, out| {
-            T::store_into(tile, out);
-            T::widen_into(out, tile);
-            add_genstats_rows(tile, acc);
-        },
-    )?;
-    let stats = ChannelStats::from_sums(&add_partials(k, &partials));
-    Ok(FpropStats { y, stats })
+    with_store(|store| {
+        let w = widen_weights(w, &mut store.w);
+        // The input is computed once into the scratch's padded copy (the values the gather would
+        // compute on its way in), and kept for the backward's wgrad.
+        scratch.key = None;
+        input.with_src(p, |x| {
+            pad_fprop_input(p, x, &mut scratch.input);
+            Ok(())
+        })?;
+        InputKey::set(&mut scratch.key, p, &input, stamp);
+        // The conv's tiles are stored and summed while in cache, chunk by chunk as `genstats`
+        // sums (the same values, added in the same order).
+        let partials = fprop_chunks(
+            p,
+            Src::Padded(&scratch.input.data),
+            w,
+            &mut y,
+            ROWS_PER_CHUNK,
+            || vec![[0.0; 2]; k],
+            |acc, tile, out| {
+                T::store_into(tile, out);
+                T::widen_into(out, tile);
+                add_genstats_rows(tile, acc);
+            },
+        )?;
+        let stats = ChannelStats::from_sums(&add_partials(k, &partials));
+        Ok(FpropStats { y, stats })
+    })
 }
 
 /// Pattern 4 (ConvBNwgrad): `dw = wgrad(input, dy)`, FP16 KRSC `[k, r, s, c]`.
@@ -371,18 +371,19 @@ pub fn wgrad_with_prologue_with<T: Element>(
         .key
         .as_ref()
         .is_some_and(|k| k.matches(p, &input, stamp));
-    let store = &mut scratch.conv;
-    let done = if cached {
-        wgrad_src_in(p, Src::Padded(&scratch.input.data), &dy, store).map(|_| ())
-    } else {
-        input.with_src(p, |x| wgrad_src_in(p, x, &dy, store).map(|_| ()))
-    };
+    let done = with_store(|store| {
+        if cached {
+            wgrad_src_in(p, Src::Padded(&scratch.input.data), &dy, store)?;
+        } else {
+            input.with_src(p, |x| wgrad_src_in(p, x, &dy, store).map(|_| ()))?;
+        }
+        let dw_acc = store.dw();
+        dw.resize(dw_acc.len(), T::default());
+        T::store_into(dw_acc, &mut dw);
+        Ok(())
+    });
     scratch.dy_acc = dy;
-    done?;
-    let dw_acc = scratch.conv.dw();
-    dw.resize(dw_acc.len(), T::default());
-    T::store_into(dw_acc, &mut dw);
-    Ok(dw)
+    done.map(|()| dw)
 }
 
 /// [`super::conv_dgrad_into`] with the padded copy of `dy` kept in `scratch` (storage reused
@@ -394,7 +395,7 @@ pub fn conv_dgrad_with<T: Element>(
     scratch: &mut ConvScratch<T>,
     out: Vec<T>,
 ) -> Result<Vec<T>> {
-    dgrad_store(p, dy, w, Some(&mut scratch.dy), &mut scratch.conv, out)
+    with_store(|store| dgrad_store(p, dy, w, Some(&mut scratch.dy), store, out))
 }
 
 /// The previous BN's saved statistics and learned parameters (FP32 `[c]`), as pattern 5 takes
@@ -517,79 +518,86 @@ pub fn dgrad_drelu_dbn_with<T: Element>(
     if let Some(dy_branch) = join.dy_branch {
         check_len("dy_branch", dy_branch, p.x_elems())?;
     }
-    let mut w_acc = std::mem::take(&mut scratch.conv.w);
-    widen_weights(w, &mut w_acc);
-    let w = w_acc;
-    let ch = p.c;
-    let mean64: Vec<f64> = bn.mean.iter().map(|v| v.to_f64()).collect();
-    let inv_std64: Vec<f64> = bn.inv_std.iter().map(|v| v.to_f64()).collect();
-    dz.resize(p.x_elems(), T::default());
-    // `dy` widened straight into the gather's padded copy (the same values).
-    let k = p.k;
-    let fill = |first: usize, dst: &mut [T::Acc]| {
-        T::widen_into(&dy[first * k..first * k + dst.len()], dst);
-    };
-    let dy_src = Src::Fill {
-        pixels: p.n * p.out_h() * p.out_w(),
-        fill: &fill,
-    };
-    // Stride 1: each dgrad tile becomes dz and is summed (BN_BWD_WEIGHTS) while in cache, in
-    // the chunks and order of `BnBwdCoefficients::compute` (the same values and sums).
-    let chunked = dgrad_chunks(
-        p,
-        dy_src,
-        &w,
-        &mut dz,
-        ROWS_PER_CHUNK,
-        Some(&mut scratch.dy),
-        &mut scratch.conv.w_r,
-        || (vec![[0.0; 2]; ch], Vec::new()),
-        |(acc, scratch): &mut (Vec<[f64; 2]>, Vec<T::Acc>), first, tile, out| {
-            let n = tile.len();
-            scratch.resize(4 * n, T::Acc::ZERO);
-            let (ins, res) = scratch.split_at_mut(3 * n);
-            drelu_dbn_rows(ch, first * ch, tile, y_prev, bn, join, ins, res);
-            T::store_into(res, out);
-            T::widen_into(out, res);
-            BnBwdCoefficients::add_rows(&ins[..n], res, &mean64, &inv_std64, acc);
-        },
-    )?;
-    let co = match chunked {
-        Some(partials) => {
-            let partials: Vec<Vec<[f64; 2]>> = partials.into_iter().map(|(acc, _)| acc).collect();
-            BnBwdCoefficients::from_sums(
-                &add_partials(ch, &partials),
-                p.n * p.h * p.w,
-                bn.mean,
-                bn.inv_std,
-                bn.gamma,
-            )
-        }
-        None => {
-            let dxc = dgrad_acc(p, &T::widen_slice(dy), &w)?;
-            dz = map_blocks_into(dz, dxc.len(), ch, |first, ins, out| {
-                let n = out.len();
-                drelu_dbn_rows(
-                    ch,
-                    first,
-                    &dxc[first..first + n],
+    with_store(|store| {
+        let w = widen_weights(w, &mut store.w);
+        let ch = p.c;
+        let mean64: Vec<f64> = bn.mean.iter().map(|v| v.to_f64()).collect();
+        let inv_std64: Vec<f64> = bn.inv_std.iter().map(|v| v.to_f64()).collect();
+        dz.resize(p.x_elems(), T::default());
+        // `dy` widened straight into the gather's padded copy (the same values).
+        let k = p.k;
+        let fill = |first: usize, dst: &mut [T::Acc]| {
+            T::widen_into(&dy[first * k..first * k + dst.len()], dst);
+        };
+        let dy_src = Src::Fill {
+            pixels: p.n * p.out_h() * p.out_w(),
+            fill: &fill,
+        };
+        // Stride 1: each dgrad tile becomes dz and is summed (BN_BWD_WEIGHTS) while in cache, in
+        // the chunks and order of `BnBwdCoefficients::compute` (the same values and sums).
+        let chunked = dgrad_chunks(
+            p,
+            dy_src,
+            w,
+            &mut dz,
+            ROWS_PER_CHUNK,
+            Some(&mut scratch.dy),
+            &mut store.w_r,
+            || (vec![[0.0; 2]; ch], Vec::new()),
+            |(acc, scratch): &mut (Vec<[f64; 2]>, Vec<T::Acc>), first, tile, out| {
+                let n = tile.len();
+                scratch.resize(4 * n, T::Acc::ZERO);
+                let (ins, res) = scratch.split_at_mut(3 * n);
+                drelu_dbn_rows(ch, first * ch, tile, y_prev, bn, join, ins, res);
+                T::store_into(res, out);
+                T::widen_into(out, res);
+                BnBwdCoefficients::add_rows(&ins[..n], res, &mean64, &inv_std64, acc);
+            },
+        )?;
+        let co = match chunked {
+            Some(partials) => {
+                let partials: Vec<Vec<[f64; 2]>> =
+                    partials.into_iter().map(|(acc, _)| acc).collect();
+                BnBwdCoefficients::from_sums(
+                    &add_partials(ch, &partials),
+                    p.n * p.h * p.w,
+                    bn.mean,
+                    bn.inv_std,
+                    bn.gamma,
+                )
+            }
+            None => {
+                let dxc = dgrad_acc(p, &T::widen_slice(dy), w)?;
+                dz = map_blocks_into(dz, dxc.len(), ch, |first, ins, out| {
+                    let n = out.len();
+                    drelu_dbn_rows(
+                        ch,
+                        first,
+                        &dxc[first..first + n],
+                        y_prev,
+                        bn,
+                        join,
+                        ins,
+                        out,
+                    );
+                });
+                BnBwdCoefficients::compute(
+                    &p.input_shape(),
                     y_prev,
-                    bn,
-                    join,
-                    ins,
-                    out,
-                );
-            });
-            BnBwdCoefficients::compute(&p.input_shape(), y_prev, &dz, bn.mean, bn.inv_std, bn.gamma)
-        }
-    };
-    scratch.conv.w = w;
-    Ok(DgradDreluDbn {
-        dz,
-        dgamma: co.dgamma,
-        dbeta: co.dbeta,
-        a: co.a,
-        b: co.b,
-        c: co.c,
+                    &dz,
+                    bn.mean,
+                    bn.inv_std,
+                    bn.gamma,
+                )
+            }
+        };
+        Ok(DgradDreluDbn {
+            dz,
+            dgamma: co.dgamma,
+            dbeta: co.dbeta,
+            a: co.a,
+            b: co.b,
+            c: co.c,
+        })
     })
 }

@@ -45,10 +45,11 @@ const TILE_ROWS: usize = 128;
 /// Most partial filters wgrad sums (bounds its extra memory to this many copies of `dw`).
 const WGRAD_GROUPS: usize = 8;
 
-/// Storage a layer's conv ops keep from step to step, rewritten by every call: the weights
-/// in the arithmetic type and arranged for dgrad, wgrad's partial sums and its `dw`. Large
-/// buffers allocated afresh on every call would be new pages every step (page faults and
-/// zeroing cost more than the arithmetic for networks with many weights at small batches).
+/// Storage the conv ops reuse from call to call, rewritten by every call: the weights in the
+/// arithmetic type and arranged for dgrad, wgrad's partial sums and its `dw`. Large buffers
+/// allocated afresh on every call would be new pages every step (page faults and zeroing cost
+/// more than the arithmetic for networks with many weights at small batches). One store per
+/// thread ([`with_store`]), so it holds the largest layer's temporaries, not every layer's.
 #[derive(Debug, Default)]
 pub(crate) struct ConvStore<A> {
     /// The weights widened to the arithmetic type.
@@ -59,6 +60,35 @@ pub(crate) struct ConvStore<A> {
     partials: Vec<Vec<A>>,
     /// wgrad's `dw` (KRSC).
     dw: Vec<A>,
+}
+
+thread_local! {
+    /// This thread's stores, one per arithmetic type (`ConvStore<f32>`, `ConvStore<f64>`).
+    static STORES: std::cell::RefCell<Vec<Box<dyn std::any::Any>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with this thread's [`ConvStore`] for `A`, or with a new one while the thread's
+/// is in use (an op that rayon's work stealing ran on this thread while another op here waits
+/// for its parallel part). Which store an op gets changes no value: every call rewrites what
+/// it reads.
+pub(crate) fn with_store<A: Real, R>(f: impl FnOnce(&mut ConvStore<A>) -> R) -> R {
+    STORES.with(|cell| {
+        let Ok(mut stores) = cell.try_borrow_mut() else {
+            return f(&mut ConvStore::default());
+        };
+        let at = match stores.iter().position(|s| s.is::<ConvStore<A>>()) {
+            Some(at) => at,
+            None => {
+                stores.push(Box::new(ConvStore::<A>::default()));
+                stores.len() - 1
+            }
+        };
+        match stores[at].downcast_mut::<ConvStore<A>>() {
+            Some(store) => f(store),
+            None => f(&mut ConvStore::default()),
+        }
+    })
 }
 
 impl<A> ConvStore<A> {

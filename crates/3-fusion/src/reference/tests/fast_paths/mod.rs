@@ -675,3 +675,35 @@ fn strided_dgrad_by_image_matches_the_replaced_phases_bit_for_bit() {
         assert_eq!(bits(&got), bits(&f16::store_slice(&want)), "fp16 {p:?}");
     }
 }
+
+/// An op that finds its thread's conv store in use (rayon's work stealing ran it while another
+/// op on the thread waits for its parallel part) works on a fresh store of its own: the same
+/// values as with the thread's store, and the outer op's store is left alone.
+#[test]
+fn an_op_run_inside_another_ops_store_gives_the_same_values() {
+    use crate::reference::conv::with_store;
+    let mut rng = Rng::new(0x71);
+    for p in conv_shapes() {
+        let x = finite(&mut rng, p.x_elems());
+        let w = finite(&mut rng, p.w_elems());
+        let dy = finite(&mut rng, p.y_elems());
+        let want_y = fprop_genstats(&p, ConvInput::Plain(&x), &w).unwrap();
+        let want_dw = wgrad_with_prologue(&p, ConvInput::Plain(&x), &dy).unwrap();
+        let want_dx =
+            conv_dgrad_with(&p, &dy, &w, &mut ConvScratch::default(), Vec::new()).unwrap();
+        with_store::<f32, _>(|outer| {
+            outer.w = vec![7.0; 3];
+            let y = fprop_genstats(&p, ConvInput::Plain(&x), &w).unwrap();
+            let dw = wgrad_with_prologue(&p, ConvInput::Plain(&x), &dy).unwrap();
+            let dx = conv_dgrad_with(&p, &dy, &w, &mut ConvScratch::default(), Vec::new()).unwrap();
+            assert_eq!(bits(&y.y), bits(&want_y.y), "y {p:?}");
+            assert_eq!(bits(&dw), bits(&want_dw), "dw {p:?}");
+            assert_eq!(bits(&dx), bits(&want_dx), "dx {p:?}");
+            assert_eq!(
+                outer.w,
+                vec![7.0; 3],
+                "the outer op's store was used by the inner ops"
+            );
+        });
+    }
+}
