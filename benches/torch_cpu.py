@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """PyTorch CPU side-by-side for the main job on the CPU executor: trains the same network
 (crates/6-trainer/src, `--net mini`: a 3x3 stem to `width` channels, a basic block of `width`, a basic
-block of 2*width with stride 2 and a 1x1 projection shortcut, global average pool, FC) on
+block of 2*width with stride 2 and a 1x1 projection shortcut, global average pool, FC; or with
+`--net resnet18|resnet34|resnet50` torchvision's ResNet v1.5 on 8 input channels, as
+src/net/spec.rs builds them) on
 `batch` images of hw x hw x 8 (8 classes) with SGD (lr, momentum 0.9, weight decay 5e-4) in
 eager float32, channels_last, on `--threads` threads; then runs our main job
 (`train_cbr --device cpu` with the same shapes, steps and thread count) and prints one table
@@ -16,8 +18,8 @@ and exits 0; without the train_cbr binary it says how to build it and exits 0.
 `ATEN_CPU_CAPABILITY=avx2` and `ONEDNN_MAX_CPU_ISA=AVX2` (its own kernels and oneDNN's
 convolutions), ours with `CUDNN_CBR_CPU_SIMD=avx2` (the same bits, AVX2 lanes).
 
-    python3 benches/torch_cpu.py [--steps 200] [--threads 2] [--batch 32] [--hw 16]
-        [--width 16] [--simd avx512|avx2] [--bin target/release/examples/train_cbr]
+    python3 benches/torch_cpu.py [--net mini] [--steps 200] [--threads 2] [--batch 32]
+        [--hw 16] [--width 16] [--simd avx512|avx2] [--bin target/release/examples/train_cbr]
 """
 import argparse
 import os
@@ -61,10 +63,59 @@ def torch_net(torch, width, classes):
                          nn.Linear(2 * width, classes))
 
 
+RESNETS = {"resnet18": ([2, 2, 2, 2], False), "resnet34": ([3, 4, 6, 3], False),
+           "resnet50": ([3, 4, 6, 3], True)}
+
+
+def torch_resnet(torch, blocks, bottleneck, classes):
+    """torchvision's ResNet v1.5 (the stride in the 3x3 of a bottleneck), written out."""
+    nn = torch.nn
+    expansion = 4 if bottleneck else 1
+
+    def conv_bn(cin, cout, k, stride):
+        return nn.Sequential(nn.Conv2d(cin, cout, k, stride=stride, padding=k // 2, bias=False),
+                             nn.BatchNorm2d(cout))
+
+    class Block(nn.Module):
+        def __init__(self, cin, width, stride):
+            super().__init__()
+            out = width * expansion
+            if bottleneck:
+                convs = [conv_bn(cin, width, 1, 1), conv_bn(width, width, 3, stride),
+                         conv_bn(width, out, 1, 1)]
+            else:
+                convs = [conv_bn(cin, width, 3, stride), conv_bn(width, out, 3, 1)]
+            self.convs = nn.ModuleList(convs)
+            self.short = None
+            if stride != 1 or cin != out:
+                self.short = conv_bn(cin, out, 1, stride)
+
+        def forward(self, x):
+            y = x
+            for i, c in enumerate(self.convs):
+                y = c(y)
+                if i + 1 < len(self.convs):
+                    y = torch.relu(y)
+            return torch.relu(y + (x if self.short is None else self.short(x)))
+
+    layers = [conv_bn(CHANNELS, 64, 7, 2), nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1)]
+    cin = 64
+    for i, n in enumerate(blocks):
+        for j in range(n):
+            layers.append(Block(cin, 64 << i, 2 if i > 0 and j == 0 else 1))
+            cin = (64 << i) * expansion
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
+    return nn.Sequential(*layers)
+
+
 def run_torch(torch, args):
     torch.set_num_threads(args.threads)
     torch.manual_seed(1)
-    model = torch_net(torch, args.width, CLASSES).to(memory_format=torch.channels_last)
+    if args.net == "mini":
+        model = torch_net(torch, args.width, CLASSES)
+    else:
+        model = torch_resnet(torch, *RESNETS[args.net], CLASSES)
+    model = model.to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
     loss_fn = torch.nn.CrossEntropyLoss()
     pool = [(torch.randn(args.batch, CHANNELS, args.hw, args.hw)
@@ -89,7 +140,8 @@ def run_torch(torch, args):
 
 
 def run_ours(args):
-    cmd = [args.bin, "--device", "cpu", "--steps", str(args.steps), "--batch", str(args.batch),
+    cmd = [args.bin, "--device", "cpu", "--net", args.net, "--steps", str(args.steps),
+           "--batch", str(args.batch),
            "--hw", str(args.hw), "--width", str(args.width), "--lr", str(args.lr)]
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
     if args.simd:
@@ -107,6 +159,8 @@ def run_ours(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--net", choices=["mini", *RESNETS], default="mini",
+                    help="the network (mini: the main job's; --width is mini's only)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
@@ -133,7 +187,8 @@ def main():
               "`cargo build --release -p cudnn-cbr-trainer --example train_cbr` "
               "or pass --bin")
         return 0
-    print(f"torch {torch.__version__}; mini net width {args.width}, {args.hw}x{args.hw}x"
+    net = f"mini net width {args.width}" if args.net == "mini" else args.net
+    print(f"torch {torch.__version__}; {net}, {args.hw}x{args.hw}x"
           f"{CHANNELS} inputs, {CLASSES} classes, batch {args.batch}, {args.steps} steps, "
           f"{args.threads} threads; CPU capability {torch.backends.cpu.get_cpu_capability()}")
     theirs = run_torch(torch, args)
