@@ -7,16 +7,21 @@ mod common;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 
-/// Runs `name args`, reads its first line of output, closes the pipe and returns the first
-/// line, the exit code and the error output.
-fn first_line_then_close(name: &str, args: &[&str]) -> (String, Option<i32>, String) {
-    let mut child = Command::new(common::example(name))
+/// `name args` started from the repository root, both outputs piped.
+fn spawn(name: &str, args: &[&str]) -> std::process::Child {
+    Command::new(common::example(name))
         .args(args)
         .current_dir(common::repo_root())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("spawn the example");
+        .expect("spawn the example")
+}
+
+/// Runs `name args`, reads its first line of output, closes the pipe and returns the first
+/// line, the exit code and the error output.
+fn first_line_then_close(name: &str, args: &[&str]) -> (String, Option<i32>, String) {
+    let mut child = spawn(name, args);
     let mut first = String::new();
     BufReader::new(child.stdout.take().expect("piped stdout"))
         .read_line(&mut first)
@@ -30,13 +35,7 @@ fn first_line_then_close(name: &str, args: &[&str]) -> (String, Option<i32>, Str
 /// Runs `name args` with its error output's reader gone from the start, and returns the
 /// exit code and the standard output.
 fn run_with_stderr_closed(name: &str, args: &[&str]) -> (Option<i32>, String) {
-    let mut child = Command::new(common::example(name))
-        .args(args)
-        .current_dir(common::repo_root())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn the example");
+    let mut child = spawn(name, args);
     // Every later line on stderr meets a closed pipe (a panic's own message too, so the exit
     // code is what tells: 101 for a panic).
     drop(child.stderr.take());

@@ -145,9 +145,7 @@ pub(crate) fn dgrad_store<T: Element>(
     p.validate()?;
     check_len("dy", dy, p.y_elems())?;
     check_len("w", w, p.w_elems())?;
-    let mut w_acc = std::mem::take(&mut store.w);
-    widen_weights(w, &mut w_acc);
-    let w = w_acc;
+    let w = widen_weights(w, &mut store.w);
     out.resize(p.x_elems(), T::default());
     // Stride 1: `dy` widened straight into the gather's padded copy, and each tile stored
     // while in cache (the tiles of `dgrad_all_taps`, so the same values).
@@ -165,7 +163,7 @@ pub(crate) fn dgrad_store<T: Element>(
         dgrad_chunks(
             p,
             dy_src,
-            &w,
+            w,
             &mut out,
             TILE_ROWS,
             pad_buf,
@@ -177,10 +175,9 @@ pub(crate) fn dgrad_store<T: Element>(
     if chunked.is_none() {
         // Strided: by phases, each image's `dy` widened and its `dx` stored in turn (the
         // values of `dgrad_phases`).
-        let phases = phases_of(p, &w);
+        let phases = phases_of(p, w);
         phases_by_image(p, &phases, dy, T::widen_into, &mut out, T::store_into)?;
     }
-    store.w = w;
     Ok(out)
 }
 
