@@ -49,8 +49,7 @@ pub fn accum_grads(
         .collect();
     blocks::run(items, |(g, acc, g16)| {
         let mut wide = vec![0.0f32; blocks::BLOCK];
-        for start in (0..g.len()).step_by(blocks::BLOCK) {
-            let r = start..(start + blocks::BLOCK).min(g.len());
+        for r in blocks::block_ranges(g.len()) {
             // This block's G16 values, widened (`f16_to_f32`); none past G16's end.
             let g16 = &g16[g16.len().min(r.start)..g16.len().min(r.end)];
             let covered = g16.len();

@@ -40,6 +40,13 @@ pub(crate) fn widen(src: &[f16], dst: &mut [f32]) {
     }
 }
 
+/// The index ranges of a task's blocks of [`BLOCK`] elements (the last one shorter).
+pub(crate) fn block_ranges(len: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    (0..len)
+        .step_by(BLOCK)
+        .map(move |start| start..(start + BLOCK).min(len))
+}
+
 /// Splits `v` into tasks of [`PER_TASK`] elements.
 pub(crate) fn tasks_mut<T>(v: &mut [T]) -> Vec<&mut [T]> {
     v.chunks_mut(PER_TASK).collect()

@@ -209,8 +209,7 @@ struct SgdRule {
 impl SgdRule {
     /// `w`, `m` (momentum on) and `a` of one task from its gradients `g`.
     fn apply(&self, w: &mut [f32], mut m: Option<&mut [f32]>, g: &[f32], a: &mut [f16]) {
-        for start in (0..w.len()).step_by(blocks::BLOCK) {
-            let r = start..(start + blocks::BLOCK).min(w.len());
+        for r in blocks::block_ranges(w.len()) {
             let (w, g) = (&mut w[r.clone()], &g[r.clone()]);
             match m.as_deref_mut() {
                 Some(m) => self.with_momentum(w, &mut m[r.clone()], g),
@@ -286,8 +285,7 @@ pub fn ema_update(
         .zip(blocks::tasks(w))
         .collect();
     blocks::run(items, |((e, e16), w)| {
-        for start in (0..e.len()).step_by(blocks::BLOCK) {
-            let r = start..(start + blocks::BLOCK).min(e.len());
+        for r in blocks::block_ranges(e.len()) {
             let e = &mut e[r.clone()];
             for (ei, &wi) in e.iter_mut().zip(&w[r.clone()]) {
                 *ei = keep * *ei + take * wi;
