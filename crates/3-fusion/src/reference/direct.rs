@@ -19,9 +19,16 @@
 //! destination (`fma(1, acc, dst)`, which is `acc + dst` rounded once). These kernels do the
 //! same per element, in vector lanes of any width (an element never meets another lane), so
 //! AVX2 and AVX-512 give the same bits. The crate takes other paths, with other arithmetic,
-//! for some shapes (a reduced dimension over 512 split in cache-sized blocks, tiny products
-//! summed across lanes, vector-vector cases): callers use these tiles only where it takes
-//! the kernel path (`conv/tile.rs`), and the gather and `gemm` otherwise.
+//! for some shapes (tiny products summed across lanes, vector-vector cases): callers use these
+//! tiles only where it takes the kernel path (`conv/tile.rs`), and the gather and `gemm`
+//! otherwise.
+//!
+//! A reduced dimension deeper than 512 goes in blocks ([`reduction_blocks`]): each block's sum
+//! starts at `+0` and is then stored (the first, unless adding) or added to the destination,
+//! as the crate does with its cache-sized blocks. The crate sizes its blocks from the L1 data
+//! cache's geometry; these tiles always use the sizes it picks for a 32 KiB 8-way L1 (the
+//! usual one, this workspace's test machines' among them), so their bits do not depend on the
+//! CPU's caches where the crate's would.
 #![allow(unsafe_code)]
 
 /// The instruction set the tiles run with (see [`level`]).
@@ -37,22 +44,15 @@ pub(crate) enum Level {
 
 /// The widest tiles this CPU runs (feature detection is cached by the standard library).
 pub(crate) fn level() -> Level {
+    use super::simd::CpuSimd;
     let cap = super::simd::cap();
-    #[cfg(target_arch = "x86_64")]
-    {
-        use super::simd::CpuSimd;
-        let avx2 = cap >= CpuSimd::Avx2
-            && std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma");
-        if avx2 && cap >= CpuSimd::Avx512 && std::arch::is_x86_feature_detected!("avx512f") {
-            return Level::Avx512;
-        }
-        if avx2 {
-            return Level::Avx2;
-        }
+    if cap >= CpuSimd::Avx512 && has(Level::Avx512) {
+        Level::Avx512
+    } else if cap >= CpuSimd::Avx2 && has(Level::Avx2) {
+        Level::Avx2
+    } else {
+        Level::None
     }
-    let _ = cap;
-    Level::None
 }
 
 /// `out[i·cout + o] = Σ_s src[p[i] + q[s]] · m[s·cout + o]` (or `+=` where `add`), in the
@@ -95,39 +95,87 @@ pub(crate) fn product_with(
     {
         return false;
     }
-    let tile = Tile {
-        src: src.as_ptr(),
-        q,
-        m: m.as_ptr(),
-        cout,
-        add,
+    if level == Level::None || !has(level) {
+        return false;
+    }
+    for block in reduction_blocks(p.len(), cout, q.len()) {
+        let tile = Tile {
+            src: src.as_ptr(),
+            q: &q[block.clone()],
+            // In bounds: `block.start < q.len()`, and `m` holds `q.len()` rows of `cout`.
+            m: m[block.start * cout..].as_ptr(),
+            cout,
+            // The first block is stored (unless adding), the later ones added.
+            add: add || block.start > 0,
+        };
+        run(level, &tile, p, out);
+    }
+    true
+}
+
+/// The deepest reduction block: what the `gemm` crate's kernel parameters give for `f32` on a
+/// 32 KiB 8-way L1 data cache (its FMA kernels' 16×6 microtiles).
+pub(crate) const BLOCK_DEPTH: usize = 512;
+
+/// The blocks a reduction `depth` deep is summed in for a product of `m` rows by `n` columns:
+/// the `gemm` crate's, for a 32 KiB 8-way L1 (module docs). Products of at most 64×64 take
+/// blocks of [`BLOCK_DEPTH`] and a last, shorter one; larger products `⌈depth / 512⌉` blocks of
+/// equal depth (the last shorter by the rounding).
+pub(crate) fn reduction_blocks(
+    m: usize,
+    n: usize,
+    depth: usize,
+) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let size = if m <= 64 && n <= 64 {
+        depth.min(BLOCK_DEPTH)
+    } else {
+        depth.div_ceil(depth.div_ceil(BLOCK_DEPTH).max(1))
     };
+    // An empty reduction is one empty block: the tile stores zeros.
+    (0..depth.max(1))
+        .step_by(size.max(1))
+        .map(move |start| start..(start + size).min(depth))
+}
+
+/// Whether this CPU has `level`'s instruction sets.
+fn has(level: Level) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 = std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma");
+        match level {
+            Level::Avx512 => avx2 && std::arch::is_x86_feature_detected!("avx512f"),
+            Level::Avx2 => avx2,
+            Level::None => false,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = level;
+        false
+    }
+}
+
+/// One block's tile at `level`, which this CPU has ([`has`]).
+fn run(level: Level, tile: &Tile<'_>, p: &[usize], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     match level {
-        Level::Avx512
-            if std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma") =>
-        {
+        Level::Avx512 if has(Level::Avx512) => {
             // SAFETY: the CPU has AVX-512F, AVX2 and FMA (checked just above); every index
-            // the tile reads or writes was checked above (`m`: `q.len()` rows of `cout`;
-            // `out`: `p.len()` rows of `cout`; every `p[i] + q[s]` below `src.len()`), and
-            // `out` is borrowed mutably, so it aliases neither `src` nor `m`.
-            unsafe { x86::run_avx512(&tile, p, out.as_mut_ptr()) };
-            return true;
+            // the tile reads or writes was checked by `product_with` (its block of `m`:
+            // `tile.q.len()` rows of `cout` from the block's first row; `out`: `p.len()` rows
+            // of `cout`; every `p[i] + q[s]` below `src.len()`), and `out` is borrowed
+            // mutably, so it aliases neither `src` nor `m`.
+            unsafe { x86::run_avx512(tile, p, out.as_mut_ptr()) };
         }
-        Level::Avx2
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma") =>
-        {
+        Level::Avx2 if has(Level::Avx2) => {
             // SAFETY: as above, with AVX2 and FMA checked just above.
-            unsafe { x86::run_avx2(&tile, p, out.as_mut_ptr()) };
-            return true;
+            unsafe { x86::run_avx2(tile, p, out.as_mut_ptr()) };
         }
         _ => {}
     }
-    let _ = (level, tile);
-    false
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (level, tile, p, out);
 }
 
 /// The operands of [`product`] every block shares.
@@ -389,19 +437,56 @@ mod x86 {
 mod tests {
     use super::*;
 
-    /// The sum written out: `acc = fma(src, m, acc)` from `+0` in `s` order.
-    fn naive(src: &[f32], p: &[usize], q: &[usize], m: &[f32], cout: usize) -> Vec<f32> {
-        let mut out = vec![0.0f32; p.len() * cout];
-        for (i, &pi) in p.iter().enumerate() {
-            for o in 0..cout {
-                let mut acc = 0.0f32;
-                for (s, &qs) in q.iter().enumerate() {
-                    acc = src[pi + qs].mul_add(m[s * cout + o], acc);
+    /// The sum written out: per reduction block, `acc = fma(src, m, acc)` from `+0` in `s`
+    /// order, stored (the first block, without `base`) or added to the output (`out + acc`;
+    /// the output starts as `base` where given).
+    fn naive(
+        src: &[f32],
+        p: &[usize],
+        q: &[usize],
+        m: &[f32],
+        cout: usize,
+        base: Option<&[f32]>,
+    ) -> Vec<f32> {
+        let mut out = base.map_or_else(|| vec![0.0f32; p.len() * cout], <[f32]>::to_vec);
+        for block in reduction_blocks(p.len(), cout, q.len()) {
+            for (i, &pi) in p.iter().enumerate() {
+                for o in 0..cout {
+                    let mut acc = 0.0f32;
+                    for s in block.clone() {
+                        acc = src[pi + q[s]].mul_add(m[s * cout + o], acc);
+                    }
+                    let dst = &mut out[i * cout + o];
+                    *dst = if block.start == 0 && base.is_none() {
+                        acc
+                    } else {
+                        *dst + acc
+                    };
                 }
-                out[i * cout + o] = acc;
             }
         }
         out
+    }
+
+    #[test]
+    fn reductions_deeper_than_512_go_in_the_gemm_crates_blocks() {
+        // (Vectors of ranges, as `collect` makes them.)
+        #[allow(clippy::single_range_in_vec_init)]
+        let blocks = |m, n, depth| reduction_blocks(m, n, depth).collect::<Vec<_>>();
+        // Up to 512 deep: one block (an empty reduction too: the tile stores zeros).
+        assert_eq!(blocks(128, 64, 512), vec![0..512]);
+        assert_eq!(blocks(128, 64, 0), vec![0..0]);
+        // Deeper, past 64×64 outputs: ⌈depth / 512⌉ blocks of equal depth.
+        assert_eq!(blocks(128, 64, 576), [0..288, 288..576]);
+        assert_eq!(blocks(65, 8, 1152), [0..384, 384..768, 768..1152]);
+        assert_eq!(
+            blocks(128, 512, 2304),
+            [0..461, 461..922, 922..1383, 1383..1844, 1844..2304]
+        );
+        assert_eq!(blocks(16, 512, 4608).len(), 9);
+        // At most 64×64 outputs: 512 deep, then the rest.
+        assert_eq!(blocks(64, 64, 576), [0..512, 512..576]);
+        assert_eq!(blocks(3, 40, 1100), [0..512, 512..1024, 1024..1100]);
     }
 
     fn values(n: usize, seed: u32) -> Vec<f32> {
@@ -412,6 +497,10 @@ mod tests {
                 ((state >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 3.0
             })
             .collect()
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
     }
 
     #[test]
@@ -425,6 +514,9 @@ mod tests {
             (7, 33, 40),
             (30, 5, 56),
             (1, 288, 24),
+            // Reductions in blocks: 512 + 188 (at most 64×64 outputs), 367 + 367 + 366.
+            (9, 700, 40),
+            (70, 1100, 24),
         ]
         .iter()
         .enumerate()
@@ -433,7 +525,7 @@ mod tests {
             let m = values(depth * cout, 100 + case as u32);
             let p: Vec<usize> = (0..rows).map(|i| (i * 37) % 2000).collect();
             let q: Vec<usize> = (0..depth).map(|d| (d * 11) % 1500).collect();
-            let want = naive(&src, &p, &q, &m, cout);
+            let want = naive(&src, &p, &q, &m, cout, None);
             for level in levels {
                 let mut out = vec![f32::NAN; rows * cout];
                 if !product_with(level, &src, &p, &q, &m, cout, &mut out, false) {
@@ -445,13 +537,12 @@ mod tests {
                     .zip(&want)
                     .all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "{level:?}, rows {rows} depth {depth} cout {cout}");
-                // Adding to a destination: `dst + acc`, rounded once.
+                // Adding to a destination: `dst + acc` per block, each rounded once.
                 let base = values(rows * cout, 7);
+                let want_sum = naive(&src, &p, &q, &m, cout, Some(&base));
                 let mut sum = base.clone();
                 assert!(product_with(level, &src, &p, &q, &m, cout, &mut sum, true));
-                for ((s, b), w) in sum.iter().zip(&base).zip(&want) {
-                    assert_eq!(s.to_bits(), (b + w).to_bits(), "{level:?} add");
-                }
+                assert_eq!(bits(&sum), bits(&want_sum), "{level:?} add");
             }
         }
     }

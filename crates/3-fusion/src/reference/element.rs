@@ -337,6 +337,10 @@ pub(crate) mod private {
         ) -> bool {
             false
         }
+
+        /// `dst [cols, rows] = srcᵀ` for a row-major `src [rows, cols]`
+        /// (`transpose.rs`).
+        fn transpose(src: &[Self], rows: usize, cols: usize, dst: &mut [Self]);
     }
 }
 
@@ -366,6 +370,10 @@ macro_rules! impl_gemm {
                 let mut c = ArrayViewMut2::from_shape((m, n), c).map_err(bad)?;
                 ndarray::linalg::general_mat_mul(1.0, &a, &b, beta, &mut c);
                 Ok(())
+            }
+
+            fn transpose(src: &[Self], rows: usize, cols: usize, dst: &mut [Self]) {
+                super::transpose::blocked(src, rows, cols, dst);
             }
         }
     };
@@ -458,6 +466,10 @@ impl private::Gemm for f32 {
         add: bool,
     ) -> bool {
         super::direct::product(src, p, q, m, cout, out, add)
+    }
+
+    fn transpose(src: &[Self], rows: usize, cols: usize, dst: &mut [Self]) {
+        super::transpose::f32s(src, rows, cols, dst);
     }
 }
 

@@ -319,6 +319,7 @@ pub fn fprop_genstats_with<T: Element>(
             p,
             Src::Padded(&scratch.input.data),
             w,
+            &mut store.w_t,
             &mut y,
             ROWS_PER_CHUNK,
             || vec![[0.0; 2]; k],

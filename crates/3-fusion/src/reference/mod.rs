@@ -6,7 +6,7 @@
 //! the padded source with AVX2/AVX-512 FMA, `direct.rs`, with the bits of the `gemm` crate's
 //! product, which runs the rest; f64: matrixmultiply through ndarray's safe API), rayon over
 //! rows and channels. `unsafe` here: the bounds-checked `gemm` call (`element.rs`), and the
-//! run-time-dispatched SIMD of `convert.rs` and `direct.rs`. Every op is generic
+//! run-time-dispatched SIMD of `convert.rs`, `direct.rs` and `transpose.rs`. Every op is generic
 //! over the [`Element`] type, so the same code also runs in `f64` (no rounding anywhere) for
 //! finite-difference checks and exact comparisons.
 //!
@@ -71,6 +71,7 @@ pub(crate) mod parallel;
 pub(crate) mod params;
 pub(crate) mod pointwise;
 pub(crate) mod simd;
+pub(crate) mod transpose;
 
 #[cfg(test)]
 mod tests;

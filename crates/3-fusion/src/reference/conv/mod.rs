@@ -56,6 +56,8 @@ pub(crate) struct ConvStore<A> {
     pub(crate) w: Vec<A>,
     /// The weights as dgrad reads them ([`dgrad_weights_into`]).
     pub(crate) w_r: Vec<A>,
+    /// The weights as fprop's direct tiles read them (`[r*s*c, k]`, [`fprop_chunks`]).
+    pub(crate) w_t: Vec<A>,
     /// wgrad's partial `dwᵀ`, one per group of tiles.
     partials: Vec<Vec<A>>,
     /// wgrad's `dw` (KRSC).
@@ -220,11 +222,14 @@ pub(crate) fn fprop_acc<A: Real>(p: &ConvParams, x: &[A], w: &[A]) -> Result<Vec
 /// same tiles, so the same values), and each tile's result `[n_rows, k]` is handed with the
 /// tile's rows of `out` (`k` values per pixel) to `sink(state, tile, out_rows)` while it is in
 /// cache; `tile` is scratch the sink may overwrite. Returns the chunks' states (each from
-/// `init`, then through its tiles in row order), in chunk order. `p` validated, lengths checked.
+/// `init`, then through its tiles in row order), in chunk order. The weights' arrangement for
+/// the direct tiles goes into `w_t`'s storage. `p` validated, lengths checked.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn fprop_chunks<A, O, S, I, F>(
     p: &ConvParams,
     x: Src<'_, A>,
     w: &[A],
+    w_t: &mut Vec<A>,
     out: &mut [O],
     chunk_rows: usize,
     init: I,
@@ -239,7 +244,8 @@ where
 {
     let (k, taps) = (p.k, p.r * p.s);
     let depth = taps * p.c;
-    let w_t = Mat {
+    // wᵀ as a [r*s*c, k] matrix: element (j, k) is w[k*depth + j].
+    let w_view = Mat {
         data: w,
         row_stride: 1,
         col_stride: depth,
@@ -247,11 +253,8 @@ where
     let gatherer = Gatherer::from_src(PixelMap::fprop(p), x, p.c, taps);
     let rows = p.n * p.out_h() * p.out_w();
     gemm_chunks(
-        &gatherer,
+        TileProduct::new(&gatherer, depth, w_view, k, w_t),
         rows,
-        depth,
-        w_t,
-        k,
         out,
         chunk_rows,
         init,
@@ -291,31 +294,19 @@ where
     dgrad_weights_into(p, w, w_r);
     let gatherer = Gatherer::from_src_in(PixelMap::dgrad(p), dy, p.k, taps, pad_buf);
     let (rows, w_r) = (p.n * p.h * p.w, Mat::row_major(w_r, p.c));
-    gemm_chunks(
-        &gatherer,
-        rows,
-        taps * p.k,
-        w_r,
-        p.c,
-        out,
-        chunk_rows,
-        init,
-        sink,
-    )
-    .map(Some)
+    // Row-major already: the tiles borrow it, and `dense` stays empty.
+    let mut dense = Vec::new();
+    let product = TileProduct::new(&gatherer, taps * p.k, w_r, p.c, &mut dense);
+    gemm_chunks(product, rows, out, chunk_rows, init, sink).map(Some)
 }
 
-/// `out [rows, cout] = col [rows, depth] · weights [depth, cout]` by chunks of `chunk_rows`
-/// rows (a multiple of [`TILE_ROWS`]) in parallel, each by tiles of [`TILE_ROWS`] rows (the
-/// tiles of [`gather_gemm`]) handed to `sink(state, first_row, tile, out_rows)`; returns the
-/// chunks' states in chunk order.
-#[allow(clippy::too_many_arguments)]
+/// `out [rows, cout] = col [rows, depth] · weights [depth, cout]` (`product`'s) by chunks of
+/// `chunk_rows` rows (a multiple of [`TILE_ROWS`]) in parallel, each by tiles of [`TILE_ROWS`]
+/// rows (the tiles of [`gather_gemm`]) handed to `sink(state, first_row, tile, out_rows)`;
+/// returns the chunks' states in chunk order.
 fn gemm_chunks<A, O, S, I, F>(
-    gatherer: &Gatherer<'_, A>,
+    product: TileProduct<'_, '_, A>,
     rows: usize,
-    depth: usize,
-    weights: Mat<'_, A>,
-    k: usize,
     out: &mut [O],
     chunk_rows: usize,
     init: I,
@@ -328,12 +319,12 @@ where
     I: Fn() -> S + Sync,
     F: Fn(&mut S, usize, &mut [A], &mut [O]) + Sync,
 {
+    let k = product.cout();
     if out.len() != rows * k || k == 0 || chunk_rows == 0 || !chunk_rows.is_multiple_of(TILE_ROWS) {
         return Err(super::error::ReferenceError::Internal {
             what: "gemm_chunks: output length or chunk size",
         });
     }
-    let product = TileProduct::new(gatherer, depth, weights, k);
     out.par_chunks_mut(chunk_rows * k)
         .enumerate()
         .map_init(
@@ -429,8 +420,8 @@ pub(crate) fn wgrad_src_in<'s, A: Real>(
     let groups = tiles.div_ceil(tiles_per_group);
     let gatherer = Gatherer::from_src(PixelMap::fprop(p), x, p.c, taps);
     // Straight from the padded source where direct.rs runs the tile (the `gemm` crate's kernel
-    // path: at least two output channels and two filter columns, and 3..=512 rows per tile,
-    // checked per tile below), the same bits as the gather and the GEMM.
+    // path: at least two output channels and two filter columns, and at least 3 rows per
+    // tile, checked per tile below), the same bits as the gather and the GEMM.
     let direct = match &gatherer {
         Gatherer::Padded(g) if A::DIRECT && k >= 2 && depth >= 2 => Some((g, g.column_offsets())),
         _ => None,
@@ -454,7 +445,7 @@ pub(crate) fn wgrad_src_in<'s, A: Real>(
                 let n_rows = TILE_ROWS.min(rows - first);
                 let dy_rows = &dy[first * k..(first + n_rows) * k];
                 if let Some((g, eoff)) = &direct {
-                    if (3..=512).contains(&n_rows) {
+                    if n_rows >= 3 {
                         g.bases(first, n_rows, &mut scratch.bases);
                         if A::direct(&g.src[..], eoff, &scratch.bases, dy_rows, k, dw_t, true) {
                             continue;
@@ -495,22 +486,10 @@ pub(crate) fn wgrad_src_in<'s, A: Real>(
             *d += v;
         }
     }
-    // KRSC: element (kk, j) of dw is element (j, kk) of dwᵀ, copied in square blocks so that
-    // both sides' cache lines stay in cache while a block is moved.
-    const BLOCK: usize = 32;
+    // KRSC: element (kk, j) of dw is element (j, kk) of dwᵀ.
     let dw = &mut store.dw;
     dw.resize(k * depth, A::ZERO);
-    for j0 in (0..depth).step_by(BLOCK) {
-        let js = j0..(j0 + BLOCK).min(depth);
-        for kk0 in (0..k).step_by(BLOCK) {
-            for kk in kk0..(kk0 + BLOCK).min(k) {
-                let out = &mut dw[kk * depth..][js.clone()];
-                for (o, j) in out.iter_mut().zip(js.clone()) {
-                    *o = dw_t[j * k + kk];
-                }
-            }
-        }
-    }
+    super::transpose::transpose(dw_t, depth, k, dw);
     Ok(dw)
 }
 
@@ -526,7 +505,8 @@ fn gather_gemm<A: Real>(
     cout: usize,
 ) -> Result<Vec<A>> {
     let gatherer = Gatherer::new(map, src, cin, taps);
-    let product = TileProduct::new(&gatherer, taps * cin, weights, cout);
+    let mut dense = Vec::new();
+    let product = TileProduct::new(&gatherer, taps * cin, weights, cout, &mut dense);
     let mut out = vec![A::ZERO; rows * cout];
     out.par_chunks_mut(TILE_ROWS * cout)
         .enumerate()

@@ -1,10 +1,9 @@
 //! One tile's product, straight from the padded source where `direct.rs` runs it (the same
 //! bits), else by the gather and the GEMM.
 
-use std::borrow::Cow;
-
 use super::super::element::{Mat, Real};
 use super::super::error::Result;
+use super::super::transpose::transpose;
 use super::gather::{Gatherer, Padded};
 
 /// A tile's gathered column rows and their bases, kept from tile to tile.
@@ -30,26 +29,28 @@ pub(super) struct TileProduct<'g, 'a, A: Real> {
 struct Direct<'g, 'a, A: Real> {
     src: &'g Padded<'a, A>,
     eoff: Vec<usize>,
-    w: Cow<'g, [A]>,
+    w: &'g [A],
 }
 
 impl<'g, 'a, A: Real> TileProduct<'g, 'a, A> {
+    /// `weights` as a row-major slice goes into `dense`'s storage where the tiles go direct
+    /// and it is not one already (a caller that keeps `dense` from call to call allocates
+    /// nothing).
     pub(super) fn new(
         gatherer: &'g Gatherer<'a, A>,
         depth: usize,
         weights: Mat<'g, A>,
         cout: usize,
+        dense: &'g mut Vec<A>,
     ) -> Self {
         // The `gemm` crate's kernel path for this product (direct.rs): a reduced dimension of
-        // 3..=512 (no blocks, no vector-vector case) and at least two output channels.
+        // at least 3 (no vector-vector case) and at least two output channels.
         let direct = match gatherer {
-            Gatherer::Padded(g) if A::DIRECT && (3..=512).contains(&depth) && cout >= 2 => {
-                Some(Direct {
-                    src: g,
-                    eoff: g.column_offsets(),
-                    w: dense(weights, depth, cout),
-                })
-            }
+            Gatherer::Padded(g) if A::DIRECT && depth >= 3 && cout >= 2 => Some(Direct {
+                src: g,
+                eoff: g.column_offsets(),
+                w: dense_in(weights, depth, cout, dense),
+            }),
             _ => None,
         };
         TileProduct {
@@ -59,6 +60,11 @@ impl<'g, 'a, A: Real> TileProduct<'g, 'a, A> {
             cout,
             direct,
         }
+    }
+
+    /// The product's output columns.
+    pub(super) fn cout(&self) -> usize {
+        self.cout
     }
 
     pub(super) fn tile(
@@ -72,7 +78,7 @@ impl<'g, 'a, A: Real> TileProduct<'g, 'a, A> {
         if let Some(d) = &self.direct {
             if n_rows >= 2 && n_rows * self.cout > 256 {
                 d.src.bases(first, n_rows, &mut s.bases);
-                if A::direct(&d.src.src, &s.bases, &d.eoff, &d.w, self.cout, out, false) {
+                if A::direct(&d.src.src, &s.bases, &d.eoff, d.w, self.cout, out, false) {
                     return Ok(());
                 }
             }
@@ -90,14 +96,20 @@ impl<'g, 'a, A: Real> TileProduct<'g, 'a, A> {
     }
 }
 
-/// `m` (`rows x cols`) as a row-major slice: borrowed where it already is one.
-fn dense<'m, A: Real>(m: Mat<'m, A>, rows: usize, cols: usize) -> Cow<'m, [A]> {
+/// `m` (`rows x cols`) as a row-major slice: borrowed where it already is one, else copied
+/// into `buf`'s storage (a transposed one in square blocks).
+fn dense_in<'m, A: Real>(m: Mat<'m, A>, rows: usize, cols: usize, buf: &'m mut Vec<A>) -> &'m [A] {
     if m.col_stride == 1 && m.row_stride == cols && m.data.len() >= rows * cols {
-        return Cow::Borrowed(&m.data[..rows * cols]);
+        return &m.data[..rows * cols];
     }
-    let mut out = Vec::with_capacity(rows * cols);
+    buf.clear();
+    if m.row_stride == 1 && m.col_stride == rows && m.data.len() >= rows * cols {
+        buf.resize(rows * cols, A::ZERO);
+        transpose(&m.data[..rows * cols], cols, rows, buf);
+        return buf;
+    }
     for i in 0..rows {
-        out.extend((0..cols).map(|j| m.data[i * m.row_stride + j * m.col_stride]));
+        buf.extend((0..cols).map(|j| m.data[i * m.row_stride + j * m.col_stride]));
     }
-    Cow::Owned(out)
+    buf
 }
