@@ -98,20 +98,48 @@ pub(crate) fn product_with(
     if level == Level::None || !has(level) {
         return false;
     }
-    for block in reduction_blocks(p.len(), cout, q.len()) {
-        let tile = Tile {
-            src: src.as_ptr(),
-            q: &q[block.clone()],
-            // In bounds: `block.start < q.len()`, and `m` holds `q.len()` rows of `cout`.
-            m: m[block.start * cout..].as_ptr(),
-            cout,
-            // The first block is stored (unless adding), the later ones added.
-            add: add || block.start > 0,
-        };
-        run(level, &tile, p, out);
+    // The blocks of the whole product (they depend on its shape), for every part of its rows.
+    let blocks = reduction_blocks(p.len(), cout, q.len());
+    let rows = |p: &[usize], out: &mut [f32]| {
+        for block in blocks.clone() {
+            let tile = Tile {
+                src: src.as_ptr(),
+                q: &q[block.clone()],
+                // In bounds: `block.start < q.len()`, and `m` holds `q.len()` rows of `cout`.
+                m: m[block.start * cout..].as_ptr(),
+                cout,
+                // The first block is stored (unless adding), the later ones added.
+                add: add || block.start > 0,
+            };
+            run(level, &tile, p, out);
+        }
+    };
+    let parts = if p.len().saturating_mul(cout).saturating_mul(q.len()) >= SPLIT_WORK {
+        rayon::current_num_threads().min(p.len() / PART_ROWS)
+    } else {
+        1
+    };
+    if parts > 1 {
+        use rayon::prelude::*;
+        let part = p.len().div_ceil(parts).next_multiple_of(PART_ROWS);
+        out.par_chunks_mut(part * cout)
+            .zip(p.par_chunks(part))
+            .for_each(|(out, p)| rows(p, out));
+    } else {
+        rows(p, out);
     }
     true
 }
+
+/// Products of at least this many multiply-adds run in parts of their rows over rayon's
+/// threads (about a millisecond of one core's work or more): a layer with fewer tiles than
+/// threads, such as a ResNet's last stage (a tile or two of rows, thousands deep), then uses
+/// every thread. Each output element takes the same operations wherever its row goes, so the
+/// bits do not depend on the parts.
+const SPLIT_WORK: usize = 1 << 22;
+
+/// Rows per part: a multiple of the tiles' row blocks (4), at least one of them.
+const PART_ROWS: usize = 4;
 
 /// The deepest reduction block: what the `gemm` crate's kernel parameters give for `f32` on a
 /// 32 KiB 8-way L1 data cache (its FMA kernels' 16×6 microtiles).
@@ -125,7 +153,7 @@ pub(crate) fn reduction_blocks(
     m: usize,
     n: usize,
     depth: usize,
-) -> impl Iterator<Item = std::ops::Range<usize>> {
+) -> impl Iterator<Item = std::ops::Range<usize>> + Clone {
     let size = if m <= 64 && n <= 64 {
         depth.min(BLOCK_DEPTH)
     } else {
@@ -544,6 +572,32 @@ mod tests {
                 assert!(product_with(level, &src, &p, &q, &m, cout, &mut sum, true));
                 assert_eq!(bits(&sum), bits(&want_sum), "{level:?} add");
             }
+        }
+    }
+
+    #[test]
+    fn a_product_split_over_threads_gives_the_sum_written_out() {
+        // 200 rows × 40 columns × 600 deep: 4.8 M multiply-adds, split in parts of 52 rows
+        // (the last 44) over 4 threads, in the whole product's reduction blocks (300 + 300; a
+        // part alone, at most 64×64 outputs, would take 512 + 88).
+        let (rows, depth, cout) = (200, 600, 40);
+        assert!(rows * depth * cout >= SPLIT_WORK);
+        let src = values(4096, 21);
+        let m = values(depth * cout, 22);
+        let p: Vec<usize> = (0..rows).map(|i| (i * 13) % 2000).collect();
+        let q: Vec<usize> = (0..depth).map(|d| (d * 7) % 1500).collect();
+        let want = naive(&src, &p, &q, &m, cout, None);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(4)
+            .build()
+            .expect("a pool of 4 threads");
+        for level in [Level::Avx2, Level::Avx512] {
+            let mut out = vec![f32::NAN; rows * cout];
+            if !pool.install(|| product_with(level, &src, &p, &q, &m, cout, &mut out, false)) {
+                // This CPU lacks the level: nothing to compare.
+                continue;
+            }
+            assert_eq!(bits(&out), bits(&want), "{level:?}");
         }
     }
 
