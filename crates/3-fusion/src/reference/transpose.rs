@@ -26,17 +26,16 @@ pub(crate) fn transpose<A: Real>(src: &[A], rows: usize, cols: usize, dst: &mut 
 /// [`transpose`] for `f32`: 8×8 AVX register transposes where this CPU has AVX2 (and the
 /// executor's SIMD is not capped below it), else [`blocked`].
 pub(crate) fn f32s(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
-    let n = rows
-        .checked_mul(cols)
-        .expect("transpose: rows · cols overflows");
-    let (src, dst) = (&src[..n], &mut dst[..n]);
     #[cfg(target_arch = "x86_64")]
     if super::simd::cap() >= super::simd::CpuSimd::Avx2
         && std::arch::is_x86_feature_detected!("avx2")
     {
-        // SAFETY: the CPU has AVX2 (checked just above); `src` and `dst` hold `rows · cols`
-        // values (sliced just above), and `dst` is borrowed mutably, so they do not alias.
-        unsafe { x86::transpose(src, rows, cols, dst) };
+        strips(src, rows, cols, dst, |src, j0, strip| {
+            // SAFETY: the CPU has AVX2 (checked just above); `strips` hands `src` of exactly
+            // `rows · cols` values and `strip`, rows `j0..j0 + strip.len() / rows` of `dst`,
+            // within `cols`; `strip` is borrowed mutably, so it does not alias `src`.
+            unsafe { x86::strip(src, rows, cols, j0, strip) }
+        });
         return;
     }
     blocked(src, rows, cols, dst);
@@ -45,20 +44,55 @@ pub(crate) fn f32s(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
 /// [`transpose`] by square blocks through a buffer, in safe code (any type; the `f32` path
 /// where the CPU has no AVX2).
 pub(crate) fn blocked<A: Real>(src: &[A], rows: usize, cols: usize, dst: &mut [A]) {
-    let mut buf = [[A::ZERO; BLOCK]; BLOCK];
-    for i0 in (0..rows).step_by(BLOCK) {
-        let bi = BLOCK.min(rows - i0);
-        for j0 in (0..cols).step_by(BLOCK) {
-            let bj = BLOCK.min(cols - j0);
+    strips(src, rows, cols, dst, |src, j0, strip| {
+        let mut buf = [[A::ZERO; BLOCK]; BLOCK];
+        let bj = strip.len() / rows;
+        for i0 in (0..rows).step_by(BLOCK) {
+            let bi = BLOCK.min(rows - i0);
             for (i, row) in buf[..bi].iter_mut().enumerate() {
                 row[..bj].copy_from_slice(&src[(i0 + i) * cols + j0..][..bj]);
             }
             for j in 0..bj {
-                let out = &mut dst[(j0 + j) * rows + i0..][..bi];
+                let out = &mut strip[j * rows + i0..][..bi];
                 for (o, row) in out.iter_mut().zip(&buf) {
                     *o = row[j];
                 }
             }
+        }
+    });
+}
+
+/// Transposes of at least this many values run their strips over rayon's threads (smaller
+/// ones inline: a fork-join costs more than moving a few ten thousand values).
+const PARALLEL_VALUES: usize = 64 * 1024;
+
+/// Runs `f(src, j0, strip)` for each strip of [`BLOCK`] rows of `dst` (rows `j0..` of
+/// `dst [cols, rows]`, the last strip shorter), in parallel for large transposes; `src` is
+/// sliced to `rows · cols` values. Each strip is written by one call, so the result does not
+/// depend on the threads.
+fn strips<A: Send + Sync>(
+    src: &[A],
+    rows: usize,
+    cols: usize,
+    dst: &mut [A],
+    f: impl Fn(&[A], usize, &mut [A]) + Sync,
+) {
+    let n = rows
+        .checked_mul(cols)
+        .expect("transpose: rows · cols overflows");
+    let (src, dst) = (&src[..n], &mut dst[..n]);
+    if n == 0 {
+        return;
+    }
+    let strip = BLOCK * rows;
+    if n >= PARALLEL_VALUES {
+        use rayon::prelude::*;
+        dst.par_chunks_mut(strip)
+            .enumerate()
+            .for_each(|(b, s)| f(src, b * BLOCK, s));
+    } else {
+        for (b, s) in dst.chunks_mut(strip).enumerate() {
+            f(src, b * BLOCK, s);
         }
     }
 }
@@ -69,33 +103,38 @@ mod x86 {
 
     use super::BLOCK;
 
-    /// `dst [cols, rows] = srcᵀ`: whole 32×32 blocks by 8×8 register transposes, the edges
-    /// value by value.
+    /// Rows `j0..j0 + strip.len() / rows` of `dst [cols, rows] = srcᵀ` into `strip`: whole
+    /// 32×32 blocks by 8×8 register transposes, the edges value by value.
     ///
     /// # Safety
-    /// The CPU has AVX2; `src` and `dst` hold exactly `rows · cols` values.
+    /// The CPU has AVX2; `src` holds exactly `rows · cols` values, `strip` a whole number of
+    /// rows of `rows` values, and `j0 + strip.len() / rows <= cols`.
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
-        let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
+    pub(super) unsafe fn strip(
+        src: &[f32],
+        rows: usize,
+        cols: usize,
+        j0: usize,
+        strip: &mut [f32],
+    ) {
+        let bj = strip.len() / rows;
+        let (s, d) = (src.as_ptr(), strip.as_mut_ptr());
         for i0 in (0..rows).step_by(BLOCK) {
             let bi = BLOCK.min(rows - i0);
-            for j0 in (0..cols).step_by(BLOCK) {
-                let bj = BLOCK.min(cols - j0);
-                if bi < BLOCK || bj < BLOCK {
-                    for i in i0..i0 + bi {
-                        for j in j0..j0 + bj {
-                            dst[j * rows + i] = src[i * cols + j];
-                        }
+            if bi < BLOCK || bj < BLOCK {
+                for i in i0..i0 + bi {
+                    for j in 0..bj {
+                        strip[j * rows + i] = src[i * cols + j0 + j];
                     }
-                    continue;
                 }
-                for i in (i0..i0 + BLOCK).step_by(8) {
-                    for j in (j0..j0 + BLOCK).step_by(8) {
-                        // SAFETY: rows `i..i + 8` and columns `j..j + 8` of `src` (and the
-                        // transposed ones of `dst`) lie within this whole block, inside both
-                        // `rows · cols` slices; the caller's contract gives AVX2.
-                        unsafe { t8x8(s.add(i * cols + j), cols, d.add(j * rows + i), rows) };
-                    }
+                continue;
+            }
+            for i in (i0..i0 + BLOCK).step_by(8) {
+                for j in (0..BLOCK).step_by(8) {
+                    // SAFETY: rows `i..i + 8` and columns `j0 + j..j0 + j + 8` of `src` (and
+                    // the transposed ones of `strip`) lie within this whole block, inside both
+                    // slices (the caller's contract); the caller's contract gives AVX2.
+                    unsafe { t8x8(s.add(i * cols + j0 + j), cols, d.add(j * rows + i), rows) };
                 }
             }
         }

@@ -100,10 +100,17 @@ impl<A> ConvStore<A> {
     }
 }
 
-/// `w` widened into `into`'s storage (resized): the values of [`Element::widen_slice`].
+/// Fewest values one rayon task of a weight-sized pass moves (widening, dgrad's arrangement):
+/// a ResNet layer's millions of weights go over every thread, a small layer's inline.
+const MIN_WEIGHTS_PER_TASK: usize = 32 * 1024;
+
+/// `w` widened into `into`'s storage (resized): the values of [`Element::widen_slice`], in
+/// parallel chunks.
 pub(crate) fn widen_weights<'s, T: Element>(w: &[T], into: &'s mut Vec<T::Acc>) -> &'s [T::Acc] {
     into.resize(w.len(), T::Acc::ZERO);
-    T::widen_into(w, into);
+    into.par_chunks_mut(MIN_WEIGHTS_PER_TASK)
+        .zip(w.par_chunks(MIN_WEIGHTS_PER_TASK))
+        .for_each(|(dst, src)| T::widen_into(src, dst));
     into
 }
 
@@ -385,11 +392,17 @@ fn dgrad_weights<A: Real>(p: &ConvParams, w: &[A]) -> Vec<A> {
 fn dgrad_weights_into<A: Real>(p: &ConvParams, w: &[A], w_r: &mut Vec<A>) {
     let taps = p.r * p.s;
     w_r.resize(taps * p.k * p.c, A::ZERO);
-    for (k, filter) in w.chunks_exact(taps * p.c).enumerate() {
-        for (tap, weights) in filter.chunks_exact(p.c).enumerate() {
-            w_r[(tap * p.k + k) * p.c..][..p.c].copy_from_slice(weights);
-        }
+    if p.c == 0 {
+        return;
     }
+    // Row `tap*k + k'` of `w_r` is row `k'*taps + tap` of `w` (both rows of `c`).
+    w_r.par_chunks_mut(p.c)
+        .with_min_len(MIN_WEIGHTS_PER_TASK.div_ceil(p.c))
+        .enumerate()
+        .for_each(|(row, dst)| {
+            let (tap, k) = (row / p.k, row % p.k);
+            dst.copy_from_slice(&w[(k * taps + tap) * p.c..][..p.c]);
+        });
 }
 
 /// wgrad in the arithmetic type, unrounded. `p` validated, lengths checked.

@@ -102,12 +102,13 @@ fn dense_in<'m, A: Real>(m: Mat<'m, A>, rows: usize, cols: usize, buf: &'m mut V
     if m.col_stride == 1 && m.row_stride == cols && m.data.len() >= rows * cols {
         return &m.data[..rows * cols];
     }
-    buf.clear();
     if m.row_stride == 1 && m.col_stride == rows && m.data.len() >= rows * cols {
+        // Every value is overwritten: only a longer buffer's new part is zeroed.
         buf.resize(rows * cols, A::ZERO);
         transpose(&m.data[..rows * cols], cols, rows, buf);
         return buf;
     }
+    buf.clear();
     for i in 0..rows {
         buf.extend((0..cols).map(|j| m.data[i * m.row_stride + j * m.col_stride]));
     }
