@@ -1,9 +1,9 @@
 //! The conv tiles straight from the padded source (`direct.rs`) against the gather and the
 //! GEMM they replace: the same bits, at every instruction-set level this CPU has, on shapes
-//! whose tiles take the direct path, fall back to the gather (reductions over 512 or under 3,
-//! tiles of at most 256 outputs or two rows), or mix both (tail tiles), with output channels
-//! that leave vector remainders (7 = scalar columns only, 24 = 16 + 8, 40 = 32 + 8), and
-//! reductions deeper than 512 in blocks (`direct::reduction_blocks`).
+//! whose tiles take the direct path, fall back to the gather (reductions under 3, tiles of at
+//! most 256 outputs or two rows), or mix both (tail tiles), with output channels that leave
+//! vector remainders (7 = scalar columns only, 24 = 16 + 8, 40 = 32 + 8), and reductions
+//! deeper than 512 in blocks (`direct::reduction_blocks`).
 
 use super::fast_paths::conv_shapes;
 use super::util::Rng;
