@@ -343,10 +343,16 @@ EOF
   cpu_hash=$(target/release/examples/train_cbr --device cpu --steps 20 |
     sed -n 's/.*weights hash \([0-9a-f]*\).*/\1/p')
   [ -n "$cpu_hash" ] || { echo "gpu-check bundle: the CPU run printed no weights hash" >&2; exit 1; }
+  # And of a ResNet-18, whose reductions run over 512 deep: blocked as the gemm crate does for
+  # a 32 KiB 8-way L1 cache on every CPU, whatever its own L1 (direct.rs).
+  cpu_hash_resnet=$(target/release/examples/train_cbr --device cpu --net resnet18 --batch 4 \
+    --hw 32 --steps 3 | sed -n 's/.*weights hash \([0-9a-f]*\).*/\1/p')
+  [ -n "$cpu_hash_resnet" ] || { echo "gpu-check bundle: the ResNet-18 CPU run printed no weights hash" >&2; exit 1; }
   {
     echo "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)')"
     echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m)"
     echo "cpu_bits $cpu_hash $(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2- | xargs)"
+    echo "cpu_bits_resnet18 $cpu_hash_resnet"
     (cd "$stage_dir/gpu-bundle" && ls -1 | grep -v '^MANIFEST$' | sed 's/^/binary /')
   } >"$stage_dir/gpu-bundle/MANIFEST"
   tar -C "$stage_dir" -cf - gpu-bundle | xz -T0 -6 >"$archive.tmp"
@@ -501,11 +507,17 @@ run)
   # widest this CPU has.
   stage torch_cpu 15 60 env PYTHONUNBUFFERED=1 "$py" benches/torch_cpu.py --threads 2 \
     --bin "$bin/example-train_cbr"
-  # 10. The same bits on this CPU as on the machine that built the bundle (MANIFEST's cpu_bits).
+  # 10. The same bits on this CPU as on the machine that built the bundle (MANIFEST's cpu_bits):
+  # the main job, and a ResNet-18 (reductions over 512 deep, whatever this CPU's L1 cache).
   want_bits=$(sed -n 's/^cpu_bits \([0-9a-f]*\).*/\1/p' "$bin/MANIFEST")
-  stage cpu_bits 3 30 sh -c 'got=$("$1" --device cpu --steps 20 | sed -n "s/.*weights hash \([0-9a-f]*\).*/\1/p")
+  want_bits_resnet=$(sed -n 's/^cpu_bits_resnet18 \([0-9a-f]*\).*/\1/p' "$bin/MANIFEST")
+  stage cpu_bits 5 45 sh -c 'hash() { sed -n "s/.*weights hash \([0-9a-f]*\).*/\1/p"; }
+    got=$("$1" --device cpu --steps 20 | hash)
+    got_resnet=$("$1" --device cpu --net resnet18 --batch 4 --hw 32 --steps 3 | hash)
     echo "CPU executor weights hash here $got, on the bundle machine ${2:-(none recorded)}"
-    [ -n "$got" ] && [ "$got" = "$2" ]' cpu_bits "$bin/example-train_cbr" "$want_bits"
+    echo "ResNet-18 weights hash here $got_resnet, on the bundle machine ${3:-(none recorded)}"
+    [ -n "$got" ] && [ "$got" = "$2" ] && [ -n "$got_resnet" ] && [ "$got_resnet" = "$3" ]' \
+    cpu_bits "$bin/example-train_cbr" "$want_bits" "$want_bits_resnet"
   rerun_failed
 
   # The summary says what came back; the files are checked against the limits on what comes back.
