@@ -14,7 +14,7 @@
 
 use super::bn::{add_genstats_rows, bn_recompute, BnBwdCoefficients, ChannelStats};
 use super::conv::{
-    dgrad_acc, dgrad_chunks, dgrad_store, fprop_chunks, pad_fprop_input, wgrad_src_in,
+    dgrad_acc, dgrad_chunks, dgrad_store, fprop_chunks, pad_fprop_input, wgrad_src_in, widen_fill,
     widen_weights, with_store, PadBuf, Src,
 };
 use super::element::{Element, Real};
@@ -526,10 +526,7 @@ pub fn dgrad_drelu_dbn_with<T: Element>(
         let inv_std64: Vec<f64> = bn.inv_std.iter().map(|v| v.to_f64()).collect();
         dz.resize(p.x_elems(), T::default());
         // `dy` widened straight into the gather's padded copy (the same values).
-        let k = p.k;
-        let fill = |first: usize, dst: &mut [T::Acc]| {
-            T::widen_into(&dy[first * k..first * k + dst.len()], dst);
-        };
+        let fill = widen_fill(dy, p.k);
         let dy_src = Src::Fill {
             pixels: p.n * p.out_h() * p.out_w(),
             fill: &fill,

@@ -114,6 +114,15 @@ pub(crate) fn widen_weights<'s, T: Element>(w: &[T], into: &'s mut Vec<T::Acc>) 
     into
 }
 
+/// A [`Src::Fill`]'s `fill` that widens `src` (pixels of `per_pixel` values) straight into the
+/// gather's padded copy: the same values as widening `src` first.
+pub(crate) fn widen_fill<T: Element>(
+    src: &[T],
+    per_pixel: usize,
+) -> impl Fn(usize, &mut [T::Acc]) + Sync + '_ {
+    move |first, dst| T::widen_into(&src[first * per_pixel..][..dst.len()], dst)
+}
+
 /// `y = conv(x, w)`: `x` NHWC `[n, h, w, c]`, `w` KRSC `[k, r, s, c]` → `y` NHWC
 /// `[n, out_h, out_w, k]`, accumulated in `T::Acc` and rounded once to `T`.
 pub fn conv_fprop<T: Element>(p: &ConvParams, x: &[T], w: &[T]) -> Result<Vec<T>> {
@@ -158,10 +167,7 @@ pub(crate) fn dgrad_store<T: Element>(
     out.resize(p.x_elems(), T::default());
     // Stride 1: `dy` widened straight into the gather's padded copy, and each tile stored
     // while in cache (the tiles of `dgrad_all_taps`, so the same values).
-    let k = p.k;
-    let fill = |first: usize, dst: &mut [T::Acc]| {
-        T::widen_into(&dy[first * k..first * k + dst.len()], dst);
-    };
+    let fill = widen_fill(dy, p.k);
     let dy_src = Src::Fill {
         pixels: p.n * p.out_h() * p.out_w(),
         fill: &fill,
@@ -199,10 +205,7 @@ pub fn conv_wgrad<T: Element>(p: &ConvParams, x: &[T], dy: &[T]) -> Result<Vec<T
     check_len("dy", dy, p.y_elems())?;
     // `x` widened straight into the gather's padded copy (the same values as widening it
     // first).
-    let c = p.c;
-    let fill = |first: usize, dst: &mut [T::Acc]| {
-        T::widen_into(&x[first * c..first * c + dst.len()], dst);
-    };
+    let fill = widen_fill(x, p.c);
     let x_src = Src::Fill {
         pixels: p.n * p.h * p.w,
         fill: &fill,
