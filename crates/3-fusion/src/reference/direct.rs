@@ -138,8 +138,8 @@ pub(crate) fn product_with(
 /// bits do not depend on the parts.
 const SPLIT_WORK: usize = 1 << 22;
 
-/// Rows per part: a multiple of the tiles' row blocks (4), at least one of them.
-const PART_ROWS: usize = 4;
+/// Rows per part: a multiple of the AVX-512 tiles' row blocks (8), at least one of them.
+const PART_ROWS: usize = 8;
 
 /// The deepest reduction block: what the `gemm` crate's kernel parameters give for `f32` on a
 /// 32 KiB 8-way L1 data cache (its FMA kernels' 16×6 microtiles).
@@ -422,9 +422,11 @@ mod x86 {
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn run_avx2(t: &Tile<'_>, p: &[usize], out: *mut f32) {
         let mut o = 0;
+        // 6×2 accumulators (12 of the 16 registers): enough in flight for two FMA units of
+        // four cycles' latency, with room for the two filter vectors and the broadcast.
         while o + 16 <= t.cout {
             // SAFETY: the function's contract, for columns `o..o + 16` within `cout`.
-            unsafe { columns::<__m256, 4, 2>(t, p, o, out) };
+            unsafe { columns::<__m256, 6, 2>(t, p, o, out) };
             o += 16;
         }
         if o + 8 <= t.cout {
@@ -441,9 +443,11 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub(super) unsafe fn run_avx512(t: &Tile<'_>, p: &[usize], out: *mut f32) {
         let mut o = 0;
+        // 8×2 accumulators (16 of the 32 registers): twice what keeps two 512-bit FMA units of
+        // four cycles' latency busy, so a late load does not stall them.
         while o + 32 <= t.cout {
             // SAFETY: the function's contract, for columns `o..o + 32` within `cout`.
-            unsafe { columns::<__m512, 4, 2>(t, p, o, out) };
+            unsafe { columns::<__m512, 8, 2>(t, p, o, out) };
             o += 32;
         }
         if o + 16 <= t.cout {
@@ -577,8 +581,8 @@ mod tests {
 
     #[test]
     fn a_product_split_over_threads_gives_the_sum_written_out() {
-        // 200 rows × 40 columns × 600 deep: 4.8 M multiply-adds, split in parts of 52 rows
-        // (the last 44) over 4 threads, in the whole product's reduction blocks (300 + 300; a
+        // 200 rows × 40 columns × 600 deep: 4.8 M multiply-adds, split in parts of 56 rows
+        // (the last 32) over 4 threads, in the whole product's reduction blocks (300 + 300; a
         // part alone, at most 64×64 outputs, would take 512 + 88).
         let (rows, depth, cout) = (200, 600, 40);
         assert!(rows * depth * cout >= SPLIT_WORK);
