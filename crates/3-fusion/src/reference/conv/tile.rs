@@ -43,8 +43,8 @@ impl<'g, 'a, A: Real> TileProduct<'g, 'a, A> {
         cout: usize,
         dense: &'g mut Vec<A>,
     ) -> Self {
-        // The `gemm` crate's kernel path for this product (direct.rs): a reduced dimension of
-        // at least 3 (no vector-vector case) and at least two output channels.
+        // (Whether `gemm` takes its kernel path is checked per tile, in `tile`; with fewer than
+        // two columns or a reduction under 3 it never does.)
         let direct = match gatherer {
             Gatherer::Padded(g) if A::DIRECT && depth >= 3 && cout >= 2 => Some(Direct {
                 src: g,
@@ -74,9 +74,8 @@ impl<'g, 'a, A: Real> TileProduct<'g, 'a, A> {
         s: &mut Scratch<A>,
         out: &mut [A],
     ) -> Result<()> {
-        // Tiles the crate would sum across lanes (m·n ≤ 256) or treat as a vector go its way.
         if let Some(d) = &self.direct {
-            if n_rows >= 2 && n_rows * self.cout > 256 {
+            if gemm_kernel_path(n_rows, self.depth, self.cout) {
                 d.src.bases(first, n_rows, &mut s.bases);
                 if A::direct(&d.src.src, &s.bases, &d.eoff, d.w, self.cout, out, false) {
                     return Ok(());
@@ -94,6 +93,15 @@ impl<'g, 'a, A: Real> TileProduct<'g, 'a, A> {
             out,
         )
     }
+}
+
+/// Whether the `gemm` crate multiplies an `m × depth` by a `depth × n` matrix on its FMA kernel
+/// path, whose bits the direct tiles give (direct.rs): a reduced dimension of at least 3 (no
+/// vector-vector case), at least two rows and two columns (no matrix-vector case), and over
+/// 256 outputs (smaller products it sums across lanes for some operand layouts: those stay on
+/// its path).
+pub(super) fn gemm_kernel_path(m: usize, depth: usize, n: usize) -> bool {
+    depth >= 3 && m >= 2 && n >= 2 && m * n > 256
 }
 
 /// `m` (`rows x cols`) as a row-major slice: borrowed where it already is one, else copied
