@@ -18,8 +18,13 @@ and exits 0; without the train_cbr binary it says how to build it and exits 0.
 `ATEN_CPU_CAPABILITY=avx2` and `ONEDNN_MAX_CPU_ISA=AVX2` (its own kernels and oneDNN's
 convolutions), ours with `CUDNN_CBR_CPU_SIMD=avx2` (the same bits, AVX2 lanes).
 
+`--runs N` alternates N runs of each side (PyTorch first) and prints every run's pair, then
+the range and median of the ratios: on a shared machine either side moves by +-15% from run to
+run. The header names the CPU model (`/proc/cpuinfo`), which the ratio depends on.
+
     python3 benches/torch_cpu.py [--net mini] [--steps 200] [--threads 2] [--batch 32]
-        [--hw 16] [--width 16] [--simd avx512|avx2] [--bin target/release/examples/train_cbr]
+        [--hw 16] [--width 16] [--simd avx512|avx2] [--runs 1]
+        [--bin target/release/examples/train_cbr]
 """
 import argparse
 import os
@@ -169,9 +174,13 @@ def main():
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--bin", default=DEFAULT_BIN, help="our train_cbr example binary")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="alternating runs of each side (at least 1)")
     ap.add_argument("--simd", choices=["avx512", "avx2"],
                     help="cap both sides' SIMD (default: the widest this CPU has)")
     args = ap.parse_args()
+    if args.runs < 1:
+        ap.error(f"--runs must be at least 1, got {args.runs}")
     if args.simd:
         # Read by PyTorch when it is imported, so set before the import below.
         os.environ["ATEN_CPU_CAPABILITY"] = "avx512" if args.simd == "avx512" else "avx2"
@@ -190,14 +199,37 @@ def main():
     net = f"mini net width {args.width}" if args.net == "mini" else args.net
     print(f"torch {torch.__version__}; {net}, {args.hw}x{args.hw}x"
           f"{CHANNELS} inputs, {CLASSES} classes, batch {args.batch}, {args.steps} steps, "
-          f"{args.threads} threads; CPU capability {torch.backends.cpu.get_cpu_capability()}")
-    theirs = run_torch(torch, args)
-    ours = run_ours(args)
-    print(f"{'executor':<44} {'img/s':>8}")
-    print(f"{'PyTorch eager fp32 channels_last':<44} {theirs:>8.0f}")
-    print(f"{'cudnn-cbr CPU executor (FP16 storage)':<44} {ours:>8.0f}")
-    print(f"{'ratio (ours / PyTorch)':<44} {ours / theirs:>8.2f}x")
+          f"{args.threads} threads; CPU capability {torch.backends.cpu.get_cpu_capability()}; "
+          f"CPU {cpu_model()}")
+    pairs = [(run_torch(torch, args), run_ours(args)) for _ in range(args.runs)]
+    if args.runs == 1:
+        theirs, ours = pairs[0]
+        print(f"{'executor':<44} {'img/s':>8}")
+        print(f"{'PyTorch eager fp32 channels_last':<44} {theirs:>8.0f}")
+        print(f"{'cudnn-cbr CPU executor (FP16 storage)':<44} {ours:>8.0f}")
+        print(f"{'ratio (ours / PyTorch)':<44} {ours / theirs:>8.2f}x")
+        return 0
+    print(f"{'run':>4} {'PyTorch img/s':>14} {'ours img/s':>11} {'ratio':>7}")
+    for i, (theirs, ours) in enumerate(pairs, 1):
+        print(f"{i:>4} {theirs:>14.0f} {ours:>11.0f} {ours / theirs:>6.2f}x")
+    ratios = sorted(o / t for t, o in pairs)
+    mid = len(ratios) // 2
+    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    print(f"ratio (ours / PyTorch) over {args.runs} runs: {ratios[0]:.2f}-{ratios[-1]:.2f}x, "
+          f"median {median:.2f}x")
     return 0
+
+
+def cpu_model():
+    """The CPU's model name as /proc/cpuinfo gives it ("unknown" elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 if __name__ == "__main__":

@@ -505,8 +505,10 @@ run)
   # 9. The CPU executor against PyTorch on this machine's CPU (model and features in
   # machine.log): our SIMD paths are chosen at run time, so the bundle's baseline build runs the
   # widest this CPU has.
-  stage torch_cpu 15 60 env PYTHONUNBUFFERED=1 "$py" benches/torch_cpu.py --threads 2 \
-    --bin "$bin/example-train_cbr"
+  # Three alternating runs of each side, 600 steps: either side moves by +-15% run to run.
+  stage torch_cpu 40 120 env PYTHONUNBUFFERED=1 "$py" benches/torch_cpu.py --threads 2 \
+    --steps 600 --runs 3 --bin "$bin/example-train_cbr"
+  grep -E '^(torch |ratio )' "$logs/torch_cpu.log" | sed 's/^/        | /' | tee -a "$summary" || true
   # 10. The same bits on this CPU as on the machine that built the bundle (MANIFEST's cpu_bits):
   # the main job, and a ResNet-18 (reductions over 512 deep, whatever this CPU's L1 cache).
   want_bits=$(sed -n 's/^cpu_bits \([0-9a-f]*\).*/\1/p' "$bin/MANIFEST")
