@@ -195,11 +195,15 @@ def main():
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--bin", default=DEFAULT_BIN, help="our train_cbr example binary")
+    ap.add_argument("--selftest", action="store_true",
+                    help="check the progress-line arithmetic on made-up output, then exit")
     ap.add_argument("--runs", type=int, default=1,
                     help="alternating runs of each side (at least 1)")
     ap.add_argument("--simd", choices=["avx512", "avx2"],
                     help="cap both sides' SIMD (default: the widest this CPU has)")
     args = ap.parse_args()
+    if args.selftest:
+        return selftest()
     if args.runs < 1:
         ap.error(f"--runs must be at least 1, got {args.runs}")
     if args.simd:
@@ -241,6 +245,31 @@ def main():
     print(f"ratio (ours / PyTorch) over {args.runs} runs: {spread([o / t for t, o, _ in runs])}"
           f" (ours over all its steps: {spread([a / t for t, _, a in runs])})")
     return 0
+
+
+def selftest():
+    """`after_warmup` on made-up progress lines (batch 10), against the arithmetic done by
+    hand; exit status 1 on a mismatch."""
+    out = ("train_cbr: device cpu\n"
+           "step     3/9 | loss 2.0 | acc  10.0% | scale   8192 | skipped 0 | 30 img/s\n"
+           "step     6/9 | loss 2.0 | acc  10.0% | scale   8192 | skipped 0 | 30 img/s\n"
+           "step     9/9 | loss 2.0 | acc  10.0% | scale   8192 | skipped 0 | 30 img/s\n"
+           "train_cbr summary: ... 30 img/s on cpu, weights hash 0\n")
+    # Lines at 1 s, 2 s, 3 s: 30 images per second throughout.
+    checks = [(after_warmup(out, 5, 10, 30.0), 30.0)]
+    # Step 6 at 2 s (30 img/s), step 9 at 2.5 s (36 img/s): 30 images in 0.5 s.
+    out2 = out.replace("step     9/9 | loss 2.0 | acc  10.0% | scale   8192 | skipped 0 | 30",
+                       "step     9/9 | loss 2.0 | acc  10.0% | scale   8192 | skipped 0 | 36")
+    checks.append((after_warmup(out2, 5, 10, 36.0), 60.0))
+    # No line between the warm-up and the last step, or none at all: the overall figure.
+    checks.append((after_warmup(out2, 9, 10, 36.0), 36.0))
+    checks.append((after_warmup("no progress lines", 5, 10, 12.0), 12.0))
+    bad = [(got, want) for got, want in checks if abs(got - want) > 1e-9 * want]
+    for got, want in bad:
+        print(f"torch_cpu selftest FAILED: got {got}, want {want}")
+    if not bad:
+        print(f"torch_cpu selftest: {len(checks)} checks passed")
+    return 1 if bad else 0
 
 
 def spread(ratios):

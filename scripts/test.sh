@@ -40,6 +40,7 @@ bash -n scripts/gpu-check.sh
 python3 -m py_compile benches/torch_cbr.py
 python3 benches/torch_cbr.py --out target/bench
 python3 -m py_compile benches/torch_cpu.py
+python3 benches/torch_cpu.py --selftest
 python3 benches/torch_cpu.py
 
 if [ -n "${CI:-}" ]; then
