@@ -368,7 +368,8 @@ mod x86 {
 
     /// Columns `o..o + V·L::N` for every row of `p`: blocks of `R` rows, then the remaining
     /// rows in one block of their count (row by row, each row's accumulators would leave the
-    /// FMA units waiting on their latency: a 68-row tile's last 4 rows took as long as 32).
+    /// FMA units waiting on their latency: a 68-row tile's last 4 rows took about as long as
+    /// 20 rows in blocks).
     ///
     /// # Safety
     /// As [`block`].
