@@ -57,9 +57,10 @@ pub(crate) fn level() -> Level {
 
 /// `out[i·cout + o] = Σ_s src[p[i] + q[s]] · m[s·cout + o]` (or `+=` where `add`), in the
 /// `gemm` crate's per-element order (module docs), at the widest [`level`]. Returns false,
-/// leaving `out` untouched, where this CPU has no direct tiles or an operand does not match
-/// its shape (`m` holds `q.len()` rows of `cout`, `out` `p.len()` rows, and every
-/// `p[i] + q[s]` indexes `src`).
+/// leaving `out` untouched (the caller then gathers and multiplies with `gemm`), where this CPU
+/// has no direct tiles, `cout` is under [`MIN_COLUMNS`], or an operand does not match its shape
+/// (`m` holds `q.len()` rows of `cout`, `out` `p.len()` rows, and every `p[i] + q[s]` indexes
+/// `src`).
 pub(crate) fn product(
     src: &[f32],
     p: &[usize],
@@ -69,8 +70,13 @@ pub(crate) fn product(
     out: &mut [f32],
     add: bool,
 ) -> bool {
-    product_with(level(), src, p, q, m, cout, out, add)
+    cout >= MIN_COLUMNS && product_with(level(), src, p, q, m, cout, out, add)
 }
+
+/// The fewest output columns [`product`] takes: one AVX2 vector. Fewer (a stem's 3 input
+/// channels in its dgrad) would run a lane at a time, slower than `gemm` (a stride-2 7×7
+/// dgrad's phases: 2.1× its time).
+const MIN_COLUMNS: usize = 8;
 
 /// [`product`] at a given level; a level the CPU lacks returns false.
 #[allow(clippy::too_many_arguments)]
@@ -380,6 +386,7 @@ mod x86 {
         o: usize,
         out: *mut f32,
     ) {
+        const { assert!(R <= 8, "the leftover rows' blocks below go up to 7") };
         let mut chunks = p.chunks_exact(R);
         let mut i = 0;
         for chunk in &mut chunks {
@@ -400,12 +407,8 @@ mod x86 {
                 5 => block::<L, 5, V>(t, rest, o, out),
                 6 => block::<L, 6, V>(t, rest, o, out),
                 7 => block::<L, 7, V>(t, rest, o, out),
-                // (No block has more than 8 rows.)
-                _ => {
-                    for (j, pi) in rest.chunks(1).enumerate() {
-                        block::<L, 1, V>(t, pi, o, out.add(j * t.cout));
-                    }
-                }
+                // Fewer than `R <= 8` rows are left (asserted at compile time above).
+                _ => unreachable!("more than 7 rows left after blocks of at most 8"),
             }
         }
     }

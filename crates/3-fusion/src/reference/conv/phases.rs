@@ -10,10 +10,6 @@ use super::super::error::Result;
 use super::super::params::ConvParams;
 use super::tile::gemm_kernel_path;
 
-/// The fewest input channels the phases' products go straight from the padded `dy` with: one
-/// AVX2 vector of columns.
-const MIN_DIRECT_COLUMNS: usize = 8;
-
 /// One phase of a strided dgrad: the input rows `ih` with `(ih + pad_h) % stride_h == a`,
 /// columns likewise for `b`, and the filter taps that reach them (`r·dil_h ≡ a`, `s·dil_w ≡ b`
 /// modulo the stride): every other tap reads between the strided output pixels.
@@ -201,11 +197,9 @@ where
                 }
                 res.resize(rows * c, A::ZERO);
                 let res = &mut res[..rows * c];
-                // Straight from the padded `dy` where the tiles give the GEMM's bits and have
-                // a vector of columns (fewer, such as a stem's 3 input channels, run a lane at
-                // a time: slower than the GEMM), else gathered and multiplied.
-                if !(c >= MIN_DIRECT_COLUMNS
-                    && gemm_kernel_path(rows, depth, c)
+                // Straight from the padded `dy` where the tiles give the GEMM's bits (and take
+                // the product: see `direct::product`), else gathered and multiplied.
+                if !(gemm_kernel_path(rows, depth, c)
                     && A::direct(dy_n, &ph.bases, &ph.offsets, &ph.w, c, res, false))
                 {
                     col.clear();

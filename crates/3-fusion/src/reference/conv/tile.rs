@@ -105,7 +105,7 @@ pub(super) fn gemm_kernel_path(m: usize, depth: usize, n: usize) -> bool {
 }
 
 /// `m` (`rows x cols`) as a row-major slice: borrowed where it already is one, else copied
-/// into `buf`'s storage (a transposed one in square blocks).
+/// into `buf`'s storage (a transposed one by `transpose.rs`).
 fn dense_in<'m, A: Real>(m: Mat<'m, A>, rows: usize, cols: usize, buf: &'m mut Vec<A>) -> &'m [A] {
     if m.col_stride == 1 && m.row_stride == cols && m.data.len() >= rows * cols {
         return &m.data[..rows * cols];
