@@ -37,6 +37,7 @@ use super::error::{ReferenceError, Result};
 use super::parallel::{channel_sums, map_blocks};
 use super::params::{check_len, BnParams, Nhwc};
 use super::pointwise::dbn_apply;
+use super::sums::{self, Terms};
 
 /// Per-channel sums of a tensor and of its squares (cuDNN GenStats `SUM`, `SQSUM`; FP32 `[C]`).
 #[derive(Debug, Clone, PartialEq)]
@@ -110,13 +111,7 @@ pub fn genstats<T: Element>(shape: &Nhwc, y: &[T]) -> Result<ChannelStats<T::Acc
 /// Adds the pixels of `rows` (NHWC, `acc.len()` channels), in row order, to GenStats' `f64`
 /// sums `acc[channel] = [Σy, Σy²]`.
 pub(crate) fn add_genstats_rows<A: Real>(rows: &[A], acc: &mut [[f64; 2]]) {
-    for yp in rows.chunks_exact(acc.len()) {
-        for (a, v) in acc.iter_mut().zip(yp) {
-            let v = v.to_f64();
-            a[0] += v;
-            a[1] += v * v;
-        }
-    }
+    sums::add_rows(Terms::Genstats, rows, &[], acc);
 }
 
 impl<A: Real> ChannelStats<A> {
@@ -353,16 +348,8 @@ impl<A: Real> BnBwdCoefficients<A> {
         acc: &mut [[f64; 2]],
     ) {
         let ch = acc.len();
-        let (mean64, inv_std64) = (&mean64[..ch], &inv_std64[..ch]);
-        for (yp, dp) in yv.chunks_exact(ch).zip(dv.chunks_exact(ch)) {
-            let (yp, dp) = (&yp[..ch], &dp[..ch]);
-            for k in 0..ch {
-                let x_hat = (yp[k].to_f64() - mean64[k]) * inv_std64[k];
-                let d = dp[k].to_f64();
-                acc[k][0] += d * x_hat;
-                acc[k][1] += d;
-            }
-        }
+        let (mean, inv_std) = (&mean64[..ch], &inv_std64[..ch]);
+        sums::add_rows(Terms::Bwd64 { mean, inv_std }, yv, dv, acc);
     }
 
     /// The coefficients from the sums [`Self::add_rows`] made over all `pixels` pixels.

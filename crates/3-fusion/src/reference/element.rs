@@ -341,6 +341,12 @@ pub(crate) mod private {
         /// `dst [cols, rows] = srcᵀ` for a row-major `src [rows, cols]`
         /// (`transpose.rs`).
         fn transpose(src: &[Self], rows: usize, cols: usize, dst: &mut [Self]);
+
+        /// The slice as `f32` values where this type is `f32` (the vector paths of
+        /// `sums.rs` take those), else `None`.
+        fn as_f32(_v: &[Self]) -> Option<&[f32]> {
+            None
+        }
     }
 }
 
@@ -470,6 +476,10 @@ impl private::Gemm for f32 {
 
     fn transpose(src: &[Self], rows: usize, cols: usize, dst: &mut [Self]) {
         super::transpose::f32s(src, rows, cols, dst);
+    }
+
+    fn as_f32(v: &[Self]) -> Option<&[f32]> {
+        Some(v)
     }
 }
 

@@ -71,6 +71,7 @@ pub(crate) mod parallel;
 pub(crate) mod params;
 pub(crate) mod pointwise;
 pub(crate) mod simd;
+pub(crate) mod sums;
 pub(crate) mod transpose;
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ use crate::error::Result;
 use crate::exec::Scalar;
 use crate::reference::parallel::channel_sums;
 use crate::reference::params::check_len;
+use crate::reference::sums::{self, Terms};
 use crate::reference::{self as r, Element, Nhwc, Real};
 
 /// The previous BN's dBN-apply coefficients A, B, C (this layer's buffers).
@@ -299,15 +300,7 @@ pub(crate) fn dbn_reduce<T: Element>(
         T::widen_into(&y[range.clone()], yv);
         T::widen_into(&dz[range], dv);
         let (mean, inv_std) = (&mean[..c], &inv_std[..c]);
-        let acc = &mut acc[..c];
-        for (yp, dp) in yv.chunks_exact(c).zip(dv.chunks_exact(c)) {
-            let (yp, dp) = (&yp[..c], &dp[..c]);
-            for k in 0..c {
-                let x_hat = (yp[k] - mean[k]) * inv_std[k];
-                acc[k][0] += (dp[k] * x_hat).to_f64();
-                acc[k][1] += dp[k].to_f64();
-            }
-        }
+        sums::add_rows(Terms::BwdArith { mean, inv_std }, yv, dv, &mut acc[..c]);
     });
     Ok([
         sums.iter().map(|s| T::Acc::from_f64(s[0])).collect(),
