@@ -76,12 +76,35 @@ pub fn cpu_paths() -> String {
 
 /// `dst[i] = src[i]` widened, for `i < min(src.len(), dst.len())`.
 pub(crate) fn widen(src: &[f16], dst: &mut [f32]) {
-    widen_with(level(), src, dst);
+    let level = level();
+    in_parts(src, dst, |s, d| widen_with(level, s, d));
 }
 
 /// `dst[i] = src[i]` rounded to nearest even, for `i < min(src.len(), dst.len())`.
 pub(crate) fn narrow(src: &[f32], dst: &mut [f16]) {
-    narrow_with(level(), src, dst);
+    let level = level();
+    in_parts(src, dst, |s, d| narrow_with(level, s, d));
+}
+
+/// Elements per part of a conversion split over rayon's threads: a whole activation tensor
+/// converted between two parallel loops would otherwise leave the other threads waiting; a
+/// block converted inside one of those loops (far shorter) stays on its thread.
+const PART: usize = 32 * 1024;
+
+/// `convert(src, dst)` over the common length, in parts of [`PART`] elements over the
+/// threads where there are several (each element is converted alone, so the parts do not
+/// change a bit).
+fn in_parts<S: Sync, D: Send>(src: &[S], dst: &mut [D], convert: impl Fn(&[S], &mut [D]) + Sync) {
+    let n = src.len().min(dst.len());
+    let (src, dst) = (&src[..n], &mut dst[..n]);
+    if n < 2 * PART || rayon::current_num_threads() < 2 {
+        convert(src, dst);
+        return;
+    }
+    use rayon::prelude::*;
+    dst.par_chunks_mut(PART)
+        .zip(src.par_chunks(PART))
+        .for_each(|(d, s)| convert(s, d));
 }
 
 /// [`widen`] at a given level; a level the CPU lacks falls back to [`Level::Portable`].
@@ -298,6 +321,32 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Conversions long enough to go in parts over the threads give every element what the
+    /// one-thread conversion gives, including the part boundaries and a short last part.
+    #[test]
+    fn conversions_in_parts_match_the_whole() {
+        let n = 5 * PART / 2 + 7;
+        let wide: Vec<f32> = (0..n).map(|i| (i as f32 - 1e4) * 0.37 + 0.001).collect();
+        let mut half = vec![f16::ZERO; n];
+        let mut back = vec![0f32; n];
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .expect("a thread pool");
+        pool.install(|| {
+            narrow(&wide, &mut half);
+            widen(&half, &mut back);
+        });
+        for i in 0..n {
+            assert_eq!(half[i].to_bits(), f16::from_f32(wide[i]).to_bits(), "narrow [{i}]");
+            assert_eq!(back[i].to_bits(), half[i].to_f32().to_bits(), "widen [{i}]");
+        }
+        // A destination shorter than the source: only the common length is written.
+        let mut short = vec![0f32; n - 3];
+        pool.install(|| widen(&half, &mut short));
+        assert!(short.iter().zip(&half).all(|(s, h)| s.to_bits() == h.to_f32().to_bits()));
     }
 
     /// This machine's level is at least what its features promise (the test names it).
