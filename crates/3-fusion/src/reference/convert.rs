@@ -340,13 +340,20 @@ mod tests {
             widen(&half, &mut back);
         });
         for i in 0..n {
-            assert_eq!(half[i].to_bits(), f16::from_f32(wide[i]).to_bits(), "narrow [{i}]");
+            assert_eq!(
+                half[i].to_bits(),
+                f16::from_f32(wide[i]).to_bits(),
+                "narrow [{i}]"
+            );
             assert_eq!(back[i].to_bits(), half[i].to_f32().to_bits(), "widen [{i}]");
         }
         // A destination shorter than the source: only the common length is written.
         let mut short = vec![0f32; n - 3];
         pool.install(|| widen(&half, &mut short));
-        assert!(short.iter().zip(&half).all(|(s, h)| s.to_bits() == h.to_f32().to_bits()));
+        assert!(short
+            .iter()
+            .zip(&half)
+            .all(|(s, h)| s.to_bits() == h.to_f32().to_bits()));
     }
 
     /// This machine's level is at least what its features promise (the test names it).

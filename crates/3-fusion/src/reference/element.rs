@@ -84,6 +84,21 @@ pub trait Element:
         }
     }
 
+    /// The BN-apply prologue of whole pixels of `c` channels in vector lanes, where this type
+    /// has them: `x = widen(store(relu(widen(y)·s + b)))` with `s`, `b` per channel (the
+    /// multiply and the add each rounded). False, leaving `x` untouched, where it has none
+    /// (the default): the caller then computes it pass by pass, to the same values.
+    fn prologue_lanes(
+        c: usize,
+        y: &[Self],
+        s: &[Self::Acc],
+        b: &[Self::Acc],
+        x: &mut [Self::Acc],
+    ) -> bool {
+        let _ = (c, y, s, b, x);
+        false
+    }
+
     /// The raw bits, for exact comparisons (zeros of both signs and NaN payloads told apart).
     fn bits(self) -> u64;
 
@@ -164,6 +179,12 @@ impl Element for f16 {
             let keep = u16::from(x[i].wrapping_sub(1) < 0x7C00);
             out[i] = dy[i] & keep.wrapping_neg();
         }
+    }
+
+    /// With F16C or AVX-512F conversions, where `c` is a multiple of their lanes
+    /// (`prologue.rs`).
+    fn prologue_lanes(c: usize, y: &[Self], s: &[f32], b: &[f32], x: &mut [f32]) -> bool {
+        super::prologue::prologue(c, y, s, b, x)
     }
 
     fn same_bits(a: &[Self], b: &[Self]) -> bool {

@@ -70,15 +70,7 @@ impl<T: Element> ConvInput<'_, T> {
                 check_len("bias", bias, p.c)?;
                 let (s, b) = (T::widen_slice(scale), T::widen_slice(bias));
                 let fill = |first: usize, dst: &mut [T::Acc]| {
-                    let mut stored = vec![T::default(); dst.len()];
-                    prologue_into(
-                        c,
-                        &y_prev[first * c..first * c + dst.len()],
-                        &s,
-                        &b,
-                        dst,
-                        &mut stored,
-                    );
+                    prologue_into(c, &y_prev[first * c..first * c + dst.len()], &s, &b, dst);
                 };
                 run(Src::Fill {
                     pixels: p.n * p.h * p.w,
@@ -242,15 +234,12 @@ fn drelu_dbn_rows<T: Element>(
 }
 
 /// The prologue of `y` (whole pixels of `c` channels) into `x`: `relu(y·s + b)` rounded to `T`
-/// (through `stored`, as long as `y`) and widened back.
-fn prologue_into<T: Element>(
-    c: usize,
-    y: &[T],
-    s: &[T::Acc],
-    b: &[T::Acc],
-    x: &mut [T::Acc],
-    stored: &mut [T],
-) {
+/// and widened back (in vector lanes where `T` has them, else pass by pass).
+fn prologue_into<T: Element>(c: usize, y: &[T], s: &[T::Acc], b: &[T::Acc], x: &mut [T::Acc]) {
+    if T::prologue_lanes(c, y, s, b, x) {
+        return;
+    }
+    let mut stored = vec![T::default(); x.len()];
     T::widen_into(y, x);
     let (s, b) = (&s[..c], &b[..c]);
     for px in x.chunks_exact_mut(c) {
@@ -258,8 +247,8 @@ fn prologue_into<T: Element>(
             *v = (*v * s + b).relu();
         }
     }
-    T::store_into(x, stored);
-    T::widen_into(stored, x);
+    T::store_into(x, &mut stored);
+    T::widen_into(&stored, x);
 }
 
 /// The outputs of [`fprop_genstats`].

@@ -70,6 +70,7 @@ pub(crate) mod fused;
 pub(crate) mod parallel;
 pub(crate) mod params;
 pub(crate) mod pointwise;
+mod prologue;
 pub(crate) mod simd;
 pub(crate) mod sums;
 pub(crate) mod transpose;
