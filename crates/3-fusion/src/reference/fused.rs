@@ -96,8 +96,6 @@ pub struct ConvScratch<T: Element> {
     key: Option<InputKey<T>>,
     /// Storage for the padded copy of the dgrad's `dy`.
     dy: PadBuf<T::Acc>,
-    /// Storage for the wgrad's `dy` in the arithmetic type.
-    dy_acc: Vec<T::Acc>,
 }
 
 /// How a [`ConvScratch`] tells that a wgrad's input is the one its forward conv read.
@@ -353,26 +351,27 @@ pub fn wgrad_with_prologue_with<T: Element>(
 ) -> Result<Vec<T>> {
     p.validate()?;
     check_len("dy", dy, p.y_elems())?;
-    let mut dy_acc = std::mem::take(&mut scratch.dy_acc);
-    dy_acc.resize(dy.len(), T::Acc::ZERO);
-    T::widen_into(dy, &mut dy_acc);
-    let dy = dy_acc;
+    // `dy` widened a tile's rows at a time, while in cache (the same values).
+    let dy_fill = widen_fill(dy, p.k);
+    let dy = Src::Fill {
+        pixels: p.n * p.out_h() * p.out_w(),
+        fill: &dy_fill,
+    };
     let cached = scratch
         .key
         .as_ref()
         .is_some_and(|k| k.matches(p, &input, stamp));
     let done = with_store(|store| {
         if cached {
-            wgrad_src_in(p, Src::Padded(&scratch.input.data), &dy, store)?;
+            wgrad_src_in(p, Src::Padded(&scratch.input.data), dy, store)?;
         } else {
-            input.with_src(p, |x| wgrad_src_in(p, x, &dy, store).map(|_| ()))?;
+            input.with_src(p, |x| wgrad_src_in(p, x, dy, store).map(|_| ()))?;
         }
         let dw_acc = store.dw();
         dw.resize(dw_acc.len(), T::default());
         T::store_into(dw_acc, &mut dw);
         Ok(())
     });
-    scratch.dy_acc = dy;
     done.map(|()| dw)
 }
 

@@ -210,7 +210,13 @@ pub fn conv_wgrad<T: Element>(p: &ConvParams, x: &[T], dy: &[T]) -> Result<Vec<T
         pixels: p.n * p.h * p.w,
         fill: &fill,
     };
-    let dw = wgrad_src(p, x_src, &T::widen_slice(dy))?;
+    // `dy` widened tile by tile, while in cache (the same values as widening it first).
+    let dy_fill = widen_fill(dy, p.k);
+    let dy_src = Src::Fill {
+        pixels: p.n * p.out_h() * p.out_w(),
+        fill: &dy_fill,
+    };
+    let dw = wgrad_src(p, x_src, dy_src)?;
     Ok(T::store_slice(&dw))
 }
 
@@ -411,26 +417,39 @@ fn dgrad_weights_into<A: Real>(p: &ConvParams, w: &[A], w_r: &mut Vec<A>) {
 /// wgrad in the arithmetic type, unrounded. `p` validated, lengths checked.
 #[cfg(test)]
 pub(crate) fn wgrad_acc<A: Real>(p: &ConvParams, x: &[A], dy: &[A]) -> Result<Vec<A>> {
-    wgrad_src(p, Src::Acc(x), dy)
+    wgrad_src(p, Src::Acc(x), Src::Acc(dy))
 }
 
-/// [`wgrad_acc`] from any [`Src`].
-pub(crate) fn wgrad_src<A: Real>(p: &ConvParams, x: Src<'_, A>, dy: &[A]) -> Result<Vec<A>> {
+/// [`wgrad_acc`] from any [`Src`] of `x` and `dy` (see [`wgrad_src_in`]).
+pub(crate) fn wgrad_src<A: Real>(p: &ConvParams, x: Src<'_, A>, dy: Src<'_, A>) -> Result<Vec<A>> {
     let mut store = ConvStore::default();
     wgrad_src_in(p, x, dy, &mut store)?;
     Ok(store.dw)
 }
 
-/// [`wgrad_src`] in `store`'s storage: `dw` (KRSC) is left in it and returned.
+/// [`wgrad_src`] in `store`'s storage: `dw` (KRSC) is left in it and returned. `dy` is
+/// [`Src::Acc`] (`rows · k` values) or [`Src::Fill`] (`rows` pixels of `k` values, filled a
+/// tile's rows at a time into the task's scratch, so they are read while in cache); a padded
+/// `dy` is refused.
 pub(crate) fn wgrad_src_in<'s, A: Real>(
     p: &ConvParams,
     x: Src<'_, A>,
-    dy: &[A],
+    dy: Src<'_, A>,
     store: &'s mut ConvStore<A>,
 ) -> Result<&'s [A]> {
     let (k, taps) = (p.k, p.r * p.s);
     let depth = taps * p.c;
     let rows = p.n * p.out_h() * p.out_w();
+    let fits = match dy {
+        Src::Acc(d) => rows.checked_mul(k) == Some(d.len()),
+        Src::Fill { pixels, .. } => pixels == rows,
+        Src::Padded(_) => false,
+    };
+    if !fits {
+        return Err(super::error::ReferenceError::Internal {
+            what: "wgrad's dy does not hold the conv's output pixels",
+        });
+    }
     let tiles = rows.div_ceil(TILE_ROWS);
     let tiles_per_group = tiles.div_ceil(WGRAD_GROUPS);
     let groups = tiles.div_ceil(tiles_per_group);
@@ -459,7 +478,16 @@ pub(crate) fn wgrad_src_in<'s, A: Real>(
             for tile in group * tiles_per_group..last_tile {
                 let first = tile * TILE_ROWS;
                 let n_rows = TILE_ROWS.min(rows - first);
-                let dy_rows = &dy[first * k..(first + n_rows) * k];
+                let dy_rows: &[A] = match dy {
+                    Src::Acc(d) => &d[first * k..(first + n_rows) * k],
+                    Src::Fill { fill, .. } => {
+                        scratch.rows.resize(n_rows * k, A::ZERO);
+                        fill(first, &mut scratch.rows[..n_rows * k]);
+                        &scratch.rows[..n_rows * k]
+                    }
+                    // Refused above.
+                    Src::Padded(_) => &[],
+                };
                 if let Some((g, eoff)) = &direct {
                     if n_rows >= 3 {
                         g.bases(first, n_rows, &mut scratch.bases);

@@ -6,11 +6,13 @@ use super::super::error::Result;
 use super::super::transpose::transpose;
 use super::gather::{Gatherer, Padded};
 
-/// A tile's gathered column rows and their bases, kept from tile to tile.
+/// A tile's gathered column rows and their bases, kept from tile to tile (and wgrad's rows of
+/// `dy` where they are filled per tile).
 #[derive(Debug, Default)]
 pub(super) struct Scratch<A> {
     pub(super) col: Vec<A>,
     pub(super) bases: Vec<usize>,
+    pub(super) rows: Vec<A>,
 }
 
 /// `tile [n_rows, cout] = col rows first.. · weights [depth, cout]`: straight from the padded
