@@ -5,7 +5,8 @@
 //!
 //! The shared arena is two pools, one per storage kind (`Half` buffers as `T`, `Float` ones
 //! as `T::Acc`): the element types differ per precision mode, and typed pools need no casts.
-//! A write copies into the buffer's range. A read checks that no buffer sharing its range
+//! A write copies into the buffer's range (in parts over the threads), and the vector it came
+//! in is lent to a later op for its output, so steps allocate none. A read checks that no buffer sharing its range
 //! was written after it ([`HostStore::check_read`]): a lifetime the plan got wrong is a typed
 //! error naming both buffers, never a silently stale value.
 
@@ -58,6 +59,29 @@ pub(crate) struct HostStore<T: Element> {
     /// Per buffer, the write clock's value at its last write.
     versions: Vec<u64>,
     clock: u64,
+    /// Vectors an op wrote an arena buffer's new contents into, kept after their copy into
+    /// the arena and lent to the next op ([`HostStore::take_half`]): a step then allocates
+    /// (and the OS zeroes) no fresh output pages.
+    spare: Vec<Vec<T>>,
+}
+
+/// The most vectors [`HostStore::spare`] keeps (the ops of a layer write a few outputs each).
+const SPARE: usize = 4;
+
+/// Elements per part of a copy into the arena split over rayon's threads (an activation
+/// copied on one thread would leave the others waiting between two parallel ops).
+const COPY_PART: usize = 32 * 1024;
+
+/// `dst.copy_from_slice(src)`, in parts over the threads where it is long (equal lengths).
+fn copy_in_parts<V: Copy + Send + Sync>(dst: &mut [V], src: &[V]) {
+    if dst.len() < 2 * COPY_PART || rayon::current_num_threads() < 2 {
+        dst.copy_from_slice(src);
+        return;
+    }
+    use rayon::prelude::*;
+    dst.par_chunks_mut(COPY_PART)
+        .zip(src.par_chunks(COPY_PART))
+        .for_each(|(d, s)| d.copy_from_slice(s));
 }
 
 fn wrong_kind(name: &str, want: &str) -> Error {
@@ -181,6 +205,7 @@ impl<T: Element> HostStore<T> {
             // Every buffer starts with a stamp of its own.
             versions: (1..=n as u64).collect(),
             clock: n as u64,
+            spare: Vec::new(),
         })
     }
 
@@ -263,9 +288,14 @@ impl<T: Element> HostStore<T> {
         }
         self.touch(id);
         match (self.slots[id], v) {
-            (Slot::Half { at, len }, Buf::Half(x)) => self.half[at..at + len].copy_from_slice(&x),
+            (Slot::Half { at, len }, Buf::Half(x)) => {
+                copy_in_parts(&mut self.half[at..at + len], &x);
+                if self.spare.len() < SPARE {
+                    self.spare.push(x);
+                }
+            }
             (Slot::Float { at, len }, Buf::Float(x)) => {
-                self.float[at..at + len].copy_from_slice(&x)
+                copy_in_parts(&mut self.float[at..at + len], &x)
             }
             (_, v) => self.own[id] = v,
         }
@@ -273,13 +303,37 @@ impl<T: Element> HostStore<T> {
     }
 
     /// Lends a `Half` buffer's vector to the op about to replace its contents (a separate
-    /// buffer's storage; an arena buffer lends none: the op allocates, the write copies).
+    /// buffer's storage; for an arena buffer a spare vector of an earlier write, or none: the
+    /// op then allocates; the write copies it into the arena).
     pub(crate) fn take_half(&mut self, id: BufId, buffers: &[NetBuffer]) -> Result<Vec<T>> {
         self.touch(id);
         match (self.slots[id], &mut self.own[id]) {
-            (Slot::Half { .. }, _) => Ok(Vec::new()),
+            (Slot::Half { .. }, _) => Ok(self.spare.pop().unwrap_or_default()),
             (Slot::Own, Buf::Half(v)) => Ok(std::mem::take(v)),
             _ => Err(wrong_kind(&buffers[id].name, "FP16")),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_copy_in_parts_copies_every_element() {
+        let n = 5 * COPY_PART / 2 + 3;
+        let src: Vec<u32> = (0..n as u32)
+            .map(|i| i.wrapping_mul(2_654_435_761))
+            .collect();
+        let mut dst = vec![0u32; n];
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .expect("a thread pool");
+        pool.install(|| copy_in_parts(&mut dst, &src));
+        assert_eq!(dst, src);
+        let mut short = vec![0u32; 10];
+        copy_in_parts(&mut short, &src[..10]);
+        assert_eq!(short, src[..10]);
     }
 }
