@@ -392,6 +392,14 @@ fn argmax<T: Element>(p: &PoolSpec, s: &Nhwc, x: &[T]) -> Result<Vec<usize>> {
     }
     let (oh, ow) = (pooled(s.h, p), pooled(s.w, p));
     let (c, image) = (s.c, s.h * s.w * s.c);
+    // Window positions are kept as 32-bit offsets within an image.
+    if u32::try_from(image).is_err() {
+        return Err(Error::InvalidConfig {
+            layer: "maxpool".into(),
+            field: "input".into(),
+            problem: format!("an image of {image} elements is over 2^32"),
+        });
+    }
     // Image by image in parallel (each widened once), every window's positions in window
     // order with all channels at once: per channel the same comparisons in the same order.
     let per_image: Vec<Vec<usize>> = x
@@ -401,7 +409,7 @@ fn argmax<T: Element>(p: &PoolSpec, s: &Nhwc, x: &[T]) -> Result<Vec<usize>> {
             let mut wide = vec![T::Acc::ZERO; xn.len()];
             T::widen_into(xn, &mut wide);
             let mut out = Vec::with_capacity(oh * ow * c);
-            let (mut best_v, mut best_at) = (vec![T::Acc::ZERO; c], vec![0usize; c]);
+            let (mut best_v, mut best_at) = (vec![T::Acc::ZERO; c], vec![0u32; c]);
             for i in 0..oh {
                 for j in 0..ow {
                     let mut seen = false;
@@ -422,21 +430,27 @@ fn argmax<T: Element>(p: &PoolSpec, s: &Nhwc, x: &[T]) -> Result<Vec<usize>> {
                                 // The window's first real pixel: every channel's first best.
                                 best_v.copy_from_slice(v);
                                 for (k, at) in best_at.iter_mut().enumerate() {
-                                    *at = base + k;
+                                    *at = (base + k) as u32;
                                 }
                                 seen = true;
                                 continue;
                             }
+                            // Selects rather than branches, and positions as 32-bit
+                            // offsets in the image (as wide as an FP32 lane), so the channels
+                            // go in vector lanes: the same comparisons, the same winners.
+                            let (bv, at) = (&mut best_v[..c], &mut best_at[..c]);
+                            let from = base as u32;
                             for k in 0..c {
-                                if v[k] > best_v[k] {
-                                    (best_v[k], best_at[k]) = (v[k], base + k);
-                                }
+                                let better = v[k] > bv[k];
+                                let mask = u32::from(better).wrapping_neg();
+                                bv[k] = if better { v[k] } else { bv[k] };
+                                at[k] = (at[k] & !mask) | (from.wrapping_add(k as u32) & mask);
                             }
                         }
                     }
                     // pad < kernel (validated) puts at least one real pixel in every window.
                     match seen {
-                        true => out.extend(best_at.iter().map(|&at| n * image + at)),
+                        true => out.extend(best_at.iter().map(|&at| n * image + at as usize)),
                         false => out.extend(std::iter::repeat_n(0, c)),
                     }
                 }
@@ -524,7 +538,15 @@ mod tests {
     #[test]
     fn the_fp16_max_pool_is_the_kernels_twin() {
         let mut state = 5u64;
-        for (n, hw, c, k, s, p) in [(2, 9, 3, 3, 2, 1), (3, 8, 4, 3, 2, 1), (2, 6, 2, 2, 2, 0)] {
+        // Channel counts under, at and past the vector lanes the argmax's channel loop runs in.
+        let shapes = [
+            (2, 9, 3, 3, 2, 1),
+            (3, 8, 4, 3, 2, 1),
+            (2, 6, 2, 2, 2, 0),
+            (2, 7, 40, 3, 2, 1),
+            (1, 8, 64, 3, 2, 1),
+        ];
+        for (n, hw, c, k, s, p) in shapes {
             let shape = Nhwc::new(n, hw, hw, c);
             let pool = PoolSpec {
                 kernel: k,
