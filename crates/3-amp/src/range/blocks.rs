@@ -23,20 +23,26 @@ pub(crate) const PER_TASK: usize = 32 * 1024;
 /// `dst[i] = f32_to_f16(src[i])` (equal lengths).
 pub(crate) fn narrow(src: &[f32], dst: &mut [f16]) {
     dst.convert_from_f32_slice(src);
+    // The NaN pass as a select on the bits, which runs in vector lanes where a branch per
+    // element did not.
     for (d, s) in dst.iter_mut().zip(src) {
-        if s.is_nan() {
-            *d = f16::from_bits(F16_CANONICAL_NAN);
-        }
+        let bits = if s.is_nan() {
+            F16_CANONICAL_NAN
+        } else {
+            d.to_bits()
+        };
+        *d = f16::from_bits(bits);
     }
 }
 
 /// `dst[i] = f16_to_f32(src[i])` (equal lengths).
 pub(crate) fn widen(src: &[f16], dst: &mut [f32]) {
     src.convert_to_f32_slice(dst);
+    // As in `narrow`; an FP16 NaN has all exponent bits set and a nonzero mantissa.
     for (d, s) in dst.iter_mut().zip(src) {
-        if s.is_nan() {
-            *d = f32::from_bits(F32_CANONICAL_NAN);
-        }
+        let nan = s.to_bits() & 0x7fff > 0x7c00;
+        let bits = if nan { F32_CANONICAL_NAN } else { d.to_bits() };
+        *d = f32::from_bits(bits);
     }
 }
 
