@@ -25,6 +25,8 @@
 //! | `reference::element` | the `gemm` crate's FP32 GEMM, whose entry point is `unsafe fn` |
 //! | `reference::convert` | FP16 ↔ FP32 conversion instructions chosen at run time (`std::arch`) |
 //! | `reference::direct` | the conv tiles' AVX-512/AVX2 FMA register blocks, chosen at run time (`std::arch`) |
+//! | `reference::sums` | the per-channel `f64` sums in AVX-512F/AVX lanes, chosen at run time (`std::arch`) |
+//! | `reference::prologue` | the BN-apply prologue in AVX-512F/F16C lanes, chosen at run time (`std::arch`) |
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 

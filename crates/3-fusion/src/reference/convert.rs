@@ -48,10 +48,11 @@ pub(crate) fn level() -> Level {
 }
 
 /// The instruction sets the CPU executor runs with on this machine, chosen at run time, e.g.
-/// `"AVX-512F FP16 conversions, AVX-512F conv tiles, AVX2+FMA GEMM"`: the conversions here,
-/// the conv tiles read straight from their padded source (`direct.rs`), and the `gemm`
-/// crate's kernels for the other products (it picks them the same way: FMA where the CPU has
-/// it).
+/// `"AVX-512F FP16 conversions, AVX-512F conv tiles, AVX-512F channel sums, AVX2+FMA GEMM"`:
+/// the conversions here (and the prologue, `prologue.rs`, which uses the same instructions),
+/// the conv tiles read straight from their padded source (`direct.rs`), the per-channel sums
+/// (`sums.rs`), and the `gemm` crate's kernels for the other products (it picks them the same
+/// way: FMA where the CPU has it).
 pub fn cpu_paths() -> String {
     let conversions = match level() {
         Level::Avx512 => "AVX-512F",
@@ -63,6 +64,11 @@ pub fn cpu_paths() -> String {
         super::direct::Level::Avx2 => "AVX2+FMA conv tiles",
         super::direct::Level::None => "gathered conv tiles",
     };
+    let sums = match super::sums::level() {
+        super::sums::Level::Avx512 => "AVX-512F channel sums",
+        super::sums::Level::Avx => "AVX channel sums",
+        super::sums::Level::Portable => "scalar channel sums",
+    };
     #[cfg(target_arch = "x86_64")]
     let gemm = if std::arch::is_x86_feature_detected!("fma") {
         "AVX2+FMA"
@@ -71,7 +77,7 @@ pub fn cpu_paths() -> String {
     };
     #[cfg(not(target_arch = "x86_64"))]
     let gemm = "the gemm crate's";
-    format!("{conversions} FP16 conversions, {tiles}, {gemm} GEMM")
+    format!("{conversions} FP16 conversions, {tiles}, {sums}, {gemm} GEMM")
 }
 
 /// `dst[i] = src[i]` widened, for `i < min(src.len(), dst.len())`.

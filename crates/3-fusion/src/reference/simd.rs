@@ -1,15 +1,15 @@
 //! The widest SIMD the CPU executor may use: the CPU's own, or less where
 //! [`CPU_SIMD_ENV`] says so (to compare the paths on one machine, or to run as a machine
-//! without AVX-512 would). Every path gives the same bits (`convert.rs`, `direct.rs`), so the
-//! limit changes only the speed.
+//! without AVX-512 would). Every path gives the same bits (`convert.rs`, `direct.rs`,
+//! `sums.rs`, `prologue.rs`), so the limit changes only the speed.
 
 use std::sync::OnceLock;
 
 use super::error::{ReferenceError, Result};
 
 /// The environment variable that caps the CPU executor's SIMD: `avx512` (no cap, the
-/// default), `avx2` (AVX2 conv tiles, F16C conversions) or `portable` (the gather and the
-/// `gemm` crate, `half`'s conversions).
+/// default), `avx2` (AVX2 conv tiles, F16C conversions and prologue, AVX channel sums) or
+/// `portable` (the gather and the `gemm` crate, `half`'s conversions, scalar loops).
 pub const CPU_SIMD_ENV: &str = "CUDNN_CBR_CPU_SIMD";
 
 /// A cap on the CPU executor's SIMD (see [`CPU_SIMD_ENV`]).
