@@ -6,9 +6,10 @@
 //! The shared arena is two pools, one per storage kind (`Half` buffers as `T`, `Float` ones
 //! as `T::Acc`): the element types differ per precision mode, and typed pools need no casts.
 //! A write copies into the buffer's range (in parts over the threads), and the vector it came
-//! in is lent to a later op for its output, so steps allocate none. A read checks that no buffer sharing its range
-//! was written after it ([`HostStore::check_read`]): a lifetime the plan got wrong is a typed
-//! error naming both buffers, never a silently stale value.
+//! in is kept and lent to a later op for its output (at most [`SPARE`] of them). A read checks
+//! that no buffer sharing its range was written after it ([`HostStore::check_read`]): a
+//! lifetime the plan got wrong is a typed error naming both buffers, never a silently stale
+//! value.
 
 use super::compile::{BufId, CompiledNet, NetBuffer};
 use super::cpu::Buf;
@@ -65,8 +66,9 @@ pub(crate) struct HostStore<T: Element> {
     spare: Vec<Vec<T>>,
 }
 
-/// The most vectors [`HostStore::spare`] keeps (the ops of a layer write a few outputs each).
-const SPARE: usize = 4;
+/// The most vectors [`HostStore::spare`] keeps: an op borrows one output at a time, so two
+/// cover a step, and the memory they hold stays at two of the largest `Half` buffers.
+const SPARE: usize = 2;
 
 /// Elements per part of a copy into the arena split over rayon's threads (an activation
 /// copied on one thread would leave the others waiting between two parallel ops).
