@@ -19,18 +19,9 @@ use cudnn_cbr::fusion::reference::{
 use half::f16;
 use std::time::Instant;
 
-/// Deterministic values in [-1, 1), rounded to FP16.
-fn values(len: usize, seed: u64) -> Vec<f16> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            f16::from_f32((state >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
-        })
-        .collect()
-}
+#[path = "../tests/common/values.rs"]
+mod values;
+use values::values;
 
 /// The main job's convs (`crates/6-trainer/src`: the `mini` network at its defaults).
 fn shapes(batch: usize) -> Vec<(&'static str, ConvParams)> {

@@ -23,7 +23,6 @@
 //! `cargo test` (no `--bench` flag) it runs one tiny shape once as a smoke test.
 
 use cudnn_cbr::fusion::reference::{conv_dgrad, conv_fprop, conv_wgrad, ConvParams};
-use half::f16;
 use ndarray::linalg::general_mat_mul;
 use ndarray::{Array2, ArrayView2, ArrayViewMut2, Axis};
 use std::hint::black_box;
@@ -47,18 +46,9 @@ fn shapes(batch: usize) -> Vec<(&'static str, ConvParams)> {
     ]
 }
 
-/// Deterministic values in [-1, 1), rounded to FP16.
-fn values(len: usize, seed: u64) -> Vec<f16> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            f16::from_f32((state >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
-        })
-        .collect()
-}
+#[path = "../tests/common/values.rs"]
+mod values;
+use values::values;
 
 /// Median wall times in seconds of `f` and `g` over `runs` calls each, after one warm-up call
 /// each. The calls alternate, so both see the same machine load.

@@ -81,7 +81,8 @@ mod x86 {
     const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT;
 
     // Loads and stores through the masked intrinsics with an all-ones mask, as in
-    // `convert.rs` (plain unaligned moves, without the release builds' precondition checks).
+    // `convert.rs` (plain unaligned moves), and pointer arithmetic by `wrapping_add`: the
+    // unmasked moves and `add` carry precondition checks the release builds keep.
 
     /// # Safety
     /// The CPU has AVX-512F and AVX2; `c` is a multiple of 16; `y` and `x` hold the same
@@ -93,15 +94,18 @@ mod x86 {
                 // SAFETY: `j + 16 <= c`, the length of `yp`, `xp`, `s` and `b` (the
                 // function's contract); AVX-512F and AVX2 are enabled on this function.
                 unsafe {
-                    let h = _mm256_maskload_epi32(yp.as_ptr().add(j).cast(), _mm256_set1_epi32(-1));
+                    let h = _mm256_maskload_epi32(
+                        yp.as_ptr().wrapping_add(j).cast(),
+                        _mm256_set1_epi32(-1),
+                    );
                     let v = _mm512_mul_ps(
                         _mm512_cvtph_ps(h),
-                        _mm512_maskz_loadu_ps(!0, s.as_ptr().add(j)),
+                        _mm512_maskz_loadu_ps(!0, s.as_ptr().wrapping_add(j)),
                     );
-                    let v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(!0, b.as_ptr().add(j)));
+                    let v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(!0, b.as_ptr().wrapping_add(j)));
                     let v = _mm512_max_ps(v, _mm512_setzero_ps());
                     let v = _mm512_cvtph_ps(_mm512_cvtps_ph::<NEAREST>(v));
-                    _mm512_mask_storeu_ps(xp.as_mut_ptr().add(j), !0, v);
+                    _mm512_mask_storeu_ps(xp.as_mut_ptr().wrapping_add(j), !0, v);
                 }
             }
         }
@@ -118,17 +122,17 @@ mod x86 {
                 unsafe {
                     let all = _mm256_set1_epi32(-1);
                     let h = _mm_castps_si128(_mm_maskload_ps(
-                        yp.as_ptr().add(j).cast(),
+                        yp.as_ptr().wrapping_add(j).cast(),
                         _mm_set1_epi32(-1),
                     ));
                     let v = _mm256_mul_ps(
                         _mm256_cvtph_ps(h),
-                        _mm256_maskload_ps(s.as_ptr().add(j), all),
+                        _mm256_maskload_ps(s.as_ptr().wrapping_add(j), all),
                     );
-                    let v = _mm256_add_ps(v, _mm256_maskload_ps(b.as_ptr().add(j), all));
+                    let v = _mm256_add_ps(v, _mm256_maskload_ps(b.as_ptr().wrapping_add(j), all));
                     let v = _mm256_max_ps(v, _mm256_setzero_ps());
                     let v = _mm256_cvtph_ps(_mm256_cvtps_ph::<NEAREST>(v));
-                    _mm256_maskstore_ps(xp.as_mut_ptr().add(j), all, v);
+                    _mm256_maskstore_ps(xp.as_mut_ptr().wrapping_add(j), all, v);
                 }
             }
         }

@@ -100,17 +100,16 @@ impl<A> ConvStore<A> {
     }
 }
 
-/// Fewest values one rayon task of a weight-sized pass moves (widening, dgrad's arrangement):
+/// Fewest values one rayon task of a weight-sized pass moves (dgrad's arrangement):
 /// a ResNet layer's millions of weights go over every thread, a small layer's inline.
 const MIN_WEIGHTS_PER_TASK: usize = 32 * 1024;
 
-/// `w` widened into `into`'s storage (resized): the values of [`Element::widen_slice`], in
-/// parallel chunks.
+/// `w` widened into `into`'s storage (resized): the values of [`Element::widen_slice`] (a
+/// ResNet layer's millions of FP16 weights go over the threads: `convert.rs` splits long
+/// conversions itself).
 pub(crate) fn widen_weights<'s, T: Element>(w: &[T], into: &'s mut Vec<T::Acc>) -> &'s [T::Acc] {
     into.resize(w.len(), T::Acc::ZERO);
-    into.par_chunks_mut(MIN_WEIGHTS_PER_TASK)
-        .zip(w.par_chunks(MIN_WEIGHTS_PER_TASK))
-        .for_each(|(dst, src)| T::widen_into(src, dst));
+    T::widen_into(w, into);
     into
 }
 
