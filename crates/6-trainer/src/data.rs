@@ -99,6 +99,14 @@ pub trait Dataset: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// Whether making a batch runs rayon's parallel iterators (the default: a dataset may).
+    /// [`Prefetch`] then makes batches in a rayon pool of its own; a dataset that makes them
+    /// on one thread says `false`, and its batches are made on the prefetch thread itself:
+    /// a pool's idle workers would only spin on the cores the training step runs on.
+    fn uses_rayon(&self) -> bool {
+        true
+    }
+
     /// Rank `rank`'s shard of training batch `index` of `world × batch` images: images
     /// `rank·batch .. (rank + 1)·batch` of [`Dataset::train_batch`] of `world × batch`, bit
     /// for bit (one rank: the batch itself). The default makes the whole batch and cuts it; a
@@ -165,6 +173,11 @@ impl Dataset for Synthetic {
     /// [`Synthetic::batch`] of stream 1.
     fn held_out_batch(&self, batch: usize, index: u64) -> (Vec<f16>, Vec<i32>) {
         self.batch(batch, index, 1)
+    }
+
+    /// A batch is made on one thread.
+    fn uses_rayon(&self) -> bool {
+        false
     }
 }
 
@@ -317,16 +330,25 @@ impl Prefetch {
         let producer = std::thread::Builder::new()
             .name("batch-prefetch".into())
             .spawn(move || {
-                let Ok(pool) = rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .thread_name(|i| format!("batch-decode-{i}"))
-                    .build()
-                else {
-                    // No batch: the consumer's `next_shard` says the producer stopped.
-                    return;
+                let pool = if data.uses_rayon() {
+                    let Ok(pool) = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .thread_name(|i| format!("batch-decode-{i}"))
+                        .build()
+                    else {
+                        // No batch: the consumer's `next_shard` says the producer stopped.
+                        return;
+                    };
+                    Some(pool)
+                } else {
+                    None
                 };
                 for i in indices {
-                    let shard = pool.install(|| data.train_shard(batch, i, (rank, world)));
+                    let make = || data.train_shard(batch, i, (rank, world));
+                    let shard = match &pool {
+                        Some(pool) => pool.install(make),
+                        None => make(),
+                    };
                     // After a refused shard, nothing more: the consumer reports it.
                     let last = shard.is_err();
                     if tx.send(shard).is_err() || last {
@@ -376,7 +398,50 @@ impl Drop for Prefetch {
 
 #[cfg(test)]
 mod tests {
-    use super::{epoch_ends, test_batches};
+    use super::{epoch_ends, test_batches, Dataset, Prefetch};
+    use half::f16;
+    use std::sync::Arc;
+
+    /// A dataset whose batch holds, as its one label, the length of the name of the thread
+    /// that made it (and whose first image element says whether it was a decode thread).
+    #[derive(Debug)]
+    struct WhereMade {
+        rayon: bool,
+    }
+
+    impl Dataset for WhereMade {
+        fn train_batch(&self, _: usize, _: u64) -> (Vec<f16>, Vec<i32>) {
+            let name = std::thread::current().name().unwrap_or("").to_string();
+            let decode = f16::from_f32(f32::from(u8::from(name.starts_with("batch-decode"))));
+            let on_pool = rayon::current_thread_index().is_some();
+            (vec![decode], vec![i32::from(on_pool)])
+        }
+        fn held_out_batch(&self, batch: usize, index: u64) -> (Vec<f16>, Vec<i32>) {
+            self.train_batch(batch, index)
+        }
+        fn uses_rayon(&self) -> bool {
+            self.rayon
+        }
+    }
+
+    #[test]
+    fn batches_made_on_one_thread_skip_the_decode_pool() {
+        for rayon in [true, false] {
+            let mut p = Prefetch::spawn(Arc::new(WhereMade { rayon }), 1, 3);
+            for i in 0..3 {
+                let (image, label) = p.next_shard(i).unwrap();
+                // A dataset that may use rayon runs in the decode pool's workers; one that
+                // does not runs on the prefetch thread, outside any pool.
+                assert_eq!(
+                    image[0].to_f32(),
+                    f32::from(u8::from(rayon)),
+                    "rayon {rayon}"
+                );
+                assert_eq!(label[0], i32::from(rayon), "rayon {rayon}");
+            }
+            assert!(p.next_shard(3).is_err(), "three batches only");
+        }
+    }
 
     #[test]
     fn epochs_end_where_the_images_seen_cross_a_multiple_of_the_set() {
