@@ -4,10 +4,12 @@
 use super::compile::{BufId, CompiledNet, NetBuffer};
 use super::exec::{run_pass, run_pass_observed, AfterStep, NetExecutor};
 pub use super::host_store::Arena;
-use super::host_store::HostStore;
+use super::host_store::{HostStore, StoreRead};
 use super::spec::PoolSpec;
 use crate::runtime::DataType;
-use cudnn_cbr_fusion::cbr::{BnSync, CpuElement, LayerIo, Pass, Src};
+use cudnn_cbr_fusion::cbr::{
+    write_half_via_vec, BnSync, CpuElement, LayerIo, LayerRead, Pass, Src, WriteHalf,
+};
 use cudnn_cbr_fusion::reference::{ConvScratch, Element, Nhwc, Real};
 use cudnn_cbr_fusion::{Error, Result};
 use rayon::prelude::*;
@@ -227,9 +229,11 @@ impl<T: CpuElement> NetExecutor for CpuNet<T> {
         let mut io = NetIo {
             store: &mut self.store,
             buffers: &self.net.buffers,
-            this: &l.table,
-            prev: l.prev.map(|p| &self.net.layers[p].table),
-            layer: &l.name,
+            names: LayerNames {
+                this: &l.table,
+                prev: l.prev.map(|p| &self.net.layers[p].table),
+                layer: &l.name,
+            },
             scratch: &mut self.scratch[layer],
         };
         let sync = self
@@ -248,6 +252,19 @@ impl<T: CpuElement> NetExecutor for CpuNet<T> {
         }
         // The reference op (blocked, vectorized, parallel): `a + b` in the arithmetic type,
         // stored once, element by element (one "channel" per element is all it needs here).
+        let shape = Nhwc::new(x.len(), 1, 1, 1);
+        if !x.is_empty() && out != a && out != b && self.store.in_half_arena(out) {
+            // Into the arena in place.
+            let buffers = &self.net.buffers;
+            return self
+                .store
+                .write_half(out, shape.elems(), buffers, |dst, store| {
+                    let (x, y) = (store.half(a, buffers)?, store.half(b, buffers)?);
+                    Ok(cudnn_cbr_fusion::reference::add_into_slice(
+                        &shape, x, y, dst,
+                    )?)
+                });
+        }
         let sum = if x.is_empty() {
             Vec::new()
         } else {
@@ -259,7 +276,7 @@ impl<T: CpuElement> NetExecutor for CpuNet<T> {
                 Vec::new()
             };
             let (x, y) = (self.half_id(a)?, self.half_id(b)?);
-            cudnn_cbr_fusion::reference::add_into(&Nhwc::new(x.len(), 1, 1, 1), x, y, storage)?
+            cudnn_cbr_fusion::reference::add_into(&shape, x, y, storage)?
         };
         self.put(out, Buf::Half(sum))
     }
@@ -307,13 +324,19 @@ fn at_layer(layer: &str, e: Error) -> Error {
 struct NetIo<'a, T: Element> {
     store: &'a mut HostStore<T>,
     buffers: &'a [NetBuffer],
-    this: &'a BTreeMap<&'static str, BufId>,
-    prev: Option<&'a BTreeMap<&'static str, BufId>>,
-    layer: &'a str,
+    names: LayerNames<'a>,
     scratch: &'a mut ConvScratch<T>,
 }
 
-impl<T: Element> NetIo<'_, T> {
+/// A layer's buffer names: its own and its prologue layer's.
+#[derive(Clone, Copy)]
+struct LayerNames<'a> {
+    this: &'a BTreeMap<&'static str, BufId>,
+    prev: Option<&'a BTreeMap<&'static str, BufId>>,
+    layer: &'a str,
+}
+
+impl LayerNames<'_> {
     fn resolve(&self, src: Src) -> Result<BufId> {
         let (table, name, side) = match src {
             Src::This(n) => (Some(self.this), n, ""),
@@ -334,27 +357,66 @@ impl<T: Element> NetIo<'_, T> {
     }
 }
 
-impl<T: Element> LayerIo<T> for NetIo<'_, T> {
+impl<T: Element> LayerRead<T> for NetIo<'_, T> {
     fn half(&self, src: Src) -> Result<&[T]> {
-        self.store.half(self.resolve(src)?, self.buffers)
+        self.store.half(self.names.resolve(src)?, self.buffers)
     }
     fn float(&self, src: Src) -> Result<&[T::Acc]> {
-        self.store.float(self.resolve(src)?, self.buffers)
+        self.store.float(self.names.resolve(src)?, self.buffers)
+    }
+    fn stamp(&self, src: Src) -> Option<u64> {
+        self.names.resolve(src).ok().map(|id| self.store.stamp(id))
+    }
+}
+
+/// A layer's reads while one of its outputs is written in place ([`HostStore::write_half`]).
+struct ArenaReads<'a, 's, T: Element> {
+    store: &'a StoreRead<'s, T>,
+    buffers: &'a [NetBuffer],
+    names: LayerNames<'a>,
+}
+
+impl<T: Element> LayerRead<T> for ArenaReads<'_, '_, T> {
+    fn half(&self, src: Src) -> Result<&[T]> {
+        self.store.half(self.names.resolve(src)?, self.buffers)
+    }
+    fn float(&self, src: Src) -> Result<&[T::Acc]> {
+        self.store.float(self.names.resolve(src)?, self.buffers)
+    }
+    fn stamp(&self, src: Src) -> Option<u64> {
+        self.names.resolve(src).ok().map(|id| self.store.stamp(id))
+    }
+}
+
+impl<T: Element> LayerIo<T> for NetIo<'_, T> {
+    fn write_half(&mut self, out: Src, len: usize, f: &mut WriteHalf<'_, T>) -> Result<()> {
+        let id = self.names.resolve(out)?;
+        if !self.store.in_half_arena(id) {
+            return write_half_via_vec(self, out, len, f);
+        }
+        let (buffers, names) = (self.buffers, self.names);
+        self.store.write_half(id, len, buffers, |range, store| {
+            f(
+                range,
+                &ArenaReads {
+                    store,
+                    buffers,
+                    names,
+                },
+            )
+        })
     }
     fn set_half(&mut self, src: Src, v: Vec<T>) -> Result<()> {
-        let id = self.resolve(src)?;
+        let id = self.names.resolve(src)?;
         self.store.put(id, Buf::Half(v), self.buffers)
     }
     fn set_float(&mut self, src: Src, v: Vec<T::Acc>) -> Result<()> {
-        let id = self.resolve(src)?;
+        let id = self.names.resolve(src)?;
         self.store.put(id, Buf::Float(v), self.buffers)
     }
     fn take_half(&mut self, src: Src) -> Result<Vec<T>> {
-        let id = self.resolve(src)?;
+        let id = self.names.resolve(src)?;
         self.store.take_half(id, self.buffers)
-    }
-    fn stamp(&self, src: Src) -> Option<u64> {
-        self.resolve(src).ok().map(|id| self.store.stamp(id))
     }
     fn take_scratch(&mut self) -> ConvScratch<T> {
         std::mem::take(self.scratch)

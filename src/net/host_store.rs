@@ -5,10 +5,11 @@
 //!
 //! The shared arena is two pools, one per storage kind (`Half` buffers as `T`, `Float` ones
 //! as `T::Acc`): the element types differ per precision mode, and typed pools need no casts.
-//! A write copies into the buffer's range (in parts over the threads), and the vector it came
-//! in is kept and lent to a later op for its output (at most [`SPARE`] of them). A read checks
-//! that no buffer sharing its range was written after it ([`HostStore::check_read`]): a
-//! lifetime the plan got wrong is a typed error naming both buffers, never a silently stale
+//! An op writes an FP16 activation straight into its range ([`HostStore::write_half`]: the
+//! pool split around the range, so the op reads the other buffers while it writes, all
+//! borrow-checked); other writes copy into the range (in parts over the threads). A read
+//! checks that no buffer sharing its range was written after it ([`StoreRead::check_read`]):
+//! a lifetime the plan got wrong is a typed error naming both buffers, never a silently stale
 //! value.
 
 use super::compile::{BufId, CompiledNet, NetBuffer};
@@ -60,15 +61,24 @@ pub(crate) struct HostStore<T: Element> {
     /// Per buffer, the write clock's value at its last write.
     versions: Vec<u64>,
     clock: u64,
-    /// Vectors an op wrote an arena buffer's new contents into, kept after their copy into
-    /// the arena and lent to the next op ([`HostStore::take_half`]): a step then allocates
-    /// (and the OS zeroes) no fresh output pages.
-    spare: Vec<Vec<T>>,
 }
 
-/// The most vectors [`HostStore::spare`] keeps: an op borrows one output at a time, so two
-/// cover a step, and the memory they hold stays at two of the largest `Half` buffers.
-const SPARE: usize = 2;
+/// Read access to a [`HostStore`]'s buffers, while one `Half` arena range may be lent to an op
+/// for writing ([`HostStore::write_half`]): the `Half` pool is seen as the parts before and
+/// after that range.
+#[derive(Debug)]
+pub(crate) struct StoreRead<'s, T: Element> {
+    slots: &'s [Slot],
+    own: &'s [Buf<T>],
+    float: &'s [T::Acc],
+    aliases: &'s [Vec<BufId>],
+    versions: &'s [u64],
+    /// The `Half` pool before the lent range, and after it.
+    before: &'s [T],
+    after: &'s [T],
+    /// The lent range (`at`, `len`, buffer); `None`: all of the pool is in `before`.
+    lent: Option<(usize, usize, BufId)>,
+}
 
 /// Elements per part of a copy into the arena split over rayon's threads (an activation
 /// copied on one thread would leave the others waiting between two parallel ops).
@@ -207,8 +217,66 @@ impl<T: Element> HostStore<T> {
             // Every buffer starts with a stamp of its own.
             versions: (1..=n as u64).collect(),
             clock: n as u64,
-            spare: Vec::new(),
         })
+    }
+
+    /// Read access to every buffer.
+    fn read(&self) -> StoreRead<'_, T> {
+        StoreRead {
+            slots: &self.slots,
+            own: &self.own,
+            float: &self.float,
+            aliases: &self.aliases,
+            versions: &self.versions,
+            before: &self.half,
+            after: &[],
+            lent: None,
+        }
+    }
+
+    /// Whether buffer `id` lives in the `Half` pool of the shared arena.
+    pub(crate) fn in_half_arena(&self, id: BufId) -> bool {
+        matches!(self.slots[id], Slot::Half { .. })
+    }
+
+    /// Writes `len` values into `Half` arena buffer `id` in place: `f(range, reads)` overwrites
+    /// every element of the buffer's range and reads the other buffers through `reads` (a read
+    /// of one sharing bytes with `id` is an [`Error::Buffer`]).
+    ///
+    /// # Errors
+    /// `f`'s; [`Error::Buffer`] when `id` is not in the `Half` pool or `len` is not its length.
+    pub(crate) fn write_half(
+        &mut self,
+        id: BufId,
+        len: usize,
+        buffers: &[NetBuffer],
+        f: impl FnOnce(&mut [T], &StoreRead<'_, T>) -> Result<()>,
+    ) -> Result<()> {
+        let Slot::Half { at, len: n } = self.slots[id] else {
+            return Err(wrong_kind(&buffers[id].name, "FP16 arena"));
+        };
+        if len != n {
+            return Err(wrong_len(&buffers[id].name, len, n));
+        }
+        self.touch(id);
+        if n == 0 {
+            return f(&mut [], &self.read());
+        }
+        // The pool split around the range (`assign_tensor_offsets` keeps every range inside
+        // the pool, whose length is the plan's total).
+        let (before, rest) = self.half.split_at_mut(at);
+        let (range, after) = rest.split_at_mut(n);
+        let reads = StoreRead {
+            slots: &self.slots,
+            own: &self.own,
+            float: &self.float,
+            aliases: &self.aliases,
+            versions: &self.versions,
+            before,
+            after,
+            lent: Some((at, n, id)),
+        };
+        f(range, &reads)
     }
 
     /// Elements of the shared arena's pools (`Half`, `Float`); zeros with
@@ -229,46 +297,14 @@ impl<T: Element> HostStore<T> {
         self.versions[id]
     }
 
-    /// A read of `id` is sound: no buffer sharing its arena range was written after it.
-    fn check_read(&self, id: BufId, buffers: &[NetBuffer]) -> Result<()> {
-        match self.aliases[id]
-            .iter()
-            .find(|&&a| self.versions[a] > self.versions[id])
-        {
-            None => Ok(()),
-            Some(&a) => Err(Error::Buffer {
-                name: buffers[id].name.clone(),
-                problem: format!(
-                    "was overwritten by `{}`, which shares its arena range, before this read \
-                     (its lifetime ended: read it with the separate layout)",
-                    buffers[a].name
-                ),
-            }),
-        }
-    }
-
     /// A `Half` buffer.
     pub(crate) fn half(&self, id: BufId, buffers: &[NetBuffer]) -> Result<&[T]> {
-        match (self.slots[id], &self.own[id]) {
-            (Slot::Half { at, len }, _) => {
-                self.check_read(id, buffers)?;
-                Ok(&self.half[at..at + len])
-            }
-            (Slot::Own, Buf::Half(v)) => Ok(v),
-            _ => Err(wrong_kind(&buffers[id].name, "FP16")),
-        }
+        self.read().half(id, buffers)
     }
 
     /// A `Float` buffer.
     pub(crate) fn float(&self, id: BufId, buffers: &[NetBuffer]) -> Result<&[T::Acc]> {
-        match (self.slots[id], &self.own[id]) {
-            (Slot::Float { at, len }, _) => {
-                self.check_read(id, buffers)?;
-                Ok(&self.float[at..at + len])
-            }
-            (Slot::Own, Buf::Float(v)) => Ok(v),
-            _ => Err(wrong_kind(&buffers[id].name, "FP32")),
-        }
+        self.read().float(id, buffers)
     }
 
     /// Replaces buffer `id`'s contents with `v` (its kind and declared length, checked).
@@ -291,10 +327,7 @@ impl<T: Element> HostStore<T> {
         self.touch(id);
         match (self.slots[id], v) {
             (Slot::Half { at, len }, Buf::Half(x)) => {
-                copy_in_parts(&mut self.half[at..at + len], &x);
-                if self.spare.len() < SPARE {
-                    self.spare.push(x);
-                }
+                copy_in_parts(&mut self.half[at..at + len], &x)
             }
             (Slot::Float { at, len }, Buf::Float(x)) => {
                 copy_in_parts(&mut self.float[at..at + len], &x)
@@ -305,21 +338,204 @@ impl<T: Element> HostStore<T> {
     }
 
     /// Lends a `Half` buffer's vector to the op about to replace its contents (a separate
-    /// buffer's storage; for an arena buffer a spare vector of an earlier write, or none: the
-    /// op then allocates; the write copies it into the arena).
+    /// buffer's storage; none for an arena buffer, which an op writes in place instead,
+    /// [`HostStore::write_half`]: the op then allocates, and the write copies into the arena).
     pub(crate) fn take_half(&mut self, id: BufId, buffers: &[NetBuffer]) -> Result<Vec<T>> {
         self.touch(id);
         match (self.slots[id], &mut self.own[id]) {
-            (Slot::Half { .. }, _) => Ok(self.spare.pop().unwrap_or_default()),
+            (Slot::Half { .. }, _) => Ok(Vec::new()),
             (Slot::Own, Buf::Half(v)) => Ok(std::mem::take(v)),
             _ => Err(wrong_kind(&buffers[id].name, "FP16")),
         }
     }
 }
 
+impl<'s, T: Element> StoreRead<'s, T> {
+    /// A read of `id` is sound: no buffer sharing its arena range was written after it.
+    fn check_read(&self, id: BufId, buffers: &[NetBuffer]) -> Result<()> {
+        match self.aliases[id]
+            .iter()
+            .find(|&&a| self.versions[a] > self.versions[id])
+        {
+            None => Ok(()),
+            Some(&a) => Err(Error::Buffer {
+                name: buffers[id].name.clone(),
+                problem: format!(
+                    "was overwritten by `{}`, which shares its arena range, before this read \
+                     (its lifetime ended: read it with the separate layout)",
+                    buffers[a].name
+                ),
+            }),
+        }
+    }
+
+    /// Elements `at..at + len` of the `Half` pool, unless they meet the lent range.
+    fn half_range(
+        &self,
+        id: BufId,
+        at: usize,
+        len: usize,
+        buffers: &[NetBuffer],
+    ) -> Result<&'s [T]> {
+        let Some((l_at, l_len, lent)) = self.lent else {
+            return Ok(&self.before[at..at + len]);
+        };
+        if at + len <= l_at {
+            Ok(&self.before[at..at + len])
+        } else if at >= l_at + l_len {
+            let from = at - (l_at + l_len);
+            Ok(&self.after[from..from + len])
+        } else {
+            // (Reached only if the aliases missed an overlap: `write_half` stamps the lent
+            // buffer, so `check_read` refuses a buffer that shares its bytes first.)
+            Err(Error::Buffer {
+                name: buffers[id].name.clone(),
+                problem: format!(
+                    "shares arena bytes with `{}`, which the op is writing",
+                    buffers[lent].name
+                ),
+            })
+        }
+    }
+
+    /// A `Half` buffer.
+    pub(crate) fn half(&self, id: BufId, buffers: &[NetBuffer]) -> Result<&'s [T]> {
+        match (self.slots[id], &self.own[id]) {
+            (Slot::Half { at, len }, _) => {
+                self.check_read(id, buffers)?;
+                self.half_range(id, at, len, buffers)
+            }
+            (Slot::Own, Buf::Half(v)) => Ok(v),
+            _ => Err(wrong_kind(&buffers[id].name, "FP16")),
+        }
+    }
+
+    /// A `Float` buffer.
+    pub(crate) fn float(&self, id: BufId, buffers: &[NetBuffer]) -> Result<&'s [T::Acc]> {
+        match (self.slots[id], &self.own[id]) {
+            (Slot::Float { at, len }, _) => {
+                self.check_read(id, buffers)?;
+                Ok(&self.float[at..at + len])
+            }
+            (Slot::Own, Buf::Float(v)) => Ok(v),
+            _ => Err(wrong_kind(&buffers[id].name, "FP32")),
+        }
+    }
+
+    /// Buffer `id`'s write stamp.
+    pub(crate) fn stamp(&self, id: BufId) -> u64 {
+        self.versions[id]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use super::super::compile::BufferRole;
+    use half::f16;
+
+    /// A store over a 40-element `Half` pool: `a` 0..10, `b` 10..20, `c` 20..30, `d` 20..40
+    /// (sharing bytes with `c` and `e`), `e` 30..40, and `f` an FP32 vector of its own; the
+    /// pool holds each element's index. `aliases` as the plan's, or none (a defective plan).
+    fn store(aliases: bool) -> (HostStore<f16>, Vec<NetBuffer>) {
+        let half = |at, len| Slot::Half { at, len };
+        let slots = vec![
+            half(0, 10),
+            half(10, 10),
+            half(20, 10),
+            half(20, 20),
+            half(30, 10),
+            Slot::Own,
+        ];
+        let buffers = ["a", "b", "c", "d", "e", "f"]
+            .iter()
+            .zip(&slots)
+            .map(|(name, slot)| NetBuffer {
+                name: (*name).into(),
+                dtype: if matches!(slot, Slot::Own) {
+                    DataType::Float
+                } else {
+                    DataType::Half
+                },
+                elems: match slot {
+                    Slot::Half { len, .. } => *len,
+                    _ => 3,
+                },
+                role: BufferRole::Activation,
+            })
+            .collect();
+        let aliases = if aliases {
+            vec![vec![], vec![], vec![3], vec![2, 4], vec![3], vec![]]
+        } else {
+            vec![Vec::new(); 6]
+        };
+        let mut own = vec![Buf::Half(Vec::new()); 5];
+        own.push(Buf::Float(vec![1.5; 3]));
+        let store = HostStore {
+            slots,
+            own,
+            half: (0..40).map(|i| f16::from_f32(i as f32)).collect(),
+            float: Vec::new(),
+            aliases,
+            versions: (1..=6).collect(),
+            clock: 6,
+        };
+        (store, buffers)
+    }
+
+    fn values(v: &[f16]) -> Vec<f32> {
+        v.iter().map(|h| h.to_f32()).collect()
+    }
+
+    #[test]
+    fn an_op_writes_its_arena_range_in_place_while_it_reads_the_others() {
+        let (mut s, bufs) = store(true);
+        let index = |r: std::ops::Range<usize>| r.map(|i| i as f32).collect::<Vec<_>>();
+        s.write_half(2, 10, &bufs, |range, reads| {
+            // The range is `c`'s, in place: it holds the pool's values there.
+            assert_eq!(values(range), index(20..30));
+            // Buffers before and after it read as they are.
+            assert_eq!(values(reads.half(0, &bufs)?), index(0..10));
+            assert_eq!(values(reads.half(1, &bufs)?), index(10..20));
+            assert_eq!(values(reads.half(4, &bufs)?), index(30..40));
+            assert_eq!(reads.float(5, &bufs)?, [1.5; 3]);
+            // `d` shares bytes with `c`: its read is refused, naming `c`.
+            let e = reads.half(3, &bufs).unwrap_err().to_string();
+            assert!(e.contains('d') && e.contains("`c`"), "{e}");
+            for (i, v) in range.iter_mut().enumerate() {
+                *v = f16::from_f32(100.0 + i as f32);
+            }
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(values(s.half(2, &bufs).unwrap()), index(100..110));
+        assert_eq!(values(s.half(4, &bufs).unwrap()), index(30..40));
+        // `d` was overwritten by `c`'s write.
+        assert!(s.half(3, &bufs).is_err());
+        // Wrong lengths and buffers outside the `Half` pool are typed errors; the op never runs.
+        let never = |_: &mut [f16], _: &StoreRead<'_, f16>| -> Result<()> {
+            unreachable!("the op of a refused write ran")
+        };
+        assert!(s.write_half(2, 9, &bufs, never).is_err());
+        assert!(s.write_half(5, 3, &bufs, never).is_err());
+    }
+
+    #[test]
+    fn a_plan_that_missed_an_overlap_gives_a_typed_error_not_aliased_slices() {
+        // Without the aliases, the stamps cannot tell; the split around the lent range does.
+        let (mut s, bufs) = store(false);
+        let r = s.write_half(2, 10, &bufs, |_, reads| {
+            let e = reads.half(3, &bufs).unwrap_err().to_string();
+            assert!(
+                e.contains("which the op is writing") && e.contains("`c`"),
+                "{e}"
+            );
+            assert!(reads.half(4, &bufs).is_ok());
+            Ok(())
+        });
+        assert!(r.is_ok());
+    }
 
     #[test]
     fn a_copy_in_parts_copies_every_element() {

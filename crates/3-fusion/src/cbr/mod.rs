@@ -22,5 +22,7 @@ pub use layer::{
     route_buffers, route_graphs, BufferSpec, CbrConfig, CbrLayer, GraphRole, InputKind, LayerGraph,
     LayerStep, Route, RouteKind, Src,
 };
-pub use run::{CpuElement, LayerIo, PairIo, Pass, RUNNING_COPIES};
+pub use run::{
+    write_half_via_vec, CpuElement, LayerIo, LayerRead, PairIo, Pass, WriteHalf, RUNNING_COPIES,
+};
 pub use shape::ConvShape;

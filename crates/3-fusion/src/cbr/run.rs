@@ -553,11 +553,7 @@ pub const RUNNING_COPIES: [(&str, &str); 2] = [
 ///
 /// [`HostBuffers`] pairs implement it for FP16 mode; a network executor implements it over
 /// its own buffer table, resolving each layer's names to the network's buffers.
-pub trait LayerIo<T: Element> {
-    /// A `Half` buffer.
-    fn half(&self, src: Src) -> Result<&[T]>;
-    /// A `Float` buffer.
-    fn float(&self, src: Src) -> Result<&[T::Acc]>;
+pub trait LayerIo<T: Element>: LayerRead<T> {
     /// Replaces a `Half` buffer's contents.
     fn set_half(&mut self, src: Src, v: Vec<T>) -> Result<()>;
     /// Replaces a `Float` buffer's contents.
@@ -572,13 +568,15 @@ pub trait LayerIo<T: Element> {
         Ok(Vec::new())
     }
 
-    /// A stamp of a buffer's contents: a value that changes whenever they may have (a write
-    /// counter), unique to the buffer; `None` (the default) where the table keeps none. The
-    /// conv scratch then knows the forward's input by stamps instead of keeping copies.
-    fn stamp(&self, src: Src) -> Option<u64> {
-        let _ = src;
-        None
-    }
+    /// Writes `len` values into `Half` buffer `out`: `f(storage, reads)` overwrites every
+    /// element of `storage` and reads its inputs through `reads`. A table that keeps `out` in a
+    /// shared arena hands `f` the arena's range itself, with every other buffer readable (a
+    /// read of a buffer that shares bytes with `out` is an [`Error::Buffer`], never stale
+    /// data); others lend the buffer's vector ([`write_half_via_vec`]).
+    ///
+    /// # Errors
+    /// `f`'s; [`Error::Buffer`] when `out` is not an FP16 buffer of `len` elements.
+    fn write_half(&mut self, out: Src, len: usize, f: &mut WriteHalf<'_, T>) -> Result<()>;
 
     /// Lends the layer's [`ConvScratch`] (storage its conv steps keep from one step to the
     /// next), until [`LayerIo::put_scratch`]. A table that keeps none returns an empty one
@@ -591,6 +589,44 @@ pub trait LayerIo<T: Element> {
     fn put_scratch(&mut self, scratch: ConvScratch<T>) {
         drop(scratch);
     }
+}
+
+/// Read access to a layer's buffers by [`Src`]: what an op reads, also while it writes its
+/// output ([`LayerIo::write_half`]).
+pub trait LayerRead<T: Element> {
+    /// A `Half` buffer.
+    fn half(&self, src: Src) -> Result<&[T]>;
+    /// A `Float` buffer.
+    fn float(&self, src: Src) -> Result<&[T::Acc]>;
+
+    /// A stamp of a buffer's contents: a value that changes whenever they may have (a write
+    /// counter), unique to the buffer; `None` (the default) where the table keeps none. The
+    /// conv scratch then knows the forward's input by stamps instead of keeping copies.
+    fn stamp(&self, src: Src) -> Option<u64> {
+        let _ = src;
+        None
+    }
+}
+
+/// The op of a [`LayerIo::write_half`]: `(storage, reads)`.
+pub type WriteHalf<'f, T> = dyn FnMut(&mut [T], &dyn LayerRead<T>) -> Result<()> + 'f;
+
+/// [`LayerIo::write_half`] through the buffer's vector: lent by [`LayerIo::take_half`], sized
+/// to `len` (its old contents left for `f` to overwrite), and handed back through
+/// [`LayerIo::set_half`]. Until then `out` reads as the table's `take_half` leaves it.
+///
+/// # Errors
+/// `f`'s, and the table's.
+pub fn write_half_via_vec<T: Element, I: LayerIo<T>>(
+    io: &mut I,
+    out: Src,
+    len: usize,
+    f: &mut WriteHalf<'_, T>,
+) -> Result<()> {
+    let mut v = io.take_half(out)?;
+    v.resize(len, T::default());
+    f(&mut v, &*io)?;
+    io.set_half(out, v)
 }
 
 /// A layer's own host buffers and, when its input comes through the previous BN, the
@@ -635,7 +671,7 @@ fn scalar_src() -> Error {
     }
 }
 
-impl LayerIo<f16> for PairIo<'_> {
+impl LayerRead<f16> for PairIo<'_> {
     fn half(&self, src: Src) -> Result<&[f16]> {
         let (t, n) = self.table(src)?;
         t.f16(n)
@@ -643,6 +679,12 @@ impl LayerIo<f16> for PairIo<'_> {
     fn float(&self, src: Src) -> Result<&[f32]> {
         let (t, n) = self.table(src)?;
         t.f32(n)
+    }
+}
+
+impl LayerIo<f16> for PairIo<'_> {
+    fn write_half(&mut self, out: Src, len: usize, f: &mut WriteHalf<'_, f16>) -> Result<()> {
+        write_half_via_vec(self, out, len, f)
     }
     fn set_half(&mut self, src: Src, v: Vec<f16>) -> Result<()> {
         let (t, n) = self.table_mut(src)?;

@@ -19,8 +19,8 @@ use super::conv::{
 };
 use super::element::{Element, Real};
 use super::error::Result;
-use super::parallel::{add_partials, map_blocks_into, ROWS_PER_CHUNK};
-use super::params::{check_len, ConvParams};
+use super::parallel::{add_partials, map_blocks_slice, ROWS_PER_CHUNK};
+use super::params::{check_len, filled_vec, ConvParams};
 
 /// What a conv consumes.
 #[derive(Debug, Clone, Copy)]
@@ -287,9 +287,25 @@ pub fn fprop_genstats_with<T: Element>(
     mut y: Vec<T>,
 ) -> Result<FpropStats<T>> {
     p.validate()?;
-    check_len("w", w, p.w_elems())?;
-    let k = p.k;
     y.resize(p.y_elems(), T::default());
+    let stats = fprop_genstats_into_slice(p, input, w, scratch, stamp, &mut y)?;
+    Ok(FpropStats { y, stats })
+}
+
+/// [`fprop_genstats_with`] into `y` (its `y_elems` values are overwritten); returns the
+/// statistics.
+pub(crate) fn fprop_genstats_into_slice<T: Element>(
+    p: &ConvParams,
+    input: ConvInput<'_, T>,
+    w: &[T],
+    scratch: &mut ConvScratch<T>,
+    stamp: InputStamp,
+    y: &mut [T],
+) -> Result<ChannelStats<T::Acc>> {
+    p.validate()?;
+    check_len("w", w, p.w_elems())?;
+    check_len("y", y, p.y_elems())?;
+    let k = p.k;
     with_store(|store| {
         let w = widen_weights(w, &mut store.w);
         // The input is computed once into the scratch's padded copy (the values the gather would
@@ -307,7 +323,7 @@ pub fn fprop_genstats_with<T: Element>(
             Src::Padded(&scratch.input.data),
             w,
             &mut store.w_t,
-            &mut y,
+            y,
             ROWS_PER_CHUNK,
             || vec![[0.0; 2]; k],
             |acc, tile, out| {
@@ -316,8 +332,7 @@ pub fn fprop_genstats_with<T: Element>(
                 add_genstats_rows(tile, acc);
             },
         )?;
-        let stats = ChannelStats::from_sums(&add_partials(k, &partials));
-        Ok(FpropStats { y, stats })
+        Ok(ChannelStats::from_sums(&add_partials(k, &partials)))
     })
 }
 
@@ -384,6 +399,20 @@ pub fn conv_dgrad_with<T: Element>(
     scratch: &mut ConvScratch<T>,
     out: Vec<T>,
 ) -> Result<Vec<T>> {
+    p.validate()?;
+    filled_vec(out, p.x_elems(), |out| {
+        conv_dgrad_into_slice(p, dy, w, scratch, out)
+    })
+}
+
+/// [`conv_dgrad_with`] into `out` (its `x_elems` values are overwritten).
+pub(crate) fn conv_dgrad_into_slice<T: Element>(
+    p: &ConvParams,
+    dy: &[T],
+    w: &[T],
+    scratch: &mut ConvScratch<T>,
+    out: &mut [T],
+) -> Result<()> {
     with_store(|store| dgrad_store(p, dy, w, Some(&mut scratch.dy), store, out))
 }
 
@@ -490,6 +519,33 @@ pub fn dgrad_drelu_dbn_with<T: Element>(
     mut dz: Vec<T>,
 ) -> Result<DgradDreluDbn<T>> {
     p.validate()?;
+    dz.resize(p.x_elems(), T::default());
+    let co = dgrad_drelu_dbn_into_slice(p, dy, w, y_prev, bn, join, scratch, &mut dz)?;
+    Ok(DgradDreluDbn {
+        dz,
+        dgamma: co.dgamma,
+        dbeta: co.dbeta,
+        a: co.a,
+        b: co.b,
+        c: co.c,
+    })
+}
+
+/// [`dgrad_drelu_dbn_with`] into `dz` (its `x_elems` values are overwritten); returns the
+/// reductions and coefficients.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dgrad_drelu_dbn_into_slice<T: Element>(
+    p: &ConvParams,
+    dy: &[T],
+    w: &[T],
+    y_prev: &[T],
+    bn: &SavedBn<'_, T::Acc>,
+    join: &ReluJoin<'_, T>,
+    scratch: &mut ConvScratch<T>,
+    dz: &mut [T],
+) -> Result<BnBwdCoefficients<T::Acc>> {
+    p.validate()?;
+    check_len("dz", dz, p.x_elems())?;
     check_len("dy", dy, p.y_elems())?;
     check_len("w", w, p.w_elems())?;
     check_len("y_prev", y_prev, p.x_elems())?;
@@ -512,7 +568,6 @@ pub fn dgrad_drelu_dbn_with<T: Element>(
         let ch = p.c;
         let mean64: Vec<f64> = bn.mean.iter().map(|v| v.to_f64()).collect();
         let inv_std64: Vec<f64> = bn.inv_std.iter().map(|v| v.to_f64()).collect();
-        dz.resize(p.x_elems(), T::default());
         // `dy` widened straight into the gather's padded copy (the same values).
         let fill = widen_fill(dy, p.k);
         let dy_src = Src::Fill {
@@ -525,7 +580,7 @@ pub fn dgrad_drelu_dbn_with<T: Element>(
             p,
             dy_src,
             w,
-            &mut dz,
+            dz,
             ROWS_PER_CHUNK,
             Some(&mut scratch.dy),
             &mut store.w_r,
@@ -554,7 +609,7 @@ pub fn dgrad_drelu_dbn_with<T: Element>(
             }
             None => {
                 let dxc = dgrad_acc(p, &T::widen_slice(dy), w)?;
-                dz = map_blocks_into(dz, dxc.len(), ch, |first, ins, out| {
+                map_blocks_slice(dz, ch, |first, ins, out| {
                     let n = out.len();
                     drelu_dbn_rows(
                         ch,
@@ -570,20 +625,13 @@ pub fn dgrad_drelu_dbn_with<T: Element>(
                 BnBwdCoefficients::compute(
                     &p.input_shape(),
                     y_prev,
-                    &dz,
+                    dz,
                     bn.mean,
                     bn.inv_std,
                     bn.gamma,
                 )
             }
         };
-        Ok(DgradDreluDbn {
-            dz,
-            dgamma: co.dgamma,
-            dbeta: co.dbeta,
-            a: co.a,
-            b: co.b,
-            c: co.c,
-        })
+        Ok(co)
     })
 }

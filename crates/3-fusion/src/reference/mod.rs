@@ -88,6 +88,9 @@ pub use conv::{conv_dgrad, conv_dgrad_into, conv_fprop, conv_wgrad};
 pub use convert::cpu_paths;
 pub use element::{Element, Real};
 pub use error::ReferenceError;
+pub(crate) use fused::{
+    conv_dgrad_into_slice, dgrad_drelu_dbn_into_slice, fprop_genstats_into_slice,
+};
 pub use fused::{
     conv_dgrad_with, dgrad_drelu_dbn, dgrad_drelu_dbn_with, fprop_genstats, fprop_genstats_with,
     wgrad_with_prologue, wgrad_with_prologue_with, ConvInput, ConvScratch, DgradDreluDbn,
@@ -95,7 +98,8 @@ pub use fused::{
 };
 pub use params::{BnParams, ConvParams, Nhwc};
 pub use pointwise::{
-    add, add_into, bn_apply, bn_apply_into, dbn_apply, dbn_apply_into, relu_bwd, relu_bwd_into,
-    relu_fwd, Activation, Residual,
+    add, add_into, add_into_slice, bn_apply, bn_apply_into, dbn_apply, dbn_apply_into, relu_bwd,
+    relu_bwd_into, relu_fwd, Activation, Residual,
 };
+pub(crate) use pointwise::{bn_apply_into_slice, dbn_apply_into_slice, relu_bwd_into_slice};
 pub use simd::{cpu_simd_from_env, CpuSimd, CPU_SIMD_ENV};

@@ -78,14 +78,23 @@ where
     F: Fn(usize, &mut [T::Acc], &mut [T::Acc]) + Sync + Send,
 {
     out.resize(len, T::default());
-    fill_blocks(&mut out, c, |first, scratch, dst: &mut [T]| {
+    map_blocks_slice(&mut out, c, f);
+    out
+}
+
+/// [`map_blocks`] over the elements of `out` (every element is overwritten).
+pub(crate) fn map_blocks_slice<T, F>(out: &mut [T], c: usize, f: F)
+where
+    T: Element,
+    F: Fn(usize, &mut [T::Acc], &mut [T::Acc]) + Sync + Send,
+{
+    fill_blocks(out, c, |first, scratch, dst: &mut [T]| {
         let n = dst.len();
         // The last third of the scratch holds the block's results before they are stored.
         let (ins, res) = scratch.split_at_mut((BLOCK_INPUTS - 1) * n);
         f(first, ins, &mut res[..n]);
         T::store_into(&res[..n], dst);
     });
-    out
 }
 
 /// Per-channel sums in `f64` over the `rows` pixels of an NHWC tensor with `c` channels.

@@ -266,6 +266,18 @@ impl BnParams {
 }
 
 /// Checks that `data` holds exactly `expected` elements.
+/// `out` sized to `len` (its old contents left for `fill` to overwrite) and filled by `fill`:
+/// an op's vector form over its slice form.
+pub(crate) fn filled_vec<T: Default + Clone>(
+    mut out: Vec<T>,
+    len: usize,
+    fill: impl FnOnce(&mut [T]) -> Result<()>,
+) -> Result<Vec<T>> {
+    out.resize(len, T::default());
+    fill(&mut out)?;
+    Ok(out)
+}
+
 pub(crate) fn check_len<T>(tensor: &'static str, data: &[T], expected: usize) -> Result<()> {
     if data.len() == expected {
         Ok(())

@@ -8,8 +8,8 @@
 
 use super::element::{Element, Real};
 use super::error::Result;
-use super::parallel::{fill_blocks, map_blocks, map_blocks_into};
-use super::params::{check_len, Nhwc};
+use super::parallel::{fill_blocks, map_blocks, map_blocks_slice};
+use super::params::{check_len, filled_vec, Nhwc};
 
 /// Whether an apply ends with a ReLU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,14 +79,31 @@ pub fn bn_apply_into<T: Element>(
     out: Vec<T>,
 ) -> Result<Vec<T>> {
     shape.validate("y")?;
+    filled_vec(out, shape.elems(), |out| {
+        bn_apply_into_slice(shape, y, scale, bias, residual, activation, out)
+    })
+}
+
+/// [`bn_apply`] into `out` (its `shape.elems()` values are overwritten).
+pub(crate) fn bn_apply_into_slice<T: Element>(
+    shape: &Nhwc,
+    y: &[T],
+    scale: &[T],
+    bias: &[T],
+    residual: Residual<'_, T>,
+    activation: Activation,
+    out: &mut [T],
+) -> Result<()> {
+    shape.validate("y")?;
     check_len("y", y, shape.elems())?;
+    check_len("out", out, shape.elems())?;
     check_len("scale", scale, shape.c)?;
     check_len("bias", bias, shape.c)?;
     let (s, b) = (T::widen_slice(scale), T::widen_slice(bias));
     let c = shape.c;
     let act = move |v: T::Acc| activation.apply(v);
-    let out = match residual {
-        Residual::None => map_blocks_into(out, y.len(), c, |first, ins, out| {
+    match residual {
+        Residual::None => map_blocks_slice(out, c, |first, ins, out| {
             let yv = &mut ins[..out.len()];
             T::widen_into(&y[first..first + out.len()], yv);
             // (Every slice indexed below has exactly `c` values: no bounds checks, so the
@@ -101,7 +118,7 @@ pub fn bn_apply_into<T: Element>(
         }),
         Residual::Add(r) => {
             check_len("residual", r, shape.elems())?;
-            map_blocks_into(out, y.len(), c, |first, ins, out| {
+            map_blocks_slice(out, c, |first, ins, out| {
                 let n = out.len();
                 let (yv, rv) = ins.split_at_mut(n);
                 let rv = &mut rv[..n];
@@ -125,7 +142,7 @@ pub fn bn_apply_into<T: Element>(
             check_len("residual_scale", scale, shape.c)?;
             check_len("residual_bias", bias, shape.c)?;
             let (s2, b2) = (T::widen_slice(scale), T::widen_slice(bias));
-            map_blocks_into(out, y.len(), c, |first, ins, out| {
+            map_blocks_slice(out, c, |first, ins, out| {
                 let n = out.len();
                 let (yv, rv) = ins.split_at_mut(n);
                 let rv = &mut rv[..n];
@@ -146,8 +163,8 @@ pub fn bn_apply_into<T: Element>(
                 }
             })
         }
-    };
-    Ok(out)
+    }
+    Ok(())
 }
 
 /// ReLU forward: `out = max(x, 0)` (exact in any precision).
@@ -172,23 +189,31 @@ pub fn relu_bwd<T: Element>(shape: &Nhwc, dy: &[T], x: &[T]) -> Result<Vec<T>> {
 
 /// [`relu_bwd`] into `out`'s storage (any length; its contents are overwritten), returned as
 /// `dx`: a caller that keeps that buffer from step to step allocates nothing.
-pub fn relu_bwd_into<T: Element>(
+pub fn relu_bwd_into<T: Element>(shape: &Nhwc, dy: &[T], x: &[T], out: Vec<T>) -> Result<Vec<T>> {
+    shape.validate("dy")?;
+    filled_vec(out, shape.elems(), |out| {
+        relu_bwd_into_slice(shape, dy, x, out)
+    })
+}
+
+/// [`relu_bwd`] into `out` (its `shape.elems()` values are overwritten).
+pub(crate) fn relu_bwd_into_slice<T: Element>(
     shape: &Nhwc,
     dy: &[T],
     x: &[T],
-    mut out: Vec<T>,
-) -> Result<Vec<T>> {
+    out: &mut [T],
+) -> Result<()> {
     shape.validate("dy")?;
     check_len("dy", dy, shape.elems())?;
     check_len("x", x, shape.elems())?;
+    check_len("out", out, shape.elems())?;
     // The gradient is passed through as stored (no round trip through the arithmetic type).
-    out.resize(dy.len(), T::default());
-    fill_blocks(&mut out, shape.c, |first, _, dst: &mut [T]| {
+    fill_blocks(out, shape.c, |first, _, dst: &mut [T]| {
         let n = dst.len();
         // A select on the stored values (not a conditional store), so the loop vectorizes.
         T::relu_select(&dy[first..first + n], &x[first..first + n], dst);
     });
-    Ok(out)
+    Ok(())
 }
 
 /// `out = a + b`, computed in `T::Acc` and rounded to `T` once.
@@ -200,9 +225,21 @@ pub fn add<T: Element>(shape: &Nhwc, a: &[T], b: &[T]) -> Result<Vec<T>> {
 /// the sum: a caller that keeps that buffer from step to step allocates nothing.
 pub fn add_into<T: Element>(shape: &Nhwc, a: &[T], b: &[T], out: Vec<T>) -> Result<Vec<T>> {
     shape.validate("a")?;
+    filled_vec(out, shape.elems(), |out| add_into_slice(shape, a, b, out))
+}
+
+/// [`add`] into `out` (its `shape.elems()` values are overwritten; it aliases neither operand,
+/// as the borrows say).
+///
+/// # Errors
+/// As [`add`], and [`ReferenceError::ShapeMismatch`](super::ReferenceError::ShapeMismatch)
+/// when `out` has another length.
+pub fn add_into_slice<T: Element>(shape: &Nhwc, a: &[T], b: &[T], out: &mut [T]) -> Result<()> {
+    shape.validate("a")?;
     check_len("a", a, shape.elems())?;
     check_len("b", b, shape.elems())?;
-    Ok(map_blocks_into(out, a.len(), shape.c, |first, ins, out| {
+    check_len("out", out, shape.elems())?;
+    map_blocks_slice(out, shape.c, |first, ins, out| {
         let n = out.len();
         let (av, bv) = ins.split_at_mut(n);
         let bv = &mut bv[..n];
@@ -211,7 +248,8 @@ pub fn add_into<T: Element>(shape: &Nhwc, a: &[T], b: &[T], out: Vec<T>) -> Resu
         for ((o, x), y) in out.iter_mut().zip(av.iter()).zip(bv.iter()) {
             *o = *x + *y;
         }
-    }))
+    });
+    Ok(())
 }
 
 /// BN-backward apply (docs/cudnn-graphs.md §5.3): `d_y_prev = a·dz + b·y_prev + c` per channel, with
@@ -242,13 +280,30 @@ pub fn dbn_apply_into<T: Element>(
     out: Vec<T>,
 ) -> Result<Vec<T>> {
     shape.validate("dz")?;
+    filled_vec(out, shape.elems(), |out| {
+        dbn_apply_into_slice(shape, dz, y_prev, a, b, c, out)
+    })
+}
+
+/// [`dbn_apply`] into `out` (its `shape.elems()` values are overwritten).
+pub(crate) fn dbn_apply_into_slice<T: Element>(
+    shape: &Nhwc,
+    dz: &[T],
+    y_prev: &[T],
+    a: &[T::Acc],
+    b: &[T::Acc],
+    c: &[T::Acc],
+    out: &mut [T],
+) -> Result<()> {
+    shape.validate("dz")?;
     check_len("dz", dz, shape.elems())?;
     check_len("y_prev", y_prev, shape.elems())?;
+    check_len("out", out, shape.elems())?;
     check_len("a", a, shape.c)?;
     check_len("b", b, shape.c)?;
     check_len("c", c, shape.c)?;
     let ch = shape.c;
-    Ok(map_blocks_into(out, dz.len(), ch, |first, ins, out| {
+    map_blocks_slice(out, ch, |first, ins, out| {
         let n = out.len();
         let (dv, yv) = ins.split_at_mut(n);
         let yv = &mut yv[..n];
@@ -265,5 +320,6 @@ pub fn dbn_apply_into<T: Element>(
                 o[k] = dp[k] * a[k] + yp[k] * b[k] + c[k];
             }
         }
-    }))
+    });
+    Ok(())
 }

@@ -107,17 +107,19 @@ pub(super) fn backward_graphs(config: &CbrConfig, kind: RouteKind) -> Vec<LayerG
 
 /// [`GraphRole::Apply`] on the CPU.
 pub(super) fn apply<T: Element, I: LayerIo<T> + ?Sized>(cx: &Cx<'_>, io: &mut I) -> Result<()> {
-    let out = io.take_half(k::A.this())?;
-    let a = r::bn_apply_into(
-        &cx.ys(),
-        io.half(k::Y.this())?,
-        io.half(k::EQ_SCALE.this())?,
-        io.half(k::EQ_BIAS.this())?,
-        residual_of(io, cx.cfg.apply)?,
-        Activation::Relu,
-        out,
-    )?;
-    io.set_half(k::A.this(), a)
+    let ys = cx.ys();
+    ys.validate("y")?;
+    io.write_half(k::A.this(), ys.elems(), &mut |a, rd| {
+        Ok(r::bn_apply_into_slice(
+            &ys,
+            rd.half(k::Y.this())?,
+            rd.half(k::EQ_SCALE.this())?,
+            rd.half(k::EQ_BIAS.this())?,
+            residual_of(rd, cx.cfg.apply)?,
+            Activation::Relu,
+            a,
+        )?)
+    })
 }
 
 /// [`GraphRole::ApplyReluBackward`] on the CPU.
@@ -125,9 +127,12 @@ pub(super) fn relu_backward<T: Element, I: LayerIo<T> + ?Sized>(
     cx: &Cx<'_>,
     io: &mut I,
 ) -> Result<()> {
-    let out = io.take_half(k::DPRE.this())?;
-    let d = r::relu_bwd_into(&cx.ys(), io.half(k::DA.this())?, io.half(k::A.this())?, out)?;
-    io.set_half(k::DPRE.this(), d)
+    let ys = cx.ys();
+    ys.validate("dy")?;
+    io.write_half(k::DPRE.this(), ys.elems(), &mut |d, rd| {
+        let (da, a) = (rd.half(k::DA.this())?, rd.half(k::A.this())?);
+        Ok(r::relu_bwd_into_slice(&ys, da, a, d)?)
+    })
 }
 
 /// [`GraphRole::ApplyBnBackward`] on the CPU.

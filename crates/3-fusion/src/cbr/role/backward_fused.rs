@@ -4,7 +4,7 @@
 //! plain dgrad ([`GraphRole::Dgrad`]).
 
 use super::bn_backward;
-use super::common::{input_stamp, lg, prologue_input, Cx};
+use super::common::{input_stamp, lg, prologue_input, unwritten, Cx};
 use super::{no_kernel, RoleDef, RolePass};
 use crate::cbr::bn_sync::{BnSide, SyncAction};
 use crate::cbr::graphs::{self, BackwardResidual};
@@ -125,35 +125,39 @@ pub(super) fn dgrad_drelu_dbn<T: Element, I: LayerIo<T> + ?Sized>(
     cx: &Cx<'_>,
     io: &mut I,
 ) -> Result<()> {
-    let dz = io.take_half(k::DZ_PREV.this())?;
+    let p = cx.p();
+    p.validate()?;
     let mut scratch = io.take_scratch();
-    let join = match cx.cfg.backward_residual {
-        BackwardResidual::None => ReluJoin::default(),
-        BackwardResidual::FuseAdd => ReluJoin {
+    let fuse_add = cx.cfg.backward_residual == BackwardResidual::FuseAdd;
+    let mut coefficients = None;
+    // `dz` is written where the table keeps it (in a shared arena: in place).
+    let done = io.write_half(k::DZ_PREV.this(), p.x_elems(), &mut |dz, rd| {
+        let join = ReluJoin {
             resid: None,
-            dy_branch: Some(io.half(k::DY_BRANCH.this())?),
-        },
-    };
-    let out = r::dgrad_drelu_dbn_with(
-        &cx.p(),
-        io.half(k::DY.this())?,
-        io.half(k::W.this())?,
-        io.half(k::Y.prev())?,
-        &SavedBn {
-            mean: io.float(k::SAVED_MEAN.prev())?,
-            inv_std: io.float(k::SAVED_INV_STD.prev())?,
-            gamma: io.float(k::GAMMA.prev())?,
-            beta: io.float(k::BETA.prev())?,
-        },
-        &join,
-        &mut scratch,
-        dz,
-    );
+            dy_branch: fuse_add.then(|| rd.half(k::DY_BRANCH.this())).transpose()?,
+        };
+        coefficients = Some(r::dgrad_drelu_dbn_into_slice(
+            &p,
+            rd.half(k::DY.this())?,
+            rd.half(k::W.this())?,
+            rd.half(k::Y.prev())?,
+            &SavedBn {
+                mean: rd.float(k::SAVED_MEAN.prev())?,
+                inv_std: rd.float(k::SAVED_INV_STD.prev())?,
+                gamma: rd.float(k::GAMMA.prev())?,
+                beta: rd.float(k::BETA.prev())?,
+            },
+            &join,
+            &mut scratch,
+            dz,
+        )?);
+        Ok(())
+    });
     io.put_scratch(scratch);
-    let out = out?;
+    done?;
+    let out = coefficients.ok_or_else(|| unwritten(k::DZ_PREV.name()))?;
     io.set_float(k::DGAMMA.prev(), out.dgamma)?;
     io.set_float(k::DBETA.prev(), out.dbeta)?;
-    io.set_half(k::DZ_PREV.this(), out.dz)?;
     io.set_float(k::DBN_A.this(), out.a)?;
     io.set_float(k::DBN_B.this(), out.b)?;
     io.set_float(k::DBN_C.this(), out.c)
@@ -189,12 +193,15 @@ pub(super) fn dgrad<T: Element, I: LayerIo<T> + ?Sized>(cx: &Cx<'_>, io: &mut I)
     } else {
         k::DX.this()
     };
-    let out = io.take_half(dst)?;
+    let p = cx.p();
+    p.validate()?;
     let mut scratch = io.take_scratch();
-    let (dy, w) = (io.half(k::DY.this())?, io.half(k::W.this())?);
-    let d = r::conv_dgrad_with(&cx.p(), dy, w, &mut scratch, out);
+    let done = io.write_half(dst, p.x_elems(), &mut |dx, rd| {
+        let (dy, w) = (rd.half(k::DY.this())?, rd.half(k::W.this())?);
+        Ok(r::conv_dgrad_into_slice(&p, dy, w, &mut scratch, dx)?)
+    });
     io.put_scratch(scratch);
-    io.set_half(dst, d?)
+    done
 }
 
 /// [`GraphRole::DbnApply`] on the CPU.

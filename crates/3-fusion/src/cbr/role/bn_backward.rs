@@ -235,23 +235,24 @@ pub(super) fn coefficients<T: Element, I: LayerIo<T> + ?Sized>(
     io.set_float(n.abc[2], c)
 }
 
-/// The dBN apply on the CPU over `shape`, into the lent storage of `dy`.
+/// The dBN apply on the CPU over `shape`, into `dy` where the table keeps it.
 pub(super) fn apply<T: Element, I: LayerIo<T> + ?Sized>(
     shape: &Nhwc,
     n: &Names,
     io: &mut I,
 ) -> Result<()> {
-    let out = io.take_half(n.dy)?;
-    let d = r::dbn_apply_into(
-        shape,
-        io.half(n.dz)?,
-        io.half(n.y)?,
-        io.float(n.abc[0])?,
-        io.float(n.abc[1])?,
-        io.float(n.abc[2])?,
-        out,
-    )?;
-    io.set_half(n.dy, d)
+    shape.validate("dz")?;
+    io.write_half(n.dy, shape.elems(), &mut |d, rd| {
+        Ok(r::dbn_apply_into_slice(
+            shape,
+            rd.half(n.dz)?,
+            rd.half(n.y)?,
+            rd.float(n.abc[0])?,
+            rd.float(n.abc[1])?,
+            rd.float(n.abc[2])?,
+            d,
+        )?)
+    })
 }
 
 /// NormBackward with synchronized BN over `shape`: local `dγ`, `dβ` into `side`'s buffers,

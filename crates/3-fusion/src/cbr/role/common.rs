@@ -4,8 +4,8 @@
 use crate::cbr::graphs::ApplyResidual;
 use crate::cbr::keys as k;
 use crate::cbr::layer::{CbrConfig, CbrLayer, GraphRole, InputKind, LayerGraph, RouteKind, Src};
-use crate::cbr::run::LayerIo;
-use crate::error::Result;
+use crate::cbr::run::LayerRead;
+use crate::error::{Error, Result};
 use crate::graph::{Graph, TensorId};
 use crate::reference::{self as r, BnParams, ConvInput, Element, InputStamp, Nhwc, Residual};
 
@@ -85,8 +85,17 @@ pub(super) fn plain_in(config: &CbrConfig) -> Src {
     }
 }
 
+/// The error of a [`LayerIo::write_half`] that returned without running its op (a table's
+/// defect, named instead of a panic).
+pub(super) fn unwritten(name: &str) -> Error {
+    Error::Buffer {
+        name: name.into(),
+        problem: "was not written: the buffer table's write_half did not run the op".into(),
+    }
+}
+
 /// The previous BN's apply as the conv's prologue, read from the previous layer's buffers.
-pub(super) fn prologue_input<T: Element, I: LayerIo<T> + ?Sized>(
+pub(super) fn prologue_input<T: Element, I: LayerRead<T> + ?Sized>(
     io: &I,
 ) -> Result<ConvInput<'_, T>> {
     Ok(ConvInput::Prologue {
@@ -98,7 +107,7 @@ pub(super) fn prologue_input<T: Element, I: LayerIo<T> + ?Sized>(
 
 /// The stamps of a conv's input buffers ([`InputStamp`]): the prologue's `y_prev`,
 /// `eq_scale` and `eq_bias`, or the plain input's; `None` unless the table stamps all of them.
-pub(super) fn input_stamp<T: Element, I: LayerIo<T> + ?Sized>(
+pub(super) fn input_stamp<T: Element, I: LayerRead<T> + ?Sized>(
     io: &I,
     prologue: bool,
     plain_in: Src,
@@ -115,7 +124,7 @@ pub(super) fn input_stamp<T: Element, I: LayerIo<T> + ?Sized>(
 }
 
 /// The residual of a layer's activation, as its config names it.
-pub(crate) fn residual_of<'a, T: Element, I: LayerIo<T> + ?Sized>(
+pub(crate) fn residual_of<'a, T: Element, I: LayerRead<T> + ?Sized>(
     io: &'a I,
     residual: Option<ApplyResidual>,
 ) -> Result<Residual<'a, T>> {

@@ -2,7 +2,7 @@
 //! the fused route's split form is a plain conv, then [`GraphRole::Stats`]), then BN finalize
 //! ([`GraphRole::Finalize`]).
 
-use super::common::{input_stamp, lg, plain_in, prologue_input, Cx};
+use super::common::{input_stamp, lg, plain_in, prologue_input, unwritten, Cx};
 use super::forward_unfused::conv_graph;
 use super::{no_kernel, EvalStep, RoleDef, RolePass};
 use crate::cbr::bn_sync::SyncAction;
@@ -118,22 +118,35 @@ pub(super) fn finalize_graph(config: &CbrConfig) -> LayerGraph {
 fn conv_with_stats<T: Element, I: LayerIo<T> + ?Sized>(
     cx: &Cx<'_>,
     io: &mut I,
-) -> Result<r::FpropStats<T>> {
+) -> Result<ChannelStats<T::Acc>> {
     let p = cx.p();
+    p.validate()?;
     let plain_in = cx.plain_in();
-    let y = io.take_half(k::Y.this())?;
     let mut scratch = io.take_scratch();
     let prologue = cx.through_bn() && cx.kind != RouteKind::Generic;
-    let input = if prologue {
-        prologue_input(io)?
-    } else {
-        ConvInput::Plain(io.half(plain_in)?)
-    };
-    let stamp = input_stamp(io, prologue, plain_in);
-    let w = io.half(k::W.this())?;
-    let out = r::fprop_genstats_with(&p, input, w, &mut scratch, stamp, y);
+    let mut stats = None;
+    // `y` is written where the table keeps it (in a shared arena: in place).
+    let done = io.write_half(k::Y.this(), p.y_elems(), &mut |y, rd| {
+        let input = if prologue {
+            prologue_input(rd)?
+        } else {
+            ConvInput::Plain(rd.half(plain_in)?)
+        };
+        let stamp = input_stamp(rd, prologue, plain_in);
+        let w = rd.half(k::W.this())?;
+        stats = Some(r::fprop_genstats_into_slice(
+            &p,
+            input,
+            w,
+            &mut scratch,
+            stamp,
+            y,
+        )?);
+        Ok(())
+    });
     io.put_scratch(scratch);
-    Ok(out?)
+    done?;
+    stats.ok_or_else(|| unwritten(k::Y.name()))
 }
 
 /// [`GraphRole::ConvStats`] on the CPU.
@@ -141,10 +154,9 @@ pub(super) fn conv_stats<T: Element, I: LayerIo<T> + ?Sized>(
     cx: &Cx<'_>,
     io: &mut I,
 ) -> Result<()> {
-    let out = conv_with_stats(cx, io)?;
-    io.set_half(k::Y.this(), out.y)?;
-    io.set_float(k::SUM.this(), out.stats.sum)?;
-    io.set_float(k::SQ_SUM.this(), out.stats.sqsum)
+    let stats = conv_with_stats(cx, io)?;
+    io.set_float(k::SUM.this(), stats.sum)?;
+    io.set_float(k::SQ_SUM.this(), stats.sqsum)
 }
 
 /// [`GraphRole::ConvStats`] in evaluation mode: the conv of the training graph; its
@@ -153,8 +165,7 @@ pub(super) fn conv_stats_eval<T: Element, I: LayerIo<T> + ?Sized>(
     cx: &Cx<'_>,
     io: &mut I,
 ) -> Result<()> {
-    let out = conv_with_stats(cx, io)?;
-    io.set_half(k::Y.this(), out.y)
+    conv_with_stats(cx, io).map(|_| ())
 }
 
 /// [`GraphRole::Stats`] on the CPU.

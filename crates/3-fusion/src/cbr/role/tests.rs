@@ -7,6 +7,7 @@ use crate::cbr::bn_sync::sync_action;
 use crate::cbr::kernels::test_support::configs;
 use crate::cbr::kernels::KernelStep;
 use crate::cbr::layer::{route_graphs, Src};
+use crate::cbr::run::{write_half_via_vec, LayerRead, WriteHalf};
 use std::collections::{BTreeSet, HashMap, HashSet};
 
 /// Every role.
@@ -104,12 +105,18 @@ impl Recorder {
     }
 }
 
-impl LayerIo<f64> for Recorder {
+impl LayerRead<f64> for Recorder {
     fn half(&self, src: Src) -> Result<&[f64]> {
         self.get(src)
     }
     fn float(&self, src: Src) -> Result<&[f64]> {
         self.get(src)
+    }
+}
+
+impl LayerIo<f64> for Recorder {
+    fn write_half(&mut self, out: Src, len: usize, f: &mut WriteHalf<'_, f64>) -> Result<()> {
+        write_half_via_vec(self, out, len, f)
     }
     fn set_half(&mut self, src: Src, v: Vec<f64>) -> Result<()> {
         self.set(src, v)

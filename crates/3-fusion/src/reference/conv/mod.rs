@@ -27,7 +27,7 @@ use rayon::prelude::*;
 
 use super::element::{Element, Mat, Real};
 use super::error::Result;
-use super::params::{check_len, ConvParams};
+use super::params::{check_len, filled_vec, ConvParams};
 
 mod gather;
 mod phases;
@@ -146,24 +146,27 @@ pub fn conv_dgrad_into<T: Element>(
     w: &[T],
     out: Vec<T>,
 ) -> Result<Vec<T>> {
-    dgrad_store(p, dy, w, None, &mut ConvStore::default(), out)
+    p.validate()?;
+    filled_vec(out, p.x_elems(), |out| {
+        dgrad_store(p, dy, w, None, &mut ConvStore::default(), out)
+    })
 }
 
-/// [`conv_dgrad_into`], with the padded copy of `dy` (stride 1) in `pad_buf` when given and
-/// the weights' copies in `store`.
+/// [`conv_dgrad_into`] into `out` (`dx`'s `x_elems` values, overwritten), with the padded copy
+/// of `dy` (stride 1) in `pad_buf` when given and the weights' copies in `store`.
 pub(crate) fn dgrad_store<T: Element>(
     p: &ConvParams,
     dy: &[T],
     w: &[T],
     pad_buf: Option<&mut PadBuf<T::Acc>>,
     store: &mut ConvStore<T::Acc>,
-    mut out: Vec<T>,
-) -> Result<Vec<T>> {
+    out: &mut [T],
+) -> Result<()> {
     p.validate()?;
     check_len("dy", dy, p.y_elems())?;
     check_len("w", w, p.w_elems())?;
+    check_len("dx", out, p.x_elems())?;
     let w = widen_weights(w, &mut store.w);
-    out.resize(p.x_elems(), T::default());
     // Stride 1: `dy` widened straight into the gather's padded copy, and each tile stored
     // while in cache (the tiles of `dgrad_all_taps`, so the same values).
     let fill = widen_fill(dy, p.k);
@@ -178,7 +181,7 @@ pub(crate) fn dgrad_store<T: Element>(
             p,
             dy_src,
             w,
-            &mut out,
+            out,
             TILE_ROWS,
             pad_buf,
             &mut store.w_r,
@@ -190,9 +193,9 @@ pub(crate) fn dgrad_store<T: Element>(
         // Strided: by phases, each image's `dy` widened and its `dx` stored in turn (the
         // values of `dgrad_phases`).
         let phases = phases_of(p, w);
-        phases_by_image(p, &phases, dy, T::widen_into, &mut out, T::store_into)?;
+        phases_by_image(p, &phases, dy, T::widen_into, out, T::store_into)?;
     }
-    Ok(out)
+    Ok(())
 }
 
 /// `dw = ∂(Σ dy·y)/∂w` for `y = conv(x, w)`: `x` NHWC, `dy` NHWC `[n, out_h, out_w, k]` →
