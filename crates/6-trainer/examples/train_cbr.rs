@@ -136,7 +136,7 @@ struct Args {
     #[arg(long, value_name = "MAX_NORM")]
     clip_norm: Option<f32>,
     /// Keep an exponential moving average of the weights with this decay (updated in the
-    /// step, skipped with it on overflow; CPU executors) and report the held-out accuracy
+    /// step, skipped with it on overflow; every executor) and report the held-out accuracy
     /// with the EMA weights too.
     #[arg(long, value_name = "DECAY")]
     ema: Option<f32>,
