@@ -261,7 +261,7 @@ mod x86 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// Every FP16 bit pattern widens to the same f32 bits at every level.
@@ -370,6 +370,22 @@ mod tests {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx512f") {
             assert_eq!(l, Level::Avx512);
+        }
+    }
+
+    /// Whether this CPU has `level`'s instructions.
+    pub(crate) fn has(level: Level) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            match level {
+                Level::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+                Level::F16c => std::arch::is_x86_feature_detected!("f16c"),
+                Level::Portable => true,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            level == Level::Portable
         }
     }
 }

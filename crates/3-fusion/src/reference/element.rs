@@ -24,6 +24,7 @@ use ndarray::{ArrayView2, ArrayViewMut2, ShapeBuilder};
 
 use super::convert;
 use super::error::{ReferenceError, Result};
+use super::maps::PointwiseMap;
 
 /// The storage type of tensors (FP16 on the GPU): [`half::f16`] or `f64`.
 pub trait Element:
@@ -96,6 +97,21 @@ pub trait Element:
         x: &mut [Self::Acc],
     ) -> bool {
         let _ = (c, y, s, b, x);
+        false
+    }
+
+    /// An element-wise map of whole pixels of `c` channels in vector lanes, where this type
+    /// has them (`maps.rs`): `out = m(u[, v])`, each operation rounded as the scalar loops
+    /// round it. False, leaving `out` untouched, where it has none (the default): the caller
+    /// then computes it pass by pass, to the same values.
+    fn map_lanes(
+        m: PointwiseMap<'_, Self::Acc>,
+        c: usize,
+        u: &[Self],
+        v: Option<&[Self]>,
+        out: &mut [Self],
+    ) -> bool {
+        let _ = (m, c, u, v, out);
         false
     }
 
@@ -185,6 +201,17 @@ impl Element for f16 {
     /// (`prologue.rs`).
     fn prologue_lanes(c: usize, y: &[Self], s: &[f32], b: &[f32], x: &mut [f32]) -> bool {
         super::prologue::prologue(c, y, s, b, x)
+    }
+
+    /// With F16C or AVX-512F conversions, where `c` is a multiple of their lanes (`maps.rs`).
+    fn map_lanes(
+        m: PointwiseMap<'_, f32>,
+        c: usize,
+        u: &[Self],
+        v: Option<&[Self]>,
+        out: &mut [Self],
+    ) -> bool {
+        super::maps::map(m, c, u, v, out)
     }
 
     fn same_bits(a: &[Self], b: &[Self]) -> bool {

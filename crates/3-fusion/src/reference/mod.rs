@@ -67,6 +67,7 @@ pub(crate) mod direct;
 pub(crate) mod element;
 pub(crate) mod error;
 pub(crate) mod fused;
+pub(crate) mod maps;
 pub(crate) mod parallel;
 pub(crate) mod params;
 pub(crate) mod pointwise;
@@ -96,6 +97,7 @@ pub use fused::{
     wgrad_with_prologue, wgrad_with_prologue_with, ConvInput, ConvScratch, DgradDreluDbn,
     FpropStats, InputStamp, ReluJoin, SavedBn,
 };
+pub use maps::PointwiseMap;
 pub use params::{BnParams, ConvParams, Nhwc};
 pub use pointwise::{
     add, add_into, add_into_slice, bn_apply, bn_apply_into, dbn_apply, dbn_apply_into, relu_bwd,

@@ -88,7 +88,21 @@ where
     T: Element,
     F: Fn(usize, &mut [T::Acc], &mut [T::Acc]) + Sync + Send,
 {
+    map_blocks_lanes(out, c, |_, _| false, f);
+}
+
+/// [`map_blocks_slice`], each block offered first to `lanes(first, block)`, which fills it and
+/// returns true where it has a vector path for it (the same values), false to leave it to `f`.
+pub(crate) fn map_blocks_lanes<T, L, F>(out: &mut [T], c: usize, lanes: L, f: F)
+where
+    T: Element,
+    L: Fn(usize, &mut [T]) -> bool + Sync + Send,
+    F: Fn(usize, &mut [T::Acc], &mut [T::Acc]) + Sync + Send,
+{
     fill_blocks(out, c, |first, scratch, dst: &mut [T]| {
+        if lanes(first, dst) {
+            return;
+        }
         let n = dst.len();
         // The last third of the scratch holds the block's results before they are stored.
         let (ins, res) = scratch.split_at_mut((BLOCK_INPUTS - 1) * n);

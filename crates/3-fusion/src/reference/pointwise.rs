@@ -8,7 +8,8 @@
 
 use super::element::{Element, Real};
 use super::error::Result;
-use super::parallel::{fill_blocks, map_blocks, map_blocks_slice};
+use super::maps::PointwiseMap;
+use super::parallel::{fill_blocks, map_blocks, map_blocks_lanes};
 use super::params::{check_len, filled_vec, Nhwc};
 
 /// Whether an apply ends with a ReLU.
@@ -27,6 +28,21 @@ impl Activation {
             Activation::Relu => v.relu(),
             Activation::Identity => v,
         }
+    }
+}
+
+/// A block's map in vector lanes (`Element::map_lanes`) over elements `first..` of `u` (and
+/// `v`), for `map_blocks_lanes`.
+fn lanes_of<'a, T: Element>(
+    m: PointwiseMap<'a, T::Acc>,
+    c: usize,
+    u: &'a [T],
+    v: Option<&'a [T]>,
+) -> impl Fn(usize, &mut [T]) -> bool + Sync + Send + 'a {
+    move |first, dst| {
+        let n = dst.len();
+        let at = first..first + n;
+        T::map_lanes(m, c, &u[at.clone()], v.map(|v| &v[at.clone()]), dst)
     }
 }
 
@@ -102,23 +118,30 @@ pub(crate) fn bn_apply_into_slice<T: Element>(
     let (s, b) = (T::widen_slice(scale), T::widen_slice(bias));
     let c = shape.c;
     let act = move |v: T::Acc| activation.apply(v);
+    let relu = matches!(activation, Activation::Relu);
     match residual {
-        Residual::None => map_blocks_slice(out, c, |first, ins, out| {
-            let yv = &mut ins[..out.len()];
-            T::widen_into(&y[first..first + out.len()], yv);
-            // (Every slice indexed below has exactly `c` values: no bounds checks, so the
-            // channel loop vectorizes.)
-            let (s, b) = (&s[..c], &b[..c]);
-            for (o, yp) in out.chunks_exact_mut(c).zip(yv.chunks_exact(c)) {
-                let (o, yp) = (&mut o[..c], &yp[..c]);
-                for k in 0..c {
-                    o[k] = act(yp[k] * s[k] + b[k]);
+        Residual::None => map_blocks_lanes(
+            out,
+            c,
+            lanes_of(PointwiseMap::Apply { s: &s, b: &b, relu }, c, y, None),
+            |first, ins, out| {
+                let yv = &mut ins[..out.len()];
+                T::widen_into(&y[first..first + out.len()], yv);
+                // (Every slice indexed below has exactly `c` values: no bounds checks, so the
+                // channel loop vectorizes.)
+                let (s, b) = (&s[..c], &b[..c]);
+                for (o, yp) in out.chunks_exact_mut(c).zip(yv.chunks_exact(c)) {
+                    let (o, yp) = (&mut o[..c], &yp[..c]);
+                    for k in 0..c {
+                        o[k] = act(yp[k] * s[k] + b[k]);
+                    }
                 }
-            }
-        }),
+            },
+        ),
         Residual::Add(r) => {
             check_len("residual", r, shape.elems())?;
-            map_blocks_slice(out, c, |first, ins, out| {
+            let add = PointwiseMap::ApplyAdd { s: &s, b: &b, relu };
+            map_blocks_lanes(out, c, lanes_of(add, c, y, Some(r)), |first, ins, out| {
                 let n = out.len();
                 let (yv, rv) = ins.split_at_mut(n);
                 let rv = &mut rv[..n];
@@ -142,7 +165,14 @@ pub(crate) fn bn_apply_into_slice<T: Element>(
             check_len("residual_scale", scale, shape.c)?;
             check_len("residual_bias", bias, shape.c)?;
             let (s2, b2) = (T::widen_slice(scale), T::widen_slice(bias));
-            map_blocks_slice(out, c, |first, ins, out| {
+            let dual = PointwiseMap::ApplyScaleBias {
+                s: &s,
+                b: &b,
+                s2: &s2,
+                b2: &b2,
+                relu,
+            };
+            map_blocks_lanes(out, c, lanes_of(dual, c, y, Some(r)), |first, ins, out| {
                 let n = out.len();
                 let (yv, rv) = ins.split_at_mut(n);
                 let rv = &mut rv[..n];
@@ -239,16 +269,22 @@ pub fn add_into_slice<T: Element>(shape: &Nhwc, a: &[T], b: &[T], out: &mut [T])
     check_len("a", a, shape.elems())?;
     check_len("b", b, shape.elems())?;
     check_len("out", out, shape.elems())?;
-    map_blocks_slice(out, shape.c, |first, ins, out| {
-        let n = out.len();
-        let (av, bv) = ins.split_at_mut(n);
-        let bv = &mut bv[..n];
-        T::widen_into(&a[first..first + n], av);
-        T::widen_into(&b[first..first + n], bv);
-        for ((o, x), y) in out.iter_mut().zip(av.iter()).zip(bv.iter()) {
-            *o = *x + *y;
-        }
-    });
+    let c = shape.c;
+    map_blocks_lanes(
+        out,
+        c,
+        lanes_of(PointwiseMap::Add, c, a, Some(b)),
+        |first, ins, out| {
+            let n = out.len();
+            let (av, bv) = ins.split_at_mut(n);
+            let bv = &mut bv[..n];
+            T::widen_into(&a[first..first + n], av);
+            T::widen_into(&b[first..first + n], bv);
+            for ((o, x), y) in out.iter_mut().zip(av.iter()).zip(bv.iter()) {
+                *o = *x + *y;
+            }
+        },
+    );
     Ok(())
 }
 
@@ -303,23 +339,29 @@ pub(crate) fn dbn_apply_into_slice<T: Element>(
     check_len("b", b, shape.c)?;
     check_len("c", c, shape.c)?;
     let ch = shape.c;
-    map_blocks_slice(out, ch, |first, ins, out| {
-        let n = out.len();
-        let (dv, yv) = ins.split_at_mut(n);
-        let yv = &mut yv[..n];
-        T::widen_into(&dz[first..first + n], dv);
-        T::widen_into(&y_prev[first..first + n], yv);
-        let (a, b, c) = (&a[..ch], &b[..ch], &c[..ch]);
-        for ((o, dp), yp) in out
-            .chunks_exact_mut(ch)
-            .zip(dv.chunks_exact(ch))
-            .zip(yv.chunks_exact(ch))
-        {
-            let (o, dp, yp) = (&mut o[..ch], &dp[..ch], &yp[..ch]);
-            for k in 0..ch {
-                o[k] = dp[k] * a[k] + yp[k] * b[k] + c[k];
+    let m = PointwiseMap::DbnApply { a, b, c };
+    map_blocks_lanes(
+        out,
+        ch,
+        lanes_of(m, ch, dz, Some(y_prev)),
+        |first, ins, out| {
+            let n = out.len();
+            let (dv, yv) = ins.split_at_mut(n);
+            let yv = &mut yv[..n];
+            T::widen_into(&dz[first..first + n], dv);
+            T::widen_into(&y_prev[first..first + n], yv);
+            let (a, b, c) = (&a[..ch], &b[..ch], &c[..ch]);
+            for ((o, dp), yp) in out
+                .chunks_exact_mut(ch)
+                .zip(dv.chunks_exact(ch))
+                .zip(yv.chunks_exact(ch))
+            {
+                let (o, dp, yp) = (&mut o[..ch], &dp[..ch], &yp[..ch]);
+                for k in 0..ch {
+                    o[k] = dp[k] * a[k] + yp[k] * b[k] + c[k];
+                }
             }
-        }
-    });
+        },
+    );
     Ok(())
 }

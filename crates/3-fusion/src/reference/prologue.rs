@@ -141,6 +141,7 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
+    use super::super::convert::tests::has;
     use super::*;
 
     /// The scalar path written out: widen, multiply, add, clamp, store, widen.
@@ -229,21 +230,5 @@ mod tests {
             x.iter().all(|&v| v == 0.0),
             "a declined call leaves x untouched"
         );
-    }
-
-    /// Whether this CPU has `level`'s instructions.
-    fn has(level: Level) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            match level {
-                Level::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
-                Level::F16c => std::arch::is_x86_feature_detected!("f16c"),
-                Level::Portable => true,
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            level == Level::Portable
-        }
     }
 }
