@@ -27,7 +27,7 @@
 //! | `reference::direct` | the conv tiles' AVX-512/AVX2 FMA register blocks, chosen at run time (`std::arch`) |
 //! | `reference::sums` | the per-channel `f64` sums in AVX-512F/AVX lanes, chosen at run time (`std::arch`) |
 //! | `reference::prologue` | the BN-apply prologue in AVX-512F/F16C lanes, chosen at run time (`std::arch`) |
-//! | `reference::maps` | the element-wise maps (BN apply, dBN apply, add) in AVX-512F/F16C lanes, chosen at run time (`std::arch`) |
+//! | `reference::maps` | the element-wise maps (BN apply, dBN apply, add, the dgrad tile's dReLU) in AVX-512F/F16C lanes, chosen at run time (`std::arch`) |
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 

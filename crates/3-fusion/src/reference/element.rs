@@ -24,6 +24,7 @@ use ndarray::{ArrayView2, ArrayViewMut2, ShapeBuilder};
 
 use super::convert;
 use super::error::{ReferenceError, Result};
+use super::fused::SavedBn;
 use super::maps::PointwiseMap;
 
 /// The storage type of tensors (FP16 on the GPU): [`half::f16`] or `f64`.
@@ -112,6 +113,26 @@ pub trait Element:
         out: &mut [Self],
     ) -> bool {
         let _ = (m, c, u, v, out);
+        false
+    }
+
+    /// The dReLU of a recomputed BN output over one dgrad tile of whole pixels of `c`
+    /// channels in vector lanes, where this type has them (`maps.rs`'s `drelu_tile`: `yv` the
+    /// widened `y`, `out` the stored result, `res` it widened). False, writing nothing, where it
+    /// has none (the default): the caller then computes it pass by pass, to the same values.
+    #[allow(clippy::too_many_arguments)]
+    fn drelu_lanes(
+        c: usize,
+        dxc: &[Self::Acc],
+        y: &[Self],
+        dy_branch: Option<&[Self]>,
+        resid: Option<&[Self]>,
+        bn: &SavedBn<'_, Self::Acc>,
+        yv: &mut [Self::Acc],
+        out: &mut [Self],
+        res: &mut [Self::Acc],
+    ) -> bool {
+        let _ = (c, dxc, y, dy_branch, resid, bn, yv, out, res);
         false
     }
 
@@ -212,6 +233,21 @@ impl Element for f16 {
         out: &mut [Self],
     ) -> bool {
         super::maps::map(m, c, u, v, out)
+    }
+
+    /// With F16C or AVX-512F conversions, where `c` is a multiple of their lanes (`maps.rs`).
+    fn drelu_lanes(
+        c: usize,
+        dxc: &[f32],
+        y: &[Self],
+        dy_branch: Option<&[Self]>,
+        resid: Option<&[Self]>,
+        bn: &SavedBn<'_, f32>,
+        yv: &mut [f32],
+        out: &mut [Self],
+        res: &mut [f32],
+    ) -> bool {
+        super::maps::drelu_tile(c, dxc, y, dy_branch, resid, bn, yv, out, res)
     }
 
     fn same_bits(a: &[Self], b: &[Self]) -> bool {

@@ -589,9 +589,17 @@ pub(crate) fn dgrad_drelu_dbn_into_slice<T: Element>(
                 let n = tile.len();
                 scratch.resize(4 * n, T::Acc::ZERO);
                 let (ins, res) = scratch.split_at_mut(3 * n);
-                drelu_dbn_rows(ch, first * ch, tile, y_prev, bn, join, ins, res);
-                T::store_into(res, out);
-                T::widen_into(out, res);
+                // In vector lanes where the element type has them, else pass by pass (the
+                // same values either way).
+                let at = first * ch..first * ch + n;
+                let y = &y_prev[at.clone()];
+                let d = join.dy_branch.map(|d| &d[at.clone()]);
+                let r = join.resid.map(|r| &r[at.clone()]);
+                if !T::drelu_lanes(ch, tile, y, d, r, bn, &mut ins[..n], out, res) {
+                    drelu_dbn_rows(ch, first * ch, tile, y_prev, bn, join, ins, res);
+                    T::store_into(res, out);
+                    T::widen_into(out, res);
+                }
                 BnBwdCoefficients::add_rows(&ins[..n], res, &mean64, &inv_std64, acc);
             },
         )?;

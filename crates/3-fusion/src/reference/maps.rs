@@ -1,5 +1,6 @@
 //! The element-wise maps of FP16 tensors in vector lanes: the BN apply (with its residual
-//! forms and ReLU), the BN-backward apply and the add, for whole pixels of `c` channels.
+//! forms and ReLU), the BN-backward apply and the add, for whole pixels of `c` channels; and
+//! the dReLU of the recomputed BN output over a tile of the fused dgrad ([`drelu_tile`]).
 //!
 //! The scalar paths (`pointwise.rs`) widen each input into a scratch, compute in FP32 with every
 //! multiply and add rounded (never fused), and store to FP16 (round to nearest even), a pass
@@ -12,6 +13,7 @@
 use half::f16;
 
 use super::convert::{self, Level};
+use super::fused::SavedBn;
 
 /// An element-wise map that [`Element::map_lanes`](super::Element::map_lanes) computes in
 /// vector lanes, with its per-channel coefficients (`c` values each, of the arithmetic type
@@ -64,13 +66,17 @@ pub enum PointwiseMap<'a, A> {
 }
 
 impl<A> PointwiseMap<'_, A> {
-    /// The per-channel coefficients.
-    fn coefficients(&self) -> Vec<&[A]> {
+    /// Whether every per-channel coefficient holds `c` values (a check per block: no
+    /// allocation).
+    fn fits(&self, c: usize) -> bool {
+        let ok = |k: &[A]| k.len() == c;
         match *self {
-            PointwiseMap::Apply { s, b, .. } | PointwiseMap::ApplyAdd { s, b, .. } => vec![s, b],
-            PointwiseMap::ApplyScaleBias { s, b, s2, b2, .. } => vec![s, b, s2, b2],
-            PointwiseMap::DbnApply { a, b, c } => vec![a, b, c],
-            PointwiseMap::Add => Vec::new(),
+            PointwiseMap::Apply { s, b, .. } | PointwiseMap::ApplyAdd { s, b, .. } => {
+                ok(s) && ok(b)
+            }
+            PointwiseMap::ApplyScaleBias { s, b, s2, b2, .. } => ok(s) && ok(b) && ok(s2) && ok(b2),
+            PointwiseMap::DbnApply { a, b, c: k } => ok(a) && ok(b) && ok(k),
+            PointwiseMap::Add => true,
         }
     }
 
@@ -117,11 +123,7 @@ pub(crate) fn map_with(
         PointwiseMap::Add if u.len().is_multiple_of(8) => 8,
         _ => c,
     };
-    if c == 0
-        || u.len() != out.len()
-        || !u.len().is_multiple_of(c)
-        || m.coefficients().iter().any(|k| k.len() != c)
-    {
+    if c == 0 || u.len() != out.len() || !u.len().is_multiple_of(c) || !m.fits(c) {
         return false;
     }
     #[cfg(target_arch = "x86_64")]
@@ -147,6 +149,94 @@ pub(crate) fn map_with(
         }
     }
     let _ = (level, m, u, v, out);
+    false
+}
+
+/// The dReLU of a recomputed BN output over one dgrad tile (whole pixels of `c` channels; the
+/// scalar path is `fused.rs`'s `drelu_dbn_rows` and the stores after it). Per element, `k`
+/// its channel: `yv = widen(y)`, `z = (((yv − mean)·inv_std)·γ + β) + r`, `g = dxc + d`,
+/// `out = f16(z > 0 ? g : +0)`, `res = widen(out)`, where `d` and `r` are the widened
+/// `dy_branch` and `resid`, or an FP32 `+0` where absent (the graph's virtual add of a zero).
+/// Returns false, writing nothing, where the CPU has no vector path for `c` or the lengths do
+/// not match.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn drelu_tile(
+    c: usize,
+    dxc: &[f32],
+    y: &[f16],
+    dy_branch: Option<&[f16]>,
+    resid: Option<&[f16]>,
+    bn: &SavedBn<'_, f32>,
+    yv: &mut [f32],
+    out: &mut [f16],
+    res: &mut [f32],
+) -> bool {
+    let level = convert::level();
+    drelu_tile_with(level, c, dxc, y, dy_branch, resid, bn, yv, out, res)
+}
+
+/// [`drelu_tile`] at a given level (one the CPU lacks returns false).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn drelu_tile_with(
+    level: Level,
+    c: usize,
+    dxc: &[f32],
+    y: &[f16],
+    dy_branch: Option<&[f16]>,
+    resid: Option<&[f16]>,
+    bn: &SavedBn<'_, f32>,
+    yv: &mut [f32],
+    out: &mut [f16],
+    res: &mut [f32],
+) -> bool {
+    let n = dxc.len();
+    let same = |len: usize| len == n;
+    if c == 0
+        || !n.is_multiple_of(c)
+        || ![y.len(), yv.len(), out.len(), res.len()]
+            .into_iter()
+            .all(same)
+        || !dy_branch.is_none_or(|d| same(d.len()))
+        || !resid.is_none_or(|r| same(r.len()))
+        || ![bn.mean, bn.inv_std, bn.gamma, bn.beta]
+            .iter()
+            .all(|k| k.len() == c)
+    {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let t = x86::Tile {
+            c,
+            dxc,
+            y,
+            d: dy_branch,
+            r: resid,
+            bn,
+        };
+        if level == Level::Avx512
+            && c.is_multiple_of(16)
+            && std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx2")
+        {
+            // SAFETY: the CPU has AVX-512F and AVX2 (checked just above); `c` is a multiple of
+            // 16; every operand holds `n` values (whole pixels of `c`), the BN's `c` (checked
+            // above).
+            unsafe { x86::drelu_avx512(&t, yv, out, res) };
+            return true;
+        }
+        if level != Level::Portable
+            && c.is_multiple_of(8)
+            && std::arch::is_x86_feature_detected!("f16c")
+            && std::arch::is_x86_feature_detected!("avx")
+        {
+            // SAFETY: the CPU has F16C and AVX (checked just above); `c` is a multiple of 8;
+            // the lengths as above.
+            unsafe { x86::drelu_f16c(&t, yv, out, res) };
+            return true;
+        }
+    }
+    let _ = (level, dxc, y, dy_branch, resid, bn, yv, out, res);
     false
 }
 
@@ -177,6 +267,13 @@ mod x86 {
         unsafe fn add(self, o: Self) -> Self;
         /// `max(self, +0)`: `+0` for NaN and zeros of either sign.
         unsafe fn relu(self) -> Self;
+        /// `N` FP32 values stored at `p`.
+        unsafe fn store(self, p: *mut f32);
+        unsafe fn sub(self, o: Self) -> Self;
+        /// All lanes `+0`.
+        unsafe fn zero() -> Self;
+        /// `self` where `z > 0` (false for NaN), else `+0`.
+        unsafe fn where_positive(self, z: Self) -> Self;
     }
 
     impl Lanes for __m512 {
@@ -213,6 +310,29 @@ mod x86 {
         unsafe fn relu(self) -> Self {
             // SAFETY: as above.
             unsafe { _mm512_max_ps(self, _mm512_setzero_ps()) }
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            // SAFETY: the caller's contract (room for 16 FP32 values at `p`).
+            unsafe { _mm512_mask_storeu_ps(p, !0, self) }
+        }
+        #[inline(always)]
+        unsafe fn sub(self, o: Self) -> Self {
+            // SAFETY: the CPU has AVX-512F (the caller's contract).
+            unsafe { _mm512_sub_ps(self, o) }
+        }
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            // SAFETY: as above.
+            unsafe { _mm512_setzero_ps() }
+        }
+        #[inline(always)]
+        unsafe fn where_positive(self, z: Self) -> Self {
+            // SAFETY: as above. (Ordered, quiet: false for NaN, as the scalar `z > 0`.)
+            unsafe {
+                let positive = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(z, _mm512_setzero_ps());
+                _mm512_maskz_mov_ps(positive, self)
+            }
         }
     }
 
@@ -253,6 +373,30 @@ mod x86 {
         unsafe fn relu(self) -> Self {
             // SAFETY: as above.
             unsafe { _mm256_max_ps(self, _mm256_setzero_ps()) }
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            // SAFETY: the caller's contract (room for 8 FP32 values at `p`).
+            unsafe { _mm256_maskstore_ps(p, _mm256_set1_epi32(-1), self) }
+        }
+        #[inline(always)]
+        unsafe fn sub(self, o: Self) -> Self {
+            // SAFETY: the CPU has AVX (the caller's contract).
+            unsafe { _mm256_sub_ps(self, o) }
+        }
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            // SAFETY: as above.
+            unsafe { _mm256_setzero_ps() }
+        }
+        #[inline(always)]
+        unsafe fn where_positive(self, z: Self) -> Self {
+            // SAFETY: as above. (Ordered, quiet: false for NaN, as the scalar `z > 0`; the
+            // all-ones lanes of the comparison keep `self`'s bits, the others give `+0`.)
+            unsafe {
+                let positive = _mm256_cmp_ps::<_CMP_GT_OQ>(z, _mm256_setzero_ps());
+                _mm256_and_ps(positive, self)
+            }
         }
     }
 
@@ -349,6 +493,80 @@ mod x86 {
     ) {
         // SAFETY: the function's contract.
         unsafe { run::<__m256>(m, c, u, v, out) }
+    }
+
+    /// The inputs of [`super::drelu_tile`].
+    pub(super) struct Tile<'a> {
+        pub(super) c: usize,
+        pub(super) dxc: &'a [f32],
+        pub(super) y: &'a [f16],
+        pub(super) d: Option<&'a [f16]>,
+        pub(super) r: Option<&'a [f16]>,
+        pub(super) bn: &'a super::SavedBn<'a, f32>,
+    }
+
+    /// [`super::drelu_tile`], `L::N` channels at a time.
+    ///
+    /// # Safety
+    /// The CPU has `L`'s features; `t.c` is a multiple of `L::N`; `t.dxc`, `t.y`, `t.d` and
+    /// `t.r` (where present), `yv`, `out` and `res` hold the same whole pixels of `t.c` values;
+    /// the BN's vectors `t.c` values each.
+    #[inline(always)]
+    unsafe fn drelu<L: Lanes>(t: &Tile<'_>, yv: &mut [f32], out: &mut [f16], res: &mut [f32]) {
+        let c = t.c;
+        for p in 0..t.dxc.len() / c {
+            for j in (0..c).step_by(L::N) {
+                let at = p * c + j;
+                // SAFETY: `at + L::N <= n`, every operand's length, and `j + L::N <= c`, the
+                // BN vectors' (the function's contract); the features are the function's.
+                unsafe {
+                    let k = |v: &[f32]| L::load(v.as_ptr().wrapping_add(j));
+                    let opt = |v: Option<&[f16]>| match v {
+                        Some(v) => L::load_h(v.as_ptr().wrapping_add(at)),
+                        None => L::zero(),
+                    };
+                    let y = L::load_h(t.y.as_ptr().wrapping_add(at));
+                    y.store(yv.as_mut_ptr().wrapping_add(at));
+                    let g = L::load(t.dxc.as_ptr().wrapping_add(at)).add(opt(t.d));
+                    let bn = t.bn;
+                    let z = y
+                        .sub(k(bn.mean))
+                        .mul(k(bn.inv_std))
+                        .mul(k(bn.gamma))
+                        .add(k(bn.beta));
+                    let z = z.add(opt(t.r));
+                    let o = out.as_mut_ptr().wrapping_add(at);
+                    g.where_positive(z).store_h(o);
+                    L::load_h(o).store(res.as_mut_ptr().wrapping_add(at));
+                }
+            }
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512F and AVX2; `t.c` is a multiple of 16; the lengths as [`drelu`].
+    #[target_feature(enable = "avx512f,avx2")]
+    pub(super) unsafe fn drelu_avx512(
+        t: &Tile<'_>,
+        yv: &mut [f32],
+        out: &mut [f16],
+        res: &mut [f32],
+    ) {
+        // SAFETY: the function's contract.
+        unsafe { drelu::<__m512>(t, yv, out, res) }
+    }
+
+    /// # Safety
+    /// The CPU has F16C and AVX; `t.c` is a multiple of 8; the lengths as [`drelu`].
+    #[target_feature(enable = "avx,f16c")]
+    pub(super) unsafe fn drelu_f16c(
+        t: &Tile<'_>,
+        yv: &mut [f32],
+        out: &mut [f16],
+        res: &mut [f32],
+    ) {
+        // SAFETY: the function's contract.
+        unsafe { drelu::<__m256>(t, yv, out, res) }
     }
 }
 
@@ -468,6 +686,140 @@ mod tests {
         if has(Level::F16c) {
             assert!(checked >= 5 * 8, "{checked} cases checked");
         }
+    }
+
+    /// `drelu_dbn_rows` and the stores after it, written out: `(yv, out, res)`.
+    fn drelu_written_out(
+        c: usize,
+        dxc: &[f32],
+        y: &[f16],
+        d: Option<&[f16]>,
+        r: Option<&[f16]>,
+        bn: &SavedBn<'_, f32>,
+    ) -> (Vec<f32>, Vec<f16>, Vec<f32>) {
+        let (mut yv, mut out, mut res) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, &g) in dxc.iter().enumerate() {
+            let k = i % c;
+            let x = y[i].to_f32();
+            let grad = g + d.map_or(0.0, |d| d[i].to_f32());
+            let z = (x - bn.mean[k]) * bn.inv_std[k] * bn.gamma[k] + bn.beta[k];
+            let z = z + r.map_or(0.0, |r| r[i].to_f32());
+            let o = f16::from_f32(if z > 0.0 { grad } else { 0.0 });
+            yv.push(x);
+            out.push(o);
+            res.push(o.to_f32());
+        }
+        (yv, out, res)
+    }
+
+    #[test]
+    fn the_drelu_tile_matches_the_scalar_path_bit_for_bit() {
+        // Every FP16 pattern as `y`; the joins in other orders; `dxc` over FP32 patterns that
+        // hold NaN, infinities, both zeros, subnormals and values that overflow FP16.
+        let y: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+        let d: Vec<f16> = (0..=u16::MAX)
+            .map(|i| f16::from_bits(i.wrapping_mul(40_503).rotate_left(3)))
+            .collect();
+        let r: Vec<f16> = (0..=u16::MAX)
+            .map(|i| f16::from_bits(i.wrapping_mul(21_011).rotate_left(7)))
+            .collect();
+        let dxc: Vec<f32> = (0..=u16::MAX as u32)
+            .map(|i| match i % 7 {
+                0 => f32::from_bits(i.wrapping_mul(2_654_435_761)),
+                1 => -0.0,
+                2 => 7.0e4,
+                _ => (i as f32 - 30_000.0) * 1.0e-3,
+            })
+            .collect();
+        let mut checked = 0;
+        for c in [8, 16, 24, 32, 48] {
+            let n = y.len() / c * c;
+            let k: Vec<Vec<f32>> = (0..4).map(|j| coefficients(c, 3 * j + 1)).collect();
+            let bn = SavedBn {
+                mean: &k[0],
+                inv_std: &k[1],
+                gamma: &k[2],
+                beta: &k[3],
+            };
+            for (dj, rj) in [(false, false), (true, false), (false, true), (true, true)] {
+                let dj = dj.then_some(&d[..n]);
+                let rj = rj.then_some(&r[..n]);
+                let want = drelu_written_out(c, &dxc[..n], &y[..n], dj, rj, &bn);
+                for level in [Level::Avx512, Level::F16c] {
+                    let mut yv = vec![f32::NAN; n];
+                    let mut out = vec![f16::from_bits(0x7E5A); n];
+                    let mut res = vec![f32::NAN; n];
+                    let (dxc, y) = (&dxc[..n], &y[..n]);
+                    if !drelu_tile_with(level, c, dxc, y, dj, rj, &bn, &mut yv, &mut out, &mut res)
+                    {
+                        assert!(!has(level), "{level:?} c {c} declined");
+                        continue;
+                    }
+                    let bits32 = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    let at = format!("{level:?} c {c} d {} r {}", dj.is_some(), rj.is_some());
+                    assert_eq!(bits32(&yv), bits32(&want.0), "yv {at}");
+                    // Where both `dxc` and `dy_branch` are NaN, either may survive the add.
+                    for (i, (g, w)) in out.iter().zip(&want.1).enumerate() {
+                        let both_nan = g.is_nan() && w.is_nan();
+                        assert!(g.to_bits() == w.to_bits() || both_nan, "out {at} [{i}]");
+                        let (g, w) = (res[i], want.2[i]);
+                        assert!(g.to_bits() == w.to_bits() || both_nan, "res {at} [{i}]");
+                    }
+                    checked += 1;
+                }
+            }
+        }
+        if has(Level::F16c) {
+            assert!(checked >= 5 * 4, "{checked} cases checked");
+        }
+        // Lengths that do not match are declined, writing nothing.
+        let bn1 = SavedBn {
+            mean: &[0.0; 8][..],
+            inv_std: &[1.0; 8][..],
+            gamma: &[1.0; 8][..],
+            beta: &[0.0; 8][..],
+        };
+        let (mut yv, mut out, mut res) = (vec![0.5; 16], vec![f16::ONE; 16], vec![0.5; 16]);
+        let (x, h) = (vec![1.0f32; 16], vec![f16::ONE; 16]);
+        for c in [0, 12, 16] {
+            assert!(!drelu_tile_with(
+                Level::F16c,
+                c,
+                &x,
+                &h,
+                None,
+                None,
+                &bn1,
+                &mut yv,
+                &mut out,
+                &mut res
+            ));
+        }
+        assert!(!drelu_tile_with(
+            Level::F16c,
+            8,
+            &x,
+            &h[..8],
+            None,
+            None,
+            &bn1,
+            &mut yv,
+            &mut out,
+            &mut res
+        ));
+        assert!(!drelu_tile_with(
+            Level::Portable,
+            8,
+            &x,
+            &h,
+            None,
+            None,
+            &bn1,
+            &mut yv,
+            &mut out,
+            &mut res
+        ));
+        assert!(yv.iter().all(|&v| v == 0.5) && out.iter().all(|&v| v == f16::ONE));
     }
 
     #[test]
