@@ -22,15 +22,11 @@ use std::time::Instant;
 
 #[path = "../tests/common/values.rs"]
 mod values;
-use values::values;
+use values::{square_conv, values};
 
 /// The main job's convs (`crates/6-trainer/src`: the `mini` network at its defaults).
 fn shapes(batch: usize) -> Vec<(&'static str, ConvParams)> {
-    let sq = |c, hw, k, rs, pad, stride| {
-        ConvParams::new(batch, c, hw, hw, k, rs, rs)
-            .with_padding(pad, pad)
-            .with_stride(stride, stride)
-    };
+    let sq = |c, hw, k, rs, pad, stride| square_conv(batch, (c, hw, k), (rs, pad, stride));
     vec![
         ("stem 3x3 8>16", sq(8, 16, 16, 3, 1, 1)),
         ("block1 3x3 16", sq(16, 16, 16, 3, 1, 1)),

@@ -30,11 +30,7 @@ use std::time::Instant;
 
 /// ResNet-like shapes: (label, params).
 fn shapes(batch: usize) -> Vec<(&'static str, ConvParams)> {
-    let sq = |c, hw, k, rs, pad, stride| {
-        ConvParams::new(batch, c, hw, hw, k, rs, rs)
-            .with_padding(pad, pad)
-            .with_stride(stride, stride)
-    };
+    let sq = |c, hw, k, rs, pad, stride| square_conv(batch, (c, hw, k), (rs, pad, stride));
     vec![
         ("stem 7x7 s2", sq(3, 224, 64, 7, 3, 2)),
         ("l1 3x3", sq(64, 56, 64, 3, 1, 1)),
@@ -48,7 +44,7 @@ fn shapes(batch: usize) -> Vec<(&'static str, ConvParams)> {
 
 #[path = "../tests/common/values.rs"]
 mod values;
-use values::values;
+use values::{square_conv, values};
 
 /// Median wall times in seconds of `f` and `g` over `runs` calls each, after one warm-up call
 /// each. The calls alternate, so both see the same machine load.
